@@ -1,0 +1,123 @@
+"""The only module that touches torch's private ONNX exporter API.
+
+torch 2.13's public ``torch.onnx.export(dynamo=True)`` always inlines local
+functions (its version converter runs an inline pass and ``optimize=True`` inlines
+again), so onnx_modular drives the two private stages it needs directly:
+
+* ``_core._prepare_exported_program_for_export`` (decompose), re-done step by step
+  here so that :func:`onnx_modular.passes.relax_views.relax_view_strides` can run
+  between the decomposition and the type-promotion interpreter;
+* ``_core._exported_program_to_onnx_program`` (translate).
+
+Private API can change in any torch release, so the tested versions are pinned.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+import onnx_ir as ir
+import torch
+
+__all__ = [
+    "TESTED_TORCH_VERSIONS",
+    "check_torch_version",
+    "capture",
+    "decompose",
+    "translate",
+    "add_opset_imports",
+    "default_opset",
+    "fx_node_of",
+    "torch_dtype_to_ir",
+]
+
+TESTED_TORCH_VERSIONS = ("2.13.0",)
+
+logger = logging.getLogger(__name__)
+
+
+def check_torch_version() -> None:
+    """Warn once if the installed torch is not a tested version."""
+    base = torch.__version__.split("+")[0]
+    if base not in TESTED_TORCH_VERSIONS:
+        warnings.warn(
+            f"onnx_modular was tested with torch {', '.join(TESTED_TORCH_VERSIONS)}, "
+            f"found {torch.__version__}. It uses private torch.onnx internals that may have changed.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _exporter():
+    from torch.onnx._internal.exporter import _core, _fx_passes, _registration
+
+    return _core, _fx_passes, _registration
+
+
+@functools.lru_cache(maxsize=4)
+def registry(opset_version: int | None = None):
+    """torch's registry of aten -> ONNX decompositions (cached: building it takes ~0.3 s)."""
+    _, _, _registration = _exporter()
+    # torchvision ops are registered only when torchvision imports; the warning is noise here.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    if opset_version is None:
+        return _registration.ONNXRegistry.from_torchlib()
+    return _registration.ONNXRegistry.from_torchlib(opset_version=opset_version)
+
+
+def default_opset() -> int:
+    from torch.onnx._internal.exporter import _constants
+
+    return _constants.TORCHLIB_OPSET
+
+
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_shapes) -> torch.export.ExportedProgram:
+    """torch.export in non-strict mode (public API; kept here so all torch entry points sit together)."""
+    return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+
+
+def decompose(program: torch.export.ExportedProgram, opset_version: int | None = None) -> torch.export.ExportedProgram:
+    """torch's ONNX decompositions, with view strides relaxed before type promotion.
+
+    Mirrors ``_core._prepare_exported_program_for_export``; see
+    :mod:`onnx_modular.passes.relax_views` for why the extra step is needed.
+    """
+    from onnx_modular.passes.relax_views import relax_view_strides
+
+    _, _fx_passes, _ = _exporter()
+    reg = registry(opset_version)
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):  # as torch does
+        program = _fx_passes.decompose_with_registry(program, reg)
+        graph_module = program.graph_module
+        relax_view_strides(graph_module)
+        _fx_passes.insert_type_promotion_nodes(graph_module)
+        graph_module = _fx_passes.remove_assertion_nodes(graph_module)
+        program._graph_module = graph_module
+    return program
+
+
+def translate(program: torch.export.ExportedProgram, opset_version: int | None = None) -> ir.Model:
+    """FX -> ONNX IR with torch's translator. Every ONNX node keeps its FX node in ``meta``."""
+    _core, _, _ = _exporter()
+    onnx_program = _core._exported_program_to_onnx_program(program, registry=registry(opset_version))
+    return onnx_program.model
+
+
+def torch_dtype_to_ir(dtype: torch.dtype) -> ir.DataType:
+    """The translator's own dtype table, so that signatures match what it emits."""
+    _core, _, _ = _exporter()
+    return _core.torch_dtype_to_onnx_dtype(dtype)
+
+
+def fx_node_of(node: ir.Node) -> torch.fx.Node | None:
+    """The FX node an ONNX node was translated from (set by torch's translator)."""
+    return node.meta.get("node")
+
+
+def add_opset_imports(model: ir.Model) -> None:
+    """torch's opset-import pass: every domain used gets an import where it is used."""
+    from torch.onnx._internal.exporter import _ir_passes
+
+    _ir_passes.add_opset_imports(model)

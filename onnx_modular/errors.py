@@ -1,0 +1,101 @@
+"""Typed errors raised by onnx_modular.
+
+Every error derives from :class:`OnnxModularError`. Each names the stage that failed
+and, when it can be known, the module path involved; the original exception is
+chained as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "OnnxModularError",
+    "InvalidInputError",
+    "CaptureError",
+    "DecompositionError",
+    "TranslationError",
+    "ModularizeError",
+    "SaveError",
+    "ParityError",
+    "InvalidModelFileError",
+]
+
+
+class OnnxModularError(Exception):
+    """Base class of every error raised by onnx_modular.
+
+    Attributes:
+        stage: The pipeline stage that failed (``capture``, ``decompose``, ...).
+        module_path: The module path involved, or ``None`` when unknown.
+            The root module is ``""``.
+    """
+
+    stage: str = "export"
+
+    def __init__(self, message: str, *, module_path: str | None = None, hint: str | None = None):
+        self.module_path = module_path
+        self.hint = hint
+        parts = [f"[{self.stage}] {message}"]
+        if module_path is not None:
+            parts.append(f"Module: {module_path or '<root>'}")
+        if hint:
+            parts.append(f"What to do: {hint}")
+        super().__init__("\n".join(parts))
+
+
+class InvalidInputError(OnnxModularError, TypeError):
+    """The arguments given to export_modular are not usable (not a module, bad path, ...)."""
+
+    stage = "input"
+
+
+class CaptureError(OnnxModularError):
+    """torch.export could not capture the model."""
+
+    stage = "capture"
+
+
+class DecompositionError(OnnxModularError):
+    """torch's ONNX decompositions failed on the captured program."""
+
+    stage = "decompose"
+
+
+class TranslationError(OnnxModularError):
+    """torch's FX-to-ONNX translator failed on a node."""
+
+    stage = "translate"
+
+
+class ModularizeError(OnnxModularError):
+    """Building the function hierarchy failed."""
+
+    stage = "modularize"
+
+
+class SaveError(OnnxModularError, OSError):
+    """Writing the ONNX file failed. No partial file is left behind."""
+
+    stage = "save"
+
+
+class ParityError(OnnxModularError):
+    """onnxruntime results differ from PyTorch beyond tolerance.
+
+    Attributes:
+        report: The :class:`~onnx_modular.verification.ParityReport`.
+        result: The :class:`~onnx_modular.export.ModularExport` (not written to disk);
+            call ``result.save(path)`` to keep it for debugging.
+    """
+
+    stage = "verify"
+
+    def __init__(self, message: str, *, report=None, result=None, module_path: str | None = None, hint: str | None = None):
+        self.report = report
+        self.result = result
+        super().__init__(message, module_path=module_path, hint=hint)
+
+
+class InvalidModelFileError(OnnxModularError, ValueError):
+    """An ONNX file given to onnx_modular cannot be read or is malformed."""
+
+    stage = "load"

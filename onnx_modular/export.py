@@ -1,0 +1,517 @@
+"""``export_modular``: run the pipeline stages in order. No graph surgery happens here.
+
+    nn.Module + example inputs
+      capture      torch.export (non-strict)             -> ExportedProgram
+      decompose    torch's ONNX decompositions            -> decomposed ExportedProgram
+      translate    torch's FX -> ONNX translator          -> flat onnx_ir.Model
+      modularize   OutlineModuleCallsPass (ours)          -> nested local functions
+      dedupe       DeduplicateFunctionsPass (ours)        -> identical calls share a function
+      name         NameFunctionsPass (ours)               -> names, doc strings, metadata
+      cleanup      onnx_ir unused removal, opset imports  (optionally onnxscript optimizer, inline=False)
+      save         atomic write + onnx.checker(full_check=True)
+      verify       onnxruntime(modular) vs onnxruntime(flat) vs torch eager
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+import os
+import pathlib
+import tempfile
+import time
+import types
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Union
+
+import onnx
+import onnx_ir as ir
+import torch
+
+from onnx_modular import _io, _torch_compat, verification
+from onnx_modular.errors import (
+    CaptureError,
+    DecompositionError,
+    InvalidInputError,
+    ModularizeError,
+    OnnxModularError,
+    TranslationError,
+)
+from onnx_modular.hierarchy import CallTree, build_call_tree
+from onnx_modular.passes import cleanup
+from onnx_modular.passes.dedupe import DeduplicateFunctionsPass
+from onnx_modular.passes.modularize import STACK_KEY, CallSignature, OutlineModuleCallsPass, TensorSpec
+from onnx_modular.passes.naming import NameFunctionsPass
+
+__all__ = ["export_modular", "ModularExport", "ModuleSelector"]
+
+logger = logging.getLogger(__name__)
+
+#: Which module calls become functions: ``None``/``"all"``, a set of classes,
+#: a maximum depth (1 = children of the root), or ``predicate(module_path, module)``.
+ModuleSelector = Union[None, str, int, Iterable[type], Callable[[str, torch.nn.Module], bool]]
+
+STAGES = ("capture", "decompose", "translate", "modularize", "save", "verify")
+
+
+@dataclasses.dataclass
+class ModularExport:
+    """The result of :func:`export_modular`.
+
+    Attributes:
+        model: The modular ONNX model (``onnx_ir.Model``).
+        hierarchy: The module-call tree; ``print(result.hierarchy)`` shows it.
+        report: The parity report (``None`` when verification was off).
+        timings: Seconds spent per stage.
+        path: Where the model was written (``None`` if not saved yet).
+    """
+
+    model: ir.Model
+    hierarchy: CallTree
+    report: verification.ParityReport | None = None
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    path: pathlib.Path | None = None
+    exported_program: torch.export.ExportedProgram | None = dataclasses.field(default=None, repr=False)
+    _reference: tuple[list[torch.Tensor], list[torch.Tensor]] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def model_proto(self) -> onnx.ModelProto:
+        """The model as an ``onnx.ModelProto`` (serialized on demand)."""
+        return ir.serde.serialize_model(self.model)
+
+    @property
+    def functions(self) -> list[ir.Function]:
+        """The module-call functions (torch's own helper functions excluded)."""
+        return [f for f in self.model.functions.values() if "pkg.onnx_modular.class" in f.metadata_props]
+
+    def save(self, path: str | os.PathLike, *, external_data: bool | None = None) -> pathlib.Path:
+        """Write the model atomically (checked with onnx.checker, full_check=True)."""
+        with _io.staged_save(self.model, path, external_data=external_data):
+            pass
+        self.path = pathlib.Path(path)
+        return self.path
+
+    def verify(
+        self,
+        args: tuple | None = None,
+        kwargs: dict | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+        flat: bool = True,
+    ) -> verification.ParityReport:
+        """Compare onnxruntime (modular and flat) with PyTorch on new inputs.
+
+        With no arguments, re-checks the example inputs of the export. New inputs
+        need the PyTorch ``model`` to compute the reference.
+        """
+        if args is None and kwargs is None:
+            if self._reference is None:
+                raise InvalidInputError("No reference outputs are stored; pass args and model.")
+            inputs, expected = self._reference
+        else:
+            if model is None:
+                raise InvalidInputError("Pass model=... to compute PyTorch outputs for new inputs.")
+            args = args if isinstance(args, tuple) else (args,)
+            with torch.no_grad():
+                expected = verification.flatten_outputs(model(*args, **(kwargs or {})))
+            inputs = verification.flatten_inputs(args, kwargs)
+        tolerance = _tolerance(rtol, atol)
+        with _model_file(self) as path:
+            return verification.verify_file(path, inputs, expected, flat=flat, tolerance=tolerance)
+
+    def summary(self) -> str:
+        functions = self.functions
+        calls = sum(int(f.metadata_props.get("pkg.onnx_modular.call_count", "1")) for f in functions)
+        lines = [
+            f"{len(functions)} functions for {calls} module calls, max depth {self.hierarchy.max_depth}, "
+            f"{sum(1 for _ in self.model.graph)} nodes in the main graph",
+        ]
+        if self.timings:
+            lines.append("time: " + ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in self.timings.items()))
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _model_file(result: ModularExport) -> Iterator[pathlib.Path]:
+    if result.path is not None and result.path.exists():
+        yield result.path
+        return
+    with tempfile.TemporaryDirectory(prefix="onnx_modular-") as tmp:
+        path = pathlib.Path(tmp) / "model.onnx"
+        ir.save(result.model, path, external_data="model.onnx.data" if _io.wants_external_data(result.model, None) else None)
+        yield path
+
+
+def _tolerance(rtol: float | None, atol: float | None) -> verification.Tolerance | None:
+    if rtol is None and atol is None:
+        return None
+    return verification.Tolerance(atol=atol if atol is not None else 1e-4, rtol=rtol if rtol is not None else 1e-3)
+
+
+# -- inputs and eager reference ----------------------------------------------------
+
+
+def _check_inputs(model: Any, args: Any, kwargs: dict | None) -> tuple[tuple, dict]:
+    if isinstance(model, torch.export.ExportedProgram) or not isinstance(model, torch.nn.Module):
+        raise InvalidInputError(
+            f"export_modular needs a torch.nn.Module, got {type(model).__name__}.",
+            hint="Pass the model object itself (not a function, ExportedProgram or ScriptModule).",
+        )
+    if not isinstance(args, tuple):
+        args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+    kwargs = dict(kwargs or {})
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as e:
+        raise InvalidInputError(
+            f"The example inputs do not match {type(model).__name__}.forward{inspect.signature(model.forward)}: {e}",
+            module_path="",
+            hint="Pass args as a tuple of positional inputs and kwargs as a dict.",
+        ) from None
+    return args, kwargs
+
+
+def _tensor_specs(prefix: str, value: Any) -> list[TensorSpec]:
+    specs: list[TensorSpec] = []
+    if isinstance(value, torch.Tensor):
+        specs.append(TensorSpec(prefix, _torch_to_ir_dtype(value.dtype), tuple(value.shape)))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            specs += _tensor_specs(f"{prefix}_{i}", item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            specs += _tensor_specs(f"{prefix}_{key}", item)
+    else:
+        leaves = torch.utils._pytree.tree_leaves(value)
+        if any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            for i, leaf in enumerate(leaf for leaf in leaves if isinstance(leaf, torch.Tensor)):
+                specs.append(TensorSpec(f"{prefix}_{i}", _torch_to_ir_dtype(leaf.dtype), tuple(leaf.shape)))
+    return specs
+
+
+def _torch_to_ir_dtype(dtype: torch.dtype) -> ir.DataType:
+    return _torch_compat.torch_dtype_to_ir(dtype)
+
+
+def _eager_run(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Any, dict[tuple[str, int], CallSignature]]:
+    """Run the model once in PyTorch, recording what each module call received and returned."""
+    signatures: dict[tuple[str, int], CallSignature] = {}
+    counts: dict[int, int] = {}
+    pending: dict[int, list[tuple[str, int, list[TensorSpec]]]] = {}
+    handles = []
+
+    def make_hooks(path: str, module: torch.nn.Module):
+        try:
+            parameters = inspect.signature(module.forward)
+        except (TypeError, ValueError):
+            parameters = None
+
+        def pre_hook(mod, hook_args, hook_kwargs):
+            index = counts.get(id(mod), 0)
+            counts[id(mod)] = index + 1
+            specs: list[TensorSpec] = []
+            try:
+                bound = parameters.bind(*hook_args, **hook_kwargs) if parameters else None
+            except TypeError:
+                bound = None
+            if bound is not None:
+                for name, value in bound.arguments.items():
+                    kind = parameters.parameters[name].kind
+                    if kind == inspect.Parameter.VAR_KEYWORD:
+                        for key, item in value.items():
+                            specs += _tensor_specs(key, item)
+                    else:
+                        specs += _tensor_specs(name, value)
+            pending.setdefault(id(mod), []).append((path, index, specs))
+
+        def post_hook(mod, hook_args, hook_kwargs, output):
+            path_, index, specs = pending[id(mod)].pop()
+            outputs = _tensor_specs("output", output)
+            signatures[(path_, index)] = CallSignature(specs, outputs)
+
+        return pre_hook, post_hook
+
+    for path, module in model.named_modules():
+        pre_hook, post_hook = make_hooks(path, module)
+        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            outputs = model(*args, **kwargs)
+    except Exception as e:
+        raise CaptureError(
+            f"The model failed to run in PyTorch on the example inputs: {type(e).__name__}: {e}",
+            module_path=_module_path_from_traceback(e, model),
+            hint="Check that the example inputs have the shapes and dtypes forward() expects.",
+        ) from e
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs, signatures
+
+
+# -- locating the module behind an error -------------------------------------------
+
+
+def _iter_frames(exc: BaseException) -> Iterator[types.FrameType]:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        frames = []
+        while tb is not None:
+            frames.append(tb.tb_frame)
+            tb = tb.tb_next
+        yield from reversed(frames)  # innermost first
+        exc = exc.__cause__ or exc.__context__
+
+
+def _module_path_from_traceback(exc: BaseException, model: torch.nn.Module) -> str | None:
+    """The innermost module of ``model`` whose forward() appears in the traceback."""
+    paths = {id(module): path for path, module in model.named_modules()}
+    for frame in _iter_frames(exc):
+        candidate = frame.f_locals.get("self")
+        if candidate is not None and id(candidate) in paths:
+            return paths[id(candidate)]
+    return None
+
+
+def _module_path_from_fx_node(exc: BaseException) -> str | None:
+    """The module path of the FX node being translated when ``exc`` was raised."""
+    for frame in _iter_frames(exc):
+        node = frame.f_locals.get("node")
+        if isinstance(node, torch.fx.Node):
+            stack = node.meta.get("nn_module_stack") or {}
+            if stack:
+                return list(stack.values())[-1][0]
+            return ""
+    return None
+
+
+# -- module selection ---------------------------------------------------------------
+
+
+def _selector(modules: ModuleSelector, model: torch.nn.Module) -> Callable[[str, int], bool]:
+    """A predicate on (module path, depth) from the user's ``modules`` option."""
+    if modules is None or modules == "all":
+        return lambda path, depth: True
+    if isinstance(modules, bool):
+        raise InvalidInputError("modules must be 'all', a set of classes, a depth or a predicate, not a bool.")
+    if isinstance(modules, int):
+        if modules < 0:
+            raise InvalidInputError(f"modules (max depth) must be >= 0, got {modules}.")
+        return lambda path, depth: depth <= modules
+    named = dict(model.named_modules(remove_duplicate=False))
+    if callable(modules) and not isinstance(modules, type):
+        predicate = modules
+        return lambda path, depth: path in named and bool(predicate(path, named[path]))
+    try:
+        classes = tuple(modules) if not isinstance(modules, type) else (modules,)
+    except TypeError:
+        raise InvalidInputError(f"Unsupported value for modules: {modules!r}.") from None
+    if not all(isinstance(cls, type) for cls in classes):
+        raise InvalidInputError(f"modules must contain nn.Module classes, got {modules!r}.")
+    return lambda path, depth: path in named and isinstance(named[path], classes)
+
+
+def _annotate_stacks(model_ir: ir.Model, tree: CallTree, select: Callable[[str, int], bool]) -> None:
+    """Set ``node.meta[STACK_KEY]``: the selected module-call keys each node ran under."""
+    depth_of = {call.key: call.depth for call in tree.walk()}
+    for node in model_ir.graph:
+        fx_node = _torch_compat.fx_node_of(node)
+        stack = (fx_node.meta.get("nn_module_stack") or {}) if fx_node is not None else {}
+        node.meta[STACK_KEY] = tuple(
+            key
+            for key, (path, _) in stack.items()
+            if key in tree and key != "" and depth_of[key] > 0 and select(path, depth_of[key])
+        )
+
+
+# -- the pipeline ---------------------------------------------------------------------
+
+
+class _Timer:
+    def __init__(self):
+        self.timings: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - start
+
+
+def export_modular(
+    model: torch.nn.Module,
+    args: tuple | torch.Tensor = (),
+    f: str | os.PathLike | None = None,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+    opset_version: int | None = None,
+    external_data: bool | None = None,
+    modules: ModuleSelector = "all",
+    dedupe: bool = True,
+    optimize: bool = False,
+    verify: bool = True,
+    verify_flat: bool = True,
+    rtol: float | None = None,
+    atol: float | None = None,
+    progress: Callable[[str, float], None] | None = None,
+) -> ModularExport:
+    """Export ``model`` to ONNX with every module call as a nested local function.
+
+    Args:
+        model: The ``torch.nn.Module`` to export (put it in ``eval()`` mode first).
+        args: Example positional inputs (a tuple, or a single tensor).
+        f: Where to write the ``.onnx`` file; ``None`` keeps it in memory only.
+        kwargs: Example keyword inputs.
+        dynamic_shapes: As for ``torch.export.export`` (``torch.export.Dim`` objects).
+        opset_version: ONNX opset of the default domain (torch's default when ``None``).
+        external_data: Store weights in ``<f>.data``; ``None`` decides by size (> 1.5 GiB).
+        modules: Which module calls become functions: ``"all"`` (default), a set of
+            module classes, a maximum depth (1 = children of the root), or a predicate
+            ``(module_path, module) -> bool``. Unselected modules are inlined into
+            their parent; their nodes keep the ``namespace`` metadata.
+        dedupe: Identical calls share one function definition (at every level).
+        optimize: Run onnxscript's optimizer on every body with ``inline=False``.
+        verify: Compare onnxruntime (modular and flat) with PyTorch; raise
+            :class:`~onnx_modular.errors.ParityError` beyond tolerance (no file is written then).
+        verify_flat: Also run the inlined (flat) copy in verification.
+        rtol: Relative tolerance (default per output dtype, see ``verification.default_tolerance``).
+        atol: Absolute tolerance (default per output dtype).
+        progress: Called as ``progress(stage, seconds)`` after each stage.
+
+    Returns:
+        A :class:`ModularExport` with the model, the call tree and the parity report.
+
+    Example::
+
+        from onnx_modular import export_modular
+        result = export_modular(model, (input_ids,), "gpt2.onnx")
+        print(result.hierarchy)
+        print(result.report)
+    """
+    _torch_compat.check_torch_version()
+    args, kwargs = _check_inputs(model, args, kwargs)
+    if f is not None:
+        _io.check_destination(f)
+    select = _selector(modules, model)
+    if model.training:
+        logger.warning("Exporting a model in training mode; call model.eval() first for inference graphs.")
+
+    timer = _Timer()
+
+    def done(stage: str) -> None:
+        if progress is not None:
+            progress(stage, timer.timings.get(stage, 0.0))
+
+    with timer("capture"):
+        expected_outputs, signatures = _eager_run(model, args, kwargs)
+        try:
+            program = _torch_compat.capture(model, args, kwargs, dynamic_shapes)
+        except Exception as e:
+            path = _module_path_from_traceback(e, model)
+            raise CaptureError(
+                f"torch.export could not capture the model: {type(e).__name__}: {_first_line(e)}",
+                module_path=path,
+                hint="Make the code traceable by torch.export (see the cause below), "
+                "or check dynamic_shapes against the inputs.",
+            ) from e
+    done("capture")
+
+    with timer("decompose"):
+        try:
+            program = _torch_compat.decompose(program, opset_version)
+        except Exception as e:
+            raise DecompositionError(
+                f"torch's ONNX decompositions failed: {type(e).__name__}: {_first_line(e)}",
+                module_path=_module_path_from_fx_node(e),
+                hint="The cause below names the operator; report it with the model.",
+            ) from e
+    done("decompose")
+
+    with timer("translate"):
+        try:
+            model_ir = _torch_compat.translate(program, opset_version)
+        except Exception as e:
+            raise TranslationError(
+                f"torch's translator failed: {type(e).__name__}: {_first_line(e)}",
+                module_path=_module_path_from_fx_node(e),
+                hint="An operator may have no ONNX implementation; the cause below names it. "
+                "Rewrite that code or register a custom translation.",
+            ) from e
+    done("translate")
+
+    with timer("modularize"):
+        try:
+            stacks = [
+                fx_node.meta["nn_module_stack"]
+                for fx_node in program.graph.nodes
+                if fx_node.op == "call_function" and fx_node.meta.get("nn_module_stack")
+            ]
+            tree = build_call_tree(stacks, model)
+            _annotate_stacks(model_ir, tree, select)
+            cleanup.remove_unused(model_ir)
+            OutlineModuleCallsPass(tree, signatures)(model_ir)
+            if dedupe:
+                DeduplicateFunctionsPass()(model_ir)
+            NameFunctionsPass(tree)(model_ir)
+            cleanup.remove_unused(model_ir)
+            if optimize:
+                cleanup.optimize_functions(model_ir)
+                cleanup.remove_unused(model_ir)
+            cleanup.fix_opset_imports(model_ir)
+            model_ir.producer_name = "onnx_modular"
+            model_ir.producer_version = _version()
+        except OnnxModularError:
+            raise
+        except Exception as e:
+            raise ModularizeError(f"Building the function hierarchy failed: {type(e).__name__}: {e}") from e
+    done("modularize")
+
+    result = ModularExport(
+        model=model_ir,
+        hierarchy=tree,
+        timings=timer.timings,
+        exported_program=program,
+        _reference=(verification.flatten_inputs(args, kwargs), verification.flatten_outputs(expected_outputs)),
+    )
+    tolerance = _tolerance(rtol, atol)
+
+    def check(path: pathlib.Path) -> None:
+        if not verify:
+            return
+        with timer("verify"):
+            inputs, expected = result._reference
+            result.report = verification.verify_file(path, inputs, expected, flat=verify_flat, tolerance=tolerance)
+        done("verify")
+        verification.assert_parity(result.report, result=result)
+
+    if f is not None:
+        with timer("save"):
+            with _io.staged_save(model_ir, f, external_data=external_data) as staged:
+                check(staged)
+        result.path = pathlib.Path(f)
+        done("save")
+    elif verify:
+        with _model_file(result) as path:
+            check(path)
+    return result
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:500] if text else ""
+
+
+def _version() -> str:
+    from onnx_modular import __version__
+
+    return __version__

@@ -1,0 +1,411 @@
+"""ONNX IR pass: outline every module call into a nested ONNX local function.
+
+The pass works on the flat model that torch's translator produces. Each node
+carries ``meta[STACK_KEY]``: the tuple of module-call keys (outermost first) that
+the node was executed under. Nodes are grouped by that stack level by level:
+the nodes of one call become the body of one function, replaced in the caller
+by a single call node, and the body is outlined again one level down.
+
+Why at the ONNX level rather than in FX (see docs/design.md): the translator then
+sees an ordinary flat graph, and the FX-level traps (``getitem`` separated from
+its producer, orphaned ``get_attr`` branches, renamed output specs) cannot occur.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterable, Sequence
+
+import onnx_ir as ir
+
+from onnx_modular.errors import ModularizeError
+from onnx_modular.hierarchy import CallTree, ModuleCall
+
+__all__ = [
+    "STACK_KEY",
+    "GLOBAL_NAME_KEY",
+    "TensorSpec",
+    "CallSignature",
+    "OutlineModuleCallsPass",
+]
+
+STACK_KEY = "onnx_modular.stack"
+GLOBAL_NAME_KEY = "onnx_modular.global_name"
+TEMP_DOMAIN_PREFIX = "pkg."
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A tensor seen at a module boundary in eager mode."""
+
+    name: str
+    dtype: ir.DataType
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class CallSignature:
+    """Tensors a module call received (forward() order) and returned (return order)."""
+
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+
+def _compatible(value: ir.Value, spec: TensorSpec) -> bool:
+    if value.dtype is not None and value.dtype != spec.dtype:
+        return False
+    shape = value.shape
+    if shape is None:
+        return True
+    if len(shape) != len(spec.shape):
+        return False
+    return all(not isinstance(dim, int) or dim == size for dim, size in zip(shape, spec.shape))
+
+
+def _match_in_order(values: Sequence[ir.Value], specs: Sequence[TensorSpec]) -> dict[ir.Value, int]:
+    """Greedy match: each value (in order of first use) takes the first compatible spec left."""
+    taken: set[int] = set()
+    matched: dict[ir.Value, int] = {}
+    for value in values:
+        for index, spec in enumerate(specs):
+            if index not in taken and _compatible(value, spec):
+                taken.add(index)
+                matched[value] = index
+                break
+    return matched
+
+
+def _nested_nodes(node: ir.Node) -> Iterable[ir.Node]:
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            yield from ir.traversal.RecursiveGraphIterator(attr.value)
+        elif attr.type == ir.AttributeType.GRAPHS:
+            for graph in attr.value:
+                yield from ir.traversal.RecursiveGraphIterator(graph)
+
+
+def _used_values(node: ir.Node) -> set[ir.Value]:
+    """Values a node reads, including outer-scope values read by its subgraphs."""
+    used = {value for value in node.inputs if value is not None}
+    defined: set[ir.Value] = set()
+    for inner in _nested_nodes(node):
+        used.update(value for value in inner.inputs if value is not None)
+        defined.update(inner.outputs)
+        if inner.graph is not None:
+            defined.update(inner.graph.inputs)
+    return used - defined
+
+
+class OutlineModuleCallsPass(ir.passes.InPlacePass):
+    """Turn every module call into a nested ONNX local function.
+
+    Args:
+        call_tree: The module-call tree; each outlined call gets ``function`` set.
+        signatures: Optional eager signatures per ``(module_path, call_index)``, used
+            to name formal inputs after forward() parameters and keep forward() order.
+        domain_of: Maps a call to its function domain (``pkg.<package>.<version>``).
+
+    Example::
+
+        OutlineModuleCallsPass(tree, signatures)(model)
+    """
+
+    def __init__(
+        self,
+        call_tree: CallTree,
+        signatures: dict[tuple[str, int], CallSignature] | None = None,
+        *,
+        domain_of: Callable[[ModuleCall], str] | None = None,
+    ):
+        super().__init__()
+        self.call_tree = call_tree
+        self.signatures = signatures or {}
+        self.domain_of = domain_of or (lambda call: f"pkg.{call.package}.{call.version}")
+        self._serial = 0
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self._model = model
+        _clone_shared_constants(model.graph)
+        before = len(model.functions)
+        self._outline(model.graph, depth=0)
+        return ir.passes.PassResult(model, modified=len(model.functions) != before)
+
+    # -- grouping -----------------------------------------------------------------
+
+    def _outline(self, container: ir.Graph, depth: int) -> None:
+        groups: dict[str, list[ir.Node]] = {}
+        for node in container:
+            stack = node.meta.get(STACK_KEY, ())
+            if len(stack) > depth:
+                groups.setdefault(stack[depth], []).append(node)
+        needs_sort = False
+        for key, members in groups.items():
+            call = self.call_tree[key]
+            try:
+                members, contiguous = _make_convex(container, members, key, depth)
+                function = self._extract(container, members, call)
+            except ModularizeError:
+                raise
+            except Exception as e:  # a bug here must still name the module
+                raise ModularizeError(
+                    f"Could not outline the call {call.call_name!r} ({call.qualified_class}): {e}",
+                    module_path=call.module_path,
+                    hint="Pass modules=... to keep this module inline, and report the model.",
+                ) from e
+            if function is None:
+                continue
+            needs_sort |= not contiguous
+            self._outline(function.graph, depth + 1)
+            call.num_nodes = len(function.graph)
+        if needs_sort:
+            container.sort()
+
+    # -- extraction ---------------------------------------------------------------
+
+    def _extract(self, container: ir.Graph, members: list[ir.Node], call: ModuleCall) -> ir.Function | None:
+        inner: set[ir.Node] = set(members)
+        for node in members:
+            inner.update(_nested_nodes(node))
+
+        produced: set[ir.Value] = set()
+        for node in inner:
+            produced.update(node.outputs)
+        external: list[ir.Value] = []
+        seen: set[ir.Value] = set()
+        for node in members:
+            for value in sorted(_used_values(node), key=_first_use_order(node)):
+                if value not in produced and value not in seen:
+                    seen.add(value)
+                    external.append(value)
+
+        container_outputs = set(container.outputs)
+        outputs = [
+            value
+            for node in members
+            for value in node.outputs
+            if value in container_outputs or any(use.node not in inner for use in value.uses())
+        ]
+        if not outputs:
+            return None  # nothing escapes: the call has no observable effect
+        outputs = self._order_outputs(call, outputs)
+
+        internal_names = {value.name for node in inner for value in node.outputs}
+        formals = self._formal_inputs(call, external, internal_names)
+
+        # Rewire: uses inside the body read the formal inputs.
+        for actual, formal in formals:
+            for use in list(actual.uses()):
+                if use.node in inner:
+                    use.node.replace_input_with(use.idx, formal)
+
+        domain = self.domain_of(call)
+        self._serial += 1
+        # A unique temporary name; NameFunctionsPass gives the final, readable one.
+        temp_name = f"{call.class_name}__call{self._serial}"
+        call_node = ir.Node(
+            domain,
+            temp_name,
+            inputs=[actual for actual, _ in formals],
+            num_outputs=len(outputs),
+            name=call.call_name,
+            metadata_props=call.metadata(),
+        )
+        namespace = _call_namespace(members[0], call)
+        if namespace:
+            call_node.metadata_props["namespace"] = namespace
+        for inner_value, outer_value in zip(outputs, call_node.outputs):
+            outer_value.name = inner_value.name
+            outer_value.type = inner_value.type
+            outer_value.shape = inner_value.shape
+        container.insert_before(members[0], call_node)
+        container.remove(members, safe=False)
+
+        # Rewire: uses outside the body read the call's outputs.
+        for inner_value, outer_value in zip(outputs, call_node.outputs):
+            for use in list(inner_value.uses()):
+                if use.node not in inner:
+                    use.node.replace_input_with(use.idx, outer_value)
+            for i, graph_output in enumerate(container.outputs):
+                if graph_output is inner_value:
+                    container.outputs[i] = outer_value
+
+        function = ir.Function(
+            domain,
+            temp_name,
+            graph=ir.Graph(
+                [formal for _, formal in formals],
+                outputs,
+                nodes=members,
+                name=temp_name,
+            ),
+            attributes=[],
+        )
+        function.meta["onnx_modular.calls"] = [call]
+        self._model.functions[function.identifier()] = function
+        call.function = (domain, temp_name)
+        return function
+
+    # -- signatures ---------------------------------------------------------------
+
+    def _formal_inputs(
+        self, call: ModuleCall, external: list[ir.Value], internal_names: set[str | None]
+    ) -> list[tuple[ir.Value, ir.Value]]:
+        """(actual, formal) pairs in signature order: forward() args, weights, the rest."""
+        signature = self.signatures.get((call.module_path, call.call_index))
+        weights = [v for v in external if _global_name(v) is not None]
+        scalars = [v for v in external if v not in weights and v.shape is not None and len(v.shape) == 0 and v.dtype == ir.DataType.INT64]
+        activations = [v for v in external if v not in weights and v not in scalars]
+
+        named: list[tuple[int, ir.Value, str]] = []
+        unnamed: list[ir.Value] = []
+        if signature is not None:
+            matched = _match_in_order(activations, signature.inputs)
+            for value in activations:
+                if value in matched:
+                    index = matched[value]
+                    named.append((index, value, signature.inputs[index].name))
+                else:
+                    unnamed.append(value)
+            named.sort(key=lambda item: item[0])
+        else:
+            unnamed = activations
+
+        prefix = f"{call.module_path}." if call.module_path else ""
+        ordered: list[tuple[ir.Value, str]] = [(value, name) for _, value, name in named]
+        ordered += [(value, value.name or "input") for value in unnamed]
+        for value in weights:
+            global_name = _global_name(value)
+            local = global_name[len(prefix):] if prefix and global_name.startswith(prefix) else global_name
+            ordered.append((value, local))
+        ordered += [(value, value.name or "size") for value in scalars]
+
+        used_names = {name for name in internal_names if name}
+        pairs = []
+        for actual, name in ordered:
+            unique = name
+            suffix = 1
+            while unique in used_names:
+                unique = f"{name}_{suffix}"
+                suffix += 1
+            used_names.add(unique)
+            formal = ir.Value(name=unique, type=actual.type, shape=actual.shape)
+            if (global_name := _global_name(actual)) is not None:
+                formal.meta[GLOBAL_NAME_KEY] = global_name
+            pairs.append((actual, formal))
+        return pairs
+
+    def _order_outputs(self, call: ModuleCall, outputs: list[ir.Value]) -> list[ir.Value]:
+        signature = self.signatures.get((call.module_path, call.call_index))
+        if signature is None:
+            return outputs
+        matched = _match_in_order(outputs, signature.outputs)
+        return sorted(outputs, key=lambda v: (matched.get(v, len(signature.outputs)), outputs.index(v)))
+
+
+def _global_name(value: ir.Value) -> str | None:
+    if value.is_initializer():
+        return value.name
+    return value.meta.get(GLOBAL_NAME_KEY)
+
+
+def _first_use_order(node: ir.Node) -> Callable[[ir.Value], int]:
+    order = {value: i for i, value in enumerate(node.inputs) if value is not None}
+    return lambda value: order.get(value, len(order))
+
+
+def _call_namespace(member: ir.Node, call: ModuleCall) -> str | None:
+    """The ``namespace`` of a call node: the member's namespace cut after this call."""
+    namespace = member.metadata_props.get("namespace")
+    if not namespace:
+        return None
+    segments = namespace.split("/")
+    for i, segment in enumerate(segments[1:], start=1):
+        if segment.startswith(f"{call.module_path}: "):
+            return "/".join(segments[: i + 1])
+    return None
+
+
+def _make_convex(
+    container: ir.Graph, members: list[ir.Node], key: str, depth: int
+) -> tuple[list[ir.Node], bool]:
+    """Absorb outside nodes that sit on a path from the group back into the group.
+
+    A group whose nodes are contiguous in topological order is convex. Otherwise an
+    outside node inside its span either only feeds the group (moved before it by the
+    final sort), only reads from it (moved after), or both: then outlining would
+    create a cycle, so the node joins the group.
+    """
+    position = {node: i for i, node in enumerate(container)}
+    first, last = position[members[0]], position[members[-1]]
+    if last - first + 1 == len(members):
+        return members, True
+    member_set = set(members)
+    span = [node for node in container if first <= position[node] <= last]
+    downstream_values: set[ir.Value] = set()
+    downstream: set[ir.Node] = set()
+    for node in span:
+        if node in member_set or _used_values(node) & downstream_values:
+            downstream_values.update(node.outputs)
+            if node not in member_set:
+                downstream.add(node)
+    upstream_needed: set[ir.Value] = set()
+    upstream: set[ir.Node] = set()
+    for node in reversed(span):
+        if node in member_set or any(value in upstream_needed for value in node.outputs):
+            upstream_needed.update(_used_values(node))
+            if node not in member_set:
+                upstream.add(node)
+    absorbed = downstream & upstream
+    for node in absorbed:
+        stack = node.meta.get(STACK_KEY, ())
+        node.meta[STACK_KEY] = tuple(stack[:depth]) + (key,)
+    if absorbed:
+        member_set |= absorbed
+        members = [node for node in span if node in member_set]
+    return members, False
+
+
+def _clone_shared_constants(graph: ir.Graph) -> None:
+    """Give each module call its own copy of a ``Constant`` it shares with another call.
+
+    torch's translator caches Python constants per graph, so one ``Constant`` node can
+    feed nodes of different modules; without a copy, the constant would cross
+    function boundaries as an extra input.
+    """
+    for node in list(graph):
+        if node.op_type != "Constant" or node.domain != "" or node.inputs:
+            continue
+        own_stack = node.meta.get(STACK_KEY, ())
+        output = node.outputs[0]
+        clones: dict[tuple[str, ...], ir.Node] = {}
+        position = {n: i for i, n in enumerate(graph)} if len(output.uses()) > 1 else {}
+        for use in sorted(output.uses(), key=lambda u: position.get(u.node, 0)):
+            user_stack = use.node.meta.get(STACK_KEY, ())
+            if user_stack == own_stack or use.node.graph is not graph:
+                continue
+            clone = clones.get(user_stack)
+            if clone is None:
+                clone = ir.Node(
+                    "",
+                    "Constant",
+                    inputs=[],
+                    attributes=list(node.attributes.values()),
+                    num_outputs=1,
+                    name=f"{node.name}_copy{len(clones)}",
+                    metadata_props=dict(use.node.metadata_props),
+                )
+                clone.meta[STACK_KEY] = user_stack
+                clone.outputs[0].name = f"{output.name}_copy{len(clones)}"
+                clone.outputs[0].type = output.type
+                clone.outputs[0].shape = output.shape
+                # Right before its first user, so that identical calls keep identical node order.
+                graph.insert_before(use.node, clone)
+                clones[user_stack] = clone
+            use.node.replace_input_with(use.idx, clone.outputs[0])
+        if clones and not output.uses() and not output.is_graph_output():
+            graph.remove(node, safe=True)
+
+
+def module_paths_json(calls: Sequence[ModuleCall]) -> str:
+    return json.dumps([call.call_name for call in calls])

@@ -1,0 +1,99 @@
+"""ONNX IR pass: final function names, doc strings and function metadata.
+
+Runs after deduplication. Functions of one class in one domain are named after
+the class; when a class has several distinct bodies (different shapes, different
+submodules), the first in execution order keeps the class name and the others get
+``_2``, ``_3``, ... in execution order, which is stable from run to run. The doc
+string (what Netron shows) says which module paths call each function.
+"""
+
+from __future__ import annotations
+
+import json
+
+import onnx_ir as ir
+
+from onnx_modular.hierarchy import CallTree, ModuleCall
+from onnx_modular.passes._functions import redirect_calls
+
+__all__ = ["NameFunctionsPass", "MAX_LISTED_PATHS"]
+
+CALLS_KEY = "onnx_modular.calls"
+MAX_LISTED_PATHS = 8
+
+
+def _doc_string(calls: list[ModuleCall], name: str) -> str:
+    first = calls[0]
+    paths = [call.call_name for call in calls]
+    if len(paths) > MAX_LISTED_PATHS:
+        listed = ", ".join(paths[:MAX_LISTED_PATHS]) + f", ... ({len(paths) - MAX_LISTED_PATHS} more)"
+    else:
+        listed = ", ".join(paths)
+    lines = [
+        f"{name}: {first.qualified_class}",
+        f"package: {first.package} {first.version}",
+    ]
+    if first.source:
+        lines.append(f"source: {first.source}")
+    plural = "call" if len(paths) == 1 else "calls"
+    lines.append(f"{len(paths)} {plural}: {listed}")
+    return "\n".join(lines)
+
+
+class NameFunctionsPass(ir.passes.InPlacePass):
+    """Give module-call functions readable, stable names, doc strings and metadata.
+
+    Args:
+        call_tree: The module-call tree; ``call.function`` is updated to the final name.
+
+    Example::
+
+        NameFunctionsPass(tree)(model)
+        # functions: ('pkg.transformers.5.23.0', 'GPT2Block'), ... 'Conv1D', 'Conv1D_2'
+    """
+
+    def __init__(self, call_tree: CallTree):
+        super().__init__()
+        self.call_tree = call_tree
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        order = {call.key: i for i, call in enumerate(self.call_tree.walk())}
+        ours = [f for f in model.functions.values() if CALLS_KEY in f.meta]
+        groups: dict[tuple[str, str], list[ir.Function]] = {}
+        for function in ours:
+            calls = function.meta[CALLS_KEY]
+            calls.sort(key=lambda call: order[call.key])
+            groups.setdefault((function.domain, calls[0].class_name), []).append(function)
+
+        renames: dict[ir.OperatorIdentifier, ir.OperatorIdentifier] = {}
+        for (domain, class_name), functions in groups.items():
+            functions.sort(key=lambda f: order[f.meta[CALLS_KEY][0].key])
+            for index, function in enumerate(functions):
+                name = class_name if index == 0 else f"{class_name}_{index + 1}"
+                renames[function.identifier()] = (domain, name, "")
+        redirect_calls(model, renames)
+        renamed = {}
+        for function in list(model.functions.values()):
+            new = renames.get(function.identifier())
+            if new is None:
+                renamed[function.identifier()] = function
+                continue
+            function.name = new[1]
+            function.graph.name = new[1]
+            calls = function.meta[CALLS_KEY]
+            for call in calls:
+                call.function = (function.domain, function.name)
+            first = calls[0]
+            function.doc_string = _doc_string(calls, function.name)
+            props = function.metadata_props
+            props["pkg.onnx_modular.class"] = first.qualified_class
+            props["pkg.onnx_modular.package"] = first.package
+            props["pkg.onnx_modular.package_version"] = first.version
+            props["pkg.onnx_modular.module_paths"] = json.dumps([call.call_name for call in calls])
+            props["pkg.onnx_modular.call_count"] = str(len(calls))
+            if first.source:
+                props["pkg.onnx_modular.source"] = first.source
+            renamed[function.identifier()] = function
+        model.functions.clear()
+        model.functions.update(renamed)
+        return ir.passes.PassResult(model, modified=bool(renames))

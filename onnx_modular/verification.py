@@ -1,0 +1,273 @@
+"""Parity: onnxruntime on the modular model and on its flat (inlined) copy, against PyTorch.
+
+The flat model is made with ``onnx.inliner.inline_local_functions``; onnx_modular
+has no inliner of its own. ``verify_*`` functions return a report and never raise on
+a mismatch; ``assert_parity`` raises :class:`~onnx_modular.errors.ParityError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx.inliner
+import torch
+
+from onnx_modular.errors import ParityError
+
+__all__ = [
+    "Tolerance",
+    "default_tolerance",
+    "OutputParity",
+    "ParityReport",
+    "flatten_inputs",
+    "flatten_outputs",
+    "inline_model",
+    "run_onnxruntime",
+    "compare",
+    "verify_file",
+    "assert_parity",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """``|onnx - torch| <= atol + rtol * |torch|`` elementwise (numpy.allclose)."""
+
+    atol: float
+    rtol: float
+
+
+_DEFAULT_TOLERANCES = {
+    torch.float64: Tolerance(1e-7, 1e-6),
+    torch.float32: Tolerance(1e-4, 1e-3),
+    torch.float16: Tolerance(1e-2, 1e-2),
+    torch.bfloat16: Tolerance(5e-2, 5e-2),
+}
+
+
+def default_tolerance(dtype: torch.dtype) -> Tolerance:
+    """Defaults per dtype; integer and bool outputs must match exactly."""
+    return _DEFAULT_TOLERANCES.get(dtype, Tolerance(0.0, 0.0))
+
+
+@dataclasses.dataclass
+class OutputParity:
+    """Differences for one model output (``None`` when that model was not run)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    tolerance: Tolerance
+    modular_max_abs: float
+    modular_max_rel: float
+    flat_max_abs: float | None
+    flat_max_rel: float | None
+    modular_vs_flat_max_abs: float | None
+    ok: bool
+
+
+@dataclasses.dataclass
+class ParityReport:
+    """Per-output differences between onnxruntime (modular, flat) and PyTorch."""
+
+    outputs: list[OutputParity]
+
+    @property
+    def ok(self) -> bool:
+        return all(output.ok for output in self.outputs)
+
+    @property
+    def max_abs(self) -> float:
+        return max((o.modular_max_abs for o in self.outputs), default=0.0)
+
+    def failures(self) -> list[OutputParity]:
+        return [output for output in self.outputs if not output.ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "outputs": [
+                {**dataclasses.asdict(output), "tolerance": dataclasses.asdict(output.tolerance)}
+                for output in self.outputs
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        def fmt(value: float | None) -> str:
+            return "-" if value is None else f"{value:.2e}"
+
+        header = f"{'output':<24} {'shape':<18} {'dtype':<9} {'modular abs':>11} {'rel':>9} {'flat abs':>9} {'rel':>9} {'mod-flat':>9} {'atol/rtol':>15}  ok"
+        lines = ["Parity against PyTorch (onnxruntime, max abs / max rel difference)", header, "-" * len(header)]
+        for o in self.outputs:
+            tolerance = f"{o.tolerance.atol:.0e}/{o.tolerance.rtol:.0e}"
+            lines.append(
+                f"{o.name[:24]:<24} {str(list(o.shape))[:18]:<18} {o.dtype:<9} {fmt(o.modular_max_abs):>11} "
+                f"{fmt(o.modular_max_rel):>9} {fmt(o.flat_max_abs):>9} {fmt(o.flat_max_rel):>9} "
+                f"{fmt(o.modular_vs_flat_max_abs):>9} {tolerance:>15}  {'yes' if o.ok else 'NO'}"
+            )
+        lines.append("PASS" if self.ok else f"FAIL: {len(self.failures())} output(s) beyond tolerance")
+        return "\n".join(lines)
+
+
+def flatten_inputs(args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
+    """Tensors of (args, kwargs) in the order torch.export makes them graph inputs."""
+    leaves = torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs or {})))
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def flatten_outputs(outputs: Any) -> list[torch.Tensor]:
+    """Tensors of a model's return value, in the order of the ONNX graph outputs."""
+    return [leaf for leaf in torch.utils._pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
+
+
+def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def inline_model(source: str | os.PathLike, destination: str | os.PathLike) -> None:
+    """Write a flat copy of ``source`` (all local functions inlined) next to it.
+
+    Weights stay where they are: external data is not loaded, so both files share
+    it when they sit in one folder.
+    """
+    proto = onnx.load(str(source), load_external_data=False)
+    flat = onnx.inliner.inline_local_functions(proto)
+    onnx.save(flat, str(destination))
+
+
+def run_onnxruntime(path: str | os.PathLike, inputs: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    if len(names) != len(inputs):
+        raise ValueError(f"The model has {len(names)} inputs but {len(inputs)} tensors were given")
+    feeds = {name: _to_numpy(tensor) for name, tensor in zip(names, inputs)}
+    return session.run(None, feeds)
+
+
+def _differences(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
+    """(max abs, max rel) difference; NaN/inf at the same places count as equal."""
+    actual64 = np.asarray(actual).astype(np.float64)
+    expected64 = np.asarray(expected).astype(np.float64)
+    if actual64.shape != expected64.shape:
+        return float("inf"), float("inf")
+    if actual64.size == 0:
+        return 0.0, 0.0
+    same = (np.isnan(actual64) & np.isnan(expected64)) | (actual64 == expected64)
+    diff = np.where(same, 0.0, np.abs(actual64 - expected64))
+    diff = np.where(np.isnan(diff), np.inf, diff)
+    scale = np.abs(np.where(np.isfinite(expected64), expected64, 0.0))
+    rel = np.where(diff == 0, 0.0, diff / np.maximum(scale, np.finfo(np.float64).tiny))
+    return float(diff.max()), float(rel.max())
+
+
+def _within(actual: np.ndarray, expected: np.ndarray, tolerance: Tolerance) -> bool:
+    actual64 = np.asarray(actual).astype(np.float64)
+    expected64 = np.asarray(expected).astype(np.float64)
+    if actual64.shape != expected64.shape:
+        return False
+    return bool(np.allclose(actual64, expected64, atol=tolerance.atol, rtol=tolerance.rtol, equal_nan=True))
+
+
+def compare(
+    expected: Sequence[torch.Tensor],
+    modular: Sequence[np.ndarray],
+    flat: Sequence[np.ndarray] | None,
+    *,
+    names: Sequence[str] | None = None,
+    tolerance: Tolerance | None = None,
+) -> ParityReport:
+    """Build a :class:`ParityReport` from torch outputs and onnxruntime outputs."""
+    if len(modular) != len(expected):
+        raise ParityError(
+            f"The ONNX model has {len(modular)} outputs but PyTorch returned {len(expected)} tensors.",
+            hint="Outputs that are not tensors (None, ints) are not ONNX outputs; return tensors only.",
+        )
+    results = []
+    for index, torch_value in enumerate(expected):
+        name = names[index] if names and index < len(names) else f"output_{index}"
+        tol = tolerance or default_tolerance(torch_value.dtype)
+        reference = _to_numpy(torch_value)
+        modular_abs, modular_rel = _differences(modular[index], reference)
+        ok = _within(modular[index], reference, tol)
+        flat_abs = flat_rel = modular_vs_flat = None
+        if flat is not None:
+            flat_abs, flat_rel = _differences(flat[index], reference)
+            modular_vs_flat, _ = _differences(modular[index], flat[index])
+            ok = ok and _within(flat[index], reference, tol)
+        results.append(
+            OutputParity(
+                name=name,
+                shape=tuple(torch_value.shape),
+                dtype=str(torch_value.dtype).replace("torch.", ""),
+                tolerance=tol,
+                modular_max_abs=modular_abs,
+                modular_max_rel=modular_rel,
+                flat_max_abs=flat_abs,
+                flat_max_rel=flat_rel,
+                modular_vs_flat_max_abs=modular_vs_flat,
+                ok=ok,
+            )
+        )
+    return ParityReport(results)
+
+
+def verify_file(
+    path: str | os.PathLike,
+    inputs: Sequence[torch.Tensor],
+    expected: Sequence[torch.Tensor],
+    *,
+    flat: bool = True,
+    tolerance: Tolerance | None = None,
+) -> ParityReport:
+    """Run ``path`` (and its inlined copy) in onnxruntime and compare with ``expected``."""
+    path = pathlib.Path(path)
+    names = [o.name for o in onnx.load(str(path), load_external_data=False).graph.output]
+    modular_outputs = run_onnxruntime(path, inputs)
+    flat_outputs = None
+    if flat:
+        # The flat copy sits next to the model so that both read the same external data.
+        flat_path = path.parent / f".{path.stem}.flat-{uuid.uuid4().hex[:8]}.onnx"
+        try:
+            inline_model(path, flat_path)
+            flat_outputs = run_onnxruntime(flat_path, inputs)
+        finally:
+            flat_path.unlink(missing_ok=True)
+    return compare(expected, modular_outputs, flat_outputs, names=names, tolerance=tolerance)
+
+
+def assert_parity(report: ParityReport, *, result=None) -> None:
+    """Raise :class:`ParityError` naming each output beyond tolerance."""
+    if report.ok:
+        return
+    lines = [
+        f"{o.name}: max abs {o.modular_max_abs:.3e} (flat {o.flat_max_abs if o.flat_max_abs is None else f'{o.flat_max_abs:.3e}'}), "
+        f"tolerance atol={o.tolerance.atol:g} rtol={o.tolerance.rtol:g}"
+        for o in report.failures()
+    ]
+    raise ParityError(
+        "onnxruntime results differ from PyTorch:\n  " + "\n  ".join(lines),
+        report=report,
+        result=result,
+        hint="Inspect error.report; error.result.save(path) keeps the model for debugging; "
+        "loosen rtol/atol if the drift is expected (e.g. float16).",
+    )
