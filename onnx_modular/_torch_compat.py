@@ -30,6 +30,7 @@ __all__ = [
     "add_opset_imports",
     "default_opset",
     "fx_node_of",
+    "rename_dynamic_axes",
     "torch_dtype_to_ir",
 ]
 
@@ -109,6 +110,22 @@ def torch_dtype_to_ir(dtype: torch.dtype) -> ir.DataType:
     """The translator's own dtype table, so that signatures match what it emits."""
     _core, _, _ = _exporter()
     return _core.torch_dtype_to_onnx_dtype(dtype)
+
+
+def rename_dynamic_axes(model: ir.Model, dynamic_shapes) -> None:
+    """Name symbolic dims after the user's ``Dim`` / string axis names (``batch``, not ``s72``).
+
+    torch only does this for string axes; Dim objects carry a name too.
+    """
+    if not dynamic_shapes:
+        return
+    from torch.onnx._internal.exporter import _dynamic_shapes, _ir_passes
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mapping = _dynamic_shapes.create_rename_mapping(model.graph.inputs, dynamic_shapes)
+    if mapping:
+        _ir_passes.rename_axis(model, mapping)
 
 
 def fx_node_of(node: ir.Node) -> torch.fx.Node | None:

@@ -440,6 +440,7 @@ def export_modular(
     with timer("translate"):
         try:
             model_ir = _torch_compat.translate(program, opset_version)
+            _torch_compat.rename_dynamic_axes(model_ir, dynamic_shapes)
         except Exception as e:
             raise TranslationError(
                 f"torch's translator failed: {type(e).__name__}: {_first_line(e)}",

@@ -22,6 +22,7 @@ import torch
 __all__ = ["ModuleCall", "CallTree", "module_info", "package_of"]
 
 _CALL_INDEX = re.compile(r"@(\d+)$")
+_SYNTHETIC_KEY_PREFIX = "_empty_nn_module_stack"
 
 
 @dataclasses.dataclass
@@ -248,9 +249,9 @@ def build_call_tree(stacks: list[dict[str, tuple[str, Any]]], model: torch.nn.Mo
     del root_cls
     for stack in stacks:
         parent = root
-        for i, (key, (path, cls)) in enumerate(stack.items()):
-            if i == 0 and path == "":
-                continue  # the root module itself is the main graph
+        for key, (path, cls) in stack.items():
+            if path == "" or key.startswith(_SYNTHETIC_KEY_PREFIX):
+                continue  # the root module is the main graph; torch adds synthetic entries for hoisted sizes
             call = by_key.get(key)
             if call is None:
                 cls_name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
