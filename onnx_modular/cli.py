@@ -1,0 +1,428 @@
+"""The ``onnx-modular`` command line: a thin layer over the library.
+
+Subcommands::
+
+    onnx-modular export package.module:factory -o m.onnx   # export_modular + report + tree
+    onnx-modular tree m.onnx [--depth N] [--class NAME]    # the function-call tree
+    onnx-modular inline m.onnx flat.onnx [--only NAME ...] # onnx.inliner, written atomically
+    onnx-modular verify m.onnx [--inputs x.npz]            # onnxruntime: modular vs inlined copy
+    onnx-modular view m.onnx [--port P]                    # Netron on localhost
+
+Exit codes: 0 success; 1 verification failure (outputs differ beyond tolerance);
+2 usage error or bad input (unreadable model, bad factory, export failure, ...);
+3 internal error (a bug: the traceback is printed). Errors of onnx_modular print one
+line ``error: ...`` on stderr; ``--verbose`` adds the traceback.
+
+Example::
+
+    python -m onnx_modular export onnx_modular.demo:gpt2 -o gpt2.onnx
+    python -m onnx_modular tree gpt2.onnx --depth 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from onnx_modular import inspect_model
+from onnx_modular.errors import InvalidInputError, OnnxModularError, ParityError
+
+__all__ = ["main", "build_parser", "EXIT_OK", "EXIT_MISMATCH", "EXIT_USAGE", "EXIT_INTERNAL"]
+
+EXIT_OK = 0
+EXIT_MISMATCH = 1
+EXIT_USAGE = 2
+EXIT_INTERNAL = 3
+
+
+class _Mismatch(Exception):
+    """Verification ran and found differences beyond tolerance (exit code 1)."""
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))
+
+
+# -- export ------------------------------------------------------------------------------
+
+
+def _load_factory(spec: str):
+    """``package.module:factory`` or ``path/to/file.py:factory`` -> the callable."""
+    module_name, sep, attribute = spec.rpartition(":")
+    if not sep or not module_name or not attribute:
+        raise InvalidInputError(f"Expected 'package.module:factory', got {spec!r}.")
+    if module_name.endswith(".py"):
+        file = pathlib.Path(module_name)
+        if not file.is_file():
+            raise InvalidInputError(f"The factory file {module_name!r} does not exist.")
+        module_spec = importlib.util.spec_from_file_location(file.stem, file)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:
+            raise InvalidInputError(f"Running {module_name!r} failed: {type(e).__name__}: {e}") from e
+    else:
+        # Like `python -m`, find modules in the current folder (console scripts do not).
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise InvalidInputError(f"Cannot import {module_name!r}: {e}") from e
+        except Exception as e:
+            raise InvalidInputError(f"Importing {module_name!r} failed: {type(e).__name__}: {e}") from e
+    target: Any = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise InvalidInputError(f"{module_name!r} has no attribute {attribute!r}.")
+        target = getattr(target, part)
+    if not callable(target):
+        raise InvalidInputError(f"{spec!r} is not callable (a factory returning (model, args) is expected).")
+    return target
+
+
+def _call_factory(spec: str) -> dict[str, Any]:
+    """Call the factory and normalize its result to model/args/kwargs/dynamic_shapes."""
+    factory = _load_factory(spec)
+    try:
+        result = factory()
+    except Exception as e:
+        raise InvalidInputError(f"The factory {spec!r} raised {type(e).__name__}: {e}") from e
+    keys = ("model", "args", "kwargs", "dynamic_shapes")
+    if isinstance(result, dict):
+        unknown = sorted(set(result) - set(keys))
+        if unknown or "model" not in result:
+            raise InvalidInputError(
+                f"The factory {spec!r} returned a dict with keys {sorted(result)}; expected 'model' and "
+                f"optionally {', '.join(repr(k) for k in keys[1:])}."
+            )
+        values = {key: result.get(key) for key in keys}
+    elif isinstance(result, (tuple, list)) and 2 <= len(result) <= 4:
+        values = dict(zip(keys, result))
+    else:
+        raise InvalidInputError(
+            f"The factory {spec!r} returned {type(result).__name__}; expected (model, args), "
+            "(model, args, kwargs), (model, args, kwargs, dynamic_shapes) or a dict with those keys."
+        )
+    if values.get("args") is None:
+        values["args"] = ()
+    return values
+
+
+def _export(args: argparse.Namespace) -> int:
+    from onnx_modular.export import export_modular  # imports torch: only when exporting
+
+    values = _call_factory(args.factory)
+    started = time.perf_counter()
+
+    def progress(stage: str, seconds: float) -> None:
+        _stderr(f"  {stage:<11} {seconds:7.2f}s")
+
+    _stderr(f"Exporting {args.factory} to {args.output}")
+    try:
+        with warnings.catch_warnings():
+            if not getattr(args, "verbose", False):
+                # torch's own deprecation notices say nothing about the user's model.
+                warnings.simplefilter("ignore", FutureWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)
+            result = export_modular(
+                values["model"],
+                values["args"],
+                args.output,
+                kwargs=values.get("kwargs"),
+                dynamic_shapes=values.get("dynamic_shapes"),
+                opset_version=args.opset,
+                dedupe=not args.no_dedupe,
+                verify=not args.no_verify,
+                progress=progress,
+            )
+    except ParityError as e:
+        if e.report is not None:
+            if args.json:
+                _print_json({"path": None, "ok": False, "report": e.report.to_dict()})
+            else:
+                print(e.report)
+        raise
+    _stderr(f"  {'total':<11} {time.perf_counter() - started:7.2f}s")
+    tree = inspect_model.function_tree(inspect_model.load_model_file(args.output))
+    if args.json:
+        _print_json(
+            {
+                "path": str(args.output),
+                "ok": True if result.report is None else result.report.ok,
+                "timings": result.timings,
+                "report": None if result.report is None else result.report.to_dict(),
+                "tree": tree.to_dict(),
+            }
+        )
+    else:
+        if result.report is not None:
+            print(result.report)
+        print(f"Wrote {args.output}: {len(result.functions)} module functions")
+        print(tree.format())
+    return EXIT_OK
+
+
+# -- tree, inline ------------------------------------------------------------------------
+
+
+def _tree(args: argparse.Namespace) -> int:
+    model = inspect_model.load_model_file(args.model)
+    tree = inspect_model.function_tree(model)
+    if args.json:
+        _print_json(tree.filtered(args.depth, args.class_name).to_dict())
+    else:
+        print(tree.format(max_depth=args.depth, class_filter=args.class_name))
+    return EXIT_OK
+
+
+def _inline(args: argparse.Namespace) -> int:
+    source = inspect_model.load_model_file(args.model)
+    flat = inspect_model.inline_file(args.model, args.output, only=args.only)
+    inlined = len(source.functions) - len(flat.functions)
+    print(
+        f"Wrote {args.output}: {len(flat.graph.node)} nodes in the main graph, "
+        f"{len(flat.functions)} local functions left ({inlined} inlined)"
+    )
+    return EXIT_OK
+
+
+# -- verify ------------------------------------------------------------------------------
+
+
+def _parse_dims(items: Sequence[str]) -> dict[str, int]:
+    dims = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            size = int(value)
+        except ValueError:
+            size = -1
+        if not sep or not name or size < 0:
+            raise InvalidInputError(f"--dim expects name=size with size >= 0, got {item!r}.")
+        dims[name] = size
+    return dims
+
+
+def _load_npz(path: str, what: str) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            if not hasattr(archive, "files"):
+                raise InvalidInputError(f"{what} {path!r} holds a single array; save a .npz with np.savez(name=array).")
+            return {name: archive[name] for name in archive.files}
+    except FileNotFoundError:
+        raise InvalidInputError(f"{what} {path!r} does not exist.") from None
+    except (OSError, ValueError) as e:
+        raise InvalidInputError(f"{what} {path!r} is not a readable .npz file: {e}") from None
+
+
+def _feeds_from_npz(model, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    names = [value.name for value in inspect_model.model_inputs(model)]
+    positional = [f"arr_{i}" for i in range(len(arrays))]
+    if sorted(arrays) == sorted(positional) and not set(arrays) & set(names):
+        arrays = {name: arrays[f"arr_{i}"] for i, name in enumerate(names) if f"arr_{i}" in arrays}
+    inspect_model.check_feeds(model, arrays)
+    return arrays
+
+
+def _verify(args: argparse.Namespace) -> int:
+    model = inspect_model.load_model_file(args.model)
+    dims = _parse_dims(args.dim)
+    if args.inputs:
+        if dims:
+            raise InvalidInputError("--dim sizes random inputs; it cannot be combined with --inputs.")
+        feeds = _feeds_from_npz(model, _load_npz(args.inputs, "--inputs"))
+    else:
+        feeds = inspect_model.random_inputs(model, dims=dims, seed=args.seed)
+    expected = _load_npz(args.expected, "--expected") if args.expected else None
+    report = inspect_model.compare_with_inlined(args.model, feeds, expected=expected, atol=args.atol, rtol=args.rtol)
+    if args.json:
+        _print_json(
+            {
+                "path": str(args.model),
+                "inputs": {name: {"shape": list(a.shape), "dtype": str(a.dtype)} for name, a in feeds.items()},
+                **report.to_dict(),
+            }
+        )
+    else:
+        shapes = ", ".join(f"{name}{list(a.shape)}" for name, a in feeds.items())
+        print(f"inputs: {shapes or '(none)'}" + ("" if args.inputs else f" (random, seed {args.seed})"))
+        print(report)
+    if not report.ok:
+        failed = ", ".join(o.name for o in report.outputs if not o.ok)
+        raise _Mismatch(f"outputs differ beyond atol={args.atol:g} rtol={args.rtol:g}: {failed}")
+    return EXIT_OK
+
+
+# -- view --------------------------------------------------------------------------------
+
+
+def _view(args: argparse.Namespace) -> int:
+    inspect_model.load_model_file(args.model)
+    try:
+        import netron
+    except ImportError:
+        raise InvalidInputError("Viewing needs the netron package: pip install netron") from None
+    try:
+        address = netron.start(str(args.model), address=(args.host, args.port), browse=not args.no_browser)
+    except OSError as e:
+        raise InvalidInputError(f"Netron cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
+    host, port = address if isinstance(address, tuple) else (args.host, address)
+    _stderr(f"Netron is serving {args.model} at http://{host}:{port} (Ctrl+C to stop)")
+    netron.wait()
+    return EXIT_OK
+
+
+# -- parser and main -----------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for documentation and tests)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="print tracebacks of errors"
+    )
+    parser = argparse.ArgumentParser(
+        prog="onnx-modular",
+        description="Export PyTorch models to ONNX with every module call as a nested local function, "
+        "and inspect, inline, verify or view such files.",
+        epilog="Exit codes: 0 ok, 1 verification failure, 2 usage error or bad input, 3 internal error.",
+        parents=[common],
+    )
+    from onnx_modular import __version__
+
+    parser.add_argument("--version", action="version", version=f"onnx-modular {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    export = commands.add_parser(
+        "export", parents=[common], help="export a model from a factory function",
+        description="Call FACTORY (package.module:function or file.py:function), which returns "
+        "(model, args), (model, args, kwargs), (model, args, kwargs, dynamic_shapes) or a dict with "
+        "those keys, and export the model with export_modular.",
+    )
+    export.add_argument("factory", metavar="FACTORY", help="package.module:function or path/file.py:function")
+    export.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    export.add_argument("--no-verify", action="store_true", help="skip the onnxruntime-vs-PyTorch parity check")
+    export.add_argument("--no-dedupe", action="store_true", help="keep one function per call (no sharing)")
+    export.add_argument("--opset", type=int, default=None, metavar="N", help="ONNX opset of the default domain")
+    export.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    export.set_defaults(run=_export)
+
+    tree = commands.add_parser(
+        "tree", parents=[common], help="print the function-call tree of an ONNX file",
+        description="Print the call hierarchy of the local functions of any ONNX file: call path, "
+        "function, domain, calls of that function in the whole model, nodes in its body, and the "
+        "weight elements flowing into the call.",
+    )
+    tree.add_argument("model", help="the .onnx file")
+    tree.add_argument("--depth", type=_positive, default=None, metavar="N", help="show calls down to depth N")
+    tree.add_argument(
+        "--class", dest="class_name", default=None, metavar="NAME",
+        help="keep calls whose function or class matches NAME (a glob such as 'GPT2*'), and their ancestors",
+    )
+    tree.add_argument("--json", action="store_true", help="print the tree as JSON")
+    tree.set_defaults(run=_tree)
+
+    inline = commands.add_parser(
+        "inline", parents=[common], help="inline local functions (all, or selected ones)",
+        description="Write a copy with local functions inlined by onnx.inliner. The output is written "
+        "atomically: a failure leaves no file behind.",
+    )
+    inline.add_argument("model", help="the .onnx file to read")
+    inline.add_argument("output", help="the .onnx file to write")
+    inline.add_argument(
+        "--only", nargs="+", default=None, metavar="NAME",
+        help="inline only these functions (NAME or DOMAIN:NAME); calls nested in them stay calls",
+    )
+    inline.set_defaults(run=_inline)
+
+    verify = commands.add_parser(
+        "verify", parents=[common], help="compare the model with its inlined copy in onnxruntime",
+        description="Run the model and its inlined copy in onnxruntime on the same inputs (random "
+        "from the declared shapes and types, or --inputs) and compare every output.",
+    )
+    verify.add_argument("model", help="the .onnx file")
+    verify.add_argument("--inputs", default=None, metavar="FILE.npz", help="inputs by name (or arr_0, arr_1, ...)")
+    verify.add_argument(
+        "--expected", default=None, metavar="FILE.npz", help="expected outputs by name; the model must match them too"
+    )
+    verify.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    verify.add_argument(
+        "--dim", action="append", default=[], metavar="NAME=SIZE",
+        help="size of a symbolic dimension in random inputs (default 2); repeatable",
+    )
+    verify.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default 1e-4)")
+    verify.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default 1e-3)")
+    verify.add_argument("--json", action="store_true", help="print the report as JSON")
+    verify.set_defaults(run=_verify)
+
+    view = commands.add_parser(
+        "view", parents=[common], help="open the model in Netron (served on localhost)",
+        description="Serve the model with Netron (pip install netron) and open it in a browser. "
+        "In Netron, click the ƒ on a call node to enter its function.",
+    )
+    view.add_argument("model", help="the .onnx file")
+    view.add_argument("--port", type=int, default=8080, help="port to serve on (default 8080)")
+    view.add_argument("--host", default="localhost", help="address to serve on (default localhost)")
+    view.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    view.set_defaults(run=_view)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code.
+
+    Example::
+
+        main(["tree", "gpt2.onnx", "--depth", "1"])
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version and usage errors
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    if getattr(args, "run", None) is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    verbose = getattr(args, "verbose", False)
+    try:
+        return args.run(args)
+    except _Mismatch as e:
+        _stderr(f"error: {e}")
+        return EXIT_MISMATCH
+    except OnnxModularError as e:
+        if verbose:
+            traceback.print_exc()
+        else:
+            _stderr(f"error: {str(e).splitlines()[0]}")
+        return EXIT_MISMATCH if isinstance(e, ParityError) else EXIT_USAGE
+    except KeyboardInterrupt:
+        _stderr("interrupted")
+        return 130
+    except Exception:
+        traceback.print_exc()
+        _stderr("error: internal error (the traceback above); please report it with the command and the model.")
+        return EXIT_INTERNAL

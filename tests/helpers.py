@@ -1,0 +1,65 @@
+"""Helpers that read the structure of an exported modular model."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+DOMAIN_TORCH = "pkg.torch.2.13.0"
+DOMAIN_TRANSFORMERS = "pkg.transformers.5.23.0"
+
+CALL_METADATA_KEYS = {
+    "pkg.onnx_modular.module_path",
+    "pkg.onnx_modular.call_index",
+    "pkg.onnx_modular.class",
+    "pkg.onnx_modular.package",
+    "pkg.onnx_modular.package_version",
+    "namespace",
+}
+
+
+def functions_by_name(model: ir.Model) -> dict[str, ir.Function]:
+    return {f.name: f for f in model.functions.values()}
+
+
+def is_call(node: ir.Node, model: ir.Model) -> bool:
+    """A call of a module-call function (torch's own helper functions excluded)."""
+    function = model.functions.get(node.op_identifier())
+    return function is not None and "pkg.onnx_modular.class" in function.metadata_props
+
+
+def expanded_calls(model: ir.Model) -> list[tuple[str, str, int]]:
+    """Every module call reachable from the main graph, expanded through shared bodies.
+
+    Returns (call node name, function name, depth) in execution order. A function
+    shared by N calls is walked N times, so this counts calls, not definitions.
+    """
+    calls = []
+
+    def walk(nodes, depth):
+        for node in nodes:
+            function = model.functions.get(node.op_identifier())
+            if function is not None and is_call(node, model):
+                calls.append((node.name, function.name, depth))
+                walk(function, depth + 1)
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.GRAPH:
+                    walk(attr.value, depth)
+
+    walk(model.graph, 1)
+    return calls
+
+
+def max_depth(model: ir.Model) -> int:
+    return max((depth for _, _, depth in expanded_calls(model)), default=0)
+
+
+def top_level_calls(model: ir.Model) -> list[str]:
+    return [node.name for node in model.graph if is_call(node, model)]
+
+
+def call_nodes(model: ir.Model) -> list[ir.Node]:
+    """Call nodes in the main graph and in every function body."""
+    nodes = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if is_call(n, model)]
+    for function in model.functions.values():
+        nodes += [n for n in ir.traversal.RecursiveGraphIterator(function) if is_call(n, model)]
+    return nodes

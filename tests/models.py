@@ -1,0 +1,238 @@
+"""Small models for the tests: transformers configs with random weights, and hand-made traps."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+# -- transformers ------------------------------------------------------------------
+
+
+def gpt2(n_layer: int = 2, d: int = 64):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=n_layer, n_embd=d, n_head=4, vocab_size=100, n_positions=64, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )
+    return transformers.GPT2Model(config).eval(), (torch.randint(0, 100, (2, 8)),), {}
+
+
+def llama(n_layer: int = 2):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False, max_position_embeddings=64,
+    )
+    return transformers.LlamaModel(config).eval(), (torch.randint(0, 100, (2, 8)),), {}
+
+
+def bert():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64,
+    )
+    return transformers.BertModel(config).eval(), (torch.randint(0, 100, (2, 8)),), {}
+
+
+def vit():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(
+        image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    )
+    return transformers.ViTModel(config).eval(), (torch.randn(2, 3, 32, 32),), {}
+
+
+def t5():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, use_cache=False,
+    )
+    kwargs = dict(input_ids=torch.randint(0, 100, (2, 8)), decoder_input_ids=torch.randint(0, 100, (2, 5)))
+    return transformers.T5Model(config).eval(), (), kwargs
+
+
+# -- a ResNet-like conv net (torchvision is not available) ----------------------------
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+class ResNetLike(nn.Module):
+    def __init__(self, widths=(8, 16), blocks_per_stage=2, num_classes=10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+        layers = []
+        cin = widths[0]
+        for i, width in enumerate(widths):
+            blocks = [BasicBlock(cin, width, stride=1 if i == 0 else 2)]
+            blocks += [BasicBlock(width, width) for _ in range(blocks_per_stage - 1)]
+            layers.append(nn.Sequential(*blocks))
+            cin = width
+        self.layers = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x):
+        x = self.layers(self.stem(x))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def resnet():
+    torch.manual_seed(0)
+    model = ResNetLike().eval()
+    # Non-trivial BatchNorm statistics, so that buffers matter numerically.
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.running_mean.uniform_(-0.5, 0.5)
+            module.running_var.uniform_(0.5, 1.5)
+    return model, (torch.randn(2, 3, 16, 16),), {}
+
+
+# -- traps ---------------------------------------------------------------------------
+
+
+class Scale(nn.Module):
+    def __init__(self, dim: int = 4):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.linear(x) * 2
+
+
+class SameInstanceTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.shared = Scale()
+
+    def forward(self, x):
+        return self.shared(self.shared(x) + 1)
+
+
+class SwapWithOps(nn.Module):
+    def forward(self, a, b):
+        return b * 3, a + 1
+
+
+class SwapPassThrough(nn.Module):
+    def forward(self, a, b):
+        return b, a
+
+
+class SwappedOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.swap = SwapWithOps()
+        self.pass_through = SwapPassThrough()
+
+    def forward(self, x, y):
+        p, q = self.swap(x, y)  # p = y * 3, q = x + 1
+        r, s = self.pass_through(p, q)  # r = q, s = p
+        return r - s
+
+
+class ThreeOutputs(nn.Module):
+    def forward(self, x):
+        return x + 1, x * 2, x - 3
+
+
+class OutOfOrder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.split = ThreeOutputs()
+
+    def forward(self, x):
+        first, _, third = self.split(x)
+        return third * 10 + first
+
+
+class Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = Scale()
+        self.ignored = Scale()
+
+    def forward(self, x):
+        _ = self.ignored(x)
+        return self.used(x)
+
+
+class KwOnly(nn.Module):
+    def forward(self, x, *, gate):
+        return x * torch.sigmoid(gate)
+
+
+class KwargsModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gated = KwOnly()
+
+    def forward(self, x, gate=None):
+        return self.gated(x, gate=gate) + 1
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+class CondBranch(nn.Module):
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda t: t.sin() * 2, lambda t: t.cos() - 1, (x,))
+
+
+class CondNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.branch = CondBranch()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.branch(self.proj(x))
+
+
+class Containers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Scale(), Scale()])
+        self.heads = nn.ModuleDict({"left": nn.Linear(4, 2), "right": nn.Linear(4, 3)})
+        self.skip = nn.Identity()
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        x = self.dropout(self.skip(x))
+        return self.heads["left"](x), self.heads["right"](x)
