@@ -74,7 +74,13 @@ def staged_save(model: ir.Model, path: str | os.PathLike, *, external_data: bool
     parent = destination.parent
     external = wants_external_data(model, external_data)
     data_name = destination.name + ".data"
-    tmpdir = pathlib.Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=parent))
+    try:
+        tmpdir = pathlib.Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=parent))
+    except OSError as e:
+        raise SaveError(
+            f"Cannot write in {str(parent)!r}: {e.strerror or e}",
+            hint="Choose a folder you can write to.",
+        ) from e
     try:
         staged = tmpdir / destination.name
         try:

@@ -197,9 +197,16 @@ def _torch_to_ir_dtype(dtype: torch.dtype) -> ir.DataType:
     return _torch_compat.torch_dtype_to_ir(dtype)
 
 
-def _eager_run(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Any, dict[tuple[str, int], CallSignature]]:
-    """Run the model once in PyTorch, recording what each module call received and returned."""
+def _eager_run(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """Run the model once in PyTorch, recording every module call and its tensors.
+
+    Returns:
+        (outputs, signatures per (module path, call index), calls in order as
+        (module path, call index, parent call or None)).
+    """
     signatures: dict[tuple[str, int], CallSignature] = {}
+    calls: list[tuple[str, int, tuple[str, int] | None]] = []
+    active: list[tuple[str, int]] = []
     counts: dict[int, int] = {}
     pending: dict[int, list[tuple[str, int, list[TensorSpec]]]] = {}
     handles = []
@@ -227,9 +234,12 @@ def _eager_run(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Any, 
                     else:
                         specs += _tensor_specs(name, value)
             pending.setdefault(id(mod), []).append((path, index, specs))
+            calls.append((path, index, active[-1] if active else None))
+            active.append((path, index))
 
         def post_hook(mod, hook_args, hook_kwargs, output):
             path_, index, specs = pending[id(mod)].pop()
+            active.pop()
             outputs = _tensor_specs("output", output)
             signatures[(path_, index)] = CallSignature(specs, outputs)
 
@@ -251,7 +261,7 @@ def _eager_run(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Any, 
     finally:
         for handle in handles:
             handle.remove()
-    return outputs, signatures
+    return outputs, signatures, calls
 
 
 # -- locating the module behind an error -------------------------------------------
@@ -413,7 +423,7 @@ def export_modular(
             progress(stage, timer.timings.get(stage, 0.0))
 
     with timer("capture"):
-        expected_outputs, signatures = _eager_run(model, args, kwargs)
+        expected_outputs, signatures, eager_calls = _eager_run(model, args, kwargs)
         try:
             program = _torch_compat.capture(model, args, kwargs, dynamic_shapes)
         except Exception as e:
@@ -457,7 +467,7 @@ def export_modular(
                 for fx_node in program.graph.nodes
                 if fx_node.op == "call_function" and fx_node.meta.get("nn_module_stack")
             ]
-            tree = build_call_tree(stacks, model)
+            tree = build_call_tree(stacks, model, eager_calls)
             _annotate_stacks(model_ir, tree, select)
             cleanup.remove_unused(model_ir)
             OutlineModuleCallsPass(tree, signatures)(model_ir)
@@ -508,8 +518,18 @@ def export_modular(
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:500] if text else ""
+    """The first line of the error, plus that of its innermost cause (which usually says why)."""
+
+    def line(error: BaseException) -> str:
+        text = str(error).strip()
+        return text.splitlines()[0][:400] if text else type(error).__name__
+
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    if root is exc:
+        return line(exc)
+    return f"{line(exc)} Cause: {type(root).__name__}: {line(root)}"
 
 
 def _version() -> str:

@@ -234,12 +234,20 @@ def call_index_of(key: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-def build_call_tree(stacks: list[dict[str, tuple[str, Any]]], model: torch.nn.Module) -> CallTree:
+def build_call_tree(
+    stacks: list[dict[str, tuple[str, Any]]],
+    model: torch.nn.Module,
+    eager_calls: list[tuple[str, int, tuple[str, int] | None]] | None = None,
+) -> CallTree:
     """Build the tree from the ``nn_module_stack`` of each FX node, in graph order.
 
     Args:
         stacks: ``nn_module_stack`` dicts (key -> (module path, class)) in execution order.
         model: The live model, used to resolve classes and source locations.
+        eager_calls: ``(module path, call index, parent (path, index) or None)`` for every
+            call seen in an eager run, in call order. Calls that left no op in the graph
+            (``nn.Identity``, a module whose result is unused) are only known from here;
+            they join the tree with ``function=None``.
     """
     root_cls = type(model)
     qualified, package, version, source = module_info(model, "")
@@ -260,4 +268,22 @@ def build_call_tree(stacks: list[dict[str, tuple[str, Any]]], model: torch.nn.Mo
                 parent.children.append(call)
                 by_key[key] = call
             parent = call
+    if eager_calls:
+        _add_eager_calls(root, by_key, eager_calls, modules)
     return CallTree(root)
+
+
+def _add_eager_calls(root: ModuleCall, by_key: dict[str, ModuleCall], eager_calls, modules) -> None:
+    by_call = {(call.module_path, call.call_index): call for call in by_key.values()}
+    order = {(path, index): i for i, (path, index, _) in enumerate(eager_calls)}
+    for path, index, parent_id in eager_calls:
+        if path == "" or (path, index) in by_call:
+            continue
+        parent = by_call.get(parent_id, root) if parent_id and parent_id[0] else root
+        module = modules.get(path)
+        qualified, package, version, source = module_info(module, type(module).__name__ if module is not None else "")
+        call = ModuleCall(f"eager:{path}@{index}", path, index, qualified, package, version, source, parent=parent)
+        parent.children.append(call)
+        by_call[(path, index)] = call
+    for call in root.walk():
+        call.children.sort(key=lambda child: order.get((child.module_path, child.call_index), len(order)))

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The demo: export a small random-weight GPT-2, print the function tree and the parity report,
+# and write out/gpt2_modular.onnx.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+mkdir -p out
+python3 -m onnx_modular export onnx_modular.demo:gpt2 -o out/gpt2_modular.onnx

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Installs what the tests need (Python packages; Debian's Chromium for the Netron browser test)
+# and runs the default test suite. Extra arguments go to pytest (e.g. --runslow).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+    || echo "warning: Chromium could not be installed; the Netron browser test will be skipped" >&2
+fi
+python3 -m pytest -q "$@"

@@ -1,0 +1,110 @@
+"""Bad input gets a typed error that names the stage and module, and never a partial file."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import models
+from onnx_modular import (
+    CaptureError,
+    InvalidInputError,
+    ModularExport,
+    OnnxModularError,
+    ParityError,
+    SaveError,
+    TranslationError,
+    export_modular,
+)
+
+
+class Wrap(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) + 1
+
+
+class DataDependent(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # torch.export cannot trace Python control flow on values
+            return x * 2
+        return x
+
+
+class Unsupported(nn.Module):
+    def forward(self, x):
+        return torch.histc(x, bins=4)  # no ONNX implementation in torch's registry
+
+
+class Random(nn.Module):
+    def forward(self, x):
+        return x + torch.rand_like(x)  # eager and onnxruntime draw different numbers
+
+
+def test_not_a_module():
+    with pytest.raises(InvalidInputError, match="needs a torch.nn.Module, got function"):
+        export_modular(lambda x: x, (torch.randn(2),))
+
+
+def test_args_do_not_match_forward():
+    with pytest.raises(InvalidInputError, match=r"do not match Wrap.forward\(x\)") as info:
+        export_modular(Wrap(nn.Identity()), (torch.randn(2), torch.randn(2)))
+    assert info.value.module_path == ""
+    assert "What to do:" in str(info.value)
+
+
+def test_torch_export_rejection_names_the_module():
+    with pytest.raises(CaptureError, match="torch.export could not capture") as info:
+        export_modular(Wrap(DataDependent()), (torch.randn(3),))
+    assert info.value.module_path == "inner"
+    assert "Module: inner" in str(info.value)
+    assert info.value.__cause__ is not None
+
+
+def test_unsupported_op_names_the_module():
+    with pytest.raises(TranslationError, match="aten.histc") as info:
+        export_modular(Wrap(Unsupported()), (torch.randn(4, 4),))
+    assert info.value.module_path == "inner"
+    assert info.value.stage == "translate"
+    assert isinstance(info.value, OnnxModularError)
+
+
+def test_missing_output_folder_fails_before_export(tmp_path):
+    target = tmp_path / "missing" / "m.onnx"
+    with pytest.raises(SaveError, match="does not exist"):
+        export_modular(models.Scale().eval(), (torch.randn(2, 4),), target)
+    assert not target.parent.exists()
+
+
+def test_unwritable_folder(tmp_path):
+    # /proc refuses new files even for root: a real read-only location.
+    with pytest.raises(SaveError, match="Cannot write|not writable"):
+        export_modular(models.Scale().eval(), (torch.randn(2, 4),), "/proc/m.onnx")
+
+
+def test_failed_export_keeps_existing_file(tmp_path):
+    target = tmp_path / "m.onnx"
+    target.write_bytes(b"precious")
+    with pytest.raises(ParityError) as info:
+        export_modular(Wrap(Random()).eval(), (torch.randn(64, 64),), target)
+    assert target.read_bytes() == b"precious"
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx"]  # no temporary files left behind
+    error = info.value
+    assert error.report is not None and not error.report.ok
+    assert isinstance(error.result, ModularExport)
+    # The unverified model can still be kept for debugging, on request.
+    kept = error.result.save(tmp_path / "debug.onnx")
+    assert kept.exists()
+
+
+def test_failed_capture_writes_nothing(tmp_path):
+    target = tmp_path / "m.onnx"
+    with pytest.raises(CaptureError):
+        export_modular(Wrap(DataDependent()), (torch.randn(3),), target)
+    assert os.listdir(tmp_path) == []
