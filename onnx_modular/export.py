@@ -331,13 +331,16 @@ def _selector(modules: ModuleSelector, model: torch.nn.Module) -> Callable[[str,
 def _annotate_stacks(model_ir: ir.Model, tree: CallTree, select: Callable[[str, int], bool]) -> None:
     """Set ``node.meta[STACK_KEY]``: the selected module-call keys each node ran under."""
     depth_of = {call.key: call.depth for call in tree.walk()}
+    for call in tree.walk():
+        if call.parent is not None:
+            call.selected = select(call.module_path, depth_of[call.key])
     for node in model_ir.graph:
         fx_node = _torch_compat.fx_node_of(node)
         stack = (fx_node.meta.get("nn_module_stack") or {}) if fx_node is not None else {}
         node.meta[STACK_KEY] = tuple(
             key
             for key, (path, _) in stack.items()
-            if key in tree and key != "" and depth_of[key] > 0 and select(path, depth_of[key])
+            if key in tree and depth_of[key] > 0 and tree[key].selected
         )
 
 

@@ -40,6 +40,7 @@ class ModuleCall:
         children: Calls made from inside this call, in execution order.
         function: ``(domain, name)`` of the ONNX function of this call, once exported
             (``None`` for calls that produce no ops or are not selected).
+        selected: False when the ``modules`` option kept this call inline in its parent.
         num_nodes: ONNX nodes directly in the function body (excluding nested calls' bodies).
     """
 
@@ -54,6 +55,7 @@ class ModuleCall:
     parent: ModuleCall | None = dataclasses.field(default=None, repr=False)
     function: tuple[str, str] | None = None
     num_nodes: int = 0
+    selected: bool = True
 
     @property
     def class_name(self) -> str:
@@ -147,6 +149,7 @@ class CallTree:
                 "class": call.qualified_class,
                 "function": list(call.function) if call.function else None,
                 "nodes": call.num_nodes,
+                "selected": call.selected,
                 "children": [convert(child) for child in call.children],
             }
 
@@ -165,8 +168,10 @@ class CallTree:
                 if child.function is not None:
                     domain, name = child.function
                     what = f"{name}  [{domain}]  {child.num_nodes} nodes"
+                elif not child.selected:
+                    what = f"{child.class_name}  (not selected: inlined into its parent)"
                 else:
-                    what = f"{child.class_name}  (inlined: no ops or not selected)"
+                    what = f"{child.class_name}  (no ops)"
                 lines.append(f"{prefix}{branch}{child.call_name}: {what}")
                 if max_depth is None or depth + 1 < max_depth:
                     visit(child, prefix + ("   " if last else "│  "), depth + 1)
