@@ -371,7 +371,7 @@ def export_modular(
     external_data: bool | None = None,
     modules: ModuleSelector = "all",
     dedupe: bool = True,
-    optimize: bool = False,
+    optimize: bool = True,
     verify: bool = True,
     verify_flat: bool = True,
     rtol: float | None = None,
@@ -393,7 +393,9 @@ def export_modular(
             ``(module_path, module) -> bool``. Unselected modules are inlined into
             their parent; their nodes keep the ``namespace`` metadata.
         dedupe: Identical calls share one function definition (at every level).
-        optimize: Run onnxscript's optimizer on every body with ``inline=False``.
+        optimize: Run onnxscript's optimizer on every body with ``inline=False`` (constant
+            folding and simplification; the hierarchy is kept). On by default, as in
+            ``torch.onnx.export``.
         verify: Compare onnxruntime (modular and flat) with PyTorch; raise
             :class:`~onnx_modular.errors.ParityError` beyond tolerance (no file is written then).
         verify_flat: Also run the inlined (flat) copy in verification.
@@ -472,6 +474,7 @@ def export_modular(
             ]
             tree = build_call_tree(stacks, model, eager_calls)
             _annotate_stacks(model_ir, tree, select)
+            cleanup.inline_helper_functions(model_ir)
             cleanup.remove_unused(model_ir)
             OutlineModuleCallsPass(tree, signatures)(model_ir)
             if dedupe:

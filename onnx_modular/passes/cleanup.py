@@ -7,12 +7,40 @@ while keeping the hierarchy.
 
 from __future__ import annotations
 
+import json
+
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from onnx_modular import _torch_compat
+from onnx_modular.passes.modularize import STACK_KEY
 
-__all__ = ["remove_unused", "fix_opset_imports", "optimize_functions"]
+_TEMP_STACK_PROP = "pkg.onnx_modular.internal.stack"
+
+__all__ = ["inline_helper_functions", "remove_unused", "fix_opset_imports", "optimize_functions"]
+
+
+def inline_helper_functions(model: ir.Model) -> bool:
+    """Inline the functions torch's translator emits (torchlib helpers such as
+    ``aten_getitem``, ``torch.cond`` branches), before any module function exists.
+
+    They are implementation details, not modules: left as calls, they hide
+    ``SplitToSequence -> SequenceAt`` chains from the optimizer (which folds them into
+    ``Split`` once it sees them) and add call overhead in onnxruntime.
+    """
+    if not model.functions:
+        return False
+    # onnx_ir's inliner copies the call node's metadata_props onto the inlined nodes, but
+    # not its ``meta``: carry the module-call stack across in a temporary property.
+    for node in model.graph:
+        if STACK_KEY in node.meta:
+            node.metadata_props[_TEMP_STACK_PROP] = json.dumps(node.meta[STACK_KEY])
+    modified = common_passes.InlinePass()(model).modified
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        stack = node.metadata_props.pop(_TEMP_STACK_PROP, None)
+        if stack is not None and node.graph is model.graph:
+            node.meta[STACK_KEY] = tuple(json.loads(stack))
+    return modified
 
 
 def remove_unused(model: ir.Model) -> bool:
