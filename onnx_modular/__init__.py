@@ -20,9 +20,11 @@ from onnx_modular.errors import (
     ParityError,
     SaveError,
     TranslationError,
+    VerificationError,
 )
 from onnx_modular.export import ModularExport, export_modular
 from onnx_modular.hierarchy import CallTree, ModuleCall
+from onnx_modular.localization import LocalizationReport, VerificationReport, localize, verify
 from onnx_modular.verification import ParityReport, Tolerance
 
 __all__ = [
@@ -33,6 +35,10 @@ __all__ = [
     "ModuleCall",
     "ParityReport",
     "Tolerance",
+    "verify",
+    "localize",
+    "LocalizationReport",
+    "VerificationReport",
     "OnnxModularError",
     "InvalidInputError",
     "CaptureError",
@@ -41,5 +47,6 @@ __all__ = [
     "ModularizeError",
     "SaveError",
     "ParityError",
+    "VerificationError",
     "InvalidModelFileError",
 ]

@@ -16,6 +16,7 @@ __all__ = [
     "ModularizeError",
     "SaveError",
     "ParityError",
+    "VerificationError",
     "InvalidModelFileError",
 ]
 
@@ -93,6 +94,12 @@ class ParityError(OnnxModularError):
         self.report = report
         self.result = result
         super().__init__(message, module_path=module_path, hint=hint)
+
+
+class VerificationError(OnnxModularError):
+    """Verification could not run (onnxruntime cannot load or run the model, bad inputs)."""
+
+    stage = "verify"
 
 
 class InvalidModelFileError(OnnxModularError, ValueError):

@@ -75,6 +75,7 @@ class ModularExport:
     path: pathlib.Path | None = None
     exported_program: torch.export.ExportedProgram | None = dataclasses.field(default=None, repr=False)
     _reference: tuple[list[torch.Tensor], list[torch.Tensor]] | None = dataclasses.field(default=None, repr=False)
+    _example: tuple[tuple, dict] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def model_proto(self) -> onnx.ModelProto:
@@ -122,6 +123,29 @@ class ModularExport:
         tolerance = _tolerance(rtol, atol)
         with _model_file(self) as path:
             return verification.verify_file(path, inputs, expected, flat=flat, tolerance=tolerance)
+
+    def localize(
+        self,
+        model: torch.nn.Module,
+        args: tuple | None = None,
+        kwargs: dict | None = None,
+        *,
+        rtol: float | None = None,
+        atol: float | None = None,
+    ):
+        """Per-module parity: every module call's outputs, onnxruntime against ``model``.
+
+        Returns a :class:`~onnx_modular.localization.LocalizationReport` whose
+        ``first_failure`` names the first call (in completion order) beyond tolerance.
+        Uses the example inputs of the export unless ``args``/``kwargs`` are given.
+        """
+        from onnx_modular.localization import localize
+
+        if args is None and kwargs is None:
+            args, kwargs = self._example or ((), {})
+        args = args if isinstance(args, tuple) else (args,)
+        with _model_file(self) as path:
+            return localize(path, model, args, kwargs, tolerance=_tolerance(rtol, atol))
 
     def summary(self) -> str:
         functions = self.functions
@@ -499,6 +523,7 @@ def export_modular(
         timings=timer.timings,
         exported_program=program,
         _reference=(verification.flatten_inputs(args, kwargs), verification.flatten_outputs(expected_outputs)),
+        _example=(args, kwargs),
     )
     tolerance = _tolerance(rtol, atol)
 

@@ -20,7 +20,7 @@ import onnx
 import onnx.inliner
 import torch
 
-from onnx_modular.errors import ParityError
+from onnx_modular.errors import ParityError, VerificationError
 
 __all__ = [
     "Tolerance",
@@ -151,17 +151,31 @@ def inline_model(source: str | os.PathLike, destination: str | os.PathLike) -> N
     onnx.save(flat, str(destination))
 
 
-def run_onnxruntime(path: str | os.PathLike, inputs: Sequence[torch.Tensor]) -> list[np.ndarray]:
+def run_onnxruntime(path: str | os.PathLike, inputs: Sequence[torch.Tensor | np.ndarray]) -> list[np.ndarray]:
+    """Run a model file in onnxruntime (CPU); failures become :class:`VerificationError`."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    names = [i.name for i in session.get_inputs()]
-    if len(names) != len(inputs):
-        raise ValueError(f"The model has {len(names)} inputs but {len(inputs)} tensors were given")
-    feeds = {name: _to_numpy(tensor) for name, tensor in zip(names, inputs)}
-    return session.run(None, feeds)
+    try:
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        names = [i.name for i in session.get_inputs()]
+        if len(names) != len(inputs):
+            raise VerificationError(
+                f"The model has {len(names)} inputs ({', '.join(names)}) but {len(inputs)} tensors were given.",
+                hint="Give one tensor per model input, in order.",
+            )
+        feeds = {name: _to_numpy(t) if isinstance(t, torch.Tensor) else np.asarray(t) for name, t in zip(names, inputs)}
+        return session.run(None, feeds)
+    except VerificationError:
+        raise
+    except Exception as e:
+        text = str(e).strip().splitlines()[0][:400]
+        raise VerificationError(
+            f"onnxruntime could not run the model: {text}",
+            hint="onnxruntime's CPU kernels do not cover every dtype (bfloat16 arithmetic, for one); "
+            "pass verify=False to export without the check, or verify on a float32/float16 export.",
+        ) from e
 
 
 def _differences(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
