@@ -25,6 +25,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import sys
@@ -55,8 +56,19 @@ def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def _json_safe(value: Any) -> Any:
+    """Infinities and NaNs (e.g. the difference of mismatched shapes) as strings: strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
+
+
 def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2))
+    print(json.dumps(_json_safe(data), indent=2, allow_nan=False))
 
 
 # -- export ------------------------------------------------------------------------------
@@ -174,9 +186,21 @@ def _export(args: argparse.Namespace) -> int:
     else:
         if result.report is not None:
             print(result.report)
-        print(f"Wrote {args.output}: {len(result.functions)} module functions")
-        print(tree.format())
+        size = pathlib.Path(args.output).stat().st_size
+        print(f"Wrote {args.output} ({size / 1e6:.1f} MB): {result.summary().splitlines()[0]}")
+        print(tree.format(max_depth=args.depth or None))
+        if args.depth and _tree_depth(tree) > args.depth:
+            print(f"(calls deeper than {args.depth} not shown; see them with: onnx-modular tree {args.output})")
     return EXIT_OK
+
+
+def _tree_depth(tree: inspect_model.TreeNode) -> int:
+    deepest, stack = 0, [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in node.children)
+    return deepest
 
 
 # -- tree, inline ------------------------------------------------------------------------
@@ -318,7 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     export = commands.add_parser(
-        "export", parents=[common], help="export a model from a factory function",
+        "export",
+        parents=[common],
+        help="export a model from a factory function",
         description="Call FACTORY (package.module:function or file.py:function), which returns "
         "(model, args), (model, args, kwargs), (model, args, kwargs, dynamic_shapes) or a dict with "
         "those keys, and export the model with export_modular.",
@@ -328,11 +354,20 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--no-verify", action="store_true", help="skip the onnxruntime-vs-PyTorch parity check")
     export.add_argument("--no-dedupe", action="store_true", help="keep one function per call (no sharing)")
     export.add_argument("--opset", type=int, default=None, metavar="N", help="ONNX opset of the default domain")
+    export.add_argument(
+        "--depth",
+        type=_positive,
+        default=2,
+        metavar="N",
+        help="depth of the printed tree (default 2; 0 = all); --json always has the whole tree",
+    )
     export.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     export.set_defaults(run=_export)
 
     tree = commands.add_parser(
-        "tree", parents=[common], help="print the function-call tree of an ONNX file",
+        "tree",
+        parents=[common],
+        help="print the function-call tree of an ONNX file",
         description="Print the call hierarchy of the local functions of any ONNX file: call path, "
         "function, domain, calls of that function in the whole model, nodes in its body, and the "
         "weight elements flowing into the call.",
@@ -340,27 +375,37 @@ def build_parser() -> argparse.ArgumentParser:
     tree.add_argument("model", help="the .onnx file")
     tree.add_argument("--depth", type=_positive, default=None, metavar="N", help="show calls down to depth N")
     tree.add_argument(
-        "--class", dest="class_name", default=None, metavar="NAME",
+        "--class",
+        dest="class_name",
+        default=None,
+        metavar="NAME",
         help="keep calls whose function or class matches NAME (a glob such as 'GPT2*'), and their ancestors",
     )
     tree.add_argument("--json", action="store_true", help="print the tree as JSON")
     tree.set_defaults(run=_tree)
 
     inline = commands.add_parser(
-        "inline", parents=[common], help="inline local functions (all, or selected ones)",
+        "inline",
+        parents=[common],
+        help="inline local functions (all, or selected ones)",
         description="Write a copy with local functions inlined by onnx.inliner. The output is written "
         "atomically: a failure leaves no file behind.",
     )
     inline.add_argument("model", help="the .onnx file to read")
     inline.add_argument("output", help="the .onnx file to write")
     inline.add_argument(
-        "--only", nargs="+", default=None, metavar="NAME",
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="NAME",
         help="inline only these functions (NAME or DOMAIN:NAME); calls nested in them stay calls",
     )
     inline.set_defaults(run=_inline)
 
     verify = commands.add_parser(
-        "verify", parents=[common], help="compare the model with its inlined copy in onnxruntime",
+        "verify",
+        parents=[common],
+        help="compare the model with its inlined copy in onnxruntime",
         description="Run the model and its inlined copy in onnxruntime on the same inputs (random "
         "from the declared shapes and types, or --inputs) and compare every output.",
     )
@@ -371,7 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     verify.add_argument(
-        "--dim", action="append", default=[], metavar="NAME=SIZE",
+        "--dim",
+        action="append",
+        default=[],
+        metavar="NAME=SIZE",
         help="size of a symbolic dimension in random inputs (default 2); repeatable",
     )
     verify.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default 1e-4)")
@@ -380,7 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.set_defaults(run=_verify)
 
     view = commands.add_parser(
-        "view", parents=[common], help="open the model in Netron (served on localhost)",
+        "view",
+        parents=[common],
+        help="open the model in Netron (served on localhost)",
         description="Serve the model with Netron (pip install netron) and open it in a browser. "
         "In Netron, click the ƒ on a call node to enter its function.",
     )
@@ -422,6 +472,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _stderr("interrupted")
         return 130
+    except BrokenPipeError:
+        # The reader went away (`onnx-modular tree m.onnx | head`): not an error.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
     except Exception:
         traceback.print_exc()
         _stderr("error: internal error (the traceback above); please report it with the command and the model.")

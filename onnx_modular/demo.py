@@ -30,8 +30,14 @@ def gpt2() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
         raise ImportError("The gpt2 demo needs transformers: pip install transformers") from e
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32, use_cache=False,
-        bos_token_id=99, eos_token_id=99,  # GPT-2's defaults (50256) lie outside this vocabulary
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=100,
+        n_positions=32,
+        use_cache=False,
+        bos_token_id=99,
+        eos_token_id=99,  # GPT-2's defaults (50256) lie outside this vocabulary
     )
     model = transformers.GPT2Model(config).eval()
     input_ids = torch.randint(0, config.vocab_size, (2, 8))

@@ -183,7 +183,9 @@ def _scan_model_fields(data: bytes, path: str) -> set[int]:
     )
 
 
-def load_model_file(path: str | os.PathLike, *, load_external_data: bool = False, check: bool = True) -> onnx.ModelProto:
+def load_model_file(
+    path: str | os.PathLike, *, load_external_data: bool = False, check: bool = True
+) -> onnx.ModelProto:
     """Load an ONNX file, refusing files that would crash, hang or exhaust memory later.
 
     Weights stored as external data are not read unless ``load_external_data`` is set;
@@ -241,7 +243,7 @@ def load_model_file(path: str | os.PathLike, *, load_external_data: bool = False
             f"{text!r} declares no opset_import; the file is truncated or was not written by an ONNX exporter."
         )
     if check:
-        check_model_structure(model, name=text)
+        check_model_structure(model, name=repr(text))
     if load_external_data and _uses_external_data(model):
         try:
             onnx.load_external_data_for_model(model, str(file.parent))
@@ -250,10 +252,27 @@ def load_model_file(path: str | os.PathLike, *, load_external_data: bool = False
     return model
 
 
+def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Initializers (subgraphs included) and tensor attributes, in the graph and in functions."""
+    graphs = [model.graph]
+    while graphs:
+        graph = graphs.pop()
+        yield from graph.initializer
+        for node in graph.node:
+            graphs.extend(_subgraphs(node))
+    nodes = list(_all_nodes(model.graph.node))
+    for function in model.functions:
+        nodes.extend(_all_nodes(function.node))
+    for node in nodes:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.TENSOR:
+                yield attribute.t
+            elif attribute.type == onnx.AttributeProto.TENSORS:
+                yield from attribute.tensors
+
+
 def _uses_external_data(model: onnx.ModelProto) -> bool:
-    return any(
-        tensor.data_location == onnx.TensorProto.EXTERNAL for tensor in onnx.external_data_helper._get_all_tensors(model)
-    )
+    return any(onnx.external_data_helper.uses_external_data(tensor) for tensor in _all_tensors(model))
 
 
 # -- structure checks --------------------------------------------------------------------
@@ -297,12 +316,16 @@ def _check_dimensions(where: str, dims: Iterable[int], name: str) -> None:
             )
 
 
+def _declared_dims(value: onnx.ValueInfoProto) -> list[int]:
+    if not (value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape")):
+        return []
+    return [d.dim_value for d in value.type.tensor_type.shape.dim if d.HasField("dim_value")]
+
+
 def _check_value_infos(graph: onnx.GraphProto, where: str) -> None:
     for kind, values in (("input", graph.input), ("output", graph.output), ("value", graph.value_info)):
         for value in values:
-            if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape"):
-                dims = (d.dim_value for d in value.type.tensor_type.shape.dim if d.HasField("dim_value"))
-                _check_dimensions(f"{where} {kind}", dims, value.name)
+            _check_dimensions(f"{where} {kind}", _declared_dims(value), value.name)
     for tensor in graph.initializer:
         _check_dimensions(f"{where} initializer", tensor.dims, tensor.name)
     for sparse in graph.sparse_initializer:
@@ -326,21 +349,20 @@ def check_model_structure(model: onnx.ModelProto, *, name: str = "the model") ->
     Raises:
         InvalidModelFileError: On the first problem found.
     """
-    graphs = [(model.graph, "graph")]
+    graphs = [(model.graph, f"{name}: graph")]
     while graphs:
         graph, where = graphs.pop()
         _check_value_infos(graph, where)
         for node in graph.node:
             for subgraph in _subgraphs(node):
-                graphs.append((subgraph, f"subgraph of node {node.name!r}"))
+                graphs.append((subgraph, f"{name}: subgraph of node {node.name!r}"))
     for function in model.functions:
+        label = _function_label(_function_id(function))
         for node in _all_nodes(function.node):
             for subgraph in _subgraphs(node):
-                _check_value_infos(subgraph, f"function {_function_label(_function_id(function))}: subgraph")
+                _check_value_infos(subgraph, f"{name}: function {label}: subgraph")
         for value in function.value_info:
-            if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape"):
-                dims = (d.dim_value for d in value.type.tensor_type.shape.dim if d.HasField("dim_value"))
-                _check_dimensions(f"function {function.name!r} value", dims, value.name)
+            _check_dimensions(f"{name}: function {label} value", _declared_dims(value), value.name)
 
     functions: dict[FunctionId, onnx.FunctionProto] = {}
     for function in model.functions:
@@ -576,7 +598,9 @@ class TreeNode:
                 rows.append([node.name, "", "", "", nodes, params])
             else:
                 function = node.function + (f":{node.overload}" if node.overload else "")
-                rows.append([label_prefix + node.path, function, f"[{node.domain}]", f"×{node.call_count}", nodes, params])
+                rows.append(
+                    [label_prefix + node.path, function, f"[{node.domain}]", f"×{node.call_count}", nodes, params]
+                )
             for index in reversed(range(len(node.children))):
                 last = index == len(node.children) - 1
                 stack.append(
@@ -622,7 +646,9 @@ def _first_module_path(function: onnx.FunctionProto) -> str | None:
         decoded = json.loads(paths)
     except ValueError:
         return None
-    return _strip_call_index(decoded[0]) if isinstance(decoded, list) and decoded and isinstance(decoded[0], str) else None
+    return (
+        _strip_call_index(decoded[0]) if isinstance(decoded, list) and decoded and isinstance(decoded[0], str) else None
+    )
 
 
 def _call_path(node: onnx.NodeProto, caller_path: str | None, body_path: str | None) -> str:
@@ -635,7 +661,11 @@ def _call_path(node: onnx.NodeProto, caller_path: str | None, body_path: str | N
     module_path = _metadata(node).get(_METADATA_MODULE_PATH)
     if module_path is not None:
         suffix = name[len(module_path) :] if name.startswith(module_path) else ""
-        if caller_path is not None and body_path and (module_path == body_path or module_path.startswith(body_path + ".")):
+        if (
+            caller_path is not None
+            and body_path
+            and (module_path == body_path or module_path.startswith(body_path + "."))
+        ):
             return _strip_call_index(caller_path) + module_path[len(body_path) :] + suffix
         return name
     return f"{caller_path}/{name}" if caller_path else name
@@ -780,7 +810,9 @@ def _resolve_function_ids(model: onnx.ModelProto, selectors: Sequence[str]) -> l
         domain, sep, name = selector.rpartition(":")
         matches = [(d, n) for d, n in available if n == name and (not sep or d == domain)]
         if not matches:
-            listed = ", ".join(f"{d}:{n}" for d, n in available[:12]) + (" ..." if len(available) > 12 else "")
+            listed = ", ".join(f"{d}:{n}" for d, n in available[:12])
+            if len(available) > 12:
+                listed += f" and {len(available) - 12} more"
             raise InvalidInputError(
                 f"No local function matches {selector!r}. Functions in the model: {listed or '(none)'}."
             )
@@ -865,8 +897,12 @@ def _numpy_dtype(elem_type: int, name: str) -> np.dtype:
     try:
         return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
     except (KeyError, TypeError, ValueError):
-        type_name = onnx.TensorProto.DataType.Name(elem_type) if elem_type in onnx.TensorProto.DataType.values() else elem_type
-        raise InvalidInputError(f"Cannot make random values for input {name!r} of type {type_name}; pass --inputs.") from None
+        type_name = (
+            onnx.TensorProto.DataType.Name(elem_type) if elem_type in onnx.TensorProto.DataType.values() else elem_type
+        )
+        raise InvalidInputError(
+            f"Cannot make random values for input {name!r} of type {type_name}; pass --inputs."
+        ) from None
 
 
 def random_inputs(
@@ -920,7 +956,9 @@ def random_inputs(
         elif dtype.kind == "c":
             array = (rng.standard_normal(size=shape) + 1j * rng.standard_normal(size=shape)).astype(dtype)
         else:
-            raise InvalidInputError(f"Cannot make random values for input {value.name!r} of dtype {dtype}; pass --inputs.")
+            raise InvalidInputError(
+                f"Cannot make random values for input {value.name!r} of dtype {dtype}; pass --inputs."
+            )
         feeds[value.name] = array
     unused = set(dims) - {d.dim_param for v in model_inputs(model) for d in v.type.tensor_type.shape.dim}
     if unused:
@@ -949,7 +987,9 @@ def check_feeds(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> None
         if array.dtype != expected_dtype:
             raise InvalidInputError(f"Input {name!r} has dtype {array.dtype} but the model declares {expected_dtype}.")
         if tensor_type.HasField("shape"):
-            declared_dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tensor_type.shape.dim]
+            declared_dims = [
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tensor_type.shape.dim
+            ]
             fits = array.ndim == len(declared_dims) and all(
                 not isinstance(d, int) or d == actual for d, actual in zip(declared_dims, array.shape)
             )
@@ -997,7 +1037,9 @@ class InlineParity:
         def fmt(value: float | None) -> str:
             return "-" if value is None else f"{value:.2e}"
 
-        header = f"{'output':<24} {'shape':<16} {'dtype':<8} {'max abs':>9} {'max rel':>9} {'exp abs':>9} {'exp rel':>9}  ok"
+        header = (
+            f"{'output':<24} {'shape':<16} {'dtype':<8} {'max abs':>9} {'max rel':>9} {'exp abs':>9} {'exp rel':>9}  ok"
+        )
         lines = [
             f"onnxruntime: modular vs inlined copy (atol {self.atol:g}, rtol {self.rtol:g})",
             header,
@@ -1116,7 +1158,9 @@ def compare_with_inlined(
     if expected is not None:
         unknown = sorted(set(expected) - set(names))
         if unknown:
-            raise InvalidInputError(f"Expected outputs name {unknown[0]!r}, which is not an output of the model {names}.")
+            raise InvalidInputError(
+                f"Expected outputs name {unknown[0]!r}, which is not an output of the model {names}."
+            )
     outputs = []
     for name, modular_value, inlined_value in zip(names, modular, inlined):
         modular_value = np.asarray(modular_value)
