@@ -410,7 +410,8 @@ def export_modular(
         f: Where to write the ``.onnx`` file; ``None`` keeps it in memory only.
         kwargs: Example keyword inputs.
         dynamic_shapes: As for ``torch.export.export`` (``torch.export.Dim`` objects).
-        opset_version: ONNX opset of the default domain (torch's default when ``None``).
+        opset_version: ONNX opset of the default domain; only torch's translator opset (18)
+            is supported, since version converters inline all functions.
         external_data: Store weights in ``<f>.data``; ``None`` decides by size (> 1.5 GiB).
         modules: Which module calls become functions: ``"all"`` (default), a set of
             module classes, a maximum depth (1 = children of the root), or a predicate
@@ -442,6 +443,14 @@ def export_modular(
     if f is not None:
         _io.check_destination(f)
     select = _selector(modules, model)
+    if opset_version is not None and opset_version != _torch_compat.default_opset():
+        # torch's translator emits opset 18; every available version converter (torch's,
+        # onnxscript's) inlines all functions first, which would undo the hierarchy.
+        raise InvalidInputError(
+            f"opset_version={opset_version} is not supported: torch's translator writes opset "
+            f"{_torch_compat.default_opset()}, and converting versions would inline every function.",
+            hint=f"Use opset_version={_torch_compat.default_opset()} (or None).",
+        )
     if model.training:
         logger.warning("Exporting a model in training mode; call model.eval() first for inference graphs.")
 

@@ -108,3 +108,19 @@ def test_failed_capture_writes_nothing(tmp_path):
     with pytest.raises(CaptureError):
         export_modular(Wrap(DataDependent()), (torch.randn(3),), target)
     assert os.listdir(tmp_path) == []
+
+
+def test_unsupported_opset_is_refused_before_export():
+    with pytest.raises(InvalidInputError, match="opset_version=20 is not supported"):
+        export_modular(models.Scale().eval(), (torch.randn(2, 4),), opset_version=20)
+    result = export_modular(models.Scale().eval(), (torch.randn(2, 4),), opset_version=18)
+    assert result.model.opset_imports[""] == 18
+
+
+def test_optimizer_keeps_each_layers_own_weights():
+    """Equal-valued weights (fresh LayerNorms) must not be merged across layers."""
+    model, args, _ = models.gpt2(n_layer=2)
+    result = export_modular(model, args)
+    second = next(node for node in result.model.graph if node.name == "h.1")
+    names = [value.name for value in second.inputs]
+    assert "h.1.ln_1.weight" in names and "h.0.ln_1.weight" not in names

@@ -58,8 +58,29 @@ def fix_opset_imports(model: ir.Model) -> None:
     _torch_compat.add_opset_imports(model)
 
 
-def optimize_functions(model: ir.Model) -> None:
-    """onnxscript's optimizer on every body, without flattening the hierarchy."""
-    import onnxscript.optimizer
+def optimize_functions(model: ir.Model, iterations: int = 2) -> None:
+    """onnxscript's constant folding and default rewrite rules on every body, without flattening.
 
-    onnxscript.optimizer.optimize_ir(model, inline=False)
+    This is ``onnxscript.optimizer.optimize_ir(model, inline=False)`` minus two of its
+    final passes, which would change the model's structure rather than simplify it:
+    ``DeduplicateInitializersPass`` merges weights that merely have equal values (the
+    LayerNorm weights of two random-init blocks, every zero bias of one size), so a
+    block would read another block's weights; ``LiftConstantsToInitializersPass``
+    turns folded constants into initializers that then look like parameters.
+    """
+    import onnxscript.optimizer
+    import onnxscript.rewriter
+
+    for _ in range(iterations):
+        before = _node_count(model)
+        onnxscript.optimizer.fold_constants(model)
+        onnxscript.rewriter.rewrite(model)
+        remove_unused(model)
+        if _node_count(model) == before:
+            break
+    common_passes.CommonSubexpressionEliminationPass()(model)
+    remove_unused(model)
+
+
+def _node_count(model: ir.Model) -> int:
+    return len(model.graph) + sum(len(function) for function in model.functions.values())
