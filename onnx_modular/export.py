@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import logging
@@ -197,6 +198,13 @@ def _check_inputs(model: Any, args: Any, kwargs: dict | None) -> tuple[tuple, di
             hint="Pass args as a tuple of positional inputs and kwargs as a dict.",
         ) from None
     return args, kwargs
+
+
+def _copy_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    try:
+        return copy.deepcopy(args), copy.deepcopy(kwargs)
+    except Exception:  # inputs that cannot be copied are used as they are
+        return args, kwargs
 
 
 def _tensor_specs(prefix: str, value: Any) -> list[TensorSpec]:
@@ -461,7 +469,9 @@ def export_modular(
             progress(stage, timer.timings.get(stage, 0.0))
 
     with timer("capture"):
-        expected_outputs, signatures, eager_calls = _eager_run(model, args, kwargs)
+        # Both runs get their own copy of the inputs: a forward pass may update its inputs in
+        # place (a KV cache appends to itself), and the user's objects must stay as given.
+        expected_outputs, signatures, eager_calls = _eager_run(model, *_copy_inputs(args, kwargs))
         try:
             program = _torch_compat.capture(model, args, kwargs, dynamic_shapes)
         except Exception as e:

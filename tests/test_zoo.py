@@ -1,0 +1,53 @@
+"""Issue 6: the model zoo. A representative subset runs by default; ``--runslow`` runs all.
+
+Every model must export, pass parity (onnxruntime modular and flat vs torch, float32
+defaults atol=1e-4 rtol=1e-3, asserted inside export_modular) and keep its hierarchy:
+the repeated layer class is a function called once per layer, under the root.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zoo
+from helpers import expanded_calls
+from onnx_modular import export_modular
+
+
+def _params(dynamic: bool = False):
+    for name, entry in zoo.ZOO.items():
+        if dynamic and not entry.dynamic:
+            continue
+        marks = [] if entry.default else [pytest.mark.slow]
+        yield pytest.param(name, marks=marks, id=name)
+
+
+def _calls_of_class(result, class_name: str) -> int:
+    return sum(
+        int(f.metadata_props["pkg.onnx_modular.call_count"])
+        for f in result.functions
+        if f.metadata_props["pkg.onnx_modular.class"].rsplit(".", 1)[-1] == class_name
+    )
+
+
+@pytest.mark.parametrize("name", list(_params()))
+def test_zoo_static(name, tmp_path):
+    entry = zoo.ZOO[name]
+    model, args, kwargs = zoo.build(name)
+    result = export_modular(model, args, tmp_path / f"{name}.onnx", kwargs=kwargs)
+    assert result.report.ok
+    assert _calls_of_class(result, entry.layer_class) == entry.layer_calls
+    assert len(expanded_calls(result.model)) == len([c for c in result.hierarchy.walk() if c.function])
+    assert result.hierarchy.max_depth >= 3
+
+
+@pytest.mark.parametrize("name", list(_params(dynamic=True)))
+def test_zoo_dynamic(name, tmp_path):
+    entry = zoo.ZOO[name]
+    model, args, kwargs = zoo.build(name)
+    dims = ({0: torch.export.Dim("batch", max=16), 1: torch.export.Dim("seq", min=2, max=32)},)
+    result = export_modular(model, args, tmp_path / f"{name}.onnx", kwargs=kwargs, dynamic_shapes=dims)
+    assert _calls_of_class(result, entry.layer_class) == entry.layer_calls
+    report = result.verify((torch.randint(0, 100, (3, 11)),), model=model)
+    assert report.ok, str(report)
