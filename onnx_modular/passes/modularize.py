@@ -13,6 +13,7 @@ its producer, orphaned ``get_attr`` branches, renamed output specs) cannot occur
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 from collections.abc import Callable, Iterable, Sequence
@@ -139,12 +140,27 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
             stack = node.meta.get(STACK_KEY, ())
             if len(stack) > depth:
                 groups.setdefault(stack[depth], []).append(node)
-        needs_sort = False
+        # Node positions, computed once: extraction removes members and puts the call node at
+        # the first member's place, so relative order (all _make_convex needs) is preserved.
+        position = {node: i for i, node in enumerate(container)}
+        alive = list(range(len(position)))  # sorted positions of the nodes still in the container
         for key, members in groups.items():
             call = self.call_tree[key]
             try:
-                members, contiguous = _make_convex(container, members, key, depth)
-                function = self._extract(container, members, call)
+                members, contiguous = _make_convex(container, members, key, depth, position, alive)
+                first_position = position[members[0]]
+                function, call_node = self._extract(container, members, call)
+                if function is not None and contiguous:
+                    for node in members:
+                        del alive[bisect.bisect_left(alive, position[node])]
+                    position[call_node] = first_position
+                    bisect.insort(alive, first_position)
+                elif function is not None:
+                    # Outside nodes in the span must move around the call: re-sort now so
+                    # that later groups are analysed on a topologically ordered container.
+                    container.sort()
+                    position = {node: i for i, node in enumerate(container)}
+                    alive = list(range(len(position)))
             except ModularizeError:
                 raise
             except Exception as e:  # a bug here must still name the module
@@ -155,15 +171,14 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
                 ) from e
             if function is None:
                 continue
-            needs_sort |= not contiguous
             self._outline(function.graph, depth + 1)
             call.num_nodes = len(function.graph)
-        if needs_sort:
-            container.sort()
 
     # -- extraction ---------------------------------------------------------------
 
-    def _extract(self, container: ir.Graph, members: list[ir.Node], call: ModuleCall) -> ir.Function | None:
+    def _extract(
+        self, container: ir.Graph, members: list[ir.Node], call: ModuleCall
+    ) -> tuple[ir.Function | None, ir.Node | None]:
         inner: set[ir.Node] = set(members)
         for node in members:
             inner.update(_nested_nodes(node))
@@ -187,7 +202,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
             if value in container_outputs or any(use.node not in inner for use in value.uses())
         ]
         if not outputs:
-            return None  # nothing escapes: the call has no observable effect
+            return None, None  # nothing escapes: the call has no observable effect
         outputs = self._order_outputs(call, outputs)
 
         internal_names = {value.name for node in inner for value in node.outputs}
@@ -244,7 +259,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         function.meta["onnx_modular.calls"] = [call]
         self._model.functions[function.identifier()] = function
         call.function = (domain, temp_name)
-        return function
+        return function, call_node
 
     # -- signatures ---------------------------------------------------------------
 
@@ -327,7 +342,12 @@ def _call_namespace(member: ir.Node, call: ModuleCall) -> str | None:
 
 
 def _make_convex(
-    container: ir.Graph, members: list[ir.Node], key: str, depth: int
+    container: ir.Graph,
+    members: list[ir.Node],
+    key: str,
+    depth: int,
+    position: dict[ir.Node, int],
+    alive: list[int],
 ) -> tuple[list[ir.Node], bool]:
     """Absorb outside nodes that sit on a path from the group back into the group.
 
@@ -336,10 +356,9 @@ def _make_convex(
     final sort), only reads from it (moved after), or both: then outlining would
     create a cycle, so the node joins the group.
     """
-    position = {node: i for i, node in enumerate(container)}
     first, last = position[members[0]], position[members[-1]]
-    if last - first + 1 == len(members):
-        return members, True
+    if bisect.bisect_right(alive, last) - bisect.bisect_left(alive, first) == len(members):
+        return members, True  # contiguous, hence convex
     member_set = set(members)
     span = [node for node in container if first <= position[node] <= last]
     downstream_values: set[ir.Value] = set()
@@ -373,13 +392,13 @@ def _clone_shared_constants(graph: ir.Graph) -> None:
     feed nodes of different modules; without a copy, the constant would cross
     function boundaries as an extra input.
     """
+    position = {n: i for i, n in enumerate(graph)}  # clones are not users: stale indices are fine
     for node in list(graph):
         if node.op_type != "Constant" or node.domain != "" or node.inputs:
             continue
         own_stack = node.meta.get(STACK_KEY, ())
         output = node.outputs[0]
         clones: dict[tuple[str, ...], ir.Node] = {}
-        position = {n: i for i, n in enumerate(graph)} if len(output.uses()) > 1 else {}
         for use in sorted(output.uses(), key=lambda u: position.get(u.node, 0)):
             user_stack = use.node.meta.get(STACK_KEY, ())
             if user_stack == own_stack or use.node.graph is not graph:
