@@ -57,19 +57,21 @@ def child(task: str, options: dict) -> dict:
     elif task == "flat":
         with _common.quiet():
             torch.onnx.export(model, args, str(out / "flat.onnx"), dynamo=True, external_data=True)
-    elif task == "run":
+    elif task in ("run", "run_flat"):
         import numpy as np
 
         with torch.no_grad():
             expected = model(*args).last_hidden_state.numpy()
         created = time.perf_counter()
-        session = _common.ort_session(out / "modular.onnx")
+        session = _common.ort_session(out / ("modular.onnx" if task == "run" else "flat.onnx"))
         result["session_s"] = time.perf_counter() - created
         ran = time.perf_counter()
         actual = session.run(None, _common.feeds_for(session, args))[0]
         result["run_s"] = time.perf_counter() - ran
         result["max_abs"] = float(np.max(np.abs(actual - expected)))
-        result["functions"] = len(__import__("onnx").load(str(out / "modular.onnx"), load_external_data=False).functions)
+        result["functions"] = len(
+            __import__("onnx").load(str(out / ("modular.onnx" if task == "run" else "flat.onnx")), load_external_data=False).functions
+        )
     result["wall_s"] = time.perf_counter() - start
     result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
     return result
@@ -81,6 +83,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--tasks", default="modular,flat,run,run_flat", help="which measurements to make")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.child:
@@ -90,7 +93,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     shared = {"layers": options.layers, "hidden": options.hidden, "intermediate": options.intermediate, "out": str(out)}
     results = {}
-    for task in ("modular", "flat", "run"):
+    tasks = options.tasks.split(",")
+    for task in tasks:
         env = {**os.environ, "BENCH_OPTIONS": json.dumps(shared)}
         proc = subprocess.run([sys.executable, __file__, "--child", task], env=env, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -99,15 +103,20 @@ def main() -> None:
         else:
             results[task] = json.loads(lines[-1])
         print(task, results[task], flush=True)
-    modular, flat, run = results["modular"], results["flat"], results["run"]
+    modular, flat = results.get("modular", {"error": "skipped"}), results.get("flat", {"error": "skipped"})
+    run, run_flat = results.get("run", {"error": "skipped"}), results.get("run_flat", {"error": "skipped"})
     sizes = {p.name: p.stat().st_size for p in out.iterdir()}
-    print(f"\nLlama-shaped, {modular.get('params', 0) / 1e9:.2f}B parameters, {options.layers} layers; files: {sizes}")
+    params = next((r["params"] for r in results.values() if "params" in r), 0)
+    print(f"\nLlama-shaped, {params / 1e9:.2f}B parameters, {options.layers} layers; files: {sizes}")
     if "error" not in modular and "error" not in flat:
         print(f"export wall: modular {modular['wall_s']:.1f}s, flat {flat['wall_s']:.1f}s, ratio {modular['wall_s'] / flat['wall_s']:.2f}")
         print(f"peak RSS: modular {modular['peak_rss_gb']:.2f} GB, flat {flat['peak_rss_gb']:.2f} GB, ratio {modular['peak_rss_gb'] / flat['peak_rss_gb']:.2f}")
     if "error" not in run:
         print(f"onnxruntime: session {run['session_s']:.1f}s, run {run['run_s']:.2f}s, max abs vs torch {run['max_abs']:.1e}, "
               f"{run['functions']} functions, peak RSS {run['peak_rss_gb']:.2f} GB")
+    if "error" not in run and "error" not in run_flat:
+        print(f"onnxruntime flat: session {run_flat['session_s']:.1f}s, run {run_flat['run_s']:.2f}s; "
+              f"ratios modular/flat: session {run['session_s'] / run_flat['session_s']:.2f}, run {run['run_s'] / run_flat['run_s']:.2f}")
 
 
 if __name__ == "__main__":
