@@ -35,6 +35,7 @@ import onnx
 import onnx.inliner
 from google.protobuf import message as protobuf_message
 
+from onnx_modular import verification
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 
 __all__ = [
@@ -1055,36 +1056,8 @@ class InlineParity:
         return "\n".join(lines)
 
 
-def _differences(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
-    """(max abs, max rel); NaN at the same places counts as equal, a shape mismatch as inf."""
-    actual = np.asarray(actual)
-    expected = np.asarray(expected)
-    if actual.shape != expected.shape:
-        return math.inf, math.inf
-    if actual.size == 0:
-        return 0.0, 0.0
-    if actual.dtype.kind in "OSU":
-        same = actual == expected
-        return (0.0, 0.0) if bool(np.all(same)) else (math.inf, math.inf)
-    actual64 = actual.astype(np.complex128 if actual.dtype.kind == "c" else np.float64)
-    expected64 = expected.astype(actual64.dtype)
-    same = (np.isnan(actual64) & np.isnan(expected64)) | (actual64 == expected64)
-    diff = np.where(same, 0.0, np.abs(actual64 - expected64))
-    diff = np.where(np.isnan(diff), np.inf, diff)
-    scale = np.abs(np.where(np.isfinite(expected64), expected64, 0.0))
-    rel = np.where(diff == 0, 0.0, diff / np.maximum(scale, np.finfo(np.float64).tiny))
-    return float(diff.max()), float(rel.max())
-
-
 def _close(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> bool:
-    actual = np.asarray(actual)
-    expected = np.asarray(expected)
-    if actual.shape != expected.shape:
-        return False
-    if actual.dtype.kind in "OSU":
-        return bool(np.all(actual == expected))
-    kind = np.complex128 if actual.dtype.kind == "c" else np.float64
-    return bool(np.allclose(actual.astype(kind), expected.astype(kind), atol=atol, rtol=rtol, equal_nan=True))
+    return verification.allclose(actual, expected, verification.Tolerance(atol, rtol))
 
 
 def _session(model: str | bytes):
@@ -1164,11 +1137,11 @@ def compare_with_inlined(
     outputs = []
     for name, modular_value, inlined_value in zip(names, modular, inlined):
         modular_value = np.asarray(modular_value)
-        max_abs, max_rel = _differences(modular_value, inlined_value)
+        max_abs, max_rel = verification.max_differences(modular_value, inlined_value)
         ok = _close(modular_value, inlined_value, atol, rtol)
         expected_abs = expected_rel = None
         if expected is not None and name in expected:
-            expected_abs, expected_rel = _differences(modular_value, expected[name])
+            expected_abs, expected_rel = verification.max_differences(modular_value, expected[name])
             ok = ok and _close(modular_value, expected[name], atol, rtol)
         outputs.append(
             OutputDifference(

@@ -293,9 +293,9 @@ def _compare_call(onnx_values: Sequence[np.ndarray], torch_values: Sequence[torc
             used.add(j)
             reference = verification._to_numpy(tensor)
             tol = tolerance or default_tolerance(tensor.dtype)
-            abs_error, rel_error = verification._differences(value, reference)
+            abs_error, rel_error = verification.max_differences(value, reference)
             max_abs, max_rel = max(max_abs, abs_error), max(max_rel, rel_error)
-            ok = ok and verification._within(value, reference, tol)
+            ok = ok and verification.allclose(value, reference, tol)
             compared += 1
             break
     return max_abs, max_rel, compared, ok
@@ -491,7 +491,7 @@ def verify(
             flat = verification.run_onnxruntime(flat_path, tensors)
         finally:
             flat_path.unlink(missing_ok=True)
-        modular_vs_flat = max((verification._differences(a, b)[0] for a, b in zip(modular, flat)), default=0.0)
+        modular_vs_flat = max((verification.max_differences(a, b)[0] for a, b in zip(modular, flat)), default=0.0)
         parity = modules = None
         if model is not None:
             with torch.no_grad():

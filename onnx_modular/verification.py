@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import uuid
@@ -32,6 +33,8 @@ __all__ = [
     "inline_model",
     "run_onnxruntime",
     "compare",
+    "max_differences",
+    "allclose",
     "verify_file",
     "assert_parity",
 ]
@@ -178,14 +181,19 @@ def run_onnxruntime(path: str | os.PathLike, inputs: Sequence[torch.Tensor | np.
         ) from e
 
 
-def _differences(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
-    """(max abs, max rel) difference; NaN/inf at the same places count as equal."""
-    actual64 = np.asarray(actual).astype(np.float64)
-    expected64 = np.asarray(expected).astype(np.float64)
-    if actual64.shape != expected64.shape:
-        return float("inf"), float("inf")
-    if actual64.size == 0:
+def max_differences(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
+    """(max abs, max rel) difference; NaN/inf at the same places count as equal, a shape
+    mismatch as inf; strings compare exactly."""
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    if actual.shape != expected.shape:
+        return math.inf, math.inf
+    if actual.size == 0:
         return 0.0, 0.0
+    if actual.dtype.kind in "OSU":
+        return (0.0, 0.0) if bool(np.all(actual == expected)) else (math.inf, math.inf)
+    actual64 = actual.astype(np.complex128 if actual.dtype.kind == "c" else np.float64)
+    expected64 = expected.astype(actual64.dtype)
     same = (np.isnan(actual64) & np.isnan(expected64)) | (actual64 == expected64)
     diff = np.where(same, 0.0, np.abs(actual64 - expected64))
     diff = np.where(np.isnan(diff), np.inf, diff)
@@ -194,12 +202,18 @@ def _differences(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float
     return float(diff.max()), float(rel.max())
 
 
-def _within(actual: np.ndarray, expected: np.ndarray, tolerance: Tolerance) -> bool:
-    actual64 = np.asarray(actual).astype(np.float64)
-    expected64 = np.asarray(expected).astype(np.float64)
-    if actual64.shape != expected64.shape:
+def allclose(actual: np.ndarray, expected: np.ndarray, tolerance: Tolerance) -> bool:
+    """``numpy.allclose`` with NaN == NaN, after a shape check; strings compare exactly."""
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    if actual.shape != expected.shape:
         return False
-    return bool(np.allclose(actual64, expected64, atol=tolerance.atol, rtol=tolerance.rtol, equal_nan=True))
+    if actual.dtype.kind in "OSU":
+        return bool(np.all(actual == expected))
+    kind = np.complex128 if actual.dtype.kind == "c" else np.float64
+    return bool(
+        np.allclose(actual.astype(kind), expected.astype(kind), atol=tolerance.atol, rtol=tolerance.rtol, equal_nan=True)
+    )
 
 
 def compare(
@@ -221,13 +235,13 @@ def compare(
         name = names[index] if names and index < len(names) else f"output_{index}"
         tol = tolerance or default_tolerance(torch_value.dtype)
         reference = _to_numpy(torch_value)
-        modular_abs, modular_rel = _differences(modular[index], reference)
-        ok = _within(modular[index], reference, tol)
+        modular_abs, modular_rel = max_differences(modular[index], reference)
+        ok = allclose(modular[index], reference, tol)
         flat_abs = flat_rel = modular_vs_flat = None
         if flat is not None:
-            flat_abs, flat_rel = _differences(flat[index], reference)
-            modular_vs_flat, _ = _differences(modular[index], flat[index])
-            ok = ok and _within(flat[index], reference, tol)
+            flat_abs, flat_rel = max_differences(flat[index], reference)
+            modular_vs_flat, _ = max_differences(modular[index], flat[index])
+            ok = ok and allclose(flat[index], reference, tol)
         results.append(
             OutputParity(
                 name=name,
