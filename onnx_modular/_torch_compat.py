@@ -30,6 +30,7 @@ __all__ = [
     "add_opset_imports",
     "default_opset",
     "fx_node_of",
+    "program_values",
     "rename_dynamic_axes",
     "torch_dtype_to_ir",
 ]
@@ -126,6 +127,39 @@ def rename_dynamic_axes(model: ir.Model, dynamic_shapes) -> None:
         mapping = _dynamic_shapes.create_rename_mapping(model.graph.inputs, dynamic_shapes)
     if mapping:
         _ir_passes.rename_axis(model, mapping)
+
+
+def program_values(program: torch.export.ExportedProgram, args: tuple, kwargs: dict) -> dict[str, object]:
+    """Run the (decomposed) program on real inputs; every FX node's result by node name.
+
+    Uses the public ExportedProgram signature and ``torch.fx.Interpreter``.
+    """
+    from torch.export.graph_signature import InputKind
+
+    leaves = iter(torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs))))
+    state = program.state_dict
+    flat = []
+    for spec in program.graph_signature.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            flat.append(next(leaves))
+        elif spec.target in state:
+            flat.append(state[spec.target])
+        else:
+            flat.append(program.constants[spec.target])
+    values: dict[str, object] = {}
+
+    class _Recorder(torch.fx.Interpreter):
+        def run_node(self, node):
+            result = super().run_node(node)
+            if isinstance(result, (tuple, list)):
+                for i, item in enumerate(result):
+                    values[f"{node.name}__{i}"] = item
+            values[node.name] = result
+            return result
+
+    with torch.no_grad():
+        _Recorder(program.graph_module).run(*flat)
+    return values
 
 
 def fx_node_of(node: ir.Node) -> torch.fx.Node | None:

@@ -208,9 +208,10 @@ def _copy_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def _tensor_specs(prefix: str, value: Any) -> list[TensorSpec]:
+    """Specs of the tensors in ``value``, each holding its tensor (dropped later unless needed)."""
     specs: list[TensorSpec] = []
     if isinstance(value, torch.Tensor):
-        specs.append(TensorSpec(prefix, _torch_to_ir_dtype(value.dtype), tuple(value.shape)))
+        specs.append(TensorSpec(prefix, _torch_to_ir_dtype(value.dtype), tuple(value.shape), value))
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             specs += _tensor_specs(f"{prefix}_{i}", item)
@@ -221,8 +222,19 @@ def _tensor_specs(prefix: str, value: Any) -> list[TensorSpec]:
         leaves = torch.utils._pytree.tree_leaves(value)
         if any(isinstance(leaf, torch.Tensor) for leaf in leaves):
             for i, leaf in enumerate(leaf for leaf in leaves if isinstance(leaf, torch.Tensor)):
-                specs.append(TensorSpec(f"{prefix}_{i}", _torch_to_ir_dtype(leaf.dtype), tuple(leaf.shape)))
+                specs.append(TensorSpec(f"{prefix}_{i}", _torch_to_ir_dtype(leaf.dtype), tuple(leaf.shape), leaf))
     return specs
+
+
+def _keep_values_where_ambiguous(specs: list[TensorSpec], tensors: list[torch.Tensor]) -> list[TensorSpec]:
+    """Keep a copy of a tensor only when another one of the call has the same dtype and shape."""
+    counts: dict[tuple, int] = {}
+    for spec in specs:
+        counts[(spec.dtype, spec.shape)] = counts.get((spec.dtype, spec.shape), 0) + 1
+    return [
+        dataclasses.replace(spec, value=tensor.detach().clone() if counts[(spec.dtype, spec.shape)] > 1 else None)
+        for spec, tensor in zip(specs, tensors)
+    ]
 
 
 def _torch_to_ir_dtype(dtype: torch.dtype) -> ir.DataType:
@@ -265,6 +277,7 @@ def _eager_run(model: torch.nn.Module, args: tuple, kwargs: dict):
                             specs += _tensor_specs(key, item)
                     else:
                         specs += _tensor_specs(name, value)
+            specs = _keep_values_where_ambiguous(specs, [spec.value for spec in specs])
             pending.setdefault(id(mod), []).append((path, index, specs))
             calls.append((path, index, active[-1] if active else None))
             active.append((path, index))
@@ -273,6 +286,7 @@ def _eager_run(model: torch.nn.Module, args: tuple, kwargs: dict):
             path_, index, specs = pending[id(mod)].pop()
             active.pop()
             outputs = _tensor_specs("output", output)
+            outputs = _keep_values_where_ambiguous(outputs, [spec.value for spec in outputs])
             signatures[(path_, index)] = CallSignature(specs, outputs)
 
         return pre_hook, post_hook
@@ -294,6 +308,27 @@ def _eager_run(model: torch.nn.Module, args: tuple, kwargs: dict):
         for handle in handles:
             handle.remove()
     return outputs, signatures, calls
+
+
+def _lazy_values(program: torch.export.ExportedProgram, args: tuple, kwargs: dict) -> Callable[[str], Any]:
+    """``value_of(name)``: runs the program on the example inputs the first time it is asked.
+
+    Only calls with several inputs (or outputs) of equal dtype and shape ask, so most
+    exports never pay for the run.
+    """
+    cache: dict[str, Any] | None = None
+
+    def value_of(name: str) -> Any:
+        nonlocal cache
+        if cache is None:
+            try:
+                cache = _torch_compat.program_values(program, *_copy_inputs(args, kwargs))
+            except Exception as e:  # names stay unresolved; the export itself is unaffected
+                logger.info("Could not evaluate the program to resolve equal-shaped inputs: %s", e)
+                cache = {}
+        return cache.get(name)
+
+    return value_of
 
 
 # -- locating the module behind an error -------------------------------------------
@@ -519,7 +554,7 @@ def export_modular(
             _annotate_stacks(model_ir, tree, select)
             cleanup.inline_helper_functions(model_ir)
             cleanup.remove_unused(model_ir)
-            OutlineModuleCallsPass(tree, signatures)(model_ir)
+            OutlineModuleCallsPass(tree, signatures, value_of=_lazy_values(program, args, kwargs))(model_ir)
             if dedupe:
                 DeduplicateFunctionsPass()(model_ir)
             NameFunctionsPass(tree)(model_ir)

@@ -61,8 +61,11 @@ def fix_opset_imports(model: ir.Model) -> None:
 def optimize_functions(model: ir.Model, iterations: int = 2) -> None:
     """onnxscript's constant folding and default rewrite rules on every body, without flattening.
 
-    This is ``onnxscript.optimizer.optimize_ir(model, inline=False)`` minus two of its
-    final passes, which would change the model's structure rather than simplify it:
+    This is ``onnxscript.optimizer.optimize_ir(model, inline=False)`` minus three of its
+    final passes, which would change the model's structure rather than simplify it.
+    ``CommonSubexpressionEliminationPass`` treats function calls as pure expressions and
+    merges two calls of one module on the same input (``linear(x) + linear(x)``) into one,
+    losing a module call from the hierarchy.
     ``DeduplicateInitializersPass`` merges weights that merely have equal values (the
     LayerNorm weights of two random-init blocks, every zero bias of one size), so a
     block would read another block's weights; ``LiftConstantsToInitializersPass``
@@ -78,8 +81,6 @@ def optimize_functions(model: ir.Model, iterations: int = 2) -> None:
         remove_unused(model)
         if _node_count(model) == before:
             break
-    common_passes.CommonSubexpressionEliminationPass()(model)
-    remove_unused(model)
 
 
 def _node_count(model: ir.Model) -> int:

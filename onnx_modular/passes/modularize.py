@@ -17,6 +17,7 @@ import bisect
 import dataclasses
 import json
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import onnx_ir as ir
 
@@ -33,16 +34,22 @@ __all__ = [
 
 STACK_KEY = "onnx_modular.stack"
 GLOBAL_NAME_KEY = "onnx_modular.global_name"
+SOURCE_NAME_KEY = "onnx_modular.source_name"  # the translator's value name (= FX node name)
 TEMP_DOMAIN_PREFIX = "pkg."
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """A tensor seen at a module boundary in eager mode."""
+    """A tensor seen at a module boundary in eager mode.
+
+    ``value`` is kept only when another tensor of the same call has the same dtype and
+    shape: then the value tells them apart.
+    """
 
     name: str
     dtype: ir.DataType
     shape: tuple[int, ...]
+    value: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass
@@ -64,17 +71,67 @@ def _compatible(value: ir.Value, spec: TensorSpec) -> bool:
     return all(not isinstance(dim, int) or dim == size for dim, size in zip(shape, spec.shape))
 
 
-def _match_in_order(values: Sequence[ir.Value], specs: Sequence[TensorSpec]) -> dict[ir.Value, int]:
-    """Greedy match: each value (in order of first use) takes the first compatible spec left."""
-    taken: set[int] = set()
+def _match_unambiguous(values: Sequence[ir.Value], specs: Sequence[TensorSpec]) -> dict[ir.Value, int]:
+    """Match values to eager tensor specs where the match is certain.
+
+    A value and a spec are paired when each is the other's only compatible partner
+    (by dtype and shape), repeatedly, so that resolving one pair can make another
+    certain. Values of equal dtype and shape stay unmatched: guessing between
+    ``forward(self, a, b)``'s ``a`` and ``b`` would give names that may be wrong.
+    """
+    candidates = {value: {i for i, spec in enumerate(specs) if _compatible(value, spec)} for value in values}
     matched: dict[ir.Value, int] = {}
-    for value in values:
-        for index, spec in enumerate(specs):
-            if index not in taken and _compatible(value, spec):
-                taken.add(index)
-                matched[value] = index
-                break
+    changed = True
+    while changed:
+        changed = False
+        for value, options in candidates.items():
+            if value in matched or len(options) != 1:
+                continue
+            (index,) = options
+            rivals = [other for other, other_options in candidates.items() if other is not value and index in other_options and other not in matched]
+            if rivals:
+                continue
+            matched[value] = index
+            for other, other_options in candidates.items():
+                if other is not value:
+                    other_options.discard(index)
+            changed = True
     return matched
+
+
+def _match_by_value(
+    values: Sequence[ir.Value],
+    specs: Sequence[TensorSpec],
+    matched: dict[ir.Value, int],
+    value_of: Callable[[str], Any] | None,
+) -> None:
+    """Resolve equal-shaped values by comparing their computed values with the eager tensors."""
+    if value_of is None:
+        return
+    import torch
+
+    taken = set(matched.values())
+    for value in values:
+        if value in matched:
+            continue
+        options = [i for i, spec in enumerate(specs) if i not in taken and spec.value is not None and _compatible(value, spec)]
+        if not options:
+            continue
+        computed = value_of(_source_name(value))
+        if not isinstance(computed, torch.Tensor):
+            continue
+        equal = [
+            i for i in options
+            if tuple(specs[i].value.shape) == tuple(computed.shape)
+            and torch.allclose(specs[i].value.to(computed.dtype), computed, rtol=1e-5, atol=1e-6, equal_nan=True)
+        ]
+        if len(equal) == 1:
+            matched[value] = equal[0]
+            taken.add(equal[0])
+
+
+def _source_name(value: ir.Value) -> str:
+    return value.meta.get(SOURCE_NAME_KEY) or value.name or ""
 
 
 def _nested_nodes(node: ir.Node) -> Iterable[ir.Node]:
@@ -106,6 +163,8 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         signatures: Optional eager signatures per ``(module_path, call_index)``, used
             to name formal inputs after forward() parameters and keep forward() order.
         domain_of: Maps a call to its function domain (``pkg.<package>.<version>``).
+        value_of: Optional lookup of a value's example-input result by the translator's
+            value name; it tells apart inputs and outputs of equal dtype and shape.
 
     Example::
 
@@ -118,10 +177,12 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         signatures: dict[tuple[str, int], CallSignature] | None = None,
         *,
         domain_of: Callable[[ModuleCall], str] | None = None,
+        value_of: Callable[[str], Any] | None = None,
     ):
         super().__init__()
         self.call_tree = call_tree
         self.signatures = signatures or {}
+        self.value_of = value_of
         self.domain_of = domain_of or (lambda call: f"pkg.{call.package}.{call.version}")
         self._serial = 0
 
@@ -275,7 +336,8 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         named: list[tuple[int, ir.Value, str]] = []
         unnamed: list[ir.Value] = []
         if signature is not None:
-            matched = _match_in_order(activations, signature.inputs)
+            matched = _match_unambiguous(activations, signature.inputs)
+            _match_by_value(activations, signature.inputs, matched, self.value_of)
             for value in activations:
                 if value in matched:
                     index = matched[value]
@@ -305,6 +367,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
                 suffix += 1
             used_names.add(unique)
             formal = ir.Value(name=unique, type=actual.type, shape=actual.shape)
+            formal.meta[SOURCE_NAME_KEY] = _source_name(actual)
             if (global_name := _global_name(actual)) is not None:
                 formal.meta[GLOBAL_NAME_KEY] = global_name
             pairs.append((actual, formal))
@@ -314,7 +377,8 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         signature = self.signatures.get((call.module_path, call.call_index))
         if signature is None:
             return outputs
-        matched = _match_in_order(outputs, signature.outputs)
+        matched = _match_unambiguous(outputs, signature.outputs)
+        _match_by_value(outputs, signature.outputs, matched, self.value_of)
         return sorted(outputs, key=lambda v: (matched.get(v, len(signature.outputs)), outputs.index(v)))
 
 
