@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import statistics
 import tempfile
 
 import torch
@@ -40,9 +41,10 @@ def main() -> None:
     with torch.no_grad():
         expected = model(*args).last_hidden_state.numpy()
     variants = {
-        "modular, no dedupe": dict(dedupe=False),
-        "modular, dedupe": dict(dedupe=True),
-        "modular, dedupe + optimize(inline=False)": dict(dedupe=True, optimize=True),
+        "modular, no dedupe, no optimize": dict(dedupe=False, optimize=False),
+        "modular, dedupe, no optimize": dict(dedupe=True, optimize=False),
+        "modular, dedupe + optimize(inline=False) (default)": dict(dedupe=True, optimize=True),
+        "modular (default), blocks only (modules=1)": dict(modules=1),
     }
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
@@ -52,9 +54,15 @@ def main() -> None:
             paths[label] = tmp / f"{len(paths)}.onnx"
             export_modular(model, args, paths[label], verify=False, **kw)
 
+        # Sessions are created round-robin so that machine noise hits every variant alike.
+        session_times: dict[str, list[float]] = {label: [] for label in paths}
+        for _ in range(options.sessions):
+            for label, path in paths.items():
+                session_times[label].append(_common.median_time(lambda: _common.ort_session(path), 1)[0])
         rows = {}
         for label, path in paths.items():
-            session_time, session = _common.median_time(lambda: _common.ort_session(path), options.sessions)
+            session = _common.ort_session(path)
+            session_time = statistics.median(session_times[label])
             feeds = _common.feeds_for(session, args)
             latency = _common.run_latency(session, feeds, options.runs)
             diff = _common.max_abs(session.run(None, feeds)[0], expected)
