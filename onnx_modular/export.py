@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 #: a maximum depth (1 = children of the root), or ``predicate(module_path, module)``.
 ModuleSelector = Union[None, str, int, Iterable[type], Callable[[str, torch.nn.Module], bool]]
 
-STAGES = ("capture", "decompose", "translate", "modularize", "save", "verify")
+STAGES = ("capture", "decompose", "translate", "modularize", "optimize", "save", "verify")
 
 
 @dataclasses.dataclass
@@ -559,17 +559,26 @@ def export_modular(
                 DeduplicateFunctionsPass()(model_ir)
             NameFunctionsPass(tree)(model_ir)
             cleanup.remove_unused(model_ir)
+        except OnnxModularError:
+            raise
+        except Exception as e:
+            raise ModularizeError(f"Building the function hierarchy failed: {type(e).__name__}: {e}") from e
+    done("modularize")
+
+    with timer("optimize"):  # onnxscript's optimizer, timed apart from onnx_modular's own passes
+        try:
             if optimize:
                 cleanup.optimize_functions(model_ir)
                 cleanup.remove_unused(model_ir)
             cleanup.fix_opset_imports(model_ir)
             model_ir.producer_name = "onnx_modular"
             model_ir.producer_version = _version()
-        except OnnxModularError:
-            raise
         except Exception as e:
-            raise ModularizeError(f"Building the function hierarchy failed: {type(e).__name__}: {e}") from e
-    done("modularize")
+            raise ModularizeError(
+                f"Optimizing the function bodies failed: {type(e).__name__}: {e}",
+                hint="Pass optimize=False to export without onnxscript's optimizer.",
+            ) from e
+    done("optimize")
 
     result = ModularExport(
         model=model_ir,

@@ -28,7 +28,7 @@ from onnx_modular.cli import main
 # onnxruntime 1.2x reads IR version 10; onnx.helper would stamp its newest one.
 IR_VERSION = 10
 OPSETS = [oh.make_opsetid("", 18), oh.make_opsetid("pkg.test", 1)]
-STAGES = ("capture", "decompose", "translate", "modularize", "verify", "save")
+STAGES = ("capture", "decompose", "translate", "modularize", "optimize", "verify", "save")
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:
@@ -233,6 +233,7 @@ def test_export_prints_each_stage_then_report_and_tree(exported):
         "decompose",
         "translate",
         "modularize",
+        "optimize",
         "verify",
         "save",
     ]
