@@ -244,9 +244,13 @@ def _torch_to_ir_dtype(dtype: torch.dtype) -> ir.DataType:
 def _eager_run(model: torch.nn.Module, args: tuple, kwargs: dict):
     """Run the model once in PyTorch, recording every module call and its tensors.
 
+    Calls are keyed by module *instance* and its n-th call: one instance can be reached
+    under several attribute paths, and torch.export names each call by the path used,
+    which :func:`onnx_modular.hierarchy.build_call_tree` resolves.
+
     Returns:
-        (outputs, signatures per (module path, call index), calls in order as
-        (module path, call index, parent call or None)).
+        (outputs, signatures per (id(instance), n), calls in order as
+        (id(instance), n, first module path, parent (id, n) or None)).
     """
     signatures: dict[tuple[str, int], CallSignature] = {}
     calls: list[tuple[str, int, tuple[str, int] | None]] = []
@@ -279,15 +283,15 @@ def _eager_run(model: torch.nn.Module, args: tuple, kwargs: dict):
                         specs += _tensor_specs(name, value)
             specs = _keep_values_where_ambiguous(specs, [spec.value for spec in specs])
             pending.setdefault(id(mod), []).append((path, index, specs))
-            calls.append((path, index, active[-1] if active else None))
-            active.append((path, index))
+            calls.append((id(mod), index, path, active[-1] if active else None))
+            active.append((id(mod), index))
 
         def post_hook(mod, hook_args, hook_kwargs, output):
             path_, index, specs = pending[id(mod)].pop()
             active.pop()
             outputs = _tensor_specs("output", output)
             outputs = _keep_values_where_ambiguous(outputs, [spec.value for spec in outputs])
-            signatures[(path_, index)] = CallSignature(specs, outputs)
+            signatures[(id(mod), index)] = CallSignature(specs, outputs)
 
         return pre_hook, post_hook
 
@@ -550,7 +554,8 @@ def export_modular(
                 for fx_node in program.graph.nodes
                 if fx_node.op == "call_function" and fx_node.meta.get("nn_module_stack")
             ]
-            tree = build_call_tree(stacks, model, eager_calls)
+            tree, eager_key = build_call_tree(stacks, model, eager_calls)
+            signatures = {eager_key[key]: signature for key, signature in signatures.items() if key in eager_key}
             _annotate_stacks(model_ir, tree, select)
             cleanup.inline_helper_functions(model_ir)
             cleanup.remove_unused(model_ir)

@@ -242,17 +242,22 @@ def call_index_of(key: str) -> int:
 def build_call_tree(
     stacks: list[dict[str, tuple[str, Any]]],
     model: torch.nn.Module,
-    eager_calls: list[tuple[str, int, tuple[str, int] | None]] | None = None,
-) -> CallTree:
+    eager_calls: list[tuple[int, int, str, tuple[int, int] | None]] | None = None,
+) -> tuple[CallTree, dict[tuple[int, int], tuple[str, int]]]:
     """Build the tree from the ``nn_module_stack`` of each FX node, in graph order.
 
     Args:
         stacks: ``nn_module_stack`` dicts (key -> (module path, class)) in execution order.
         model: The live model, used to resolve classes and source locations.
-        eager_calls: ``(module path, call index, parent (path, index) or None)`` for every
-            call seen in an eager run, in call order. Calls that left no op in the graph
-            (``nn.Identity``, a module whose result is unused) are only known from here;
-            they join the tree with ``function=None``.
+        eager_calls: ``(id(instance), n, first module path, parent (id, n) or None)`` for
+            every call seen in an eager run, in call order. Calls that left no op in the
+            graph (``nn.Identity``, a module whose result is unused) are only known from
+            here; they join the tree with ``function=None``.
+
+    Returns:
+        The tree, and for each eager call ``(id(instance), n)`` its ``(module path, call
+        index)`` in the tree. An instance reachable under two attribute paths is matched
+        by instance and call order, so its calls are not listed twice.
     """
     root_cls = type(model)
     qualified, package, version, source = module_info(model, "")
@@ -273,9 +278,40 @@ def build_call_tree(
                 parent.children.append(call)
                 by_key[key] = call
             parent = call
+    # The n-th call of each instance on the torch.export side. torch counts calls per path
+    # (``@N``), which is the instance's count when the instance has one path; an instance
+    # reachable under several paths is matched by call order instead.
+    paths_per_instance: dict[int, int] = {}
+    for module in modules.values():
+        paths_per_instance[id(module)] = paths_per_instance.get(id(module), 0) + 1
+    seen: dict[int, int] = {}
+    key_of_call: dict[tuple[int, int], tuple[str, int]] = {(id(model), 0): ("", 0)}
+    for call in CallTree(root).walk():
+        if call is root or call.module_path not in modules:
+            continue
+        instance = id(modules[call.module_path])
+        if paths_per_instance[instance] == 1:
+            n = call.call_index
+        else:
+            n = seen.get(instance, 0)
+            seen[instance] = n + 1
+        key_of_call[(instance, n)] = (call.module_path, call.call_index)
     if eager_calls:
-        _add_eager_calls(root, by_key, eager_calls, modules)
-    return CallTree(root)
+        for instance, n, path, _ in eager_calls:
+            if (instance, n) not in key_of_call:
+                # No op left in the graph: known from eager mode only, under its first path.
+                if paths_per_instance.get(instance, 1) == 1:
+                    index = n
+                else:
+                    index = sum(1 for key in key_of_call.values() if key[0] == path)
+                key_of_call[(instance, n)] = (path, index)
+        _add_eager_calls(
+            root,
+            by_key,
+            [(*key_of_call[(i, n)], key_of_call.get(parent) if parent else None) for i, n, _, parent in eager_calls],
+            modules,
+        )
+    return CallTree(root), key_of_call
 
 
 def _add_eager_calls(root: ModuleCall, by_key: dict[str, ModuleCall], eager_calls, modules) -> None:

@@ -54,8 +54,13 @@ def remove_unused(model: ir.Model) -> bool:
 
 
 def fix_opset_imports(model: ir.Model) -> None:
-    """Every domain used in a graph or function gets an import there and in the model."""
+    """Every domain used in a graph or function gets an import there and in the model.
+
+    The default domain is always imported: a model with no op at all (``return x``)
+    is still required to declare it.
+    """
     _torch_compat.add_opset_imports(model)
+    model.opset_imports.setdefault("", _torch_compat.default_opset())
 
 
 def optimize_functions(model: ir.Model, iterations: int = 2) -> None:
