@@ -54,9 +54,6 @@ logger = logging.getLogger(__name__)
 #: a maximum depth (1 = children of the root), or ``predicate(module_path, module)``.
 ModuleSelector = Union[None, str, int, Iterable[type], Callable[[str, torch.nn.Module], bool]]
 
-STAGES = ("capture", "decompose", "translate", "modularize", "optimize", "save", "verify")
-
-
 @dataclasses.dataclass
 class ModularExport:
     """The result of :func:`export_modular`.

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -35,7 +34,6 @@ __all__ = [
 STACK_KEY = "onnx_modular.stack"
 GLOBAL_NAME_KEY = "onnx_modular.global_name"
 SOURCE_NAME_KEY = "onnx_modular.source_name"  # the translator's value name (= FX node name)
-TEMP_DOMAIN_PREFIX = "pkg."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,6 +487,3 @@ def _clone_shared_constants(graph: ir.Graph) -> None:
         if clones and not output.uses() and not output.is_graph_output():
             graph.remove(node, safe=True)
 
-
-def module_paths_json(calls: Sequence[ModuleCall]) -> str:
-    return json.dumps([call.call_name for call in calls])
