@@ -24,11 +24,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 import torch
 
-from onnx_modular import verification
+from onnx_modular import inspect_model, verification
 from onnx_modular.verification import Tolerance, default_tolerance
 
 __all__ = [
@@ -37,7 +38,6 @@ __all__ = [
     "localize",
     "capture_module_outputs",
     "instrument",
-    "generate_inputs",
     "verify",
     "VerificationReport",
 ]
@@ -405,37 +405,6 @@ class VerificationReport:
         return "\n".join(parts)
 
 
-_NUMPY_OF = {
-    ir.DataType.FLOAT: np.float32, ir.DataType.DOUBLE: np.float64, ir.DataType.FLOAT16: np.float16,
-    ir.DataType.INT64: np.int64, ir.DataType.INT32: np.int32, ir.DataType.BOOL: np.bool_,
-    ir.DataType.INT8: np.int8, ir.DataType.UINT8: np.uint8,
-}
-
-
-def generate_inputs(model: ir.Model, dims: dict[str, int] | None = None, *, seed: int = 0, default_dim: int = 2) -> dict[str, np.ndarray]:
-    """Random inputs from the declared input types; symbolic dims take ``dims[name]`` or ``default_dim``.
-
-    Floats are standard normal; integers are 0 or 1 (valid token ids and masks for any
-    vocabulary); bools are random.
-    """
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for value in model.graph.inputs:
-        if value.shape is None or value.dtype is None:
-            raise verification.VerificationError(f"Input {value.name!r} has no declared shape or type; pass inputs explicitly.")
-        shape = [d if isinstance(d, int) else (dims or {}).get(str(d), default_dim) for d in value.shape]
-        dtype = _NUMPY_OF.get(value.dtype)
-        if dtype is None:
-            raise verification.VerificationError(f"Cannot generate inputs of type {value.dtype} for {value.name!r}; pass inputs explicitly.")
-        if np.issubdtype(dtype, np.floating):
-            feeds[value.name] = rng.standard_normal(shape).astype(dtype)
-        elif dtype is np.bool_:
-            feeds[value.name] = rng.integers(0, 2, shape).astype(np.bool_)
-        else:
-            feeds[value.name] = rng.integers(0, 2, shape).astype(dtype)
-    return feeds
-
-
 def verify(
     path: str | os.PathLike,
     model: torch.nn.Module | None = None,
@@ -478,7 +447,14 @@ def verify(
         symbolic = any(not isinstance(d, int) for v in onnx_model.graph.inputs for d in (v.shape or []))
         for dims in shapes or ([{}, {"*": 3}] if symbolic else [{}]):
             default = dims.get("*", 2)
-            feeds = generate_inputs(onnx_model, {k: v for k, v in dims.items() if k != "*"}, seed=seed, default_dim=default)
+            # Integers are 0 or 1: valid token ids and masks for any vocabulary.
+            feeds = inspect_model.random_inputs(
+                onnx.load(str(path), load_external_data=False),
+                dims={k: v for k, v in dims.items() if k != "*"},
+                default_dim=default,
+                seed=seed,
+                int_high=2,
+            )
             tensors = [torch.from_numpy(array) for array in feeds.values()]
             runs.append(({k: list(v.shape) for k, v in feeds.items()}, tensors, (), dict(zip(feeds, tensors))))
 
