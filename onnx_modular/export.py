@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import inspect
 import logging
@@ -24,14 +23,14 @@ import pathlib
 import tempfile
 import time
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Union
 
 import onnx
 import onnx_ir as ir
 import torch
 
-from onnx_modular import _io, _torch_compat, verification
+from onnx_modular import _io, _torch_compat, model_io, verification
 from onnx_modular.errors import (
     CaptureError,
     DecompositionError,
@@ -43,6 +42,7 @@ from onnx_modular.errors import (
 from onnx_modular.hierarchy import CallTree, build_call_tree
 from onnx_modular.passes import cleanup
 from onnx_modular.passes.dedupe import DeduplicateFunctionsPass
+from onnx_modular.passes.io_names import NameGraphInputsOutputsPass
 from onnx_modular.passes.modularize import STACK_KEY, CallSignature, OutlineModuleCallsPass, TensorSpec
 from onnx_modular.passes.naming import NameFunctionsPass
 
@@ -115,9 +115,10 @@ class ModularExport:
             if model is None:
                 raise InvalidInputError("Pass model=... to compute PyTorch outputs for new inputs.")
             args = args if isinstance(args, tuple) else (args,)
-            with torch.no_grad():
-                expected = verification.flatten_outputs(model(*args, **(kwargs or {})))
             inputs = verification.flatten_inputs(args, kwargs)
+            run_args, run_kwargs = verification.copy_inputs(args, kwargs or {})  # a cache grows in place
+            with torch.no_grad():
+                expected = verification.flatten_outputs(model(*run_args, **run_kwargs))
         tolerance = _tolerance(rtol, atol)
         with _model_file(self) as path:
             return verification.verify_file(path, inputs, expected, flat=flat, tolerance=tolerance)
@@ -195,13 +196,6 @@ def _check_inputs(model: Any, args: Any, kwargs: dict | None) -> tuple[tuple, di
             hint="Pass args as a tuple of positional inputs and kwargs as a dict.",
         ) from None
     return args, kwargs
-
-
-def _copy_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    try:
-        return copy.deepcopy(args), copy.deepcopy(kwargs)
-    except Exception:  # inputs that cannot be copied are used as they are
-        return args, kwargs
 
 
 def _tensor_specs(prefix: str, value: Any) -> list[TensorSpec]:
@@ -323,7 +317,7 @@ def _lazy_values(program: torch.export.ExportedProgram, args: tuple, kwargs: dic
         nonlocal cache
         if cache is None:
             try:
-                cache = _torch_compat.program_values(program, *_copy_inputs(args, kwargs))
+                cache = _torch_compat.program_values(program, *verification.copy_inputs(args, kwargs))
             except Exception as e:  # names stay unresolved; the export itself is unaffected
                 logger.info("Could not evaluate the program to resolve equal-shaped inputs: %s", e)
                 cache = {}
@@ -435,6 +429,8 @@ def export_modular(
     *,
     kwargs: dict[str, Any] | None = None,
     dynamic_shapes: Any = None,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
     opset_version: int | None = None,
     external_data: bool | None = None,
     modules: ModuleSelector = "all",
@@ -453,7 +449,15 @@ def export_modular(
         args: Example positional inputs (a tuple, or a single tensor).
         f: Where to write the ``.onnx`` file; ``None`` keeps it in memory only.
         kwargs: Example keyword inputs.
-        dynamic_shapes: As for ``torch.export.export`` (``torch.export.Dim`` objects).
+        dynamic_shapes: As for ``torch.export.export`` (``torch.export.Dim`` objects). For a
+            non-tensor input such as a KV cache, one ``{axis: Dim}`` applies to each of its
+            tensors (``{"past_key_values": {0: batch, 2: past}}``).
+        input_names: Names of the graph inputs, one per input tensor in flattening order.
+            Default: forward()'s parameter names, dotted inside nested inputs
+            (``past_key_values.layers.0.keys``).
+        output_names: Names of the graph outputs. Default: the names in what forward
+            returns (``logits``; ``output`` for a lone tensor). A name that is both an
+            input and an output gets ``input.`` / ``output.`` in front.
         opset_version: ONNX opset of the default domain; only torch's translator opset (18)
             is supported, since version converters inline all functions.
         external_data: Store weights in ``<f>.data``; ``None`` decides by size (> 1.5 GiB).
@@ -507,7 +511,9 @@ def export_modular(
     with timer("capture"):
         # Both runs get their own copy of the inputs: a forward pass may update its inputs in
         # place (a KV cache appends to itself), and the user's objects must stay as given.
-        expected_outputs, signatures, eager_calls = _eager_run(model, *_copy_inputs(args, kwargs))
+        expected_outputs, signatures, eager_calls = _eager_run(model, *verification.copy_inputs(args, kwargs))
+        model_io.register_input_types(model, {"args": args, "kwargs": kwargs, "output": expected_outputs})
+        dynamic_shapes = model_io.expand_dynamic_shapes(model, args, kwargs, dynamic_shapes)
         try:
             program = _torch_compat.capture(model, args, kwargs, dynamic_shapes)
         except Exception as e:
@@ -516,7 +522,7 @@ def export_modular(
                 f"torch.export could not capture the model: {type(e).__name__}: {_first_line(e)}",
                 module_path=path,
                 hint="Make the code traceable by torch.export (see the cause below), "
-                "or check dynamic_shapes against the inputs.",
+                "or check dynamic_shapes against the inputs." + _suggested_fixes(e),
             ) from e
     done("capture")
 
@@ -542,6 +548,7 @@ def export_modular(
                 hint="An operator may have no ONNX implementation; the cause below names it. "
                 "Rewrite that code or register a custom translation.",
             ) from e
+        _name_inputs_outputs(model_ir, model, args, kwargs, expected_outputs, input_names, output_names)
     done("translate")
 
     with timer("modularize"):
@@ -612,6 +619,39 @@ def export_modular(
         with _model_file(result) as path:
             check(path)
     return result
+
+
+def _name_inputs_outputs(
+    model_ir: ir.Model,
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    outputs: Any,
+    input_names: Sequence[str] | None,
+    output_names: Sequence[str] | None,
+) -> None:
+    graph = model_ir.graph
+    for given, values, what in ((input_names, graph.inputs, "input"), (output_names, graph.outputs, "output")):
+        if given is not None and len(given) != len(values):
+            raise InvalidInputError(
+                f"{len(given)} {what}_names were given, but the graph has {len(values)} {what}s "
+                f"({', '.join(value.name for value in values)}).",
+                hint=f"Give one name per {what} tensor, in the order torch.export flattens them.",
+            )
+    NameGraphInputsOutputsPass(
+        list(input_names) if input_names is not None else model_io.input_leaf_names(model, args, kwargs),
+        list(output_names) if output_names is not None else model_io.output_leaf_names(outputs),
+    )(model_ir)
+
+
+def _suggested_fixes(exc: BaseException) -> str:
+    """torch.export's own "Suggested fixes" for dynamic shapes (``total = Dim('total', min=4)``)."""
+    text = str(exc)
+    if "Suggested fixes:" not in text:
+        return ""
+    fixes = [line.strip() for line in text.split("Suggested fixes:", 1)[1].splitlines()]
+    fixes = [line for line in fixes if line and "=" in line and not line.startswith("The error")]
+    return " torch suggests: " + "; ".join(fixes[:8]) if fixes else ""
 
 
 def _first_line(exc: BaseException) -> str:

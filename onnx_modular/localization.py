@@ -177,9 +177,10 @@ def capture_module_outputs(
     for path, module in model.named_modules():
         if path:
             handles.append(module.register_forward_hook(make_hook(path)))
+    args, kwargs = verification.copy_inputs(args, kwargs or {})  # a cache grows in place
     try:
         with torch.no_grad():
-            output = model(*args, **(kwargs or {}))
+            output = model(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
@@ -470,8 +471,9 @@ def verify(
         modular_vs_flat = max((verification.max_differences(a, b)[0] for a, b in zip(modular, flat)), default=0.0)
         parity = modules = None
         if model is not None:
+            copied_args, copied_kwargs = verification.copy_inputs(run_args, run_kwargs)
             with torch.no_grad():
-                expected = verification.flatten_outputs(model(*run_args, **run_kwargs))
+                expected = verification.flatten_outputs(model(*copied_args, **copied_kwargs))
             names = [v.name for v in onnx_model.graph.outputs]
             parity = verification.compare(expected, modular, flat, names=names, tolerance=tolerance)
             if localize_modules:

@@ -7,6 +7,7 @@ a mismatch; ``assert_parity`` raises :class:`~onnx_modular.errors.ParityError`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -121,6 +122,14 @@ class ParityReport:
             )
         lines.append("PASS" if self.ok else f"FAIL: {len(self.failures())} output(s) beyond tolerance")
         return "\n".join(lines)
+
+
+def copy_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Deep copies of the inputs, for runs that may change them (a KV cache grows in place)."""
+    try:
+        return copy.deepcopy(tuple(args)), copy.deepcopy(dict(kwargs))
+    except Exception:  # inputs that cannot be copied are used as they are
+        return tuple(args), dict(kwargs)
 
 
 def flatten_inputs(args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import models
-from helpers import call_nodes, expanded_calls, functions_by_name, top_level_calls
+from helpers import expanded_calls, functions_by_name, top_level_calls
 from onnx_modular import InvalidInputError, export_modular
 from onnx_modular.passes.dedupe import function_fingerprint
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import onnx_ir as ir
 import pytest
 import torch

@@ -17,7 +17,6 @@ import torch
 import models
 from helpers import (
     CALL_METADATA_KEYS,
-    DOMAIN_TORCH,
     DOMAIN_TRANSFORMERS,
     call_nodes,
     expanded_calls,

@@ -9,12 +9,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
-import pytest
 import torch
-import torch.nn as nn
 
 import models
-from helpers import expanded_calls, functions_by_name, top_level_calls
+from helpers import functions_by_name, top_level_calls
 from onnx_modular import export_modular
 
 

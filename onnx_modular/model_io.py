@@ -1,0 +1,235 @@
+"""The model's inputs and outputs as torch.export sees them: pytree types, names, dynamic shapes.
+
+torch.export flattens ``(args, kwargs)`` and the return value into tensors with
+``torch.utils._pytree``. Three things follow for the ONNX file:
+
+* Objects torch cannot flatten stop the export. transformers' KV caches (``DynamicCache``,
+  ``EncoderDecoderCache``, ...) are the common case; transformers ships the pytree
+  registration itself, and :func:`register_input_types` calls it.
+* torch names graph inputs after its placeholders (``past_key_values_0``) and outputs after
+  the last op (``linear_14``). :func:`leaf_names` gives the dotted path of each tensor in the
+  model's own structure instead (``past_key_values.layers.0.keys``, ``logits``), the names
+  transformers' own ONNX exporter uses.
+* ``dynamic_shapes`` must mirror the flattened structure. :func:`expand_dynamic_shapes` lets
+  one ``{axis: Dim}`` stand for every tensor of a cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from onnx_modular.errors import InvalidInputError
+
+__all__ = ["expand_dynamic_shapes", "input_leaf_names", "leaf_names", "output_leaf_names", "register_input_types"]
+
+logger = logging.getLogger(__name__)
+
+#: Values torch.export takes as they are (tensors become inputs, the rest constants).
+_PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _is_transformers_cache(value: Any) -> bool:
+    return any(
+        cls.__module__.startswith("transformers.") and (cls.__name__ == "Cache" or cls.__name__.endswith("Cache"))
+        for cls in type(value).__mro__
+    )
+
+
+def _unflattenable(value: Any, path: str, found: list[tuple[str, Any]], depth: int = 0) -> None:
+    """Collect ``(path, object)`` for objects in ``value`` that torch's pytree cannot flatten."""
+    if isinstance(value, _PLAIN) or depth > 20:
+        return
+    node = pytree.SUPPORTED_NODES.get(type(value))
+    if node is None:
+        if isinstance(value, torch.nn.Module):
+            return  # a module passed as input is torch.export's own error to give
+        found.append((path, value))
+        return
+    children, _ = node.flatten_fn(value)
+    for index, child in enumerate(children):
+        _unflattenable(child, f"{path}.{index}", found, depth + 1)
+
+
+def register_input_types(model: torch.nn.Module, named_values: Mapping[str, Any]) -> None:
+    """Make every object in ``named_values`` flattenable by torch.export, or say which is not.
+
+    transformers caches are registered with transformers' own helper (which registers
+    every ``Cache`` subclass); anything else unknown is an :class:`InvalidInputError`
+    naming where it sits.
+
+    Raises:
+        InvalidInputError: An input (or output) object torch cannot flatten.
+    """
+    found: list[tuple[str, Any]] = []
+    for name, value in named_values.items():
+        _unflattenable(value, name, found)
+    if any(_is_transformers_cache(value) for _, value in found):
+        _register_transformers_caches(model)
+        found = []
+        for name, value in named_values.items():
+            _unflattenable(value, name, found)
+    if found:
+        path, value = found[0]
+        raise InvalidInputError(
+            f"`{path}` is a {type(value).__module__}.{type(value).__qualname__}, which torch.export "
+            "cannot flatten into tensors.",
+            module_path="",
+            hint="Register the type with torch.utils._pytree.register_pytree_node (or "
+            "torch.export.register_dataclass), or pass its tensors directly.",
+        )
+
+
+def _register_transformers_caches(model: torch.nn.Module) -> None:
+    try:  # transformers >= 5.2x: the registration its own exporters use, for every Cache type
+        from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
+    except ImportError:
+        register_cache_pytrees_for_model = None
+    if register_cache_pytrees_for_model is not None:
+        register_cache_pytrees_for_model(model)
+        return
+    try:  # older transformers: DynamicCache only
+        from transformers.integrations.executorch import register_dynamic_cache_export_support
+    except ImportError as e:
+        raise InvalidInputError(
+            "The inputs hold a transformers cache, and this transformers version has no helper "
+            "that makes caches flattenable for torch.export.",
+            hint="Install transformers>=5.2, or register the cache type with "
+            "torch.utils._pytree.register_pytree_node.",
+        ) from e
+    register_dynamic_cache_export_support()
+
+
+# -- names ---------------------------------------------------------------------------
+
+
+def _attribute_paths(value: Any, path: str, paths: dict[int, str], depth: int = 0) -> None:
+    """``id(tensor) -> dotted path`` through mappings, sequences and plain objects' attributes."""
+    if depth > 20:
+        return
+    if isinstance(value, torch.Tensor):
+        paths.setdefault(id(value), path)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _attribute_paths(item, f"{path}.{key}", paths, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _attribute_paths(item, f"{path}.{index}", paths, depth + 1)
+    elif hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type)):
+        for key, item in vars(value).items():
+            if not key.startswith("_"):
+                _attribute_paths(item, f"{path}.{key}", paths, depth + 1)
+
+
+def _key_path(prefix: str, keys: tuple) -> str:
+    parts = [prefix]
+    for key in keys:
+        if isinstance(key, pytree.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, pytree.MappingKey):
+            parts.append(str(key.key))
+        elif isinstance(key, pytree.GetAttrKey):
+            parts.append(key.name)
+        else:
+            parts.append(str(key).strip(".[]'\""))
+    return ".".join(part for part in parts if part)
+
+
+def leaf_names(named_values: list[tuple[str, Any]]) -> list[str]:
+    """Dotted names of the tensors of ``named_values``, in torch's flattening order.
+
+    A tensor is named by its attribute path when it has one (``past_key_values.layers.0.keys``
+    rather than the cache's flattened index), else by its pytree key path.
+
+    Example::
+
+        leaf_names([("input_ids", ids), ("past_key_values", cache)])
+        # ['input_ids', 'past_key_values.layers.0.keys', 'past_key_values.layers.0.values', ...]
+    """
+    names: list[str] = []
+    for prefix, value in named_values:
+        paths: dict[int, str] = {}
+        _attribute_paths(value, prefix, paths)
+        for keys, leaf in pytree.tree_flatten_with_path(value)[0]:
+            if isinstance(leaf, torch.Tensor):
+                names.append(paths.get(id(leaf)) or _key_path(prefix, keys))
+    return names
+
+
+def _bound_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """``(forward parameter name, value)`` in the order torch.export flattens ``(args, kwargs)``."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    named = []
+    for index, value in enumerate(args):
+        named.append((positional[index] if index < len(positional) else f"args.{index}", value))
+    named.extend(kwargs.items())
+    return named
+
+
+def input_leaf_names(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """Names of the tensors of ``(args, kwargs)``: forward()'s parameter names, dotted inside."""
+    return leaf_names(_bound_inputs(model, args, kwargs))
+
+
+def output_leaf_names(outputs: Any) -> list[str]:
+    """Names of the tensors ``forward`` returned: ``output`` for a lone tensor, ``output.0``
+    for tuple items, the keys of a dict or ``ModelOutput`` (``logits``)."""
+    if isinstance(outputs, Mapping):
+        return leaf_names(list(outputs.items()))
+    return leaf_names([("output", outputs)])
+
+
+# -- dynamic shapes ------------------------------------------------------------------
+
+
+def _is_axes_spec(spec: Any) -> bool:
+    return isinstance(spec, dict) and bool(spec) and all(isinstance(axis, int) for axis in spec)
+
+
+def _spread(spec: dict[int, Any], value: Any) -> Any:
+    """``spec`` for every tensor of ``value`` (of high enough rank), mirroring its pytree."""
+    if isinstance(value, torch.Tensor):
+        return spec if value.dim() > max(spec) else None
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_spread(spec, item) for item in value)
+    if type(value) is dict:
+        return {key: _spread(spec, item) for key, item in value.items()}
+    node = pytree.SUPPORTED_NODES.get(type(value))
+    if node is not None:
+        children, _ = node.flatten_fn(value)
+        return [_spread(spec, child) for child in children]
+    return None
+
+
+def expand_dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> Any:
+    """Let one ``{axis: Dim}`` given for a non-tensor input apply to each of its tensors.
+
+    ``dynamic_shapes={"past_key_values": {0: batch, 2: past}}`` becomes the per-tensor list
+    torch.export wants for the flattened cache. Anything else is returned as it is.
+    """
+    if not dynamic_shapes:
+        return dynamic_shapes
+    named = _bound_inputs(model, args, kwargs)
+    if isinstance(dynamic_shapes, dict):
+        values = dict(named)
+        return {
+            key: _spread(spec, values[key])
+            if key in values and _is_axes_spec(spec) and not isinstance(values[key], torch.Tensor)
+            else spec
+            for key, spec in dynamic_shapes.items()
+        }
+    if isinstance(dynamic_shapes, (list, tuple)) and len(dynamic_shapes) == len(named):
+        return type(dynamic_shapes)(
+            _spread(spec, value) if _is_axes_spec(spec) and not isinstance(value, torch.Tensor) else spec
+            for spec, (_, value) in zip(dynamic_shapes, named)
+        )
+    return dynamic_shapes
