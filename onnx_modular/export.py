@@ -45,6 +45,7 @@ from onnx_modular.passes.dedupe import DeduplicateFunctionsPass
 from onnx_modular.passes.io_names import NameGraphInputsOutputsPass
 from onnx_modular.passes.modularize import STACK_KEY, CallSignature, OutlineModuleCallsPass, TensorSpec
 from onnx_modular.passes.naming import NameFunctionsPass
+from onnx_modular.passes.weight_transposes import FoldWeightTransposesPass
 
 __all__ = ["export_modular", "ModularExport", "ModuleSelector"]
 
@@ -578,6 +579,7 @@ def export_modular(
         try:
             if optimize:
                 cleanup.optimize_functions(model_ir)
+                FoldWeightTransposesPass()(model_ir)  # what the optimizer does flat, across calls
                 cleanup.remove_unused(model_ir)
             cleanup.fix_opset_imports(model_ir)
             model_ir.producer_name = "onnx_modular"

@@ -20,6 +20,8 @@ from onnx_modular import export_modular, localize, verify
 
 def plant_weight_fault(source, destination, initializer: str, factor: float = 1.5):
     model = ir.load(str(source))
+    if initializer not in model.graph.initializers:  # stored pre-transposed (FoldWeightTransposesPass)
+        initializer += ".T"
     value = model.graph.initializers[initializer]
     value.const_value = ir.tensor(value.const_value.numpy() * factor, name=initializer)
     ir.save(model, str(destination))

@@ -1,0 +1,92 @@
+"""FoldWeightTransposesPass: weights stored pre-transposed across function calls, as
+onnxscript's folder stores them in a flat graph; parity is asserted inside export_modular
+(onnxruntime vs torch, float32 atol 1e-4) and again here on the inlined copy."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.inliner
+import onnxruntime as ort
+import torch
+import torch.nn as nn
+
+import models
+from onnx_modular import export_modular
+
+
+def _bodies(result) -> dict[str, list[str]]:
+    return {f.name: [node.op_type for node in f] for f in result.functions}
+
+
+def test_linear_weights_are_stored_transposed(tmp_path):
+    model, args, kwargs = models.llama(n_layer=2)
+    result = export_modular(model, args, tmp_path / "llama.onnx", kwargs=kwargs)
+    linears = {name: ops for name, ops in _bodies(result).items() if name.startswith("Linear")}
+    assert linears and all(ops == ["MatMul"] for ops in linears.values()), linears
+    for f in result.functions:
+        if f.name.startswith("Linear"):
+            assert [v.name for v in f.inputs] == ["input", "weight.T"]
+    initializers = result.model.graph.initializers
+    q = initializers["layers.0.self_attn.q_proj.weight.T"]
+    assert list(q.shape) == list(model.layers[0].self_attn.q_proj.weight.shape[::-1])
+    np.testing.assert_array_equal(q.const_value.numpy(), model.layers[0].self_attn.q_proj.weight.detach().numpy().T)
+    assert "layers.0.self_attn.q_proj.weight" not in initializers
+    assert result.report.ok
+
+    # inlined back to flat: no Transpose of a weight is left for onnxruntime to do at load
+    flat = onnx.inliner.inline_local_functions(onnx.load(tmp_path / "llama.onnx"))
+    weights = {i.name for i in flat.graph.initializer}
+    assert not [n for n in flat.graph.node if n.op_type == "Transpose" and n.input[0] in weights]
+
+
+def test_tied_weights_are_left_alone(tmp_path):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=100, n_positions=32, use_cache=False)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    result = export_modular(model, (torch.randint(0, 100, (2, 8)),), tmp_path / "gpt2.onnx")
+    # lm_head.weight is wte.weight: Gather reads it untransposed, so the lm_head body transposes
+    call = next(n for n in result.model.graph if n.metadata_props.get("pkg.onnx_modular.module_path") == "lm_head")
+    lm_head = result.model.functions[call.op_identifier()]
+    assert "Transpose" in [node.op_type for node in lm_head]
+    names = set(result.model.graph.initializers)
+    assert "lm_head.weight" in names and "lm_head.weight.T" not in names  # one tensor, both uses
+    assert result.report.ok
+
+
+class _TimesTransposed(nn.Module):
+    def forward(self, x, w):
+        return x @ w.t()
+
+
+class _SharedBodyMixedArguments(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.a = _TimesTransposed()
+        self.b = _TimesTransposed()
+
+    def forward(self, x):
+        return self.a(x, self.w) + self.b(x, x.t() @ x)  # one call gets a weight, one a computed value
+
+
+def test_not_folded_when_a_call_passes_a_computed_value(tmp_path):
+    model = _SharedBodyMixedArguments().eval()
+    x = torch.randn(3, 4)
+    path = tmp_path / "m.onnx"
+    result = export_modular(model, (x,), path)
+    bodies = _bodies(result)
+    assert len([name for name in bodies if name.startswith("_TimesTransposed")]) == 1  # one shared body
+    assert "Transpose" in bodies["_TimesTransposed"]
+    assert "w" in result.model.graph.initializers
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {"x": x.numpy()})
+    np.testing.assert_allclose(out, model(x).detach().numpy(), atol=1e-5)
+
+
+def test_optimize_false_keeps_transposes(tmp_path):
+    model, args, kwargs = models.llama(n_layer=1)
+    result = export_modular(model, args, tmp_path / "llama.onnx", kwargs=kwargs, optimize=False)
+    assert any("Transpose" in ops for name, ops in _bodies(result).items() if name.startswith("Linear"))
