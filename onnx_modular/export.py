@@ -7,7 +7,8 @@
       modularize   OutlineModuleCallsPass (ours)          -> nested local functions
       dedupe       DeduplicateFunctionsPass (ours)        -> identical calls share a function
       name         NameFunctionsPass (ours)               -> names, doc strings, metadata
-      cleanup      onnx_ir unused removal, opset imports  (optionally onnxscript optimizer, inline=False)
+      cleanup      onnx_ir unused removal, opset imports  (optionally onnxscript optimizer, inline=False,
+                   and FoldWeightTransposesPass: weights stored pre-transposed across calls)
       save         atomic write + onnx.checker(full_check=True)
       verify       onnxruntime(modular) vs onnxruntime(flat) vs torch eager
 """
