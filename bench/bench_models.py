@@ -24,6 +24,7 @@ FACTORIES = {
     "vit": models.vit,
     "t5": models.t5,
     "resnet": models.resnet,
+    "llama-kv": models.llama_kv,  # one decode step with a DynamicCache
 }
 
 
@@ -31,6 +32,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--models", default=",".join(FACTORIES))
+    # note: onnx_modular registers transformers' caches for torch.export on first use, and it
+    # runs first here, so torch.onnx.export then accepts the DynamicCache too (without the
+    # registration it fails: "Unsupported input type DynamicCache").
     options = parser.parse_args()
     print("| model | module calls as functions | function definitions | depth | max abs diff vs torch | onnx_modular export (s) | torch.onnx.export (s) | ratio |")
     print("|---|---|---|---|---|---|---|---|")

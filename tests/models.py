@@ -30,6 +30,29 @@ def llama(n_layer: int = 2):
     return transformers.LlamaModel(config).eval(), (torch.randint(0, 100, (2, 8)),), {}
 
 
+def llama_lm(n_layer: int = 2):
+    """Llama with its LM head and a KV cache (``use_cache=True``)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=True, max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def llama_kv(n_layer: int = 2):
+    """One decode step of :func:`llama_lm`: a new token, the mask, a 3-token ``DynamicCache``."""
+    model = llama_lm(n_layer)
+    with torch.no_grad():
+        cache = model(torch.randint(0, 100, (2, 3)), use_cache=True).past_key_values
+    kwargs = dict(
+        input_ids=torch.randint(0, 100, (2, 1)), attention_mask=torch.ones(2, 4, dtype=torch.long), past_key_values=cache
+    )
+    return model, (), kwargs
+
+
 def bert():
     import transformers
 

@@ -16,6 +16,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+import models
 from helpers import expanded_calls
 from onnx_modular import export_modular
 from onnx_modular.errors import InvalidInputError
@@ -25,14 +26,7 @@ LAYERS = 2
 
 
 def _llama_lm():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, use_cache=True, max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return models.llama_lm(LAYERS)
 
 
 def _prefill(model, batch: int, length: int):
