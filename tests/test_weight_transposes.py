@@ -90,3 +90,55 @@ def test_optimize_false_keeps_transposes(tmp_path):
     model, args, kwargs = models.llama(n_layer=1)
     result = export_modular(model, args, tmp_path / "llama.onnx", kwargs=kwargs, optimize=False)
     assert any("Transpose" in ops for name, ops in _bodies(result).items() if name.startswith("Linear"))
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(width, width, bias=False)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x))
+
+
+class _SharedWeight(nn.Module):
+    """Two blocks (one shared body) and a third Linear reading block a's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Block(), _Block()
+        self.tied = nn.Linear(8, 8, bias=False)
+        self.tied.weight = self.a.proj.weight
+
+    def forward(self, x):
+        return self.tied(self.b(self.a(x)))
+
+
+class _UntransposedUse(nn.Module):
+    """Block a's weight is also used as it is (x @ W): it must stay untransposed."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Block(), _Block()
+
+    def forward(self, x):
+        return self.b(self.a(x)) + x @ self.a.proj.weight
+
+
+def test_weight_shared_by_calls_is_folded_once(tmp_path):
+    model = _SharedWeight().eval()
+    result = export_modular(model, (torch.randn(2, 3, 8),), tmp_path / "m.onnx")  # parity asserted inside
+    names = set(result.model.graph.initializers)
+    # torch keeps one name for the tied weight (a.proj.weight is tied.weight)
+    assert len(names) == 2 and "b.proj.weight.T" in names and all(name.endswith(".T") for name in names)
+    assert all("Transpose" not in ops for ops in _bodies(result).values())
+
+
+def test_weight_also_used_untransposed_is_not_folded(tmp_path):
+    model = _UntransposedUse().eval()
+    result = export_modular(model, (torch.randn(2, 3, 8),), tmp_path / "m.onnx")  # parity asserted inside
+    names = set(result.model.graph.initializers)
+    assert "a.proj.weight" in names and "a.proj.weight.T" not in names
+    # block b shares a's body, so b's weight cannot be folded either: one body, one layout
+    assert "b.proj.weight" in names
+    assert any("Transpose" in ops for ops in _bodies(result).values())
