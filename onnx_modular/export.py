@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import inspect
 import logging
 import os
@@ -411,6 +412,25 @@ def _annotate_stacks(model_ir: ir.Model, tree: CallTree, select: Callable[[str, 
 # -- the pipeline ---------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while our passes run.
+
+    The passes allocate many small objects (IR nodes and values, which reference each other),
+    and each allocation burst can trigger a full collection that walks the whole heap: the
+    model, the exported program, earlier exports' leftovers. Measured at 48 layers, such
+    collections tripled the stage's time (0.34 s -> 1.3 s) in a third export in one process.
+    Objects freed meanwhile are collected when the collector resumes.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class _Timer:
     def __init__(self):
         self.timings: dict[str, float] = {}
@@ -553,7 +573,7 @@ def export_modular(
         _name_inputs_outputs(model_ir, model, args, kwargs, expected_outputs, input_names, output_names)
     done("translate")
 
-    with timer("modularize"):
+    with timer("modularize"), _gc_paused():
         try:
             stacks = [
                 fx_node.meta["nn_module_stack"]
