@@ -4,7 +4,7 @@ Subcommands::
 
     onnx-modular export package.module:factory -o m.onnx   # export_modular + report + tree
     onnx-modular tree m.onnx [--depth N] [--class NAME]    # the function-call tree
-    onnx-modular inline m.onnx flat.onnx [--only NAME ...] # onnx.inliner, written atomically
+    onnx-modular inline m.onnx flat.onnx [--only NAME ...] [--optimize]  # onnx.inliner, atomically
     onnx-modular verify m.onnx [--inputs x.npz]            # onnxruntime: modular vs inlined copy
     onnx-modular view m.onnx [--port P]                    # Netron on localhost
 
@@ -218,7 +218,7 @@ def _tree(args: argparse.Namespace) -> int:
 
 def _inline(args: argparse.Namespace) -> int:
     source = inspect_model.load_model_file(args.model)
-    flat = inspect_model.inline_file(args.model, args.output, only=args.only)
+    flat = inspect_model.inline_file(args.model, args.output, only=args.only, optimize=args.optimize)
     inlined = len(source.functions) - len(flat.functions)
     print(
         f"Wrote {args.output}: {len(flat.graph.node)} nodes in the main graph, "
@@ -399,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAME",
         help="inline only these functions (NAME or DOMAIN:NAME); calls nested in them stay calls",
+    )
+    inline.add_argument(
+        "--optimize",
+        action="store_true",
+        help="then run onnxscript's optimizer on the result, as torch.onnx.export does "
+        "(shares the per-call constants: a flat file for deployment)",
     )
     inline.set_defaults(run=_inline)
 

@@ -844,8 +844,14 @@ def inline_file(
     destination: str | os.PathLike,
     *,
     only: Sequence[str] | None = None,
+    optimize: bool = False,
 ) -> onnx.ModelProto:
     """Write a copy of ``source`` with local functions inlined, atomically.
+
+    ``optimize=True`` then runs onnxscript's full optimizer on the flat graph, the same one
+    ``torch.onnx.export`` runs (constant folding, common subexpressions, constants lifted to
+    initializers, equal initializers merged), so the per-call copies of constants become one
+    shared initializer each, as in torch's own flat file.
 
     Uses ``onnx.inliner.inline_local_functions`` (everything) or
     ``onnx.inliner.inline_selected_functions`` (the functions named in ``only``, each
@@ -860,6 +866,7 @@ def inline_file(
 
         inline_file("gpt2.onnx", "gpt2.flat.onnx")
         inline_file("gpt2.onnx", "gpt2.noblock.onnx", only=["GPT2Block"])
+        inline_file("gpt2.onnx", "gpt2.deploy.onnx", optimize=True)
     """
     destination = pathlib.Path(destination)
     model = load_model_file(source)
@@ -870,6 +877,10 @@ def inline_file(
         flat = onnx.inliner.inline_selected_functions(model, _resolve_function_ids(model, only))
     else:
         flat = onnx.inliner.inline_local_functions(model)
+    if optimize:
+        import onnxscript.optimizer
+
+        flat = onnxscript.optimizer.optimize(flat)
     with _atomic_destination(destination) as tmpdir:
         staged = tmpdir / destination.name
         try:

@@ -450,6 +450,21 @@ def test_inline_all_runs_like_the_modular_model(gpt2, tmp_path, input_ids):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["flat.onnx"]  # no temporary leftovers
 
 
+def test_inline_optimize_shares_the_per_call_constants(gpt2, tmp_path, input_ids):
+    plain, optimized = tmp_path / "flat.onnx", tmp_path / "deploy.onnx"
+    assert run_cli("inline", gpt2, plain)[0] == 0
+    code, out, err = run_cli("inline", gpt2, optimized, "--optimize")
+    assert code == 0, err
+    plain_model, model = onnx.load(plain), onnx.load(optimized)
+    assert len(model.functions) == 0
+    assert sum(node.op_type == "Constant" for node in plain_model.graph.node) > 0
+    assert sum(node.op_type == "Constant" for node in model.graph.node) == 0  # lifted and shared
+    assert len(model.graph.node) < len(plain_model.graph.node)
+    (expected,) = run_ort(gpt2, {"input_ids": input_ids})
+    (actual,) = run_ort(optimized, {"input_ids": input_ids})
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_inline_only_selected_functions(gpt2, tmp_path, input_ids):
     partial = tmp_path / "partial.onnx"
     code, out, err = run_cli("inline", gpt2, partial, "--only", "GPT2Block", "pkg.torch.2.13.0:Embedding")
