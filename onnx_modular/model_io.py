@@ -108,22 +108,24 @@ def _register_transformers_caches(model: torch.nn.Module) -> None:
 # -- names ---------------------------------------------------------------------------
 
 
-def _attribute_paths(value: Any, path: str, paths: dict[int, str], depth: int = 0) -> None:
+def _attribute_paths(value: Any, path: str, paths: dict[int, str], depth: int = 0, seen: set | None = None) -> None:
     """``id(tensor) -> dotted path`` through mappings, sequences and plain objects' attributes."""
-    if depth > 20:
+    seen = set() if seen is None else seen
+    if depth > 20 or id(value) in seen:
         return
+    seen.add(id(value))  # objects that refer back to each other are walked once
     if isinstance(value, torch.Tensor):
         paths.setdefault(id(value), path)
     elif isinstance(value, Mapping):
         for key, item in value.items():
-            _attribute_paths(item, f"{path}.{key}", paths, depth + 1)
+            _attribute_paths(item, f"{path}.{key}", paths, depth + 1, seen)
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            _attribute_paths(item, f"{path}.{index}", paths, depth + 1)
+            _attribute_paths(item, f"{path}.{index}", paths, depth + 1, seen)
     elif hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type)):
         for key, item in vars(value).items():
             if not key.startswith("_"):
-                _attribute_paths(item, f"{path}.{key}", paths, depth + 1)
+                _attribute_paths(item, f"{path}.{key}", paths, depth + 1, seen)
 
 
 def _key_path(prefix: str, keys: tuple) -> str:
