@@ -25,6 +25,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -446,8 +447,8 @@ class TreeNode:
 
     Attributes:
         name: The ONNX node name of the call (the graph name for the root). Inside a
-            function body shared by several calls, the node is named after the first
-            call (e.g. ``h.0.attn`` in the body shared by ``h.0`` and ``h.1``).
+            function body, onnx_modular names call nodes relative to the body's module
+            (``attn`` in the ``GPT2Block`` body shared by ``h.0`` and ``h.1``).
         path: Where this call sits: the module path for files written by onnx_modular
             (``h.1.attn``, resolved through the caller), else the node names joined by ``/``.
         function: The called function's name (``None`` for the root).
@@ -629,6 +630,9 @@ def _numel(dims: Sequence[int]) -> int:
     return math.prod(int(d) for d in dims)
 
 
+_CALL_INDEX_SUFFIX = re.compile(r"@\d+$")
+
+
 def _strip_call_index(path: str) -> str:
     base, _, index = path.rpartition("@")
     return base if base and index.isdigit() else path
@@ -655,20 +659,22 @@ def _first_module_path(function: onnx.FunctionProto) -> str | None:
 def _call_path(node: onnx.NodeProto, caller_path: str | None, body_path: str | None) -> str:
     """Where a call sits, as readable as the file allows.
 
-    A body shared by ``h.0`` and ``h.1`` names its nested call nodes after ``h.0``;
-    under ``h.1`` they are shown as ``h.1.attn``.
+    A body shared by ``h.0`` and ``h.1`` names its nested call nodes relative to itself
+    (``attn``); the node's module-path metadata is ``h.0.attn`` (its first call), and under
+    ``h.1`` the call is shown as ``h.1.attn``.
     """
     name = node.name or f"<{node.op_type}>"
     module_path = _metadata(node).get(_METADATA_MODULE_PATH)
     if module_path is not None:
-        suffix = name[len(module_path) :] if name.startswith(module_path) else ""
+        repeat = _CALL_INDEX_SUFFIX.search(name)  # "@1": the module's second call
+        suffix = repeat.group(0) if repeat else ""
         if (
             caller_path is not None
             and body_path
             and (module_path == body_path or module_path.startswith(body_path + "."))
         ):
             return _strip_call_index(caller_path) + module_path[len(body_path) :] + suffix
-        return name
+        return module_path + suffix
     return f"{caller_path}/{name}" if caller_path else name
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import onnx_ir as ir
 
 DOMAIN_TORCH = "pkg.torch.2.13.0"
@@ -30,22 +32,32 @@ def is_call(node: ir.Node, model: ir.Model) -> bool:
 def expanded_calls(model: ir.Model) -> list[tuple[str, str, int]]:
     """Every module call reachable from the main graph, expanded through shared bodies.
 
-    Returns (call node name, function name, depth) in execution order. A function
-    shared by N calls is walked N times, so this counts calls, not definitions.
+    Returns (call name, function name, depth) in execution order. A function
+    shared by N calls is walked N times, so this counts calls, not definitions. Call
+    nodes inside a body are named relative to it (``attn`` in ``GPT2Block``); the call name
+    is resolved through the caller (``h.1.attn``), unless the node already holds its full
+    module path (an instance reached through another attribute).
     """
     calls = []
 
-    def walk(nodes, depth):
+    def resolve(node, caller):
+        base = node.name.rpartition("@")[0] if re.search(r"@\d+$", node.name) else node.name
+        if caller is None or base == node.metadata_props.get("pkg.onnx_modular.module_path"):
+            return node.name
+        return f"{caller.rpartition('@')[0] if re.search(r'@[0-9]+$', caller) else caller}.{node.name}"
+
+    def walk(nodes, depth, caller):
         for node in nodes:
             function = model.functions.get(node.op_identifier())
             if function is not None and is_call(node, model):
-                calls.append((node.name, function.name, depth))
-                walk(function, depth + 1)
+                name = resolve(node, caller)
+                calls.append((name, function.name, depth))
+                walk(function, depth + 1, name)
             for attr in node.attributes.values():
                 if attr.type == ir.AttributeType.GRAPH:
-                    walk(attr.value, depth)
+                    walk(attr.value, depth, caller)
 
-    walk(model.graph, 1)
+    walk(model.graph, 1, None)
     return calls
 
 

@@ -4,7 +4,7 @@ A tiny GPT-2 is exported, served with the ``netron`` package on localhost, and o
 in headless Chromium driven by ``chromedriver`` through selenium. The test checks
 that the main graph shows the module-call nodes (``h.0``, ``h.1`` as ``GPT2Block``),
 enters ``h.0``'s function ("Show Function Definition") and finds the nested calls
-(``h.0.attn``, ``h.0.mlp``, ...), then reads the call-node metadata and the function
+(``attn``, ``mlp``, ...: named relative to the shared body), then reads the call-node metadata and the function
 doc string in Netron's sidebars.
 
 Screenshots go to ``$ONNX_MODULAR_SCREENSHOT_DIR`` (or a temporary folder):
@@ -204,7 +204,7 @@ def test_top_level_shows_the_module_calls(browser, netron_url, screenshot_dir):
         assert info["type"] == function and info["tooltip"] == name
         assert info["definition"], f"{name} cannot be entered"
     # The nested calls are not in the main graph: they live in the function bodies.
-    assert node_info(browser, "h.0.attn") is None
+    assert node_info(browser, "attn") is None
     for _ in range(2):
         click(browser, browser.find_element(By.ID, "zoom-out-button"))
     center_on(browser, "h.0")
@@ -214,14 +214,16 @@ def test_top_level_shows_the_module_calls(browser, netron_url, screenshot_dir):
 def test_entering_a_block_shows_its_nested_calls(browser, netron_url, screenshot_dir):
     open_model(browser, netron_url)
     enter_function(browser, "h.0")
-    wait_for(browser, "return document.getElementById('node-name-h.0.attn')", what="the body of GPT2Block")
+    wait_for(browser, "return document.getElementById('node-name-attn')", what="the body of GPT2Block")
     time.sleep(0.5)
     assert breadcrumb(browser, "GPT2Block")[-1] == "GPT2Block"
+    # Inside the shared body, call nodes are named relative to it (the block's own path is
+    # h.0 or h.1 depending on the caller); the full path is in the metadata.
     expected = [
-        ("h.0.ln_1", "LayerNorm"),
-        ("h.0.attn", "GPT2Attention"),
-        ("h.0.ln_2", "LayerNorm"),
-        ("h.0.mlp", "GPT2MLP"),
+        ("ln_1", "LayerNorm"),
+        ("attn", "GPT2Attention"),
+        ("ln_2", "LayerNorm"),
+        ("mlp", "GPT2MLP"),
     ]
     for name, function in expected:
         info = node_info(browser, name)
@@ -231,7 +233,7 @@ def test_entering_a_block_shows_its_nested_calls(browser, netron_url, screenshot
 
     # The call node's metadata: module path, class, package and version, source.
     label = browser.execute_script(
-        "return document.getElementById('node-name-h.0.attn').querySelector('.node-item-type')"
+        "return document.getElementById('node-name-attn').querySelector('.node-item-type')"
     )
     click(browser, label)
     sidebar = wait_for(
@@ -257,7 +259,7 @@ def test_entering_a_block_shows_its_nested_calls(browser, netron_url, screenshot
 
     # Nested functions work too: enter GPT2Attention from inside GPT2Block.
     click(browser, browser.find_element(By.ID, "sidebar-closebutton"))
-    enter_function(browser, "h.0.attn")
-    wait_for(browser, "return document.getElementById('node-name-h.0.attn.c_attn')", what="the body of GPT2Attention")
+    enter_function(browser, "attn")
+    wait_for(browser, "return document.getElementById('node-name-c_attn')", what="the body of GPT2Attention")
     assert breadcrumb(browser, "GPT2Attention")[-2:] == ["GPT2Block", "GPT2Attention"]
-    assert node_info(browser, "h.0.attn.c_proj")["type"] == "Conv1D_2"
+    assert node_info(browser, "c_proj")["type"] == "Conv1D_2"

@@ -282,7 +282,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
             temp_name,
             inputs=[actual for actual, _ in formals],
             num_outputs=len(outputs),
-            name=call.call_name,
+            name=_node_name(call),
             metadata_props=call.metadata(),
         )
         namespace = _call_namespace(members[0], call)
@@ -389,6 +389,25 @@ def _global_name(value: ir.Value) -> str | None:
 def _first_use_order(node: ir.Node) -> Callable[[ir.Value], int]:
     order = {value: i for i, value in enumerate(node.inputs) if value is not None}
     return lambda value: order.get(value, len(order))
+
+
+def _node_name(call: ModuleCall) -> str:
+    """The call node's name: the module path relative to the function the node sits in.
+
+    Inside ``GPT2Block`` the attention call is ``attn``, not ``h.0.attn``: the body is shared
+    by ``h.0`` … ``h.11``, so a full path would name only its first caller. Calls in the main
+    graph (and calls whose path does not extend the enclosing one, an instance reached
+    through another attribute) keep the full path. The full path of the first call stays in
+    the ``pkg.onnx_modular.module_path`` metadata.
+    """
+    enclosing = call.parent
+    while enclosing is not None and enclosing.function is None:
+        enclosing = enclosing.parent
+    prefix = f"{enclosing.module_path}." if enclosing is not None and enclosing.module_path else ""
+    if not prefix or not call.module_path.startswith(prefix):
+        return call.call_name
+    relative = call.module_path[len(prefix) :]
+    return f"{relative}@{call.call_index}" if call.call_index else relative
 
 
 def _call_namespace(member: ir.Node, call: ModuleCall) -> str | None:
