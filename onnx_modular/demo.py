@@ -1,8 +1,9 @@
 """Small demo models for the command line, built from configs with random weights.
 
-Each factory returns ``(model, args)`` as ``onnx-modular export`` expects:
+Each factory returns what ``onnx-modular export`` expects:
 
     python -m onnx_modular export onnx_modular.demo:gpt2 -o gpt2.onnx
+    python -m onnx_modular export onnx_modular.demo:llama_kv -o llama_kv.onnx
 
 Nothing is downloaded; ``transformers`` must be installed (it is in the ``test`` extra).
 """
@@ -11,7 +12,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gpt2"]
+__all__ = ["gpt2", "llama_kv"]
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:  # transformers is optional for the package itself
+        raise ImportError("The demos need transformers: pip install transformers") from e
+    return transformers
 
 
 def gpt2() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
@@ -24,10 +33,7 @@ def gpt2() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
         model, (input_ids,) = gpt2()
         hidden = model(input_ids).last_hidden_state   # (2, 8, 64)
     """
-    try:
-        import transformers
-    except ImportError as e:  # transformers is optional for the package itself
-        raise ImportError("The gpt2 demo needs transformers: pip install transformers") from e
+    transformers = _transformers()
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         n_layer=2,
@@ -42,3 +48,39 @@ def gpt2() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
     model = transformers.GPT2Model(config).eval()
     input_ids = torch.randint(0, config.vocab_size, (2, 8))
     return model, (input_ids,)
+
+
+def llama_kv() -> dict:
+    """A tiny Llama LM with a KV cache: a step after a prefill, cache and mask dynamic.
+
+    Inputs: ``input_ids`` (2, 2), ``attention_mask`` (2, 5) and a 3-token ``DynamicCache``
+    from a prefill; ``batch``, ``seq``, ``past`` and ``total`` (the mask length) are dynamic,
+    so the file does the prefill (past 0) and every decode step.
+
+    Example::
+
+        spec = llama_kv()
+        spec["model"](**spec["kwargs"]).logits.shape   # (2, 2, 100)
+    """
+    transformers = _transformers()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=True,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        cache = model(torch.randint(0, 100, (2, 3)), use_cache=True).past_key_values
+    kwargs = {
+        "input_ids": torch.randint(0, 100, (2, 2)),  # dynamic sizes need example sizes >= 2
+        "attention_mask": torch.ones(2, 5, dtype=torch.long),
+        "past_key_values": cache,
+    }
+    Dim = torch.export.Dim
+    batch, seq, past = Dim("batch"), Dim("seq"), Dim("past")
+    dynamic_shapes = {
+        "input_ids": {0: batch, 1: seq},
+        "attention_mask": {0: batch, 1: Dim("total", min=4)},  # past + seq; torch assumes both >= 2
+        "past_key_values": {0: batch, 2: past},
+    }
+    return {"model": model, "args": (), "kwargs": kwargs, "dynamic_shapes": dynamic_shapes}

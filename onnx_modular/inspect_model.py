@@ -1055,8 +1055,9 @@ class InlineParity:
         def fmt(value: float | None) -> str:
             return "-" if value is None else f"{value:.2e}"
 
+        width = verification.name_column_width(o.name for o in self.outputs)
         header = (
-            f"{'output':<24} {'shape':<16} {'dtype':<8} {'max abs':>9} {'max rel':>9} {'exp abs':>9} {'exp rel':>9}  ok"
+            f"{'output':<{width}} {'shape':<16} {'dtype':<8} {'max abs':>9} {'max rel':>9} {'exp abs':>9} {'exp rel':>9}  ok"
         )
         lines = [
             f"onnxruntime: modular vs inlined copy (atol {self.atol:g}, rtol {self.rtol:g})",
@@ -1065,7 +1066,7 @@ class InlineParity:
         ]
         for o in self.outputs:
             lines.append(
-                f"{o.name[:24]:<24} {str(list(o.shape))[:16]:<16} {o.dtype:<8} {fmt(o.max_abs):>9} {fmt(o.max_rel):>9} "
+                f"{verification.fit_name(o.name, width):<{width}} {str(list(o.shape))[:16]:<16} {o.dtype:<8} {fmt(o.max_abs):>9} {fmt(o.max_rel):>9} "
                 f"{fmt(o.expected_max_abs):>9} {fmt(o.expected_max_rel):>9}  {'yes' if o.ok else 'NO'}"
             )
         failures = sum(1 for o in self.outputs if not o.ok)

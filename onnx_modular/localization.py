@@ -97,13 +97,14 @@ class LocalizationReport:
         return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
-        header = f"{'#':>4} {'module call':<40} {'function':<24} {'depth':>5} {'max abs':>10} {'max rel':>10}  ok"
+        width = verification.name_column_width((m.call_name for m in self.modules), minimum=40, maximum=72)
+        header = f"{'#':>4} {'module call':<{width}} {'function':<24} {'depth':>5} {'max abs':>10} {'max rel':>10}  ok"
         lines = ["Per-module parity (onnxruntime vs PyTorch, in completion order)", header, "-" * len(header)]
         first = self.first_failure
         for i, m in enumerate(self.modules):
             mark = "yes" if m.ok else ("NO  <- first to drift" if m is first else "NO")
             lines.append(
-                f"{i:>4} {m.call_name[:40]:<40} {m.function[:24]:<24} {m.depth:>5} {m.max_abs:>10.2e} {m.max_rel:>10.2e}  {mark}"
+                f"{i:>4} {verification.fit_name(m.call_name, width):<{width}} {m.function[:24]:<24} {m.depth:>5} {m.max_abs:>10.2e} {m.max_rel:>10.2e}  {mark}"
             )
         growth = ", ".join(f"depth {d}: {v:.1e}" for d, v in self.by_depth().items())
         lines.append(f"max abs error by depth: {growth}")

@@ -14,7 +14,7 @@ import math
 import os
 import pathlib
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -111,17 +111,31 @@ class ParityReport:
         def fmt(value: float | None) -> str:
             return "-" if value is None else f"{value:.2e}"
 
-        header = f"{'output':<24} {'shape':<18} {'dtype':<9} {'modular abs':>11} {'rel':>9} {'flat abs':>9} {'rel':>9} {'mod-flat':>9} {'atol/rtol':>15}  ok"
+        width = name_column_width(o.name for o in self.outputs)
+        header = f"{'output':<{width}} {'shape':<18} {'dtype':<9} {'modular abs':>11} {'rel':>9} {'flat abs':>9} {'rel':>9} {'mod-flat':>9} {'atol/rtol':>15}  ok"
         lines = ["Parity against PyTorch (onnxruntime, max abs / max rel difference)", header, "-" * len(header)]
         for o in self.outputs:
             tolerance = f"{o.tolerance.atol:.0e}/{o.tolerance.rtol:.0e}"
             lines.append(
-                f"{o.name[:24]:<24} {str(list(o.shape))[:18]:<18} {o.dtype:<9} {fmt(o.modular_max_abs):>11} "
+                f"{fit_name(o.name, width):<{width}} {str(list(o.shape))[:18]:<18} {o.dtype:<9} {fmt(o.modular_max_abs):>11} "
                 f"{fmt(o.modular_max_rel):>9} {fmt(o.flat_max_abs):>9} {fmt(o.flat_max_rel):>9} "
                 f"{fmt(o.modular_vs_flat_max_abs):>9} {tolerance:>15}  {'yes' if o.ok else 'NO'}"
             )
         lines.append("PASS" if self.ok else f"FAIL: {len(self.failures())} output(s) beyond tolerance")
         return "\n".join(lines)
+
+
+def name_column_width(names: Iterable[str], minimum: int = 24, maximum: int = 56) -> int:
+    """Width of a report's name column: the longest name, within bounds."""
+    return max(minimum, min(maximum, max((len(name) for name in names), default=0)))
+
+
+def fit_name(name: str, width: int) -> str:
+    """``name`` shortened in the middle to ``width`` (both ends of a dotted path tell)."""
+    if len(name) <= width:
+        return name
+    head = (width - 1) // 2
+    return f"{name[:head]}…{name[len(name) - (width - 1 - head):]}"
 
 
 def copy_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

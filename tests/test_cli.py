@@ -706,3 +706,30 @@ def test_view_serves_the_model(gpt2, monkeypatch):
     assert code == 0, err
     assert served["page"] == 200 and served["browse"] is False
     assert "Netron is serving" in err and "(Ctrl+C to stop)" in err
+
+
+def test_export_the_kv_cache_demo(tmp_path):
+    """The KV-cache demo from the command line: named cache inputs/outputs, full names in the
+    parity report, and a decode-step check at other sizes through `verify --dim`."""
+    path = tmp_path / "llama_kv.onnx"
+    code, out, err = run_cli("export", "onnx_modular.demo:llama_kv", "-o", path, "--depth", "1")
+    assert code == 0, err
+    assert "output.past_key_values.layers.1.values [2, 2, 5, 16]" in out  # not cut to 24 characters
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    inputs = {i.name: i.shape for i in session.get_inputs()}
+    assert inputs["attention_mask"] == ["batch", "total"]
+    assert inputs["input.past_key_values.layers.0.keys"] == ["batch", 2, "past", 16]
+    code, out, err = run_cli("verify", path, "--dim", "past=3", "--dim", "seq=1", "--dim", "total=4")
+    assert code == 0, err
+    assert out.rstrip().endswith("PASS")
+
+
+def test_long_names_are_shortened_in_the_middle():
+    from onnx_modular.verification import fit_name, name_column_width
+
+    name = "output.past_key_values.self_attention_cache.layers.11.values"
+    width = name_column_width([name, "logits"])
+    assert width == 56
+    short = fit_name(name, width)
+    assert len(short) == 56 and short.startswith("output.past_key") and short.endswith("layers.11.values")
+    assert fit_name("logits", width) == "logits"
