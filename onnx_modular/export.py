@@ -119,9 +119,7 @@ class ModularExport:
                 raise InvalidInputError("Pass model=... to compute PyTorch outputs for new inputs.")
             args = args if isinstance(args, tuple) else (args,)
             inputs = verification.flatten_inputs(args, kwargs)
-            run_args, run_kwargs = verification.copy_inputs(args, kwargs or {})  # a cache grows in place
-            with torch.no_grad():
-                expected = verification.flatten_outputs(model(*run_args, **run_kwargs))
+            expected = verification.torch_outputs(model, args, kwargs)
         tolerance = _tolerance(rtol, atol)
         with _model_file(self) as path:
             return verification.verify_file(path, inputs, expected, flat=flat, tolerance=tolerance)

@@ -25,7 +25,6 @@ import json
 import math
 import os
 import pathlib
-import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -630,9 +629,6 @@ def _numel(dims: Sequence[int]) -> int:
     return math.prod(int(d) for d in dims)
 
 
-_CALL_INDEX_SUFFIX = re.compile(r"@\d+$")
-
-
 def _strip_call_index(path: str) -> str:
     base, _, index = path.rpartition("@")
     return base if base and index.isdigit() else path
@@ -666,8 +662,7 @@ def _call_path(node: onnx.NodeProto, caller_path: str | None, body_path: str | N
     name = node.name or f"<{node.op_type}>"
     module_path = _metadata(node).get(_METADATA_MODULE_PATH)
     if module_path is not None:
-        repeat = _CALL_INDEX_SUFFIX.search(name)  # "@1": the module's second call
-        suffix = repeat.group(0) if repeat else ""
+        suffix = name[len(_strip_call_index(name)) :]  # "@1": the module's second call
         if (
             caller_path is not None
             and body_path

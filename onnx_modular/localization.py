@@ -472,9 +472,7 @@ def verify(
         modular_vs_flat = max((verification.max_differences(a, b)[0] for a, b in zip(modular, flat)), default=0.0)
         parity = modules = None
         if model is not None:
-            copied_args, copied_kwargs = verification.copy_inputs(run_args, run_kwargs)
-            with torch.no_grad():
-                expected = verification.flatten_outputs(model(*copied_args, **copied_kwargs))
+            expected = verification.torch_outputs(model, run_args, run_kwargs)
             names = [v.name for v in onnx_model.graph.outputs]
             parity = verification.compare(expected, modular, flat, names=names, tolerance=tolerance)
             if localize_modules:

@@ -66,14 +66,17 @@ def register_input_types(model: torch.nn.Module, named_values: Mapping[str, Any]
     Raises:
         InvalidInputError: An input (or output) object torch cannot flatten.
     """
-    found: list[tuple[str, Any]] = []
-    for name, value in named_values.items():
-        _unflattenable(value, name, found)
-    if any(_is_transformers_cache(value) for _, value in found):
-        _register_transformers_caches(model)
-        found = []
+
+    def unflattenable() -> list[tuple[str, Any]]:
+        found: list[tuple[str, Any]] = []
         for name, value in named_values.items():
             _unflattenable(value, name, found)
+        return found
+
+    found = unflattenable()
+    if any(_is_transformers_cache(value) for _, value in found):
+        _register_transformers_caches(model)
+        found = unflattenable()
     if found:
         path, value = found[0]
         raise InvalidInputError(

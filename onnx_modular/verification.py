@@ -146,6 +146,13 @@ def copy_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return tuple(args), dict(kwargs)
 
 
+def torch_outputs(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
+    """The model's output tensors on copies of the inputs (which it may change, as a cache does)."""
+    args, kwargs = copy_inputs(args, kwargs or {})
+    with torch.no_grad():
+        return flatten_outputs(model(*args, **kwargs))
+
+
 def flatten_inputs(args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
     """Tensors of (args, kwargs) in the order torch.export makes them graph inputs."""
     leaves = torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs or {})))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import onnx_ir as ir
 
 DOMAIN_TORCH = "pkg.torch.2.13.0"
@@ -40,11 +38,14 @@ def expanded_calls(model: ir.Model) -> list[tuple[str, str, int]]:
     """
     calls = []
 
+    def without_index(name):  # "shared@1" -> "shared"
+        base, _, index = name.rpartition("@")
+        return base if base and index.isdigit() else name
+
     def resolve(node, caller):
-        base = node.name.rpartition("@")[0] if re.search(r"@\d+$", node.name) else node.name
-        if caller is None or base == node.metadata_props.get("pkg.onnx_modular.module_path"):
+        if caller is None or without_index(node.name) == node.metadata_props.get("pkg.onnx_modular.module_path"):
             return node.name
-        return f"{caller.rpartition('@')[0] if re.search(r'@[0-9]+$', caller) else caller}.{node.name}"
+        return f"{without_index(caller)}.{node.name}"
 
     def walk(nodes, depth, caller):
         for node in nodes:

@@ -178,12 +178,13 @@ def check_fuzzed_model(spec: fuzz_models.ModelSpec) -> None:
             )
 
 
-@settings(
-    max_examples=FUZZ_EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+def _fuzz_settings(examples: int):
+    return settings(
+        max_examples=examples, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    )
+
+
+@_fuzz_settings(FUZZ_EXAMPLES)
 @given(spec=fuzz_models.model_specs())
 def test_random_module_trees_export_modular(spec):
     note(repr(fuzz_models.build(spec)[0]))  # the built modules, printed with a failing spec
@@ -191,12 +192,7 @@ def test_random_module_trees_export_modular(spec):
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=SLOW_FUZZ_EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@_fuzz_settings(SLOW_FUZZ_EXAMPLES)
 @given(spec=fuzz_models.model_specs())
 def test_random_module_trees_export_modular_long(spec):
     note(repr(fuzz_models.build(spec)[0]))

@@ -72,7 +72,7 @@ class FoldWeightTransposesPass(ir.passes.InPlacePass):
             for node, _ in calls.get(key[0], []):
                 argument = node.inputs[key[1]]
                 if argument is not None and argument.is_initializer():
-                    _transpose_initializer(model.graph, argument, perms[key])
+                    _transpose_initializer(argument, perms[key])
         return ir.passes.PassResult(model, modified=True)
 
 
@@ -133,8 +133,7 @@ def _call_sites_agree(key: _Key, perms: dict[_Key, tuple[int, ...]], calls) -> b
             return False
         if argument.is_initializer():
             if argument.const_value is None or not all(
-                use.node.op_identifier() in {i for i, _ in perms} and perms.get((use.node.op_identifier(), use.idx)) == perms[key]
-                for use in argument.uses()
+                perms.get((use.node.op_identifier(), use.idx)) == perms[key] for use in argument.uses()
             ):
                 return False
         elif owner is not None and argument in owner.inputs:
@@ -158,8 +157,8 @@ def _drop_transposes(value: ir.Value, perm: tuple[int, ...]) -> None:
     value.name = f"{value.name}.T"
 
 
-def _transpose_initializer(graph: ir.Graph, value: ir.Value, perm: tuple[int, ...]) -> None:
-    if value.name.endswith(".T") and value.meta.get("onnx_modular.transposed"):
+def _transpose_initializer(value: ir.Value, perm: tuple[int, ...]) -> None:
+    if value.meta.get("onnx_modular.transposed"):
         return  # already done for an earlier call site
     source = value.const_value
     shape = ir.Shape([source.shape[axis] for axis in perm])
