@@ -19,7 +19,7 @@ import torch
 
 import _common
 import models
-from onnx_modular import export_modular, inspect_model
+from onnx_modular import export_modular, files
 
 
 def node_count(path) -> int:
@@ -56,7 +56,7 @@ def main() -> None:
         # the deployment route: inline the default export back to flat and optimize it
         label = "modular (default) -> onnx-modular inline --optimize"
         paths[label] = tmp / "deploy.onnx"
-        inspect_model.inline_file(paths["modular, dedupe + optimize(inline=False) (default)"], paths[label], optimize=True)
+        files.inline_file(paths["modular, dedupe + optimize(inline=False) (default)"], paths[label], optimize=True)
 
         # Sessions are created round-robin so that machine noise hits every variant alike.
         session_times: dict[str, list[float]] = {label: [] for label in paths}

@@ -15,7 +15,7 @@ import tempfile
 
 import _common
 import models
-from onnx_modular import export_modular
+from onnx_modular import export_modular, metadata
 
 FACTORIES = {
     "gpt2": models.gpt2,
@@ -43,7 +43,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             tmp = pathlib.Path(tmp)
             result = export_modular(model, args, tmp / "check.onnx", kwargs=kwargs)  # verified once
-            calls = sum(int(f.metadata_props["pkg.onnx_modular.call_count"]) for f in result.functions)
+            calls = sum(int(f.metadata_props[metadata.CALL_COUNT]) for f in result.functions)
             modular_time, _ = _common.median_time(
                 lambda: export_modular(model, args, tmp / "m.onnx", kwargs=kwargs, verify=False), options.repeat
             )

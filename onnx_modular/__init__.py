@@ -6,10 +6,17 @@ Example::
     result = export_modular(model, (x,), "m.onnx")
     print(result.hierarchy)   # the function tree
     print(result.report)      # parity against PyTorch
+
+``import onnx_modular`` does not import torch: the names that need it (``export_modular``,
+``ModularExport``, ``localize``, ...) load their module when first used, and the file tools
+(:mod:`onnx_modular.files`, ``verify`` without a model) never need it.
 """
+
+import importlib
 
 __version__ = "0.1.0"
 
+from onnx_modular.calltree import CallTree, ModuleCall
 from onnx_modular.errors import (
     CaptureError,
     DecompositionError,
@@ -22,23 +29,47 @@ from onnx_modular.errors import (
     TranslationError,
     VerificationError,
 )
-from onnx_modular.export import ModularExport, export_modular
-from onnx_modular.hierarchy import CallTree, ModuleCall
-from onnx_modular.localization import LocalizationReport, VerificationReport, localize, verify
-from onnx_modular.verification import ParityReport, Tolerance
+from onnx_modular.files.parity import OutputParity, ParityReport, Tolerance
+
+#: name -> module that defines it, imported on first use (these modules import torch).
+_LAZY = {
+    "export_modular": "onnx_modular.export",
+    "ModularExport": "onnx_modular.result",
+    "ModuleSelector": "onnx_modular.selection",
+    "localize": "onnx_modular.localization",
+    "LocalizationReport": "onnx_modular.localization",
+    "verify": "onnx_modular.verification",
+    "VerificationReport": "onnx_modular.verification",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'onnx_modular' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "__version__",
     "export_modular",
     "ModularExport",
+    "ModuleSelector",
     "CallTree",
     "ModuleCall",
     "ParityReport",
+    "OutputParity",
     "Tolerance",
     "verify",
+    "VerificationReport",
     "localize",
     "LocalizationReport",
-    "VerificationReport",
     "OnnxModularError",
     "InvalidInputError",
     "CaptureError",

@@ -10,8 +10,9 @@ Subcommands::
 
 Exit codes: 0 success; 1 verification failure (outputs differ beyond tolerance);
 2 usage error or bad input (unreadable model, bad factory, export failure, ...);
-3 internal error (a bug: the traceback is printed). Errors of onnx_modular print one
-line ``error: ...`` on stderr; ``--verbose`` adds the traceback.
+3 internal error (a bug: the traceback is printed). Errors of onnx_modular print
+``error: ...`` on stderr with the module involved and the ``What to do:`` hint;
+``--verbose`` adds the traceback first.
 
 Example::
 
@@ -25,6 +26,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import logging
 import math
 import os
 import pathlib
@@ -37,8 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from onnx_modular import inspect_model
 from onnx_modular.errors import InvalidInputError, OnnxModularError, ParityError
+from onnx_modular.files import check_feeds, function_tree, inline_file, load_model_file, model_inputs, random_inputs
+from onnx_modular.files.parity import Tolerance
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_MISMATCH", "EXIT_USAGE", "EXIT_INTERNAL"]
 
@@ -172,7 +175,7 @@ def _export(args: argparse.Namespace) -> int:
                 print(e.report)
         raise
     _stderr(f"  {'total':<11} {time.perf_counter() - started:7.2f}s")
-    tree = inspect_model.function_tree(inspect_model.load_model_file(args.output))
+    tree = result.hierarchy
     if args.json:
         _print_json(
             {
@@ -189,26 +192,17 @@ def _export(args: argparse.Namespace) -> int:
         size = pathlib.Path(args.output).stat().st_size
         print(f"Wrote {args.output} ({size / 1e6:.1f} MB): {result.summary().splitlines()[0]}")
         print(tree.format(max_depth=args.depth or None))
-        if args.depth and _tree_depth(tree) > args.depth:
+        if args.depth and tree.height > args.depth:
             print(f"(calls deeper than {args.depth} not shown; see them with: onnx-modular tree {args.output})")
     return EXIT_OK
-
-
-def _tree_depth(tree: inspect_model.TreeNode) -> int:
-    deepest, stack = 0, [(tree, 0)]
-    while stack:
-        node, depth = stack.pop()
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in node.children)
-    return deepest
 
 
 # -- tree, inline ------------------------------------------------------------------------
 
 
 def _tree(args: argparse.Namespace) -> int:
-    model = inspect_model.load_model_file(args.model)
-    tree = inspect_model.function_tree(model)
+    model = load_model_file(args.model)
+    tree = function_tree(model)
     if args.json:
         _print_json(tree.filtered(args.depth, args.class_name).to_dict())
     else:
@@ -217,8 +211,8 @@ def _tree(args: argparse.Namespace) -> int:
 
 
 def _inline(args: argparse.Namespace) -> int:
-    source = inspect_model.load_model_file(args.model)
-    flat = inspect_model.inline_file(args.model, args.output, only=args.only, optimize=args.optimize)
+    source = load_model_file(args.model)
+    flat = inline_file(args.model, args.output, only=args.only, optimize=args.optimize)
     inlined = len(source.functions) - len(flat.functions)
     print(
         f"Wrote {args.output}: {len(flat.graph.node)} nodes in the main graph, "
@@ -257,25 +251,27 @@ def _load_npz(path: str, what: str) -> dict[str, np.ndarray]:
 
 
 def _feeds_from_npz(model, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    names = [value.name for value in inspect_model.model_inputs(model)]
+    names = [value.name for value in model_inputs(model)]
     positional = [f"arr_{i}" for i in range(len(arrays))]
     if sorted(arrays) == sorted(positional) and not set(arrays) & set(names):
         arrays = {name: arrays[f"arr_{i}"] for i, name in enumerate(names) if f"arr_{i}" in arrays}
-    inspect_model.check_feeds(model, arrays)
+    check_feeds(model, arrays)
     return arrays
 
 
 def _verify(args: argparse.Namespace) -> int:
-    model = inspect_model.load_model_file(args.model)
+    from onnx_modular.files.parity import check_file
+
+    model = load_model_file(args.model)
     dims = _parse_dims(args.dim)
     if args.inputs:
         if dims:
             raise InvalidInputError("--dim sizes random inputs; it cannot be combined with --inputs.")
         feeds = _feeds_from_npz(model, _load_npz(args.inputs, "--inputs"))
     else:
-        feeds = inspect_model.random_inputs(model, dims=dims, seed=args.seed)
+        feeds = random_inputs(model, dims=dims, seed=args.seed)
     expected = _load_npz(args.expected, "--expected") if args.expected else None
-    report = inspect_model.compare_with_inlined(args.model, feeds, expected=expected, atol=args.atol, rtol=args.rtol)
+    report = check_file(args.model, feeds, expected=expected, tolerance=Tolerance(args.atol, args.rtol))
     if args.json:
         _print_json(
             {
@@ -298,11 +294,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _view(args: argparse.Namespace) -> int:
-    inspect_model.load_model_file(args.model)
+    load_model_file(args.model)
     try:
         import netron
     except ImportError:
         raise InvalidInputError("Viewing needs the netron package: pip install netron") from None
+    # netron logs its own "Serving ..." line (configuring the root logger if nobody did); one is enough.
+    logging.getLogger("netron").setLevel(logging.WARNING)
     try:
         address = netron.start(str(args.model), address=(args.host, args.port), browse=not args.no_browser)
     except OSError as e:
@@ -472,8 +470,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OnnxModularError as e:
         if verbose:
             traceback.print_exc()
-        else:
-            _stderr(f"error: {str(e).splitlines()[0]}")
+        # The whole message: what failed, the module involved, and "What to do:".
+        _stderr(f"error: {e}")
         return EXIT_MISMATCH if isinstance(e, ParityError) else EXIT_USAGE
     except KeyboardInterrupt:
         _stderr("interrupted")

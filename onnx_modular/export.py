@@ -1,16 +1,19 @@
-"""``export_modular``: run the pipeline stages in order. No graph surgery happens here.
+"""``export_modular``: run the pipeline stages in order; the stages and passes live elsewhere.
 
     nn.Module + example inputs
-      capture      torch.export (non-strict)             -> ExportedProgram
+      capture      eager run (calls, signatures) + torch.export (non-strict)  -> ExportedProgram
       decompose    torch's ONNX decompositions            -> decomposed ExportedProgram
       translate    torch's FX -> ONNX translator          -> flat onnx_ir.Model
-      modularize   OutlineModuleCallsPass (ours)          -> nested local functions
-      dedupe       DeduplicateFunctionsPass (ours)        -> identical calls share a function
-      name         NameFunctionsPass (ours)               -> names, doc strings, metadata
-      cleanup      onnx_ir unused removal, opset imports  (optionally onnxscript optimizer, inline=False,
-                   and FoldWeightTransposesPass: weights stored pre-transposed across calls)
+      modularize   module selection (selection.py), then our passes (passes/):
+                   OutlineModuleCallsPass                 -> nested local functions
+                   DeduplicateFunctionsPass               -> identical calls share a function
+                   NameFunctionsPass                      -> names, doc strings, metadata
+      optimize     onnxscript optimizer per body (inline=False), FoldWeightTransposesPass,
+                   no-op calls dropped and recorded (RecordNoOpCallsPass), unused removal
       save         atomic write + onnx.checker(full_check=True)
-      verify       onnxruntime(modular) vs onnxruntime(flat) vs torch eager
+      verify       onnxruntime(modular) vs onnxruntime(flat) vs torch eager (verification.py)
+
+The result object is in ``result.py``; errors are located by ``diagnostics.py``.
 """
 
 from __future__ import annotations
@@ -22,17 +25,15 @@ import inspect
 import logging
 import os
 import pathlib
-import tempfile
 import time
-import types
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Union
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import onnx
 import onnx_ir as ir
 import torch
 
-from onnx_modular import _io, _torch_compat, model_io, verification
+from onnx_modular import _io, _torch_compat, diagnostics, model_io, selection, verification
 from onnx_modular.errors import (
     CaptureError,
     DecompositionError,
@@ -41,139 +42,20 @@ from onnx_modular.errors import (
     OnnxModularError,
     TranslationError,
 )
-from onnx_modular.hierarchy import CallTree, build_call_tree
+from onnx_modular.files.tree import count_from_model
+from onnx_modular.hierarchy import build_call_tree
 from onnx_modular.passes import cleanup
 from onnx_modular.passes.dedupe import DeduplicateFunctionsPass
 from onnx_modular.passes.io_names import NameGraphInputsOutputsPass
-from onnx_modular.passes.modularize import STACK_KEY, CallSignature, OutlineModuleCallsPass, TensorSpec
+from onnx_modular.passes.modularize import CallSignature, OutlineModuleCallsPass, TensorSpec
 from onnx_modular.passes.naming import NameFunctionsPass
 from onnx_modular.passes.weight_transposes import FoldWeightTransposesPass
+from onnx_modular.result import ModularExport, model_file
+from onnx_modular.selection import ModuleSelector
 
 __all__ = ["export_modular", "ModularExport", "ModuleSelector"]
 
 logger = logging.getLogger(__name__)
-
-#: Which module calls become functions: ``None``/``"all"``, a set of classes,
-#: a maximum depth (1 = children of the root), or ``predicate(module_path, module)``.
-ModuleSelector = Union[None, str, int, Iterable[type], Callable[[str, torch.nn.Module], bool]]
-
-@dataclasses.dataclass
-class ModularExport:
-    """The result of :func:`export_modular`.
-
-    Attributes:
-        model: The modular ONNX model (``onnx_ir.Model``).
-        hierarchy: The module-call tree; ``print(result.hierarchy)`` shows it.
-        report: The parity report (``None`` when verification was off).
-        timings: Seconds spent per stage.
-        path: Where the model was written (``None`` if not saved yet).
-    """
-
-    model: ir.Model
-    hierarchy: CallTree
-    report: verification.ParityReport | None = None
-    timings: dict[str, float] = dataclasses.field(default_factory=dict)
-    path: pathlib.Path | None = None
-    exported_program: torch.export.ExportedProgram | None = dataclasses.field(default=None, repr=False)
-    _reference: tuple[list[torch.Tensor], list[torch.Tensor]] | None = dataclasses.field(default=None, repr=False)
-    _example: tuple[tuple, dict] | None = dataclasses.field(default=None, repr=False)
-
-    @property
-    def model_proto(self) -> onnx.ModelProto:
-        """The model as an ``onnx.ModelProto`` (serialized on demand)."""
-        return ir.serde.serialize_model(self.model)
-
-    @property
-    def functions(self) -> list[ir.Function]:
-        """The module-call functions (torch's own helper functions excluded)."""
-        return [f for f in self.model.functions.values() if "pkg.onnx_modular.class" in f.metadata_props]
-
-    def save(self, path: str | os.PathLike, *, external_data: bool | None = None) -> pathlib.Path:
-        """Write the model atomically (checked with onnx.checker, full_check=True)."""
-        with _io.staged_save(self.model, path, external_data=external_data):
-            pass
-        self.path = pathlib.Path(path)
-        return self.path
-
-    def verify(
-        self,
-        args: tuple | None = None,
-        kwargs: dict | None = None,
-        *,
-        model: torch.nn.Module | None = None,
-        rtol: float | None = None,
-        atol: float | None = None,
-        flat: bool = True,
-    ) -> verification.ParityReport:
-        """Compare onnxruntime (modular and flat) with PyTorch on new inputs.
-
-        With no arguments, re-checks the example inputs of the export. New inputs
-        need the PyTorch ``model`` to compute the reference.
-        """
-        if args is None and kwargs is None:
-            if self._reference is None:
-                raise InvalidInputError("No reference outputs are stored; pass args and model.")
-            inputs, expected = self._reference
-        else:
-            if model is None:
-                raise InvalidInputError("Pass model=... to compute PyTorch outputs for new inputs.")
-            args = args if isinstance(args, tuple) else (args,)
-            inputs = verification.flatten_inputs(args, kwargs)
-            expected = verification.torch_outputs(model, args, kwargs)
-        tolerance = _tolerance(rtol, atol)
-        with _model_file(self) as path:
-            return verification.verify_file(path, inputs, expected, flat=flat, tolerance=tolerance)
-
-    def localize(
-        self,
-        model: torch.nn.Module,
-        args: tuple | None = None,
-        kwargs: dict | None = None,
-        *,
-        rtol: float | None = None,
-        atol: float | None = None,
-    ):
-        """Per-module parity: every module call's outputs, onnxruntime against ``model``.
-
-        Returns a :class:`~onnx_modular.localization.LocalizationReport` whose
-        ``first_failure`` names the first call (in completion order) beyond tolerance.
-        Uses the example inputs of the export unless ``args``/``kwargs`` are given.
-        """
-        from onnx_modular.localization import localize
-
-        if args is None and kwargs is None:
-            args, kwargs = self._example or ((), {})
-        args = args if isinstance(args, tuple) else (args,)
-        with _model_file(self) as path:
-            return localize(path, model, args, kwargs, tolerance=_tolerance(rtol, atol))
-
-    def summary(self) -> str:
-        functions = self.functions
-        calls = sum(int(f.metadata_props.get("pkg.onnx_modular.call_count", "1")) for f in functions)
-        lines = [
-            f"{len(functions)} functions for {calls} module calls, max depth {self.hierarchy.max_depth}, "
-            f"{sum(1 for _ in self.model.graph)} nodes in the main graph",
-        ]
-        if self.timings:
-            lines.append("time: " + ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in self.timings.items()))
-        return "\n".join(lines)
-
-
-@contextlib.contextmanager
-def _model_file(result: ModularExport) -> Iterator[pathlib.Path]:
-    if result.path is not None and result.path.exists():
-        yield result.path
-        return
-    with tempfile.TemporaryDirectory(prefix="onnx_modular-") as tmp:
-        path = pathlib.Path(tmp) / "model.onnx"
-        ir.save(result.model, path, external_data="model.onnx.data" if _io.wants_external_data(result.model, None) else None)
-        yield path
-
-
-def _tolerance(rtol: float | None, atol: float | None) -> verification.Tolerance | None:
-    if rtol is None and atol is None:
-        return None
-    return verification.Tolerance(atol=atol if atol is not None else 1e-4, rtol=rtol if rtol is not None else 1e-3)
 
 
 # -- inputs and eager reference ----------------------------------------------------
@@ -297,7 +179,7 @@ def _eager_run(model: torch.nn.Module, args: tuple, kwargs: dict):
     except Exception as e:
         raise CaptureError(
             f"The model failed to run in PyTorch on the example inputs: {type(e).__name__}: {e}",
-            module_path=_module_path_from_traceback(e, model),
+            module_path=diagnostics.module_path_from_traceback(e, model),
             hint="Check that the example inputs have the shapes and dtypes forward() expects.",
         ) from e
     finally:
@@ -328,85 +210,6 @@ def _lazy_values(program: torch.export.ExportedProgram, args: tuple, kwargs: dic
 
 
 # -- locating the module behind an error -------------------------------------------
-
-
-def _iter_frames(exc: BaseException) -> Iterator[types.FrameType]:
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        tb = exc.__traceback__
-        frames = []
-        while tb is not None:
-            frames.append(tb.tb_frame)
-            tb = tb.tb_next
-        yield from reversed(frames)  # innermost first
-        exc = exc.__cause__ or exc.__context__
-
-
-def _module_path_from_traceback(exc: BaseException, model: torch.nn.Module) -> str | None:
-    """The innermost module of ``model`` whose forward() appears in the traceback."""
-    paths = {id(module): path for path, module in model.named_modules()}
-    for frame in _iter_frames(exc):
-        candidate = frame.f_locals.get("self")
-        if candidate is not None and id(candidate) in paths:
-            return paths[id(candidate)]
-    return None
-
-
-def _module_path_from_fx_node(exc: BaseException) -> str | None:
-    """The module path of the FX node being translated when ``exc`` was raised."""
-    for frame in _iter_frames(exc):
-        node = frame.f_locals.get("node")
-        if isinstance(node, torch.fx.Node):
-            stack = node.meta.get("nn_module_stack") or {}
-            if stack:
-                return list(stack.values())[-1][0]
-            return ""
-    return None
-
-
-# -- module selection ---------------------------------------------------------------
-
-
-def _selector(modules: ModuleSelector, model: torch.nn.Module) -> Callable[[str, int], bool]:
-    """A predicate on (module path, depth) from the user's ``modules`` option."""
-    if modules is None or modules == "all":
-        return lambda path, depth: True
-    if isinstance(modules, bool):
-        raise InvalidInputError("modules must be 'all', a set of classes, a depth or a predicate, not a bool.")
-    if isinstance(modules, int):
-        if modules < 0:
-            raise InvalidInputError(f"modules (max depth) must be >= 0, got {modules}.")
-        return lambda path, depth: depth <= modules
-    named = dict(model.named_modules(remove_duplicate=False))
-    if callable(modules) and not isinstance(modules, type):
-        predicate = modules
-        return lambda path, depth: path in named and bool(predicate(path, named[path]))
-    try:
-        classes = tuple(modules) if not isinstance(modules, type) else (modules,)
-    except TypeError:
-        raise InvalidInputError(f"Unsupported value for modules: {modules!r}.") from None
-    if not all(isinstance(cls, type) for cls in classes):
-        raise InvalidInputError(f"modules must contain nn.Module classes, got {modules!r}.")
-    return lambda path, depth: path in named and isinstance(named[path], classes)
-
-
-def _annotate_stacks(model_ir: ir.Model, tree: CallTree, select: Callable[[str, int], bool]) -> None:
-    """Set ``node.meta[STACK_KEY]``: the selected module-call keys each node ran under."""
-    depth_of = {call.key: call.depth for call in tree.walk()}
-    for call in tree.walk():
-        if call.parent is not None:
-            call.selected = select(call.module_path, depth_of[call.key])
-    for node in model_ir.graph:
-        fx_node = _torch_compat.fx_node_of(node)
-        stack = (fx_node.meta.get("nn_module_stack") or {}) if fx_node is not None else {}
-        node.meta[STACK_KEY] = tuple(
-            key
-            for key, (path, _) in stack.items()
-            if key in tree and depth_of[key] > 0 and tree[key].selected
-        )
-
-
 # -- the pipeline ---------------------------------------------------------------------
 
 
@@ -510,7 +313,7 @@ def export_modular(
     args, kwargs = _check_inputs(model, args, kwargs)
     if f is not None:
         _io.check_destination(f)
-    select = _selector(modules, model)
+    select = selection.selector(modules, model)
     if opset_version is not None and opset_version != _torch_compat.default_opset():
         # torch's translator emits opset 18; every available version converter (torch's,
         # onnxscript's) inlines all functions first, which would undo the hierarchy.
@@ -537,12 +340,12 @@ def export_modular(
         try:
             program = _torch_compat.capture(model, args, kwargs, dynamic_shapes)
         except Exception as e:
-            path = _module_path_from_traceback(e, model)
+            path = diagnostics.module_path_from_traceback(e, model)
             raise CaptureError(
-                f"torch.export could not capture the model: {type(e).__name__}: {_first_line(e)}",
+                f"torch.export could not capture the model: {type(e).__name__}: {diagnostics.first_line(e)}",
                 module_path=path,
                 hint="Make the code traceable by torch.export (see the cause below), "
-                "or check dynamic_shapes against the inputs." + _suggested_fixes(e),
+                "or check dynamic_shapes against the inputs." + diagnostics.suggested_fixes(e),
             ) from e
     done("capture")
 
@@ -551,8 +354,8 @@ def export_modular(
             program = _torch_compat.decompose(program, opset_version)
         except Exception as e:
             raise DecompositionError(
-                f"torch's ONNX decompositions failed: {type(e).__name__}: {_first_line(e)}",
-                module_path=_module_path_from_fx_node(e),
+                f"torch's ONNX decompositions failed: {type(e).__name__}: {diagnostics.first_line(e)}",
+                module_path=diagnostics.module_path_from_fx_node(e),
                 hint="The cause below names the operator; report it with the model.",
             ) from e
     done("decompose")
@@ -563,8 +366,8 @@ def export_modular(
             _torch_compat.rename_dynamic_axes(model_ir, dynamic_shapes)
         except Exception as e:
             raise TranslationError(
-                f"torch's translator failed: {type(e).__name__}: {_first_line(e)}",
-                module_path=_module_path_from_fx_node(e),
+                f"torch's translator failed: {type(e).__name__}: {diagnostics.first_line(e)}",
+                module_path=diagnostics.module_path_from_fx_node(e),
                 hint="An operator may have no ONNX implementation; the cause below names it. "
                 "Rewrite that code or register a custom translation.",
             ) from e
@@ -580,7 +383,7 @@ def export_modular(
             ]
             tree, eager_key = build_call_tree(stacks, model, eager_calls)
             signatures = {eager_key[key]: signature for key, signature in signatures.items() if key in eager_key}
-            _annotate_stacks(model_ir, tree, select)
+            selection.annotate_stacks(model_ir, tree, select)
             cleanup.inline_helper_functions(model_ir)
             cleanup.remove_unused(model_ir)
             OutlineModuleCallsPass(tree, signatures, value_of=_lazy_values(program, args, kwargs))(model_ir)
@@ -618,7 +421,7 @@ def export_modular(
         _reference=(verification.flatten_inputs(args, kwargs), verification.flatten_outputs(expected_outputs)),
         _example=(args, kwargs),
     )
-    tolerance = _tolerance(rtol, atol)
+    tolerance = verification.tolerance(rtol, atol)
 
     def check(path: pathlib.Path) -> None:
         if not verify:
@@ -637,8 +440,16 @@ def export_modular(
         timer.timings["save"] -= timer.timings.get("verify", 0.0)  # verification ran inside the staged save
         done("save")
     elif verify:
-        with _model_file(result) as path:
+        with model_file(result) as path:
             check(path)
+    # The tree's counts are those of the final model, as `onnx-modular tree` reads them from the
+    # file (a saved file is read without its external weights; only their shapes count).
+    final = (
+        onnx.load(str(result.path), load_external_data=False)
+        if result.path is not None
+        else ir.serde.serialize_model(model_ir)
+    )
+    count_from_model(tree, final)
     return result
 
 
@@ -663,32 +474,6 @@ def _name_inputs_outputs(
         list(input_names) if input_names is not None else model_io.input_leaf_names(model, args, kwargs),
         list(output_names) if output_names is not None else model_io.output_leaf_names(outputs),
     )(model_ir)
-
-
-def _suggested_fixes(exc: BaseException) -> str:
-    """torch.export's own "Suggested fixes" for dynamic shapes (``total = Dim('total', min=4)``)."""
-    text = str(exc)
-    if "Suggested fixes:" not in text:
-        return ""
-    fixes = [line.strip() for line in text.split("Suggested fixes:", 1)[1].splitlines()]
-    fixes = [line for line in fixes if line and "=" in line and not line.startswith("The error")]
-    return " torch suggests: " + "; ".join(fixes[:8]) if fixes else ""
-
-
-def _first_line(exc: BaseException) -> str:
-    """The first line of the error, plus that of its innermost cause (which usually says why)."""
-
-    def line(error: BaseException) -> str:
-        text = str(error).strip()
-        return text.splitlines()[0][:400] if text else type(error).__name__
-
-    root = exc
-    while root.__cause__ is not None:
-        root = root.__cause__
-    if root is exc:
-        return line(exc)
-    return f"{line(exc)} Cause: {type(root).__name__}: {line(root)}"
-
 
 def _version() -> str:
     from onnx_modular import __version__

@@ -1,4 +1,4 @@
-"""The module-call tree: one :class:`ModuleCall` per ``nn.Module`` call in the forward pass.
+"""Building the module-call tree of an export (:class:`~onnx_modular.calltree.CallTree`).
 
 Built from the ``nn_module_stack`` that torch.export records on every FX node. The
 stack *keys* tell repeated calls apart (the second call of ``self.shared`` is keyed
@@ -7,184 +7,20 @@ stack *keys* tell repeated calls apart (the second call of ``self.shared`` is ke
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.metadata
 import inspect
-import json
-import re
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["ModuleCall", "CallTree", "module_info", "package_of"]
+from onnx_modular import metadata
+from onnx_modular.calltree import CallTree, ModuleCall
 
-_CALL_INDEX = re.compile(r"@(\d+)$")
+__all__ = ["build_call_tree", "module_info", "package_of"]
+
 _SYNTHETIC_KEY_PREFIX = "_empty_nn_module_stack"
-
-
-@dataclasses.dataclass
-class ModuleCall:
-    """One call of one module.
-
-    Attributes:
-        key: The ``nn_module_stack`` key of the call (unique per call).
-        module_path: Dotted path of the module in the model (``""`` for the root).
-        call_index: 0 for the first call of this module instance, 1 for the second, ...
-        qualified_class: ``package.module.Class``.
-        package: Top-level package that defines the class.
-        version: That package's installed version (``"local"`` when not installed).
-        source: ``file:line`` of the class definition, when known.
-        children: Calls made from inside this call, in execution order.
-        function: ``(domain, name)`` of the ONNX function of this call, once exported
-            (``None`` for calls that produce no ops or are not selected).
-        selected: False when the ``modules`` option kept this call inline in its parent.
-        num_nodes: ONNX nodes directly in the function body (excluding nested calls' bodies).
-    """
-
-    key: str
-    module_path: str
-    call_index: int
-    qualified_class: str
-    package: str
-    version: str
-    source: str | None = None
-    children: list[ModuleCall] = dataclasses.field(default_factory=list)
-    parent: ModuleCall | None = dataclasses.field(default=None, repr=False)
-    function: tuple[str, str] | None = None
-    num_nodes: int = 0
-    selected: bool = True
-
-    @property
-    def class_name(self) -> str:
-        return self.qualified_class.rsplit(".", 1)[-1]
-
-    @property
-    def call_name(self) -> str:
-        """The module path, with ``@N`` when the module is called again."""
-        path = self.module_path or "<root>"
-        return f"{path}@{self.call_index}" if self.call_index else path
-
-    @property
-    def depth(self) -> int:
-        depth, node = 0, self.parent
-        while node is not None:
-            depth, node = depth + 1, node.parent
-        return depth
-
-    def walk(self) -> Iterator[ModuleCall]:
-        """This call and all calls below it, depth first, in execution order."""
-        yield self
-        for child in self.children:
-            yield from child.walk()
-
-    def metadata(self) -> dict[str, str]:
-        """Metadata for the ONNX call node (keys ``pkg.onnx_modular.*``)."""
-        props = {
-            "pkg.onnx_modular.module_path": self.module_path,
-            "pkg.onnx_modular.call_index": str(self.call_index),
-            "pkg.onnx_modular.class": self.qualified_class,
-            "pkg.onnx_modular.package": self.package,
-            "pkg.onnx_modular.package_version": self.version,
-        }
-        if self.source:
-            props["pkg.onnx_modular.source"] = self.source
-        return props
-
-
-class CallTree:
-    """The module-call tree of one export.
-
-    Example::
-
-        result = export_modular(model, (x,), "m.onnx")
-        print(result.hierarchy)          # readable tree
-        for call in result.hierarchy.walk():
-            print(call.call_name, call.function)
-    """
-
-    def __init__(self, root: ModuleCall):
-        self.root = root
-        self._by_key = {call.key: call for call in root.walk()}
-
-    def __getitem__(self, key: str) -> ModuleCall:
-        return self._by_key[key]
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._by_key
-
-    def walk(self) -> Iterator[ModuleCall]:
-        return self.root.walk()
-
-    def find(self, module_path: str, call_index: int = 0) -> ModuleCall:
-        for call in self.walk():
-            if call.module_path == module_path and call.call_index == call_index:
-                return call
-        raise KeyError(f"No call of module {module_path!r} (call {call_index})")
-
-    def calls_with_functions(self) -> list[ModuleCall]:
-        return [call for call in self.walk() if call.function is not None]
-
-    @property
-    def max_depth(self) -> int:
-        """Deepest nesting of calls that have functions (0 when there are none)."""
-        best = 0
-        for call in self.calls_with_functions():
-            depth, node = 0, call
-            while node is not None and node.parent is not None:
-                if node.function is not None:
-                    depth += 1
-                node = node.parent
-            best = max(best, depth)
-        return best
-
-    def to_dict(self) -> dict[str, Any]:
-        def convert(call: ModuleCall) -> dict[str, Any]:
-            return {
-                "call": call.call_name,
-                "module_path": call.module_path,
-                "call_index": call.call_index,
-                "class": call.qualified_class,
-                "function": list(call.function) if call.function else None,
-                "nodes": call.num_nodes,
-                "selected": call.selected,
-                "children": [convert(child) for child in call.children],
-            }
-
-        return convert(self.root)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def format(self, max_depth: int | None = None) -> str:
-        lines = [f"{self.root.class_name} (root graph)"]
-
-        def visit(call: ModuleCall, prefix: str, depth: int) -> None:
-            for i, child in enumerate(call.children):
-                last = i == len(call.children) - 1
-                branch = "└─ " if last else "├─ "
-                if child.function is not None:
-                    domain, name = child.function
-                    what = f"{name}  [{domain}]  {child.num_nodes} nodes"
-                elif not child.selected:
-                    what = f"{child.class_name}  (not selected: inlined into its parent)"
-                else:
-                    what = f"{child.class_name}  (no ops)"
-                lines.append(f"{prefix}{branch}{child.call_name}: {what}")
-                if max_depth is None or depth + 1 < max_depth:
-                    visit(child, prefix + ("   " if last else "│  "), depth + 1)
-
-        visit(self.root, "", 0)
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.format()
-
-    def __repr__(self) -> str:
-        count = sum(1 for _ in self.walk()) - 1
-        return f"CallTree(root={self.root.class_name}, calls={count})"
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,11 +70,6 @@ def module_info(module: torch.nn.Module | None, qualified_class: str) -> tuple[s
     return qualified_class, package, version, None
 
 
-def call_index_of(key: str) -> int:
-    match = _CALL_INDEX.search(key)
-    return int(match.group(1)) if match else 0
-
-
 def build_call_tree(
     stacks: list[dict[str, tuple[str, Any]]],
     model: torch.nn.Module,
@@ -274,7 +105,7 @@ def build_call_tree(
             if call is None:
                 cls_name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
                 qualified, package, version, source = module_info(modules.get(path), cls_name)
-                call = ModuleCall(key, path, call_index_of(key), qualified, package, version, source, parent=parent)
+                call = ModuleCall(key, path, metadata.split_call_name(key)[1], qualified, package, version, source, parent=parent)
                 parent.children.append(call)
                 by_key[key] = call
             parent = call
@@ -323,7 +154,7 @@ def _add_eager_calls(root: ModuleCall, by_key: dict[str, ModuleCall], eager_call
         parent = by_call.get(parent_id, root) if parent_id and parent_id[0] else root
         module = modules.get(path)
         qualified, package, version, source = module_info(module, type(module).__name__ if module is not None else "")
-        call = ModuleCall(f"eager:{path}@{index}", path, index, qualified, package, version, source, parent=parent)
+        call = ModuleCall("eager:" + metadata.call_name(path, index), path, index, qualified, package, version, source, parent=parent)
         parent.children.append(call)
         by_call[(path, index)] = call
     for call in root.walk():

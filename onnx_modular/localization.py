@@ -24,13 +24,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 import torch
 
-from onnx_modular import inspect_model, verification
-from onnx_modular.verification import Tolerance, default_tolerance
+from onnx_modular import metadata, verification
+from onnx_modular.files import runtime
+from onnx_modular.files.parity import Tolerance, default_tolerance
 
 __all__ = [
     "ModuleParity",
@@ -38,12 +38,7 @@ __all__ = [
     "localize",
     "capture_module_outputs",
     "instrument",
-    "verify",
-    "VerificationReport",
 ]
-
-_CLASS_KEY = "pkg.onnx_modular.class"
-_PATH_KEY = "pkg.onnx_modular.module_path"
 
 
 @dataclasses.dataclass
@@ -195,7 +190,8 @@ def capture_module_outputs(
 class _Probe:
     """One call node in a body; its observed values are its outputs then its callee's probes'."""
 
-    module_path: str
+    node_name: str
+    module_path: str | None
     function: str
     num_outputs: int
     callee_representative: str
@@ -207,12 +203,11 @@ class _Probe:
 
 
 def _module_functions(model: ir.Model) -> dict[ir.OperatorIdentifier, ir.Function]:
-    return {k: f for k, f in model.functions.items() if _CLASS_KEY in f.metadata_props}
+    return {k: f for k, f in model.functions.items() if metadata.is_module_function(f)}
 
 
 def _representative(function: ir.Function) -> str:
-    paths = json.loads(function.metadata_props.get("pkg.onnx_modular.module_paths", "[]"))
-    return paths[0].split("@", 1)[0] if paths else ""
+    return metadata.body_module_path(function) or ""
 
 
 def instrument(model: ir.Model) -> list[_Probe]:
@@ -238,7 +233,7 @@ def instrument(model: ir.Model) -> list[_Probe]:
             for value in node.outputs[original:]:
                 value.name = None
             probes.append(
-                _Probe(node.metadata_props.get(_PATH_KEY, node.name or ""), function.name, original,
+                _Probe(node.name or "", node.metadata_props.get(metadata.MODULE_PATH), function.name, original,
                        _representative(function), children)
             )
             exposed.extend(node.outputs)
@@ -259,7 +254,9 @@ def instrument(model: ir.Model) -> list[_Probe]:
     return probes
 
 
-def _flatten(probes: list[_Probe], caller_path: str, representative: str, depth: int, out: list, counters: dict) -> list:
+def _flatten(
+    probes: list[_Probe], caller: str | None, representative: str, depth: int, out: list, counter: metadata.CallCounter
+) -> list:
     """Expand probes into (call name, path, index, function, depth, slice of values) in completion order."""
     start = 0
     starts = []
@@ -267,17 +264,14 @@ def _flatten(probes: list[_Probe], caller_path: str, representative: str, depth:
         starts.append(start)
         start += probe.width
     for probe, offset in zip(probes, starts):
-        path = probe.module_path
-        if representative and path.startswith(representative + ".") and caller_path is not None:
-            path = caller_path + path[len(representative):]
-        index = counters.get(path, 0)
-        counters[path] = index + 1
+        path = metadata.resolve_module_path(probe.node_name, probe.module_path, caller, representative or None)
+        name = counter(path)
+        index = metadata.split_call_name(name)[1]
         entry_children: list = []
-        _flatten(probe.children, path, probe.callee_representative, depth + 1, entry_children, counters)
+        _flatten(probe.children, name, probe.callee_representative, depth + 1, entry_children, counter)
         for child in entry_children:
             out.append((*child[:5], (offset + probe.num_outputs + child[5][0], offset + probe.num_outputs + child[5][1])))
-        call_name = f"{path}@{index}" if index else path
-        out.append((call_name, path, index, probe.function, depth, (offset, offset + probe.num_outputs)))
+        out.append((name, path, index, probe.function, depth, (offset, offset + probe.num_outputs)))
     return out
 
 
@@ -293,7 +287,7 @@ def _compare_call(onnx_values: Sequence[np.ndarray], torch_values: Sequence[torc
             if j in used or tuple(tensor.shape) != value.shape:
                 continue
             used.add(j)
-            reference = verification._to_numpy(tensor)
+            reference = verification.to_numpy(tensor)
             tol = tolerance or default_tolerance(tensor.dtype)
             abs_error, rel_error = verification.max_differences(value, reference)
             max_abs, max_rel = max(max_abs, abs_error), max(max_rel, rel_error)
@@ -306,7 +300,7 @@ def _compare_call(onnx_values: Sequence[np.ndarray], torch_values: Sequence[torc
 def localize(
     onnx_model: ir.Model | str | os.PathLike,
     torch_model: torch.nn.Module,
-    args: tuple,
+    args: tuple | None = None,
     kwargs: dict | None = None,
     *,
     tolerance: Tolerance | None = None,
@@ -324,23 +318,21 @@ def localize(
         report = localize("gpt2.onnx", model, (input_ids,))
         print(report.first_failure)   # None, or the first module call beyond tolerance
     """
+    args, kwargs = verification.normalize_inputs(args, kwargs)
     if isinstance(onnx_model, ir.Model):
         model = ir.serde.deserialize_model(ir.serde.serialize_model(onnx_model))
-        base_dir = None
+        near = None
     else:
         model = ir.load(str(onnx_model))
-        base_dir = pathlib.Path(onnx_model).parent
+        near = pathlib.Path(onnx_model)
     original_outputs = len(model.graph.outputs)
     probes = instrument(model)
-    entries = _flatten(probes, "", "", 1, [], {})
+    entries = _flatten(probes, None, "", 1, [], metadata.CallCounter())
 
-    inputs = verification.flatten_inputs(args, kwargs)
-    import tempfile
-
-    with tempfile.TemporaryDirectory(dir=base_dir, prefix=".localize-") as tmp:
-        path = pathlib.Path(tmp) / "instrumented.onnx"
+    feeds = [verification.to_numpy(t) for t in verification.flatten_inputs(args, kwargs)]
+    with runtime.scratch_file(near, "instrumented.onnx") as path:
         ir.save(model, path)
-        values = verification.run_onnxruntime(path, inputs)[original_outputs:]
+        values = runtime.run(path, feeds, what="instrumented model")[1][original_outputs:]
     _, captured = capture_module_outputs(torch_model, args, kwargs)
 
     results = []
@@ -349,133 +341,3 @@ def localize(
         max_abs, max_rel, compared, ok = _compare_call(values[begin:end], torch_values, tolerance)
         results.append(ModuleParity(call_name, module_path, index, function, depth, max_abs, max_rel, compared, ok))
     return LocalizationReport(results, tolerance)
-
-
-# -- the standalone check on a saved file ------------------------------------------------
-
-
-@dataclasses.dataclass
-class ShapeCheck:
-    """Results at one set of input shapes."""
-
-    shapes: dict[str, list[int]]
-    parity: verification.ParityReport | None
-    modules: LocalizationReport | None
-    modular_vs_flat_max_abs: float
-
-
-@dataclasses.dataclass
-class VerificationReport:
-    """Parity (and per-module localization) of a saved model at one or more input shapes."""
-
-    checks: list[ShapeCheck]
-
-    @property
-    def ok(self) -> bool:
-        return all(
-            (check.parity is None or check.parity.ok) and (check.modules is None or check.modules.ok)
-            for check in self.checks
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "checks": [
-                {
-                    "shapes": check.shapes,
-                    "modular_vs_flat_max_abs": check.modular_vs_flat_max_abs,
-                    "parity": check.parity.to_dict() if check.parity else None,
-                    "modules": check.modules.to_dict() if check.modules else None,
-                }
-                for check in self.checks
-            ],
-        }
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def __str__(self) -> str:
-        parts = []
-        for check in self.checks:
-            shapes = ", ".join(f"{name}{shape}" for name, shape in check.shapes.items())
-            parts.append(f"== inputs: {shapes}; modular vs flat max abs {check.modular_vs_flat_max_abs:.2e}")
-            if check.parity is not None:
-                parts.append(str(check.parity))
-            if check.modules is not None:
-                parts.append(str(check.modules))
-        parts.append("OK" if self.ok else "MISMATCH")
-        return "\n".join(parts)
-
-
-def verify(
-    path: str | os.PathLike,
-    model: torch.nn.Module | None = None,
-    args: tuple | None = None,
-    kwargs: dict | None = None,
-    *,
-    shapes: Sequence[dict[str, int]] | None = None,
-    localize_modules: bool = True,
-    rtol: float | None = None,
-    atol: float | None = None,
-    seed: int = 0,
-) -> VerificationReport:
-    """Check a saved modular model: onnxruntime (modular, flat) against PyTorch, per output and per module.
-
-    Args:
-        path: The ``.onnx`` file.
-        model: The PyTorch model; without it only modular-vs-flat is checked.
-        args, kwargs: Inputs. When both are ``None``, inputs are generated from the declared
-            input shapes, once per entry of ``shapes`` (symbolic dim name -> size); the
-            default runs two shapes (all symbolic dims 2, then 3) so dynamic models are
-            exercised at several sizes. Generated inputs are passed to ``model`` by the
-            ONNX input names, which torch keeps from forward()'s parameters.
-        localize_modules: Also compare every module call (needs ``model``).
-
-    Example::
-
-        report = onnx_modular.verify("gpt2.onnx", model)
-        print(report)
-    """
-    path = pathlib.Path(path)
-    tolerance = None if rtol is None and atol is None else Tolerance(atol if atol is not None else 1e-4, rtol if rtol is not None else 1e-3)
-    onnx_model = ir.load(str(path))
-    runs: list[tuple[dict[str, list[int]], list, tuple, dict]] = []
-    if args is not None or kwargs is not None:
-        args = args if isinstance(args, tuple) else (args,) if args is not None else ()
-        tensors = verification.flatten_inputs(args, kwargs)
-        names = [v.name for v in onnx_model.graph.inputs]
-        runs.append(({n: list(t.shape) for n, t in zip(names, tensors)}, tensors, args, kwargs or {}))
-    else:
-        symbolic = any(not isinstance(d, int) for v in onnx_model.graph.inputs for d in (v.shape or []))
-        for dims in shapes or ([{}, {"*": 3}] if symbolic else [{}]):
-            default = dims.get("*", 2)
-            # Integers are 0 or 1: valid token ids and masks for any vocabulary.
-            feeds = inspect_model.random_inputs(
-                onnx.load(str(path), load_external_data=False),
-                dims={k: v for k, v in dims.items() if k != "*"},
-                default_dim=default,
-                seed=seed,
-                int_high=2,
-            )
-            tensors = [torch.from_numpy(array) for array in feeds.values()]
-            runs.append(({k: list(v.shape) for k, v in feeds.items()}, tensors, (), dict(zip(feeds, tensors))))
-
-    checks = []
-    for shape_info, tensors, run_args, run_kwargs in runs:
-        modular = verification.run_onnxruntime(path, tensors)
-        flat_path = path.parent / f".{path.stem}.flat-{os.getpid()}.onnx"
-        try:
-            verification.inline_model(path, flat_path)
-            flat = verification.run_onnxruntime(flat_path, tensors)
-        finally:
-            flat_path.unlink(missing_ok=True)
-        modular_vs_flat = max((verification.max_differences(a, b)[0] for a, b in zip(modular, flat)), default=0.0)
-        parity = modules = None
-        if model is not None:
-            expected = verification.torch_outputs(model, run_args, run_kwargs)
-            names = [v.name for v in onnx_model.graph.outputs]
-            parity = verification.compare(expected, modular, flat, names=names, tolerance=tolerance)
-            if localize_modules:
-                modules = localize(path, model, run_args, run_kwargs, tolerance=tolerance)
-        checks.append(ShapeCheck(shape_info, parity, modules, modular_vs_flat))
-    return VerificationReport(checks)

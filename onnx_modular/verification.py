@@ -1,8 +1,11 @@
-"""Parity: onnxruntime on the modular model and on its flat (inlined) copy, against PyTorch.
+"""Verification: onnxruntime (modular and flat) against PyTorch, on a file or an export.
 
-The flat model is made with ``onnx.inliner.inline_local_functions``; onnx_modular
-has no inliner of its own. ``verify_*`` functions return a report and never raise on
-a mismatch; ``assert_parity`` raises :class:`~onnx_modular.errors.ParityError`.
+The one verification path: :func:`onnx_modular.files.parity.check_file` runs the file and
+its inlined flat copy (:mod:`onnx_modular.files.runtime`) and builds the one
+:class:`~onnx_modular.files.parity.ParityReport`; this module adds the PyTorch side
+(reference outputs, per-module localization) and :func:`verify`, the standalone check of a
+saved file. torch is imported only when a PyTorch model or tensors are involved, so
+``verify(path)`` without a model works where torch cannot be imported.
 """
 
 from __future__ import annotations
@@ -10,132 +13,66 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import os
 import pathlib
-import uuid
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
-import onnx.inliner
-import torch
 
-from onnx_modular.errors import ParityError, VerificationError
+from onnx_modular.errors import ParityError
+from onnx_modular.files import inputs as file_inputs
+from onnx_modular.files.parity import (
+    OutputParity,
+    ParityReport,
+    Tolerance,
+    allclose,
+    check_file,
+    default_tolerance,
+    fit_name,
+    max_differences,
+    name_column_width,
+)
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Tolerance",
     "default_tolerance",
+    "tolerance",
     "OutputParity",
     "ParityReport",
+    "VerificationReport",
     "flatten_inputs",
     "flatten_outputs",
-    "inline_model",
-    "run_onnxruntime",
-    "compare",
+    "torch_outputs",
+    "to_numpy",
     "max_differences",
     "allclose",
+    "fit_name",
+    "name_column_width",
     "verify_file",
+    "verify",
     "assert_parity",
 ]
 
 
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    """``|onnx - torch| <= atol + rtol * |torch|`` elementwise (numpy.allclose)."""
-
-    atol: float
-    rtol: float
-
-
-_DEFAULT_TOLERANCES = {
-    torch.float64: Tolerance(1e-7, 1e-6),
-    torch.float32: Tolerance(1e-4, 1e-3),
-    torch.float16: Tolerance(1e-2, 1e-2),
-    torch.bfloat16: Tolerance(5e-2, 5e-2),
-}
+def tolerance(rtol: float | None, atol: float | None) -> Tolerance | None:
+    """The user's tolerance, or ``None`` for the per-dtype defaults (a missing half takes the float32 default)."""
+    if rtol is None and atol is None:
+        return None
+    return Tolerance(atol=atol if atol is not None else 1e-4, rtol=rtol if rtol is not None else 1e-3)
 
 
-def default_tolerance(dtype: torch.dtype) -> Tolerance:
-    """Defaults per dtype; integer and bool outputs must match exactly."""
-    return _DEFAULT_TOLERANCES.get(dtype, Tolerance(0.0, 0.0))
-
-
-@dataclasses.dataclass
-class OutputParity:
-    """Differences for one model output (``None`` when that model was not run)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    tolerance: Tolerance
-    modular_max_abs: float
-    modular_max_rel: float
-    flat_max_abs: float | None
-    flat_max_rel: float | None
-    modular_vs_flat_max_abs: float | None
-    ok: bool
-
-
-@dataclasses.dataclass
-class ParityReport:
-    """Per-output differences between onnxruntime (modular, flat) and PyTorch."""
-
-    outputs: list[OutputParity]
-
-    @property
-    def ok(self) -> bool:
-        return all(output.ok for output in self.outputs)
-
-    @property
-    def max_abs(self) -> float:
-        return max((o.modular_max_abs for o in self.outputs), default=0.0)
-
-    def failures(self) -> list[OutputParity]:
-        return [output for output in self.outputs if not output.ok]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "outputs": [
-                {**dataclasses.asdict(output), "tolerance": dataclasses.asdict(output.tolerance)}
-                for output in self.outputs
-            ],
-        }
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def __str__(self) -> str:
-        def fmt(value: float | None) -> str:
-            return "-" if value is None else f"{value:.2e}"
-
-        width = name_column_width(o.name for o in self.outputs)
-        header = f"{'output':<{width}} {'shape':<18} {'dtype':<9} {'modular abs':>11} {'rel':>9} {'flat abs':>9} {'rel':>9} {'mod-flat':>9} {'atol/rtol':>15}  ok"
-        lines = ["Parity against PyTorch (onnxruntime, max abs / max rel difference)", header, "-" * len(header)]
-        for o in self.outputs:
-            tolerance = f"{o.tolerance.atol:.0e}/{o.tolerance.rtol:.0e}"
-            lines.append(
-                f"{fit_name(o.name, width):<{width}} {str(list(o.shape))[:18]:<18} {o.dtype:<9} {fmt(o.modular_max_abs):>11} "
-                f"{fmt(o.modular_max_rel):>9} {fmt(o.flat_max_abs):>9} {fmt(o.flat_max_rel):>9} "
-                f"{fmt(o.modular_vs_flat_max_abs):>9} {tolerance:>15}  {'yes' if o.ok else 'NO'}"
-            )
-        lines.append("PASS" if self.ok else f"FAIL: {len(self.failures())} output(s) beyond tolerance")
-        return "\n".join(lines)
-
-
-def name_column_width(names: Iterable[str], minimum: int = 24, maximum: int = 56) -> int:
-    """Width of a report's name column: the longest name, within bounds."""
-    return max(minimum, min(maximum, max((len(name) for name in names), default=0)))
-
-
-def fit_name(name: str, width: int) -> str:
-    """``name`` shortened in the middle to ``width`` (both ends of a dotted path tell)."""
-    if len(name) <= width:
-        return name
-    head = (width - 1) // 2
-    return f"{name[:head]}…{name[len(name) - (width - 1 - head):]}"
+def normalize_inputs(args: Any, kwargs: dict | None) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` as a tuple and a dict: ``None`` is no positional input, a lone value one."""
+    if args is None:
+        args = ()
+    elif not isinstance(args, tuple):
+        args = (args,)
+    return args, dict(kwargs or {})
 
 
 def copy_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -148,6 +85,8 @@ def copy_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def torch_outputs(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
     """The model's output tensors on copies of the inputs (which it may change, as a cache does)."""
+    import torch
+
     args, kwargs = copy_inputs(args, kwargs or {})
     with torch.no_grad():
         return flatten_outputs(model(*args, **kwargs))
@@ -155,16 +94,25 @@ def torch_outputs(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str,
 
 def flatten_inputs(args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
     """Tensors of (args, kwargs) in the order torch.export makes them graph inputs."""
+    import torch
+
     leaves = torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs or {})))
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
 def flatten_outputs(outputs: Any) -> list[torch.Tensor]:
     """Tensors of a model's return value, in the order of the ONNX graph outputs."""
+    import torch
+
     return [leaf for leaf in torch.utils._pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
 
 
-def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
+def to_numpy(tensor: Any) -> np.ndarray:
+    """A torch tensor (bfloat16 included, through ml_dtypes) or array as a numpy array."""
+    if isinstance(tensor, np.ndarray) or not hasattr(tensor, "detach"):
+        return np.asarray(tensor)
+    import torch
+
     tensor = tensor.detach().cpu()
     if tensor.dtype == torch.bfloat16:
         import ml_dtypes
@@ -173,153 +121,35 @@ def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def inline_model(source: str | os.PathLike, destination: str | os.PathLike) -> None:
-    """Write a flat copy of ``source`` (all local functions inlined) next to it.
-
-    Weights stay where they are: external data is not loaded, so both files share
-    it when they sit in one folder.
-    """
-    proto = onnx.load(str(source), load_external_data=False)
-    flat = onnx.inliner.inline_local_functions(proto)
-    onnx.save(flat, str(destination))
-
-
-def run_onnxruntime(path: str | os.PathLike, inputs: Sequence[torch.Tensor | np.ndarray]) -> list[np.ndarray]:
-    """Run a model file in onnxruntime (CPU); failures become :class:`VerificationError`."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    try:
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        names = [i.name for i in session.get_inputs()]
-        if len(names) != len(inputs):
-            raise VerificationError(
-                f"The model has {len(names)} inputs ({', '.join(names)}) but {len(inputs)} tensors were given.",
-                hint="Give one tensor per model input, in order.",
-            )
-        feeds = {name: _to_numpy(t) if isinstance(t, torch.Tensor) else np.asarray(t) for name, t in zip(names, inputs)}
-        return session.run(None, feeds)
-    except VerificationError:
-        raise
-    except Exception as e:
-        text = str(e).strip().splitlines()[0][:400]
-        raise VerificationError(
-            f"onnxruntime could not run the model: {text}",
-            hint="onnxruntime's CPU kernels do not cover every dtype (bfloat16 arithmetic, for one); "
-            "pass verify=False to export without the check, or verify on a float32/float16 export.",
-        ) from e
-
-
-def max_differences(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
-    """(max abs, max rel) difference; NaN/inf at the same places count as equal, a shape
-    mismatch as inf; strings compare exactly."""
-    actual = np.asarray(actual)
-    expected = np.asarray(expected)
-    if actual.shape != expected.shape:
-        return math.inf, math.inf
-    if actual.size == 0:
-        return 0.0, 0.0
-    if actual.dtype.kind in "OSU":
-        return (0.0, 0.0) if bool(np.all(actual == expected)) else (math.inf, math.inf)
-    actual64 = actual.astype(np.complex128 if actual.dtype.kind == "c" else np.float64)
-    expected64 = expected.astype(actual64.dtype)
-    same = (np.isnan(actual64) & np.isnan(expected64)) | (actual64 == expected64)
-    diff = np.where(same, 0.0, np.abs(actual64 - expected64))
-    diff = np.where(np.isnan(diff), np.inf, diff)
-    scale = np.abs(np.where(np.isfinite(expected64), expected64, 0.0))
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):  # inf is the honest answer
-        rel = np.where(diff == 0, 0.0, diff / np.maximum(scale, np.finfo(np.float64).tiny))
-    return float(diff.max()), float(rel.max())
-
-
-def allclose(actual: np.ndarray, expected: np.ndarray, tolerance: Tolerance) -> bool:
-    """``numpy.allclose`` with NaN == NaN, after a shape check; strings compare exactly."""
-    actual = np.asarray(actual)
-    expected = np.asarray(expected)
-    if actual.shape != expected.shape:
-        return False
-    if actual.dtype.kind in "OSU":
-        return bool(np.all(actual == expected))
-    kind = np.complex128 if actual.dtype.kind == "c" else np.float64
-    return bool(
-        np.allclose(actual.astype(kind), expected.astype(kind), atol=tolerance.atol, rtol=tolerance.rtol, equal_nan=True)
-    )
-
-
-def compare(
-    expected: Sequence[torch.Tensor],
-    modular: Sequence[np.ndarray],
-    flat: Sequence[np.ndarray] | None,
-    *,
-    names: Sequence[str] | None = None,
-    tolerance: Tolerance | None = None,
-) -> ParityReport:
-    """Build a :class:`ParityReport` from torch outputs and onnxruntime outputs."""
-    if len(modular) != len(expected):
-        raise ParityError(
-            f"The ONNX model has {len(modular)} outputs but PyTorch returned {len(expected)} tensors.",
-            hint="Outputs that are not tensors (None, ints) are not ONNX outputs; return tensors only.",
-        )
-    results = []
-    for index, torch_value in enumerate(expected):
-        name = names[index] if names and index < len(names) else f"output_{index}"
-        tol = tolerance or default_tolerance(torch_value.dtype)
-        reference = _to_numpy(torch_value)
-        modular_abs, modular_rel = max_differences(modular[index], reference)
-        ok = allclose(modular[index], reference, tol)
-        flat_abs = flat_rel = modular_vs_flat = None
-        if flat is not None:
-            flat_abs, flat_rel = max_differences(flat[index], reference)
-            modular_vs_flat, _ = max_differences(modular[index], flat[index])
-            ok = ok and allclose(flat[index], reference, tol)
-        results.append(
-            OutputParity(
-                name=name,
-                shape=tuple(torch_value.shape),
-                dtype=str(torch_value.dtype).replace("torch.", ""),
-                tolerance=tol,
-                modular_max_abs=modular_abs,
-                modular_max_rel=modular_rel,
-                flat_max_abs=flat_abs,
-                flat_max_rel=flat_rel,
-                modular_vs_flat_max_abs=modular_vs_flat,
-                ok=ok,
-            )
-        )
-    return ParityReport(results)
-
-
 def verify_file(
     path: str | os.PathLike,
-    inputs: Sequence[torch.Tensor],
-    expected: Sequence[torch.Tensor],
+    inputs: Sequence[Any],
+    expected: Sequence[Any],
     *,
     flat: bool = True,
     tolerance: Tolerance | None = None,
 ) -> ParityReport:
-    """Run ``path`` (and its inlined copy) in onnxruntime and compare with ``expected``."""
-    path = pathlib.Path(path)
-    names = [o.name for o in onnx.load(str(path), load_external_data=False).graph.output]
-    modular_outputs = run_onnxruntime(path, inputs)
-    flat_outputs = None
-    if flat:
-        # The flat copy sits next to the model so that both read the same external data.
-        flat_path = path.parent / f".{path.stem}.flat-{uuid.uuid4().hex[:8]}.onnx"
-        try:
-            inline_model(path, flat_path)
-            flat_outputs = run_onnxruntime(flat_path, inputs)
-        finally:
-            flat_path.unlink(missing_ok=True)
-    return compare(expected, modular_outputs, flat_outputs, names=names, tolerance=tolerance)
+    """Run ``path`` (and its inlined copy) in onnxruntime on ``inputs``; compare with PyTorch's ``expected``."""
+    return check_file(
+        path,
+        [to_numpy(t) for t in inputs],
+        expected=[to_numpy(t) for t in expected],
+        reference_name="PyTorch",
+        flat=flat,
+        tolerance=tolerance,
+    )
 
 
 def assert_parity(report: ParityReport, *, result=None) -> None:
     """Raise :class:`ParityError` naming each output beyond tolerance."""
     if report.ok:
         return
+
+    def fmt(value):
+        return "-" if value is None else f"{value:.3e}"
+
     lines = [
-        f"{o.name}: max abs {o.modular_max_abs:.3e} (flat {o.flat_max_abs if o.flat_max_abs is None else f'{o.flat_max_abs:.3e}'}), "
+        f"{o.name}: max abs {fmt(o.modular_max_abs)} (flat {fmt(o.flat_max_abs)}), "
         f"tolerance atol={o.tolerance.atol:g} rtol={o.tolerance.rtol:g}"
         for o in report.failures()
     ]
@@ -330,3 +160,101 @@ def assert_parity(report: ParityReport, *, result=None) -> None:
         hint="Inspect error.report; error.result.save(path) keeps the model for debugging; "
         "loosen rtol/atol if the drift is expected (e.g. float16).",
     )
+
+
+@dataclasses.dataclass
+class VerificationReport:
+    """:func:`verify` at one or more sets of input shapes: one :class:`ParityReport` per run."""
+
+    checks: list[ParityReport]
+
+    @property
+    def ok(self) -> bool:
+        return all(check.ok for check in self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "checks": [check.to_dict() for check in self.checks]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        parts = []
+        for check in self.checks:
+            shapes = ", ".join(f"{name}{shape}" for name, shape in check.shapes.items())
+            parts += [f"== inputs: {shapes or '(none)'}", str(check)]
+        return "\n".join(parts + ["OK" if self.ok else "MISMATCH"])
+
+
+def verify(
+    path: str | os.PathLike,
+    model: torch.nn.Module | None = None,
+    args: tuple | None = None,
+    kwargs: dict | None = None,
+    *,
+    shapes: Sequence[dict[str, int]] | None = None,
+    localize_modules: bool = True,
+    rtol: float | None = None,
+    atol: float | None = None,
+    seed: int = 0,
+    flat: bool = True,
+) -> VerificationReport:
+    """Check a saved modular model: onnxruntime (modular, flat) against PyTorch, per output and per module.
+
+    Args:
+        path: The ``.onnx`` file.
+        model: The PyTorch model; without it only modular-vs-flat is checked (no torch needed).
+        args, kwargs: Inputs. When both are ``None``, inputs are generated from the declared
+            input shapes (:func:`onnx_modular.files.inputs.random_inputs`: masks all ones,
+            integers 0 or 1, valid ids for any vocabulary), once per entry of ``shapes``
+            (symbolic dim name -> size, ``"*"`` for the rest); the default runs two shapes (all
+            symbolic dims 2, then 3) so dynamic models are exercised at several sizes.
+            Generated inputs are passed to ``model`` by the ONNX input names, which torch
+            keeps from forward()'s parameters.
+        localize_modules: Also compare every module call (needs ``model``).
+        rtol, atol: Override the per-dtype default tolerance.
+        flat: Also run the inlined flat copy.
+
+    Example::
+
+        report = onnx_modular.verify("gpt2.onnx", model)
+        print(report)
+    """
+    path = pathlib.Path(path)
+    tol = tolerance(rtol, atol)
+    proto = onnx.load(str(path), load_external_data=False)
+    runs: list[tuple[list, tuple, dict]] = []
+    if args is not None or kwargs is not None:
+        args, kwargs = normalize_inputs(args, kwargs)
+        runs.append((flatten_inputs(args, kwargs), args, kwargs))
+    else:
+        symbolic = any(
+            d.HasField("dim_param") or not d.HasField("dim_value")
+            for value in file_inputs.model_inputs(proto)
+            for d in value.type.tensor_type.shape.dim
+        )
+        for dims in shapes or ([{}, {"*": 3}] if symbolic else [{}]):
+            feeds = file_inputs.random_inputs(
+                proto, dims={k: v for k, v in dims.items() if k != "*"}, default_dim=dims.get("*", 2), seed=seed, int_high=2
+            )
+            if model is None:
+                runs.append((list(feeds.values()), (), {}))
+            else:
+                import torch
+
+                tensors = {name: torch.from_numpy(array) for name, array in feeds.items()}
+                runs.append((list(tensors.values()), (), tensors))
+
+    checks = []
+    for tensors, run_args, run_kwargs in runs:
+        if model is None:
+            report = check_file(path, [to_numpy(t) for t in tensors], flat=flat, tolerance=tol)
+        else:
+            expected = torch_outputs(model, run_args, run_kwargs)
+            report = verify_file(path, tensors, expected, flat=flat, tolerance=tol)
+            if localize_modules:
+                from onnx_modular.localization import localize
+
+                report.modules = localize(path, model, run_args, run_kwargs, tolerance=tol)
+        checks.append(report)
+    return VerificationReport(checks)

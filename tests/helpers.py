@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from onnx_modular import metadata
+
 DOMAIN_TORCH = "pkg.torch.2.13.0"
 DOMAIN_TRANSFORMERS = "pkg.transformers.5.23.0"
 
-CALL_METADATA_KEYS = {
-    "pkg.onnx_modular.module_path",
-    "pkg.onnx_modular.call_index",
-    "pkg.onnx_modular.class",
-    "pkg.onnx_modular.package",
-    "pkg.onnx_modular.package_version",
-    "namespace",
-}
+CALL_METADATA_KEYS = metadata.CALL_METADATA_KEYS
 
 
 def functions_by_name(model: ir.Model) -> dict[str, ir.Function]:
@@ -23,43 +18,17 @@ def functions_by_name(model: ir.Model) -> dict[str, ir.Function]:
 
 def is_call(node: ir.Node, model: ir.Model) -> bool:
     """A call of a module-call function (torch's own helper functions excluded)."""
-    function = model.functions.get(node.op_identifier())
-    return function is not None and "pkg.onnx_modular.class" in function.metadata_props
+    return metadata.is_module_function(model.functions.get(node.op_identifier()))
 
 
 def expanded_calls(model: ir.Model) -> list[tuple[str, str, int]]:
     """Every module call reachable from the main graph, expanded through shared bodies.
 
-    Returns (call name, function name, depth) in execution order. A function
-    shared by N calls is walked N times, so this counts calls, not definitions. Call
-    nodes inside a body are named relative to it (``attn`` in ``GPT2Block``); the call name
-    is resolved through the caller (``h.1.attn``), unless the node already holds its full
-    module path (an instance reached through another attribute).
+    Returns (call name, function name, depth) in execution order, from
+    :func:`onnx_modular.metadata.expanded_calls` (the same walk the tree and localization use).
     """
-    calls = []
-
-    def without_index(name):  # "shared@1" -> "shared"
-        base, _, index = name.rpartition("@")
-        return base if base and index.isdigit() else name
-
-    def resolve(node, caller):
-        if caller is None or without_index(node.name) == node.metadata_props.get("pkg.onnx_modular.module_path"):
-            return node.name
-        return f"{without_index(caller)}.{node.name}"
-
-    def walk(nodes, depth, caller):
-        for node in nodes:
-            function = model.functions.get(node.op_identifier())
-            if function is not None and is_call(node, model):
-                name = resolve(node, caller)
-                calls.append((name, function.name, depth))
-                walk(function, depth + 1, name)
-            for attr in node.attributes.values():
-                if attr.type == ir.AttributeType.GRAPH:
-                    walk(attr.value, depth, caller)
-
-    walk(model.graph, 1, None)
-    return calls
+    proto = ir.serde.serialize_model(model)
+    return [(call.call_name, call.function.name, call.depth) for call in metadata.expanded_calls(proto)]
 
 
 def max_depth(model: ir.Model) -> int:

@@ -22,7 +22,8 @@ import onnx.helper as oh
 import onnxruntime as ort
 import pytest
 
-from onnx_modular import inspect_model
+from onnx_modular import files
+from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.cli import main
 
 # onnxruntime 1.2x reads IR version 10; onnx.helper would stamp its newest one.
@@ -48,7 +49,7 @@ def run_ort(path_or_model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
 def reference_params(model: onnx.ModelProto, node_names: list[str]) -> int:
     """Weight elements flowing into the call reached through ``node_names`` (main graph first).
 
-    A plain re-computation, independent of inspect_model: the exporter's optimizer may fold
+    A plain re-computation, independent of onnx_modular.files: the exporter's optimizer may fold
     constants into initializers or share equal ones, so the tests derive numbers from the file.
     """
     sizes = {t.name: math.prod(t.dims) for t in model.graph.initializer}
@@ -429,8 +430,8 @@ def test_tree_refuses_exponential_expansion():
     functions.append(oh.make_function("pkg.test", "F30", ["x"], ["y"], [oh.make_node("Relu", ["x"], ["y"])], OPSETS))
     call = oh.make_node("F0", ["X"], ["Y"], domain="pkg.test")
     model = _function_model(functions, [call], [_float_info("X", [2])], [_float_info("Y", [2])])
-    with pytest.raises(inspect_model.InvalidModelFileError, match="expands to 2147483647 calls"):
-        inspect_model.function_tree(model)
+    with pytest.raises(InvalidModelFileError, match="expands to 2147483647 calls"):
+        files.function_tree(model)
 
 
 # -- inline ------------------------------------------------------------------------------
@@ -517,7 +518,7 @@ def test_verify_passes_on_random_inputs(gpt2):
     report = json.loads(out)
     assert code == 0 and report["ok"] is True
     assert report["inputs"] == {"input_ids": {"shape": [2, 8], "dtype": "int64"}}
-    assert report["outputs"][0]["shape"] == [2, 8, 64] and report["outputs"][0]["max_abs"] == 0.0
+    assert report["outputs"][0]["shape"] == [2, 8, 64] and report["outputs"][0]["modular_vs_flat_max_abs"] == 0.0
 
 
 def test_verify_exits_1_when_modular_and_inlined_differ(tmp_path):
@@ -557,7 +558,7 @@ def test_verify_against_expected_outputs(gpt2, tmp_path):
     code, out, err = run_cli("verify", corrupted, "--inputs", inputs, "--expected", expected, "--json")
     assert code == 1
     (result,) = json.loads(out)["outputs"]
-    assert result["max_abs"] == 0.0 and result["expected_max_abs"] > 0.01 and result["ok"] is False
+    assert result["modular_vs_flat_max_abs"] == 0.0 and result["modular_max_abs"] > 0.01 and result["ok"] is False
     assert f"outputs differ beyond atol=0.0001 rtol=0.001: {output_name}" in err
 
 
@@ -611,8 +612,8 @@ def test_bad_files_are_refused_with_a_clear_message(bad_files, tmp_path, command
 
 def test_bad_files_with_the_library(bad_files):
     for kind, message in BAD_FILE_MESSAGES.items():
-        with pytest.raises(inspect_model.InvalidModelFileError) as info:
-            inspect_model.load_model_file(bad_files[kind])
+        with pytest.raises(InvalidModelFileError) as info:
+            files.load_model_file(bad_files[kind])
         assert message in str(info.value), kind
 
 
@@ -725,7 +726,7 @@ def test_export_the_kv_cache_demo(tmp_path):
 
 
 def test_long_names_are_shortened_in_the_middle():
-    from onnx_modular.verification import fit_name, name_column_width
+    from onnx_modular.files.parity import fit_name, name_column_width
 
     name = "output.past_key_values.self_attention_cache.layers.11.values"
     width = name_column_width([name, "logits"])

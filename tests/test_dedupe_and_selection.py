@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import models
 from helpers import expanded_calls, functions_by_name, top_level_calls
-from onnx_modular import InvalidInputError, export_modular
+from onnx_modular import InvalidInputError, export_modular, metadata
 from onnx_modular.passes.dedupe import function_fingerprint
 
 
@@ -25,7 +25,7 @@ def gpt2_3():
 
 
 def calls_of(function) -> int:
-    return int(function.metadata_props["pkg.onnx_modular.call_count"])
+    return int(function.metadata_props[metadata.CALL_COUNT])
 
 
 def test_sharing_at_every_level(gpt2_3):
@@ -44,7 +44,7 @@ def test_sharing_at_every_level(gpt2_3):
     assert block_body_calls == ["ln_1", "attn", "ln_2", "mlp"]  # relative to the shared body
     # Every call is still reachable: 3 blocks x (ln_1, attn(c_attn, c_proj, resid_dropout), ln_2, mlp(4)) + 5 top.
     assert len(expanded_calls(result.model)) == len([c for c in result.hierarchy.walk() if c.function])
-    paths = json.loads(functions["GPT2Block"].metadata_props["pkg.onnx_modular.module_paths"])
+    paths = json.loads(functions["GPT2Block"].metadata_props[metadata.MODULE_PATHS])
     assert paths == ["h.0", "h.1", "h.2"]
     assert "3 calls: h.0, h.1, h.2" in functions["GPT2Block"].doc_string
 
@@ -75,8 +75,8 @@ def test_dedupe_off_keeps_one_function_per_call(gpt2_3):
 def test_variants_of_one_class_get_stable_readable_names():
     result_a = export_modular(models.Containers().eval(), (torch.randn(2, 4),))
     result_b = export_modular(models.Containers().eval(), (torch.randn(2, 4),))
-    names_a = {f.name: json.loads(f.metadata_props["pkg.onnx_modular.module_paths"]) for f in result_a.functions}
-    names_b = {f.name: json.loads(f.metadata_props["pkg.onnx_modular.module_paths"]) for f in result_b.functions}
+    names_a = {f.name: json.loads(f.metadata_props[metadata.MODULE_PATHS]) for f in result_a.functions}
+    names_b = {f.name: json.loads(f.metadata_props[metadata.MODULE_PATHS]) for f in result_b.functions}
     assert names_a == names_b
     assert names_a["Linear"] == ["layers.0.linear", "layers.1.linear"]
     assert names_a["Linear_2"] == ["heads.left"]

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from helpers import expanded_calls, functions_by_name, top_level_calls
-from onnx_modular import export_modular
+from onnx_modular import export_modular, metadata
 
 
 def export(model: nn.Module, *args: torch.Tensor, **options):
@@ -50,7 +50,7 @@ def test_two_calls_on_the_same_input_stay_two_call_nodes():
     result = export(SameCallTwice(), torch.randn(2, 4))
     assert outlined_calls(result) == ["linear", "linear@1"]
     linear = functions_by_name(result.model)["Linear"]
-    assert json.loads(linear.metadata_props["pkg.onnx_modular.module_paths"]) == ["linear", "linear@1"]
+    assert json.loads(linear.metadata_props[metadata.MODULE_PATHS]) == ["linear", "linear@1"]
     assert top_level_calls(result.model) == ["linear", "linear@1"]
     assert len(expanded_calls(result.model)) == len(outlined_calls(result))
 
@@ -149,7 +149,7 @@ def test_instance_called_through_its_second_name_is_one_call():
 
 def test_instance_shared_by_two_parents_keeps_forward_parameter_names():
     result = export(SharedByTwoParents(), torch.randn(2, 4), dedupe=False)
-    linears = [f for f in result.functions if f.metadata_props["pkg.onnx_modular.class"] == "torch.nn.modules.linear.Linear"]
+    linears = [f for f in result.functions if f.metadata_props[metadata.CLASS] == "torch.nn.modules.linear.Linear"]
     assert len(linears) == 2
     assert [f.inputs[0].name for f in linears] == ["input", "input"]
 

@@ -18,7 +18,7 @@ import torch
 
 import models
 from helpers import expanded_calls
-from onnx_modular import export_modular
+from onnx_modular import export_modular, metadata
 from onnx_modular.errors import InvalidInputError
 
 ATOL = 1e-4
@@ -84,7 +84,7 @@ def test_cache_flows_through_the_layer_functions(llama_kv):
     _, result, _ = llama_kv
     functions = {f.name: f for f in result.functions}
     layer = functions["LlamaDecoderLayer"]
-    assert int(layer.metadata_props["pkg.onnx_modular.call_count"]) == LAYERS  # one definition, shared
+    assert int(layer.metadata_props[metadata.CALL_COUNT]) == LAYERS  # one definition, shared
     assert layer.domain.startswith("pkg.transformers.")
     calls = expanded_calls(result.model)
     assert sum(1 for path, name, _ in calls if name == "LlamaDecoderLayer") == LAYERS
@@ -174,7 +174,7 @@ def test_encoder_decoder_cache(tmp_path):
     outputs = {v.name: v for v in result.model.graph.outputs}
     assert outputs["output.past_key_values.self_attention_cache.layers.0.keys"].shape[2] == 4  # 3 + 1
     functions = {f.name: f for f in result.functions}
-    assert int(functions["BartDecoderLayer"].metadata_props["pkg.onnx_modular.call_count"]) == 2
+    assert int(functions["BartDecoderLayer"].metadata_props[metadata.CALL_COUNT]) == 2
 
 
 def test_unflattenable_input_is_a_clear_error(tmp_path):

@@ -15,7 +15,7 @@ import torch
 
 import models
 from helpers import expanded_calls
-from onnx_modular import export_modular, localize, verify
+from onnx_modular import export_modular, localize, verify, metadata
 
 
 def plant_weight_fault(source, destination, initializer: str, factor: float = 1.5):
@@ -77,7 +77,7 @@ def test_weight_fault_deep_in_second_block(gpt2_file, tmp_path):
 def test_fault_inside_a_deduplicated_function(gpt2_file, tmp_path):
     model, args, path, result = gpt2_file
     act = next(f for f in result.functions if f.name == "NewGELUActivation")
-    assert act.metadata_props["pkg.onnx_modular.call_count"] == "2"
+    assert act.metadata_props[metadata.CALL_COUNT] == "2"
     plant_constant_fault(path, tmp_path / "bad.onnx", "NewGELUActivation")
     report = localize(tmp_path / "bad.onnx", model, args)
     assert report.first_failure.call_name == "h.0.mlp.act"
@@ -167,4 +167,4 @@ def test_standalone_verify_runs_dynamic_models_at_several_shapes(tmp_path):
     assert custom.checks[0].shapes["input_ids"] == [4, 7] and custom.checks[0].modules is None
     # Without the PyTorch model, only modular vs flat is checked.
     alone = verify(path)
-    assert alone.checks[0].parity is None and alone.checks[0].modular_vs_flat_max_abs < 1e-5
+    assert alone.checks[0].reference is None and alone.checks[0].modular_vs_flat_max_abs < 1e-5

@@ -24,7 +24,7 @@ from helpers import (
     max_depth,
     top_level_calls,
 )
-from onnx_modular import export_modular
+from onnx_modular import export_modular, metadata
 
 LOCAL = "pkg.models.local"  # classes defined in tests/models.py
 
@@ -89,7 +89,7 @@ def test_block_function_identity(exported):
     functions = functions_by_name(result.model)
     block = functions[expect.block]
     assert block.domain == expect.block_domain
-    assert int(block.metadata_props["pkg.onnx_modular.call_count"]) == expect.block_calls
+    assert int(block.metadata_props[metadata.CALL_COUNT]) == expect.block_calls
     assert [i.name for i in block.inputs][: len(expect.block_inputs)] == expect.block_inputs
     assert block.doc_string.startswith(f"{expect.block}: ")
     assert "calls:" in block.doc_string or "call:" in block.doc_string
@@ -100,7 +100,7 @@ def test_every_call_with_ops_is_a_function_call(exported):
     """Counts agree three ways: the call tree, the functions' call counts, the expanded graph."""
     _, _, result, _ = exported
     outlined = [call for call in result.hierarchy.walk() if call.function is not None]
-    served = sum(int(f.metadata_props["pkg.onnx_modular.call_count"]) for f in result.functions)
+    served = sum(int(f.metadata_props[metadata.CALL_COUNT]) for f in result.functions)
     assert len(outlined) == served == len(expanded_calls(result.model))
     expanded_names = sorted(name for name, _, _ in expanded_calls(result.model))
     # Call names (module path, @N for repeated calls) resolved through each caller: the
@@ -114,15 +114,15 @@ def test_call_node_metadata(exported):
     for node in call_nodes(result.model):
         assert CALL_METADATA_KEYS <= set(node.metadata_props), node.name
         function = result.model.functions[node.op_identifier()]
-        assert node.metadata_props["pkg.onnx_modular.class"] == function.metadata_props["pkg.onnx_modular.class"]
+        assert node.metadata_props[metadata.CLASS] == function.metadata_props[metadata.CLASS]
         assert function.domain == (
             f"pkg.{node.metadata_props['pkg.onnx_modular.package']}.{node.metadata_props['pkg.onnx_modular.package_version']}"
         )
-        assert function.metadata_props["pkg.onnx_modular.class"].endswith("." + function.name.split("_")[0]) or (
-            function.metadata_props["pkg.onnx_modular.class"].rsplit(".", 1)[-1] in function.name
+        assert function.metadata_props[metadata.CLASS].endswith("." + function.name.split("_")[0]) or (
+            function.metadata_props[metadata.CLASS].rsplit(".", 1)[-1] in function.name
         )
-        paths = json.loads(function.metadata_props["pkg.onnx_modular.module_paths"])
-        assert len(paths) == int(function.metadata_props["pkg.onnx_modular.call_count"])
+        paths = json.loads(function.metadata_props[metadata.MODULE_PATHS])
+        assert len(paths) == int(function.metadata_props[metadata.CALL_COUNT])
 
 
 def test_opset_imports_cover_every_domain(exported):

@@ -13,7 +13,7 @@ import torch
 
 import models
 from helpers import functions_by_name, top_level_calls
-from onnx_modular import export_modular
+from onnx_modular import export_modular, metadata
 
 
 def export(model, *args, tmp_path=None, **kwargs):
@@ -29,8 +29,8 @@ def test_same_instance_called_twice_gives_two_calls():
     assert top_level_calls(result.model) == ["shared", "shared@1"]
     scale = functions_by_name(result.model)["Scale"]
     # Both calls have the same body, so they share one definition.
-    assert scale.metadata_props["pkg.onnx_modular.call_count"] == "2"
-    assert [node.metadata_props["pkg.onnx_modular.call_index"] for node in result.model.graph if node.name.startswith("shared")] == ["0", "1"]
+    assert scale.metadata_props[metadata.CALL_COUNT] == "2"
+    assert [node.metadata_props[metadata.CALL_INDEX] for node in result.model.graph if node.name.startswith("shared")] == ["0", "1"]
     assert [call.call_name for call in result.hierarchy.walk()][1:] == ["shared", "shared.linear", "shared@1", "shared.linear@1"]
 
 
@@ -109,9 +109,9 @@ def test_module_list_and_module_dict():
     assert top == ["layers.0", "layers.1", "dropout", "heads.left", "heads.right"]
     # nn.Identity produces no ops, so no function; Dropout (eval) is an Identity op, still a function.
     assert result.hierarchy.find("skip").function is None
-    assert functions_by_name(result.model)["Dropout"].metadata_props["pkg.onnx_modular.call_count"] == "1"
+    assert functions_by_name(result.model)["Dropout"].metadata_props[metadata.CALL_COUNT] == "1"
     # ModuleList layers are identical: one Scale function called twice.
-    assert functions_by_name(result.model)["Scale"].metadata_props["pkg.onnx_modular.call_count"] == "2"
+    assert functions_by_name(result.model)["Scale"].metadata_props[metadata.CALL_COUNT] == "2"
     # The two heads have different shapes: two Linear variants with readable names.
     linear_names = sorted(name for name in functions_by_name(result.model) if name.startswith("Linear"))
     assert linear_names == ["Linear", "Linear_2", "Linear_3"]
@@ -121,7 +121,7 @@ def test_module_list_and_module_dict():
 def json_paths(function):
     import json
 
-    return json.loads(function.metadata_props["pkg.onnx_modular.module_paths"])
+    return json.loads(function.metadata_props[metadata.MODULE_PATHS])
 
 
 def test_modular_file_runs_like_its_flat_copy(tmp_path):

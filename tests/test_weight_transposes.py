@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import models
-from onnx_modular import export_modular
+from onnx_modular import export_modular, metadata
 
 
 def _bodies(result) -> dict[str, list[str]]:
@@ -48,7 +48,7 @@ def test_tied_weights_are_left_alone(tmp_path):
     model = transformers.GPT2LMHeadModel(config).eval()
     result = export_modular(model, (torch.randint(0, 100, (2, 8)),), tmp_path / "gpt2.onnx")
     # lm_head.weight is wte.weight: Gather reads it untransposed, so the lm_head body transposes
-    call = next(n for n in result.model.graph if n.metadata_props.get("pkg.onnx_modular.module_path") == "lm_head")
+    call = next(n for n in result.model.graph if n.metadata_props.get(metadata.MODULE_PATH) == "lm_head")
     lm_head = result.model.functions[call.op_identifier()]
     assert "Transpose" in [node.op_type for node in lm_head]
     names = set(result.model.graph.initializers)

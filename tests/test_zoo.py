@@ -12,7 +12,7 @@ import torch
 
 import zoo
 from helpers import expanded_calls
-from onnx_modular import export_modular
+from onnx_modular import export_modular, metadata
 
 
 def _params(dynamic: bool = False):
@@ -25,9 +25,9 @@ def _params(dynamic: bool = False):
 
 def _calls_of_class(result, class_name: str) -> int:
     return sum(
-        int(f.metadata_props["pkg.onnx_modular.call_count"])
+        int(f.metadata_props[metadata.CALL_COUNT])
         for f in result.functions
-        if f.metadata_props["pkg.onnx_modular.class"].rsplit(".", 1)[-1] == class_name
+        if f.metadata_props[metadata.CLASS].rsplit(".", 1)[-1] == class_name
     )
 
 

@@ -16,11 +16,12 @@ from typing import Any
 
 import onnx_ir as ir
 
+from onnx_modular import metadata
 from onnx_modular.passes._functions import callees, redirect_calls
 
 __all__ = ["DeduplicateFunctionsPass", "function_fingerprint"]
 
-CALLS_KEY = "onnx_modular.calls"
+CALLS_KEY = metadata.CALLS
 
 
 def _shape_key(value: ir.Value) -> tuple:

@@ -20,8 +20,9 @@ from typing import Any
 
 import onnx_ir as ir
 
+from onnx_modular import metadata
 from onnx_modular.errors import ModularizeError
-from onnx_modular.hierarchy import CallTree, ModuleCall
+from onnx_modular.calltree import CallTree, ModuleCall
 
 __all__ = [
     "STACK_KEY",
@@ -315,7 +316,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
             ),
             attributes=[],
         )
-        function.meta["onnx_modular.calls"] = [call]
+        function.meta[metadata.CALLS] = [call]
         self._model.functions[function.identifier()] = function
         call.function = (domain, temp_name)
         return function, call_node
@@ -407,7 +408,7 @@ def _node_name(call: ModuleCall) -> str:
     if not prefix or not call.module_path.startswith(prefix):
         return call.call_name
     relative = call.module_path[len(prefix) :]
-    return f"{relative}@{call.call_index}" if call.call_index else relative
+    return metadata.call_name(relative, call.call_index)
 
 
 def _call_namespace(member: ir.Node, call: ModuleCall) -> str | None:

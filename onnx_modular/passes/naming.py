@@ -13,12 +13,13 @@ import json
 
 import onnx_ir as ir
 
-from onnx_modular.hierarchy import CallTree, ModuleCall
+from onnx_modular import metadata
+from onnx_modular.calltree import CallTree, ModuleCall
 from onnx_modular.passes._functions import redirect_calls
 
 __all__ = ["NameFunctionsPass", "MAX_LISTED_PATHS"]
 
-CALLS_KEY = "onnx_modular.calls"
+CALLS_KEY = metadata.CALLS
 MAX_LISTED_PATHS = 8
 
 
@@ -86,13 +87,13 @@ class NameFunctionsPass(ir.passes.InPlacePass):
             first = calls[0]
             function.doc_string = _doc_string(calls, function.name)
             props = function.metadata_props
-            props["pkg.onnx_modular.class"] = first.qualified_class
-            props["pkg.onnx_modular.package"] = first.package
-            props["pkg.onnx_modular.package_version"] = first.version
-            props["pkg.onnx_modular.module_paths"] = json.dumps([call.call_name for call in calls])
-            props["pkg.onnx_modular.call_count"] = str(len(calls))
+            props[metadata.CLASS] = first.qualified_class
+            props[metadata.PACKAGE] = first.package
+            props[metadata.PACKAGE_VERSION] = first.version
+            props[metadata.MODULE_PATHS] = json.dumps([call.call_name for call in calls])
+            props[metadata.CALL_COUNT] = str(len(calls))
             if first.source:
-                props["pkg.onnx_modular.source"] = first.source
+                props[metadata.SOURCE] = first.source
             renamed[function.identifier()] = function
         model.functions.clear()
         model.functions.update(renamed)

@@ -1,0 +1,72 @@
+"""Error diagnostics: the module behind an error, and the lines of torch's message worth showing."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["module_path_from_traceback", "module_path_from_fx_node", "first_line", "suggested_fixes"]
+
+
+def _iter_frames(exc: BaseException) -> Iterator[types.FrameType]:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        frames = []
+        while tb is not None:
+            frames.append(tb.tb_frame)
+            tb = tb.tb_next
+        yield from reversed(frames)  # innermost first
+        exc = exc.__cause__ or exc.__context__
+
+
+def module_path_from_traceback(exc: BaseException, model: torch.nn.Module) -> str | None:
+    """The innermost module of ``model`` whose forward() appears in the traceback."""
+    paths = {id(module): path for path, module in model.named_modules()}
+    for frame in _iter_frames(exc):
+        candidate = frame.f_locals.get("self")
+        if candidate is not None and id(candidate) in paths:
+            return paths[id(candidate)]
+    return None
+
+
+def module_path_from_fx_node(exc: BaseException) -> str | None:
+    """The module path of the FX node being translated when ``exc`` was raised."""
+    for frame in _iter_frames(exc):
+        node = frame.f_locals.get("node")
+        if isinstance(node, torch.fx.Node):
+            stack = node.meta.get("nn_module_stack") or {}
+            if stack:
+                return list(stack.values())[-1][0]
+            return ""
+    return None
+
+
+
+def suggested_fixes(exc: BaseException) -> str:
+    """torch.export's own "Suggested fixes" for dynamic shapes (``total = Dim('total', min=4)``)."""
+    text = str(exc)
+    if "Suggested fixes:" not in text:
+        return ""
+    fixes = [line.strip() for line in text.split("Suggested fixes:", 1)[1].splitlines()]
+    fixes = [line for line in fixes if line and "=" in line and not line.startswith("The error")]
+    return " torch suggests: " + "; ".join(fixes[:8]) if fixes else ""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of the error, plus that of its innermost cause (which usually says why)."""
+
+    def line(error: BaseException) -> str:
+        text = str(error).strip()
+        return text.splitlines()[0][:400] if text else type(error).__name__
+
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    if root is exc:
+        return line(exc)
+    return f"{line(exc)} Cause: {type(root).__name__}: {line(root)}"
+

@@ -1,0 +1,110 @@
+"""Inlining local functions into a copy of a file, written atomically (``onnx.inliner``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+
+import onnx
+import onnx.inliner
+
+from onnx_modular.errors import InvalidInputError
+from onnx_modular.files._proto import uses_external_data
+from onnx_modular.files.load import load_model_file
+
+__all__ = ["inline_file"]
+
+
+def _resolve_function_ids(model: onnx.ModelProto, selectors: Sequence[str]) -> list[tuple[str, str]]:
+    """``name`` or ``domain:name`` -> the ``(domain, name)`` of matching local functions."""
+    available = sorted({(f.domain, f.name) for f in model.functions})
+    resolved: list[tuple[str, str]] = []
+    for selector in selectors:
+        domain, sep, name = selector.rpartition(":")
+        matches = [(d, n) for d, n in available if n == name and (not sep or d == domain)]
+        if not matches:
+            listed = ", ".join(f"{d}:{n}" for d, n in available[:12])
+            if len(available) > 12:
+                listed += f" and {len(available) - 12} more"
+            raise InvalidInputError(
+                f"No local function matches {selector!r}. Functions in the model: {listed or '(none)'}."
+            )
+        resolved += [m for m in matches if m not in resolved]
+    return resolved
+
+
+@contextlib.contextmanager
+def _atomic_destination(destination: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A private folder next to ``destination``; its files are moved into place on success."""
+    parent = destination.parent
+    if destination.is_dir():
+        raise InvalidInputError(f"The output path {str(destination)!r} is a directory.")
+    if not parent.is_dir():
+        raise InvalidInputError(f"The output folder {str(parent)!r} does not exist.")
+    tmpdir = pathlib.Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=parent))
+    try:
+        yield tmpdir
+        # Data first: the model file only appears once everything it refers to is in place.
+        for staged in sorted(tmpdir.iterdir(), key=lambda p: p.name == destination.name):
+            os.replace(staged, parent / staged.name)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def inline_file(
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
+    *,
+    only: Sequence[str] | None = None,
+    optimize: bool = False,
+) -> onnx.ModelProto:
+    """Write a copy of ``source`` with local functions inlined, atomically.
+
+    ``optimize=True`` then runs onnxscript's full optimizer on the flat graph, the same one
+    ``torch.onnx.export`` runs (constant folding, common subexpressions, constants lifted to
+    initializers, equal initializers merged), so the per-call copies of constants become one
+    shared initializer each, as in torch's own flat file.
+
+    Uses ``onnx.inliner.inline_local_functions`` (everything) or
+    ``onnx.inliner.inline_selected_functions`` (the functions named in ``only``, each
+    ``name`` or ``domain:name``; calls nested inside them stay calls unless selected too).
+    A model with external data gets its own copy of the weights (``<destination>.data``).
+    Nothing is left at ``destination`` if any step fails.
+
+    Returns:
+        The inlined model (weights not loaded when they are external).
+
+    Example::
+
+        inline_file("gpt2.onnx", "gpt2.flat.onnx")
+        inline_file("gpt2.onnx", "gpt2.noblock.onnx", only=["GPT2Block"])
+        inline_file("gpt2.onnx", "gpt2.deploy.onnx", optimize=True)
+    """
+    destination = pathlib.Path(destination)
+    model = load_model_file(source)
+    external = uses_external_data(model)
+    if external:
+        onnx.load_external_data_for_model(model, str(pathlib.Path(source).parent))
+    if only:
+        flat = onnx.inliner.inline_selected_functions(model, _resolve_function_ids(model, only))
+    else:
+        flat = onnx.inliner.inline_local_functions(model)
+    if optimize:
+        import onnxscript.optimizer
+
+        flat = onnxscript.optimizer.optimize(flat)
+    with _atomic_destination(destination) as tmpdir:
+        staged = tmpdir / destination.name
+        try:
+            if external:
+                onnx.save(flat, str(staged), save_as_external_data=True, location=destination.name + ".data")
+            else:
+                onnx.save(flat, str(staged))
+        except (OSError, ValueError) as e:
+            raise InvalidInputError(f"Writing {str(destination)!r} failed: {e}") from e
+    return flat
+

@@ -1,0 +1,138 @@
+"""Inputs of an ONNX file: the declared ones, random feeds that are valid for the model, checks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+
+from onnx_modular.errors import InvalidInputError
+from onnx_modular.files._proto import numel
+
+__all__ = ["model_inputs", "random_inputs", "check_feeds"]
+
+
+_DEFAULT_INT_HIGH = 10
+
+
+def model_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """The graph inputs a caller must feed (inputs that are also initializers excluded)."""
+    initializers = {tensor.name for tensor in model.graph.initializer}
+    return [value for value in model.graph.input if value.name not in initializers]
+
+
+def _numpy_dtype(elem_type: int, name: str) -> np.dtype:
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, TypeError, ValueError):
+        type_name = (
+            onnx.TensorProto.DataType.Name(elem_type) if elem_type in onnx.TensorProto.DataType.values() else elem_type
+        )
+        raise InvalidInputError(
+            f"Cannot make random values for input {name!r} of type {type_name}; pass --inputs."
+        ) from None
+
+
+def random_inputs(
+    model: onnx.ModelProto,
+    *,
+    dims: Mapping[str, int] | None = None,
+    default_dim: int = 2,
+    seed: int = 0,
+    int_high: int = _DEFAULT_INT_HIGH,
+    max_elements: int = 2**26,
+) -> dict[str, np.ndarray]:
+    """Random feeds for the model's inputs, from their declared shapes and types.
+
+    Symbolic dimensions take their value from ``dims`` (by name) or ``default_dim``;
+    floats are standard normal, integers uniform in ``[0, int_high)``, booleans fair coins.
+    Integer and boolean inputs named like a mask (``attention_mask``, ``*mask*``) are all
+    ones, so that no row is masked entirely (an input the model cannot have been meant for).
+
+    Raises:
+        InvalidInputError: An input is not a tensor, has a type without random values
+            (strings), or would hold more than ``max_elements`` elements.
+
+    Example::
+
+        feeds = random_inputs(model, dims={"batch": 1, "sequence": 16}, seed=0)
+    """
+    dims = dict(dims or {})
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, np.ndarray] = {}
+    for value in model_inputs(model):
+        if not value.type.HasField("tensor_type"):
+            raise InvalidInputError(f"Input {value.name!r} is not a tensor; pass --inputs with its value.")
+        tensor_type = value.type.tensor_type
+        dtype = _numpy_dtype(tensor_type.elem_type, value.name)
+        shape = []
+        for dim in tensor_type.shape.dim:
+            if dim.HasField("dim_value") and dim.dim_value >= 0:
+                shape.append(dim.dim_value)
+            else:
+                shape.append(int(dims.get(dim.dim_param, default_dim)) if dim.HasField("dim_param") else default_dim)
+        elements = numel(shape)
+        if elements > max_elements:
+            raise InvalidInputError(
+                f"Input {value.name!r} would hold {elements} elements (shape {shape}), more than {max_elements}; "
+                "pass smaller --dim values or --inputs."
+            )
+        if _is_mask(value.name) and (dtype == np.bool_ or np.issubdtype(dtype, np.integer)):
+            # Random 0/1 masks can hide every position of a row, and then a correct model's
+            # softmax over nothing differs between runtimes: masks keep everything visible.
+            array = np.ones(shape, dtype=dtype)
+        elif dtype == np.bool_:
+            array = rng.integers(0, 2, size=shape).astype(np.bool_)
+        elif np.issubdtype(dtype, np.integer):
+            array = rng.integers(0, int_high, size=shape).astype(dtype)
+        elif dtype.kind in "fV":  # V: ml_dtypes (bfloat16, float8)
+            array = rng.standard_normal(size=shape).astype(np.float32).astype(dtype)
+        elif dtype.kind == "c":
+            array = (rng.standard_normal(size=shape) + 1j * rng.standard_normal(size=shape)).astype(dtype)
+        else:
+            raise InvalidInputError(
+                f"Cannot make random values for input {value.name!r} of dtype {dtype}; pass --inputs."
+            )
+        feeds[value.name] = array
+    unused = set(dims) - {d.dim_param for v in model_inputs(model) for d in v.type.tensor_type.shape.dim}
+    if unused:
+        raise InvalidInputError(f"No input has a dimension named {sorted(unused)[0]!r} (given with --dim).")
+    return feeds
+
+
+def _is_mask(name: str) -> bool:
+    return "mask" in name.lower()
+
+
+def check_feeds(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> None:
+    """Check given inputs against the declared ones (names, ranks, fixed dims, dtypes).
+
+    Raises:
+        InvalidInputError: Naming the first input that does not fit.
+    """
+    declared = {value.name: value for value in model_inputs(model)}
+    missing = [name for name in declared if name not in feeds]
+    extra = [name for name in feeds if name not in declared]
+    if missing or extra:
+        raise InvalidInputError(
+            f"The inputs do not match the model: missing {missing or 'none'}, unexpected {extra or 'none'} "
+            f"(the model's inputs are {list(declared)})."
+        )
+    for name, value in declared.items():
+        array = np.asarray(feeds[name])
+        tensor_type = value.type.tensor_type
+        expected_dtype = _numpy_dtype(tensor_type.elem_type, name)
+        if array.dtype != expected_dtype:
+            raise InvalidInputError(f"Input {name!r} has dtype {array.dtype} but the model declares {expected_dtype}.")
+        if tensor_type.HasField("shape"):
+            declared_dims = [
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tensor_type.shape.dim
+            ]
+            fits = array.ndim == len(declared_dims) and all(
+                not isinstance(d, int) or d == actual for d, actual in zip(declared_dims, array.shape)
+            )
+            if not fits:
+                raise InvalidInputError(
+                    f"Input {name!r} has shape {list(array.shape)} but the model declares {declared_dims}."
+                )

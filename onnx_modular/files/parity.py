@@ -1,0 +1,322 @@
+"""Parity of a file: onnxruntime on the modular model and its inlined flat copy, against a reference.
+
+One row type (:class:`OutputParity`) and one report (:class:`ParityReport`) for every check:
+the export's check against PyTorch, ``onnx_modular.verify`` and ``onnx-modular verify``.
+The reference columns are PyTorch's outputs, expected arrays given by the user, or absent
+(then only modular vs flat is compared). No torch here; :mod:`onnx_modular.verification`
+adds the PyTorch side.
+
+Example::
+
+    report = check_file("m.onnx", random_inputs(load_model_file("m.onnx")))
+    print(report)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnx_modular.errors import InvalidInputError, ParityError
+from onnx_modular.files import runtime
+
+__all__ = [
+    "Tolerance",
+    "default_tolerance",
+    "REL_FLOOR",
+    "max_differences",
+    "allclose",
+    "OutputParity",
+    "ParityReport",
+    "compare_outputs",
+    "check_file",
+    "name_column_width",
+    "fit_name",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """``|onnx - reference| <= atol + rtol * |reference|`` elementwise (numpy.allclose)."""
+
+    atol: float
+    rtol: float
+
+
+_DEFAULT_TOLERANCES = {
+    "float64": Tolerance(1e-7, 1e-6),
+    "float32": Tolerance(1e-4, 1e-3),
+    "float16": Tolerance(1e-2, 1e-2),
+    "bfloat16": Tolerance(5e-2, 5e-2),
+}
+
+
+def default_tolerance(dtype: Any) -> Tolerance:
+    """Defaults per dtype (a numpy or torch dtype, or its name); integers and bools match exactly."""
+    name = str(dtype).replace("torch.", "")
+    return _DEFAULT_TOLERANCES.get(name, Tolerance(0.0, 0.0))
+
+
+#: Relative errors divide by ``|reference| + REL_FLOOR``, as torch's ONNX verifier does, so a
+#: reference value of 0 gives a finite, readable ratio instead of one divided by float64's tiny.
+REL_FLOOR = 1e-7
+
+
+def max_differences(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
+    """(max abs, max rel) difference; NaN/inf at the same places count as equal, a shape
+    mismatch as inf; strings compare exactly. Relative: ``|a - e| / (|e| + REL_FLOOR)``."""
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    if actual.shape != expected.shape:
+        return math.inf, math.inf
+    if actual.size == 0:
+        return 0.0, 0.0
+    if actual.dtype.kind in "OSU":
+        return (0.0, 0.0) if bool(np.all(actual == expected)) else (math.inf, math.inf)
+    actual64 = actual.astype(np.complex128 if actual.dtype.kind == "c" else np.float64)
+    expected64 = expected.astype(actual64.dtype)
+    same = (np.isnan(actual64) & np.isnan(expected64)) | (actual64 == expected64)
+    diff = np.where(same, 0.0, np.abs(actual64 - expected64))
+    diff = np.where(np.isnan(diff), np.inf, diff)
+    scale = np.abs(np.where(np.isfinite(expected64), expected64, 0.0))
+    with np.errstate(over="ignore", invalid="ignore"):  # inf is the honest answer
+        rel = np.where(diff == 0, 0.0, diff / (scale + REL_FLOOR))
+    return float(diff.max()), float(rel.max())
+
+
+def allclose(actual: np.ndarray, expected: np.ndarray, tolerance: Tolerance) -> bool:
+    """``numpy.allclose`` with NaN == NaN, after a shape check; strings compare exactly."""
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    if actual.shape != expected.shape:
+        return False
+    if actual.dtype.kind in "OSU":
+        return bool(np.all(actual == expected))
+    kind = np.complex128 if actual.dtype.kind == "c" else np.float64
+    return bool(
+        np.allclose(actual.astype(kind), expected.astype(kind), atol=tolerance.atol, rtol=tolerance.rtol, equal_nan=True)
+    )
+
+
+@dataclasses.dataclass
+class OutputParity:
+    """Differences for one model output (``None`` where that comparison was not made).
+
+    Attributes:
+        modular_max_abs, modular_max_rel: The modular model against the reference.
+        flat_max_abs, flat_max_rel: The flat (inlined) copy against the reference.
+        modular_vs_flat_max_abs, modular_vs_flat_max_rel: The modular model against its flat copy.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    tolerance: Tolerance
+    modular_max_abs: float | None = None
+    modular_max_rel: float | None = None
+    flat_max_abs: float | None = None
+    flat_max_rel: float | None = None
+    modular_vs_flat_max_abs: float | None = None
+    modular_vs_flat_max_rel: float | None = None
+    ok: bool = True
+
+
+@dataclasses.dataclass
+class ParityReport:
+    """Per-output differences of one run: onnxruntime (modular, flat) against a reference.
+
+    Attributes:
+        outputs: One row per model output.
+        reference: What the outputs were compared with: ``"PyTorch"``, ``"expected"`` or
+            ``None`` (only modular vs flat).
+        shapes: Input name -> shape of the run.
+        modules: Per-module localization of the run, when it was asked for.
+    """
+
+    outputs: list[OutputParity]
+    reference: str | None = "PyTorch"
+    shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    modules: Any = None  # onnx_modular.localization.LocalizationReport
+
+    @property
+    def ok(self) -> bool:
+        return all(output.ok for output in self.outputs) and (self.modules is None or self.modules.ok)
+
+    @property
+    def max_abs(self) -> float:
+        """Largest difference of the modular model (against the reference, else against the flat copy)."""
+        values = [o.modular_max_abs if self.reference else o.modular_vs_flat_max_abs for o in self.outputs]
+        return max((v for v in values if v is not None), default=0.0)
+
+    @property
+    def modular_vs_flat_max_abs(self) -> float:
+        return max((o.modular_vs_flat_max_abs or 0.0 for o in self.outputs), default=0.0)
+
+    def failures(self) -> list[OutputParity]:
+        return [output for output in self.outputs if not output.ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "reference": self.reference,
+            "shapes": self.shapes,
+            "outputs": [
+                {**dataclasses.asdict(output), "tolerance": dataclasses.asdict(output.tolerance)}
+                for output in self.outputs
+            ],
+            "modules": self.modules.to_dict() if self.modules is not None else None,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        def fmt(value: float | None) -> str:
+            return "-" if value is None else f"{value:.2e}"
+
+        width = name_column_width(o.name for o in self.outputs)
+        against = self.reference or "-"
+        header = (
+            f"{'output':<{width}} {'shape':<18} {'dtype':<9} {'modular abs':>11} {'rel':>9} {'flat abs':>9} {'rel':>9} "
+            f"{'mod-flat':>9} {'atol/rtol':>15}  ok"
+        )
+        title = (
+            f"Parity against {against} (onnxruntime, max abs / max rel difference)"
+            if self.reference
+            else "onnxruntime: modular vs its inlined flat copy (max abs difference in mod-flat)"
+        )
+        lines = [title, header, "-" * len(header)]
+        for o in self.outputs:
+            tolerance = f"{o.tolerance.atol:.0e}/{o.tolerance.rtol:.0e}"
+            lines.append(
+                f"{fit_name(o.name, width):<{width}} {str(list(o.shape))[:18]:<18} {o.dtype:<9} {fmt(o.modular_max_abs):>11} "
+                f"{fmt(o.modular_max_rel):>9} {fmt(o.flat_max_abs):>9} {fmt(o.flat_max_rel):>9} "
+                f"{fmt(o.modular_vs_flat_max_abs):>9} {tolerance:>15}  {'yes' if o.ok else 'NO'}"
+            )
+        failures = len(self.failures())
+        lines.append("PASS" if not failures else f"FAIL: {failures} output(s) beyond tolerance")
+        if self.modules is not None:
+            lines.append(str(self.modules))
+        return "\n".join(lines)
+
+
+def name_column_width(names: Iterable[str], minimum: int = 24, maximum: int = 56) -> int:
+    """Width of a report's name column: the longest name, within bounds."""
+    return max(minimum, min(maximum, max((len(name) for name in names), default=0)))
+
+
+def fit_name(name: str, width: int) -> str:
+    """``name`` shortened in the middle to ``width`` (both ends of a dotted path tell)."""
+    if len(name) <= width:
+        return name
+    head = (width - 1) // 2
+    return f"{name[:head]}…{name[len(name) - (width - 1 - head):]}"
+
+
+def compare_outputs(
+    names: Sequence[str],
+    modular: Sequence[np.ndarray],
+    flat: Sequence[np.ndarray] | None,
+    reference: Sequence[np.ndarray | None] | None,
+    *,
+    reference_name: str | None = "PyTorch",
+    tolerance: Tolerance | None = None,
+    shapes: Mapping[str, list[int]] | None = None,
+) -> ParityReport:
+    """One :class:`ParityReport` from the onnxruntime outputs and an optional reference.
+
+    An output passes when the modular model (and the flat copy, if run) is within tolerance
+    of the reference, or, without a reference, when modular and flat agree within tolerance.
+    """
+    rows = []
+    for index, name in enumerate(names):
+        value = np.asarray(modular[index])
+        expected = None if reference is None else reference[index]
+        dtype = str(np.asarray(expected).dtype if expected is not None else value.dtype)
+        tol = tolerance or default_tolerance(dtype)
+        row = OutputParity(name=name, shape=tuple(value.shape), dtype=dtype, tolerance=tol)
+        if expected is not None:
+            row.shape = tuple(np.shape(expected))
+            row.modular_max_abs, row.modular_max_rel = max_differences(value, expected)
+            row.ok = allclose(value, expected, tol)
+        if flat is not None:
+            row.modular_vs_flat_max_abs, row.modular_vs_flat_max_rel = max_differences(value, flat[index])
+            if expected is not None:
+                row.flat_max_abs, row.flat_max_rel = max_differences(flat[index], expected)
+                row.ok = row.ok and allclose(flat[index], expected, tol)
+            else:
+                row.ok = allclose(value, flat[index], tol)
+        rows.append(row)
+    return ParityReport(rows, reference=reference_name if reference is not None else None, shapes=dict(shapes or {}))
+
+
+def check_file(
+    path: str | os.PathLike,
+    feeds: Mapping[str, np.ndarray] | Sequence[np.ndarray],
+    *,
+    expected: Mapping[str, np.ndarray] | Sequence[np.ndarray] | None = None,
+    reference_name: str = "expected",
+    flat: bool = True,
+    tolerance: Tolerance | None = None,
+) -> ParityReport:
+    """Run ``path`` (and its inlined flat copy) in onnxruntime on ``feeds``; compare with ``expected``.
+
+    Args:
+        path: The model file.
+        feeds: Input name -> array, or one array per input in order.
+        expected: Reference outputs by name (a subset is fine) or in order; ``None`` compares
+            modular with flat only.
+        reference_name: How the report names the reference (``"PyTorch"``, ``"expected"``).
+        flat: Also run the flat copy.
+        tolerance: Overrides the per-dtype default.
+
+    Returns:
+        A :class:`ParityReport`; it does not raise on a mismatch.
+
+    Raises:
+        VerificationError: onnxruntime cannot load or run a model.
+        InvalidInputError: ``expected`` names an output the model does not have.
+        ParityError: ``expected`` (a sequence) has another number of outputs than the model.
+    """
+    model = onnx.load(str(path), load_external_data=False)
+    names, modular = runtime.run(path, feeds)
+    flat_outputs = None
+    if flat:
+        with runtime.flat_copy(path, model) as flat_model:
+            _, flat_outputs = runtime.run(flat_model, feeds, what="inlined flat copy")
+    reference = None
+    if expected is not None:
+        if isinstance(expected, Mapping):
+            unknown = sorted(set(expected) - set(names))
+            if unknown:
+                raise InvalidInputError(
+                    f"Expected outputs name {unknown[0]!r}, which is not an output of the model {names}."
+                )
+            # Outputs without an expected value are compared modular vs flat only.
+            reference = [np.asarray(expected[name]) if name in expected else None for name in names]
+        else:
+            reference = list(expected)
+            if len(reference) != len(modular):
+                raise ParityError(
+                    f"The ONNX model has {len(modular)} outputs but the reference has {len(reference)} tensors.",
+                    hint="Outputs that are not tensors (None, ints) are not ONNX outputs; return tensors only.",
+                )
+    if isinstance(feeds, Mapping):
+        shapes = {name: list(np.shape(value)) for name, value in feeds.items()}
+    else:
+        shapes = {value.name: list(np.shape(array)) for value, array in zip(_inputs(model), feeds)}
+    return compare_outputs(
+        names, modular, flat_outputs, reference, reference_name=reference_name, tolerance=tolerance, shapes=shapes
+    )
+
+
+def _inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    initializers = {tensor.name for tensor in model.graph.initializer}
+    return [value for value in model.graph.input if value.name not in initializers]

@@ -1,0 +1,132 @@
+"""onnxruntime for the file tools and verification: sessions, runs, and the inlined flat copy.
+
+One temporary-file scheme: a model that must be written for onnxruntime (an in-memory model,
+the flat copy of a file with external data, an instrumented copy) goes into a private hidden
+folder next to the file it comes from (:func:`scratch_folder`), so relative external-data
+paths still resolve, and the folder is removed afterwards whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import tempfile
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx.inliner
+
+from onnx_modular.errors import VerificationError
+from onnx_modular.files._proto import uses_external_data
+
+__all__ = ["session", "run", "output_names", "scratch_file", "flat_copy", "first_line"]
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:400] if text else type(exc).__name__
+
+
+def session(model: str | os.PathLike | bytes):
+    """A CPU ``onnxruntime.InferenceSession`` with warnings silenced.
+
+    Raises:
+        VerificationError: onnxruntime cannot load the model.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise VerificationError(
+            f"onnxruntime cannot load the model: {first_line(e)}",
+            hint="onnxruntime's CPU kernels do not cover every dtype (bfloat16 arithmetic, for one); "
+            "check the file with `onnx-modular tree`, or verify a float32/float16 export.",
+        ) from e
+
+
+def run(
+    model: str | os.PathLike | bytes, feeds: Mapping[str, np.ndarray] | Sequence[np.ndarray], *, what: str = "model"
+) -> tuple[list[str], list[np.ndarray]]:
+    """Run a model on ``feeds`` (by name, or one array per input in order).
+
+    Returns:
+        (output names, output arrays).
+
+    Raises:
+        VerificationError: The model cannot be loaded or run, or the inputs do not fit.
+    """
+    sess = session(model)
+    names = [i.name for i in sess.get_inputs()]
+    if not isinstance(feeds, Mapping):
+        feeds = list(feeds)
+        if len(feeds) != len(names):
+            raise VerificationError(
+                f"The {what} has {len(names)} inputs ({', '.join(names)}) but {len(feeds)} tensors were given.",
+                hint="Give one tensor per model input, in order.",
+            )
+        feeds = dict(zip(names, feeds))
+    try:
+        outputs = sess.run(None, {name: np.asarray(value) for name, value in feeds.items()})
+    except Exception as e:
+        raise VerificationError(
+            f"onnxruntime failed to run the {what}: {first_line(e)}",
+            hint="Check the inputs against the model's declared inputs (names, shapes, dtypes).",
+        ) from e
+    return [o.name for o in sess.get_outputs()], outputs
+
+
+def output_names(model: onnx.ModelProto) -> list[str]:
+    return [value.name for value in model.graph.output]
+
+
+@contextlib.contextmanager
+def scratch_file(near: str | os.PathLike | None, name: str = "model.onnx") -> Iterator[pathlib.Path]:
+    """A hidden, unique file name next to ``near`` (in a private temp folder when ``None``), removed on exit.
+
+    Next to the source, a copy reads the same external-data files (onnxruntime resolves them
+    relative to the model and refuses paths that leave its folder).
+    """
+    if near is None:
+        with tempfile.TemporaryDirectory(prefix="onnx_modular-") as folder:
+            yield pathlib.Path(folder) / name
+        return
+    near = pathlib.Path(near)
+    path = near.parent / f".{near.stem}.{uuid.uuid4().hex[:12]}.{name}"
+    try:
+        yield path
+    finally:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def flat_copy(path: str | os.PathLike, model: onnx.ModelProto | None = None) -> Iterator[str | bytes]:
+    """The model at ``path`` with every local function inlined (``onnx.inliner``), ready for :func:`run`.
+
+    Weights are not loaded: a model with external data gets its flat copy written to a
+    :func:`scratch_file` next to it, so both read the same weight files; other models stay
+    in memory.
+    """
+    if model is None:
+        model = onnx.load(str(path), load_external_data=False)
+    flat = onnx.inliner.inline_local_functions(model)
+    if not uses_external_data(flat):
+        yield flat.SerializeToString()
+        return
+    with scratch_file(path, "flat.onnx") as target:
+        try:
+            onnx.save(flat, str(target))
+        except OSError as e:
+            raise VerificationError(
+                f"Writing the inlined copy next to {str(path)!r} failed: {e.strerror or e}",
+                hint="Make the model's folder writable, or copy the model somewhere writable.",
+            ) from e
+        yield str(target)

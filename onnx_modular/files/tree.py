@@ -1,0 +1,190 @@
+"""The call tree of an ONNX file, and the counts ``result.hierarchy`` takes from the final model.
+
+Works on any model whose local functions call each other; files written by onnx_modular
+add module paths, classes and the module calls that produced no ops (docs/metadata.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import onnx
+
+from onnx_modular import metadata
+from onnx_modular.calltree import CallTree, ModuleCall
+from onnx_modular.errors import InvalidModelFileError
+from onnx_modular.files._proto import FunctionId, all_nodes, function_id, node_id, numel
+from onnx_modular.files.checks import check_model_structure
+
+__all__ = ["MAX_TREE_CALLS", "function_tree", "count_from_model"]
+
+#: Largest number of calls the expanded tree may hold (a function called from a function
+#: called N times counts N times). Guards against exponential expansion of shared bodies.
+MAX_TREE_CALLS = 200_000
+
+
+def _call_counts(model: onnx.ModelProto, functions: Mapping[FunctionId, onnx.FunctionProto]) -> dict[FunctionId, int]:
+    """Calls per function over the whole model, without expanding the tree.
+
+    Main-graph calls count once, calls inside a body once per call of that body. Processing
+    callers before callees (the function call graph is acyclic) makes each count final when used.
+    """
+    sites: dict[FunctionId, list[FunctionId]] = {f: [] for f in functions}
+    for fid, function in functions.items():
+        for node in all_nodes(function.node):
+            if node_id(node) in functions:
+                sites[fid].append(node_id(node))
+    count = dict.fromkeys(functions, 0)
+    for node in all_nodes(model.graph.node):
+        if node_id(node) in functions:
+            count[node_id(node)] += 1
+    for fid in _callers_first(sites):
+        for callee in sites[fid]:
+            count[callee] += count[fid]
+    return count
+
+
+def _callers_first(sites: Mapping[FunctionId, list[FunctionId]]) -> list[FunctionId]:
+    """Functions ordered so that every caller comes before its callees (Kahn's algorithm)."""
+    indegree = dict.fromkeys(sites, 0)
+    for callees in sites.values():
+        for callee in set(callees):
+            indegree[callee] += 1
+    ready = sorted(f for f, count in indegree.items() if count == 0)
+    order = []
+    while ready:
+        fid = ready.pop()
+        order.append(fid)
+        for callee in sorted(set(sites[fid])):
+            indegree[callee] -= 1
+            if indegree[callee] == 0:
+                ready.append(callee)
+    return order
+
+
+def _no_op_calls(parent: ModuleCall, body) -> list[tuple[int, ModuleCall]]:
+    """The calls a body recorded as producing no ops (see :data:`metadata.NO_OP_CALLS`), with the
+    number of calls that have functions before each."""
+    found = []
+    for name, qualified_class, before in metadata.no_op_calls(body):
+        base, index = metadata.split_call_name(name)
+        path = base if parent.is_root else f"{parent.module_path}.{base}"
+        call = ModuleCall(metadata.call_name(path, index), path, index, qualified_class, parent=parent, node_name=name)
+        call.call_count = 0
+        found.append((before, call))
+    return found
+
+
+def _merge(parent: ModuleCall, no_ops: list[tuple[int, ModuleCall]]) -> None:
+    for offset, (before, call) in enumerate(sorted(no_ops, key=lambda item: item[0])):
+        parent.children.insert(min(before + offset, len(parent.children)), call)
+
+
+def function_tree(model: onnx.ModelProto, *, max_calls: int = MAX_TREE_CALLS) -> CallTree:
+    """Build the call hierarchy of a model's local functions.
+
+    The root is the main graph; its children are the nodes that call a local function
+    (in execution order, If/Loop subgraphs included), and so on into each function body.
+    A function body shared by several calls is expanded under each of them. Module calls
+    that produced no ops (recorded by onnx_modular) appear as calls without a function.
+
+    Args:
+        model: Any ONNX model (it is checked with :func:`check_model_structure`).
+        max_calls: Refuse models whose expanded tree would hold more calls.
+
+    Raises:
+        InvalidModelFileError: The structure is unusable (see :func:`check_model_structure`),
+            or the tree would hold more than ``max_calls`` calls.
+
+    Example::
+
+        tree = function_tree(load_model_file("gpt2.onnx"))
+        print(tree.format(max_depth=2))
+        print(tree.to_json())
+    """
+    check_model_structure(model)
+    functions = {function_id(f): f for f in model.functions}
+    call_count = _call_counts(model, functions)
+    total = sum(call_count.values())
+    if total > max_calls:
+        raise InvalidModelFileError(
+            f"The call hierarchy expands to {total} calls (more than {max_calls}); refusing to build the tree."
+        )
+    sizes = {tensor.name: numel(tensor.dims) for tensor in model.graph.initializer}
+    sizes.update({sparse.values.name: numel(sparse.dims) for sparse in model.graph.sparse_initializer})
+    root = ModuleCall(
+        key="",
+        module_path="",
+        node_name=model.graph.name or "main_graph",
+        num_nodes=len(model.graph.node),
+        parameters=sum(sizes.values()),
+    )
+    pending = [(root, _no_op_calls(root, model.graph))]
+    # A scope maps a body's value names to the main-graph initializer they carry. ONNX names
+    # are unique across nested scopes, so subgraphs of a body share its scope.
+    top_scope: dict[str, str] = {name: name for name in sizes}
+    scopes: dict[int, dict[str, str]] = {}
+    tree_node: dict[int, ModuleCall] = {}
+    for call in metadata.expanded_calls(model, module_calls_only=False):
+        parent = root if call.caller is None else tree_node[id(call.caller)]
+        scope = top_scope if call.caller is None else scopes[id(call.caller)]
+        node, function = call.node, call.function
+        weights = {scope[name] for name in node.input if name in scope}
+        node_props = metadata.props(node)
+        path, index = metadata.split_call_name(call.call_name)
+        child = ModuleCall(
+            key=call.call_name,
+            module_path=path,
+            call_index=index,
+            qualified_class=node_props.get(metadata.CLASS) or metadata.props(function).get(metadata.CLASS, ""),
+            package=node_props.get(metadata.PACKAGE, ""),
+            version=node_props.get(metadata.PACKAGE_VERSION, ""),
+            source=node_props.get(metadata.SOURCE),
+            parent=parent,
+            function=(function.domain, function.name),
+            overload=function.overload,
+            num_nodes=len(function.node),
+            parameters=sum(sizes[w] for w in weights),
+            call_count=call_count[function_id(function)],
+            node_name=node.name,
+        )
+        parent.children.append(child)
+        tree_node[id(call)] = child
+        # Formal inputs carry the caller's actual values into the body.
+        scopes[id(call)] = {
+            formal: scope[actual] for formal, actual in zip(function.input, node.input) if actual in scope
+        }
+        pending.append((child, _no_op_calls(child, function)))
+    for parent, no_ops in pending:
+        _merge(parent, no_ops)
+    if any(no_ops for _, no_ops in pending):
+        # Call indices count every call of a module path in execution order, no-op calls included.
+        counter = metadata.CallCounter()
+        for call in root.walk():
+            if not call.is_root and call.qualified_class:
+                call.key = counter(call.module_path)
+                call.call_index = metadata.split_call_name(call.key)[1]
+    return CallTree(root)
+
+
+def count_from_model(tree: CallTree, model: onnx.ModelProto) -> None:
+    """Set each call's counts (nodes, parameters, calls, node name, function) from the final model.
+
+    ``result.hierarchy`` is built before the optimizer runs; this makes its numbers the ones
+    ``onnx-modular tree`` shows for the saved file. Calls are matched by call name.
+    """
+    file_tree = function_tree(model, max_calls=2**62)
+    by_name = {call.call_name: call for call in file_tree.walk() if not call.is_root}
+    tree.root.num_nodes = file_tree.root.num_nodes
+    tree.root.parameters = file_tree.root.parameters
+    tree.root.node_name = file_tree.root.node_name
+    for call in tree.walk():
+        if call.is_root:
+            continue
+        found = by_name.get(call.call_name)
+        if found is None or found.function is None:
+            call.function, call.num_nodes, call.parameters, call.call_count = None, 0, 0, 0
+            continue
+        call.function, call.overload = found.function, found.overload
+        call.num_nodes, call.parameters = found.num_nodes, found.parameters
+        call.call_count, call.node_name = found.call_count, found.node_name

@@ -1,0 +1,135 @@
+"""The result of an export: the modular model, its call tree, the parity report."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pathlib
+import tempfile
+from collections.abc import Iterator
+
+import onnx
+import onnx_ir as ir
+import torch
+
+from onnx_modular import _io, metadata, verification
+from onnx_modular.calltree import CallTree
+from onnx_modular.errors import InvalidInputError
+
+__all__ = ["ModularExport"]
+
+
+@dataclasses.dataclass
+class ModularExport:
+    """The result of :func:`export_modular`.
+
+    Attributes:
+        model: The modular ONNX model (``onnx_ir.Model``).
+        hierarchy: The module-call tree; ``print(result.hierarchy)`` shows it.
+        report: The parity report (``None`` when verification was off).
+        timings: Seconds spent per stage.
+        path: Where the model was written (``None`` if not saved yet).
+    """
+
+    model: ir.Model
+    hierarchy: CallTree
+    report: verification.ParityReport | None = None
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    path: pathlib.Path | None = None
+    exported_program: torch.export.ExportedProgram | None = dataclasses.field(default=None, repr=False)
+    _reference: tuple[list[torch.Tensor], list[torch.Tensor]] | None = dataclasses.field(default=None, repr=False)
+    _example: tuple[tuple, dict] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def model_proto(self) -> onnx.ModelProto:
+        """The model as an ``onnx.ModelProto`` (serialized on demand)."""
+        return ir.serde.serialize_model(self.model)
+
+    @property
+    def functions(self) -> list[ir.Function]:
+        """The module-call functions (torch's own helper functions excluded)."""
+        return [f for f in self.model.functions.values() if metadata.is_module_function(f)]
+
+    def save(self, path: str | os.PathLike, *, external_data: bool | None = None) -> pathlib.Path:
+        """Write the model atomically (checked with onnx.checker, full_check=True)."""
+        with _io.staged_save(self.model, path, external_data=external_data):
+            pass
+        self.path = pathlib.Path(path)
+        return self.path
+
+    def verify(
+        self,
+        args: tuple | None = None,
+        kwargs: dict | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+        flat: bool = True,
+    ) -> verification.ParityReport:
+        """Compare onnxruntime (modular and flat) with PyTorch on new inputs.
+
+        With no arguments, re-checks the example inputs of the export. New inputs
+        need the PyTorch ``model`` to compute the reference.
+        """
+        if args is None and kwargs is None:
+            if self._reference is None:
+                raise InvalidInputError("No reference outputs are stored; pass args and model.")
+            inputs, expected = self._reference
+        else:
+            if model is None:
+                raise InvalidInputError("Pass model=... to compute PyTorch outputs for new inputs.")
+            args, kwargs = verification.normalize_inputs(args, kwargs)
+            inputs = verification.flatten_inputs(args, kwargs)
+            expected = verification.torch_outputs(model, args, kwargs)
+        tolerance = verification.tolerance(rtol, atol)
+        with model_file(self) as path:
+            return verification.verify_file(path, inputs, expected, flat=flat, tolerance=tolerance)
+
+    def localize(
+        self,
+        model: torch.nn.Module,
+        args: tuple | None = None,
+        kwargs: dict | None = None,
+        *,
+        rtol: float | None = None,
+        atol: float | None = None,
+    ):
+        """Per-module parity: every module call's outputs, onnxruntime against ``model``.
+
+        Returns a :class:`~onnx_modular.localization.LocalizationReport` whose
+        ``first_failure`` names the first call (in completion order) beyond tolerance.
+        Uses the example inputs of the export unless ``args``/``kwargs`` are given.
+        """
+        from onnx_modular.localization import localize
+
+        if args is None and kwargs is None:
+            args, kwargs = self._example or ((), {})
+        args, kwargs = verification.normalize_inputs(args, kwargs)
+        with model_file(self) as path:
+            return localize(path, model, args, kwargs, tolerance=verification.tolerance(rtol, atol))
+
+    def summary(self) -> str:
+        functions = self.functions
+        calls = sum(int(f.metadata_props.get(metadata.CALL_COUNT, "1")) for f in functions)
+        lines = [
+            f"{len(functions)} functions for {calls} module calls, max depth {self.hierarchy.max_depth}, "
+            f"{sum(1 for _ in self.model.graph)} nodes in the main graph",
+        ]
+        if self.timings:
+            lines.append("time: " + ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in self.timings.items()))
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def model_file(result: ModularExport) -> Iterator[pathlib.Path]:
+    """The saved file of ``result``, or the model written to a temporary folder for the duration."""
+    if result.path is not None and result.path.exists():
+        yield result.path
+        return
+    with tempfile.TemporaryDirectory(prefix="onnx_modular-") as tmp:
+        path = pathlib.Path(tmp) / "model.onnx"
+        ir.save(result.model, path, external_data="model.onnx.data" if _io.wants_external_data(result.model, None) else None)
+        yield path
+
