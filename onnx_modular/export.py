@@ -49,6 +49,7 @@ from onnx_modular.passes.dedupe import DeduplicateFunctionsPass
 from onnx_modular.passes.io_names import NameGraphInputsOutputsPass
 from onnx_modular.passes.modularize import CallSignature, OutlineModuleCallsPass, TensorSpec
 from onnx_modular.passes.naming import NameFunctionsPass
+from onnx_modular.passes.no_op_calls import RecordNoOpCallsPass
 from onnx_modular.passes.weight_transposes import FoldWeightTransposesPass
 from onnx_modular.result import ModularExport, model_file
 from onnx_modular.selection import ModuleSelector
@@ -402,7 +403,8 @@ def export_modular(
             if optimize:
                 cleanup.optimize_functions(model_ir)
                 FoldWeightTransposesPass()(model_ir)  # what the optimizer does flat, across calls
-                cleanup.remove_unused(model_ir)
+            RecordNoOpCallsPass(tree)(model_ir)  # calls left without ops: no function, recorded
+            cleanup.remove_unused(model_ir)
             cleanup.fix_opset_imports(model_ir)
             model_ir.producer_name = "onnx_modular"
             model_ir.producer_version = _version()

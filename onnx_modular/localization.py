@@ -54,6 +54,7 @@ class ModuleParity:
     max_rel: float
     outputs_compared: int
     ok: bool
+    atol: float | None = None
 
 
 @dataclasses.dataclass
@@ -114,14 +115,24 @@ class LocalizationReport:
 
 
 def _html_page(report: LocalizationReport) -> str:
+    """An SVG bar chart, log scale, with a dashed line at the absolute tolerance."""
     rows = report.modules
-    width, bar_height, left = 900, 16, 330
+    width, bar_height, left, right = 900, 16, 330, 70  # right: room for the value labels
     height = bar_height * len(rows) + 60
     floor = 1e-12
     values = [max(m.max_abs, floor) for m in rows]
-    top = max(values + [1e-3])
-    log_min, log_max = np.log10(floor), np.log10(top) + 0.5
-    scale = lambda v: (np.log10(max(v, floor)) - log_min) / (log_max - log_min) * (width - left - 20)  # noqa: E731
+    atols = [m.atol for m in rows if m.atol]
+    atol = min(atols) if atols else None
+    # The axis ends on a labelled tick at or above the largest error and the tolerance.
+    log_min = np.log10(floor)
+    log_max = float(np.ceil(np.log10(max(values + [atol or 0.0, 1e-3]))))
+    if (log_max - log_min) % 2:
+        log_max += 1  # ticks every two decades from 1e-12: the last one sits at the end of the axis
+    span = width - left - right
+
+    def scale(v: float) -> float:
+        return (np.log10(max(v, floor)) - log_min) / (log_max - log_min) * span
+
     first = report.first_failure
     bars = []
     for i, (m, v) in enumerate(zip(rows, values)):
@@ -137,16 +148,27 @@ def _html_page(report: LocalizationReport) -> str:
             f'<text x="{left + scale(v) + 4:.1f}" y="{y + 12}" font-size="10">{m.max_abs:.1e}</text>'
         )
     ticks = []
-    for exponent in range(int(log_min), int(np.ceil(log_max)) + 1, 2):
+    for exponent in range(int(log_min), int(log_max) + 1, 2):
         x = left + scale(10.0**exponent)
-        ticks.append(f'<line x1="{x:.1f}" y1="30" x2="{x:.1f}" y2="{height - 20}" stroke="#ddd"/>'
-                     f'<text x="{x:.1f}" y="24" font-size="10" text-anchor="middle">1e{exponent}</text>')
+        anchor = "end" if exponent == int(log_max) else "middle"
+        ticks.append(
+            f'<line x1="{x:.1f}" y1="30" x2="{x:.1f}" y2="{height - 20}" stroke="#ddd"/>'
+            f'<text x="{x:.1f}" y="24" font-size="10" text-anchor="{anchor}">1e{exponent}</text>'
+        )
+    if atol is not None:
+        x = left + scale(atol)
+        ticks.append(
+            f'<line class="tolerance" x1="{x:.1f}" y1="30" x2="{x:.1f}" y2="{height - 20}" stroke="#d62728" '
+            f'stroke-dasharray="4 3"/><text x="{x:.1f}" y="{height - 6}" font-size="10" text-anchor="middle" '
+            f'fill="#d62728">atol {atol:.0e}</text>'
+        )
     title = f"first module to drift: {first.call_name}" if first else "no module drifts"
     svg = f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif">{"".join(ticks)}{"".join(bars)}</svg>'
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>onnx_modular per-module parity</title></head>"
         f"<body><h2>Per-module error, onnxruntime vs PyTorch (max abs, log scale)</h2><p>{html.escape(title)}. "
-        "Orange: first module beyond tolerance; red: beyond tolerance; blue: within.</p>"
+        "Orange: first module beyond tolerance; red: beyond tolerance; blue: within; "
+        "dashed line: the absolute tolerance.</p>"
         f"{svg}<pre>{html.escape(str(report))}</pre></body></html>"
     )
 
@@ -196,6 +218,7 @@ class _Probe:
     num_outputs: int
     callee_representative: str
     children: list[_Probe]
+    callee: Any = None  # the function, for its recorded calls without ops
 
     @property
     def width(self) -> int:
@@ -234,7 +257,7 @@ def instrument(model: ir.Model) -> list[_Probe]:
                 value.name = None
             probes.append(
                 _Probe(node.name or "", node.metadata_props.get(metadata.MODULE_PATH), function.name, original,
-                       _representative(function), children)
+                       _representative(function), children, function)
             )
             exposed.extend(node.outputs)
         if exposed and not is_root:
@@ -255,23 +278,38 @@ def instrument(model: ir.Model) -> list[_Probe]:
 
 
 def _flatten(
-    probes: list[_Probe], caller: str | None, representative: str, depth: int, out: list, counter: metadata.CallCounter
+    probes: list[_Probe],
+    caller: str | None,
+    representative: str,
+    depth: int,
+    out: list,
+    counter: metadata.CallCounter,
+    no_ops: metadata.NoOpCalls,
+    exact: bool = True,
 ) -> list:
-    """Expand probes into (call name, path, index, function, depth, slice of values) in completion order."""
+    """Expand probes into (call name, path, index, function, depth, slice of values) in completion order.
+
+    Call indices count calls in execution order, the body's recorded calls without ops included.
+    """
     start = 0
     starts = []
     for probe in probes:
         starts.append(start)
         start += probe.width
     for probe, offset in zip(probes, starts):
+        no_ops.before_next()
         path = metadata.resolve_module_path(probe.node_name, probe.module_path, caller, representative or None)
-        name = counter(path)
+        name = counter.name(path, probe.node_name, exact) if probe.module_path is not None else counter(path)
         index = metadata.split_call_name(name)[1]
         entry_children: list = []
-        _flatten(probe.children, name, probe.callee_representative, depth + 1, entry_children, counter)
+        inner = probe.callee_representative or None
+        inner_exact = probe.callee is not None and name == metadata.first_call(probe.callee)
+        _flatten(probe.children, name, probe.callee_representative, depth + 1, entry_children, counter,
+                 metadata.NoOpCalls(probe.callee, name, inner, counter, inner_exact), inner_exact)
         for child in entry_children:
             out.append((*child[:5], (offset + probe.num_outputs + child[5][0], offset + probe.num_outputs + child[5][1])))
         out.append((name, path, index, probe.function, depth, (offset, offset + probe.num_outputs)))
+    no_ops.rest()
     return out
 
 
@@ -281,6 +319,7 @@ def _compare_call(onnx_values: Sequence[np.ndarray], torch_values: Sequence[torc
     max_abs = max_rel = 0.0
     compared = 0
     ok = True
+    atol = None
     for value in onnx_values:
         value = np.asarray(value)
         for j, tensor in enumerate(torch_values):
@@ -289,12 +328,13 @@ def _compare_call(onnx_values: Sequence[np.ndarray], torch_values: Sequence[torc
             used.add(j)
             reference = verification.to_numpy(tensor)
             tol = tolerance or default_tolerance(tensor.dtype)
+            atol = tol.atol if atol is None else min(atol, tol.atol)
             abs_error, rel_error = verification.max_differences(value, reference)
             max_abs, max_rel = max(max_abs, abs_error), max(max_rel, rel_error)
             ok = ok and verification.allclose(value, reference, tol)
             compared += 1
             break
-    return max_abs, max_rel, compared, ok
+    return max_abs, max_rel, compared, ok, atol
 
 
 def localize(
@@ -327,7 +367,8 @@ def localize(
         near = pathlib.Path(onnx_model)
     original_outputs = len(model.graph.outputs)
     probes = instrument(model)
-    entries = _flatten(probes, None, "", 1, [], metadata.CallCounter())
+    counter = metadata.CallCounter()
+    entries = _flatten(probes, None, "", 1, [], counter, metadata.NoOpCalls(model.graph, None, None, counter, True))
 
     feeds = [verification.to_numpy(t) for t in verification.flatten_inputs(args, kwargs)]
     with runtime.scratch_file(near, "instrumented.onnx") as path:
@@ -338,6 +379,8 @@ def localize(
     results = []
     for call_name, module_path, index, function, depth, (begin, end) in entries:
         torch_values = captured.get((module_path, index), [])
-        max_abs, max_rel, compared, ok = _compare_call(values[begin:end], torch_values, tolerance)
-        results.append(ModuleParity(call_name, module_path, index, function, depth, max_abs, max_rel, compared, ok))
+        max_abs, max_rel, compared, ok, atol = _compare_call(values[begin:end], torch_values, tolerance)
+        results.append(
+            ModuleParity(call_name, module_path, index, function, depth, max_abs, max_rel, compared, ok, atol)
+        )
     return LocalizationReport(results, tolerance)

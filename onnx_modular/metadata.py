@@ -45,6 +45,8 @@ __all__ = [
     "body_module_path",
     "resolve_module_path",
     "CallCounter",
+    "first_call",
+    "NoOpCall",
     "no_op_calls",
     "ExpandedCall",
     "expanded_calls",
@@ -70,10 +72,9 @@ CALL_INDEX = PREFIX + "call_index"
 MODULE_PATHS = PREFIX + "module_paths"
 #: Functions: how many calls use this definition.
 CALL_COUNT = PREFIX + "call_count"
-#: Functions and the main graph: JSON list of ``[call name, qualified class, n]`` for the module
-#: calls made directly in this body that produced no ops (``nn.Dropout`` in eval, ``nn.Identity``);
-#: they have no function and no node. The call name is relative to the body, as call node names
-#: are; ``n`` is the number of calls with functions made in this body before it (its position).
+#: Functions and the main graph: JSON list of ``[call name, qualified class, position, module path,
+#: parent]`` for the module calls made in this body that produced no ops (``nn.Dropout`` in eval,
+#: ``nn.Identity``): they have no function and no node (see :class:`NoOpCall`).
 NO_OP_CALLS = PREFIX + "no_op_calls"
 #: torch's ``path: class/...`` chain (not ours; kept on every node).
 NAMESPACE = "namespace"
@@ -180,7 +181,12 @@ def resolve_module_path(node_name: str, node_module_path: str | None, caller: st
 
 
 class CallCounter:
-    """Call names in execution order: the n-th call of a module path is ``path@n``."""
+    """Call names in execution order: the n-th call of a module path is ``path@n``.
+
+    Names written in the file are exact for a body's first caller (the main graph, and the
+    call a shared body was written for): :meth:`name` keeps their index and counts on from it.
+    Under a shared body's other callers the index is counted.
+    """
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
@@ -190,14 +196,55 @@ class CallCounter:
         self._counts[path] = index + 1
         return call_name(path, index)
 
+    def name(self, path: str, node_name: str, exact: bool) -> str:
+        """The call name of a call node at ``path``; ``exact``: the node name's index is the call's."""
+        if not exact:
+            return self(path)
+        index = split_call_name(node_name)[1]
+        self._counts[path] = max(self._counts.get(path, 0), index + 1)
+        return call_name(path, index)
 
-def no_op_calls(body: Any) -> list[tuple[str, str, int]]:
-    """``[(relative call name, qualified class, position)]`` recorded in a body's :data:`NO_OP_CALLS`."""
-    return [
-        (str(entry[0]), str(entry[1]), int(entry[2]))
-        for entry in _json_list(props(body).get(NO_OP_CALLS))
-        if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], int)
-    ]
+
+def first_call(function: Any) -> str | None:
+    """The call name a body was written for (the first of its ``module_paths``)."""
+    paths = module_paths(function)
+    return paths[0] if paths else None
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOpCall:
+    """One entry of :data:`NO_OP_CALLS`: a module call made in a body that produced no ops.
+
+    Attributes:
+        name: The call name relative to the body (as call node names are: ``resid_dropout``).
+        qualified_class: The module's class.
+        position: Calls with functions made in the body before it (its place among them).
+        module_path: Full module path of the call under the body's first caller.
+        parent: Index of the enclosing no-op call in the same list (-1: made by the body itself).
+    """
+
+    name: str
+    qualified_class: str
+    position: int
+    module_path: str
+    parent: int = -1
+
+    def to_json(self) -> list:
+        return [self.name, self.qualified_class, self.position, self.module_path, self.parent]
+
+
+def no_op_calls(body: Any) -> list[NoOpCall]:
+    """The :class:`NoOpCall` entries recorded in a body's (function or graph) :data:`NO_OP_CALLS`."""
+    entries = []
+    for entry in _json_list(props(body).get(NO_OP_CALLS)):
+        if (
+            isinstance(entry, list)
+            and len(entry) == 5
+            and all(isinstance(item, str) for item in entry[:2] + entry[3:4])
+            and all(isinstance(item, int) for item in entry[2:3] + entry[4:])
+        ):
+            entries.append(NoOpCall(*entry))
+    return entries
 
 
 # -- the expanded calls of a file ----------------------------------------------------------
@@ -209,17 +256,19 @@ class ExpandedCall:
 
     Attributes:
         call_name: Full call name (``h.1.attn``, ``shared@1``).
-        node: The call node (``onnx.NodeProto``).
-        function: The called function (``onnx.FunctionProto``).
+        node: The call node (``onnx.NodeProto``); ``None`` for a call without ops.
+        function: The called function (``onnx.FunctionProto``); ``None`` for a call without ops.
         depth: 1 for calls in the main graph, 2 for calls inside those, ...
         caller: The enclosing call (``None`` in the main graph).
+        no_op: The :class:`NoOpCall` entry of a call without ops.
     """
 
     call_name: str
-    node: onnx.NodeProto
-    function: onnx.FunctionProto
+    node: onnx.NodeProto | None
+    function: onnx.FunctionProto | None
     depth: int
     caller: ExpandedCall | None = dataclasses.field(default=None, repr=False)
+    no_op: NoOpCall | None = None
 
 
 def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
@@ -230,13 +279,50 @@ def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
             yield from attribute.graphs
 
 
-def expanded_calls(model: onnx.ModelProto, *, module_calls_only: bool = True) -> Iterator[ExpandedCall]:
+class NoOpCalls:
+    """Places a body's recorded no-op calls among its calls with functions, in execution order.
+
+    Call indices count every call of a module path, with or without ops, so walkers of a
+    file (the tree, :func:`expanded_calls`, localization) take the no-op calls due before
+    each call with a function (:meth:`before_next`) and the rest at the end (:meth:`rest`).
+    """
+
+    def __init__(self, body: Any, caller: str | None, body_path: str | None, counter: CallCounter, exact: bool):
+        self._entries = no_op_calls(body) if body is not None else []
+        self._next = 0
+        self._seen = 0
+        self._caller, self._body_path, self._counter, self._exact = caller, body_path, counter, exact
+
+    def _take(self, limit: int | None) -> list[tuple[str, NoOpCall]]:
+        taken = []
+        while self._next < len(self._entries) and (limit is None or self._entries[self._next].position <= limit):
+            entry = self._entries[self._next]
+            path = resolve_module_path(entry.name, entry.module_path, self._caller, self._body_path)
+            taken.append((self._counter.name(path, entry.name, self._exact), entry))
+            self._next += 1
+        return taken
+
+    def before_next(self) -> list[tuple[str, NoOpCall]]:
+        """(call name, entry) of the no-op calls due before the next call with a function."""
+        taken = self._take(self._seen)
+        self._seen += 1
+        return taken
+
+    def rest(self) -> list[tuple[str, NoOpCall]]:
+        return self._take(None)
+
+
+def expanded_calls(
+    model: onnx.ModelProto, *, module_calls_only: bool = True, include_no_ops: bool = False
+) -> Iterator[ExpandedCall]:
     """Every call of a local function reachable from the main graph, in execution order.
 
     A function shared by N calls is expanded N times, so this counts calls, not definitions.
-    Calls inside If/Loop/Scan subgraphs are included, at the depth of their node. Works on
-    any ONNX model; ``module_calls_only`` keeps calls of module-call functions (torch's
-    helper functions, if any survive, are skipped, their bodies not entered).
+    Calls inside If/Loop/Scan subgraphs are included, at the depth of their node. Call
+    indices count every call of a module path in execution order, the recorded calls
+    without ops included (``include_no_ops`` also yields those, with ``function=None``).
+    Works on any ONNX model; ``module_calls_only`` keeps calls of module-call functions
+    (torch's helper functions, if any survive, are skipped, their bodies not entered).
 
     Example::
 
@@ -244,30 +330,46 @@ def expanded_calls(model: onnx.ModelProto, *, module_calls_only: bool = True) ->
     """
     functions = {(f.domain, f.name, f.overload): f for f in model.functions}
     counter = CallCounter()
-    # Work items: (node iterator, caller, depth, body path); iterative, for deep files.
-    stack: list[tuple[Iterator[onnx.NodeProto], ExpandedCall | None, int, str | None]] = [
-        (iter(model.graph.node), None, 1, None)
+
+    def no_op_entries(pending: list[tuple[str, NoOpCall]], caller: ExpandedCall | None, depth: int):
+        made: list[ExpandedCall] = []
+        for name, entry in pending:
+            parent = made[entry.parent] if 0 <= entry.parent < len(made) else None
+            call = ExpandedCall(name, None, None, depth if parent is None else parent.depth + 1, parent or caller, entry)
+            made.append(call)
+            if include_no_ops:
+                yield call
+
+    # Frames: (node iterator, caller, depth, body path, the body's no-op calls, owns them,
+    # exact: the body runs for the call it was written for, so its node names' indices hold).
+    # Subgraph frames share their body's no-op calls; iterative, for deep files.
+    root = NoOpCalls(model.graph, None, None, counter, True)
+    stack: list[tuple[Iterator[onnx.NodeProto], ExpandedCall | None, int, str | None, NoOpCalls, bool, bool]] = [
+        (iter(model.graph.node), None, 1, None, root, True, True)
     ]
     while stack:
-        nodes, caller, depth, body_path = stack[-1]
+        nodes, caller, depth, body_path, no_ops, owner, exact = stack[-1]
         node = next(nodes, None)
         if node is None:
             stack.pop()
+            if owner:
+                yield from no_op_entries(no_ops.rest(), caller, depth)
             continue
         subgraphs = list(_subgraphs(node))
-        if subgraphs:
-            # Pushed below the callee so the callee's calls come first, then the subgraphs'.
-            for subgraph in reversed(subgraphs):
-                stack.append((iter(subgraph.node), caller, depth, body_path))
+        for subgraph in reversed(subgraphs):
+            stack.append((iter(subgraph.node), caller, depth, body_path, no_ops, False, exact))
         function = functions.get((node.domain, node.op_type, node.overload))
         if function is None or (module_calls_only and not is_module_function(function)):
             continue
+        yield from no_op_entries(no_ops.before_next(), caller, depth)
         module_path = props(node).get(MODULE_PATH)
-        name = resolve_module_path(
-            node.name or f"<{node.op_type}>", module_path, caller.call_name if caller is not None else None, body_path
-        )
+        caller_name = caller.call_name if caller is not None else None
+        name = resolve_module_path(node.name or f"<{node.op_type}>", module_path, caller_name, body_path)
         if module_path is not None:
-            name = counter(name)
+            name = counter.name(name, node.name, exact)
         call = ExpandedCall(name, node, function, depth, caller)
         yield call
-        stack.append((iter(function.node), call, depth + 1, body_module_path(function)))
+        inner_path = body_module_path(function)
+        inner_exact = name == first_call(function)
+        inner_no_ops = NoOpCalls(function, name, inner_path, counter, inner_exact)
+        stack.append((iter(function.node), call, depth + 1, inner_path, inner_no_ops, True, inner_exact))

@@ -62,24 +62,6 @@ def _callers_first(sites: Mapping[FunctionId, list[FunctionId]]) -> list[Functio
     return order
 
 
-def _no_op_calls(parent: ModuleCall, body) -> list[tuple[int, ModuleCall]]:
-    """The calls a body recorded as producing no ops (see :data:`metadata.NO_OP_CALLS`), with the
-    number of calls that have functions before each."""
-    found = []
-    for name, qualified_class, before in metadata.no_op_calls(body):
-        base, index = metadata.split_call_name(name)
-        path = base if parent.is_root else f"{parent.module_path}.{base}"
-        call = ModuleCall(metadata.call_name(path, index), path, index, qualified_class, parent=parent, node_name=name)
-        call.call_count = 0
-        found.append((before, call))
-    return found
-
-
-def _merge(parent: ModuleCall, no_ops: list[tuple[int, ModuleCall]]) -> None:
-    for offset, (before, call) in enumerate(sorted(no_ops, key=lambda item: item[0])):
-        parent.children.insert(min(before + offset, len(parent.children)), call)
-
-
 def function_tree(model: onnx.ModelProto, *, max_calls: int = MAX_TREE_CALLS) -> CallTree:
     """Build the call hierarchy of a model's local functions.
 
@@ -119,19 +101,24 @@ def function_tree(model: onnx.ModelProto, *, max_calls: int = MAX_TREE_CALLS) ->
         num_nodes=len(model.graph.node),
         parameters=sum(sizes.values()),
     )
-    pending = [(root, _no_op_calls(root, model.graph))]
     # A scope maps a body's value names to the main-graph initializer they carry. ONNX names
     # are unique across nested scopes, so subgraphs of a body share its scope.
     top_scope: dict[str, str] = {name: name for name in sizes}
     scopes: dict[int, dict[str, str]] = {}
     tree_node: dict[int, ModuleCall] = {}
-    for call in metadata.expanded_calls(model, module_calls_only=False):
+    for call in metadata.expanded_calls(model, module_calls_only=False, include_no_ops=True):
         parent = root if call.caller is None else tree_node[id(call.caller)]
+        path, index = metadata.split_call_name(call.call_name)
+        if call.function is None:  # a module call without ops, recorded by its body
+            child = ModuleCall(call.call_name, path, index, call.no_op.qualified_class, parent=parent,
+                               node_name=call.no_op.name, call_count=0)
+            parent.children.append(child)
+            tree_node[id(call)] = child
+            continue
         scope = top_scope if call.caller is None else scopes[id(call.caller)]
         node, function = call.node, call.function
         weights = {scope[name] for name in node.input if name in scope}
         node_props = metadata.props(node)
-        path, index = metadata.split_call_name(call.call_name)
         child = ModuleCall(
             key=call.call_name,
             module_path=path,
@@ -154,16 +141,6 @@ def function_tree(model: onnx.ModelProto, *, max_calls: int = MAX_TREE_CALLS) ->
         scopes[id(call)] = {
             formal: scope[actual] for formal, actual in zip(function.input, node.input) if actual in scope
         }
-        pending.append((child, _no_op_calls(child, function)))
-    for parent, no_ops in pending:
-        _merge(parent, no_ops)
-    if any(no_ops for _, no_ops in pending):
-        # Call indices count every call of a module path in execution order, no-op calls included.
-        counter = metadata.CallCounter()
-        for call in root.walk():
-            if not call.is_root and call.qualified_class:
-                call.key = counter(call.module_path)
-                call.call_index = metadata.split_call_name(call.key)[1]
     return CallTree(root)
 
 
@@ -171,7 +148,7 @@ def count_from_model(tree: CallTree, model: onnx.ModelProto) -> None:
     """Set each call's counts (nodes, parameters, calls, node name, function) from the final model.
 
     ``result.hierarchy`` is built before the optimizer runs; this makes its numbers the ones
-    ``onnx-modular tree`` shows for the saved file. Calls are matched by call name.
+    ``onnx-modular tree`` shows for the saved file. Calls are matched by call name and function.
     """
     file_tree = function_tree(model, max_calls=2**62)
     by_name = {call.call_name: call for call in file_tree.walk() if not call.is_root}
@@ -182,9 +159,8 @@ def count_from_model(tree: CallTree, model: onnx.ModelProto) -> None:
         if call.is_root:
             continue
         found = by_name.get(call.call_name)
-        if found is None or found.function is None:
-            call.function, call.num_nodes, call.parameters, call.call_count = None, 0, 0, 0
-            continue
+        if found is None or found.function is None or found.function[1] != (call.function or ("", ""))[1]:
+            continue  # not matched by name (torch numbered an instance's calls differently): keep as built
         call.function, call.overload = found.function, found.overload
         call.num_nodes, call.parameters = found.num_nodes, found.parameters
         call.call_count, call.node_name = found.call_count, found.node_name
