@@ -22,10 +22,31 @@ from onnx_modular.errors import (
     TranslationError,
     VerificationError,
 )
-from onnx_modular.export import ModularExport, export_modular
-from onnx_modular.hierarchy import CallTree, ModuleCall
-from onnx_modular.localization import LocalizationReport, VerificationReport, localize, verify
-from onnx_modular.verification import ParityReport, Tolerance
+
+# Loaded on first use (PEP 562), so that ``import onnx_modular.passes`` (and the file tools)
+# need no torch: the export and verification modules import it.
+_LAZY = {
+    "ModularExport": "onnx_modular.export",
+    "export_modular": "onnx_modular.export",
+    "CallTree": "onnx_modular.hierarchy",
+    "ModuleCall": "onnx_modular.hierarchy",
+    "LocalizationReport": "onnx_modular.localization",
+    "VerificationReport": "onnx_modular.localization",
+    "localize": "onnx_modular.localization",
+    "verify": "onnx_modular.localization",
+    "ParityReport": "onnx_modular.verification",
+    "Tolerance": "onnx_modular.verification",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'onnx_modular' has no attribute {name!r}")
 
 __all__ = [
     "__version__",

@@ -15,9 +15,10 @@ import json
 import re
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # annotations only: the call tree is plain data, importable without torch
+    import torch
 
 __all__ = ["ModuleCall", "CallTree", "module_info", "package_of"]
 
