@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from onnx_modular import _torch_compat, verification
-from onnx_modular.passes.modularize import CallSignature, TensorSpec
+from onnx_modular.passes.signatures import CallSignature, TensorSpec
 
 __all__ = ["run", "tensor_specs", "output_specs", "lazy_values"]
 

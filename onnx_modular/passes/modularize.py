@@ -14,15 +14,28 @@ its producer, orphaned ``get_attr`` branches, renamed output specs) cannot occur
 from __future__ import annotations
 
 import bisect
-import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import onnx_ir as ir
 
 from onnx_modular.errors import ModularizeError
 from onnx_modular.passes._functions import CALLS_KEY
+from onnx_modular.passes.signatures import (
+    NOTES_KEY,
+    SIZE_INPUT,
+    SOURCE_NAME_KEY,
+    UNBOUND_INPUT,
+    UNBOUND_OUTPUT,
+    CallSignature,
+    TensorSpec,
+    match_by_value,
+    match_unambiguous,
+    source_name,
+    unique_names,
+    why_unbound_input,
+    why_unbound_output,
+)
 
 if TYPE_CHECKING:  # data only: the pass reads calls' attributes and sets ``function``/``num_nodes``
     from onnx_modular.hierarchy import CallTree, ModuleCall
@@ -38,129 +51,6 @@ __all__ = [
 
 STACK_KEY = "onnx_modular.stack"
 GLOBAL_NAME_KEY = "onnx_modular.global_name"
-SOURCE_NAME_KEY = "onnx_modular.source_name"  # the translator's value name (= FX node name)
-#: function.meta: lines explaining formal inputs/outputs not named from forward() (doc string)
-NOTES_KEY = "onnx_modular.signature_notes"
-UNBOUND_INPUT = "unbound_input"
-UNBOUND_OUTPUT = "unbound_output"
-SIZE_INPUT = "size"
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """A tensor seen at a module boundary in eager mode.
-
-    ``value`` is kept only when another tensor of the same call has the same dtype and
-    shape: then the value tells them apart. It is any array-like that ``ir.tensor`` accepts
-    (a numpy array, a torch tensor); this module never imports torch.
-    """
-
-    name: str
-    dtype: ir.DataType
-    shape: tuple[int, ...]
-    value: Any = dataclasses.field(default=None, compare=False, repr=False)
-
-
-@dataclasses.dataclass
-class CallSignature:
-    """Tensors a module call received (forward() order) and returned (return order).
-
-    ``absent`` names the forward() parameters that were ``None`` in the eager call: a formal
-    input that matches no received tensor is often one of them, materialised by torch.export.
-    """
-
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
-    absent: tuple[str, ...] = ()
-
-
-def _compatible(value: ir.Value, spec: TensorSpec) -> bool:
-    if value.dtype is not None and value.dtype != spec.dtype:
-        return False
-    shape = value.shape
-    if shape is None:
-        return True
-    if len(shape) != len(spec.shape):
-        return False
-    return all(not isinstance(dim, int) or dim == size for dim, size in zip(shape, spec.shape))
-
-
-def _match_unambiguous(values: Sequence[ir.Value], specs: Sequence[TensorSpec]) -> dict[ir.Value, int]:
-    """Match values to eager tensor specs where the match is certain.
-
-    A value and a spec are paired when each is the other's only compatible partner
-    (by dtype and shape), repeatedly, so that resolving one pair can make another
-    certain. Values of equal dtype and shape stay unmatched: guessing between
-    ``forward(self, a, b)``'s ``a`` and ``b`` would give names that may be wrong.
-    """
-    candidates = {value: {i for i, spec in enumerate(specs) if _compatible(value, spec)} for value in values}
-    matched: dict[ir.Value, int] = {}
-    changed = True
-    while changed:
-        changed = False
-        for value, options in candidates.items():
-            if value in matched or len(options) != 1:
-                continue
-            (index,) = options
-            rivals = [other for other, other_options in candidates.items() if other is not value and index in other_options and other not in matched]
-            if rivals:
-                continue
-            matched[value] = index
-            for other, other_options in candidates.items():
-                if other is not value:
-                    other_options.discard(index)
-            changed = True
-    return matched
-
-
-def _match_by_value(
-    values: Sequence[ir.Value],
-    specs: Sequence[TensorSpec],
-    matched: dict[ir.Value, int],
-    value_of: Callable[[str], Any] | None,
-) -> None:
-    """Resolve equal-shaped values by comparing their computed values with the eager tensors."""
-    if value_of is None:
-        return
-    taken = set(matched.values())
-    for value in values:
-        if value in matched:
-            continue
-        options = [i for i, spec in enumerate(specs) if i not in taken and spec.value is not None and _compatible(value, spec)]
-        if not options:
-            continue
-        computed = _as_array(value_of(_source_name(value)))
-        if computed is None:
-            continue
-        equal = [i for i in options if _allclose(_as_array(specs[i].value), computed)]
-        if len(equal) == 1:
-            matched[value] = equal[0]
-            taken.add(equal[0])
-
-
-def _as_array(value: Any) -> np.ndarray | None:
-    """A numpy view of an array-like (numpy, torch, onnx_ir tensor), floats widened to float64."""
-    if value is None or not hasattr(value, "shape") or not hasattr(value, "dtype"):
-        return None  # sizes (SymInt), None, ...: not a tensor
-    try:
-        array = value if isinstance(value, np.ndarray) else ir.tensor(value).numpy()
-    except Exception:
-        return None
-    if array.dtype.kind not in "biu":  # float16, bfloat16 (ml_dtypes), float32, ...
-        array = array.astype(np.float64)
-    return array
-
-
-def _allclose(expected: np.ndarray | None, computed: np.ndarray) -> bool:
-    if expected is None or expected.shape != computed.shape:
-        return False
-    return bool(np.allclose(expected, computed, rtol=1e-5, atol=1e-6, equal_nan=True))
-
-
-def _source_name(value: ir.Value) -> str:
-    return value.meta.get(SOURCE_NAME_KEY) or value.name or ""
-
-
 def _nested_nodes(node: ir.Node) -> Iterable[ir.Node]:
     for attr in node.attributes.values():
         if attr.type == ir.AttributeType.GRAPH:
@@ -312,7 +202,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
             return None, None  # nothing escapes: the call has no observable effect
         outputs, output_names, output_notes = self._formal_outputs(call, outputs)
         formals, input_notes = self._formal_inputs(call, external)
-        output_names = _unique(output_names, reserved=[formal.name for _, formal in formals])
+        output_names = unique_names(output_names, reserved=[formal.name for _, formal in formals])
         _free_names(inner, set(outputs), [formal.name for _, formal in formals] + output_names)
 
         # Rewire: uses inside the body read the formal inputs.
@@ -338,7 +228,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
             call_node.metadata_props["namespace"] = namespace
         for inner_value, outer_value, name in zip(outputs, call_node.outputs, output_names):
             # The caller's value keeps the (graph-unique) name; the body's is the formal output.
-            inner_value.meta[SOURCE_NAME_KEY] = outer_value.meta[SOURCE_NAME_KEY] = _source_name(inner_value)
+            inner_value.meta[SOURCE_NAME_KEY] = outer_value.meta[SOURCE_NAME_KEY] = source_name(inner_value)
             outer_value.name = inner_value.name
             outer_value.type = inner_value.type
             outer_value.shape = inner_value.shape
@@ -390,8 +280,8 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
 
         matched: dict[ir.Value, int] = {}
         if signature is not None:
-            matched = _match_unambiguous(activations, signature.inputs)
-            _match_by_value(activations, signature.inputs, matched, self.value_of)
+            matched = match_unambiguous(activations, signature.inputs)
+            match_by_value(activations, signature.inputs, matched, self.value_of)
         ordered: list[tuple[ir.Value, str]] = sorted(
             ((value, signature.inputs[matched[value]].name) for value in activations if value in matched),
             key=lambda item: matched[item[0]],
@@ -400,7 +290,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         for value in (v for v in activations if v not in matched):
             name = f"{UNBOUND_INPUT}_{len(notes)}"
             ordered.append((value, name))
-            notes.append(f"{name}: {_why_unbound_input(value, signature, matched)}")
+            notes.append(f"{name}: {why_unbound_input(value, signature, matched)}")
         prefix = f"{call.module_path}." if call.module_path else ""
         for value in weights:
             global_name = _global_name(value)
@@ -412,11 +302,11 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
             notes.append(f"{names}: symbolic sizes (dynamic shapes) that torch.export computed in the caller")
         ordered += sizes
 
-        names = _unique([name for _, name in ordered])
+        names = unique_names([name for _, name in ordered])
         pairs = []
         for (actual, _), name in zip(ordered, names):
             formal = ir.Value(name=name, type=actual.type, shape=actual.shape)
-            formal.meta[SOURCE_NAME_KEY] = _source_name(actual)
+            formal.meta[SOURCE_NAME_KEY] = source_name(actual)
             if (global_name := _global_name(actual)) is not None:
                 formal.meta[GLOBAL_NAME_KEY] = global_name
             pairs.append((actual, formal))
@@ -427,8 +317,8 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         signature = self.signatures.get((call.module_path, call.call_index))
         matched: dict[ir.Value, int] = {}
         if signature is not None:
-            matched = _match_unambiguous(outputs, signature.outputs)
-            _match_by_value(outputs, signature.outputs, matched, self.value_of)
+            matched = match_unambiguous(outputs, signature.outputs)
+            match_by_value(outputs, signature.outputs, matched, self.value_of)
             outputs = sorted(outputs, key=lambda v: (matched.get(v, len(signature.outputs)), outputs.index(v)))
         names: list[str] = []
         notes: list[str] = []
@@ -438,47 +328,8 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
                 continue
             name = f"{UNBOUND_OUTPUT}_{len(notes)}"
             names.append(name)
-            notes.append(f"{name}: {_why_unbound_output(value, signature, matched)}")
-        return outputs, _unique(names), notes
-
-
-def _candidates(value: ir.Value, specs: Sequence[TensorSpec], matched: dict[ir.Value, int]) -> list[str]:
-    taken = set(matched.values())
-    return [spec.name for i, spec in enumerate(specs) if i not in taken and _compatible(value, spec)]
-
-
-def _why_unbound_input(value: ir.Value, signature: CallSignature | None, matched: dict[ir.Value, int]) -> str:
-    if signature is None:
-        return "the call was not observed in eager mode, so forward()'s parameters are unknown"
-    candidates = _candidates(value, signature.inputs, matched)
-    if candidates:
-        return f"one of {', '.join(candidates)} (equal dtype and shape; their values did not tell them apart)"
-    reason = "not a tensor that forward() received in eager mode; the caller computes it"
-    if signature.absent:
-        reason += f" (forward() received None for {', '.join(signature.absent)}; torch.export may have materialised one)"
-    return reason
-
-
-def _why_unbound_output(value: ir.Value, signature: CallSignature | None, matched: dict[ir.Value, int]) -> str:
-    if signature is None:
-        return "the call was not observed in eager mode, so what forward() returns is unknown"
-    candidates = _candidates(value, signature.outputs, matched)
-    if candidates:
-        return f"one of {', '.join(candidates)} (equal dtype and shape; their values did not tell them apart)"
-    return "computed in this call and read outside it, but not returned by forward() (a side effect such as a KV-cache update, or a value a later call reuses)"
-
-
-def _unique(names: list[str], reserved: Iterable[str] = ()) -> list[str]:
-    """``names`` with later duplicates suffixed ``_1``, ``_2``, ... (avoiding ``reserved``)."""
-    used = set(reserved)
-    unique = []
-    for name in names:
-        candidate, suffix = name, 1
-        while candidate in used:
-            candidate, suffix = f"{name}_{suffix}", suffix + 1
-        used.add(candidate)
-        unique.append(candidate)
-    return unique
+            notes.append(f"{name}: {why_unbound_output(value, signature, matched)}")
+        return outputs, unique_names(names), notes
 
 
 def _free_names(inner: set[ir.Node], outputs: set[ir.Value], wanted: list[str]) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import onnx_ir as ir
 
 from onnx_modular.passes._functions import CALLS_KEY, redirect_calls
-from onnx_modular.passes.modularize import NOTES_KEY
+from onnx_modular.passes.signatures import NOTES_KEY
 
 if TYPE_CHECKING:  # data only: the pass reads the calls' attributes and sets ``function``
     from onnx_modular.hierarchy import CallTree, ModuleCall
