@@ -5,7 +5,7 @@ functions (its version converter runs an inline pass and ``optimize=True`` inlin
 again), so onnx_modular drives the two private stages it needs directly:
 
 * ``_core._prepare_exported_program_for_export`` (decompose), re-done step by step
-  here so that :func:`onnx_modular.passes.relax_views.relax_view_strides` can run
+  here so that :func:`onnx_modular.fx_passes.relax_view_strides` can run
   between the decomposition and the type-promotion interpreter;
 * ``_core._exported_program_to_onnx_program`` (translate).
 
@@ -84,9 +84,9 @@ def decompose(program: torch.export.ExportedProgram, opset_version: int | None =
     """torch's ONNX decompositions, with view strides relaxed before type promotion.
 
     Mirrors ``_core._prepare_exported_program_for_export``; see
-    :mod:`onnx_modular.passes.relax_views` for why the extra step is needed.
+    :mod:`onnx_modular.fx_passes` for why the extra step is needed.
     """
-    from onnx_modular.passes.relax_views import relax_view_strides
+    from onnx_modular.fx_passes import relax_view_strides
 
     _, _fx_passes, _ = _exporter()
     reg = registry(opset_version)
@@ -168,7 +168,12 @@ def fx_node_of(node: ir.Node) -> torch.fx.Node | None:
 
 
 def add_opset_imports(model: ir.Model) -> None:
-    """torch's opset-import pass: every domain used gets an import where it is used."""
+    """torch's opset-import pass: every domain used gets an import where it is used.
+
+    The default domain is always imported: a model with no op at all (``return x``)
+    is still required to declare it.
+    """
     from torch.onnx._internal.exporter import _ir_passes
 
     _ir_passes.add_opset_imports(model)
+    model.opset_imports.setdefault("", default_opset())

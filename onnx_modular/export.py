@@ -19,7 +19,6 @@ The result object is in ``result.py``; errors are located by ``diagnostics.py``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import inspect
 import logging
@@ -33,7 +32,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from onnx_modular import _io, _torch_compat, diagnostics, model_io, selection, verification
+from onnx_modular import _io, _torch_compat, diagnostics, eager, model_io, selection, verification
 from onnx_modular.errors import (
     CaptureError,
     DecompositionError,
@@ -47,7 +46,7 @@ from onnx_modular.hierarchy import build_call_tree
 from onnx_modular.passes import cleanup
 from onnx_modular.passes.dedupe import DeduplicateFunctionsPass
 from onnx_modular.passes.io_names import NameGraphInputsOutputsPass
-from onnx_modular.passes.modularize import CallSignature, OutlineModuleCallsPass, TensorSpec
+from onnx_modular.passes.modularize import OutlineModuleCallsPass
 from onnx_modular.passes.naming import NameFunctionsPass
 from onnx_modular.passes.no_op_calls import RecordNoOpCallsPass
 from onnx_modular.passes.weight_transposes import FoldWeightTransposesPass
@@ -80,138 +79,6 @@ def _check_inputs(model: Any, args: Any, kwargs: dict | None) -> tuple[tuple, di
             hint="Pass args as a tuple of positional inputs and kwargs as a dict.",
         ) from None
     return args, kwargs
-
-
-def _tensor_specs(prefix: str, value: Any) -> list[TensorSpec]:
-    """Specs of the tensors in ``value``, each holding its tensor (dropped later unless needed)."""
-    specs: list[TensorSpec] = []
-    if isinstance(value, torch.Tensor):
-        specs.append(TensorSpec(prefix, _torch_to_ir_dtype(value.dtype), tuple(value.shape), value))
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            specs += _tensor_specs(f"{prefix}_{i}", item)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            specs += _tensor_specs(f"{prefix}_{key}", item)
-    else:
-        leaves = torch.utils._pytree.tree_leaves(value)
-        if any(isinstance(leaf, torch.Tensor) for leaf in leaves):
-            for i, leaf in enumerate(leaf for leaf in leaves if isinstance(leaf, torch.Tensor)):
-                specs.append(TensorSpec(f"{prefix}_{i}", _torch_to_ir_dtype(leaf.dtype), tuple(leaf.shape), leaf))
-    return specs
-
-
-def _keep_values_where_ambiguous(specs: list[TensorSpec], tensors: list[torch.Tensor]) -> list[TensorSpec]:
-    """Keep a copy of a tensor only when another one of the call has the same dtype and shape."""
-    counts: dict[tuple, int] = {}
-    for spec in specs:
-        counts[(spec.dtype, spec.shape)] = counts.get((spec.dtype, spec.shape), 0) + 1
-    return [
-        dataclasses.replace(spec, value=tensor.detach().clone() if counts[(spec.dtype, spec.shape)] > 1 else None)
-        for spec, tensor in zip(specs, tensors)
-    ]
-
-
-def _torch_to_ir_dtype(dtype: torch.dtype) -> ir.DataType:
-    return _torch_compat.torch_dtype_to_ir(dtype)
-
-
-def _eager_run(model: torch.nn.Module, args: tuple, kwargs: dict):
-    """Run the model once in PyTorch, recording every module call and its tensors.
-
-    Calls are keyed by module *instance* and its n-th call: one instance can be reached
-    under several attribute paths, and torch.export names each call by the path used,
-    which :func:`onnx_modular.hierarchy.build_call_tree` resolves.
-
-    Returns:
-        (outputs, signatures per (id(instance), n), calls in order as
-        (id(instance), n, first module path, parent (id, n) or None)).
-    """
-    signatures: dict[tuple[str, int], CallSignature] = {}
-    calls: list[tuple[str, int, tuple[str, int] | None]] = []
-    active: list[tuple[str, int]] = []
-    counts: dict[int, int] = {}
-    pending: dict[int, list[tuple[str, int, list[TensorSpec]]]] = {}
-    handles = []
-
-    def make_hooks(path: str, module: torch.nn.Module):
-        try:
-            parameters = inspect.signature(module.forward)
-        except (TypeError, ValueError):
-            parameters = None
-
-        def pre_hook(mod, hook_args, hook_kwargs):
-            index = counts.get(id(mod), 0)
-            counts[id(mod)] = index + 1
-            specs: list[TensorSpec] = []
-            try:
-                bound = parameters.bind(*hook_args, **hook_kwargs) if parameters else None
-            except TypeError:
-                bound = None
-            if bound is not None:
-                for name, value in bound.arguments.items():
-                    kind = parameters.parameters[name].kind
-                    if kind == inspect.Parameter.VAR_KEYWORD:
-                        for key, item in value.items():
-                            specs += _tensor_specs(key, item)
-                    else:
-                        specs += _tensor_specs(name, value)
-            specs = _keep_values_where_ambiguous(specs, [spec.value for spec in specs])
-            pending.setdefault(id(mod), []).append((path, index, specs))
-            calls.append((id(mod), index, path, active[-1] if active else None))
-            active.append((id(mod), index))
-
-        def post_hook(mod, hook_args, hook_kwargs, output):
-            path_, index, specs = pending[id(mod)].pop()
-            active.pop()
-            outputs = _tensor_specs("output", output)
-            outputs = _keep_values_where_ambiguous(outputs, [spec.value for spec in outputs])
-            signatures[(id(mod), index)] = CallSignature(specs, outputs)
-
-        return pre_hook, post_hook
-
-    for path, module in model.named_modules():
-        pre_hook, post_hook = make_hooks(path, module)
-        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            outputs = model(*args, **kwargs)
-    except Exception as e:
-        raise CaptureError(
-            f"The model failed to run in PyTorch on the example inputs: {type(e).__name__}: {e}",
-            module_path=diagnostics.module_path_from_traceback(e, model),
-            hint="Check that the example inputs have the shapes and dtypes forward() expects.",
-        ) from e
-    finally:
-        for handle in handles:
-            handle.remove()
-    return outputs, signatures, calls
-
-
-def _lazy_values(program: torch.export.ExportedProgram, args: tuple, kwargs: dict) -> Callable[[str], Any]:
-    """``value_of(name)``: runs the program on the example inputs the first time it is asked.
-
-    Only calls with several inputs (or outputs) of equal dtype and shape ask, so most
-    exports never pay for the run.
-    """
-    cache: dict[str, Any] | None = None
-
-    def value_of(name: str) -> Any:
-        nonlocal cache
-        if cache is None:
-            try:
-                cache = _torch_compat.program_values(program, *verification.copy_inputs(args, kwargs))
-            except Exception as e:  # names stay unresolved; the export itself is unaffected
-                logger.info("Could not evaluate the program to resolve equal-shaped inputs: %s", e)
-                cache = {}
-        return cache.get(name)
-
-    return value_of
-
-
-# -- locating the module behind an error -------------------------------------------
-# -- the pipeline ---------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -335,7 +202,14 @@ def export_modular(
     with timer("capture"):
         # Both runs get their own copy of the inputs: a forward pass may update its inputs in
         # place (a KV cache appends to itself), and the user's objects must stay as given.
-        expected_outputs, signatures, eager_calls = _eager_run(model, *verification.copy_inputs(args, kwargs))
+        try:
+            expected_outputs, signatures, eager_calls = eager.run(model, *verification.copy_inputs(args, kwargs))
+        except Exception as e:
+            raise CaptureError(
+                f"The model failed to run in PyTorch on the example inputs: {type(e).__name__}: {e}",
+                module_path=diagnostics.module_path_from_traceback(e, model),
+                hint="Check that the example inputs have the shapes and dtypes forward() expects.",
+            ) from e
         model_io.register_input_types(model, {"args": args, "kwargs": kwargs, "output": expected_outputs})
         dynamic_shapes = model_io.expand_dynamic_shapes(model, args, kwargs, dynamic_shapes)
         try:
@@ -387,7 +261,7 @@ def export_modular(
             selection.annotate_stacks(model_ir, tree, select)
             cleanup.inline_helper_functions(model_ir)
             cleanup.remove_unused(model_ir)
-            OutlineModuleCallsPass(tree, signatures, value_of=_lazy_values(program, args, kwargs))(model_ir)
+            OutlineModuleCallsPass(tree, signatures, value_of=eager.lazy_values(program, args, kwargs))(model_ir)
             if dedupe:
                 DeduplicateFunctionsPass()(model_ir)
             NameFunctionsPass(tree)(model_ir)
@@ -405,7 +279,7 @@ def export_modular(
                 FoldWeightTransposesPass()(model_ir)  # what the optimizer does flat, across calls
             RecordNoOpCallsPass(tree)(model_ir)  # calls left without ops: no function, recorded
             cleanup.remove_unused(model_ir)
-            cleanup.fix_opset_imports(model_ir)
+            _torch_compat.add_opset_imports(model_ir)
             model_ir.producer_name = "onnx_modular"
             model_ir.producer_version = _version()
         except Exception as e:

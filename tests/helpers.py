@@ -45,3 +45,29 @@ def call_nodes(model: ir.Model) -> list[ir.Node]:
     for function in model.functions.values():
         nodes += [n for n in ir.traversal.RecursiveGraphIterator(function) if is_call(n, model)]
     return nodes
+
+
+def torch_value_names_in_signatures(result) -> list[str]:
+    """``function.input/output:name`` for every formal name that is a torch value name.
+
+    Torch value names are the FX node names of the exported program (``add_8``,
+    ``linear_3``; the user inputs' placeholders excepted, as those are forward()'s own
+    parameter names) and the translator's ``val_N``. Also checks that every name not from
+    forward() (``unbound_*``, ``size_*``) is explained in the function's doc string.
+    """
+    import re
+
+    program = result.exported_program
+    user_inputs = {
+        spec.arg.name for spec in program.graph_signature.input_specs if spec.kind.name == "USER_INPUT"
+    }
+    fx_names = {node.name for node in program.graph.nodes if node.op != "output" and node.name not in user_inputs}
+    found = []
+    for function in result.functions:
+        for kind, values in (("input", function.inputs), ("output", function.outputs)):
+            for value in values:
+                if value.name in fx_names or re.fullmatch(r"val_\d+", value.name):
+                    found.append(f"{function.name}.{kind}:{value.name}")
+                if re.fullmatch(r"(unbound_(input|output)|size)_\d+", value.name):
+                    assert value.name in (function.doc_string or ""), (function.name, value.name)
+    return found

@@ -2,7 +2,8 @@
 
 Every model must export, pass parity (onnxruntime modular and flat vs torch, float32
 defaults atol=1e-4 rtol=1e-3, asserted inside export_modular) and keep its hierarchy:
-the repeated layer class is a function called once per layer, under the root.
+the repeated layer class is a function called once per layer, under the root. No function
+signature holds a torch value name.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import zoo
-from helpers import expanded_calls
+from helpers import expanded_calls, torch_value_names_in_signatures
 from onnx_modular import export_modular, metadata
 
 
@@ -40,6 +41,7 @@ def test_zoo_static(name, tmp_path):
     assert _calls_of_class(result, entry.layer_class) == entry.layer_calls
     assert len(expanded_calls(result.model)) == len([c for c in result.hierarchy.walk() if c.function])
     assert result.hierarchy.max_depth >= 3
+    assert torch_value_names_in_signatures(result) == []  # formal names come from forward()
 
 
 @pytest.mark.parametrize("name", list(_params(dynamic=True)))
@@ -49,5 +51,6 @@ def test_zoo_dynamic(name, tmp_path):
     dims = ({0: torch.export.Dim("batch", max=16), 1: torch.export.Dim("seq", min=2, max=32)},)
     result = export_modular(model, args, tmp_path / f"{name}.onnx", kwargs=kwargs, dynamic_shapes=dims)
     assert _calls_of_class(result, entry.layer_class) == entry.layer_calls
+    assert torch_value_names_in_signatures(result) == []  # symbolic sizes are size_0, ... too
     report = result.verify((torch.randint(0, 100, (3, 11)),), model=model)
     assert report.ok, str(report)

@@ -1,13 +1,16 @@
-"""Passes of the onnx_modular pipeline (FX: relax_views; ONNX IR: the rest)."""
+"""ONNX IR passes of the onnx_modular pipeline, one per file. None imports torch.
+
+The FX pass that runs inside torch's decomposition lives in :mod:`onnx_modular.fx_passes`.
+"""
 
 from onnx_modular.passes.dedupe import DeduplicateFunctionsPass
+from onnx_modular.passes.io_names import NameGraphInputsOutputsPass
 from onnx_modular.passes.modularize import OutlineModuleCallsPass
 from onnx_modular.passes.naming import NameFunctionsPass
-from onnx_modular.passes.relax_views import relax_view_strides
 
 __all__ = [
     "DeduplicateFunctionsPass",
     "NameFunctionsPass",
+    "NameGraphInputsOutputsPass",
     "OutlineModuleCallsPass",
-    "relax_view_strides",
 ]

@@ -6,7 +6,13 @@ from collections.abc import Iterator, Mapping
 
 import onnx_ir as ir
 
-__all__ = ["all_nodes", "redirect_calls", "callees"]
+from onnx_modular import metadata
+
+__all__ = ["CALLS_KEY", "all_nodes", "redirect_calls", "callees", "function_cycle"]
+
+#: ``function.meta`` key (in memory, not saved): the ModuleCalls a module-call function serves.
+#: OutlineModuleCallsPass sets it, DeduplicateFunctionsPass merges it, NameFunctionsPass reads it.
+CALLS_KEY = metadata.CALLS  # in-memory meta key: the module calls a function serves
 
 
 def all_nodes(model: ir.Model) -> Iterator[ir.Node]:
@@ -36,3 +42,30 @@ def callees(function: ir.Function, functions: Mapping[ir.OperatorIdentifier, ir.
         for node in ir.traversal.RecursiveGraphIterator(function)
         if node.op_identifier() in functions
     }
+
+
+def function_cycle(model: ir.Model) -> list[ir.OperatorIdentifier] | None:
+    """A chain of model-local functions that calls itself (``[f, g, f]``), or ``None``.
+
+    ONNX forbids recursion; the function passes walk callees and need a DAG.
+    """
+    functions = model.functions
+    state: dict[ir.OperatorIdentifier, int] = {}  # 1: on the current path, 2: done
+    path: list[ir.OperatorIdentifier] = []
+
+    def visit(identifier: ir.OperatorIdentifier) -> list[ir.OperatorIdentifier] | None:
+        state[identifier] = 1
+        path.append(identifier)
+        for callee in sorted(callees(functions[identifier], functions)):
+            if state.get(callee) == 1:
+                return path[path.index(callee) :] + [callee]
+            if callee not in state and (cycle := visit(callee)) is not None:
+                return cycle
+        path.pop()
+        state[identifier] = 2
+        return None
+
+    for identifier in functions:
+        if identifier not in state and (cycle := visit(identifier)) is not None:
+            return cycle
+    return None

@@ -1,8 +1,8 @@
-"""Graph cleanup that keeps functions: onnx_ir's unused-removal passes plus opset imports.
+"""Graph cleanup that keeps functions: helper inlining, onnx_ir's unused removal, the optimizer.
 
-Nothing here inlines. ``optimize_functions`` runs onnxscript's optimizer with
-``inline=False``, which folds constants and simplifies inside each function body
-while keeping the hierarchy.
+Only torch's helper functions are inlined, before module functions exist.
+``optimize_functions`` runs onnxscript's optimizer with ``inline=False``, which folds
+constants and simplifies inside each function body while keeping the hierarchy.
 """
 
 from __future__ import annotations
@@ -12,35 +12,57 @@ import json
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from onnx_modular import _torch_compat
+from onnx_modular.passes._functions import CALLS_KEY
 from onnx_modular.passes.modularize import STACK_KEY
 
 _TEMP_STACK_PROP = "pkg.onnx_modular.internal.stack"
 
-__all__ = ["inline_helper_functions", "remove_unused", "fix_opset_imports", "optimize_functions"]
+__all__ = ["InlineHelperFunctionsPass", "inline_helper_functions", "remove_unused", "optimize_functions"]
 
 
-def inline_helper_functions(model: ir.Model) -> bool:
+class InlineHelperFunctionsPass(ir.passes.InPlacePass):
     """Inline the functions torch's translator emits (torchlib helpers such as
     ``aten_getitem``, ``torch.cond`` branches), before any module function exists.
 
     They are implementation details, not modules: left as calls, they hide
     ``SplitToSequence -> SequenceAt`` chains from the optimizer (which folds them into
-    ``Split`` once it sees them) and add call overhead in onnxruntime.
+    ``Split`` once it sees them) and add call overhead in onnxruntime. The module-call
+    stack of a main-graph call node (``meta["onnx_modular.stack"]``) is carried onto the
+    inlined nodes.
+
+    Example::
+
+        InlineHelperFunctionsPass()(model)  # before OutlineModuleCallsPass
     """
-    if not model.functions:
-        return False
-    # onnx_ir's inliner copies the call node's metadata_props onto the inlined nodes, but
-    # not its ``meta``: carry the module-call stack across in a temporary property.
-    for node in model.graph:
-        if STACK_KEY in node.meta:
-            node.metadata_props[_TEMP_STACK_PROP] = json.dumps(node.meta[STACK_KEY])
-    modified = common_passes.InlinePass()(model).modified
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        stack = node.metadata_props.pop(_TEMP_STACK_PROP, None)
-        if stack is not None and node.graph is model.graph:
-            node.meta[STACK_KEY] = tuple(json.loads(stack))
-    return modified
+
+    def requires(self, model: ir.Model) -> None:
+        # onnx_ir's InlinePass inlines every function: module functions would be flattened too.
+        ours = [f.name for f in model.functions.values() if CALLS_KEY in f.meta]
+        if ours:
+            raise ir.passes.PreconditionError(
+                f"Module-call functions exist already ({', '.join(ours[:5])}); helper functions are "
+                "inlined before OutlineModuleCallsPass, which would otherwise be undone."
+            )
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if not model.functions:
+            return ir.passes.PassResult(model, modified=False)
+        # onnx_ir's inliner copies the call node's metadata_props onto the inlined nodes, but
+        # not its ``meta``: carry the module-call stack across in a temporary property.
+        for node in model.graph:
+            if STACK_KEY in node.meta:
+                node.metadata_props[_TEMP_STACK_PROP] = json.dumps(node.meta[STACK_KEY])
+        modified = common_passes.InlinePass()(model).modified
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):
+            stack = node.metadata_props.pop(_TEMP_STACK_PROP, None)
+            if stack is not None and node.graph is model.graph:
+                node.meta[STACK_KEY] = tuple(json.loads(stack))
+        return ir.passes.PassResult(model, modified=modified)
+
+
+def inline_helper_functions(model: ir.Model) -> bool:
+    """:class:`InlineHelperFunctionsPass` on ``model``; True if anything was inlined."""
+    return InlineHelperFunctionsPass()(model).modified
 
 
 def remove_unused(model: ir.Model) -> bool:
@@ -51,16 +73,6 @@ def remove_unused(model: ir.Model) -> bool:
         common_passes.RemoveUnusedOpsetsPass(),
     )(model)
     return result.modified
-
-
-def fix_opset_imports(model: ir.Model) -> None:
-    """Every domain used in a graph or function gets an import there and in the model.
-
-    The default domain is always imported: a model with no op at all (``return x``)
-    is still required to declare it.
-    """
-    _torch_compat.add_opset_imports(model)
-    model.opset_imports.setdefault("", _torch_compat.default_opset())
 
 
 def optimize_functions(model: ir.Model, iterations: int = 2) -> None:

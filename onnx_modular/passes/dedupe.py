@@ -16,12 +16,9 @@ from typing import Any
 
 import onnx_ir as ir
 
-from onnx_modular import metadata
-from onnx_modular.passes._functions import callees, redirect_calls
+from onnx_modular.passes._functions import CALLS_KEY, callees, function_cycle, redirect_calls
 
 __all__ = ["DeduplicateFunctionsPass", "function_fingerprint"]
-
-CALLS_KEY = metadata.CALLS
 
 
 def _shape_key(value: ir.Value) -> tuple:
@@ -81,6 +78,12 @@ class DeduplicateFunctionsPass(ir.passes.InPlacePass):
         assert result.modified  # e.g. 12 GPT2Block bodies -> 1
     """
 
+    def requires(self, model: ir.Model) -> None:
+        cycle = function_cycle(model)
+        if cycle is not None:
+            chain = " -> ".join(f"{domain}:{name}" for domain, name, _ in cycle)
+            raise ir.passes.PreconditionError(f"Functions call each other recursively: {chain}")
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         functions = model.functions
         ours = [f for f in functions.values() if CALLS_KEY in f.meta]
@@ -89,7 +92,7 @@ class DeduplicateFunctionsPass(ir.passes.InPlacePass):
         def height_of(function: ir.Function) -> int:
             identifier = function.identifier()
             if identifier not in height:
-                height[identifier] = 0  # guards against (invalid) recursion
+                height[identifier] = 0
                 below = [height_of(functions[c]) for c in callees(function, functions) if c in functions]
                 height[identifier] = 1 + max(below, default=0)
             return height[identifier]

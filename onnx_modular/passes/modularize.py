@@ -14,15 +14,32 @@ its producer, orphaned ``get_attr`` branches, renamed output specs) cannot occur
 from __future__ import annotations
 
 import bisect
-import dataclasses
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import onnx_ir as ir
 
 from onnx_modular import metadata
 from onnx_modular.errors import ModularizeError
-from onnx_modular.calltree import CallTree, ModuleCall
+from onnx_modular.passes._functions import CALLS_KEY
+from onnx_modular.passes.signatures import (
+    NOTES_KEY,
+    SIZE_INPUT,
+    SOURCE_NAME_KEY,
+    UNBOUND_INPUT,
+    UNBOUND_OUTPUT,
+    CallSignature,
+    TensorSpec,
+    match_by_value,
+    match_unambiguous,
+    source_name,
+    unique_names,
+    why_unbound_input,
+    why_unbound_output,
+)
+
+if TYPE_CHECKING:  # data only: the pass reads calls' attributes and sets ``function``/``num_nodes``
+    from onnx_modular.calltree import CallTree, ModuleCall
 
 __all__ = [
     "STACK_KEY",
@@ -30,109 +47,11 @@ __all__ = [
     "TensorSpec",
     "CallSignature",
     "OutlineModuleCallsPass",
+    "NOTES_KEY",
 ]
 
 STACK_KEY = "onnx_modular.stack"
 GLOBAL_NAME_KEY = "onnx_modular.global_name"
-SOURCE_NAME_KEY = "onnx_modular.source_name"  # the translator's value name (= FX node name)
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """A tensor seen at a module boundary in eager mode.
-
-    ``value`` is kept only when another tensor of the same call has the same dtype and
-    shape: then the value tells them apart.
-    """
-
-    name: str
-    dtype: ir.DataType
-    shape: tuple[int, ...]
-    value: Any = dataclasses.field(default=None, compare=False, repr=False)
-
-
-@dataclasses.dataclass
-class CallSignature:
-    """Tensors a module call received (forward() order) and returned (return order)."""
-
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
-
-
-def _compatible(value: ir.Value, spec: TensorSpec) -> bool:
-    if value.dtype is not None and value.dtype != spec.dtype:
-        return False
-    shape = value.shape
-    if shape is None:
-        return True
-    if len(shape) != len(spec.shape):
-        return False
-    return all(not isinstance(dim, int) or dim == size for dim, size in zip(shape, spec.shape))
-
-
-def _match_unambiguous(values: Sequence[ir.Value], specs: Sequence[TensorSpec]) -> dict[ir.Value, int]:
-    """Match values to eager tensor specs where the match is certain.
-
-    A value and a spec are paired when each is the other's only compatible partner
-    (by dtype and shape), repeatedly, so that resolving one pair can make another
-    certain. Values of equal dtype and shape stay unmatched: guessing between
-    ``forward(self, a, b)``'s ``a`` and ``b`` would give names that may be wrong.
-    """
-    candidates = {value: {i for i, spec in enumerate(specs) if _compatible(value, spec)} for value in values}
-    matched: dict[ir.Value, int] = {}
-    changed = True
-    while changed:
-        changed = False
-        for value, options in candidates.items():
-            if value in matched or len(options) != 1:
-                continue
-            (index,) = options
-            rivals = [other for other, other_options in candidates.items() if other is not value and index in other_options and other not in matched]
-            if rivals:
-                continue
-            matched[value] = index
-            for other, other_options in candidates.items():
-                if other is not value:
-                    other_options.discard(index)
-            changed = True
-    return matched
-
-
-def _match_by_value(
-    values: Sequence[ir.Value],
-    specs: Sequence[TensorSpec],
-    matched: dict[ir.Value, int],
-    value_of: Callable[[str], Any] | None,
-) -> None:
-    """Resolve equal-shaped values by comparing their computed values with the eager tensors."""
-    if value_of is None:
-        return
-    import torch
-
-    taken = set(matched.values())
-    for value in values:
-        if value in matched:
-            continue
-        options = [i for i, spec in enumerate(specs) if i not in taken and spec.value is not None and _compatible(value, spec)]
-        if not options:
-            continue
-        computed = value_of(_source_name(value))
-        if not isinstance(computed, torch.Tensor):
-            continue
-        equal = [
-            i for i in options
-            if tuple(specs[i].value.shape) == tuple(computed.shape)
-            and torch.allclose(specs[i].value.to(computed.dtype), computed, rtol=1e-5, atol=1e-6, equal_nan=True)
-        ]
-        if len(equal) == 1:
-            matched[value] = equal[0]
-            taken.add(equal[0])
-
-
-def _source_name(value: ir.Value) -> str:
-    return value.meta.get(SOURCE_NAME_KEY) or value.name or ""
-
-
 def _nested_nodes(node: ir.Node) -> Iterable[ir.Node]:
     for attr in node.attributes.values():
         if attr.type == ir.AttributeType.GRAPH:
@@ -185,12 +104,31 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         self.domain_of = domain_of or (lambda call: f"pkg.{call.package}.{call.version}")
         self._serial = 0
 
+    def requires(self, model: ir.Model) -> None:
+        """The main graph is topologically sorted, and every stack key is a call of the tree."""
+        defined = set(model.graph.inputs) | set(model.graph.initializers.values())
+        for node in model.graph:
+            for key in node.meta.get(STACK_KEY, ()):
+                if key not in self.call_tree:
+                    raise ir.passes.PreconditionError(
+                        f"Node {node.name!r} ran under the module call {key!r}, which is not in the call tree."
+                    )
+            for value in node.inputs:
+                if value is not None and value not in defined and value.graph is model.graph:
+                    raise ir.passes.PreconditionError(
+                        f"The main graph is not topologically sorted: node {node.name!r} reads {value.name!r} "
+                        "before it is produced (run onnx_ir's TopologicalSortPass first)."
+                    )
+            defined.update(node.outputs)
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self._model = model
         _clone_shared_constants(model.graph)
-        before = len(model.functions)
+        before = set(model.functions)
         self._outline(model.graph, depth=0)
-        return ir.passes.PassResult(model, modified=len(model.functions) != before)
+        created = [f for identifier, f in model.functions.items() if identifier not in before]
+        _import_opsets(model, created)
+        return ir.passes.PassResult(model, modified=bool(created))
 
     # -- grouping -----------------------------------------------------------------
 
@@ -263,10 +201,10 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         ]
         if not outputs:
             return None, None  # nothing escapes: the call has no observable effect
-        outputs = self._order_outputs(call, outputs)
-
-        internal_names = {value.name for node in inner for value in node.outputs}
-        formals = self._formal_inputs(call, external, internal_names)
+        outputs, output_names, output_notes = self._formal_outputs(call, outputs)
+        formals, input_notes = self._formal_inputs(call, external)
+        output_names = unique_names(output_names, reserved=[formal.name for _, formal in formals])
+        _free_names(inner, set(outputs), [formal.name for _, formal in formals] + output_names)
 
         # Rewire: uses inside the body read the formal inputs.
         for actual, formal in formals:
@@ -289,10 +227,13 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         namespace = _call_namespace(members[0], call)
         if namespace:
             call_node.metadata_props["namespace"] = namespace
-        for inner_value, outer_value in zip(outputs, call_node.outputs):
+        for inner_value, outer_value, name in zip(outputs, call_node.outputs, output_names):
+            # The caller's value keeps the (graph-unique) name; the body's is the formal output.
+            inner_value.meta[SOURCE_NAME_KEY] = outer_value.meta[SOURCE_NAME_KEY] = source_name(inner_value)
             outer_value.name = inner_value.name
             outer_value.type = inner_value.type
             outer_value.shape = inner_value.shape
+            inner_value.name = name
         container.insert_before(members[0], call_node)
         container.remove(members, safe=False)
 
@@ -316,7 +257,8 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
             ),
             attributes=[],
         )
-        function.meta[metadata.CALLS] = [call]
+        function.meta[CALLS_KEY] = [call]
+        function.meta[NOTES_KEY] = input_notes + output_notes
         self._model.functions[function.identifier()] = function
         call.function = (domain, temp_name)
         return function, call_node
@@ -324,61 +266,103 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
     # -- signatures ---------------------------------------------------------------
 
     def _formal_inputs(
-        self, call: ModuleCall, external: list[ir.Value], internal_names: set[str | None]
-    ) -> list[tuple[ir.Value, ir.Value]]:
-        """(actual, formal) pairs in signature order: forward() args, weights, the rest."""
+        self, call: ModuleCall, external: list[ir.Value]
+    ) -> tuple[list[tuple[ir.Value, ir.Value]], list[str]]:
+        """(actual, formal) pairs in signature order: forward() args, weights, sizes; and notes.
+
+        Activations matched to forward()'s parameters take their names. The others are
+        ``unbound_input_<k>`` and get a note for the doc string saying why (a value's torch
+        name would only look like a binding).
+        """
         signature = self.signatures.get((call.module_path, call.call_index))
         weights = [v for v in external if _global_name(v) is not None]
         scalars = [v for v in external if v not in weights and v.shape is not None and len(v.shape) == 0 and v.dtype == ir.DataType.INT64]
         activations = [v for v in external if v not in weights and v not in scalars]
 
-        named: list[tuple[int, ir.Value, str]] = []
-        unnamed: list[ir.Value] = []
+        matched: dict[ir.Value, int] = {}
         if signature is not None:
-            matched = _match_unambiguous(activations, signature.inputs)
-            _match_by_value(activations, signature.inputs, matched, self.value_of)
-            for value in activations:
-                if value in matched:
-                    index = matched[value]
-                    named.append((index, value, signature.inputs[index].name))
-                else:
-                    unnamed.append(value)
-            named.sort(key=lambda item: item[0])
-        else:
-            unnamed = activations
-
+            matched = match_unambiguous(activations, signature.inputs)
+            match_by_value(activations, signature.inputs, matched, self.value_of)
+        ordered: list[tuple[ir.Value, str]] = sorted(
+            ((value, signature.inputs[matched[value]].name) for value in activations if value in matched),
+            key=lambda item: matched[item[0]],
+        )
+        notes: list[str] = []
+        for value in (v for v in activations if v not in matched):
+            name = f"{UNBOUND_INPUT}_{len(notes)}"
+            ordered.append((value, name))
+            notes.append(f"{name}: {why_unbound_input(value, signature, matched)}")
         prefix = f"{call.module_path}." if call.module_path else ""
-        ordered: list[tuple[ir.Value, str]] = [(value, name) for _, value, name in named]
-        ordered += [(value, value.name or "input") for value in unnamed]
         for value in weights:
             global_name = _global_name(value)
             local = global_name[len(prefix):] if prefix and global_name.startswith(prefix) else global_name
             ordered.append((value, local))
-        ordered += [(value, value.name or "size") for value in scalars]
+        sizes = [(value, f"{SIZE_INPUT}_{i}") for i, value in enumerate(scalars)]
+        if sizes:
+            names = ", ".join(name for _, name in sizes)
+            notes.append(f"{names}: symbolic sizes (dynamic shapes) that torch.export computed in the caller")
+        ordered += sizes
 
-        used_names = {name for name in internal_names if name}
+        names = unique_names([name for _, name in ordered])
         pairs = []
-        for actual, name in ordered:
-            unique = name
-            suffix = 1
-            while unique in used_names:
-                unique = f"{name}_{suffix}"
-                suffix += 1
-            used_names.add(unique)
-            formal = ir.Value(name=unique, type=actual.type, shape=actual.shape)
-            formal.meta[SOURCE_NAME_KEY] = _source_name(actual)
+        for (actual, _), name in zip(ordered, names):
+            formal = ir.Value(name=name, type=actual.type, shape=actual.shape)
+            formal.meta[SOURCE_NAME_KEY] = source_name(actual)
             if (global_name := _global_name(actual)) is not None:
                 formal.meta[GLOBAL_NAME_KEY] = global_name
             pairs.append((actual, formal))
-        return pairs
+        return pairs, notes
 
-    def _order_outputs(self, call: ModuleCall, outputs: list[ir.Value]) -> list[ir.Value]:
+    def _formal_outputs(self, call: ModuleCall, outputs: list[ir.Value]) -> tuple[list[ir.Value], list[str], list[str]]:
+        """Outputs in forward()'s return order, their names (``output``, ``output_0``, keys), notes."""
         signature = self.signatures.get((call.module_path, call.call_index))
-        if signature is None:
-            return outputs
-        matched = _match_unambiguous(outputs, signature.outputs)
-        _match_by_value(outputs, signature.outputs, matched, self.value_of)
-        return sorted(outputs, key=lambda v: (matched.get(v, len(signature.outputs)), outputs.index(v)))
+        matched: dict[ir.Value, int] = {}
+        if signature is not None:
+            matched = match_unambiguous(outputs, signature.outputs)
+            match_by_value(outputs, signature.outputs, matched, self.value_of)
+            outputs = sorted(outputs, key=lambda v: (matched.get(v, len(signature.outputs)), outputs.index(v)))
+        names: list[str] = []
+        notes: list[str] = []
+        for value in outputs:
+            if value in matched:
+                names.append(signature.outputs[matched[value]].name)
+                continue
+            name = f"{UNBOUND_OUTPUT}_{len(notes)}"
+            names.append(name)
+            notes.append(f"{name}: {why_unbound_output(value, signature, matched)}")
+        return outputs, unique_names(names), notes
+
+
+def _free_names(inner: set[ir.Node], outputs: set[ir.Value], wanted: list[str]) -> None:
+    """Rename body values whose name a formal input or output will take (names are SSA).
+
+    Outputs are left alone: they take their formal names after the caller's values have
+    taken theirs.
+    """
+    wanted_set = set(wanted)
+    values = [value for node in inner for value in node.outputs if value not in outputs]
+    taken = {value.name for value in values if value.name} | wanted_set
+    for value in values:
+        if value.name in wanted_set:
+            value.meta.setdefault(SOURCE_NAME_KEY, value.name)
+            base, index = value.name, 1
+            while f"{base}__{index}" in taken:
+                index += 1
+            value.name = f"{base}__{index}"
+            taken.add(value.name)
+
+
+def _import_opsets(model: ir.Model, functions: list[ir.Function]) -> None:
+    """Each new function imports the domains its body uses; the model imports theirs.
+
+    Versions come from the model's imports (1 for the new function domains), so the
+    outlined model is valid on its own.
+    """
+    for function in functions:
+        model.opset_imports.setdefault(function.domain, 1)
+    for function in functions:
+        for node in ir.traversal.RecursiveGraphIterator(function):
+            function.opset_imports.setdefault(node.domain, model.opset_imports.get(node.domain, 1))
 
 
 def _global_name(value: ir.Value) -> str | None:

@@ -1,6 +1,7 @@
 """ONNX IR pass: final function names, doc strings and function metadata.
 
-Runs after deduplication. Functions of one class in one domain are named after
+Runs after deduplication (on the functions OutlineModuleCallsPass created, with the same
+call tree; ``requires()`` checks the tree). Functions of one class in one domain are named after
 the class; when a class has several distinct bodies (different shapes, different
 submodules), the first in execution order keeps the class name and the others get
 ``_2``, ``_3``, ... in execution order, which is stable from run to run. The doc
@@ -10,20 +11,23 @@ string (what Netron shows) says which module paths call each function.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
 from onnx_modular import metadata
-from onnx_modular.calltree import CallTree, ModuleCall
-from onnx_modular.passes._functions import redirect_calls
+from onnx_modular.passes._functions import CALLS_KEY, redirect_calls
+from onnx_modular.passes.signatures import NOTES_KEY
+
+if TYPE_CHECKING:  # data only: the pass reads the calls' attributes and sets ``function``
+    from onnx_modular.calltree import CallTree, ModuleCall
 
 __all__ = ["NameFunctionsPass", "MAX_LISTED_PATHS"]
 
-CALLS_KEY = metadata.CALLS
 MAX_LISTED_PATHS = 8
 
 
-def _doc_string(calls: list[ModuleCall], name: str) -> str:
+def _doc_string(calls: list[ModuleCall], name: str, notes: list[str]) -> str:
     first = calls[0]
     paths = [call.call_name for call in calls]
     if len(paths) > MAX_LISTED_PATHS:
@@ -38,6 +42,9 @@ def _doc_string(calls: list[ModuleCall], name: str) -> str:
         lines.append(f"source: {first.source}")
     plural = "call" if len(paths) == 1 else "calls"
     lines.append(f"{len(paths)} {plural}: {listed}")
+    if notes:
+        lines.append("names not from forward():")
+        lines += [f"  {note}" for note in notes]
     return "\n".join(lines)
 
 
@@ -56,6 +63,16 @@ class NameFunctionsPass(ir.passes.InPlacePass):
     def __init__(self, call_tree: CallTree):
         super().__init__()
         self.call_tree = call_tree
+
+    def requires(self, model: ir.Model) -> None:
+        """Every call a module-call function serves is a call of ``call_tree`` (the same export)."""
+        for function in model.functions.values():
+            for call in function.meta.get(CALLS_KEY, ()):
+                if call.key not in self.call_tree:
+                    raise ir.passes.PreconditionError(
+                        f"Function {function.name!r} serves the call {call.key!r}, which is not in the call tree; "
+                        "name functions with the tree that outlined them."
+                    )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         order = {call.key: i for i, call in enumerate(self.call_tree.walk())}
@@ -85,7 +102,7 @@ class NameFunctionsPass(ir.passes.InPlacePass):
             for call in calls:
                 call.function = (function.domain, function.name)
             first = calls[0]
-            function.doc_string = _doc_string(calls, function.name)
+            function.doc_string = _doc_string(calls, function.name, function.meta.get(NOTES_KEY, []))
             props = function.metadata_props
             props[metadata.CLASS] = first.qualified_class
             props[metadata.PACKAGE] = first.package

@@ -1,4 +1,6 @@
-"""FX pass: turn stride-checked ``aten.view`` into ``aten.reshape`` before type promotion.
+"""FX passes run between torch's decomposition and its type promotion (torch imported here).
+
+``relax_view_strides``: turn stride-checked ``aten.view`` into ``aten.reshape`` before type promotion.
 
 Root cause (found on T5 with SDPA attention, and on windowed-attention vision models):
 torch's ONNX decomposition re-traces the program while keeping

@@ -1,0 +1,168 @@
+"""Eager recording: run the model once in PyTorch and record every module call.
+
+The run gives the reference outputs of the export and, per module call, the tensors that
+``forward()`` received (bound to its parameter names) and returned (named from the return
+structure). :class:`~onnx_modular.passes.modularize.OutlineModuleCallsPass` names the formal
+inputs and outputs of each function from these records (docs/design.md, "Naming formal
+inputs and outputs").
+
+Names of the recorded tensors:
+
+* inputs: the parameter name (``hidden_states``); items of a tuple or list parameter get
+  ``_<index>``, of a dict ``_<key>``, other containers (a KV cache) ``_<n>`` in pytree order;
+* outputs: ``output`` for a single tensor, ``output_0``, ``output_1``, ... for a tuple or list,
+  the key for a dict or ``ModelOutput`` (``last_hidden_state``), nested items as for inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from onnx_modular import _torch_compat, verification
+from onnx_modular.passes.signatures import CallSignature, TensorSpec
+
+__all__ = ["run", "tensor_specs", "output_specs", "lazy_values"]
+
+logger = logging.getLogger(__name__)
+
+
+def tensor_specs(prefix: str, value: Any) -> list[TensorSpec]:
+    """Specs of the tensors in ``value``, each holding its tensor (dropped later unless needed)."""
+    specs: list[TensorSpec] = []
+    if isinstance(value, torch.Tensor):
+        specs.append(TensorSpec(prefix, _torch_compat.torch_dtype_to_ir(value.dtype), tuple(value.shape), value))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            specs += tensor_specs(f"{prefix}_{i}", item)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            specs += tensor_specs(f"{prefix}_{key}", item)
+    else:
+        leaves = torch.utils._pytree.tree_leaves(value)
+        for i, leaf in enumerate(leaf for leaf in leaves if isinstance(leaf, torch.Tensor)):
+            specs.append(TensorSpec(f"{prefix}_{i}", _torch_compat.torch_dtype_to_ir(leaf.dtype), tuple(leaf.shape), leaf))
+    return specs
+
+
+def output_specs(output: Any) -> list[TensorSpec]:
+    """Specs of what forward() returned: ``output``, ``output_0``..., or the keys of a mapping."""
+    if isinstance(output, Mapping):  # dict, transformers' ModelOutput (an OrderedDict)
+        specs: list[TensorSpec] = []
+        for key, item in output.items():
+            specs += tensor_specs(str(key), item)
+        return specs
+    return tensor_specs("output", output)
+
+
+def _keep_values_where_ambiguous(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """Keep a copy of a tensor only when another one of the call has the same dtype and shape."""
+    counts: dict[tuple, int] = {}
+    for spec in specs:
+        counts[(spec.dtype, spec.shape)] = counts.get((spec.dtype, spec.shape), 0) + 1
+    return [
+        dataclasses.replace(spec, value=spec.value.detach().clone() if counts[(spec.dtype, spec.shape)] > 1 else None)
+        for spec in specs
+    ]
+
+
+def run(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """Run the model once in PyTorch, recording every module call and its tensors.
+
+    Calls are keyed by module *instance* and its n-th call: one instance can be reached
+    under several attribute paths, and torch.export names each call by the path used,
+    which :func:`onnx_modular.hierarchy.build_call_tree` resolves. An exception of the
+    model propagates unchanged (the caller wraps it in a ``CaptureError``).
+
+    Returns:
+        (outputs, signatures per (id(instance), n), calls in order as
+        (id(instance), n, first module path, parent (id, n) or None)).
+
+    Example::
+
+        outputs, signatures, calls = run(model, (input_ids,), {})
+    """
+    signatures: dict[tuple[int, int], CallSignature] = {}
+    calls: list[tuple[int, int, str, tuple[int, int] | None]] = []
+    active: list[tuple[int, int]] = []
+    counts: dict[int, int] = {}
+    pending: dict[int, list[tuple[str, int, list[TensorSpec], tuple[str, ...]]]] = {}
+    handles = []
+
+    def make_hooks(path: str, module: torch.nn.Module):
+        try:
+            parameters = inspect.signature(module.forward)
+        except (TypeError, ValueError):
+            parameters = None
+
+        def pre_hook(mod, hook_args, hook_kwargs):
+            index = counts.get(id(mod), 0)
+            counts[id(mod)] = index + 1
+            specs: list[TensorSpec] = []
+            absent: list[str] = []
+            try:
+                bound = parameters.bind(*hook_args, **hook_kwargs) if parameters else None
+            except TypeError:
+                bound = None
+            if bound is not None:
+                for name, parameter in parameters.parameters.items():
+                    if parameter.kind == inspect.Parameter.VAR_KEYWORD:
+                        for key, item in bound.arguments.get(name, {}).items():
+                            specs += tensor_specs(key, item)
+                            if item is None:
+                                absent.append(key)
+                    elif name in bound.arguments:
+                        specs += tensor_specs(name, bound.arguments[name])
+                        if bound.arguments[name] is None:
+                            absent.append(name)
+                    elif parameter.default is None:
+                        absent.append(name)  # not passed, so None
+            pending.setdefault(id(mod), []).append((path, index, _keep_values_where_ambiguous(specs), tuple(absent)))
+            calls.append((id(mod), index, path, active[-1] if active else None))
+            active.append((id(mod), index))
+
+        def post_hook(mod, hook_args, hook_kwargs, output):
+            _, index, specs, absent = pending[id(mod)].pop()
+            active.pop()
+            outputs = _keep_values_where_ambiguous(output_specs(output))
+            signatures[(id(mod), index)] = CallSignature(specs, outputs, absent)
+
+        return pre_hook, post_hook
+
+    for path, module in model.named_modules():
+        pre_hook, post_hook = make_hooks(path, module)
+        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            outputs = model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs, signatures, calls
+
+
+def lazy_values(program: torch.export.ExportedProgram, args: tuple, kwargs: dict) -> Callable[[str], Any]:
+    """``value_of(name)``: runs the program on the example inputs the first time it is asked.
+
+    Only calls with several inputs (or outputs) of equal dtype and shape ask, so most
+    exports never pay for the run.
+    """
+    cache: dict[str, Any] | None = None
+
+    def value_of(name: str) -> Any:
+        nonlocal cache
+        if cache is None:
+            try:
+                cache = _torch_compat.program_values(program, *verification.copy_inputs(args, kwargs))
+            except Exception as e:  # names stay unresolved; the export itself is unaffected
+                logger.info("Could not evaluate the program to resolve equal-shaped inputs: %s", e)
+                cache = {}
+        return cache.get(name)
+
+    return value_of
