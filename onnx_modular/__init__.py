@@ -13,8 +13,10 @@ __version__ = "0.1.0"
 from onnx_modular.errors import (
     CaptureError,
     DecompositionError,
+    ExecutionProviderError,
     InvalidInputError,
     InvalidModelFileError,
+    MissingDependencyError,
     ModularizeError,
     OnnxModularError,
     ParityError,
@@ -49,4 +51,6 @@ __all__ = [
     "ParityError",
     "VerificationError",
     "InvalidModelFileError",
+    "MissingDependencyError",
+    "ExecutionProviderError",
 ]

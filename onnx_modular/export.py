@@ -77,6 +77,21 @@ class ModularExport:
     exported_program: torch.export.ExportedProgram | None = dataclasses.field(default=None, repr=False)
     _reference: tuple[list[torch.Tensor], list[torch.Tensor]] | None = dataclasses.field(default=None, repr=False)
     _example: tuple[tuple, dict] | None = dataclasses.field(default=None, repr=False)
+    _sessions: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    def __call__(self, *args: Any, execution_provider: str | None = None, **kwargs: Any) -> list[torch.Tensor]:
+        """Run the model in onnxruntime, as torch's ``ONNXProgram`` does: ``result(*args, **kwargs)``
+        takes forward()'s inputs and returns the output tensors, in graph-output order.
+
+        Args:
+            execution_provider: onnxruntime's provider (``"CPUExecutionProvider"`` or ``"cpu"``, the
+                default; ``"cuda"``, ... when this onnxruntime build has it, else
+                :class:`~onnx_modular.errors.ExecutionProviderError`). Sessions are kept per provider.
+        """
+        if self._example is not None:  # keyword inputs in the order the export flattened them
+            order = list(self._example[1])
+            kwargs = dict(sorted(kwargs.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order)))
+        return _run(self, verification.flatten_inputs(args, kwargs), execution_provider)
 
     @property
     def model_proto(self) -> onnx.ModelProto:
@@ -104,11 +119,13 @@ class ModularExport:
         rtol: float | None = None,
         atol: float | None = None,
         flat: bool = True,
+        execution_provider: str | None = None,
     ) -> verification.ParityReport:
         """Compare onnxruntime (modular and flat) with PyTorch on new inputs.
 
         With no arguments, re-checks the example inputs of the export. New inputs
-        need the PyTorch ``model`` to compute the reference.
+        need the PyTorch ``model`` to compute the reference. ``execution_provider``: as for
+        calling the result (CPU by default).
         """
         if args is None and kwargs is None:
             if self._reference is None:
@@ -122,7 +139,9 @@ class ModularExport:
             expected = verification.torch_outputs(model, args, kwargs)
         tolerance = _tolerance(rtol, atol)
         with _model_file(self) as path:
-            return verification.verify_file(path, inputs, expected, flat=flat, tolerance=tolerance)
+            return verification.verify_file(
+                path, inputs, expected, flat=flat, tolerance=tolerance, execution_provider=execution_provider
+            )
 
     def localize(
         self,
@@ -168,6 +187,15 @@ def _model_file(result: ModularExport) -> Iterator[pathlib.Path]:
         path = pathlib.Path(tmp) / "model.onnx"
         ir.save(result.model, path, external_data="model.onnx.data" if _io.wants_external_data(result.model, None) else None)
         yield path
+
+
+def _run(result: ModularExport, inputs: list[torch.Tensor], execution_provider: str | None) -> list[torch.Tensor]:
+    """``result``'s model in an onnxruntime session (opened once per provider), outputs as torch tensors."""
+    key = verification.execution_providers(execution_provider)[0]
+    if key not in result._sessions:
+        with _model_file(result) as path:
+            result._sessions[key] = verification.open_session(path, key)
+    return [verification.to_torch(array) for array in verification.run_session(result._sessions[key], inputs)]
 
 
 def _tolerance(rtol: float | None, atol: float | None) -> verification.Tolerance | None:
@@ -461,6 +489,10 @@ def export_modular(
     rtol: float | None = None,
     atol: float | None = None,
     progress: Callable[[str, float], None] | None = None,
+    custom_translation_table: dict[Callable, Callable] | None = None,
+    exported_program: torch.export.ExportedProgram | None = None,
+    program_fixes: Sequence[Callable[[torch.fx.GraphModule], None]] = (),
+    execution_provider: str | None = None,
 ) -> ModularExport:
     """Export ``model`` to ONNX with every module call as a nested local function.
 
@@ -495,6 +527,15 @@ def export_modular(
         rtol: Relative tolerance (default per output dtype, see ``verification.default_tolerance``).
         atol: Absolute tolerance (default per output dtype).
         progress: Called as ``progress(stage, seconds)`` after each stage.
+        custom_translation_table: ``{torch op: onnxscript function}`` overriding torch's
+            lowering of those ops, as for ``torch.onnx.export``.
+        exported_program: A ``torch.export`` program already captured from ``model`` on these
+            inputs (by another exporter's pipeline); the capture stage then only records the
+            module calls in eager mode.
+        program_fixes: ``fix(graph_module)`` callables run on the decomposed program before
+            translation (transformers' FX node fixes).
+        execution_provider: onnxruntime provider of the parity check (CPU by default; ``"cuda"``,
+            ... when this onnxruntime build has it, else ``ExecutionProviderError`` before exporting).
 
     Returns:
         A :class:`ModularExport` with the model, the call tree and the parity report.
@@ -508,6 +549,8 @@ def export_modular(
     """
     _torch_compat.check_torch_version()
     args, kwargs = _check_inputs(model, args, kwargs)
+    if verify:
+        verification.execution_providers(execution_provider)  # an unknown provider fails before the export
     if f is not None:
         _io.check_destination(f)
     select = _selector(modules, model)
@@ -535,7 +578,7 @@ def export_modular(
         model_io.register_input_types(model, {"args": args, "kwargs": kwargs, "output": expected_outputs})
         dynamic_shapes = model_io.expand_dynamic_shapes(model, args, kwargs, dynamic_shapes)
         try:
-            program = _torch_compat.capture(model, args, kwargs, dynamic_shapes)
+            program = exported_program or _torch_compat.capture(model, args, kwargs, dynamic_shapes)
         except Exception as e:
             path = _module_path_from_traceback(e, model)
             raise CaptureError(
@@ -548,7 +591,9 @@ def export_modular(
 
     with timer("decompose"):
         try:
-            program = _torch_compat.decompose(program, opset_version)
+            program = _torch_compat.decompose(program, opset_version, custom_translation_table)
+            for fix in program_fixes:
+                fix(program.graph_module)
         except Exception as e:
             raise DecompositionError(
                 f"torch's ONNX decompositions failed: {type(e).__name__}: {_first_line(e)}",
@@ -559,7 +604,7 @@ def export_modular(
 
     with timer("translate"):
         try:
-            model_ir = _torch_compat.translate(program, opset_version)
+            model_ir = _torch_compat.translate(program, opset_version, custom_translation_table)
             _torch_compat.rename_dynamic_axes(model_ir, dynamic_shapes)
         except Exception as e:
             raise TranslationError(
@@ -625,7 +670,9 @@ def export_modular(
             return
         with timer("verify"):
             inputs, expected = result._reference
-            result.report = verification.verify_file(path, inputs, expected, flat=verify_flat, tolerance=tolerance)
+            result.report = verification.verify_file(
+                path, inputs, expected, flat=verify_flat, tolerance=tolerance, execution_provider=execution_provider
+            )
         done("verify")
         verification.assert_parity(result.report, result=result)
 

@@ -22,7 +22,7 @@ import onnx
 import onnx.inliner
 import torch
 
-from onnx_modular.errors import ParityError, VerificationError
+from onnx_modular.errors import ExecutionProviderError, ParityError, VerificationError
 
 __all__ = [
     "Tolerance",
@@ -33,6 +33,9 @@ __all__ = [
     "flatten_outputs",
     "inline_model",
     "run_onnxruntime",
+    "execution_providers",
+    "open_session",
+    "run_session",
     "compare",
     "max_differences",
     "allclose",
@@ -173,6 +176,14 @@ def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    """An onnxruntime output as a torch tensor (bfloat16 arrives as ml_dtypes' bfloat16)."""
+    array = np.asarray(array)
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
 def inline_model(source: str | os.PathLike, destination: str | os.PathLike) -> None:
     """Write a flat copy of ``source`` (all local functions inlined) next to it.
 
@@ -184,14 +195,44 @@ def inline_model(source: str | os.PathLike, destination: str | os.PathLike) -> N
     onnx.save(flat, str(destination))
 
 
-def run_onnxruntime(path: str | os.PathLike, inputs: Sequence[torch.Tensor | np.ndarray]) -> list[np.ndarray]:
-    """Run a model file in onnxruntime (CPU); failures become :class:`VerificationError`."""
+def execution_providers(execution_provider: str | None = None) -> list[str]:
+    """onnxruntime's provider list for ``execution_provider`` (CPU when ``None``), CPU kept as the
+    fallback for the operators another provider does not run.
+
+    Accepts onnxruntime's names (``CUDAExecutionProvider``) or their short form (``cuda``).
+
+    Raises:
+        ExecutionProviderError: This onnxruntime build does not have the provider.
+    """
     import onnxruntime as ort
 
+    if execution_provider is None:
+        return ["CPUExecutionProvider"]
+    available = ort.get_available_providers()
+    wanted = execution_provider.lower().removesuffix("executionprovider")
+    match = next((name for name in available if name.lower().removesuffix("executionprovider") == wanted), None)
+    if match is None:
+        raise ExecutionProviderError(
+            f"onnxruntime has no execution provider {execution_provider!r}; this build has: {', '.join(available)}.",
+            hint="Install the onnxruntime package built for that provider (onnxruntime-gpu for CUDA), "
+            "or use one of the providers listed.",
+        )
+    return [match] if match == "CPUExecutionProvider" else [match, "CPUExecutionProvider"]
+
+
+def open_session(model: str | os.PathLike | bytes, execution_provider: str | None = None):
+    """An onnxruntime session for a model file (or serialized model) on ``execution_provider``."""
+    import onnxruntime as ort
+
+    providers = execution_providers(execution_provider)
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options, providers=providers)
+
+
+def run_session(session, inputs: Sequence[torch.Tensor | np.ndarray]) -> list[np.ndarray]:
+    """Run ``session`` on one tensor per model input, in order; failures become :class:`VerificationError`."""
     try:
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         names = [i.name for i in session.get_inputs()]
         if len(names) != len(inputs):
             raise VerificationError(
@@ -203,12 +244,30 @@ def run_onnxruntime(path: str | os.PathLike, inputs: Sequence[torch.Tensor | np.
     except VerificationError:
         raise
     except Exception as e:
-        text = str(e).strip().splitlines()[0][:400]
-        raise VerificationError(
-            f"onnxruntime could not run the model: {text}",
-            hint="onnxruntime's CPU kernels do not cover every dtype (bfloat16 arithmetic, for one); "
-            "pass verify=False to export without the check, or verify on a float32/float16 export.",
-        ) from e
+        raise _run_failure(e) from e
+
+
+def _run_failure(error: Exception) -> VerificationError:
+    text = str(error).strip().splitlines()[0][:400]
+    return VerificationError(
+        f"onnxruntime could not run the model: {text}",
+        hint="onnxruntime's CPU kernels do not cover every dtype (bfloat16 arithmetic, for one); "
+        "pass verify=False to export without the check, or verify on a float32/float16 export.",
+    )
+
+
+def run_onnxruntime(
+    path: str | os.PathLike, inputs: Sequence[torch.Tensor | np.ndarray], *, execution_provider: str | None = None
+) -> list[np.ndarray]:
+    """Run a model file in onnxruntime (CPU unless ``execution_provider``); failures become
+    :class:`VerificationError` (:class:`ExecutionProviderError` for a provider this build lacks)."""
+    try:
+        session = open_session(path, execution_provider)
+    except ExecutionProviderError:
+        raise
+    except Exception as e:
+        raise _run_failure(e) from e
+    return run_session(session, inputs)
 
 
 def max_differences(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
@@ -297,18 +356,19 @@ def verify_file(
     *,
     flat: bool = True,
     tolerance: Tolerance | None = None,
+    execution_provider: str | None = None,
 ) -> ParityReport:
     """Run ``path`` (and its inlined copy) in onnxruntime and compare with ``expected``."""
     path = pathlib.Path(path)
     names = [o.name for o in onnx.load(str(path), load_external_data=False).graph.output]
-    modular_outputs = run_onnxruntime(path, inputs)
+    modular_outputs = run_onnxruntime(path, inputs, execution_provider=execution_provider)
     flat_outputs = None
     if flat:
         # The flat copy sits next to the model so that both read the same external data.
         flat_path = path.parent / f".{path.stem}.flat-{uuid.uuid4().hex[:8]}.onnx"
         try:
             inline_model(path, flat_path)
-            flat_outputs = run_onnxruntime(flat_path, inputs)
+            flat_outputs = run_onnxruntime(flat_path, inputs, execution_provider=execution_provider)
         finally:
             flat_path.unlink(missing_ok=True)
     return compare(expected, modular_outputs, flat_outputs, names=names, tolerance=tolerance)
