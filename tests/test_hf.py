@@ -267,7 +267,7 @@ def test_cli_image_classification_static(checkpoints, tmp_path):
 @pytest.mark.parametrize(
     ("checkpoint", "task", "functions"),
     [
-        ("bert", "feature-extraction", {"BertModel": TRANSFORMERS_DOMAIN, "BertLayer": TRANSFORMERS_DOMAIN}),
+        ("bert", "feature-extraction", {"BertEncoder": TRANSFORMERS_DOMAIN, "BertLayer": TRANSFORMERS_DOMAIN}),
         ("bert", "masked-lm", {"BertModel": TRANSFORMERS_DOMAIN, "BertOnlyMLMHead": TRANSFORMERS_DOMAIN}),
         ("t5", "seq2seq-lm", {"T5Stack": TRANSFORMERS_DOMAIN, "T5Block": TRANSFORMERS_DOMAIN}),
         ("llama", "causal-lm", {"LlamaModel": TRANSFORMERS_DOMAIN}),
@@ -332,6 +332,7 @@ def test_checkpoint_errors(checkpoints, tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == []
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch (~10 s)
 def test_missing_transformers_is_a_typed_error():
     # An interpreter where `import transformers` fails, as it does without the [hf] extra.
     code = (
