@@ -20,8 +20,10 @@ from onnx_modular.calltree import CallTree, ModuleCall
 from onnx_modular.errors import (
     CaptureError,
     DecompositionError,
+    ExecutionProviderError,
     InvalidInputError,
     InvalidModelFileError,
+    MissingDependencyError,
     ModularizeError,
     OnnxModularError,
     ParityError,
@@ -80,4 +82,6 @@ __all__ = [
     "ParityError",
     "VerificationError",
     "InvalidModelFileError",
+    "MissingDependencyError",
+    "ExecutionProviderError",
 ]

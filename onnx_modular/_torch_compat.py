@@ -69,6 +69,25 @@ def registry(opset_version: int | None = None):
     return _registration.ONNXRegistry.from_torchlib(opset_version=opset_version)
 
 
+def _registry_for(opset_version: int | None, custom_translation_table: dict | None):
+    """The registry, with ``custom_translation_table`` registered on a fresh copy (as torch.onnx.export does)."""
+    if not custom_translation_table:
+        return registry(opset_version)
+    return _custom_registry(opset_version, tuple(custom_translation_table.items()))
+
+
+@functools.lru_cache(maxsize=4)
+def _custom_registry(opset_version: int | None, custom_translation_table: tuple):
+    _, _, _registration = _exporter()
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    reg = _registration.ONNXRegistry.from_torchlib(
+        **({} if opset_version is None else {"opset_version": opset_version})
+    )
+    for torch_op, onnx_function in custom_translation_table:
+        reg.register_op(torch_op, onnx_function, is_complex=False)
+    return reg
+
+
 def default_opset() -> int:
     from torch.onnx._internal.exporter import _constants
 
@@ -80,7 +99,9 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_sh
     return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
 
 
-def decompose(program: torch.export.ExportedProgram, opset_version: int | None = None) -> torch.export.ExportedProgram:
+def decompose(
+    program: torch.export.ExportedProgram, opset_version: int | None = None, custom_translation_table: dict | None = None
+) -> torch.export.ExportedProgram:
     """torch's ONNX decompositions, with view strides relaxed before type promotion.
 
     Mirrors ``_core._prepare_exported_program_for_export``; see
@@ -89,7 +110,7 @@ def decompose(program: torch.export.ExportedProgram, opset_version: int | None =
     from onnx_modular.fx_passes import relax_view_strides
 
     _, _fx_passes, _ = _exporter()
-    reg = registry(opset_version)
+    reg = _registry_for(opset_version, custom_translation_table)
     with torch.fx.experimental._config.patch(backed_size_oblivious=True):  # as torch does
         program = _fx_passes.decompose_with_registry(program, reg)
         graph_module = program.graph_module
@@ -100,10 +121,13 @@ def decompose(program: torch.export.ExportedProgram, opset_version: int | None =
     return program
 
 
-def translate(program: torch.export.ExportedProgram, opset_version: int | None = None) -> ir.Model:
+def translate(
+    program: torch.export.ExportedProgram, opset_version: int | None = None, custom_translation_table: dict | None = None
+) -> ir.Model:
     """FX -> ONNX IR with torch's translator. Every ONNX node keeps its FX node in ``meta``."""
     _core, _, _ = _exporter()
-    onnx_program = _core._exported_program_to_onnx_program(program, registry=registry(opset_version))
+    reg = _registry_for(opset_version, custom_translation_table)
+    onnx_program = _core._exported_program_to_onnx_program(program, registry=reg)
     return onnx_program.model
 
 

@@ -141,6 +141,11 @@ def _call_factory(spec: str) -> dict[str, Any]:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if os.path.isdir(args.factory) or args.task is not None:
+        return _export_checkpoint(args)
+    for option in ("static", "generation"):
+        if getattr(args, option):
+            raise InvalidInputError(f"--{option} applies to a checkpoint folder exported with --task.")
     from onnx_modular.export import export_modular  # imports torch: only when exporting
 
     values = _call_factory(args.factory)
@@ -168,11 +173,10 @@ def _export(args: argparse.Namespace) -> int:
                 progress=progress,
             )
     except ParityError as e:
-        if e.report is not None:
-            if args.json:
-                _print_json({"path": None, "ok": False, "report": e.report.to_dict()})
-            else:
-                print(e.report)
+        _report_mismatch(args, e, {"model": e.report} if e.report is not None else {})
+        if args.keep_on_mismatch and e.result is not None:
+            e.result.save(args.output)
+            _stderr(f"Kept {args.output} (--keep-on-mismatch) although its outputs differ from PyTorch.")
         raise
     _stderr(f"  {'total':<11} {time.perf_counter() - started:7.2f}s")
     tree = result.hierarchy
@@ -191,9 +195,76 @@ def _export(args: argparse.Namespace) -> int:
             print(result.report)
         size = pathlib.Path(args.output).stat().st_size
         print(f"Wrote {args.output} ({size / 1e6:.1f} MB): {result.summary().splitlines()[0]}")
-        print(tree.format(max_depth=args.depth or None))
-        if args.depth and tree.height > args.depth:
-            print(f"(calls deeper than {args.depth} not shown; see them with: onnx-modular tree {args.output})")
+        _print_tree(args, tree, args.output)
+    return EXIT_OK
+
+
+def _report_mismatch(args: argparse.Namespace, error: ParityError, reports: dict) -> None:
+    if args.json:
+        kept = args.output if args.keep_on_mismatch and error.result is not None else None
+        first = next(iter(reports.values()), None)
+        _print_json(
+            {
+                "path": kept,
+                "ok": False,
+                "report": None if first is None else first.to_dict(),
+                "reports": {name: report.to_dict() for name, report in reports.items()},
+            }
+        )
+    else:
+        for report in reports.values():
+            print(report)
+
+
+def _print_tree(args: argparse.Namespace, tree, path: str) -> None:
+    print(tree.format(max_depth=args.depth or None))
+    if args.depth and tree.height > args.depth:
+        print(f"(calls deeper than {args.depth} not shown; see them with: onnx-modular tree {path})")
+
+
+def _export_checkpoint(args: argparse.Namespace) -> int:
+    """A transformers checkpoint folder (``--task``): see :mod:`onnx_modular.hf.command`."""
+    from onnx_modular.hf import command  # imports transformers: a clear error without the [hf] extra
+
+    started = time.perf_counter()
+    _stderr(f"Exporting {args.factory} ({args.task}) to {args.output}")
+    try:
+        with warnings.catch_warnings():
+            if not getattr(args, "verbose", False):
+                warnings.simplefilter("ignore", FutureWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)
+            exported, reports = command.run(args, _stderr)
+    except ParityError as e:
+        reports = getattr(e, "reports", None) or ({"model": e.report} if e.report is not None else {})
+        _report_mismatch(args, e, reports)
+        if args.keep_on_mismatch:
+            _stderr(f"Kept {args.output} (--keep-on-mismatch) although its outputs differ from PyTorch.")
+        raise
+    _stderr(f"  {'total':<11} {time.perf_counter() - started:7.2f}s")
+    output = pathlib.Path(args.output)
+    files = [output] if output.suffix == ".onnx" else [output / f"{name}.onnx" for name in exported.components]
+    if args.json:
+        _print_json(
+            {
+                "path": str(output),
+                "ok": all(report.ok for report in reports.values()),
+                "components": {
+                    name: {
+                        "file": str(file),
+                        "report": reports[name].to_dict() if name in reports else None,
+                        "tree": function_tree(load_model_file(file)).to_dict(),
+                    }
+                    for name, file in zip(exported.components, files)
+                },
+            }
+        )
+        return EXIT_OK
+    for name, file in zip(exported.components, files):
+        if name in reports:
+            print(reports[name])
+        size = file.stat().st_size + sum(f.stat().st_size for f in file.parent.glob(file.name + ".data"))
+        print(f"Wrote {file} ({size / 1e6:.1f} MB)")
+        _print_tree(args, function_tree(load_model_file(file)), str(file))
     return EXIT_OK
 
 
@@ -342,13 +413,43 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser(
         "export",
         parents=[common],
-        help="export a model from a factory function",
+        help="export a model from a factory function or a transformers checkpoint folder",
         description="Call FACTORY (package.module:function or file.py:function), which returns "
         "(model, args), (model, args, kwargs), (model, args, kwargs, dynamic_shapes) or a dict with "
-        "those keys, and export the model with export_modular.",
+        "those keys, and export the model with export_modular. Or export a transformers checkpoint "
+        "(a folder with config.json and weights, or a model already in the local Hugging Face cache) "
+        "for --task, with sample inputs built for the task, dynamic in batch and sequence; needs "
+        "the [hf] extra. Nothing is downloaded.",
     )
-    export.add_argument("factory", metavar="FACTORY", help="package.module:function or path/file.py:function")
-    export.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    export.add_argument(
+        "factory",
+        metavar="FACTORY|CHECKPOINT",
+        help="package.module:function, path/file.py:function, or a checkpoint folder (with --task)",
+    )
+    export.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="the .onnx file to write; for a checkpoint, a folder instead writes what "
+        "ExportedModel.save_pretrained writes (needed with --generation)",
+    )
+    export.add_argument(
+        "--task",
+        default=None,
+        choices=["feature-extraction", "masked-lm", "causal-lm", "causal-lm-with-past", "seq2seq-lm", "image-classification"],
+        help="what to export a checkpoint for (which head, which sample inputs)",
+    )
+    export.add_argument("--static", action="store_true", help="checkpoint: fixed shapes (default: dynamic batch and sequence)")
+    export.add_argument(
+        "--generation",
+        action="store_true",
+        help="checkpoint: export the generation components (prefill, decode) into the -o folder",
+    )
+    export.add_argument(
+        "--keep-on-mismatch",
+        action="store_true",
+        help="write the model even when parity fails (exit code 1, with the report)",
+    )
     export.add_argument("--no-verify", action="store_true", help="skip the onnxruntime-vs-PyTorch parity check")
     export.add_argument("--no-dedupe", action="store_true", help="keep one function per call (no sharing)")
     export.add_argument("--opset", type=int, default=None, metavar="N", help="ONNX opset of the default domain")

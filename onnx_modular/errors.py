@@ -18,6 +18,8 @@ __all__ = [
     "ParityError",
     "VerificationError",
     "InvalidModelFileError",
+    "MissingDependencyError",
+    "ExecutionProviderError",
 ]
 
 
@@ -106,3 +108,15 @@ class InvalidModelFileError(OnnxModularError, ValueError):
     """An ONNX file given to onnx_modular cannot be read or is malformed."""
 
     stage = "load"
+
+
+class MissingDependencyError(OnnxModularError, ImportError):
+    """An optional dependency (transformers, for ``onnx_modular.hf``) is not installed."""
+
+    stage = "setup"
+
+
+class ExecutionProviderError(OnnxModularError, ValueError):
+    """The onnxruntime execution provider asked for is not available in this onnxruntime build."""
+
+    stage = "run"

@@ -41,6 +41,7 @@ from onnx_modular.errors import (
     OnnxModularError,
     TranslationError,
 )
+from onnx_modular.files import runtime
 from onnx_modular.files.tree import count_from_model
 from onnx_modular.hierarchy import build_call_tree
 from onnx_modular.passes import cleanup
@@ -132,6 +133,10 @@ def export_modular(
     rtol: float | None = None,
     atol: float | None = None,
     progress: Callable[[str, float], None] | None = None,
+    custom_translation_table: dict[Callable, Callable] | None = None,
+    exported_program: torch.export.ExportedProgram | None = None,
+    program_fixes: Sequence[Callable[[torch.fx.GraphModule], None]] = (),
+    execution_provider: str | None = None,
 ) -> ModularExport:
     """Export ``model`` to ONNX with every module call as a nested local function.
 
@@ -166,6 +171,15 @@ def export_modular(
         rtol: Relative tolerance (default per output dtype, see ``verification.default_tolerance``).
         atol: Absolute tolerance (default per output dtype).
         progress: Called as ``progress(stage, seconds)`` after each stage.
+        custom_translation_table: ``{torch op: onnxscript function}`` overriding torch's
+            lowering of those ops, as for ``torch.onnx.export``.
+        exported_program: A ``torch.export`` program already captured from ``model`` on these
+            inputs (by another exporter's pipeline); the capture stage then only records the
+            module calls in eager mode.
+        program_fixes: ``fix(graph_module)`` callables run on the decomposed program before
+            translation (transformers' FX node fixes).
+        execution_provider: onnxruntime provider of the parity check (CPU by default; ``"cuda"``,
+            ... when this onnxruntime build has it, else ``ExecutionProviderError`` before exporting).
 
     Returns:
         A :class:`ModularExport` with the model, the call tree and the parity report.
@@ -179,6 +193,8 @@ def export_modular(
     """
     _torch_compat.check_torch_version()
     args, kwargs = _check_inputs(model, args, kwargs)
+    if verify:
+        runtime.execution_providers(execution_provider)  # an unknown provider fails before the export
     if f is not None:
         _io.check_destination(f)
     select = selection.selector(modules, model)
@@ -213,7 +229,7 @@ def export_modular(
         model_io.register_input_types(model, {"args": args, "kwargs": kwargs, "output": expected_outputs})
         dynamic_shapes = model_io.expand_dynamic_shapes(model, args, kwargs, dynamic_shapes)
         try:
-            program = _torch_compat.capture(model, args, kwargs, dynamic_shapes)
+            program = exported_program or _torch_compat.capture(model, args, kwargs, dynamic_shapes)
         except Exception as e:
             path = diagnostics.module_path_from_traceback(e, model)
             raise CaptureError(
@@ -226,7 +242,9 @@ def export_modular(
 
     with timer("decompose"):
         try:
-            program = _torch_compat.decompose(program, opset_version)
+            program = _torch_compat.decompose(program, opset_version, custom_translation_table)
+            for fix in program_fixes:
+                fix(program.graph_module)
         except Exception as e:
             raise DecompositionError(
                 f"torch's ONNX decompositions failed: {type(e).__name__}: {diagnostics.first_line(e)}",
@@ -237,7 +255,7 @@ def export_modular(
 
     with timer("translate"):
         try:
-            model_ir = _torch_compat.translate(program, opset_version)
+            model_ir = _torch_compat.translate(program, opset_version, custom_translation_table)
             _torch_compat.rename_dynamic_axes(model_ir, dynamic_shapes)
         except Exception as e:
             raise TranslationError(
@@ -304,7 +322,9 @@ def export_modular(
             return
         with timer("verify"):
             inputs, expected = result._reference
-            result.report = verification.verify_file(path, inputs, expected, flat=verify_flat, tolerance=tolerance)
+            result.report = verification.verify_file(
+                path, inputs, expected, flat=verify_flat, tolerance=tolerance, execution_provider=execution_provider
+            )
         done("verify")
         verification.assert_parity(result.report, result=result)
 

@@ -8,6 +8,7 @@ import os
 import pathlib
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 import onnx
 import onnx_ir as ir
@@ -40,6 +41,29 @@ class ModularExport:
     exported_program: torch.export.ExportedProgram | None = dataclasses.field(default=None, repr=False)
     _reference: tuple[list[torch.Tensor], list[torch.Tensor]] | None = dataclasses.field(default=None, repr=False)
     _example: tuple[tuple, dict] | None = dataclasses.field(default=None, repr=False)
+    _sessions: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    def __call__(self, *args: Any, execution_provider: str | None = None, **kwargs: Any) -> list[torch.Tensor]:
+        """Run the model in onnxruntime, as torch's ``ONNXProgram`` does: ``result(*args, **kwargs)``
+        takes forward()'s inputs and returns the output tensors, in graph-output order.
+
+        Args:
+            execution_provider: onnxruntime's provider (``"CPUExecutionProvider"`` or ``"cpu"``, the
+                default; ``"cuda"``, ... when this onnxruntime build has it, else
+                :class:`~onnx_modular.errors.ExecutionProviderError`). Sessions are kept per provider.
+        """
+        from onnx_modular.files import runtime
+
+        if self._example is not None:  # keyword inputs in the order the export flattened them
+            order = list(self._example[1])
+            kwargs = dict(sorted(kwargs.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order)))
+        key = runtime.execution_providers(execution_provider)[0]
+        if key not in self._sessions:
+            with model_file(self) as path:
+                self._sessions[key] = runtime.session(path, execution_provider)
+        inputs = [verification.to_numpy(t) for t in verification.flatten_inputs(args, kwargs)]
+        _, outputs = runtime.run(self._sessions[key], inputs)
+        return [verification.to_torch(array) for array in outputs]
 
     @property
     def model_proto(self) -> onnx.ModelProto:
@@ -67,11 +91,13 @@ class ModularExport:
         rtol: float | None = None,
         atol: float | None = None,
         flat: bool = True,
+        execution_provider: str | None = None,
     ) -> verification.ParityReport:
         """Compare onnxruntime (modular and flat) with PyTorch on new inputs.
 
         With no arguments, re-checks the example inputs of the export. New inputs
-        need the PyTorch ``model`` to compute the reference.
+        need the PyTorch ``model`` to compute the reference. ``execution_provider``: as for
+        calling the result (CPU by default).
         """
         if args is None and kwargs is None:
             if self._reference is None:
@@ -85,7 +111,9 @@ class ModularExport:
             expected = verification.torch_outputs(model, args, kwargs)
         tolerance = verification.tolerance(rtol, atol)
         with model_file(self) as path:
-            return verification.verify_file(path, inputs, expected, flat=flat, tolerance=tolerance)
+            return verification.verify_file(
+                path, inputs, expected, flat=flat, tolerance=tolerance, execution_provider=execution_provider
+            )
 
     def localize(
         self,

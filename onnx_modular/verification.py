@@ -49,6 +49,7 @@ __all__ = [
     "flatten_outputs",
     "torch_outputs",
     "to_numpy",
+    "to_torch",
     "max_differences",
     "allclose",
     "fit_name",
@@ -128,6 +129,7 @@ def verify_file(
     *,
     flat: bool = True,
     tolerance: Tolerance | None = None,
+    execution_provider: str | None = None,
 ) -> ParityReport:
     """Run ``path`` (and its inlined copy) in onnxruntime on ``inputs``; compare with PyTorch's ``expected``."""
     return check_file(
@@ -137,7 +139,18 @@ def verify_file(
         reference_name="PyTorch",
         flat=flat,
         tolerance=tolerance,
+        execution_provider=execution_provider,
     )
+
+
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    """An onnxruntime output as a torch tensor (bfloat16 arrives as ml_dtypes' bfloat16)."""
+    import torch
+
+    array = np.asarray(array)
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
 def assert_parity(report: ParityReport, *, result=None) -> None:

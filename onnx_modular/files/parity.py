@@ -265,6 +265,7 @@ def check_file(
     reference_name: str = "expected",
     flat: bool = True,
     tolerance: Tolerance | None = None,
+    execution_provider: str | None = None,
 ) -> ParityReport:
     """Run ``path`` (and its inlined flat copy) in onnxruntime on ``feeds``; compare with ``expected``.
 
@@ -286,11 +287,11 @@ def check_file(
         ParityError: ``expected`` (a sequence) has another number of outputs than the model.
     """
     model = onnx.load(str(path), load_external_data=False)
-    names, modular = runtime.run(path, feeds)
+    names, modular = runtime.run(path, feeds, execution_provider=execution_provider)
     flat_outputs = None
     if flat:
         with runtime.flat_copy(path, model) as flat_model:
-            _, flat_outputs = runtime.run(flat_model, feeds, what="inlined flat copy")
+            _, flat_outputs = runtime.run(flat_model, feeds, what="inlined flat copy", execution_provider=execution_provider)
     reference = None
     if expected is not None:
         if isinstance(expected, Mapping):

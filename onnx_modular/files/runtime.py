@@ -19,10 +19,10 @@ import numpy as np
 import onnx
 import onnx.inliner
 
-from onnx_modular.errors import VerificationError
+from onnx_modular.errors import ExecutionProviderError, VerificationError
 from onnx_modular.files._proto import uses_external_data
 
-__all__ = ["session", "run", "output_names", "scratch_file", "flat_copy", "first_line"]
+__all__ = ["execution_providers", "session", "run", "output_names", "scratch_file", "flat_copy", "first_line"]
 
 
 def first_line(exc: BaseException) -> str:
@@ -30,18 +30,45 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:400] if text else type(exc).__name__
 
 
-def session(model: str | os.PathLike | bytes):
-    """A CPU ``onnxruntime.InferenceSession`` with warnings silenced.
+def execution_providers(execution_provider: str | None = None) -> list[str]:
+    """onnxruntime's provider list for ``execution_provider`` (CPU when ``None``), with CPU kept as
+    the fallback for the operators another provider does not run.
+
+    Accepts onnxruntime's names (``CUDAExecutionProvider``) or their short form (``cuda``).
 
     Raises:
+        ExecutionProviderError: This onnxruntime build does not have the provider.
+    """
+    import onnxruntime as ort
+
+    if execution_provider is None:
+        return ["CPUExecutionProvider"]
+    available = ort.get_available_providers()
+    wanted = execution_provider.lower().removesuffix("executionprovider")
+    match = next((name for name in available if name.lower().removesuffix("executionprovider") == wanted), None)
+    if match is None:
+        raise ExecutionProviderError(
+            f"onnxruntime has no execution provider {execution_provider!r}; this build has: {', '.join(available)}.",
+            hint="Install the onnxruntime package built for that provider (onnxruntime-gpu for CUDA), "
+            "or use one of the providers listed.",
+        )
+    return [match] if match == "CPUExecutionProvider" else [match, "CPUExecutionProvider"]
+
+
+def session(model: str | os.PathLike | bytes, execution_provider: str | None = None):
+    """An ``onnxruntime.InferenceSession`` (CPU unless ``execution_provider``) with warnings silenced.
+
+    Raises:
+        ExecutionProviderError: This onnxruntime build lacks the provider.
         VerificationError: onnxruntime cannot load the model.
     """
     import onnxruntime as ort
 
+    providers = execution_providers(execution_provider)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     try:
-        return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
         raise VerificationError(
             f"onnxruntime cannot load the model: {first_line(e)}",
@@ -51,9 +78,15 @@ def session(model: str | os.PathLike | bytes):
 
 
 def run(
-    model: str | os.PathLike | bytes, feeds: Mapping[str, np.ndarray] | Sequence[np.ndarray], *, what: str = "model"
+    model,
+    feeds: Mapping[str, np.ndarray] | Sequence[np.ndarray],
+    *,
+    what: str = "model",
+    execution_provider: str | None = None,
 ) -> tuple[list[str], list[np.ndarray]]:
     """Run a model on ``feeds`` (by name, or one array per input in order).
+
+    ``model`` is a file path, a serialized model, or an open session (which is reused).
 
     Returns:
         (output names, output arrays).
@@ -61,7 +94,7 @@ def run(
     Raises:
         VerificationError: The model cannot be loaded or run, or the inputs do not fit.
     """
-    sess = session(model)
+    sess = model if hasattr(model, "get_inputs") else session(model, execution_provider)
     names = [i.name for i in sess.get_inputs()]
     if not isinstance(feeds, Mapping):
         feeds = list(feeds)

@@ -1,0 +1,233 @@
+"""The ``"onnx_modular"`` backend of ``transformers.exporters``: config, exporter and runner.
+
+:class:`ModularOnnxExporter` is transformers' own ``OnnxExporter`` with one step swapped: where
+that exporter converts the captured ``torch.export`` program with ``torch.onnx.export`` (a flat
+graph), this one converts it with :func:`onnx_modular.export_modular`. Everything around that
+step is transformers' code, run as it is: the model patches and pytree registrations, the
+signature and config patches, the FX node fixes (after capture, and again after the
+decompositions, through ``program_fixes``), its custom translation table (handed over in the
+call), the output naming, the ONNX IR fixes and the recorded metadata. The parity check then
+runs on the final program, after those fixes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+import onnx_ir as ir
+import torch
+from transformers.exporters import auto
+from transformers.exporters.configs import OnnxConfig
+from transformers.exporters.exporter_dynamo import patch_forward_signature, patch_model_config, reset_model_state
+from transformers.exporters.exporter_onnx import OnnxExporter
+from transformers.exporters.runners.runner_onnx import OnnxModelRunner
+from transformers.exporters.utils import _OUTPUT_FLAGS, apply_fx_node_fixes, apply_patches
+
+from onnx_modular import _io, _torch_compat, verification
+from onnx_modular.errors import InvalidInputError
+from onnx_modular.export import ModularExport, ModuleSelector, export_modular
+
+__all__ = [
+    "EXPORT_FORMAT",
+    "ModularOnnxConfig",
+    "ModularOnnxExporter",
+    "ModularOnnxModelRunner",
+    "modular_result",
+    "register",
+]
+
+#: The name of the format in transformers' registry (``get_exporter_class("onnx_modular")``).
+EXPORT_FORMAT = "onnx_modular"
+
+#: Where the :class:`~onnx_modular.ModularExport` of a program is kept (``program.meta``).
+_RESULT_KEY = "onnx_modular.result"
+
+
+@dataclasses.dataclass
+class ModularOnnxConfig(OnnxConfig):
+    """transformers' ``OnnxConfig`` (``dynamic``, ``dynamic_shapes``, ``opset_version``,
+    ``optimize``, ...) plus onnx_modular's options.
+
+    Args:
+        modules: Which module calls become functions (``export_modular``'s ``modules``).
+        dedupe: Identical calls share one function.
+        verify: Check parity (onnxruntime, modular and flat, against PyTorch) on the final program;
+            a mismatch raises :class:`~onnx_modular.errors.ParityError`, whose ``result`` keeps the
+            exported model.
+        verify_flat: Also run the inlined (flat) copy in the check.
+        rtol: Relative tolerance of the check (default: per output dtype).
+        atol: Absolute tolerance of the check (default: per output dtype).
+    """
+
+    export_format: str = EXPORT_FORMAT
+    modules: ModuleSelector = "all"
+    dedupe: bool = True
+    verify: bool = True
+    verify_flat: bool = True
+    rtol: float | None = None
+    atol: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.ort_fusions is not None:
+            raise InvalidInputError(
+                f"ort_fusions={self.ort_fusions!r} rewrites the flat graph into onnxruntime's fused ops, "
+                "which would dissolve the module functions.",
+                hint="Export with the 'onnx' format for a fused flat graph, or leave ort_fusions unset.",
+            )
+        if self.quantizer is not None:
+            raise InvalidInputError(
+                "Quantization is not supported by the onnx_modular format yet.",
+                hint="Export with the 'onnx' format to quantize, or leave quantizer unset.",
+            )
+
+
+class ModularOnnxExporter(OnnxExporter):
+    """Exports a transformers model to a modular ONNX graph (an ``onnx_ir.Model`` whose module
+    calls are nested local functions), through transformers' ``OnnxExporter``.
+
+    Example::
+
+        exporter = ModularOnnxExporter()
+        exported = exporter.export(model, {"input_ids": ids}, ModularOnnxConfig(dynamic=True))
+        exported(input_ids=ids).logits
+        modular_result(exported).hierarchy        # the function tree, the parity report, ...
+    """
+
+    export_format = EXPORT_FORMAT
+    config_class = ModularOnnxConfig
+    # onnx_modular pins torch (its private exporter stages; see onnx_modular/_torch_compat.py).
+    tested_versions = {"torch": _torch_compat.TESTED_TORCH_VERSIONS[-1]}
+
+    def export_program(
+        self, model: torch.nn.Module, sample_inputs: MutableMapping[str, Any], config: ModularOnnxConfig
+    ) -> tuple[ir.Model, Any]:
+        # transformers pops these from the inputs and sets them on the config for the trace; the
+        # eager run of the modular pipeline sees the same config.
+        output_flags = {flag: sample_inputs[flag] for flag in _OUTPUT_FLAGS if flag in sample_inputs}
+        conversion = _ModularConversion(model, config, output_flags)
+        with conversion.replacing_torch_onnx_export():
+            program, metadata = super().export_program(model, sample_inputs, config)
+        result = conversion.result
+        if result is None or result.model is not program:
+            raise InvalidInputError(
+                "transformers' OnnxExporter did not convert the program through torch.onnx.export, so the "
+                "modular conversion could not take its place.",
+                hint="This transformers version is not supported by onnx_modular.hf; use transformers 5.23.",
+            )
+        program.meta[_RESULT_KEY] = result
+        if config.verify:
+            result.report = result.verify(rtol=config.rtol, atol=config.atol, flat=config.verify_flat)
+            verification.assert_parity(result.report, result=result)
+        return program, metadata
+
+    @classmethod
+    def save_program(cls, program: ir.Model, path) -> None:
+        """Written as the ``onnx`` format writes it (weights in ``<name>.onnx.data``), atomically
+        and checked with ``onnx.checker`` (full check) before it is moved into place."""
+        with _io.staged_save(program, path, external_data=True):
+            pass
+
+
+class _ModularConversion:
+    """Stands in for ``torch.onnx.export`` inside one ``OnnxExporter.export_program`` call."""
+
+    def __init__(self, model: torch.nn.Module, config: ModularOnnxConfig, output_flags: dict[str, Any]):
+        self.model = model
+        self.config = config
+        self.output_flags = output_flags
+        self.result: ModularExport | None = None
+        self._thread = threading.get_ident()
+
+    @contextlib.contextmanager
+    def replacing_torch_onnx_export(self) -> Iterator[None]:
+        original = torch.onnx.export
+
+        @functools.wraps(original)
+        def export(model, args=(), *rest, **kwargs):
+            # Only the call of this export, on this thread: anything else is torch's as usual.
+            if self.result is not None or threading.get_ident() != self._thread or rest:
+                return original(model, args, *rest, **kwargs)
+            if not isinstance(model, torch.export.ExportedProgram):
+                return original(model, args, **kwargs)
+            return self.convert(model, args, **kwargs)
+
+        torch.onnx.export = export
+        try:
+            yield
+        finally:
+            torch.onnx.export = original
+
+    def convert(
+        self,
+        program: torch.export.ExportedProgram,
+        args: tuple = (),
+        *,
+        kwargs: dict | None = None,
+        input_names: list[str] | None = None,
+        custom_translation_table: dict | None = None,
+        opset_version: int | None = None,
+        optimize: bool = True,
+        **unused: Any,
+    ) -> torch.onnx.ONNXProgram:
+        config, model, kwargs = self.config, self.model, dict(kwargs or {})
+        # A copy: transformers' forward wrapper appends the names of every later call to the list.
+        input_names = list(input_names) if input_names is not None else None
+        # The eager run records every module call; it runs in the state torch.export traced in.
+        with (
+            reset_model_state(model),
+            patch_model_config(model, self.output_flags),
+            apply_patches("dynamo"),
+            patch_forward_signature(model, kwargs),
+        ):
+            self.result = export_modular(
+                model,
+                tuple(args),
+                kwargs=kwargs,
+                input_names=input_names,
+                opset_version=opset_version,
+                modules=config.modules,
+                dedupe=config.dedupe,
+                optimize=optimize,
+                verify=False,  # checked on the final program, after transformers' IR fixes
+                custom_translation_table=custom_translation_table,
+                exported_program=program,
+                program_fixes=[functools.partial(apply_fx_node_fixes, "onnx")],
+            )
+        return torch.onnx.ONNXProgram(self.result.model, program)
+
+
+class ModularOnnxModelRunner(OnnxModelRunner):
+    """Runs a modular program in onnxruntime: transformers' ONNX runner (local functions are
+    standard ONNX, run by onnxruntime as they are), registered under ``"onnx_modular"``."""
+
+
+def modular_result(exported: Any, component: str | None = None) -> ModularExport:
+    """The :class:`~onnx_modular.ModularExport` of an export (its ``hierarchy``, parity ``report``,
+    ``localize(model)``, ...): from an ``ExportedModel`` (its one component, or ``component``)
+    or a program. Programs loaded with ``from_pretrained`` have none (only their file).
+    """
+    program = exported
+    if hasattr(exported, "components"):
+        name = component if component is not None else exported._single_component()
+        program = exported.components[name].program
+    result = getattr(program, "meta", {}).get(_RESULT_KEY)
+    if result is None:
+        raise InvalidInputError(
+            "This program carries no export result (it was loaded from a file, or exported by another format).",
+            hint="Inspect a saved file with `onnx-modular tree` / `onnx-modular verify`.",
+        )
+    return result
+
+
+def register() -> None:
+    """Register the format with transformers (idempotent; ``import onnx_modular.hf`` calls it)."""
+    backend = auto.EXPORT_BACKENDS.get(EXPORT_FORMAT)
+    if backend is not None and backend.exporter is ModularOnnxExporter:
+        return
+    auto.register_backend(ModularOnnxExporter, ModularOnnxModelRunner)
