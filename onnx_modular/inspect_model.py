@@ -18,15 +18,12 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 import json
 import math
 import os
 import pathlib
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -35,7 +32,7 @@ import onnx
 import onnx.inliner
 from google.protobuf import message as protobuf_message
 
-from onnx_modular import verification
+from onnx_modular import _io, verification
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 
 __all__ = [
@@ -822,24 +819,6 @@ def _resolve_function_ids(model: onnx.ModelProto, selectors: Sequence[str]) -> l
     return resolved
 
 
-@contextlib.contextmanager
-def _atomic_destination(destination: pathlib.Path) -> Iterator[pathlib.Path]:
-    """A private folder next to ``destination``; its files are moved into place on success."""
-    parent = destination.parent
-    if destination.is_dir():
-        raise InvalidInputError(f"The output path {str(destination)!r} is a directory.")
-    if not parent.is_dir():
-        raise InvalidInputError(f"The output folder {str(parent)!r} does not exist.")
-    tmpdir = pathlib.Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=parent))
-    try:
-        yield tmpdir
-        # Data first: the model file only appears once everything it refers to is in place.
-        for staged in sorted(tmpdir.iterdir(), key=lambda p: p.name == destination.name):
-            os.replace(staged, parent / staged.name)
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
-
-
 def inline_file(
     source: str | os.PathLike,
     destination: str | os.PathLike,
@@ -857,7 +836,7 @@ def inline_file(
     Uses ``onnx.inliner.inline_local_functions`` (everything) or
     ``onnx.inliner.inline_selected_functions`` (the functions named in ``only``, each
     ``name`` or ``domain:name``; calls nested inside them stay calls unless selected too).
-    A model with external data gets its own copy of the weights (``<destination>.data``).
+    A model with external data gets its own copy of the weights (``<destination>.<8 hex>.data``).
     Nothing is left at ``destination`` if any step fails.
 
     Returns:
@@ -882,13 +861,9 @@ def inline_file(
         import onnxscript.optimizer
 
         flat = onnxscript.optimizer.optimize(flat)
-    with _atomic_destination(destination) as tmpdir:
-        staged = tmpdir / destination.name
+    with _io.atomic_write(destination) as staging:
         try:
-            if external:
-                onnx.save(flat, str(staged), save_as_external_data=True, location=destination.name + ".data")
-            else:
-                onnx.save(flat, str(staged))
+            onnx.save(flat, str(staging.model_path), save_as_external_data=external, location=staging.data_location)
         except (OSError, ValueError) as e:
             raise InvalidInputError(f"Writing {str(destination)!r} failed: {e}") from e
     return flat
