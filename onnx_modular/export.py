@@ -533,6 +533,7 @@ def export_modular(
         # place (a KV cache appends to itself), and the user's objects must stay as given.
         expected_outputs, signatures, eager_calls = _eager_run(model, *verification.copy_inputs(args, kwargs))
         model_io.register_input_types(model, {"args": args, "kwargs": kwargs, "output": expected_outputs})
+        model_io.check_outputs(expected_outputs)
         dynamic_shapes = model_io.expand_dynamic_shapes(model, args, kwargs, dynamic_shapes)
         try:
             program = _torch_compat.capture(model, args, kwargs, dynamic_shapes)
