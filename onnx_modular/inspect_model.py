@@ -848,7 +848,7 @@ def inline_file(
         inline_file("gpt2.onnx", "gpt2.noblock.onnx", only=["GPT2Block"])
         inline_file("gpt2.onnx", "gpt2.deploy.onnx", optimize=True)
     """
-    destination = pathlib.Path(destination)
+    destination = _io.check_destination(destination)  # before the work: a bad path fails fast
     model = load_model_file(source)
     external = _uses_external_data(model)
     if external:

@@ -325,3 +325,20 @@ def test_a_path_without_a_file_name_is_refused_before_the_export(tmp_path, monke
     with pytest.raises(SaveError, match="has no file name"):
         export_modular(Unexportable(), (torch.randn(2, 8),), name)
     assert listing(tmp_path) == []
+
+
+def test_inline_uses_the_same_writer(tmp_path, sources):
+    """``onnx-modular inline`` with external data: per-write data names, long names, bad paths."""
+    from onnx_modular.cli import main
+
+    source = sources / "1" / "m.onnx"
+    dest = tmp_path / "flat.onnx"
+    for _ in range(2):  # the second write replaces the pair and removes the first data file
+        assert main(["inline", str(source), str(dest)]) == 0
+    assert_one_pair(tmp_path, "flat.onnx")
+    assert_holds(dest, 1)
+    long_name = "f" * (os.pathconf(tmp_path, "PC_NAME_MAX") - 5) + ".onnx"
+    assert main(["inline", str(source), str(tmp_path / long_name)]) == 0
+    assert_holds(tmp_path / long_name, 1)
+    assert main(["inline", str(source), str(tmp_path / "out") + "/"]) == 2  # no file name: refused
+    assert len(listing(tmp_path)) == 4
