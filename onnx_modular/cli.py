@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from onnx_modular import _io
 from onnx_modular.errors import InvalidInputError, OnnxModularError, ParityError
 from onnx_modular.files import check_feeds, function_tree, inline_file, load_model_file, model_inputs, random_inputs
 from onnx_modular.files.parity import Tolerance
@@ -90,7 +91,7 @@ def _load_factory(spec: str):
         module = importlib.util.module_from_spec(module_spec)
         try:
             module_spec.loader.exec_module(module)
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise InvalidInputError(f"Running {module_name!r} failed: {type(e).__name__}: {e}") from e
     else:
         # Like `python -m`, find modules in the current folder (console scripts do not).
@@ -100,7 +101,7 @@ def _load_factory(spec: str):
             module = importlib.import_module(module_name)
         except ImportError as e:
             raise InvalidInputError(f"Cannot import {module_name!r}: {e}") from e
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise InvalidInputError(f"Importing {module_name!r} failed: {type(e).__name__}: {e}") from e
     target: Any = module
     for part in attribute.split("."):
@@ -117,6 +118,11 @@ def _call_factory(spec: str) -> dict[str, Any]:
     factory = _load_factory(spec)
     try:
         result = factory()
+    except SystemExit as e:
+        raise InvalidInputError(
+            f"The factory {spec!r} exited (SystemExit({e.code!r})) instead of returning a model.",
+            hint="A factory must return (model, args) or a dict with 'model'; it must not call sys.exit().",
+        ) from e
     except Exception as e:
         raise InvalidInputError(f"The factory {spec!r} raised {type(e).__name__}: {e}") from e
     keys = ("model", "args", "kwargs", "dynamic_shapes")
@@ -564,7 +570,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     verbose = getattr(args, "verbose", False)
     try:
-        return args.run(args)
+        with _io.interrupt_on_sigterm():  # SIGTERM cleans up like Ctrl-C
+            return args.run(args)
     except _Mismatch as e:
         _stderr(f"error: {e}")
         return EXIT_MISMATCH
@@ -574,9 +581,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The whole message: what failed, the module involved, and "What to do:".
         _stderr(f"error: {e}")
         return EXIT_MISMATCH if isinstance(e, ParityError) else EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         _stderr("interrupted")
-        return 130
+        return 128 + getattr(e, "signum", 2)  # 130 for SIGINT, 143 for SIGTERM
     except BrokenPipeError:
         # The reader went away (`onnx-modular tree m.onnx | head`): not an error.
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -227,6 +227,7 @@ def export_modular(
                 hint="Check that the example inputs have the shapes and dtypes forward() expects.",
             ) from e
         model_io.register_input_types(model, {"args": args, "kwargs": kwargs, "output": expected_outputs})
+        model_io.check_outputs(expected_outputs)
         dynamic_shapes = model_io.expand_dynamic_shapes(model, args, kwargs, dynamic_shapes)
         try:
             program = exported_program or _torch_compat.capture(model, args, kwargs, dynamic_shapes)

@@ -17,6 +17,7 @@ import torch
 
 from onnx_modular import metadata
 from onnx_modular.calltree import CallTree, ModuleCall
+from onnx_modular.errors import ModularizeError
 
 __all__ = ["build_call_tree", "module_info", "package_of"]
 
@@ -90,6 +91,7 @@ def build_call_tree(
         index)`` in the tree. An instance reachable under two attribute paths is matched
         by instance and call order, so its calls are not listed twice.
     """
+    _check_one_path_per_key(stacks)
     root_cls = type(model)
     qualified, package, version, source = module_info(model, "")
     root = ModuleCall("", "", 0, qualified, package, version, source)
@@ -143,6 +145,28 @@ def build_call_tree(
             modules,
         )
     return CallTree(root), key_of_call
+
+
+def _check_one_path_per_key(stacks: list[dict[str, tuple[str, Any]]]) -> None:
+    """Refuse a stack key shared by two module paths.
+
+    torch.export keys the n-th call of ``x`` as ``x@n``; a submodule whose own name is
+    ``x@1`` (a ``ModuleDict`` key) gets the same key, and the two calls would merge.
+    """
+    paths: dict[str, str] = {}
+    for stack in stacks:
+        for key, (path, _) in stack.items():
+            first = paths.setdefault(key, path)
+            if first != path:
+                renamed = first if metadata.split_call_name(first)[1] else path
+                raise ModularizeError(
+                    f"The modules {first!r} and {path!r} share torch.export's call key {key!r}: a module "
+                    f"named like a repeated call ('name@N') collides with the N-th call of 'name', and "
+                    "their calls cannot be told apart.",
+                    module_path=renamed,
+                    hint=f"Rename the submodule {renamed!r} so that its name does not end in '@<number>' "
+                    "(for example '_' instead of '@' in the ModuleDict key).",
+                )
 
 
 def _add_eager_calls(root: ModuleCall, by_key: dict[str, ModuleCall], eager_calls, modules) -> None:

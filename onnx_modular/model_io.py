@@ -193,6 +193,31 @@ def output_leaf_names(outputs: Any) -> list[str]:
     return leaf_names([("output", outputs)])
 
 
+def check_outputs(outputs: Any) -> None:
+    """Refuse a return value with no tensor, or with values ONNX cannot output (str, int, ...).
+
+    ``None`` inside a container is allowed (torch.export drops it).
+    """
+    leaves = pytree.tree_flatten_with_path(outputs)[0]
+    for keys, leaf in leaves:
+        if not isinstance(leaf, torch.Tensor) and leaf is not None:
+            where = _key_path("output", keys)
+            shown = repr(leaf)
+            raise InvalidInputError(
+                f"forward() returned a value of type {type(leaf).__name__} at {where} ({shown[:60]}{'...' if len(shown) > 60 else ''}); "
+                "ONNX outputs can only be tensors.",
+                module_path="",
+                hint="Return tensors only (in tuples, lists or dicts): wrap numbers with torch.tensor(...) or drop them.",
+            )
+    if not any(isinstance(leaf, torch.Tensor) for _, leaf in leaves):
+        raise InvalidInputError(
+            f"forward() returned {type(outputs).__name__ if outputs is not None else 'None'}, with no tensor in it: "
+            "the ONNX model would have no output.",
+            module_path="",
+            hint="Return the tensors the model computes.",
+        )
+
+
 # -- dynamic shapes ------------------------------------------------------------------
 
 

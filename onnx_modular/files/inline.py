@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
-import shutil
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import onnx
 import onnx.inliner
 
+from onnx_modular import _io
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.files._proto import uses_external_data
 from onnx_modular.files.load import load_model_file
@@ -37,24 +35,6 @@ def _resolve_function_ids(model: onnx.ModelProto, selectors: Sequence[str]) -> l
     return resolved
 
 
-@contextlib.contextmanager
-def _atomic_destination(destination: pathlib.Path) -> Iterator[pathlib.Path]:
-    """A private folder next to ``destination``; its files are moved into place on success."""
-    parent = destination.parent
-    if destination.is_dir():
-        raise InvalidInputError(f"The output path {str(destination)!r} is a directory.")
-    if not parent.is_dir():
-        raise InvalidInputError(f"The output folder {str(parent)!r} does not exist.")
-    tmpdir = pathlib.Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=parent))
-    try:
-        yield tmpdir
-        # Data first: the model file only appears once everything it refers to is in place.
-        for staged in sorted(tmpdir.iterdir(), key=lambda p: p.name == destination.name):
-            os.replace(staged, parent / staged.name)
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
-
-
 def inline_file(
     source: str | os.PathLike,
     destination: str | os.PathLike,
@@ -72,7 +52,7 @@ def inline_file(
     Uses ``onnx.inliner.inline_local_functions`` (everything) or
     ``onnx.inliner.inline_selected_functions`` (the functions named in ``only``, each
     ``name`` or ``domain:name``; calls nested inside them stay calls unless selected too).
-    A model with external data gets its own copy of the weights (``<destination>.data``).
+    A model with external data gets its own copy of the weights (``<destination>.<8 hex>.data``).
     Nothing is left at ``destination`` if any step fails.
 
     Returns:
@@ -84,7 +64,7 @@ def inline_file(
         inline_file("gpt2.onnx", "gpt2.noblock.onnx", only=["GPT2Block"])
         inline_file("gpt2.onnx", "gpt2.deploy.onnx", optimize=True)
     """
-    destination = pathlib.Path(destination)
+    destination = _io.check_destination(destination)  # before the work: a bad path fails fast
     model = load_model_file(source)
     external = uses_external_data(model)
     if external:
@@ -97,13 +77,9 @@ def inline_file(
         import onnxscript.optimizer
 
         flat = onnxscript.optimizer.optimize(flat)
-    with _atomic_destination(destination) as tmpdir:
-        staged = tmpdir / destination.name
+    with _io.atomic_write(destination) as staging:
         try:
-            if external:
-                onnx.save(flat, str(staged), save_as_external_data=True, location=destination.name + ".data")
-            else:
-                onnx.save(flat, str(staged))
+            onnx.save(flat, str(staging.model_path), save_as_external_data=external, location=staging.data_location)
         except (OSError, ValueError) as e:
             raise InvalidInputError(f"Writing {str(destination)!r} failed: {e}") from e
     return flat

@@ -1,0 +1,724 @@
+"""Fuzz the file tools (``tree``, ``inline``, ``verify``) with malformed ONNX files.
+
+Each case is one file (sometimes a folder with external data, a FIFO or a device) made
+from a real export (bytes mutated: flips, truncation, splices, huge varints; or the
+protobuf edited: huge dims, bad external-data references, odd names and metadata) or
+generated from scratch (local functions with recursion, missing callees, deep nesting,
+call-expansion bombs of 24 functions each calling the one below twice, directly or
+through ``If`` branches, many large inputs). Every command runs through the public CLI
+entry point ``onnx_modular.cli.main([...])`` in its own child process, with a timeout
+and an address-space limit (``RLIMIT_AS``), and its outcome is classified:
+
+- ``ok``: exit 0, or exit 1/2 with an ``error:`` line and no traceback;
+- failures: ``traceback`` (an uncaught exception, or exit 3 "internal error"),
+  ``signal`` (killed by a signal: segfault, abort), ``timeout``, ``memory`` (the address
+  space limit was hit: ``MemoryError`` or ``std::bad_alloc``), ``no-error-line``.
+
+Children are forked from a server process that has already imported the CLI (and frozen
+its objects out of the garbage collector), so a command costs its own work, not an
+interpreter start.
+
+Examples::
+
+    python scripts/fuzz_files.py --cases 2000 --log fuzz_files.jsonl     # the campaign
+    python scripts/fuzz_files.py --cases 1000 --first 1000 --log b.jsonl  # its second half, in parallel
+    python scripts/fuzz_files.py --cases 50 --timeout 5                  # a quick run
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gc
+import json
+import os
+import pathlib
+import random
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable
+
+import onnx
+from onnx import TensorProto, helper
+
+COMMANDS = ("tree", "inline", "verify")
+FAILURES = ("traceback", "signal", "timeout", "memory", "no-error-line")
+DOMAIN = "pkg.fuzz"
+
+# -- running one command in a limited child --------------------------------------------
+
+
+def _child(argv: list[str], cwd: str, memory_bytes: int) -> None:
+    """In the forked child: limits, redirections, then the CLI; never returns."""
+    os.chdir(cwd)
+    for fd, name in ((0, os.devnull), (1, ".stdout"), (2, ".stderr")):
+        handle = os.open(name, os.O_RDONLY) if fd == 0 else os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(handle, fd)
+        os.close(handle)
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the child exits below
+    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    with open("/proc/self/statm") as statm:
+        limit = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + memory_bytes
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    code = 4
+    try:
+        from onnx_modular.cli import main
+
+        code = main(argv)
+    except BaseException:  # noqa: BLE001 - what escapes main() is a finding, printed as such
+        import traceback
+
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 4)
+
+
+def serve() -> None:
+    """The fork server: import the CLI once, then fork one child per request line.
+
+    Request (stdin, one JSON line): ``{"argv": [...], "cwd": ..., "timeout": s, "memory": bytes}``;
+    answer (stdout): ``{"exitcode": n (negative: signal), "timed_out": bool, "seconds": s}``.
+    """
+    import onnx.inliner  # noqa: F401 - everything the commands import, imported once
+    import onnxruntime  # noqa: F401
+
+    import onnx_modular.cli  # noqa: F401
+
+    gc.freeze()  # children would otherwise copy every inherited page on their first collection
+    requests, answers = sys.stdin, sys.stdout
+    for line in requests:
+        request = json.loads(line)
+        start = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            _child(request["argv"], request["cwd"], request["memory"])
+        timed_out, status = False, 0
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() - start > request["timeout"]:
+                timed_out = True
+                os.kill(pid, signal.SIGKILL)
+                _, status = os.waitpid(pid, 0)
+                break
+            time.sleep(0.005)
+        exitcode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        answers.write(json.dumps({"exitcode": exitcode, "timed_out": timed_out, "seconds": time.monotonic() - start}) + "\n")
+        answers.flush()
+
+
+class ForkServer:
+    """A ``serve()`` process; restarted if it dies."""
+
+    def __init__(self):
+        self.process = None
+
+    def _start(self):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    def run(self, argv: list[str], cwd: pathlib.Path, timeout: float, memory_bytes: int) -> dict:
+        if self.process is None or self.process.poll() is not None:
+            self._start()
+        request = {"argv": argv, "cwd": str(cwd), "timeout": timeout, "memory": memory_bytes}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError("the fork server died")
+        return json.loads(line)
+
+    def close(self):
+        if self.process is not None:
+            self.process.stdin.close()
+            self.process.wait()
+
+
+def classify(exitcode: int | None, stderr: str, timed_out: bool) -> str:
+    if timed_out:
+        return "timeout"
+    if "MemoryError" in stderr or "bad_alloc" in stderr:
+        return "memory"
+    if exitcode is not None and exitcode < 0:
+        return "signal"
+    if "Traceback (most recent call last)" in stderr:
+        return "traceback"
+    if exitcode == 0:
+        return "ok"
+    if exitcode in (1, 2) and re.search(r"^error: ", stderr, re.M):
+        return "ok"
+    return "no-error-line"
+
+
+def _exception_of(stderr: str) -> str:
+    """The last ``SomeError: ...`` line of a traceback (type only), or the signal text."""
+    for line in reversed(stderr.splitlines()):
+        match = re.match(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|bad_alloc)):?", line.strip())
+        if match:
+            return match.group(1)
+    if "bad_alloc" in stderr:
+        return "std::bad_alloc"
+    return ""
+
+
+def run_command(server: ForkServer, argv: list[str], cwd: pathlib.Path, timeout: float, memory_bytes: int) -> dict:
+    answer = server.run(argv, cwd, timeout, memory_bytes)
+    err = cwd / ".stderr"
+    stderr = err.read_text(errors="replace") if err.exists() else ""
+    outcome = classify(answer["exitcode"], stderr, answer["timed_out"])
+    result = {"argv": argv, "outcome": outcome, "exitcode": answer["exitcode"], "seconds": round(answer["seconds"], 2)}
+    if outcome != "ok":
+        result["exception"] = _exception_of(stderr) if outcome != "signal" else f"signal {-answer['exitcode']}"
+        result["stderr_tail"] = stderr[-600:]
+    return result
+
+
+# -- seeds: real exports ----------------------------------------------------------------
+
+_SEED_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, torch.nn as nn
+    from onnx_modular import export_modular
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(8)
+            self.proj = nn.Linear(8, 8)
+        def forward(self, x):
+            return x + torch.tanh(self.proj(self.norm(x)))
+
+    class Net(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.blocks = nn.ModuleList([Block() for _ in range(2)])
+            self.head = nn.Linear(8, width)
+        def forward(self, ids):
+            x = self.embed(ids)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x).softmax(-1)
+
+    torch.manual_seed(0)
+    folder = sys.argv[1]
+    ids = torch.randint(0, 16, (2, 5))
+    export_modular(Net(8).eval(), (ids,), folder + "/small.onnx")
+    export_modular(Net(64).eval(), (ids,), folder + "/external/ext.onnx", external_data=True)
+    """
+)
+
+
+def make_seeds(folder: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Export the seed models once (a subprocess: torch is needed only here)."""
+    seeds = {"small": folder / "small.onnx", "external": folder / "external" / "ext.onnx"}
+    if all(path.exists() for path in seeds.values()):
+        return seeds
+    (folder / "external").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", _SEED_SCRIPT, str(folder)], check=True, env=env, capture_output=True)
+    return seeds
+
+
+# -- case generators: each writes into ``case`` and returns the model file name ---------------
+
+Generator = Callable[[random.Random, pathlib.Path, dict], str]
+
+
+def _write(case: pathlib.Path, data: bytes, name: str = "m.onnx") -> str:
+    (case / name).write_bytes(data)
+    return name
+
+
+def _seed_bytes(rng: random.Random, seeds: dict) -> bytes:
+    return seeds["small"].read_bytes()
+
+
+def gen_bitflips(rng, case, seeds):
+    data = bytearray(_seed_bytes(rng, seeds))
+    for _ in range(rng.choice([1, 2, 4, 8, 32])):
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    return _write(case, bytes(data))
+
+
+def gen_byte_overwrite(rng, case, seeds):
+    data = bytearray(_seed_bytes(rng, seeds))
+    for _ in range(rng.choice([1, 3, 10])):
+        pos = rng.randrange(len(data))
+        chunk = bytes(rng.choice([0x00, 0xFF, 0x7F, 0x80, rng.randrange(256)]) for _ in range(rng.randint(1, 6)))
+        data[pos : pos + len(chunk)] = chunk
+    return _write(case, bytes(data))
+
+
+def gen_truncate(rng, case, seeds):
+    data = _seed_bytes(rng, seeds)
+    return _write(case, data[: rng.randrange(len(data))])
+
+
+def gen_splice(rng, case, seeds):
+    data = _seed_bytes(rng, seeds)
+    a, b = sorted(rng.randrange(len(data)) for _ in range(2))
+    c = rng.randrange(len(data))
+    return _write(case, data[:c] + data[a:b] + data[c:])
+
+
+def gen_huge_varint(rng, case, seeds):
+    data = bytearray(_seed_bytes(rng, seeds))
+    pos = rng.randrange(len(data) - 10)
+    data[pos : pos + 10] = b"\xff" * 9 + b"\x01"
+    return _write(case, bytes(data))
+
+
+def _seed_model(seeds: dict, which: str = "small") -> onnx.ModelProto:
+    return onnx.load(str(seeds[which]), load_external_data=False)
+
+
+def gen_huge_dim(rng, case, seeds):
+    model = _seed_model(seeds)
+    values = list(model.graph.input) + list(model.graph.output) + list(model.graph.value_info)
+    for value in rng.sample(values, min(len(values), rng.randint(1, 3))):
+        dims = value.type.tensor_type.shape.dim
+        if dims:
+            dims[rng.randrange(len(dims))].dim_value = rng.choice([2**31, 2**40 - 1, 2**62, 0])
+    return _write(case, model.SerializeToString())
+
+
+def gen_bad_callee(rng, case, seeds):
+    model = _seed_model(seeds)
+    calls = [n for n in model.graph.node if n.domain.startswith("pkg.")]
+    for function in model.functions:
+        calls += [n for n in function.node if n.domain.startswith("pkg.")]
+    node = rng.choice(calls)
+    how = rng.randrange(3)
+    if how == 0:
+        node.op_type = "Missing" + node.op_type
+    elif how == 1:
+        node.domain = "pkg.nowhere"
+    else:
+        del node.input[:]  # a call with too few inputs
+    return _write(case, model.SerializeToString())
+
+
+def gen_shuffled_functions(rng, case, seeds):
+    model = _seed_model(seeds)
+    functions = list(model.functions)
+    rng.shuffle(functions)
+    del model.functions[:]
+    model.functions.extend(functions)
+    # and one body loses a node (a dangling value reference)
+    function = rng.choice(model.functions)
+    if len(function.node) > 1:
+        del function.node[rng.randrange(len(function.node))]
+    return _write(case, model.SerializeToString())
+
+
+def gen_metadata(rng, case, seeds):
+    model = _seed_model(seeds)
+    targets = [model.metadata_props] + [f.metadata_props for f in model.functions]
+    props = rng.choice(targets)
+    value = rng.choice(
+        [
+            "[" * 100_000 + "]" * 100_000,
+            '{"a": ' * 5000 + "1" + "}" * 5000,
+            "not json",
+            json.dumps([{"x": 1}, 2, None]),
+            "\x1b[31mred\x1b[0m",
+            json.dumps(["a" * 100_000]),
+        ]
+    )
+    key = rng.choice(["pkg.onnx_modular.module_paths", "pkg.onnx_modular.class", "pkg.onnx_modular.call_count"])
+    for prop in props:
+        if prop.key == key:
+            prop.value = value
+            break
+    else:
+        props.add(key=key, value=value)
+    return _write(case, model.SerializeToString())
+
+
+def gen_bad_utf8(rng, case, seeds):
+    """Invalid UTF-8 in names: protobuf (python) refuses to set it, so edit the bytes."""
+    model = _seed_model(seeds)
+    marker = "Q" * 12
+    where = rng.randrange(4)
+    if where == 0:
+        model.functions[0].name = marker
+        for f in model.functions[1:]:
+            for node in f.node:
+                if node.op_type == model.functions[0].name:
+                    node.op_type = marker
+        for node in model.graph.node:
+            if node.op_type == model.functions[0].name:
+                node.op_type = marker
+    elif where == 1:
+        model.graph.input[0].name = marker
+    elif where == 2:
+        model.functions[0].metadata_props.add(key="pkg.onnx_modular.module_paths", value=json.dumps([marker]))
+    else:
+        model.graph.node[0].name = marker
+    data = model.SerializeToString().replace(marker.encode(), b"\xff\xfe" + b"q" * 10)
+    return _write(case, data)
+
+
+def gen_external(rng, case, seeds):
+    """External data references: outside the folder, missing, absolute, huge offsets/lengths."""
+    model = _seed_model(seeds, "external")
+    source = seeds["external"].parent
+    for entry in source.iterdir():
+        if entry.name != seeds["external"].name:
+            shutil.copy(entry, case / entry.name)
+    tensors = [t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL]
+    tensor = rng.choice(tensors)
+    fields = {entry.key: entry for entry in tensor.external_data}
+    how = rng.randrange(6)
+    if how == 0:
+        fields["location"].value = "../" * rng.randint(1, 4) + "outside.bin"
+    elif how == 1:
+        fields["location"].value = "/etc/hostname"
+    elif how == 2:
+        fields["location"].value = "missing.data"
+    elif how == 3 and "offset" in fields:
+        fields["offset"].value = str(rng.choice([2**40, 2**63 - 1, -5]))
+    elif how == 4 and "length" in fields:
+        fields["length"].value = str(rng.choice([2**40, 2**63 - 1, 0, -1]))
+    else:
+        fields["location"].value = rng.choice(["", ".", "sub/../../x", "a\x00b"])
+    return _write(case, model.SerializeToString())
+
+
+def gen_special_file(rng, case, seeds):
+    how = rng.randrange(3)
+    if how == 0:
+        os.mkfifo(case / "m.onnx")
+    elif how == 1:
+        os.symlink("/dev/zero", case / "m.onnx")
+    else:
+        (case / "m.onnx").mkdir()
+    return "m.onnx"
+
+
+# -- generated function graphs ----------------------------------------------------------
+
+
+def _opsets():
+    return [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)]
+
+
+def _model(nodes, functions, inputs=None, outputs=None):
+    inputs = inputs or [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])]
+    outputs = outputs or [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])]
+    graph = helper.make_graph(nodes, "g", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=_opsets(), functions=functions)
+    model.ir_version = 10
+    return model
+
+
+def _call(name, inputs, outputs):
+    return helper.make_node(name, inputs, outputs, domain=DOMAIN)
+
+
+def bomb(depth: int = 24, fanout: int = 2, via_if: bool = False) -> onnx.ModelProto:
+    """``f0`` is one Relu; ``f{i}`` calls ``f{i-1}`` ``fanout`` times (or in both If branches)."""
+    functions = [helper.make_function(DOMAIN, "f0", ["a"], ["b"], [helper.make_node("Relu", ["a"], ["b"])], _opsets())]
+    for level in range(1, depth):
+        below = f"f{level - 1}"
+        if via_if:
+            def branch(tag):
+                nodes = [_call(below, ["a"], [f"{tag}0"]), _call(below, [f"{tag}0"], [f"{tag}1"])]
+                return helper.make_graph(nodes, tag, [], [helper.make_tensor_value_info(f"{tag}1", TensorProto.FLOAT, None)])
+
+            nodes = [
+                helper.make_node("ReduceSum", ["a"], ["s"], keepdims=0),
+                helper.make_node("Constant", [], ["zero"], value=helper.make_tensor("z", TensorProto.FLOAT, [], [0.0])),
+                helper.make_node("Greater", ["s", "zero"], ["c"]),
+                helper.make_node("If", ["c"], ["b"], then_branch=branch("t"), else_branch=branch("e")),
+            ]
+        else:
+            nodes, current = [], "a"
+            for i in range(fanout):
+                out = "b" if i == fanout - 1 else f"t{i}"
+                nodes.append(_call(below, [current], [out]))
+                current = out
+        functions.append(helper.make_function(DOMAIN, f"f{level}", ["a"], ["b"], nodes, _opsets()))
+    return _model([_call(f"f{depth - 1}", ["x"], ["y"])], functions)
+
+
+def gen_bomb(rng, case, seeds):
+    model = bomb(depth=rng.choice([16, 24, 32]), fanout=rng.choice([2, 3]), via_if=rng.random() < 0.4)
+    return _write(case, model.SerializeToString())
+
+
+def gen_recursion(rng, case, seeds):
+    n = rng.randint(1, 4)  # f0 -> f1 -> ... -> f{n-1} -> f0
+    functions = [
+        helper.make_function(DOMAIN, f"f{i}", ["a"], ["b"], [_call(f"f{(i + 1) % n}", ["a"], ["b"])], _opsets())
+        for i in range(n)
+    ]
+    if rng.random() < 0.5:  # the cycle hidden in an If branch
+        inner = helper.make_graph([_call("f0", ["a"], ["r"])], "t", [], [helper.make_tensor_value_info("r", TensorProto.FLOAT, None)])
+        functions[0] = helper.make_function(
+            DOMAIN,
+            "f0",
+            ["a", "c"],
+            ["b"],
+            [helper.make_node("If", ["c"], ["b"], then_branch=inner, else_branch=inner)],
+            _opsets(),
+        )
+    return _write(case, _model([_call("f0", ["x"], ["y"])], functions).SerializeToString())
+
+
+def gen_deep_chain(rng, case, seeds):
+    depth = rng.choice([150, 250, 1000, 5000])
+    functions = [helper.make_function(DOMAIN, "f0", ["a"], ["b"], [helper.make_node("Relu", ["a"], ["b"])], _opsets())]
+    for level in range(1, depth):
+        functions.append(helper.make_function(DOMAIN, f"f{level}", ["a"], ["b"], [_call(f"f{level - 1}", ["a"], ["b"])], _opsets()))
+    return _write(case, _model([_call(f"f{depth - 1}", ["x"], ["y"])], functions).SerializeToString())
+
+
+def gen_many_inputs(rng, case, seeds):
+    count = rng.choice([8, 40, 200])
+    side = rng.choice([4096, 8000])  # each input just under the per-input cap of 2**26 elements
+    inputs = [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [side, side]) for i in range(count)]
+    nodes, current = [], "x0"
+    for i in range(1, count):
+        nodes.append(helper.make_node("Add", [current, f"x{i}"], [f"s{i}"]))
+        current = f"s{i}"
+    nodes.append(helper.make_node("Identity", [current], ["y"]))
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [side, side])]
+    return _write(case, _model(nodes, [], inputs, outputs).SerializeToString())
+
+
+def gen_symbolic_dims(rng, case, seeds):
+    """Inputs with symbolic or missing dims and odd dtypes (random inputs must cope or refuse)."""
+    dtype = rng.choice([TensorProto.FLOAT, TensorProto.STRING, TensorProto.BFLOAT16, TensorProto.COMPLEX64, TensorProto.BOOL, 0])
+    shape = rng.choice([None, ["batch", 3], [-1, 3], [0, 3], ["", 2**33]])
+    inputs = [helper.make_tensor_value_info("x", dtype, shape)]
+    node = helper.make_node("Identity", ["x"], ["y"])
+    outputs = [helper.make_tensor_value_info("y", dtype, shape)]
+    return _write(case, _model([node], [], inputs, outputs).SerializeToString())
+
+
+GENERATORS: dict[str, tuple[Generator, float]] = {
+    # name: (generator, weight)
+    "bitflips": (gen_bitflips, 20),
+    "byte_overwrite": (gen_byte_overwrite, 12),
+    "truncate": (gen_truncate, 8),
+    "splice": (gen_splice, 8),
+    "huge_varint": (gen_huge_varint, 6),
+    "huge_dim": (gen_huge_dim, 5),
+    "bad_callee": (gen_bad_callee, 6),
+    "shuffled_functions": (gen_shuffled_functions, 4),
+    "metadata": (gen_metadata, 5),
+    "bad_utf8": (gen_bad_utf8, 4),
+    "external": (gen_external, 6),
+    "special_file": (gen_special_file, 2),
+    "bomb": (gen_bomb, 3),
+    "recursion": (gen_recursion, 3),
+    "deep_chain": (gen_deep_chain, 2),
+    "many_inputs": (gen_many_inputs, 2),
+    "symbolic_dims": (gen_symbolic_dims, 3),
+}
+
+_VERIFY_EXTRAS = [[], [], [], ["--seed", "-1"], ["--rtol", "nan"], ["--atol", "-1"], ["--dim", "batch=0"]]
+
+
+def commands_for(rng: random.Random, name: str) -> list[list[str]]:
+    return [
+        ["tree", name],
+        ["inline", name, "out.onnx"],
+        ["verify", name, *rng.choice(_VERIFY_EXTRAS)],
+    ]
+
+
+# -- the campaign -------------------------------------------------------------------------
+
+
+def run_campaign(
+    cases: int,
+    *,
+    seed: int = 0,
+    first: int = 0,
+    timeout: float = 20.0,
+    memory_mb: int = 2048,
+    only: list[str] | None = None,
+    log: pathlib.Path | None = None,
+    workdir: pathlib.Path | None = None,
+    progress: Callable[[int, dict], None] | None = None,
+    server: ForkServer | None = None,
+) -> list[dict]:
+    """Run ``cases`` cases (3 commands each); returns one record per case."""
+    names = only or list(GENERATORS)
+    weights = [GENERATORS[name][1] for name in names]
+    records = []
+    with contextlib.ExitStack() as stack:
+        if server is None:
+            server = ForkServer()
+            stack.callback(server.close)
+        root = workdir or pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fuzz_files-")))
+        seeds = make_seeds(root / "seeds")
+        log_file = stack.enter_context(open(log, "a")) if log else None  # noqa: SIM115
+        for index in range(first, first + cases):
+            rng = random.Random(f"{seed}:{index}")
+            kind = rng.choices(names, weights)[0]
+            case = root / f"case{index}"
+            case.mkdir()
+            try:
+                file_name = GENERATORS[kind][0](rng, case, seeds)
+            except Exception as e:  # noqa: BLE001 - a generator bug must not stop the campaign
+                record = {"case": index, "kind": kind, "generator_error": repr(e)}
+            else:
+                results = [run_command(server, argv, case, timeout, memory_mb << 20) for argv in commands_for(rng, file_name)]
+                record = {"case": index, "kind": kind, "seed": seed, "results": results}
+            records.append(record)
+            if log_file:
+                log_file.write(json.dumps(record) + "\n")
+                log_file.flush()
+            if progress:
+                progress(index, record)
+            shutil.rmtree(case, ignore_errors=True)
+    return records
+
+
+# Failures this harness found that issue 12 lists as open (items 1-7). A failure that no rule
+# matches is a new finding. Remove rules as their items are fixed.
+# Rules on the error text come first (a random byte flip can hit any item), then the case kind.
+OPEN_BY_TEXT = [
+    ("can't concat str to bytes", 5),  # protobuf returns bytes for invalid UTF-8
+    ("a bytes-like object is required", 5),
+    ('can only concatenate str (not "bytes")', 5),
+    ("expected non-negative integer", 7),  # verify --seed -1
+]
+OPEN_BY_KIND = {
+    ("special_file", "*"): 1,  # FIFO hangs, /dev/zero reads without limit
+    ("bomb", "inline"): 2,  # call-expansion bombs expand before any bound
+    ("bomb", "verify"): 2,
+    ("many_inputs", "verify"): 3,  # random inputs bounded per input, not in total
+    ("external", "inline"): 4,  # untyped errors for bad external-data references
+    ("external", "verify"): 4,
+    ("bad_utf8", "tree"): 5,
+    ("metadata", "tree"): 6,  # nested JSON in module_paths
+}
+
+
+def command_label(argv: list[str]) -> str:
+    """``tree``, ``inline``, ``verify``, or ``verify --seed`` when an extra flag was given."""
+    if argv[0] == "verify" and len(argv) > 2:
+        return f"verify {argv[2]}"
+    return argv[0]
+
+
+def open_item(kind: str, result: dict) -> int | None:
+    """The issue-12 item a failing result belongs to, or None for a new finding."""
+    text = result.get("stderr_tail", "")
+    for fragment, item in OPEN_BY_TEXT:
+        if fragment in text:
+            return item
+    command = result["argv"][0]
+    for key in ((kind, command), (kind, "*")):
+        if key in OPEN_BY_KIND:
+            return OPEN_BY_KIND[key]
+    return None
+
+
+def failure_classes(records: list[dict]) -> dict[tuple, list[int]]:
+    """(item or None, kind, command label, outcome, exception) -> case numbers."""
+    classes: dict[tuple, list[int]] = collections.defaultdict(list)
+    for record in records:
+        for result in record.get("results", []):
+            if result["outcome"] != "ok":
+                key = (
+                    open_item(record["kind"], result),
+                    record["kind"],
+                    command_label(result["argv"]),
+                    result["outcome"],
+                    result.get("exception", ""),
+                )
+                classes[key].append(record["case"])
+    return dict(classes)
+
+
+def new_failures(records: list[dict]) -> dict[tuple, list[int]]:
+    """The failure classes that match no open item."""
+    return {key: cases for key, cases in failure_classes(records).items() if key[0] is None}
+
+
+def summary(records: list[dict]) -> str:
+    lines = []
+    commands = sum(len(r.get("results", [])) for r in records)
+    failing = sum(1 for r in records for x in r.get("results", []) if x["outcome"] != "ok")
+    lines.append(f"{len(records)} cases, {commands} commands, {failing} failing commands")
+    errors = [r for r in records if "generator_error" in r]
+    if errors:
+        lines.append(f"{len(errors)} generator errors, e.g. {errors[0]['kind']}: {errors[0]['generator_error']}")
+    kinds = collections.Counter(r["kind"] for r in records)
+    lines.append("cases per kind: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
+    classes = failure_classes(records)
+    lines.append(f"  {'count':>5s}  {'item':4s} {'kind':18s} {'command':15s} {'outcome':13s} exception")
+    for (item, kind, command, outcome, exception), cases in sorted(classes.items(), key=lambda c: (c[0][0] or 99, -len(c[1]))):
+        lines.append(
+            f"  {len(cases):5d}  {item or 'NEW':>4} {kind:18s} {command:15s} {outcome:13s} {exception} e.g. case {cases[:5]}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--summarize", type=pathlib.Path, default=None, help="print the summary of a log and exit")
+    parser.add_argument("--cases", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--first", type=int, default=0, help="number of the first case (to split a campaign)")
+    parser.add_argument("--timeout", type=float, default=20.0, help="seconds per command")
+    parser.add_argument("--memory-mb", type=int, default=2048, help="address space per command above its start")
+    parser.add_argument("--only", nargs="*", choices=list(GENERATORS), help="only these case kinds")
+    parser.add_argument("--log", type=pathlib.Path, default=None, help="append one JSON line per case")
+    parser.add_argument("--workdir", type=pathlib.Path, default=None, help="keep seeds here (default: a temp folder)")
+    args = parser.parse_args(argv)
+    if args.serve:
+        serve()
+        return 0
+    if args.summarize:
+        records = [json.loads(line) for line in args.summarize.read_text().splitlines() if line.strip()]
+        print(summary(records))
+        return 1 if failure_classes(records) else 0
+    start = time.monotonic()
+
+    def progress(index: int, record: dict) -> None:
+        bad = [r["argv"][0] + ":" + r["outcome"] for r in record.get("results", []) if r["outcome"] != "ok"]
+        if bad or index % 50 == 0:
+            print(f"[{time.monotonic() - start:7.0f}s] case {index} {record['kind']}: {' '.join(bad) or 'ok'}", flush=True)
+
+    records = run_campaign(
+        args.cases,
+        seed=args.seed,
+        first=args.first,
+        timeout=args.timeout,
+        memory_mb=args.memory_mb,
+        only=args.only,
+        log=args.log,
+        workdir=args.workdir,
+        progress=progress,
+    )
+    print(summary(records))
+    print(f"wall time {time.monotonic() - start:.0f} s")
+    return 1 if failure_classes(records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
