@@ -18,6 +18,7 @@ builds it (``_compat.export_compat``): torchlib at the translation opset, then t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
@@ -168,7 +169,10 @@ def decompose(program: torch.export.ExportedProgram, reg) -> torch.export.Export
     from onnx_modular.passes.relax_views import relax_view_strides
 
     _, _fx_passes, _ = _exporter()
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True):  # as torch does
+    with (
+        torch.fx.experimental._config.patch(backed_size_oblivious=True),  # as torch does
+        _rnn_decompositions(program),
+    ):
         program = _fx_passes.decompose_with_registry(program, reg)
         graph_module = program.graph_module
         relax_view_strides(graph_module)
@@ -176,6 +180,16 @@ def decompose(program: torch.export.ExportedProgram, reg) -> torch.export.Export
         graph_module = _fx_passes.remove_assertion_nodes(graph_module)
         program._graph_module = graph_module
     return program
+
+
+def _rnn_decompositions(program: torch.export.ExportedProgram):
+    """torch >= 2.15 decomposes LSTM/GRU into ``while_loop`` when shapes are dynamic, so that the
+    sequence length is not specialized to the example's; 2.13 and 2.14 unroll the loop."""
+    if TORCH_VERSION >= (2, 15):
+        from torch.onnx._internal.exporter import _capture_strategies
+
+        return _capture_strategies.patch_dynamic_shape_rnn_decompositions(program.range_constraints)
+    return contextlib.nullcontext()
 
 
 def translate(program: torch.export.ExportedProgram, reg) -> ir.Model:
