@@ -605,6 +605,7 @@ def export_modular(
             opset.set_default_opset(model_ir, translated_opset)
             if optimize:
                 cleanup.optimize_functions(model_ir)
+                opset.fuse_standard_ops(model_ir)  # at 23: RMSNormalization for hand-written norms
                 FoldWeightTransposesPass()(model_ir)  # what the optimizer does flat, across calls
                 cleanup.remove_unused(model_ir)
             cleanup.fix_opset_imports(model_ir)

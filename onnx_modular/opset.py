@@ -26,7 +26,15 @@ import onnx_ir as ir
 
 from onnx_modular.errors import InvalidInputError
 
-__all__ = ["MIN_OPSET", "max_opset", "supported_opsets", "check_opset", "set_default_opset", "ConvertOpsetPass"]
+__all__ = [
+    "MIN_OPSET",
+    "max_opset",
+    "supported_opsets",
+    "check_opset",
+    "set_default_opset",
+    "ConvertOpsetPass",
+    "fuse_standard_ops",
+]
 
 #: The lowest opset a modular file can have: torchlib is written for 18, and onnx's
 #: converter brings it down to 17 (the oldest opset TensorRT 8.x and mobile runtimes read).
@@ -196,8 +204,65 @@ def _constant_as_tensor(node: onnx.NodeProto) -> None:
     node.attribute.append(onnx.helper.make_attribute("value", tensor))
 
 
+# onnx's converter has no 18 -> 17 adapter for Split and Pad; their opset-13 forms are done here,
+# and the nodes pass through the converter under this domain (custom domains are left alone).
+_DONE_DOMAIN = "pkg.onnx_modular.converted"
+
+
+def _split_pad_to_13(body: ir.Graph | ir.Function, what: str) -> bool:
+    """Split with ``num_outputs`` gets its sizes as an input; Pad without ``axes`` is unchanged."""
+    found = False
+    for node in list(ir.traversal.RecursiveGraphIterator(body)):
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ("Split", "Pad"):
+            continue
+        if node.op_type == "Pad" and len(node.inputs) > 3 and node.inputs[3] is not None:
+            raise InvalidInputError(
+                f"Pad with an axes input in {what} has no form below opset 18.",
+                hint="Export at opset 18 or above.",
+            )
+        if node.op_type == "Split" and "num_outputs" in node.attributes:
+            _split_sizes_as_input(node)
+        node.domain = _DONE_DOMAIN
+        found = True
+    return found
+
+
+def _split_sizes_as_input(node: ir.Node) -> None:
+    """Opset 18's ``num_outputs=n`` (chunks of ceil(d / n), the last one smaller) as sizes."""
+    n = node.attributes["num_outputs"].as_int()
+    del node.attributes["num_outputs"]
+    axis = node.attributes["axis"].as_int() if "axis" in node.attributes else 0
+    x = node.inputs[0]
+    graph = node.graph
+    new_nodes: list[ir.Node] = []
+
+    def add(op_type: str, inputs, **attributes) -> ir.Value:
+        created = ir.node(op_type, inputs, attributes=attributes)
+        created.metadata_props.update(node.metadata_props)
+        new_nodes.append(created)
+        return created.outputs[0]
+
+    def constant(values: list[int]) -> ir.Value:
+        return add("Constant", [], value=ir.tensor(values, dtype=ir.DataType.INT64))
+
+    dim = x.shape[axis] if x.shape is not None and -x.shape.rank() <= axis < x.shape.rank() else None
+    if isinstance(dim, int):
+        chunk = -(-dim // n)
+        sizes = constant([chunk] * (n - 1) + [dim - chunk * (n - 1)])
+    else:
+        d = add("Gather", [add("Shape", [x]), constant([axis])], axis=0)
+        chunk = add("Div", [add("Add", [d, constant([n - 1])]), constant([n])])
+        last = add("Sub", [d, add("Mul", [chunk, constant([n - 1])])])
+        sizes = add("Concat", [*([chunk] * (n - 1)), last], axis=0)
+    graph.insert_before(node, new_nodes)
+    node.resize_inputs(2)
+    node.replace_input_with(1, sizes)
+
+
 def _convert_body(model: ir.Model, body: ir.Graph | ir.Function, version: int, target: int) -> None:
     what = f"function {body.domain}:{body.name}" if isinstance(body, ir.Function) else "the main graph"
+    if version >= 18 > target and _split_pad_to_13(body, what):
+        body.opset_imports[_DONE_DOMAIN] = 1
     try:
         converted = onnx.version_converter.convert_version(_wrap(model, body, version), target)
     except Exception as e:
@@ -205,8 +270,11 @@ def _convert_body(model: ir.Model, body: ir.Graph | ir.Function, version: int, t
             f"onnx's version converter cannot bring {what} from opset {version} to {target}: {e}",
             hint="Export at another opset (18 and above need no conversion).",
         ) from e
+    body.opset_imports.pop(_DONE_DOMAIN, None)
     new_graph = ir.serde.deserialize_graph(converted.graph)
     for node in ir.traversal.RecursiveGraphIterator(new_graph):
+        if node.domain == _DONE_DOMAIN:
+            node.domain = ""
         _drop_unknown_default_attributes(node, version, target, what)
     _transplant(body, new_graph)
 
@@ -319,3 +387,50 @@ def _transplant(body: ir.Graph | ir.Function, new_graph: ir.Graph) -> None:
         new.shape = new.shape or old.shape
         new.metadata_props.update(old.metadata_props)
         body.outputs[i] = new
+
+
+def fuse_standard_ops(model: ir.Model) -> dict[str, int]:
+    """onnxscript's ONNX fusions (``onnxscript.rewriter.onnx_fusions``) inside every body.
+
+    At opset 23 they turn hand-written RMS norms (transformers' ``LlamaRMSNorm`` and the
+    like: ``pow``, ``mean``, ``rsqrt``) into one ``RMSNormalization``, which torch's translator
+    emits only for ``F.rms_norm``. The rules check the input dtype, which a function's formal
+    inputs lack (ONNX functions are untyped): each formal input gets, for the time of the
+    rewrite, the dtype all its callers pass (none when they disagree). Returns the counts.
+    """
+    from onnxscript.rewriter import onnx_fusions
+
+    if model.opset_imports.get("") != 23:  # the fusions target opset 23 only
+        return {}
+    typed = _type_formal_inputs(model)
+    try:
+        return onnx_fusions.fuse(model)
+    finally:
+        for value in typed:
+            value.type = None
+
+
+def _type_formal_inputs(model: ir.Model) -> list[ir.Value]:
+    """Give function formal inputs their callers' common dtype, outermost functions first."""
+    typed: list[ir.Value] = []
+    for _ in range(len(model.functions) + 1):  # a fixpoint is reached within the nesting depth
+        seen: dict[int, set] = {}
+        formals: dict[int, ir.Value] = {}
+        for body in _bodies(model):
+            for node in ir.traversal.RecursiveGraphIterator(body):
+                function = model.functions.get(node.op_identifier())
+                if function is None:
+                    continue
+                for formal, actual in zip(function.inputs, node.inputs):
+                    formals[id(formal)] = formal
+                    seen.setdefault(id(formal), set()).add(actual.type if actual is not None else None)
+        changed = False
+        for key, types in seen.items():
+            formal = formals[key]
+            if formal.type is None and len(types) == 1 and None not in types:
+                formal.type = next(iter(types))
+                typed.append(formal)
+                changed = True
+        if not changed:
+            break
+    return typed

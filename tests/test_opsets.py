@@ -59,8 +59,11 @@ def test_llama_opset_23_attention_is_one_op(llama_at):
     assert attention[23]["Softmax"] == 0
     for version in (17, 18, 20):
         assert attention[version]["Attention"] == 0 and attention[version]["Softmax"] == 1
-    # transformers' RMSNorm is written by hand (pow, mean, rsqrt): no fused op at any opset.
-    assert op_counts(functions_by_name(llama_at[23].model)["LlamaRMSNorm"])["RMSNormalization"] == 0
+    # transformers' RMSNorm is written by hand (pow, mean, rsqrt); onnxscript's fusion rule makes
+    # it one RMSNormalization at 23, inside the shared function body.
+    norms = {version: op_counts(functions_by_name(llama_at[version].model)["LlamaRMSNorm"]) for version in llama_at}
+    assert norms[23] == {"RMSNormalization": 1}
+    assert all(norms[version]["RMSNormalization"] == 0 and norms[version]["ReduceMean"] == 1 for version in (17, 18, 20))
 
 
 def test_opset_17_is_converted_body_by_body(llama_at):
@@ -282,3 +285,40 @@ def test_inline_converts_the_copy(tmp_path):
     with pytest.raises(InvalidInputError, match="possible opsets"):
         inspect_model.inline_file(source, tmp_path / "bad.onnx", opset_version=16)
     assert not (tmp_path / "bad.onnx").exists()
+
+
+_SPLIT_18_TEXT = """
+<ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>
+main (float[5, 3] x) => (float[3, 3] a, float[2, 3] b, float[3, 3] c, float[2, 3] d) {
+    a, b = pkg.test.Halves (x)
+    c, d = Split <axis = 0, num_outputs = 2> (x)
+}
+<domain: "pkg.test", opset_import: ["" : 18]>
+Halves (x) => (a, b) {
+    a, b = Split <axis = 0, num_outputs = 2> (x)
+}
+"""
+
+
+def test_split_num_outputs_converts_to_sizes_static_and_dynamic():
+    """onnx's converter has no 18 -> 17 Split adapter: ``num_outputs`` becomes a sizes input,
+    a constant where the dimension is known (main graph), computed where it is not (the
+    function's input has no shape). 5 rows in 2 chunks: 3 + 2, as opset 18 splits them."""
+    import numpy as np
+    import onnxruntime as ort
+
+    model = ir.from_onnx_text(_SPLIT_18_TEXT)
+    before = ir.to_proto(model).SerializeToString()
+    opset.ConvertOpsetPass(17)(model)
+    assert default_domain_imports(model) == {17}
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto, full_check=True)
+    splits = [node for node in ir.traversal.RecursiveGraphIterator(model.graph) if node.op_type == "Split"]
+    splits += [node for node in next(iter(model.functions.values())) if node.op_type == "Split"]
+    assert all(len(node.inputs) == 2 and "num_outputs" not in node.attributes for node in splits)
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    expected = ort.InferenceSession(before).run(None, {"x": x})
+    actual = ort.InferenceSession(proto.SerializeToString()).run(None, {"x": x})
+    assert [a.shape for a in actual] == [(3, 3), (2, 3), (3, 3), (2, 3)]
+    for a, e in zip(actual, expected):
+        np.testing.assert_array_equal(a, e)
