@@ -287,6 +287,18 @@ def test_inline_converts_the_copy(tmp_path):
     assert not (tmp_path / "bad.onnx").exists()
 
 
+def test_cli_inline_opset(tmp_path, capsys):
+    from onnx_modular.cli import main
+
+    source = tmp_path / "m.onnx"
+    ir.save(opset_18_model(), source)
+    assert main(["inline", str(source), str(tmp_path / "flat.onnx"), "--opset", "17"]) == 0
+    assert {o.version for o in onnx.load(tmp_path / "flat.onnx").opset_import if o.domain == ""} == {17}
+    assert main(["inline", str(source), str(tmp_path / "bad.onnx"), "--opset", "99"]) == 2
+    assert "possible opsets are 17 to" in capsys.readouterr().err
+    assert not (tmp_path / "bad.onnx").exists()
+
+
 _SPLIT_18_TEXT = """
 <ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>
 main (float[5, 3] x) => (float[3, 3] a, float[2, 3] b, float[3, 3] c, float[2, 3] d) {
