@@ -1,6 +1,6 @@
 """The only module that touches torch's private ONNX exporter API.
 
-torch 2.13's public ``torch.onnx.export(dynamo=True)`` always inlines local
+torch's public ``torch.onnx.export(dynamo=True)`` always inlines local
 functions (its version converter runs an inline pass and ``optimize=True`` inlines
 again), so onnx_modular drives the two private stages it needs directly:
 
@@ -9,21 +9,32 @@ again), so onnx_modular drives the two private stages it needs directly:
   between the decomposition and the type-promotion interpreter;
 * ``_core._exported_program_to_onnx_program`` (translate).
 
-Private API can change in any torch release, so the tested versions are pinned.
+Private API can change in any torch release: ``pyproject.toml`` admits torch
+``>=2.13,<2.16`` (:data:`ADMITTED_TORCH_VERSIONS`), and where those releases differ this
+module branches on :data:`TORCH_VERSION`. Each registry is built as ``torch.onnx.export``
+builds it (``_compat.export_compat``): torchlib at the translation opset, then the
+``custom_translation_table`` entries through ``ONNXRegistry.register_op``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import sys
 import warnings
+from collections.abc import Callable, Mapping
 
 import onnx_ir as ir
 import torch
 
 __all__ = [
     "TESTED_TORCH_VERSIONS",
+    "ADMITTED_TORCH_VERSIONS",
+    "TORCH_VERSION",
     "check_torch_version",
+    "registry",
+    "library_translations",
     "capture",
     "decompose",
     "translate",
@@ -35,18 +46,34 @@ __all__ = [
     "torch_dtype_to_ir",
 ]
 
-TESTED_TORCH_VERSIONS = ("2.13.0",)
+#: Releases the test suite ran against (``bash scripts/test-torch.sh <version>``).
+TESTED_TORCH_VERSIONS = ("2.13.0", "2.15.0")
+#: ``[low, high)`` as (major, minor), the range ``pyproject.toml`` admits.
+ADMITTED_TORCH_VERSIONS = ((2, 13), (2, 16))
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+#: The installed torch as (major, minor): what the version branches below test.
+TORCH_VERSION = _major_minor(torch.__version__)
 
 logger = logging.getLogger(__name__)
 
 
 def check_torch_version() -> None:
-    """Warn once if the installed torch is not a tested version."""
-    base = torch.__version__.split("+")[0]
-    if base not in TESTED_TORCH_VERSIONS:
+    """Warn if the installed torch is outside the admitted range (its private API may differ)."""
+    low, high = ADMITTED_TORCH_VERSIONS
+    if not low <= TORCH_VERSION < high:
         warnings.warn(
-            f"onnx_modular was tested with torch {', '.join(TESTED_TORCH_VERSIONS)}, "
-            f"found {torch.__version__}. It uses private torch.onnx internals that may have changed.",
+            f"onnx_modular supports torch >={low[0]}.{low[1]},<{high[0]}.{high[1]} "
+            f"(tested: {', '.join(TESTED_TORCH_VERSIONS)}), found {torch.__version__}. "
+            "It uses private torch.onnx internals that may have changed.",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -58,37 +85,70 @@ def _exporter():
     return _core, _fx_passes, _registration
 
 
-@functools.lru_cache(maxsize=4)
-def registry(opset_version: int | None = None):
-    """torch's registry of aten -> ONNX decompositions (cached: building it takes ~0.3 s)."""
-    _, _, _registration = _exporter()
-    # torchvision ops are registered only when torchvision imports; the warning is noise here.
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    if opset_version is None:
-        return _registration.ONNXRegistry.from_torchlib()
-    return _registration.ONNXRegistry.from_torchlib(opset_version=opset_version)
+def registry(opset_version: int | None = None, custom_translation_table: Mapping[Callable, Callable] | None = None):
+    """The registry ``torch.onnx.export`` would translate with, plus library translations.
 
-
-def _registry_for(opset_version: int | None, custom_translation_table: dict | None):
-    """The registry, with ``custom_translation_table`` registered on a fresh copy (as torch.onnx.export does)."""
+    Built at ``max(opset_version, 18)``: torchlib picks, per op, the implementation for that
+    opset (``Attention`` for SDPA at 23), and below 18 torch translates at 18 and converts
+    (:mod:`onnx_modular.opset` does that per body). ``custom_translation_table`` entries
+    are registered as ``torch.onnx.export`` registers them (they take precedence); ops
+    that torch cannot translate but an imported library can (:func:`library_translations`)
+    are registered last, only where torch has no translation.
+    """
+    opset = max(opset_version or default_opset(), default_opset())
     if not custom_translation_table:
-        return registry(opset_version)
-    return _custom_registry(opset_version, tuple(custom_translation_table.items()))
-
-
-@functools.lru_cache(maxsize=4)
-def _custom_registry(opset_version: int | None, custom_translation_table: tuple):
-    _, _, _registration = _exporter()
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    reg = _registration.ONNXRegistry.from_torchlib(
-        **({} if opset_version is None else {"opset_version": opset_version})
-    )
-    for torch_op, onnx_function in custom_translation_table:
-        reg.register_op(torch_op, onnx_function, is_complex=False)
+        return _cached_registry(opset, "transformers" in sys.modules)
+    reg = _new_registry(opset)
+    for torch_op, onnx_op in custom_translation_table.items():
+        if isinstance(onnx_op, (list, tuple)):  # as torch.onnx.export
+            raise TypeError("The value in custom_translation_table should be a single callable, not a sequence")
+        reg.register_op(torch_op, onnx_op, is_complex=False)
+    _fill_gaps(reg)
     return reg
 
 
+@functools.lru_cache(maxsize=8)
+def _cached_registry(opset: int, libraries_imported: bool):
+    """Cached (building takes ~0.3 s) and never mutated: a custom table gets a registry of its own."""
+    reg = _new_registry(opset)
+    _fill_gaps(reg)
+    return reg
+
+
+def _new_registry(opset: int):
+    _, _, _registration = _exporter()
+    # torchvision ops are registered only when torchvision imports; the warning is noise here.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    return _registration.ONNXRegistry.from_torchlib(opset_version=opset)
+
+
+def _fill_gaps(reg) -> None:
+    for torch_op, onnx_op in library_translations().items():
+        if not reg.is_registered(torch_op):
+            reg.register_op(torch_op, onnx_op, is_complex=False)
+
+
+def library_translations() -> dict[Callable, Callable]:
+    """Translations that model libraries ship for their own custom ops, when already imported.
+
+    transformers 5 runs mixture-of-experts layers through its custom op
+    ``transformers::grouped_mm_fallback`` under ``torch.export``; torchlib has no translation
+    for it, so ``torch.onnx.export`` alone fails on such models, and transformers' own ONNX
+    exporter passes its table (``exporters.exporter_onnx._ONNX_TRANSLATION_TABLE``) as
+    ``custom_translation_table``. :func:`registry` uses it only for ops torch lacks, so
+    every op torch translates is translated as torch does.
+    """
+    if "transformers" not in sys.modules:
+        return {}
+    try:
+        from transformers.exporters import exporter_onnx
+    except Exception:  # an older transformers, or onnxscript missing: nothing to add
+        return {}
+    return dict(getattr(exporter_onnx, "_ONNX_TRANSLATION_TABLE", {}))
+
+
 def default_opset() -> int:
+    """The opset torch's translator writes by default (torchlib's, 18)."""
     from torch.onnx._internal.exporter import _constants
 
     return _constants.TORCHLIB_OPSET
@@ -99,19 +159,20 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_sh
     return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
 
 
-def decompose(
-    program: torch.export.ExportedProgram, opset_version: int | None = None, custom_translation_table: dict | None = None
-) -> torch.export.ExportedProgram:
+def decompose(program: torch.export.ExportedProgram, reg) -> torch.export.ExportedProgram:
     """torch's ONNX decompositions, with view strides relaxed before type promotion.
 
     Mirrors ``_core._prepare_exported_program_for_export``; see
-    :mod:`onnx_modular.fx_passes` for why the extra step is needed.
+    :mod:`onnx_modular.fx_passes` for why the extra step is needed. ``reg`` is a
+    :func:`registry` (ops it translates, custom ones included, are not decomposed).
     """
     from onnx_modular.fx_passes import relax_view_strides
 
     _, _fx_passes, _ = _exporter()
-    reg = _registry_for(opset_version, custom_translation_table)
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True):  # as torch does
+    with (
+        torch.fx.experimental._config.patch(backed_size_oblivious=True),  # as torch does
+        _rnn_decompositions(program),
+    ):
         program = _fx_passes.decompose_with_registry(program, reg)
         graph_module = program.graph_module
         relax_view_strides(graph_module)
@@ -121,12 +182,24 @@ def decompose(
     return program
 
 
-def translate(
-    program: torch.export.ExportedProgram, opset_version: int | None = None, custom_translation_table: dict | None = None
-) -> ir.Model:
-    """FX -> ONNX IR with torch's translator. Every ONNX node keeps its FX node in ``meta``."""
+def _rnn_decompositions(program: torch.export.ExportedProgram):
+    """torch >= 2.15 decomposes LSTM/GRU into ``while_loop`` when shapes are dynamic, so that the
+    sequence length is not specialized to the example's; 2.13 and 2.14 unroll the loop."""
+    if TORCH_VERSION >= (2, 15):
+        from torch.onnx._internal.exporter import _capture_strategies
+
+        return _capture_strategies.patch_dynamic_shape_rnn_decompositions(program.range_constraints)
+    return contextlib.nullcontext()
+
+
+def translate(program: torch.export.ExportedProgram, reg) -> ir.Model:
+    """FX -> ONNX IR with torch's translator. Every ONNX node keeps its FX node in ``meta``.
+
+    The nodes are written at ``reg``'s opset; the default-domain import still says torchlib's
+    (torch fixes it with a version converter that inlines): set it with
+    :func:`onnx_modular.opset.set_default_opset`.
+    """
     _core, _, _ = _exporter()
-    reg = _registry_for(opset_version, custom_translation_table)
     onnx_program = _core._exported_program_to_onnx_program(program, registry=reg)
     return onnx_program.model
 

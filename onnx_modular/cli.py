@@ -289,7 +289,7 @@ def _tree(args: argparse.Namespace) -> int:
 
 def _inline(args: argparse.Namespace) -> int:
     source = load_model_file(args.model)
-    flat = inline_file(args.model, args.output, only=args.only, optimize=args.optimize)
+    flat = inline_file(args.model, args.output, only=args.only, optimize=args.optimize, opset_version=args.opset)
     inlined = len(source.functions) - len(flat.functions)
     print(
         f"Wrote {args.output}: {len(flat.graph.node)} nodes in the main graph, "
@@ -458,7 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--no-verify", action="store_true", help="skip the onnxruntime-vs-PyTorch parity check")
     export.add_argument("--no-dedupe", action="store_true", help="keep one function per call (no sharing)")
-    export.add_argument("--opset", type=int, default=None, metavar="N", help="ONNX opset of the default domain")
+    export.add_argument(
+        "--opset", type=int, default=None, metavar="N", help="ONNX opset of the default domain (17 to 23 and up; default 18)"
+    )
     export.add_argument(
         "--depth",
         type=_positive,
@@ -510,6 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="then run onnxscript's optimizer on the result, as torch.onnx.export does "
         "(shares the per-call constants: a flat file for deployment)",
+    )
+    inline.add_argument(
+        "--opset", type=int, default=None, metavar="N", help="convert the copy to this opset, body by body (17 and up)"
     )
     inline.set_defaults(run=_inline)
 

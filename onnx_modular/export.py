@@ -25,14 +25,14 @@ import logging
 import os
 import pathlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import onnx
 import onnx_ir as ir
 import torch
 
-from onnx_modular import _io, _torch_compat, diagnostics, eager, model_io, selection, verification
+from onnx_modular import _io, _torch_compat, diagnostics, eager, model_io, opset, selection, verification
 from onnx_modular.errors import (
     CaptureError,
     DecompositionError,
@@ -124,6 +124,7 @@ def export_modular(
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
     opset_version: int | None = None,
+    custom_translation_table: Mapping[Callable, Callable] | None = None,
     external_data: bool | None = None,
     modules: ModuleSelector = "all",
     dedupe: bool = True,
@@ -133,7 +134,6 @@ def export_modular(
     rtol: float | None = None,
     atol: float | None = None,
     progress: Callable[[str, float], None] | None = None,
-    custom_translation_table: dict[Callable, Callable] | None = None,
     exported_program: torch.export.ExportedProgram | None = None,
     program_fixes: Sequence[Callable[[torch.fx.GraphModule], None]] = (),
     execution_provider: str | None = None,
@@ -154,8 +154,13 @@ def export_modular(
         output_names: Names of the graph outputs. Default: the names in what forward
             returns (``logits``; ``output`` for a lone tensor). A name that is both an
             input and an output gets ``input.`` / ``output.`` in front.
-        opset_version: ONNX opset of the default domain; only torch's translator opset (18)
-            is supported, since version converters inline all functions.
+        opset_version: ONNX opset of the default domain, 17 to the newest the installed onnx
+            knows (default 18). From 18 up torch's translator writes that opset directly
+            (``Attention``, ``RMSNormalization`` at 23); 17 is converted from 18 body by body
+            (:mod:`onnx_modular.opset`). Every function imports the same version.
+        custom_translation_table: ``{torch op: onnxscript function}``, as in
+            ``torch.onnx.export``: the functions translate those ops (aten or
+            ``torch.library`` custom ops), inside the module functions that call them.
         external_data: Store weights in ``<f>.data``; ``None`` decides by size (> 1.5 GiB).
         modules: Which module calls become functions: ``"all"`` (default), a set of
             module classes, a maximum depth (1 = children of the root), or a predicate
@@ -171,8 +176,6 @@ def export_modular(
         rtol: Relative tolerance (default per output dtype, see ``verification.default_tolerance``).
         atol: Absolute tolerance (default per output dtype).
         progress: Called as ``progress(stage, seconds)`` after each stage.
-        custom_translation_table: ``{torch op: onnxscript function}`` overriding torch's
-            lowering of those ops, as for ``torch.onnx.export``.
         exported_program: A ``torch.export`` program already captured from ``model`` on these
             inputs (by another exporter's pipeline); the capture stage then only records the
             module calls in eager mode.
@@ -198,14 +201,14 @@ def export_modular(
     if f is not None:
         _io.check_destination(f)
     select = selection.selector(modules, model)
-    if opset_version is not None and opset_version != _torch_compat.default_opset():
-        # torch's translator emits opset 18; every available version converter (torch's,
-        # onnxscript's) inlines all functions first, which would undo the hierarchy.
-        raise InvalidInputError(
-            f"opset_version={opset_version} is not supported: torch's translator writes opset "
-            f"{_torch_compat.default_opset()}, and converting versions would inline every function.",
-            hint=f"Use opset_version={_torch_compat.default_opset()} (or None).",
-        )
+    target_opset = opset.check_opset(opset_version, default=_torch_compat.default_opset())
+    translated_opset = max(target_opset, _torch_compat.default_opset())
+    if custom_translation_table is not None and not isinstance(custom_translation_table, Mapping):
+        raise InvalidInputError("custom_translation_table must be a dict {torch op: onnxscript function}.")
+    try:
+        registry = _torch_compat.registry(translated_opset, custom_translation_table)
+    except Exception as e:
+        raise InvalidInputError(f"custom_translation_table could not be registered: {type(e).__name__}: {e}") from e
     if model.training:
         logger.warning("Exporting a model in training mode; call model.eval() first for inference graphs.")
 
@@ -243,7 +246,7 @@ def export_modular(
 
     with timer("decompose"):
         try:
-            program = _torch_compat.decompose(program, opset_version, custom_translation_table)
+            program = _torch_compat.decompose(program, registry)
             for fix in program_fixes:
                 fix(program.graph_module)
         except Exception as e:
@@ -256,7 +259,7 @@ def export_modular(
 
     with timer("translate"):
         try:
-            model_ir = _torch_compat.translate(program, opset_version, custom_translation_table)
+            model_ir = _torch_compat.translate(program, registry)
             _torch_compat.rename_dynamic_axes(model_ir, dynamic_shapes)
         except Exception as e:
             raise TranslationError(
@@ -293,14 +296,21 @@ def export_modular(
 
     with timer("optimize"):  # onnxscript's optimizer, timed apart from onnx_modular's own passes
         try:
+            opset.set_default_opset(model_ir, translated_opset)
             if optimize:
                 cleanup.optimize_functions(model_ir)
+                opset.fuse_standard_ops(model_ir)  # at 23: RMSNormalization for hand-written norms
                 FoldWeightTransposesPass()(model_ir)  # what the optimizer does flat, across calls
+                cleanup.remove_unused(model_ir)
             RecordNoOpCallsPass(tree)(model_ir)  # calls left without ops: no function, recorded
             cleanup.remove_unused(model_ir)
             _torch_compat.add_opset_imports(model_ir)
+            opset.set_default_opset(model_ir, translated_opset)
+            opset.ConvertOpsetPass(target_opset)(model_ir)  # converts only below 18
             model_ir.producer_name = "onnx_modular"
             model_ir.producer_version = _version()
+        except OnnxModularError:
+            raise
         except Exception as e:
             raise ModularizeError(
                 f"Optimizing the function bodies failed: {type(e).__name__}: {e}",

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import onnx_ir as ir
 
 from onnx_modular import metadata
 
-DOMAIN_TORCH = "pkg.torch.2.13.0"
-DOMAIN_TRANSFORMERS = "pkg.transformers.5.23.0"
+def _domain(package: str) -> str:
+    """The function domain of a package's classes, from its installed version (no local label)."""
+    return f"pkg.{package}.{importlib.metadata.version(package).split('+', 1)[0]}"
+
+
+DOMAIN_TORCH = _domain("torch")
+DOMAIN_TRANSFORMERS = _domain("transformers")
 
 CALL_METADATA_KEYS = metadata.CALL_METADATA_KEYS
 

@@ -23,6 +23,7 @@ import onnx.helper as oh
 import onnxruntime as ort
 import pytest
 
+from helpers import DOMAIN_TORCH
 from onnx_modular import files
 from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.cli import main
@@ -483,7 +484,7 @@ def test_inline_optimize_shares_the_per_call_constants(gpt2, tmp_path, input_ids
 
 def test_inline_only_selected_functions(gpt2, tmp_path, input_ids):
     partial = tmp_path / "partial.onnx"
-    code, out, err = run_cli("inline", gpt2, partial, "--only", "GPT2Block", "pkg.torch.2.13.0:Embedding")
+    code, out, err = run_cli("inline", gpt2, partial, "--only", "GPT2Block", f"{DOMAIN_TORCH}:Embedding")
     assert code == 0, err
     model = onnx.load(partial)
     names = {f.name for f in model.functions}
@@ -644,7 +645,7 @@ def test_truncated_between_two_fields(gpt2, tmp_path):
     path.write_bytes(prefix)
     code, _, err = run_cli("tree", path)
     assert code == 2
-    assert "in the main graph calls the function pkg.torch.2.13.0:Embedding, which the model does not define" in err
+    assert f"in the main graph calls the function {DOMAIN_TORCH}:Embedding, which the model does not define" in err
     assert "truncated" in err
 
 

@@ -41,8 +41,12 @@ def inline_file(
     *,
     only: Sequence[str] | None = None,
     optimize: bool = False,
+    opset_version: int | None = None,
 ) -> onnx.ModelProto:
     """Write a copy of ``source`` with local functions inlined, atomically.
+
+    ``opset_version`` converts the copy to that opset of the default domain, body by body
+    (functions left by ``only`` stay functions; see :class:`onnx_modular.opset.ConvertOpsetPass`).
 
     ``optimize=True`` then runs onnxscript's full optimizer on the flat graph, the same one
     ``torch.onnx.export`` runs (constant folding, common subexpressions, constants lifted to
@@ -64,6 +68,12 @@ def inline_file(
         inline_file("gpt2.onnx", "gpt2.noblock.onnx", only=["GPT2Block"])
         inline_file("gpt2.onnx", "gpt2.deploy.onnx", optimize=True)
     """
+    import onnx_ir as ir
+
+    from onnx_modular import opset
+
+    if opset_version is not None:
+        opset.check_opset(opset_version, default=opset_version)  # before any work
     destination = _io.check_destination(destination)  # before the work: a bad path fails fast
     model = load_model_file(source)
     external = uses_external_data(model)
@@ -77,6 +87,10 @@ def inline_file(
         import onnxscript.optimizer
 
         flat = onnxscript.optimizer.optimize(flat)
+    if opset_version is not None:
+        converted = ir.from_proto(flat)
+        opset.ConvertOpsetPass(opset_version)(converted)
+        flat = ir.to_proto(converted)
     with _io.atomic_write(destination) as staging:
         try:
             onnx.save(flat, str(staging.model_path), save_as_external_data=external, location=staging.data_location)

@@ -101,8 +101,14 @@ class ModularOnnxExporter(OnnxExporter):
 
     export_format = EXPORT_FORMAT
     config_class = ModularOnnxConfig
-    # onnx_modular pins torch (its private exporter stages; see onnx_modular/_torch_compat.py).
-    tested_versions = {"torch": _torch_compat.TESTED_TORCH_VERSIONS[-1]}
+    # onnx_modular drives torch's private exporter stages (onnx_modular/_torch_compat.py): the
+    # installed torch when it is one of the tested releases, else the newest tested one.
+    tested_versions = {
+        "torch": next(
+            (v for v in _torch_compat.TESTED_TORCH_VERSIONS if torch.__version__.split("+")[0] == v),
+            _torch_compat.TESTED_TORCH_VERSIONS[-1],
+        )
+    }
 
     def export_program(
         self, model: torch.nn.Module, sample_inputs: MutableMapping[str, Any], config: ModularOnnxConfig
