@@ -6,13 +6,16 @@ verified), and only then moved into place. A failure at any step removes the
 temporary folder: no partial file, and an existing file at the destination is never
 overwritten by a failed write.
 
-External data never breaks the pair. The data file gets a name unique to this write
-(``<name>.<8 hex>.data``), referenced by the model; it is moved into place *before* the
-model file is replaced, and the previous write's data file is removed *after*. A crash
-at any point leaves the destination referring to a complete data file that matches it
-(at worst an unreferenced data file or temporary folder is left, removed by the next
-save to that folder). Concurrent saves to one destination take an advisory lock
-(``fcntl.flock``) around the move, so the last one wins whole. SIGTERM is handled like
+External data never breaks the pair. The data file gets the conventional name
+``<name>.data`` (as ``torch.onnx.export`` writes it) unless the model already at the
+destination refers to that file; then this write's data goes to a name of its own
+(``<name>.<8 hex>.data``) and the next write returns to ``<name>.data``. Either way the
+data file is moved into place *before* the model file is replaced, and the previous
+write's data file is removed *after*, so a crash at any point leaves the destination
+referring to a complete data file that matches it (at worst an unreferenced data file or
+temporary folder is left, removed by the next save to that folder). Concurrent saves to
+one destination are serialized by an advisory lock (``fcntl.flock``) held from the choice
+of the data file's name to the move, so the last one wins whole. SIGTERM is handled like
 SIGINT while a save runs; temporary folders left by killed processes (``kill -9``) are
 recognised by their prefix and removed once their owner is gone.
 """
@@ -44,6 +47,8 @@ __all__ = [
     "interrupt_on_sigterm",
     "EXTERNAL_DATA_THRESHOLD",
     "TEMP_PREFIX",
+    "data_name",
+    "referenced_data",
 ]
 
 # Protobuf cannot hold more than 2 GiB; switch to external data well before that.
@@ -140,10 +145,25 @@ def _safe_stem(name: str, room: int) -> str:
     return safe + tag
 
 
-def data_name(destination: pathlib.Path, token: str) -> str:
-    """The external-data file name of one write: ``<name>.<token>.data`` (fits NAME_MAX)."""
+def data_name(destination: pathlib.Path, token: str | None) -> str:
+    """The external-data file name of one write: ``<name>.data``, or ``<name>.<token>.data``
+    when the current one is in use (fits NAME_MAX)."""
     stem = _safe_stem(destination.name, _name_max(destination.parent) - _DATA_SUFFIX_LEN - _NAME_ROOM)
-    return f"{stem}.{token}.data"
+    return f"{stem}.data" if token is None else f"{stem}.{token}.data"
+
+
+def _data_token(destination: pathlib.Path) -> str | None:
+    """``None`` (the conventional data-file name) unless the model at ``destination`` may refer to it."""
+    if not destination.exists():
+        return None
+    conventional = data_name(destination, None)
+    try:
+        small = destination.stat().st_size <= _LEGACY_SCAN_LIMIT
+    except OSError:
+        small = False
+    if small and conventional not in referenced_data(destination):
+        return None
+    return secrets.token_hex(_TOKEN_HEX // 2)
 
 
 def _own_data_files(destination: pathlib.Path) -> re.Pattern[str]:
@@ -296,7 +316,7 @@ def _fsync(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _referenced_data(model_path: pathlib.Path) -> set[str]:
+def referenced_data(model_path: pathlib.Path) -> set[str]:
     """External-data locations of an existing (small) model file; empty when unreadable."""
     try:
         if model_path.stat().st_size > _LEGACY_SCAN_LIMIT:
@@ -319,7 +339,7 @@ class Staging:
     data, the relative ``data_location`` to record in the model (its file sits next to
     ``model_path``)."""
 
-    def __init__(self, tmpdir: pathlib.Path, destination: pathlib.Path, token: str):
+    def __init__(self, tmpdir: pathlib.Path, destination: pathlib.Path, token: str | None):
         self.destination = destination
         self.model_path = tmpdir / _safe_stem(destination.name, _name_max(tmpdir) - _NAME_ROOM)
         self.data_location = data_name(destination, token)
@@ -340,15 +360,17 @@ def atomic_write(path: str | os.PathLike) -> Iterator[Staging]:
     """
     destination = check_destination(path)
     parent = destination.parent if str(destination.parent) else pathlib.Path(".")
-    with interrupt_on_sigterm(), _temp_folder(parent) as tmpdir:
-        staging = Staging(tmpdir, destination, secrets.token_hex(_TOKEN_HEX // 2))
+    # The lock is held from the choice of the data file's name to the move: a concurrent save
+    # to the same destination waits, then sees this one's model.
+    with interrupt_on_sigterm(), _temp_folder(parent) as tmpdir, destination_lock(destination):
+        staging = Staging(tmpdir, destination, _data_token(destination))
         yield staging
         staged_data = tmpdir / staging.data_location
         try:
             for staged in (staged_data, staging.model_path):
                 if staged.exists():
                     _fsync(staged)
-            with _signals_deferred(), destination_lock(destination):
+            with _signals_deferred():
                 _commit(staging, staged_data if staged_data.exists() else None, parent)
         except OSError as e:
             raise SaveError(f"Moving the file into {_shown(destination)} failed: {e}") from e
@@ -357,18 +379,18 @@ def atomic_write(path: str | os.PathLike) -> Iterator[Staging]:
 def _commit(staging: Staging, staged_data: pathlib.Path | None, parent: pathlib.Path) -> None:
     """Data first, then the model, then the previous data: each step leaves a valid pair."""
     destination = staging.destination
-    previous = _referenced_data(destination) if destination.exists() else set()
+    previous = referenced_data(destination) if destination.exists() else set()
     if staged_data is not None:
         os.replace(staged_data, parent / staging.data_location)
         _fsync(parent)
     os.replace(staging.model_path, destination)
     _fsync(parent)
     own = _own_data_files(destination)
-    legacy = destination.name + ".data"  # the fixed name of earlier versions (and torch.onnx.export)
+    conventional = data_name(destination, None)  # also torch.onnx.export's name: removed only if it was ours
     for entry in os.listdir(parent):
         if entry == staging.data_location:
             continue
-        if own.fullmatch(entry) or (entry == legacy and entry in previous):
+        if own.fullmatch(entry) or (entry == conventional and entry in previous):
             with contextlib.suppress(OSError):
                 os.unlink(parent / entry)
 

@@ -36,7 +36,7 @@ def _llama():
         vocab_size=96,
         hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=1,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
@@ -143,7 +143,9 @@ def test_export_call_save_load_dynamic(checkpoints, tmp_path):
     )
 
     exported.save_pretrained(tmp_path / "out")
+    exported.save_pretrained(tmp_path / "out")  # over the first save: still the layout transformers reads
     assert {"model.onnx", "model.onnx.data", "export.json", "config.json"} <= set(os.listdir(tmp_path / "out"))
+    assert not [name for name in os.listdir(tmp_path / "out") if name.endswith(".data") and name != "model.onnx.data"]
     assert json.loads((tmp_path / "out" / "export.json").read_text())["export_format"] == "onnx_modular"
     saved = onnx.load(str(tmp_path / "out" / "model.onnx"))
     _assert_modular(saved, {"LlamaAttention": TRANSFORMERS_DOMAIN})
@@ -168,18 +170,18 @@ def test_generation_components_match_generate(checkpoints, tmp_path):
     assert list(exported.components) == ["prefill", "decode"]
     decode = exported.components["decode"].program
     # The KV cache as transformers names it, in and out.
-    assert [v.name for v in decode.graph.inputs][-2:] == [
-        "input.past_key_values.layers.0.keys",
-        "input.past_key_values.layers.0.values",
-    ]
-    assert [v.name for v in decode.graph.outputs] == [
-        "logits",
-        "output.past_key_values.layers.0.keys",
-        "output.past_key_values.layers.0.values",
-    ]
+    cache = [f"past_key_values.layers.{i}.{kind}" for i in range(2) for kind in ("keys", "values")]
+    assert [v.name for v in decode.graph.inputs][-4:] == [f"input.{name}" for name in cache]
+    assert [v.name for v in decode.graph.outputs] == ["logits", *(f"output.{name}" for name in cache)]
     for name, component in exported.components.items():
-        assert hf.modular_result(exported, name).report.ok
+        result = hf.modular_result(exported, name)
+        assert result.report.ok
         _assert_modular(_proto(component.program), {"LlamaDecoderLayer": TRANSFORMERS_DOMAIN})
+        # Each layer's cache length is its own torch symbol (Dim.AUTO); the two layers still
+        # share one function (dedupe compares symbolic dims up to renaming).
+        layers = [f for f in result.functions if f.name.startswith("LlamaDecoderLayer")]
+        assert [f.name for f in layers] == ["LlamaDecoderLayer"]
+        assert int(layers[0].metadata_props["pkg.onnx_modular.call_count"]) == 2
 
     new_tokens = 10
     with torch.no_grad():
@@ -217,16 +219,12 @@ def test_cli_causal_lm_with_past(checkpoints, tmp_path, capsys):
     saved = onnx.load(str(out))
     _assert_modular(saved, {"LlamaModel": TRANSFORMERS_DOMAIN, "LlamaDecoderLayer": TRANSFORMERS_DOMAIN})
     names = [v.name for v in saved.graph.input]
-    assert names == [
-        "input_ids",
-        "attention_mask",
-        "input.past_key_values.layers.0.keys",
-        "input.past_key_values.layers.0.values",
-    ]
+    cache_names = [f"input.past_key_values.layers.{i}.{kind}" for i in range(2) for kind in ("keys", "values")]
+    assert names == ["input_ids", "attention_mask", *cache_names]
     # Dynamic by default: batch, sequence and past length are symbols.
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in saved.graph.input}
     assert all(isinstance(dims["input_ids"][axis], str) for axis in (0, 1))
-    assert isinstance(dims["input.past_key_values.layers.0.keys"][2], str)
+    assert all(isinstance(dims[name][2], str) for name in cache_names)
 
     # Run it at other sizes than the export's (batch 3, past 6, 2 new tokens) against PyTorch.
     model = _model(checkpoints["llama"], "causal-lm-with-past")
@@ -234,18 +232,17 @@ def test_cli_causal_lm_with_past(checkpoints, tmp_path, capsys):
     prefix, ids = torch.randint(0, 96, (3, 6), generator=generator), torch.randint(0, 96, (3, 2), generator=generator)
     with torch.no_grad():
         cache = model(input_ids=prefix, use_cache=True).past_key_values
-        layer = cache.layers[0]
-        feeds = {
-            "input_ids": ids,
-            "attention_mask": torch.ones(3, 8, dtype=torch.long),
-            names[2]: layer.keys.clone(),
-            names[3]: layer.values.clone(),
-        }
+        feeds = {"input_ids": ids, "attention_mask": torch.ones(3, 8, dtype=torch.long)}
+        for i, layer in enumerate(cache.layers):
+            feeds[cache_names[2 * i]] = layer.keys.clone()
+            feeds[cache_names[2 * i + 1]] = layer.values.clone()
         expected = model(input_ids=ids, attention_mask=feeds["attention_mask"], past_key_values=cache)
-    logits, keys, values = _run_file(out, feeds)
+    logits, *caches = _run_file(out, feeds)
     torch.testing.assert_close(torch.from_numpy(logits), expected.logits, atol=ATOL, rtol=1e-3)
-    torch.testing.assert_close(torch.from_numpy(keys), expected.past_key_values.layers[0].keys, atol=ATOL, rtol=1e-3)
-    assert values.shape == (3, 2, 8, 8)
+    for i, layer in enumerate(expected.past_key_values.layers):
+        torch.testing.assert_close(torch.from_numpy(caches[2 * i]), layer.keys, atol=ATOL, rtol=1e-3)
+        torch.testing.assert_close(torch.from_numpy(caches[2 * i + 1]), layer.values, atol=ATOL, rtol=1e-3)
+    assert caches[1].shape == (3, 2, 8, 8)
 
 
 def test_cli_image_classification_static(checkpoints, tmp_path):

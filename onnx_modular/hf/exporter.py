@@ -12,6 +12,8 @@ runs on the final program, after those fixes.
 
 from __future__ import annotations
 
+import pathlib
+
 import contextlib
 import dataclasses
 import functools
@@ -138,6 +140,11 @@ class ModularOnnxExporter(OnnxExporter):
         and checked with ``onnx.checker`` (full check) before it is moved into place."""
         with _io.staged_save(program, path, external_data=True):
             pass
+        # transformers' from_pretrained looks for <name>.data. Over a model that used that name,
+        # the atomic write picked a name of its own; a second write goes back to <name>.data.
+        if _io.data_name(pathlib.Path(path), None) not in _io.referenced_data(pathlib.Path(path)):
+            with _io.staged_save(program, path, external_data=True):
+                pass
 
 
 class _ModularConversion:

@@ -98,3 +98,52 @@ def test_requires_no_recursion():
     """)
     with pytest.raises(ir.passes.PreconditionError, match="pkg.test:F -> pkg.test:G -> pkg.test:F"):
         DeduplicateFunctionsPass()(model)
+
+
+def _layers(shapes: dict[str, list]) -> tuple[ir.Model, object]:
+    """Two Layer bodies (Add of two inputs) whose formal inputs get the given symbolic shapes."""
+    model = ir.from_onnx_text("""
+        <ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>
+        main (float[2,4] x, float[2,4] y) => (float[2,4] z) {
+          a = pkg.test.Layer__call1(x, y)
+          z = pkg.test.Layer__call2(a, y)
+        }
+        <domain: "pkg.test", opset_import: ["" : 18]>
+        Layer__call1 (h, p) => (o) { o = Add(h, p) }
+        <domain: "pkg.test", opset_import: ["" : 18]>
+        Layer__call2 (h, p) => (o) { o = Add(h, p) }
+    """)
+    tree = call_tree(("layers.0", "Layer"), ("layers.1", "Layer"))
+    for function in model.functions.values():
+        call = tree["layers.0" if function.name.endswith("1") else "layers.1"]
+        call.function = (function.domain, function.name)
+        function.meta[CALLS_KEY] = [call]
+        for value, dims in zip([*function.inputs, *function.outputs], shapes[function.name]):
+            value.shape = ir.Shape(dims)
+    return model, tree
+
+
+def test_symbolic_dims_compare_up_to_renaming_and_differing_ones_become_anonymous():
+    # torch gives each layer's cache length its own symbol (Dim.AUTO): s54 in one layer, s60 in
+    # the other; the batch symbol is shared. The bodies are the same computation.
+    model, tree = _layers({
+        "Layer__call1": [["batch", "s54"], ["batch", "s54"], ["batch", "s54"]],
+        "Layer__call2": [["batch", "s60"], ["batch", "s60"], ["batch", "s60"]],
+    })
+    assert DeduplicateFunctionsPass()(model).modified
+    (layer,) = model.functions.values()
+    assert layer.meta[CALLS_KEY] == [tree["layers.0"], tree["layers.1"]]
+    for value in [*layer.inputs, *layer.outputs]:
+        batch, length = value.shape
+        assert str(batch) == "batch"  # the same in both callers: kept
+        assert length.value is None  # s54 for one caller, s60 for the other: anonymous
+
+
+def test_symbolic_dims_with_another_equality_structure_stay_apart():
+    # (s, s) against (s1, s2): one body's inputs are known equal in length, the other's are not.
+    model, _ = _layers({
+        "Layer__call1": [["s", 4], ["s", 4], ["s", 4]],
+        "Layer__call2": [["s1", 4], ["s2", 4], ["s1", 4]],
+    })
+    assert not DeduplicateFunctionsPass()(model).modified
+    assert len(model.functions) == 2
