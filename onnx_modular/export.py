@@ -8,7 +8,7 @@
       dedupe       DeduplicateFunctionsPass (ours)        -> identical calls share a function
       name         NameFunctionsPass (ours)               -> names, doc strings, metadata
       cleanup      onnx_ir unused removal, opset imports  (optionally onnxscript optimizer, inline=False,
-                   and FoldWeightTransposesPass: weights stored pre-transposed across calls)
+                   and FoldWeightsPass: weight-only computations folded across calls)
       save         atomic write + onnx.checker(full_check=True)
       verify       onnxruntime(modular) vs onnxruntime(flat) vs torch eager
 """
@@ -47,7 +47,7 @@ from onnx_modular.passes.dedupe import DeduplicateFunctionsPass
 from onnx_modular.passes.io_names import NameGraphInputsOutputsPass
 from onnx_modular.passes.modularize import STACK_KEY, CallSignature, OutlineModuleCallsPass, TensorSpec
 from onnx_modular.passes.naming import NameFunctionsPass
-from onnx_modular.passes.weight_transposes import FoldWeightTransposesPass
+from onnx_modular.passes.fold_weights import FoldWeightsPass
 
 __all__ = ["export_modular", "ModularExport", "ModuleSelector"]
 
@@ -598,7 +598,7 @@ def export_modular(
         try:
             if optimize:
                 cleanup.optimize_functions(model_ir)
-                FoldWeightTransposesPass()(model_ir)  # what the optimizer does flat, across calls
+                FoldWeightsPass()(model_ir)  # what the optimizer folds flat, across calls
                 cleanup.remove_unused(model_ir)
             cleanup.fix_opset_imports(model_ir)
             model_ir.producer_name = "onnx_modular"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import onnx
 import onnx_ir as ir
 
 DOMAIN_TORCH = "pkg.torch.2.13.0"
@@ -76,3 +77,12 @@ def call_nodes(model: ir.Model) -> list[ir.Node]:
     for function in model.functions.values():
         nodes += [n for n in ir.traversal.RecursiveGraphIterator(function) if is_call(n, model)]
     return nodes
+
+
+def graph_bytes(path) -> int:
+    """Serialized size of the model file without weights (initializer data dropped)."""
+    proto = onnx.load(str(path), load_external_data=False)
+    for tensor in proto.graph.initializer:
+        for field in ("raw_data", "float_data", "external_data", "int64_data", "int32_data", "data_location"):
+            tensor.ClearField(field)
+    return proto.ByteSize()

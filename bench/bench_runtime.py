@@ -1,0 +1,150 @@
+"""onnxruntime session creation and run latency: the modular file against torch's flat file.
+
+    python bench/bench_runtime.py [--sessions 9] [--runs 300] [--models gpt2-12,gpt2-48,llama,recurrent]
+
+For each model, both files are written in this run (torch.onnx.export(dynamo=True) and
+onnx_modular's default export) and measured with one intra-op thread: sessions created
+alternately (flat, modular, flat, ...), medians of ``--sessions``; then one live session of
+each, runs alternated, medians of ``--runs``. Also printed, because they do not depend on
+the machine's load: graph bytes without weights, nodes in the file, and the nodes and
+initializers onnxruntime runs after its optimizations (``optimized_model_filepath``).
+
+Models: GPT-2 (12 and 48 layers, d=256), a Llama-shaped model of 98 M parameters (8 layers,
+hidden 1024) and a recurrent model (2-layer nn.LSTM, nn.GRU, Linear head).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import tempfile
+import time
+
+import _common
+import models
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from onnx_modular import export_modular
+
+
+def llama_100m():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=8000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=4, use_cache=False,
+    )
+    return transformers.LlamaModel(config).eval(), (torch.randint(0, 8000, (1, 32)),), {}
+
+
+MODELS = {
+    "gpt2-12": ("GPT-2, 12 layers, d=256", lambda: models.gpt2(n_layer=12, d=256)),
+    "gpt2-48": ("GPT-2, 48 layers, d=256", lambda: models.gpt2(n_layer=48, d=256)),
+    "llama": ("Llama-shaped, 8 layers, hidden 1024 (98 M)", llama_100m),
+    "recurrent": ("LSTM (2 layers) + GRU + Linear", models.recurrent),
+}
+
+
+def session_options(level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = level
+    return options
+
+
+def create(path: pathlib.Path) -> tuple[float, ort.InferenceSession]:
+    options = session_options()
+    start = time.perf_counter()
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return time.perf_counter() - start, session
+
+
+def file_nodes(path: pathlib.Path) -> int:
+    proto = onnx.load(str(path), load_external_data=False)
+    return len(proto.graph.node) + sum(len(f.node) for f in proto.functions)
+
+
+def optimized_counts(path: pathlib.Path, tmp: pathlib.Path) -> tuple[int, int]:
+    """(nodes, initializers) of the graph onnxruntime runs, after inlining and optimizing."""
+    options = session_options()
+    options.optimized_model_filepath = str(tmp / f"{path.stem}.optimized.onnx")
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{path.stem}.optimized.data")
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    proto = onnx.load(options.optimized_model_filepath, load_external_data=False)
+    return len(proto.graph.node), len(proto.graph.initializer)
+
+
+def measure(key: str, sessions: int, runs: int, tmp: pathlib.Path) -> dict:
+    label, build = MODELS[key]
+    model, args, kwargs = build()
+    paths = {"flat": tmp / f"{key}-flat.onnx", "modular": tmp / f"{key}-modular.onnx"}
+    _common.flat_export(model, args, kwargs, paths["flat"])
+    export_modular(model, args, paths["modular"], kwargs=kwargs, verify=False)
+    with torch.no_grad():
+        expected = model(*args, **kwargs)
+    expected = expected[0] if isinstance(expected, tuple) else getattr(expected, "last_hidden_state", expected)
+    created = {name: [] for name in paths}
+    live = {}
+    for _ in range(sessions):
+        for name, path in paths.items():
+            seconds, live[name] = create(path)
+            created[name].append(seconds)
+    feeds = {name: _common.feeds_for(session, args) for name, session in live.items()}
+    diffs = {name: _common.max_abs(live[name].run(None, feeds[name])[0], expected.numpy()) for name in paths}
+    latency = {name: [] for name in paths}
+    for _ in range(runs):
+        for name in paths:
+            start = time.perf_counter()
+            live[name].run(None, feeds[name])
+            latency[name].append(time.perf_counter() - start)
+    row = {"label": label, "params": sum(p.numel() for p in model.parameters()), "diff": diffs}
+    for name, path in paths.items():
+        row[name] = {
+            "session": statistics.median(created[name]),
+            "latency": statistics.median(latency[name]),
+            "bytes": _common.graph_bytes(path),
+            "nodes": file_nodes(path),
+            "optimized": optimized_counts(path, tmp),
+        }
+    for path in tmp.iterdir():
+        path.unlink()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sessions", type=int, default=9)
+    parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--models", default=",".join(MODELS))
+    options = parser.parse_args()
+    print(f"onnxruntime {ort.__version__}, one intra-op thread; medians of {options.sessions} sessions "
+          f"and {options.runs} runs, files alternated")
+    print("| model | session flat (ms) | session modular (ms) | ratio | latency flat (ms) | latency modular (ms) | ratio "
+          "| graph bytes ratio | nodes in file (flat / modular) | nodes / initializers onnxruntime runs (flat; modular) "
+          "| max abs diff vs torch (flat / modular) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for key in options.models.split(","):
+            r = measure(key, options.sessions, options.runs, pathlib.Path(tmp))
+            flat, modular = r["flat"], r["modular"]
+            print(
+                f"| {r['label']} | {flat['session'] * 1e3:.1f} | {modular['session'] * 1e3:.1f} | "
+                f"{modular['session'] / flat['session']:.2f} | {flat['latency'] * 1e3:.2f} | "
+                f"{modular['latency'] * 1e3:.2f} | {modular['latency'] / flat['latency']:.3f} | "
+                f"{modular['bytes'] / flat['bytes']:.2f} | {flat['nodes']} / {modular['nodes']} | "
+                f"{flat['optimized'][0]} / {flat['optimized'][1]}; {modular['optimized'][0]} / {modular['optimized'][1]} | "
+                f"{r['diff']['flat']:.1e} / {r['diff']['modular']:.1e} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()
