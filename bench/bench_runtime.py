@@ -59,11 +59,18 @@ def session_options(level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL) -> ort.Sess
     return options
 
 
-def create(path: pathlib.Path) -> tuple[float, ort.InferenceSession]:
+def create(path: pathlib.Path) -> tuple[tuple[float, float], ort.InferenceSession]:
+    """((wall seconds, CPU seconds of this thread), session)."""
     options = session_options()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    return time.perf_counter() - start, session
+    return (time.perf_counter() - start, time.thread_time() - cpu), session
+
+
+def run(session: ort.InferenceSession, feeds: dict) -> tuple[float, float]:
+    start, cpu = time.perf_counter(), time.thread_time()
+    session.run(None, feeds)
+    return time.perf_counter() - start, time.thread_time() - cpu
 
 
 def file_nodes(path: pathlib.Path) -> int:
@@ -99,16 +106,18 @@ def measure(key: str, sessions: int, runs: int, tmp: pathlib.Path) -> dict:
     feeds = {name: _common.feeds_for(session, args) for name, session in live.items()}
     diffs = {name: _common.max_abs(live[name].run(None, feeds[name])[0], expected.numpy()) for name in paths}
     latency = {name: [] for name in paths}
+    for name in paths:
+        live[name].run(None, feeds[name])  # warm-up
     for _ in range(runs):
         for name in paths:
-            start = time.perf_counter()
-            live[name].run(None, feeds[name])
-            latency[name].append(time.perf_counter() - start)
+            latency[name].append(run(live[name], feeds[name]))
     row = {"label": label, "params": sum(p.numel() for p in model.parameters()), "diff": diffs}
     for name, path in paths.items():
         row[name] = {
-            "session": statistics.median(created[name]),
-            "latency": statistics.median(latency[name]),
+            "session": statistics.median(wall for wall, _ in created[name]),
+            "session_cpu": statistics.median(cpu for _, cpu in created[name]),
+            "latency": statistics.median(wall for wall, _ in latency[name]),
+            "latency_cpu": statistics.median(cpu for _, cpu in latency[name]),
             "bytes": _common.graph_bytes(path),
             "nodes": file_nodes(path),
             "optimized": optimized_counts(path, tmp),
@@ -126,6 +135,7 @@ def main() -> None:
     options = parser.parse_args()
     print(f"onnxruntime {ort.__version__}, one intra-op thread; medians of {options.sessions} sessions "
           f"and {options.runs} runs, files alternated")
+    print("Wall time, and in brackets CPU time of the calling thread (less sensitive to other load).")
     print("| model | session flat (ms) | session modular (ms) | ratio | latency flat (ms) | latency modular (ms) | ratio "
           "| graph bytes ratio | nodes in file (flat / modular) | nodes / initializers onnxruntime runs (flat; modular) "
           "| max abs diff vs torch (flat / modular) |")
@@ -135,9 +145,12 @@ def main() -> None:
             r = measure(key, options.sessions, options.runs, pathlib.Path(tmp))
             flat, modular = r["flat"], r["modular"]
             print(
-                f"| {r['label']} | {flat['session'] * 1e3:.1f} | {modular['session'] * 1e3:.1f} | "
-                f"{modular['session'] / flat['session']:.2f} | {flat['latency'] * 1e3:.2f} | "
-                f"{modular['latency'] * 1e3:.2f} | {modular['latency'] / flat['latency']:.3f} | "
+                f"| {r['label']} | {flat['session'] * 1e3:.1f} ({flat['session_cpu'] * 1e3:.1f}) | "
+                f"{modular['session'] * 1e3:.1f} ({modular['session_cpu'] * 1e3:.1f}) | "
+                f"{modular['session'] / flat['session']:.2f} ({modular['session_cpu'] / flat['session_cpu']:.2f}) | "
+                f"{flat['latency'] * 1e3:.2f} ({flat['latency_cpu'] * 1e3:.2f}) | "
+                f"{modular['latency'] * 1e3:.2f} ({modular['latency_cpu'] * 1e3:.2f}) | "
+                f"{modular['latency'] / flat['latency']:.3f} ({modular['latency_cpu'] / flat['latency_cpu']:.3f}) | "
                 f"{modular['bytes'] / flat['bytes']:.2f} | {flat['nodes']} / {modular['nodes']} | "
                 f"{flat['optimized'][0]} / {flat['optimized'][1]}; {modular['optimized'][0]} / {modular['optimized'][1]} | "
                 f"{r['diff']['flat']:.1e} / {r['diff']['modular']:.1e} |",

@@ -47,6 +47,7 @@ from onnx_modular.passes.dedupe import DeduplicateFunctionsPass
 from onnx_modular.passes.io_names import NameGraphInputsOutputsPass
 from onnx_modular.passes.modularize import STACK_KEY, CallSignature, OutlineModuleCallsPass, TensorSpec
 from onnx_modular.passes.naming import NameFunctionsPass
+from onnx_modular.passes.constant_metadata import StripConstantMetadataPass
 from onnx_modular.passes.fold_weights import FoldWeightsPass
 
 __all__ = ["export_modular", "ModularExport", "ModuleSelector"]
@@ -480,7 +481,7 @@ def export_modular(
             input and an output gets ``input.`` / ``output.`` in front.
         opset_version: ONNX opset of the default domain; only torch's translator opset (18)
             is supported, since version converters inline all functions.
-        external_data: Store weights in ``<f>.data``; ``None`` decides by size (> 1.5 GiB).
+        external_data: Store weights in ``<f>.data``; ``None`` decides by size (> 64 MiB).
         modules: Which module calls become functions: ``"all"`` (default), a set of
             module classes, a maximum depth (1 = children of the root), or a predicate
             ``(module_path, module) -> bool``. Unselected modules are inlined into
@@ -600,6 +601,7 @@ def export_modular(
                 cleanup.optimize_functions(model_ir)
                 FoldWeightsPass()(model_ir)  # what the optimizer folds flat, across calls
                 cleanup.remove_unused(model_ir)
+                StripConstantMetadataPass()(model_ir)  # body constants cost what flat initializers cost
             cleanup.fix_opset_imports(model_ir)
             model_ir.producer_name = "onnx_modular"
             model_ir.producer_version = _version()

@@ -188,6 +188,7 @@ def _analyse(model: ir.Model, sites, ops) -> dict[ir.OperatorIdentifier, list[ir
     opset = _default_opset(model)
     constant_keys = _constant_inputs(model, sites)
     constant = {fid: {f.inputs[i] for (g, i) in constant_keys if g == fid} for fid, f in functions.items()}
+    _type_constant_inputs(model, sites, constant_keys)
     sizes = _input_sizes(model, sites, constant_keys)
     excluded: set[ir.Node] = set()
     while True:
@@ -208,6 +209,24 @@ def _analyse(model: ir.Model, sites, ops) -> dict[ir.OperatorIdentifier, list[ir
         if not bad:
             return {fid: [n for n in functions[fid] if n in nodes] for fid, nodes in folds.items() if nodes}
         excluded |= bad
+
+
+def _type_constant_inputs(model: ir.Model, sites, constant_keys: set[_Key]) -> None:
+    """Give an untyped constant formal input the dtype and shape its arguments all have."""
+    changed = True
+    while changed:
+        changed = False
+        for fid, i in constant_keys:
+            value = model.functions[fid].inputs[i]
+            if value.dtype is not None and _static_size(value) is not None:
+                continue
+            arguments = [node.inputs[i] for node, _ in sites[fid]]
+            found = {(a.dtype, tuple(a.shape.dims) if a.shape is not None else None) for a in arguments}
+            if len(found) == 1:
+                dtype, dims = found.pop()
+                if dtype is not None and dims is not None and all(isinstance(d, int) for d in dims):
+                    value.dtype, value.shape = dtype, ir.Shape(dims)
+                    changed = True
 
 
 def _input_sizes(model: ir.Model, sites, constant_keys: set[_Key]) -> dict[_Key, int]:
