@@ -4,10 +4,13 @@
 
 For each model, both files are written in this run (torch.onnx.export(dynamo=True) and
 onnx_modular's default export) and measured with one intra-op thread: sessions created
-alternately (flat, modular, flat, ...), medians of ``--sessions``; then one live session of
-each, runs alternated, medians of ``--runs``. Also printed, because they do not depend on
+alternately (the order flips each round), medians of ``--sessions``; each round's two live
+sessions then run alternately, ``--runs`` / ``--sessions`` times each, and the latency is the
+median of all runs (at least ``--runs``) over all sessions: one session's latency moves by a few
+percent with where its buffers land, so a single pair of sessions is not enough. Also printed, because they do not depend on
 the machine's load: graph bytes without weights, nodes in the file, and the nodes and
-initializers onnxruntime runs after its optimizations (``optimized_model_filepath``).
+initializers onnxruntime runs after its optimizations (``optimized_model_filepath``), and
+whether one run executes the same kernels in the same order (onnxruntime's profiler).
 
 Models: GPT-2 (12 and 48 layers, d=256), a Llama-shaped model of 98 M parameters (8 layers,
 hidden 1024) and a recurrent model (2-layer nn.LSTM, nn.GRU, Linear head).
@@ -16,6 +19,7 @@ hidden 1024) and a recurrent model (2-layer nn.LSTM, nn.GRU, Linear head).
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import statistics
 import tempfile
@@ -88,6 +92,18 @@ def optimized_counts(path: pathlib.Path, tmp: pathlib.Path) -> tuple[int, int]:
     return len(proto.graph.node), len(proto.graph.initializer)
 
 
+def kernel_sequence(path: pathlib.Path, args, tmp: pathlib.Path) -> list[str]:
+    """The op types of the kernels one run executes, in order (onnxruntime's profiler)."""
+    options = session_options()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(tmp / f"{path.stem}.profile")
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session.run(None, _common.feeds_for(session, args))
+    with open(session.end_profiling()) as f:
+        events = json.load(f)
+    return [e["args"]["op_name"] for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+
+
 def measure(key: str, sessions: int, runs: int, tmp: pathlib.Path) -> dict:
     label, build = MODELS[key]
     model, args, kwargs = build()
@@ -98,20 +114,27 @@ def measure(key: str, sessions: int, runs: int, tmp: pathlib.Path) -> dict:
         expected = model(*args, **kwargs)
     expected = expected[0] if isinstance(expected, tuple) else getattr(expected, "last_hidden_state", expected)
     created = {name: [] for name in paths}
-    live = {}
-    for _ in range(sessions):
-        for name, path in paths.items():
-            seconds, live[name] = create(path)
-            created[name].append(seconds)
-    feeds = {name: _common.feeds_for(session, args) for name, session in live.items()}
-    diffs = {name: _common.max_abs(live[name].run(None, feeds[name])[0], expected.numpy()) for name in paths}
     latency = {name: [] for name in paths}
-    for name in paths:
-        live[name].run(None, feeds[name])  # warm-up
-    for _ in range(runs):
-        for name in paths:
-            latency[name].append(run(live[name], feeds[name]))
+    diffs = {}
+    per_session = -(-runs // sessions)
+    for round_ in range(sessions):
+        # Where a session's buffers land moves its latency by a few percent: every round creates
+        # new sessions (the creation order flips each round) and alternates runs between them.
+        order = list(paths) if round_ % 2 == 0 else list(reversed(paths))
+        live = {}
+        for name in order:
+            seconds, live[name] = create(paths[name])
+            created[name].append(seconds)
+        feeds = {name: _common.feeds_for(session, args) for name, session in live.items()}
+        for name in order:
+            outputs = live[name].run(None, feeds[name])  # warm-up
+            diffs.setdefault(name, _common.max_abs(outputs[0], expected.numpy()))
+        for _ in range(per_session):
+            for name in order:
+                latency[name].append(run(live[name], feeds[name]))
+        del live
     row = {"label": label, "params": sum(p.numel() for p in model.parameters()), "diff": diffs}
+    row["same_kernels"] = kernel_sequence(paths["flat"], args, tmp) == kernel_sequence(paths["modular"], args, tmp)
     for name, path in paths.items():
         row[name] = {
             "session": statistics.median(wall for wall, _ in created[name]),
@@ -138,8 +161,8 @@ def main() -> None:
     print("Wall time, and in brackets CPU time of the calling thread (less sensitive to other load).")
     print("| model | session flat (ms) | session modular (ms) | ratio | latency flat (ms) | latency modular (ms) | ratio "
           "| graph bytes ratio | nodes in file (flat / modular) | nodes / initializers onnxruntime runs (flat; modular) "
-          "| max abs diff vs torch (flat / modular) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| same kernels, same order | max abs diff vs torch (flat / modular) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for key in options.models.split(","):
             r = measure(key, options.sessions, options.runs, pathlib.Path(tmp))
@@ -153,7 +176,7 @@ def main() -> None:
                 f"{modular['latency'] / flat['latency']:.3f} ({modular['latency_cpu'] / flat['latency_cpu']:.3f}) | "
                 f"{modular['bytes'] / flat['bytes']:.2f} | {flat['nodes']} / {modular['nodes']} | "
                 f"{flat['optimized'][0]} / {flat['optimized'][1]}; {modular['optimized'][0]} / {modular['optimized'][1]} | "
-                f"{r['diff']['flat']:.1e} / {r['diff']['modular']:.1e} |",
+                f"{'yes' if r['same_kernels'] else 'no'} | {r['diff']['flat']:.1e} / {r['diff']['modular']:.1e} |",
                 flush=True,
             )
 
