@@ -63,14 +63,14 @@ class FoldWeightsPass(ir.passes.InPlacePass):
         self.ops = frozenset(ops) if ops is not None else None
 
     def requires(self, model: ir.Model) -> None:
-        if model.opset_imports.get("", None) is None and model.functions:
-            raise ir.passes.PreconditionError("The model imports no default-domain opset to evaluate folded nodes with.")
         for function in model.functions.values():
             if function.attributes:
                 # Bodies with attribute parameters fold differently per call; torch never emits them.
                 raise ir.passes.PreconditionError(f"Function {function.name} has attribute parameters.")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if not model.functions or _default_opset(model) is None:  # nothing to fold, nothing to fold with
+            return ir.passes.PassResult(model, modified=False)
         modified = False
         merged: dict = {}  # per graph: (op, inputs, attributes) -> outputs; copies are shared
         for _ in range(len(model.functions) + 1):  # each round moves folds up one call level
@@ -82,8 +82,8 @@ class FoldWeightsPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
 
-def _default_opset(model: ir.Model) -> int:
-    return model.opset_imports.get("", None) or model.opset_imports["ai.onnx"]
+def _default_opset(model: ir.Model) -> int | None:
+    return model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx")
 
 
 # -- analysis ------------------------------------------------------------------------
