@@ -14,8 +14,8 @@ that the rest of the body reads become new formal inputs, and the nodes that com
 moved, one copy per call, into each caller (identical copies, from calls that share weights,
 are merged). Repeated until no body has foldable nodes, this brings every such computation to
 the main graph, where it reads initializers only; each result is stored as an initializer, an
-``ir.LazyTensor`` that onnx's reference evaluator computes from the source initializers when
-the file is written (so weights are read, and folded, one at a time).
+``ir.LazyTensor`` that onnxruntime (on a tiny model of the folded nodes) computes from the
+source initializers when the file is written (so weights are read, and folded, one at a time).
 
 Which nodes fold follows onnxscript's folder: a node reading a weight larger than
 ``INPUT_SIZE_LIMIT`` elements folds only when that weight is used by folded nodes alone (its
@@ -444,20 +444,23 @@ def _store_folded_initializers(model: ir.Model) -> bool:
     taken = {v.name for n in graph for v in (*n.inputs, *n.outputs) if v is not None} | set(graph.initializers)
     taken |= {v.name for v in graph.inputs}
     opset = _default_opset(model)
-    for node in folded:
-        for value in node.outputs:
-            if not any(use.node not in members for use in value.uses()) and not value.is_graph_output():
-                continue
-            sources = [v for v in _graph_sources(value)]
-            initializer = ir.Value(
-                name=_unique(_main_name(value, sources), taken), type=value.type, shape=value.shape,
-            )
-            initializer.const_value = ir.LazyTensor(
-                _evaluator(value, sources, opset), dtype=value.dtype, shape=ir.Shape(value.shape.numpy()),
-                name=initializer.name,
-            )
-            ir.convenience.replace_all_uses_with(value, initializer)
-            graph.register_initializer(initializer)
+    frontier = [
+        value
+        for node in folded
+        for value in node.outputs
+        if value.is_graph_output() or any(use.node not in members for use in value.uses())
+    ]
+    # name and capture every computation before rewiring any of them
+    stored = []
+    for value in frontier:
+        sources = _graph_sources(value)
+        name = _unique(_main_name(value, sources), taken)
+        stored.append((value, name, _evaluator(value, sources, opset)))
+    for value, name, compute in stored:
+        initializer = ir.Value(name=name, type=value.type, shape=value.shape)
+        initializer.const_value = ir.LazyTensor(compute, dtype=value.dtype, shape=ir.Shape(value.shape.numpy()), name=name)
+        ir.convenience.replace_all_uses_with(value, initializer)
+        graph.register_initializer(initializer)
     for node in reversed(folded):
         graph.remove(node, safe=True)
     return True
@@ -502,7 +505,8 @@ def _proto(nodes: list[ir.Node], inputs: list[ir.Value], outputs: list[ir.Value]
         proto.attribute.extend(ir.serde.serialize_attribute(a) for a in node.attributes.values())
         protos.append(proto)
     graph = onnx.helper.make_graph(protos, "fold", [info(v) for v in inputs], [info(v) for v in outputs])
-    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+    # IR version 10: what onnxruntime and torch's exporter use (onnx's default may be newer than onnxruntime reads)
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)], ir_version=10)
 
 
 def _infer_shapes(nodes: list[ir.Node], inputs: list[ir.Value], opset: int) -> None:
@@ -528,9 +532,9 @@ def _infer_shapes(nodes: list[ir.Node], inputs: list[ir.Value], opset: int) -> N
 
 
 def _evaluator(value: ir.Value, sources: list[ir.Value], opset: int):
-    """A function computing ``value`` from the sources' tensors with onnx's reference evaluator.
-
-    The tiny model holds no weights: they are read (``const_value.numpy()``) only when called.
+    """A function computing ``value`` from the sources' tensors: onnxruntime on a tiny model
+    (optimizations off), or onnx's reference evaluator for dtypes onnxruntime's Python API cannot
+    take. The tiny model holds no weights: they are read (``const_value.numpy()``) only when called.
     """
     names: dict[ir.Value, str] = {}
     model_bytes = _proto(_support([value]), sources, [value], opset, names).SerializeToString()
@@ -538,10 +542,19 @@ def _evaluator(value: ir.Value, sources: list[ir.Value], opset: int):
     inputs, output_name, shape = [names[v] for v in sources], names[value], tuple(value.shape.numpy())
 
     def compute() -> ir.Tensor:
-        from onnx.reference import ReferenceEvaluator
+        feeds = {name: t.numpy() for name, t in zip(inputs, tensors)}
+        try:
+            import onnxruntime as ort
 
-        session = ReferenceEvaluator(onnx.load_from_string(model_bytes))
-        (result,) = session.run([output_name], {name: t.numpy() for name, t in zip(inputs, tensors)})
+            options = ort.SessionOptions()
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            options.log_severity_level = 3
+            session = ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+            (result,) = session.run([output_name], feeds)
+        except Exception:  # noqa: BLE001 - a dtype onnxruntime's Python API cannot take (bfloat16)
+            from onnx.reference import ReferenceEvaluator
+
+            (result,) = ReferenceEvaluator(onnx.load_from_string(model_bytes)).run([output_name], feeds)
         result = np.ascontiguousarray(result)
         if result.shape != shape:
             raise ValueError(f"Folded value {output_name}: shape {result.shape}, expected {shape}.")
