@@ -44,13 +44,12 @@ def _weights(blocks: int) -> list[onnx.TensorProto]:
     ]
 
 
-def _block_nodes(x: str, prefix: str, b: int) -> tuple[list[onnx.NodeProto], str]:
-    nodes = [
+def _block_nodes(x: str, y: str, prefix: str, b: int) -> list[onnx.NodeProto]:
+    return [
         helper.make_node("Add", [x, f"b{b}.Add"], [f"{prefix}a"]),
         helper.make_node("Mul", [f"{prefix}a", f"b{b}.Mul"], [f"{prefix}m"]),
-        helper.make_node("Relu", [f"{prefix}m"], [f"{prefix}r"]),
+        helper.make_node("Relu", [f"{prefix}m"], [y]),
     ]
-    return nodes, f"{prefix}r"
 
 
 def _model(nodes, blocks: int, functions=()) -> onnx.ModelProto:
@@ -65,9 +64,7 @@ def _model(nodes, blocks: int, functions=()) -> onnx.ModelProto:
 def flat(blocks: int) -> onnx.ModelProto:
     nodes, x = [], "x"
     for b in range(blocks):
-        body, out = _block_nodes(x, f"h{b}.", b)
-        body[-1].output[0] = f"y{b}"
-        nodes += body
+        nodes += _block_nodes(x, f"y{b}", f"h{b}.", b)
         x = f"y{b}"
     return _model(nodes, blocks)
 

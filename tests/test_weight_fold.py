@@ -6,15 +6,15 @@ when nothing else reads them; smaller ones always fold, as in a flat graph."""
 
 from __future__ import annotations
 
+import helpers
+import models
 import numpy as np
 import onnx
 import onnx.inliner
 import onnxruntime as ort
 import torch
-import torch.nn as nn
+from torch import nn
 
-import helpers
-import models
 from onnx_modular import export_modular
 
 

@@ -27,13 +27,13 @@ named ``<input>.T`` for a plain transpose and ``<inputs>.folded`` otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
-__all__ = ["FoldWeightsPass", "INPUT_SIZE_LIMIT", "OUTPUT_SIZE_LIMIT", "FOLDED_KEY"]
+__all__ = ["FOLDED_KEY", "INPUT_SIZE_LIMIT", "OUTPUT_SIZE_LIMIT", "FoldWeightsPass"]
 
 #: onnxscript's defaults (``onnxscript.optimizer._constant_folding``), the flat export's rules.
 INPUT_SIZE_LIMIT = 8192
