@@ -316,7 +316,9 @@ def _lift(function: ir.Function, nodes: list[ir.Node], sites: list[_Site], merge
                 use.node.replace_input_with(use.idx, parameter)
         parameters[value] = parameter
     # a formal input read by folded nodes only is replaced, at its position, by its folds
-    consumed = {v for v in old_inputs if v.uses() and all(use.node in folded for use in v.uses())}
+    consumed = {
+        v for v in old_inputs if v.uses() and not v.is_graph_output() and all(use.node in folded for use in v.uses())
+    }
     order: list[ir.Value] = []
     placed = set()
     for value in old_inputs:
