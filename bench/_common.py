@@ -19,6 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore")
 
+from helpers import graph_bytes  # noqa: E402,F401  (one definition, shared with the tests)
+
 
 def median_time(fn, repeat: int) -> tuple[float, object]:
     times, result = [], None
@@ -40,19 +42,6 @@ def flat_export(model, args, kwargs, path, dynamic_shapes=None):
     with quiet():
         torch.onnx.export(model, args, str(path), kwargs=kwargs, dynamo=True, verbose=False,
                           dynamic_shapes=dynamic_shapes)
-
-
-def graph_bytes(path) -> int:
-    """Serialized size of the model without weights (initializer data dropped)."""
-    proto = onnx.load(str(path), load_external_data=False)
-    for tensor in proto.graph.initializer:
-        tensor.ClearField("raw_data")
-        tensor.ClearField("float_data")
-        tensor.ClearField("external_data")
-        tensor.ClearField("int64_data")
-        tensor.ClearField("int32_data")
-        tensor.ClearField("data_location")
-    return proto.ByteSize()
 
 
 def ort_session(path):

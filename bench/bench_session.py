@@ -3,7 +3,7 @@
     python bench/bench_session.py [--layers 8] [--hidden 1024] [--repeat 7]
 
 Three files of the same model: torch.onnx.export(dynamo=True) (flat), onnx_modular (default),
-and onnx_modular without FoldWeightTransposesPass (the Linear bodies transpose their weight, so
+and onnx_modular without FoldWeightsPass (the Linear bodies transpose their weight, so
 onnxruntime folds every transpose while loading). Sessions are created round-robin, at
 onnxruntime's default optimization level and with optimizations disabled, which separates
 onnxruntime's function inlining from its graph optimizations. Prints medians and ratios to flat.
@@ -23,7 +23,7 @@ import onnxruntime as ort
 import torch
 
 from onnx_modular import export_modular
-from onnx_modular.passes import weight_transposes
+from onnx_modular.passes import fold_weights
 
 
 def build(layers: int, hidden: int):
@@ -38,12 +38,12 @@ def build(layers: int, hidden: int):
 
 
 def export_without_fold(model, args, path) -> None:
-    original = weight_transposes.FoldWeightTransposesPass.call
-    weight_transposes.FoldWeightTransposesPass.call = lambda self, m: ir.passes.PassResult(m, modified=False)
+    original = fold_weights.FoldWeightsPass.call
+    fold_weights.FoldWeightsPass.call = lambda self, m: ir.passes.PassResult(m, modified=False)
     try:
         export_modular(model, args, path, verify=False, external_data=True)
     finally:
-        weight_transposes.FoldWeightTransposesPass.call = original
+        fold_weights.FoldWeightsPass.call = original
 
 
 def create(path, level) -> tuple[float, ort.InferenceSession]:

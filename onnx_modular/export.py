@@ -8,7 +8,8 @@
                    OutlineModuleCallsPass                 -> nested local functions
                    DeduplicateFunctionsPass               -> identical calls share a function
                    NameFunctionsPass                      -> names, doc strings, metadata
-      optimize     onnxscript optimizer per body (inline=False), FoldWeightTransposesPass,
+      optimize     onnxscript optimizer per body (inline=False), FoldWeightsPass (weight-only
+                   computations folded across calls), StripConstantMetadataPass,
                    no-op calls dropped and recorded (RecordNoOpCallsPass), unused removal
       save         atomic write + onnx.checker(full_check=True)
       verify       onnxruntime(modular) vs onnxruntime(flat) vs torch eager (verification.py)
@@ -49,8 +50,9 @@ from onnx_modular.passes.dedupe import DeduplicateFunctionsPass
 from onnx_modular.passes.io_names import NameGraphInputsOutputsPass
 from onnx_modular.passes.modularize import OutlineModuleCallsPass
 from onnx_modular.passes.naming import NameFunctionsPass
+from onnx_modular.passes.constant_metadata import StripConstantMetadataPass
+from onnx_modular.passes.fold_weights import FoldWeightsPass
 from onnx_modular.passes.no_op_calls import RecordNoOpCallsPass
-from onnx_modular.passes.weight_transposes import FoldWeightTransposesPass
 from onnx_modular.result import ModularExport, model_file
 from onnx_modular.selection import ModuleSelector
 
@@ -161,7 +163,7 @@ def export_modular(
         custom_translation_table: ``{torch op: onnxscript function}``, as in
             ``torch.onnx.export``: the functions translate those ops (aten or
             ``torch.library`` custom ops), inside the module functions that call them.
-        external_data: Store weights in ``<f>.data``; ``None`` decides by size (> 1.5 GiB).
+        external_data: Store weights in ``<f>.data``; ``None`` decides by size (> 64 MiB).
         modules: Which module calls become functions: ``"all"`` (default), a set of
             module classes, a maximum depth (1 = children of the root), or a predicate
             ``(module_path, module) -> bool``. Unselected modules are inlined into
@@ -300,9 +302,12 @@ def export_modular(
             if optimize:
                 cleanup.optimize_functions(model_ir)
                 opset.fuse_standard_ops(model_ir)  # at 23: RMSNormalization for hand-written norms
-                FoldWeightTransposesPass()(model_ir)  # what the optimizer does flat, across calls
-                cleanup.remove_unused(model_ir)
-            RecordNoOpCallsPass(tree)(model_ir)  # calls left without ops: no function, recorded
+            # Calls that compute nothing: no function, recorded. Before the weight fold, so that a
+            # call whose computation is folded into stored weights (rotary tables) stays a call.
+            RecordNoOpCallsPass(tree)(model_ir)
+            if optimize:
+                FoldWeightsPass()(model_ir)  # what the optimizer folds flat, across calls
+                StripConstantMetadataPass()(model_ir)  # body constants cost what flat initializers cost
             cleanup.remove_unused(model_ir)
             _torch_compat.add_opset_imports(model_ir)
             opset.set_default_opset(model_ir, translated_opset)

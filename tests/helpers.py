@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
+import onnx
 import onnx_ir as ir
 
 from onnx_modular import metadata
@@ -78,3 +79,12 @@ def torch_value_names_in_signatures(result) -> list[str]:
                 if re.fullmatch(r"(unbound_(input|output)|size)_\d+", value.name):
                     assert value.name in (function.doc_string or ""), (function.name, value.name)
     return found
+
+
+def graph_bytes(path) -> int:
+    """Serialized size of the model file without weights (initializer data dropped)."""
+    proto = onnx.load(str(path), load_external_data=False)
+    for tensor in proto.graph.initializer:
+        for field in ("raw_data", "float_data", "external_data", "int64_data", "int32_data", "data_location"):
+            tensor.ClearField(field)
+    return proto.ByteSize()

@@ -138,6 +138,25 @@ def resnet():
     return model, (torch.randn(2, 3, 16, 16),), {}
 
 
+class Recurrent(nn.Module):
+    """A two-layer ``nn.LSTM``, an ``nn.GRU`` and a ``Linear`` head (batch first)."""
+
+    def __init__(self, features: int = 32, hidden: int = 64, classes: int = 10):
+        super().__init__()
+        self.lstm = nn.LSTM(features, hidden, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(hidden, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        y, _ = self.lstm(x)
+        y, _ = self.gru(y)
+        return self.head(y)
+
+
+def recurrent(features: int = 32, hidden: int = 64):
+    torch.manual_seed(0)
+    return Recurrent(features, hidden).eval(), (torch.randn(2, 16, features),), {}
+
 # -- traps ---------------------------------------------------------------------------
 
 

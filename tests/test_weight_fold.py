@@ -1,17 +1,20 @@
-"""FoldWeightTransposesPass: weights stored pre-transposed across function calls, as
-onnxscript's folder stores them in a flat graph; parity is asserted inside export_modular
-(onnxruntime vs torch, float32 atol 1e-4) and again here on the inlined copy."""
+"""FoldWeightsPass end to end: what bodies compute from weights alone (Linear's Transpose,
+LSTM's gate re-ordering) is stored folded across function calls, as onnxscript's folder stores
+it in a flat graph; parity is asserted inside export_modular (onnxruntime vs torch, float32
+atol 1e-4) and again here. Weights above onnxscript's input size limit (8192 elements) fold only
+when nothing else reads them; smaller ones always fold, as in a flat graph."""
 
 from __future__ import annotations
 
+import helpers
+import models
 import numpy as np
 import onnx
 import onnx.inliner
 import onnxruntime as ort
 import torch
-import torch.nn as nn
+from torch import nn
 
-import models
 from onnx_modular import export_modular, metadata
 
 
@@ -44,9 +47,10 @@ def test_tied_weights_are_left_alone(tmp_path):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=100, n_positions=32, use_cache=False)
+    # vocabulary 300 x 32 > INPUT_SIZE_LIMIT: a large tied weight (a small one folds, as flat)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=300, n_positions=32, use_cache=False)
     model = transformers.GPT2LMHeadModel(config).eval()
-    result = export_modular(model, (torch.randint(0, 100, (2, 8)),), tmp_path / "gpt2.onnx")
+    result = export_modular(model, (torch.randint(0, 300, (2, 8)),), tmp_path / "gpt2.onnx")
     # lm_head.weight is wte.weight: Gather reads it untransposed, so the lm_head body transposes
     call = next(n for n in result.model.graph if n.metadata_props.get(metadata.MODULE_PATH) == "lm_head")
     lm_head = result.model.functions[call.op_identifier()]
@@ -92,8 +96,11 @@ def test_optimize_false_keeps_transposes(tmp_path):
     assert any("Transpose" in ops for name, ops in _bodies(result).items() if name.startswith("Linear"))
 
 
+_WIDTH = 96  # 96 x 96 weights: above INPUT_SIZE_LIMIT, so the ownership rules apply
+
+
 class _Block(nn.Module):
-    def __init__(self, width: int = 8):
+    def __init__(self, width: int = _WIDTH):
         super().__init__()
         self.proj = nn.Linear(width, width, bias=False)
 
@@ -107,7 +114,7 @@ class _SharedWeight(nn.Module):
     def __init__(self):
         super().__init__()
         self.a, self.b = _Block(), _Block()
-        self.tied = nn.Linear(8, 8, bias=False)
+        self.tied = nn.Linear(_WIDTH, _WIDTH, bias=False)
         self.tied.weight = self.a.proj.weight
 
     def forward(self, x):
@@ -127,7 +134,7 @@ class _UntransposedUse(nn.Module):
 
 def test_weight_shared_by_calls_is_folded_once(tmp_path):
     model = _SharedWeight().eval()
-    result = export_modular(model, (torch.randn(2, 3, 8),), tmp_path / "m.onnx")  # parity asserted inside
+    result = export_modular(model, (torch.randn(2, 3, _WIDTH),), tmp_path / "m.onnx")  # parity asserted inside
     names = set(result.model.graph.initializers)
     # torch keeps one name for the tied weight (a.proj.weight is tied.weight)
     assert len(names) == 2 and "b.proj.weight.T" in names and all(name.endswith(".T") for name in names)
@@ -136,9 +143,38 @@ def test_weight_shared_by_calls_is_folded_once(tmp_path):
 
 def test_weight_also_used_untransposed_is_not_folded(tmp_path):
     model = _UntransposedUse().eval()
-    result = export_modular(model, (torch.randn(2, 3, 8),), tmp_path / "m.onnx")  # parity asserted inside
+    result = export_modular(model, (torch.randn(2, 3, _WIDTH),), tmp_path / "m.onnx")  # parity asserted inside
     names = set(result.model.graph.initializers)
     assert "a.proj.weight" in names and "a.proj.weight.T" not in names
     # block b shares a's body, so b's weight cannot be folded either: one body, one layout
     assert "b.proj.weight" in names
     assert any("Transpose" in ops for ops in _bodies(result).values())
+
+
+def test_recurrent_weights_are_folded_like_flat(tmp_path):
+    """LSTM/GRU bodies re-order their weights' gates (Slice, Concat, Unsqueeze): folded at
+    export, the bodies keep only the recurrent ops and the shape logic, and the file is
+    within 1.1x torch's flat file in graph bytes (weights excluded)."""
+    model, args, _ = models.recurrent()
+    path = tmp_path / "modular.onnx"
+    result = export_modular(model, args, path)  # parity asserted inside (float32: atol 1e-4)
+    bodies = _bodies(result)
+    assert {"LSTM", "GRU"} <= set(bodies)
+    for name in ("LSTM", "GRU"):
+        function = next(f for f in result.functions if f.name == name)
+        assert all(v.name.endswith(".folded") for v in function.inputs[1:]), [v.name for v in function.inputs]
+        assert "Concat" not in bodies[name] or bodies[name].count("Concat") <= 2  # shape logic only
+        weights = {v for v in function.inputs[1:]}
+        assert not [n for n in function if n.op_type != name and any(v in weights for v in n.inputs)]
+    # LSTM B = [b_ih, b_hh] for layer 0, folded from both biases
+    bias = result.model.graph.initializers["lstm.bias_ih_l0+lstm.bias_hh_l0.folded"].const_value.numpy()
+    expected = np.concatenate([model.lstm.bias_ih_l0.detach().numpy(), model.lstm.bias_hh_l0.detach().numpy()])
+    assert bias.shape == (1, expected.size)
+    np.testing.assert_array_equal(np.sort(bias.ravel()), np.sort(expected))  # gates re-ordered i,o,f,c
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {"x": args[0].numpy()})
+    np.testing.assert_allclose(out, model(*args).detach().numpy(), atol=1e-5)
+
+    flat = tmp_path / "flat.onnx"
+    torch.onnx.export(model, args, str(flat), dynamo=True, verbose=False)
+    assert helpers.graph_bytes(path) <= 1.1 * helpers.graph_bytes(flat)

@@ -1,0 +1,205 @@
+"""FoldWeightsPass on hand-written models (no torch): weight-only computations of function
+bodies are folded across one or more call levels into lazily computed initializers."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from onnx_modular.passes.fold_weights import INPUT_SIZE_LIMIT, FoldWeightsPass
+from onnx_modular.passes.weight_transposes import FoldWeightTransposesPass
+
+HEADER = '<ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>'
+LINEAR = """
+<domain: "pkg.test", opset_import: ["" : 18]>
+Linear (input, weight) => (output) {
+  t = Transpose <perm = [1, 0]> (weight)
+  output = MatMul(input, t)
+}"""
+
+
+def _model(text: str, **arrays: np.ndarray) -> ir.Model:
+    """The model of ``text`` with ``arrays`` as float initializers (declared after the outputs)."""
+    declared = ", ".join(f"float[{','.join(map(str, a.shape))}] {name} = {{{', '.join(['0'] * a.size)}}}" for name, a in arrays.items())
+    text = re.sub(r"(main \([^)]*\) => \([^)]*\))", lambda m: f"{m.group(1)} <{declared}>", text, count=1)
+    model = ir.from_onnx_text(text)
+    for name, array in arrays.items():
+        model.graph.initializers[name].const_value = ir.tensor(array, name=name)
+    return model
+
+
+def _run(model: ir.Model, **feeds: np.ndarray) -> list[np.ndarray]:
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def _function(model: ir.Model, name: str) -> ir.Function:
+    return next(f for f in model.functions.values() if f.name == name)
+
+
+def _ops(function: ir.Function) -> list[str]:
+    return [node.op_type for node in function]
+
+
+def test_transpose_is_folded_through_two_call_levels():
+    text = HEADER + """
+main (float[2,3] x) => (float[2,3] y) {
+  h = pkg.test.Block(x, w1)
+  y = pkg.test.Block2(h, w2)
+}
+<domain: "pkg.test", opset_import: ["" : 18, "pkg.test" : 1]>
+Block (a, wa) => (b) { l = pkg.test.Linear(a, wa)  b = Relu(l) }
+<domain: "pkg.test", opset_import: ["" : 18, "pkg.test" : 1]>
+Block2 (a, wa) => (b) { b = pkg.test.Linear(a, wa) }""" + LINEAR
+    rng = np.random.default_rng(0)
+    w1, w2, x = rng.standard_normal((3, 3), np.float32), rng.standard_normal((3, 3), np.float32), rng.standard_normal((2, 3), np.float32)
+    model = _model(text, w1=w1, w2=w2)
+    expected = _run(model, x=x)
+
+    assert FoldWeightsPass()(model).modified
+    assert _ops(_function(model, "Linear")) == ["MatMul"]
+    assert [v.name for v in _function(model, "Linear").inputs] == ["input", "weight.T"]
+    assert [v.name for v in _function(model, "Block").inputs] == ["a", "wa.T"]
+    assert set(model.graph.initializers) >= {"w1.T", "w2.T"}
+    assert not [node for node in model.graph if node.op_type == "Transpose"]
+    folded = model.graph.initializers["w2.T"].const_value
+    assert isinstance(folded, ir.LazyTensor) and list(folded.shape) == [3, 3]
+    np.testing.assert_array_equal(folded.numpy(), w2.T)
+    ir.passes.common.RemoveUnusedNodesPass()(model)
+    assert "w1" not in model.graph.initializers  # nothing reads the untransposed weight any more
+    np.testing.assert_allclose(_run(model, x=x)[0], expected[0], rtol=1e-6)
+
+
+def test_gate_reordering_with_body_constants_is_folded():
+    """LSTM-style: Slice the weights into gates (Constant starts/ends), Concat in another order."""
+    text = HEADER + """
+main (float[2,4] x) => (float[2,8] y) { y = pkg.test.Gates(x, w, b1, b2) }
+<domain: "pkg.test", opset_import: ["" : 18]>
+Gates (input, weight, bias_ih, bias_hh) => (output) {
+  s0 = Constant <value = int64[1] {0}> ()
+  s4 = Constant <value = int64[1] {4}> ()
+  s8 = Constant <value = int64[1] {8}> ()
+  axis = Constant <value = int64[1] {0}> ()
+  top = Slice(weight, s0, s4, axis)
+  bottom = Slice(weight, s4, s8, axis)
+  reordered = Concat <axis = 0> (bottom, top)
+  wt = Transpose <perm = [1, 0]> (reordered)
+  bias = Add(bias_ih, bias_hh)
+  mm = MatMul(input, wt)
+  output = Add(mm, bias)
+}"""
+    rng = np.random.default_rng(1)
+    arrays = {"w": rng.standard_normal((8, 4), np.float32), "b1": rng.standard_normal(8, np.float32), "b2": rng.standard_normal(8, np.float32)}
+    x = rng.standard_normal((2, 4), np.float32)
+    model = _model(text, **arrays)
+    expected = _run(model, x=x)
+
+    FoldWeightsPass()(model)
+    gates = _function(model, "Gates")
+    assert _ops(gates) == ["MatMul", "Add"]  # Slices, Concat, Transpose, bias Add and Constants gone
+    assert [v.name for v in gates.inputs] == ["input", "weight.folded", "bias_ih+bias_hh.folded"]
+    folded = model.graph.initializers["w.folded"].const_value.numpy()
+    np.testing.assert_array_equal(folded, np.concatenate([arrays["w"][4:], arrays["w"][:4]]).T)
+    np.testing.assert_allclose(model.graph.initializers["b1+b2.folded"].const_value.numpy(), arrays["b1"] + arrays["b2"])
+    np.testing.assert_allclose(_run(model, x=x)[0], expected[0], rtol=1e-6)
+
+
+def test_calls_sharing_a_weight_share_the_folded_initializer():
+    text = HEADER + """
+main (float[2,3] x) => (float[2,3] y) {
+  a = pkg.test.Linear(x, w)
+  y = pkg.test.Linear(a, w)
+}""" + LINEAR
+    model = _model(text, w=np.arange(9, dtype=np.float32).reshape(3, 3))
+    FoldWeightsPass()(model)
+    calls = [node for node in model.graph if node.op_type == "Linear"]
+    assert calls[0].inputs[1] is calls[1].inputs[1] and calls[0].inputs[1].name == "w.T"
+    assert [v.name for v in model.graph.initializers.values() if v.name.endswith(".T")] == ["w.T"]
+
+
+def _tied_model(rows: int) -> tuple[ir.Model, np.ndarray]:
+    """Linear transposes ``w``; the main graph also reads it untransposed (Gather: a tied embedding)."""
+    text = HEADER + f"""
+main (float[2,8] x, int64[2] ids) => (float[2,{rows}] y, float[2,8] e) {{
+  y = pkg.test.Linear(x, w)
+  e = Gather(w, ids)
+}}""" + LINEAR
+    w = np.random.default_rng(2).standard_normal((rows, 8), np.float32)
+    return _model(text, w=w), w
+
+
+def test_large_weight_read_elsewhere_is_left_alone():
+    rows = INPUT_SIZE_LIMIT // 8 + 1
+    model, _ = _tied_model(rows)
+    assert not FoldWeightsPass()(model).modified
+    assert _ops(_function(model, "Linear")) == ["Transpose", "MatMul"]
+
+
+def test_small_weight_read_elsewhere_is_folded_as_a_copy():
+    """onnxscript's folder folds nodes with inputs up to its size limit whatever else reads them."""
+    model, w = _tied_model(16)
+    FoldWeightsPass()(model)
+    assert _ops(_function(model, "Linear")) == ["MatMul"]
+    assert {"w", "w.T"} <= set(model.graph.initializers)
+    np.testing.assert_array_equal(model.graph.initializers["w.T"].const_value.numpy(), w.T)
+
+
+def test_not_folded_when_a_call_passes_a_computed_value():
+    text = HEADER + """
+main (float[3,3] x) => (float[3,3] y) {
+  a = pkg.test.Linear(x, w)
+  z = Relu(x)
+  y = pkg.test.Linear(a, z)
+}""" + LINEAR
+    model = _model(text, w=np.eye(3, dtype=np.float32))
+    assert not FoldWeightsPass()(model).modified
+    assert _ops(_function(model, "Linear")) == ["Transpose", "MatMul"]
+
+
+def test_weights_are_read_only_when_the_folded_value_is():
+    text = HEADER + """
+main (float[2,3] x) => (float[2,3] y) { y = pkg.test.Linear(x, w) }""" + LINEAR
+    w = np.arange(9, dtype=np.float32).reshape(3, 3)
+    reads = []
+
+    def read() -> ir.Tensor:
+        reads.append(1)
+        return ir.tensor(w)
+
+    model = _model(text, w=w)
+    model.graph.initializers["w"].const_value = ir.LazyTensor(read, dtype=ir.DataType.FLOAT, shape=ir.Shape([3, 3]), name="w")
+    FoldWeightsPass()(model)
+    assert reads == []  # the pass itself reads no weight
+    np.testing.assert_array_equal(model.graph.initializers["w.T"].const_value.numpy(), w.T)
+    assert reads == [1]
+
+
+def test_transposes_only():
+    text = HEADER + """
+main (float[2,4] x) => (float[2,4] y) { y = pkg.test.Scaled(x, w) }
+<domain: "pkg.test", opset_import: ["" : 18]>
+Scaled (input, weight) => (output) {
+  two = Constant <value = float {2.0}> ()
+  t = Transpose <perm = [1, 0]> (weight)
+  s = Mul(t, two)
+  output = MatMul(input, s)
+}"""
+    model = _model(text, w=np.ones((4, 4), np.float32))
+    FoldWeightTransposesPass()(model)
+    assert _ops(_function(model, "Scaled")) == ["Constant", "Mul", "MatMul"]
+    FoldWeightsPass()(model)
+    assert _ops(_function(model, "Scaled")) == ["MatMul"]
+
+
+def test_requires_rejects_attribute_parameters():
+    text = HEADER + """
+main (float[2,2] x) => (float[2,2] y) { y = pkg.test.F <p = [1, 0]> (x) }
+<domain: "pkg.test", opset_import: ["" : 18]>
+F <p> (input) => (output) { output = Transpose <perm: ints = @p> (input) }"""
+    model = ir.from_onnx_text(text)
+    with pytest.raises(ir.passes.PreconditionError, match="attribute parameters"):
+        FoldWeightsPass()(model)
