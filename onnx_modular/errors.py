@@ -18,6 +18,10 @@ __all__ = [
     "ParityError",
     "VerificationError",
     "InvalidModelFileError",
+    "WeightsError",
+    "MissingWeightError",
+    "UnexpectedWeightError",
+    "WeightShapeError",
 ]
 
 
@@ -106,3 +110,27 @@ class InvalidModelFileError(OnnxModularError, ValueError):
     """An ONNX file given to onnx_modular cannot be read or is malformed."""
 
     stage = "load"
+
+
+class WeightsError(OnnxModularError, ValueError):
+    """The ``weights=`` given to export_modular cannot be read or do not fit the model.
+
+    Raised before anything is written.
+    """
+
+    stage = "weights"
+
+
+class MissingWeightError(WeightsError, KeyError):
+    """A parameter or buffer of the model has no tensor in the weights."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return Exception.__str__(self)
+
+
+class UnexpectedWeightError(WeightsError):
+    """The weights hold a tensor that no parameter or buffer of the model takes."""
+
+
+class WeightShapeError(WeightsError):
+    """A tensor in the weights has another shape than the parameter it is for."""

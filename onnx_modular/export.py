@@ -32,7 +32,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from onnx_modular import _io, _torch_compat, model_io, verification
+from onnx_modular import _io, _torch_compat, model_io, streaming, verification
 from onnx_modular.errors import (
     CaptureError,
     DecompositionError,
@@ -72,6 +72,7 @@ class ModularExport:
     model: ir.Model
     hierarchy: CallTree
     report: verification.ParityReport | None = None
+    blocks: Any = None  # blockwise.BlockReport when verified block by block (weights=...)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     path: pathlib.Path | None = None
     exported_program: torch.export.ExportedProgram | None = dataclasses.field(default=None, repr=False)
@@ -306,7 +307,9 @@ def _eager_run(model: torch.nn.Module, args: tuple, kwargs: dict):
     return outputs, signatures, calls
 
 
-def _lazy_values(program: torch.export.ExportedProgram, args: tuple, kwargs: dict) -> Callable[[str], Any]:
+def _lazy_values(
+    program: torch.export.ExportedProgram, args: tuple, kwargs: dict, loaders: dict | None = None
+) -> Callable[[str], Any]:
     """``value_of(name)``: runs the program on the example inputs the first time it is asked.
 
     Only calls with several inputs (or outputs) of equal dtype and shape ask, so most
@@ -318,7 +321,7 @@ def _lazy_values(program: torch.export.ExportedProgram, args: tuple, kwargs: dic
         nonlocal cache
         if cache is None:
             try:
-                cache = _torch_compat.program_values(program, *verification.copy_inputs(args, kwargs))
+                cache = _torch_compat.program_values(program, *verification.copy_inputs(args, kwargs), loaders)
             except Exception as e:  # names stay unresolved; the export itself is unaffected
                 logger.info("Could not evaluate the program to resolve equal-shaped inputs: %s", e)
                 cache = {}
@@ -456,8 +459,10 @@ def export_modular(
     modules: ModuleSelector = "all",
     dedupe: bool = True,
     optimize: bool = True,
-    verify: bool = True,
+    verify: bool | str = True,
     verify_flat: bool = True,
+    weights: Any = None,
+    max_block_bytes: int | None = None,
     rtol: float | None = None,
     atol: float | None = None,
     progress: Callable[[str, float], None] | None = None,
@@ -491,6 +496,13 @@ def export_modular(
             ``torch.onnx.export``.
         verify: Compare onnxruntime (modular and flat) with PyTorch; raise
             :class:`~onnx_modular.errors.ParityError` beyond tolerance (no file is written then).
+            With ``weights=`` and a model on ``meta``, the check runs block by block
+            (``"blocks"``; ``"full"`` loads the whole file in onnxruntime instead).
+        weights: Take the parameters' values from a safetensors file, a folder of shards
+            (``model.safetensors.index.json``) or a state dict, read one tensor at a time;
+            ``model`` may then be on the ``meta`` device. See :mod:`onnx_modular.weights`.
+        max_block_bytes: With ``weights=``, the most weight bytes loaded at once in PyTorch
+            and onnxruntime (default: a quarter of the weights, see ``streaming.choose_blocks``).
         verify_flat: Also run the inlined (flat) copy in verification.
         rtol: Relative tolerance (default per output dtype, see ``verification.default_tolerance``).
         atol: Absolute tolerance (default per output dtype).
@@ -510,6 +522,12 @@ def export_modular(
     args, kwargs = _check_inputs(model, args, kwargs)
     if f is not None:
         _io.check_destination(f)
+    if weights is None:
+        streaming.check_model_device(model)
+        stream = None
+    else:  # names, shapes and the blocks are checked before any export work
+        stream = streaming.Stream(model, weights, verify, max_block_bytes)
+        external_data = True if external_data is None else external_data
     select = _selector(modules, model)
     if opset_version is not None and opset_version != _torch_compat.default_opset():
         # torch's translator emits opset 18; every available version converter (torch's,
@@ -531,11 +549,15 @@ def export_modular(
     with timer("capture"):
         # Both runs get their own copy of the inputs: a forward pass may update its inputs in
         # place (a KV cache appends to itself), and the user's objects must stay as given.
-        expected_outputs, signatures, eager_calls = _eager_run(model, *verification.copy_inputs(args, kwargs))
+        with stream.eager() if stream is not None else contextlib.nullcontext():
+            expected_outputs, signatures, eager_calls = _eager_run(model, *verification.copy_inputs(args, kwargs))
         model_io.register_input_types(model, {"args": args, "kwargs": kwargs, "output": expected_outputs})
         dynamic_shapes = model_io.expand_dynamic_shapes(model, args, kwargs, dynamic_shapes)
         try:
-            program = _torch_compat.capture(model, args, kwargs, dynamic_shapes)
+            if stream is not None:
+                program = stream.capture(_torch_compat.capture, args, kwargs, dynamic_shapes)
+            else:
+                program = _torch_compat.capture(model, args, kwargs, dynamic_shapes)
         except Exception as e:
             path = _module_path_from_traceback(e, model)
             raise CaptureError(
@@ -561,6 +583,8 @@ def export_modular(
         try:
             model_ir = _torch_compat.translate(program, opset_version)
             _torch_compat.rename_dynamic_axes(model_ir, dynamic_shapes)
+            if stream is not None:
+                stream.attach(model_ir)  # before any pass renames an initializer
         except Exception as e:
             raise TranslationError(
                 f"torch's translator failed: {type(e).__name__}: {_first_line(e)}",
@@ -583,7 +607,7 @@ def export_modular(
             _annotate_stacks(model_ir, tree, select)
             cleanup.inline_helper_functions(model_ir)
             cleanup.remove_unused(model_ir)
-            OutlineModuleCallsPass(tree, signatures, value_of=_lazy_values(program, args, kwargs))(model_ir)
+            OutlineModuleCallsPass(tree, signatures, value_of=_lazy_values(program, args, kwargs, stream and stream.loaders()))(model_ir)
             if dedupe:
                 DeduplicateFunctionsPass()(model_ir)
             NameFunctionsPass(tree)(model_ir)
@@ -625,7 +649,12 @@ def export_modular(
             return
         with timer("verify"):
             inputs, expected = result._reference
-            result.report = verification.verify_file(path, inputs, expected, flat=verify_flat, tolerance=tolerance)
+            if stream is not None and stream.blockwise:
+                result.blocks = stream.verify(path, inputs, expected, tolerance)
+                result.report = result.blocks.outputs
+                streaming.assert_blocks(result.blocks, result=result)
+            else:
+                result.report = verification.verify_file(path, inputs, expected, flat=verify_flat, tolerance=tolerance)
         done("verify")
         verification.assert_parity(result.report, result=result)
 
