@@ -27,9 +27,11 @@ import subprocess
 import sys
 import time
 
-SIZES = {  # Llama 3.2 1B / 3B, Llama 3.1 8B shapes
+SIZES = {  # Llama 3.2 1B / 3B, Llama 3.1 8B shapes (1b: TinyLlama)
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, vocab_size=4096, tie_word_embeddings=True),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    # TinyLlama-1.1B's shape (bench_scale.py's 1.03B model, the figure issue 13 starts from)
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False),
+    "1b-llama3": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
     "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
 }

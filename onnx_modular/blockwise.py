@@ -215,9 +215,28 @@ class _Evaluator:
         path = self.workdir / f".block-{uuid.uuid4().hex[:8]}.onnx"
         try:
             ir.save(piece, path)  # external initializers keep pointing into the file's data
-            return verification.run_onnxruntime(path, [feeds[i.name] for i in inputs])
+            return _run(path, [feeds[i.name] for i in inputs])
         finally:
             path.unlink(missing_ok=True)
+
+
+def _run(path: pathlib.Path, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """One piece in onnxruntime (CPU), without pre-packed weight copies (a block's weights once)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    try:
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return session.run(None, {i.name: array for i, array in zip(session.get_inputs(), inputs)})
+    except Exception as e:
+        text = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
+        raise VerificationError(
+            f"onnxruntime could not run a block of the model: {text}",
+            hint="onnxruntime's CPU kernels do not cover every dtype (bfloat16 arithmetic, for one); "
+            "pass verify=False to export without the check, or verify a float32/float16 export.",
+        ) from e
 
 
 def _copy_attr(attr: ir.Attr) -> ir.Attr:
