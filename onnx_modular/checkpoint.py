@@ -20,7 +20,7 @@ import torch
 
 from onnx_modular.errors import InvalidInputError
 
-__all__ = ["model_on_meta", "export_checkpoint"]
+__all__ = ["export_checkpoint", "model_on_meta"]
 
 
 def model_on_meta(

@@ -27,7 +27,7 @@ import torch
 from onnx_modular.errors import InvalidInputError, WeightsError
 from onnx_modular.weights import WeightPlan, materialized
 
-__all__ = ["Blocks", "Stream", "choose_blocks", "streamed", "attach_weights", "check_model_device", "DEFAULT_BLOCK_FRACTION"]
+__all__ = ["DEFAULT_BLOCK_FRACTION", "Blocks", "Stream", "attach_weights", "check_model_device", "choose_blocks", "streamed"]
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class Stream:
         except Exception as first:
             if not has_meta_tensors(self.model):
                 raise
-            to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v  # noqa: E731
+            to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v
             try:
                 return capture(self.model, *torch.utils._pytree.tree_map(to_meta, (args, kwargs)), dynamic_shapes)
             except Exception:

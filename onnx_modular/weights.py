@@ -32,9 +32,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import onnx_ir as ir
 import torch
 
-from onnx_modular.errors import MissingWeightError, UnexpectedWeightError, WeightsError, WeightShapeError
+from onnx_modular.errors import (
+    MissingWeightError,
+    UnexpectedWeightError,
+    WeightsError,
+    WeightShapeError,
+)
 
-__all__ = ["WeightSource", "WeightPlan", "plan_weights", "materialized", "has_meta_tensors", "INDEX_FILE"]
+__all__ = ["INDEX_FILE", "WeightPlan", "WeightSource", "has_meta_tensors", "materialized", "plan_weights"]
 
 #: The shard index ``save_pretrained`` writes next to the shards.
 INDEX_FILE = "model.safetensors.index.json"

@@ -25,8 +25,8 @@ from onnx_modular.errors import (
     MissingWeightError,
     OnnxModularError,
     UnexpectedWeightError,
-    WeightShapeError,
     WeightsError,
+    WeightShapeError,
 )
 from onnx_modular.weights import WeightSource, plan_weights
 
