@@ -2,8 +2,8 @@
 
 For each size: random weights are written to a sharded safetensors folder (with
 ``config.json`` and ``model.safetensors.index.json``, as ``save_pretrained`` writes them),
-then each measured step runs in its own child process, whose peak RSS is read with
-``os.wait4`` (that child's own rusage) when it exits:
+then each measured step runs in its own child process, which reports its own peak RSS
+(``VmHWM`` from ``/proc/self/status``) before it exits:
 
 * ``onnx_modular``: ``export_checkpoint(folder, out)`` (model on meta, weights streamed,
   block-by-block verification unless ``--no-verify``);
@@ -103,13 +103,23 @@ def _header(path: pathlib.Path) -> bytes:
         return file.read(length)
 
 
+def _own_peak_gib() -> float:
+    """This process's peak RSS since exec (VmHWM). Not ``ru_maxrss`` from the parent: that
+    also counts the parent's pages the child held between fork and exec."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024**2
+    return float("nan")
+
+
 def child_export(folder: str, out: str, verify: bool) -> None:
     from onnx_modular.checkpoint import export_checkpoint
 
     start = time.perf_counter()
     result = export_checkpoint(folder, out, verify="blocks" if verify else False)
     seconds = time.perf_counter() - start
-    report = {"seconds": seconds, "timings": result.timings}
+    report = {"seconds": seconds, "timings": result.timings, "peak_gib": _own_peak_gib()}
     if result.blocks is not None:
         report["blocks"] = len(result.blocks.blocks)
         report["block_max_abs"] = max(b.max_abs for b in result.blocks.blocks)
@@ -140,11 +150,13 @@ def child_torch(folder: str, out: str, apply: bool) -> None:
         program.apply_weights(state)
         program.save(out, external_data=True)
     report["seconds"] = time.perf_counter() - start
+    report["peak_gib"] = _own_peak_gib()
     print(json.dumps(report))
 
 
 def _measure(argv: list[str]) -> dict:
-    """Run a child; its own peak RSS comes from ``os.wait4`` (that child's rusage only)."""
+    """Run a child; its peak RSS is the VmHWM it reports (``os.wait4``'s ``ru_maxrss`` is kept
+    as a cross-check: it can include the parent's memory at fork time)."""
     import tempfile
 
     env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
@@ -159,7 +171,8 @@ def _measure(argv: list[str]) -> dict:
         print(stderr[-3000:], file=sys.stderr)
         raise SystemExit(f"child {argv[:2]} failed")
     result = json.loads(stdout.strip().splitlines()[-1])
-    result["peak_rss_gib"] = usage.ru_maxrss / 1024**2  # KiB on Linux
+    result["ru_maxrss_gib"] = usage.ru_maxrss / 1024**2  # KiB on Linux
+    result["peak_rss_gib"] = result.pop("peak_gib")
     result["stderr_tail"] = stderr[-4000:]
     return result
 
