@@ -147,11 +147,14 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict):
     return outputs, signatures, calls
 
 
-def lazy_values(program: torch.export.ExportedProgram, args: tuple, kwargs: dict) -> Callable[[str], Any]:
+def lazy_values(
+    program: torch.export.ExportedProgram, args: tuple, kwargs: dict, loaders: dict | None = None
+) -> Callable[[str], Any]:
     """``value_of(name)``: runs the program on the example inputs the first time it is asked.
 
     Only calls with several inputs (or outputs) of equal dtype and shape ask, so most
-    exports never pay for the run.
+    exports never pay for the run. ``loaders`` (weights streamed from a checkpoint): parameters
+    are read as ops use them (:func:`onnx_modular._torch_compat.program_values`).
     """
     cache: dict[str, Any] | None = None
 
@@ -159,7 +162,7 @@ def lazy_values(program: torch.export.ExportedProgram, args: tuple, kwargs: dict
         nonlocal cache
         if cache is None:
             try:
-                cache = _torch_compat.program_values(program, *verification.copy_inputs(args, kwargs))
+                cache = _torch_compat.program_values(program, *verification.copy_inputs(args, kwargs), loaders)
             except Exception as e:  # names stay unresolved; the export itself is unaffected
                 logger.info("Could not evaluate the program to resolve equal-shaped inputs: %s", e)
                 cache = {}

@@ -20,6 +20,10 @@ __all__ = [
     "InvalidModelFileError",
     "MissingDependencyError",
     "ExecutionProviderError",
+    "WeightsError",
+    "MissingWeightError",
+    "UnexpectedWeightError",
+    "WeightShapeError",
 ]
 
 
@@ -120,3 +124,27 @@ class ExecutionProviderError(OnnxModularError, ValueError):
     """The onnxruntime execution provider asked for is not available in this onnxruntime build."""
 
     stage = "run"
+
+
+class WeightsError(OnnxModularError, ValueError):
+    """The ``weights=`` given to export_modular cannot be read or do not fit the model.
+
+    Raised before anything is written.
+    """
+
+    stage = "weights"
+
+
+class MissingWeightError(WeightsError, KeyError):
+    """A parameter or buffer of the model has no tensor in the weights."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return Exception.__str__(self)
+
+
+class UnexpectedWeightError(WeightsError):
+    """The weights hold a tensor that no parameter or buffer of the model takes."""
+
+
+class WeightShapeError(WeightsError):
+    """A tensor in the weights has another shape than the parameter it is for."""

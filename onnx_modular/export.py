@@ -33,7 +33,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from onnx_modular import _io, _torch_compat, diagnostics, eager, model_io, opset, selection, verification
+from onnx_modular import _io, _torch_compat, diagnostics, eager, model_io, opset, selection, streaming, verification
 from onnx_modular.errors import (
     CaptureError,
     DecompositionError,
@@ -131,8 +131,10 @@ def export_modular(
     modules: ModuleSelector = "all",
     dedupe: bool = True,
     optimize: bool = True,
-    verify: bool = True,
+    verify: bool | str = True,
     verify_flat: bool = True,
+    weights: Any = None,
+    max_block_bytes: int | None = None,
     rtol: float | None = None,
     atol: float | None = None,
     progress: Callable[[str, float], None] | None = None,
@@ -175,6 +177,13 @@ def export_modular(
         verify: Compare onnxruntime (modular and flat) with PyTorch; raise
             :class:`~onnx_modular.errors.ParityError` beyond tolerance (no file is written then).
         verify_flat: Also run the inlined (flat) copy in verification.
+        weights: Take the parameters' values from a safetensors file, a folder of shards
+            (``model.safetensors.index.json``) or a state dict, read one tensor at a time;
+            ``model`` may then be on the ``meta`` device. With a model on ``meta`` the parity
+            check runs block by block (``verify="blocks"``; ``"full"`` loads the whole file in
+            onnxruntime instead). See :mod:`onnx_modular.weights` and ``docs/user-guide.md``.
+        max_block_bytes: With ``weights=``, the most weight bytes loaded at once in PyTorch
+            and onnxruntime (default: a quarter of the weights, see ``streaming.choose_blocks``).
         rtol: Relative tolerance (default per output dtype, see ``verification.default_tolerance``).
         atol: Absolute tolerance (default per output dtype).
         progress: Called as ``progress(stage, seconds)`` after each stage.
@@ -202,6 +211,12 @@ def export_modular(
         runtime.execution_providers(execution_provider)  # an unknown provider fails before the export
     if f is not None:
         _io.check_destination(f)
+    if weights is None:
+        streaming.check_model_device(model)
+        stream = None
+    else:  # names, shapes and the blocks are checked before any export work
+        stream = streaming.Stream(model, weights, verify, max_block_bytes)
+        external_data = True if external_data is None else external_data
     select = selection.selector(modules, model)
     target_opset = opset.check_opset(opset_version, default=_torch_compat.default_opset())
     translated_opset = max(target_opset, _torch_compat.default_opset())
@@ -224,7 +239,8 @@ def export_modular(
         # Both runs get their own copy of the inputs: a forward pass may update its inputs in
         # place (a KV cache appends to itself), and the user's objects must stay as given.
         try:
-            expected_outputs, signatures, eager_calls = eager.run(model, *verification.copy_inputs(args, kwargs))
+            with stream.eager() if stream is not None else contextlib.nullcontext():
+                expected_outputs, signatures, eager_calls = eager.run(model, *verification.copy_inputs(args, kwargs))
         except Exception as e:
             raise CaptureError(
                 f"The model failed to run in PyTorch on the example inputs: {type(e).__name__}: {e}",
@@ -235,7 +251,12 @@ def export_modular(
         model_io.check_outputs(expected_outputs)
         dynamic_shapes = model_io.expand_dynamic_shapes(model, args, kwargs, dynamic_shapes)
         try:
-            program = exported_program or _torch_compat.capture(model, args, kwargs, dynamic_shapes)
+            if exported_program is not None:
+                program = exported_program
+            elif stream is not None:
+                program = stream.capture(_torch_compat.capture, args, kwargs, dynamic_shapes)
+            else:
+                program = _torch_compat.capture(model, args, kwargs, dynamic_shapes)
         except Exception as e:
             path = diagnostics.module_path_from_traceback(e, model)
             raise CaptureError(
@@ -263,6 +284,8 @@ def export_modular(
         try:
             model_ir = _torch_compat.translate(program, registry)
             _torch_compat.rename_dynamic_axes(model_ir, dynamic_shapes)
+            if stream is not None:
+                stream.attach(model_ir)  # before any pass renames an initializer
         except Exception as e:
             raise TranslationError(
                 f"torch's translator failed: {type(e).__name__}: {diagnostics.first_line(e)}",
@@ -285,7 +308,7 @@ def export_modular(
             selection.annotate_stacks(model_ir, tree, select)
             cleanup.inline_helper_functions(model_ir)
             cleanup.remove_unused(model_ir)
-            OutlineModuleCallsPass(tree, signatures, value_of=eager.lazy_values(program, args, kwargs))(model_ir)
+            OutlineModuleCallsPass(tree, signatures, value_of=eager.lazy_values(program, args, kwargs, stream and stream.loaders()))(model_ir)
             if dedupe:
                 DeduplicateFunctionsPass()(model_ir)
             NameFunctionsPass(tree)(model_ir)
@@ -338,9 +361,14 @@ def export_modular(
             return
         with timer("verify"):
             inputs, expected = result._reference
-            result.report = verification.verify_file(
-                path, inputs, expected, flat=verify_flat, tolerance=tolerance, execution_provider=execution_provider
-            )
+            if stream is not None and stream.blockwise:
+                result.blocks = stream.verify(path, inputs, expected, tolerance)
+                result.report = result.blocks.outputs
+                streaming.assert_blocks(result.blocks, result=result)
+            else:
+                result.report = verification.verify_file(
+                    path, inputs, expected, flat=verify_flat, tolerance=tolerance, execution_provider=execution_provider
+                )
         done("verify")
         verification.assert_parity(result.report, result=result)
 

@@ -29,6 +29,7 @@ class ModularExport:
         model: The modular ONNX model (``onnx_ir.Model``).
         hierarchy: The module-call tree; ``print(result.hierarchy)`` shows it.
         report: The parity report (``None`` when verification was off).
+        blocks: The block-by-block report (``weights=`` with a model on ``meta``), else ``None``.
         timings: Seconds spent per stage.
         path: Where the model was written (``None`` if not saved yet).
     """
@@ -36,6 +37,7 @@ class ModularExport:
     model: ir.Model
     hierarchy: CallTree
     report: verification.ParityReport | None = None
+    blocks: Any = None  # blockwise.BlockReport when verified block by block (weights=...)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     path: pathlib.Path | None = None
     exported_program: torch.export.ExportedProgram | None = dataclasses.field(default=None, repr=False)

@@ -1,0 +1,231 @@
+"""Big Llama-shaped models (1B, 3B, 8B) exported from safetensors, weights streamed.
+
+For each size: random weights are written to a sharded safetensors folder (with
+``config.json`` and ``model.safetensors.index.json``, as ``save_pretrained`` writes them),
+then each measured step runs in its own child process, which reports its own peak RSS
+(``VmHWM`` from ``/proc/self/status``) before it exits:
+
+* ``onnx_modular``: ``export_checkpoint(folder, out)`` (model on meta, weights streamed,
+  block-by-block verification unless ``--no-verify``);
+* ``torch capture``: ``torch.onnx.export(meta_model, dynamo=True)`` (no weights: what torch
+  does on meta);
+* ``torch + apply_weights`` (``--torch-weights``): the same plus ``ONNXProgram.apply_weights``
+  with the state dict loaded from the folder and ``save``, torch's way to a file.
+
+    python bench/bench_big.py --size 1b --dtype float32 --dir /tmp/big
+    python bench/bench_big.py --size 8b --dtype float16 --no-verify --dir /tmp/big
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+SIZES = {  # Llama 3.2 1B / 3B, Llama 3.1 8B shapes (1b: TinyLlama)
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, vocab_size=4096, tie_word_embeddings=True),
+    # TinyLlama-1.1B's shape (bench_scale.py's 1.03B model, the figure issue 13 starts from)
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False),
+    "1b-llama3": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+}
+SHARD_BYTES = 2 * 1024**3
+
+
+def _config(size: str, dtype: str):
+    import transformers
+
+    return transformers.LlamaConfig(**SIZES[size], head_dim=SIZES[size]["hidden_size"] // SIZES[size]["num_attention_heads"],
+                                    dtype=dtype, use_cache=False, architectures=["LlamaForCausalLM"])
+
+
+def write_checkpoint(size: str, dtype: str, folder: pathlib.Path) -> None:
+    """Random weights, one shard (<= 2 GiB) in memory at a time."""
+    import torch
+    from safetensors.torch import save_file
+
+    from onnx_modular.checkpoint import model_on_meta
+
+    config = _config(size, dtype)
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    model = model_on_meta(config)
+    state = model.state_dict(keep_vars=True)
+    seen, names = set(), []
+    for name, tensor in state.items():  # tied tensors once, as save_pretrained does
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            names.append(name)
+    generator = torch.Generator().manual_seed(0)
+    shards, current, current_bytes = [], {}, 0
+    for name in names:
+        meta = state[name]
+        if meta.dim() == 1:
+            value = torch.ones(meta.shape, dtype=meta.dtype)
+
+        else:
+            value = (torch.randn(meta.shape, generator=generator) * 0.02).to(meta.dtype)
+        value = value.detach()
+        if current and current_bytes + value.nbytes > SHARD_BYTES:
+            shards.append(current)
+            _save_shard(current, folder, len(shards), save_file)
+            current, current_bytes = {}, 0
+        current[name] = value
+        current_bytes += value.nbytes
+    shards.append(current)
+    _save_shard(current, folder, len(shards), save_file)
+    total = len(shards)
+    weight_map = {}
+    for index in range(1, total + 1):
+        old = folder / f"shard-{index}.safetensors"
+        new = folder / f"model-{index:05d}-of-{total:05d}.safetensors"
+        old.rename(new)
+        for name in json.loads(_header(new)):
+            if name != "__metadata__":
+                weight_map[name] = new.name
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _save_shard(tensors: dict, folder: pathlib.Path, index: int, save_file) -> None:
+    save_file(tensors, str(folder / f"shard-{index}.safetensors"))
+    tensors.clear()
+
+
+def _header(path: pathlib.Path) -> bytes:
+    with open(path, "rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        return file.read(length)
+
+
+def _own_peak_gib() -> float:
+    """This process's peak RSS since exec (VmHWM). Not ``ru_maxrss`` from the parent: that
+    also counts the parent's pages the child held between fork and exec."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024**2
+    return float("nan")
+
+
+def child_export(folder: str, out: str, verify: bool) -> None:
+    from onnx_modular.checkpoint import export_checkpoint
+
+    start = time.perf_counter()
+    result = export_checkpoint(folder, out, verify="blocks" if verify else False)
+    seconds = time.perf_counter() - start
+    report = {"seconds": seconds, "timings": result.timings, "peak_gib": _own_peak_gib()}
+    if result.blocks is not None:
+        report["blocks"] = len(result.blocks.blocks)
+        report["block_max_abs"] = max(b.max_abs for b in result.blocks.blocks)
+        report["logits_max_abs"] = result.report.max_abs
+        report["ok"] = result.blocks.ok
+        print(result.blocks, file=sys.stderr)
+    print(json.dumps(report))
+
+
+def child_torch(folder: str, out: str, apply: bool) -> None:
+    import torch
+
+    from onnx_modular.checkpoint import model_on_meta
+
+    model = model_on_meta(folder)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    start = time.perf_counter()
+    program = torch.onnx.export(model, (ids,), dynamo=True, optimize=False, verbose=False)
+    report = {"capture_seconds": time.perf_counter() - start}
+    if apply:
+        from safetensors.torch import load_file
+
+        state = {}
+        for shard in sorted(pathlib.Path(folder).glob("*.safetensors")):
+            state.update(load_file(str(shard)))
+        if model.config.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        program.apply_weights(state)
+        program.save(out, external_data=True)
+    report["seconds"] = time.perf_counter() - start
+    report["peak_gib"] = _own_peak_gib()
+    print(json.dumps(report))
+
+
+def _measure(argv: list[str]) -> dict:
+    """Run a child; its peak RSS is the VmHWM it reports (``os.wait4``'s ``ru_maxrss`` is kept
+    as a cross-check: it can include the parent's memory at fork time)."""
+    import tempfile
+
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen([sys.executable, __file__, *argv], stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if child.returncode != 0:
+        print(stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"child {argv[:2]} failed")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    result["ru_maxrss_gib"] = usage.ru_maxrss / 1024**2  # KiB on Linux
+    result["peak_rss_gib"] = result.pop("peak_gib")
+    result["stderr_tail"] = stderr[-4000:]
+    return result
+
+
+def _bytes(folder: pathlib.Path, pattern: str) -> int:
+    return sum(p.stat().st_size for p in folder.glob(pattern))
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_export":
+        return child_export(sys.argv[2], sys.argv[3], sys.argv[4] == "1")
+    if len(sys.argv) > 1 and sys.argv[1] == "_torch":
+        return child_torch(sys.argv[2], sys.argv[3], sys.argv[4] == "1")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="1b")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    parser.add_argument("--dir", required=True, help="scratch folder (needs ~2x the weights' size)")
+    parser.add_argument("--no-verify", action="store_true")
+    parser.add_argument("--torch", action="store_true", help="also torch.onnx.export on the meta model")
+    parser.add_argument("--torch-weights", action="store_true", help="also torch + apply_weights (loads all weights)")
+    parser.add_argument("--keep", action="store_true")
+    options = parser.parse_args()
+    root = pathlib.Path(options.dir) / f"llama-{options.size}-{options.dtype}"
+    folder, out = root / "checkpoint", root / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    if not (folder / "model.safetensors.index.json").exists():
+        write_checkpoint(options.size, options.dtype, folder)
+    weights = _bytes(folder, "*.safetensors")
+    print(f"llama-{options.size} {options.dtype}: weights {weights / 1024**3:.2f} GiB "
+          f"(written in {time.perf_counter() - start:.0f} s)")
+    ours = _measure(["_export", str(folder), str(out / "model.onnx"), "0" if options.no_verify else "1"])
+    print(ours.pop("stderr_tail") if not options.no_verify else "", file=sys.stderr)
+    written = _bytes(out, "model.onnx*")
+    print(f"onnx_modular: peak RSS {ours['peak_rss_gib']:.2f} GiB = {ours['peak_rss_gib'] * 1024**3 / weights:.2f} x weights, "
+          f"{ours['seconds']:.0f} s, file {written / 1024**3:.2f} GiB; stages "
+          + ", ".join(f"{k} {v:.0f}s" for k, v in ours["timings"].items()))
+    if "blocks" in ours:
+        print(f"  verified block by block: {ours['blocks']} blocks, ok={ours['ok']}, "
+              f"max abs per block {ours['block_max_abs']:.2e}, logits max abs {ours['logits_max_abs']:.2e}")
+    if not options.keep:
+        for path in out.glob("model.onnx*"):
+            path.unlink()
+    if options.torch or options.torch_weights:
+        theirs = _measure(["_torch", str(folder), str(out / "torch.onnx"), "1" if options.torch_weights else "0"])
+        what = "capture + apply_weights + save" if options.torch_weights else "capture only (no weights written)"
+        print(f"torch.onnx.export(dynamo=True) on meta, {what}: peak RSS {theirs['peak_rss_gib']:.2f} GiB "
+              f"= {theirs['peak_rss_gib'] * 1024**3 / weights:.2f} x weights, {theirs['seconds']:.0f} s")
+        for path in out.glob("torch.onnx*"):
+            path.unlink()
+    if not options.keep:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

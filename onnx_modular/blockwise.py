@@ -1,0 +1,292 @@
+"""Block-by-block verification: parity without the whole model in onnxruntime's memory.
+
+The written file is evaluated in pieces, in the order of its graph:
+
+* each *block* call (see :func:`onnx_modular.streaming.choose_blocks`) runs in its own
+  onnxruntime session holding only that call's weights: a one-node model calling the
+  block's function, whose initializers point into the file's external data (nothing is
+  copied); the session is dropped before the next block;
+* a call that contains blocks (``LlamaModel`` around its layers) is opened and its body
+  evaluated the same way;
+* the nodes between blocks (masks, rotary tables, the final reshapes) run together as
+  one small model per stretch.
+
+Each block is fed what the ONNX model computed before it (the pieces chain like the
+whole model does), and its outputs are compared with the same module call's outputs in
+PyTorch, recorded while the eager reference ran with that block's weights loaded
+(:func:`onnx_modular.streaming.streamed`). The graph outputs are compared with PyTorch's
+outputs as in a whole-model check, giving the usual ``ParityReport``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import uuid
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from onnx_modular import verification
+from onnx_modular.errors import VerificationError
+from onnx_modular.streaming import Blocks
+from onnx_modular.verification import ParityReport, Tolerance
+
+__all__ = ["BlockParity", "BlockReport", "verify_blocks"]
+
+_PATH_KEY = "pkg.onnx_modular.module_path"
+_INDEX_KEY = "pkg.onnx_modular.call_index"
+
+
+@dataclasses.dataclass
+class BlockParity:
+    """One block call: onnxruntime (fed by the ONNX model's own upstream values) vs PyTorch."""
+
+    module_path: str
+    call_index: int
+    module_class: str
+    weight_bytes: int
+    outputs_compared: int
+    max_abs: float
+    ok: bool
+
+
+@dataclasses.dataclass
+class BlockReport:
+    """Per-block parity plus the graph outputs' parity (``outputs``)."""
+
+    blocks: list[BlockParity]
+    outputs: ParityReport
+
+    @property
+    def ok(self) -> bool:
+        return self.outputs.ok and all(b.ok for b in self.blocks)
+
+    @property
+    def first_failure(self) -> BlockParity | None:
+        return next((b for b in self.blocks if not b.ok), None)
+
+    def __str__(self) -> str:
+        width = verification.name_column_width(b.module_path for b in self.blocks)
+        header = f"{'block call':<{width}} {'class':<24} {'weights MB':>10} {'max abs':>10}  ok"
+        lines = ["Block-by-block parity (onnxruntime, one block's weights at a time, vs PyTorch)", header]
+        for b in self.blocks:
+            name = b.module_path + (f"@{b.call_index}" if b.call_index else "")
+            lines.append(
+                f"{verification.fit_name(name, width):<{width}} {b.module_class[:24]:<24} "
+                f"{b.weight_bytes / 2**20:>10.1f} {b.max_abs:>10.2e}  {'yes' if b.ok else 'NO'}"
+            )
+        lines.append(str(self.outputs))
+        return "\n".join(lines)
+
+
+class _Evaluator:
+    def __init__(self, model: ir.Model, blocks: Blocks, workdir: pathlib.Path, tolerance: Tolerance | None):
+        self.model = model
+        self.blocks = blocks
+        self.workdir = workdir
+        self.tolerance = tolerance
+        self.report: list[BlockParity] = []
+        self._holds_blocks: dict[ir.OperatorIdentifier, bool] = {}
+
+    # -- what a call is ---------------------------------------------------------------
+
+    def _function(self, node: ir.Node) -> ir.Function | None:
+        return self.model.functions.get(node.op_identifier())
+
+    def _holds_block(self, function: ir.Function) -> bool:
+        key = function.identifier()
+        if key not in self._holds_blocks:
+            self._holds_blocks[key] = False  # recursion guard
+            self._holds_blocks[key] = any(
+                (inner := self._function(n)) is not None
+                and (n.metadata_props.get(_PATH_KEY) in self.blocks or self._holds_block(inner))
+                for n in function
+            )
+        return self._holds_blocks[key]
+
+    # -- evaluation -------------------------------------------------------------------
+
+    def run(self, nodes: Sequence[ir.Node], env: dict[ir.Value, object], outputs: Sequence[ir.Value], caller: str | None) -> None:
+        """Evaluate ``nodes`` in order; ``env`` maps values to arrays or to initializer values."""
+        stretch: list[ir.Node] = []
+        for node in nodes:
+            function = self._function(node)
+            path = _full_path(node, caller)
+            if function is not None and (path in self.blocks or self._holds_block(function)):
+                self._run_stretch(stretch, env, nodes, outputs)
+                stretch = []
+                if path in self.blocks:
+                    self._run_block(node, path, env)
+                else:
+                    inner: dict[ir.Value, object] = {
+                        formal: env[actual] for formal, actual in zip(function.inputs, node.inputs) if actual is not None
+                    }
+                    self.run(list(function), inner, function.outputs, path)
+                    for actual, formal in zip(node.outputs, function.outputs):
+                        env[actual] = inner[formal]
+            else:
+                stretch.append(node)
+        self._run_stretch(stretch, env, nodes, outputs)
+
+    def _run_stretch(self, stretch: list[ir.Node], env, container: Sequence[ir.Node], outputs: Sequence[ir.Value]) -> None:
+        if not stretch:
+            return
+        inside = set(stretch)
+        produced = [v for n in stretch for v in n.outputs]
+        later = {id(n) for n in container} - {id(n) for n in inside}
+        needed = [
+            v for v in produced
+            if v in outputs or any(id(use.node) in later for use in v.uses())
+        ]
+        if not needed:
+            return
+        results = self._session(stretch, env, needed)
+        env.update(zip(needed, results))
+
+    def _run_block(self, node: ir.Node, path: str, env) -> None:
+        results = self._session([node], env, list(node.outputs))
+        env.update(zip(node.outputs, results))
+        index = int(node.metadata_props.get(_INDEX_KEY, "0"))
+        expected = self.blocks.outputs.get((path, index))
+        self.report.append(self._compare(path, index, results, expected))
+
+    def _compare(self, path: str, index: int, actual: list[np.ndarray], expected: list[torch.Tensor] | None) -> BlockParity:
+        pairs: list[tuple[np.ndarray, torch.Tensor]] = []
+        if expected is not None:
+            if len(actual) == len(expected):
+                pairs = list(zip(actual, expected))
+            else:  # match by shape where unique
+                for tensor in expected:
+                    same = [a for a in actual if tuple(a.shape) == tuple(tensor.shape)]
+                    if len(same) == 1:
+                        pairs.append((same[0], tensor))
+        worst, ok = 0.0, bool(pairs)
+        for array, tensor in pairs:
+            reference = verification.to_numpy(tensor)
+            worst = max(worst, verification.max_differences(array, reference)[0])
+            ok = ok and verification.allclose(array, reference, self.tolerance or verification.default_tolerance(tensor.dtype))
+        return BlockParity(path, index, self.blocks.classes.get(path, ""), self.blocks.nbytes.get(path, 0), len(pairs), worst, ok)
+
+    def _session(self, nodes: list[ir.Node], env, wanted: list[ir.Value]) -> list[np.ndarray]:
+        """Run ``nodes`` as one model: arrays from ``env`` are fed, initializers are referenced."""
+        mapping: dict[ir.Value, ir.Value] = {}
+        inputs, initializers, feeds = [], [], {}
+        for node in nodes:
+            for value in node.inputs:
+                if value is None or value in mapping or any(value in n.outputs for n in nodes):
+                    continue
+                source = env.get(value)
+                if isinstance(source, ir.Value):  # an initializer of the file
+                    copy = ir.Value(name=f"w{len(mapping)}", type=source.type, shape=source.shape, const_value=source.const_value)
+                    initializers.append(copy)
+                elif source is not None:
+                    array = np.asarray(source)
+                    copy = ir.Value(
+                        name=f"x{len(mapping)}",
+                        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                        shape=ir.Shape(array.shape),
+                    )
+                    inputs.append(copy)
+                    feeds[copy.name] = array
+                else:
+                    raise VerificationError(f"Block-wise verification found no value for {value.name!r}.")
+                mapping[value] = copy
+        clones = []
+        for node in nodes:
+            outputs = [ir.Value(name=f"y{len(mapping) + i}_{id(o)}", type=o.type, shape=o.shape) for i, o in enumerate(node.outputs)]
+            for original, new in zip(node.outputs, outputs):
+                mapping[original] = new
+            clones.append(
+                ir.Node(
+                    node.domain, node.op_type,
+                    [mapping[v] if v is not None else None for v in node.inputs],
+                    attributes=[_copy_attr(a) for a in node.attributes.values()],
+                    overload=node.overload, outputs=outputs, version=node.version, name=node.name,
+                )
+            )
+        graph = ir.Graph(
+            inputs, [mapping[v] for v in wanted], nodes=clones, initializers=initializers,
+            opset_imports=dict(self.model.opset_imports), name="block",
+        )
+        piece = ir.Model(graph, ir_version=self.model.ir_version, functions=list(self.model.functions.values()))
+        path = self.workdir / f".block-{uuid.uuid4().hex[:8]}.onnx"
+        try:
+            ir.save(piece, path)  # external initializers keep pointing into the file's data
+            return _run(path, [feeds[i.name] for i in inputs])
+        finally:
+            path.unlink(missing_ok=True)
+
+
+def _run(path: pathlib.Path, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """One piece in onnxruntime (CPU), without pre-packed weight copies (a block's weights once)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    try:
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return session.run(None, {i.name: array for i, array in zip(session.get_inputs(), inputs)})
+    except Exception as e:
+        text = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
+        raise VerificationError(
+            f"onnxruntime could not run a block of the model: {text}",
+            hint="onnxruntime's CPU kernels do not cover every dtype (bfloat16 arithmetic, for one); "
+            "pass verify=False to export without the check, or verify a float32/float16 export.",
+        ) from e
+
+
+def _copy_attr(attr: ir.Attr) -> ir.Attr:
+    if attr.is_ref():
+        return ir.RefAttr(attr.name, attr.ref_attr_name, attr.type)
+    return ir.Attr(attr.name, attr.type, attr.value)
+
+
+def _full_path(node: ir.Node, caller: str | None) -> str | None:
+    """The module path of a call node: full in the main graph, relative to the caller in a body."""
+    path = node.metadata_props.get(_PATH_KEY)
+    if path is None or caller is None:
+        return path
+    name = (node.name or "").split("@")[0]
+    if caller and name and path.endswith("." + name) and not path.startswith(caller + "."):
+        return f"{caller}.{name}"  # a body shared by several callers names its first caller
+    return path
+
+
+def verify_blocks(
+    path: str | pathlib.Path,
+    inputs: Sequence[torch.Tensor],
+    expected: Sequence[torch.Tensor],
+    blocks: Blocks,
+    *,
+    tolerance: Tolerance | None = None,
+) -> BlockReport:
+    """Evaluate the file at ``path`` block by block in onnxruntime and compare with PyTorch.
+
+    ``blocks`` carries the block paths and PyTorch's outputs of each block call (from
+    :func:`onnx_modular.streaming.streamed`); ``expected`` are PyTorch's graph outputs.
+    """
+    path = pathlib.Path(path)
+    model = ir.load(path)  # initializers stay in the external data until a block reads them
+    env: dict[ir.Value, object] = {}
+    if len(model.graph.inputs) != len(inputs):
+        raise VerificationError(f"The model has {len(model.graph.inputs)} inputs but {len(inputs)} tensors were given.")
+    for value, tensor in zip(model.graph.inputs, inputs):
+        env[value] = verification.to_numpy(tensor) if isinstance(tensor, torch.Tensor) else np.asarray(tensor)
+    for value in model.graph.initializers.values():
+        env[value] = value
+    # Pieces are written next to the model, so that their external-data paths resolve.
+    evaluator = _Evaluator(model, blocks, path.parent, tolerance)
+    evaluator.run(list(model.graph), env, model.graph.outputs, None)
+    outputs = []
+    for value in model.graph.outputs:
+        source = env[value]
+        outputs.append(source.const_value.numpy() if isinstance(source, ir.Value) else source)
+    names = [v.name for v in model.graph.outputs]
+    report = verification.compare_outputs(
+        names, outputs, None, [verification.to_numpy(t) for t in expected], tolerance=tolerance
+    )
+    return BlockReport(evaluator.report, report)

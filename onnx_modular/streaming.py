@@ -1,0 +1,271 @@
+"""Exporting with weights streamed from a :class:`~onnx_modular.weights.WeightSource`.
+
+Three jobs, none of which holds more than one block of weights at a time:
+
+* :func:`choose_blocks`: the module calls that are loaded, run and checked one at a time
+  (the top-most modules holding at most ``max_block_bytes`` of weights).
+* :func:`streamed`: run the model in PyTorch with each block's weights loaded just for its
+  call (the eager reference of the export); records each block call's outputs.
+* :func:`attach_weights`: give every initializer of the translated model an
+  ``ir.LazyTensor`` that reads its tensor from the source when the file is written.
+  ``ir.save`` writes external data one tensor at a time (``onnx_ir.external_data``'s
+  serial writer calls ``tofile`` per tensor), so each value lives only while it is
+  written; folds that build on an initializer (``FoldWeightTransposesPass`` stores
+  ``<name>.T`` as a ``LazyTensor`` over the source's ``const_value``) stay lazy too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator
+
+import onnx_ir as ir
+import torch
+
+from onnx_modular.errors import InvalidInputError, WeightsError
+from onnx_modular.weights import WeightPlan, materialized
+
+__all__ = ["DEFAULT_BLOCK_FRACTION", "Blocks", "Stream", "attach_weights", "check_model_device", "choose_blocks", "streamed"]
+
+logger = logging.getLogger(__name__)
+
+#: Default size of a block: this fraction of all weights (or the largest single module, if larger).
+DEFAULT_BLOCK_FRACTION = 0.25
+
+
+@dataclasses.dataclass
+class Blocks:
+    """The module paths loaded one at a time, and what the streamed PyTorch run recorded.
+
+    Attributes:
+        paths: Block module paths, in module order.
+        nbytes: Weight bytes of each block.
+        outputs: ``(module path, call index) -> output tensors`` of each block call.
+        classes: Module path -> class name.
+    """
+
+    paths: list[str]
+    nbytes: dict[str, int]
+    outputs: dict[tuple[str, int], list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+    classes: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __contains__(self, path: str) -> bool:
+        return path in self.nbytes
+
+
+def _tensor_names(module: torch.nn.Module, prefix: str, plan: WeightPlan) -> list[str]:
+    dot = f"{prefix}." if prefix else ""
+    names = [dot + n for n, _ in module.named_parameters(remove_duplicate=False)]
+    names += [dot + n for n, _ in module.named_buffers(remove_duplicate=False)]
+    return [n for n in names if n in plan.keys]
+
+
+def choose_blocks(model: torch.nn.Module, plan: WeightPlan, max_block_bytes: int | None = None) -> Blocks:
+    """The top-most modules whose weights fit ``max_block_bytes``.
+
+    Starting from the root, a module whose weights exceed the budget is split into its
+    children; modules without weights are not blocks. ``None`` means a quarter of all
+    weights, raised to the largest module that owns weights directly (a module cannot
+    be split below its own tensors).
+    """
+    total = plan.nbytes()
+    if max_block_bytes is None:
+        largest_leaf = max(
+            (plan.nbytes(_direct_names(m, p, plan)) for p, m in model.named_modules()),
+            default=0,
+        )
+        max_block_bytes = max(int(total * DEFAULT_BLOCK_FRACTION), largest_leaf)
+    paths: list[str] = []
+    nbytes: dict[str, int] = {}
+    classes: dict[str, str] = {}
+
+    def visit(path: str, module: torch.nn.Module) -> None:
+        size = plan.nbytes(_tensor_names(module, path, plan))
+        if size == 0:
+            return
+        if size <= max_block_bytes and path:
+            paths.append(path)
+            nbytes[path] = size
+            classes[path] = type(module).__name__
+            return
+        for name, child in module.named_children():
+            visit(f"{path}.{name}" if path else name, child)
+
+    visit("", model)
+    return Blocks(paths, nbytes, classes=classes)
+
+
+def _direct_names(module: torch.nn.Module, path: str, plan: WeightPlan) -> list[str]:
+    dot = f"{path}." if path else ""
+    names = [dot + n for n, t in module._parameters.items() if t is not None]
+    names += [dot + n for n, t in module._buffers.items() if t is not None]
+    return [n for n in names if n in plan.keys]
+
+
+def _resident_prefixes(model: torch.nn.Module, blocks: Blocks) -> list[str]:
+    """Modules outside every block: their own tensors stay loaded for the whole run."""
+    outside = []
+    for path, _ in model.named_modules():
+        if any(path == b or path.startswith(b + ".") for b in blocks.paths):
+            continue
+        outside.append(path)
+    return outside
+
+
+def _flat_tensors(value) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def streamed(model: torch.nn.Module, plan: WeightPlan, blocks: Blocks) -> Iterator[Blocks]:
+    """Within the ``with``, calling ``model`` loads each block's weights just for its call.
+
+    Tensors of modules outside every block are loaded for the whole ``with``. The outputs
+    of each block call are recorded in ``blocks.outputs`` (copies, by path and call index).
+    """
+    modules = dict(model.named_modules())
+    handles = []
+    stacks: dict[str, list[contextlib.ExitStack]] = {}
+    counts: dict[str, int] = {}
+
+    def hooks(path: str):
+        def pre_hook(module, args, kwargs):
+            stack = contextlib.ExitStack()
+            stack.enter_context(materialized(model, plan, [path]))
+            stacks.setdefault(path, []).append(stack)
+
+        def post_hook(module, args, kwargs, output):
+            stacks[path].pop().close()
+            index = counts.get(path, 0)
+            counts[path] = index + 1
+            blocks.outputs[(path, index)] = [t.detach().clone() for t in _flat_tensors(output)]
+
+        return pre_hook, post_hook
+
+    # Outermost hooks: registered first so that they run before the export's own hooks
+    # record the call, and after them on the way out.
+    for path in blocks.paths:
+        pre_hook, post_hook = hooks(path)
+        handles.append(modules[path].register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
+        handles.append(modules[path].register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+    try:
+        with materialized(model, plan, _resident_prefixes(model, blocks), recurse=False):
+            yield blocks
+    finally:
+        for handle in handles:
+            handle.remove()
+        for pending in stacks.values():
+            while pending:
+                pending.pop().close()
+
+
+def attach_weights(model: ir.Model, plan: WeightPlan) -> int:
+    """Give each initializer named like a model tensor a lazy value read from the source.
+
+    Returns the number of initializers attached. Raises :class:`WeightsError` if an
+    initializer still holds a meta tensor afterwards (a constant torch.export lifted
+    from a meta tensor that no checkpoint names).
+    """
+    count = 0
+    for name, value in list(model.graph.initializers.items()):
+        if name in plan.keys:
+            value.const_value = plan.lazy_tensor(name)
+            count += 1
+        elif _is_meta(value.const_value):
+            raise WeightsError(
+                f"The initializer {name!r} comes from a meta tensor that the weights do not name.",
+                module_path=name.rsplit(".", 1)[0] if "." in name else "",
+                hint="Create that tensor on the CPU (it is a constant or non-persistent buffer).",
+            )
+    return count
+
+
+def _is_meta(tensor) -> bool:
+    raw = getattr(tensor, "raw", None)
+    return isinstance(raw, torch.Tensor) and raw.is_meta
+
+
+class Stream:
+    """What ``export_modular(..., weights=...)`` needs: the plan, the blocks, the mode.
+
+    Args:
+        model: The model (parameters on ``meta`` or not).
+        weights: See :class:`~onnx_modular.weights.WeightSource`.
+        verify: ``True`` (block by block when the model has meta tensors, else whole),
+            ``"blocks"``, ``"full"`` or ``False``.
+        max_block_bytes: Budget of one block (see :func:`choose_blocks`).
+    """
+
+    def __init__(self, model: torch.nn.Module, weights, verify: bool | str = True, max_block_bytes: int | None = None):
+        from onnx_modular.weights import has_meta_tensors, plan_weights
+
+        if verify not in (True, False, "blocks", "full"):
+            raise InvalidInputError(f"verify must be True, False, 'blocks' or 'full', not {verify!r}.")
+        self.model = model
+        self.plan = plan_weights(model, weights)
+        self.blocks = choose_blocks(model, self.plan, max_block_bytes)
+        self.blockwise = verify == "blocks" or (verify is True and has_meta_tensors(model))
+
+    def capture(self, capture, args: tuple, kwargs: dict, dynamic_shapes):
+        """``capture(model, args, kwargs, dynamic_shapes)``; on a meta model whose ops reject
+        CPU inputs next to meta weights (``F.linear`` does), again with the inputs on meta."""
+        from onnx_modular.weights import has_meta_tensors
+
+        try:
+            return capture(self.model, args, kwargs, dynamic_shapes)
+        except Exception as first:
+            if not has_meta_tensors(self.model):
+                raise
+            to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v
+            try:
+                return capture(self.model, *torch.utils._pytree.tree_map(to_meta, (args, kwargs)), dynamic_shapes)
+            except Exception:
+                raise first from None
+
+    def eager(self):
+        """Context for the eager reference run: each block loaded just for its call."""
+        return streamed(self.model, self.plan, self.blocks)
+
+    def loaders(self) -> dict:
+        """State-dict name -> function reading that tensor (for ``program_values``)."""
+        return {name: (lambda name=name: self.plan.load(name)) for name in self.plan.keys}
+
+    def attach(self, model_ir: ir.Model) -> int:
+        return attach_weights(model_ir, self.plan)
+
+    def verify(self, path, inputs, expected, tolerance):
+        from onnx_modular.blockwise import verify_blocks
+
+        return verify_blocks(path, inputs, expected, self.blocks, tolerance=tolerance)
+
+
+def check_model_device(model: torch.nn.Module) -> None:
+    """A model with meta tensors needs ``weights=``."""
+    from onnx_modular.weights import has_meta_tensors
+
+    if has_meta_tensors(model):
+        raise InvalidInputError(
+            f"{type(model).__name__} has parameters or buffers on the meta device, which hold no values.",
+            module_path="",
+            hint="Pass weights=<safetensors file, shard folder or state dict> to take the values from there.",
+        )
+
+
+def assert_blocks(report, *, result=None) -> None:
+    """Raise :class:`ParityError` naming the first block call beyond tolerance."""
+    from onnx_modular.errors import ParityError
+
+    first = report.first_failure
+    if first is None:
+        return
+    raise ParityError(
+        f"Block {first.module_path!r} ({first.module_class}) differs from PyTorch: max abs {first.max_abs:.3e}"
+        + ("" if first.outputs_compared else " (its outputs could not be matched)")
+        + f".\n{report}",
+        report=report.outputs,
+        result=result,
+        module_path=first.module_path,
+        hint="Inspect error.report; loosen rtol/atol if the drift is expected (e.g. float16).",
+    )

@@ -1,0 +1,385 @@
+"""Weights that are read one tensor at a time: safetensors files, shard folders, state dicts.
+
+``export_modular(model, args, f, weights=...)`` exports a model whose parameters may sit on
+the ``meta`` device (no memory) and takes their values from a :class:`WeightSource`:
+
+* a ``.safetensors`` file,
+* a folder of safetensors shards with ``model.safetensors.index.json`` (as
+  ``save_pretrained`` writes it), or a folder holding ``*.safetensors`` files,
+* a state dict (``{name: tensor}``).
+
+Names are matched as ``nn.Module.load_state_dict(strict=True)`` matches them: every name in
+``model.state_dict()`` needs a tensor, and every tensor in the source needs a name. Tied
+weights (one tensor reachable under several names, such as ``lm_head.weight`` and
+``model.embed_tokens.weight``) need the tensor under any one of their names. A tensor of
+another dtype is cast to the parameter's dtype when read, as ``load_state_dict`` does.
+
+Safetensors files are read with plain file reads (no memory map, whose touched pages
+would count in the process's resident memory); each read returns a fresh tensor that is
+released as soon as its consumer drops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+import onnx_ir as ir
+import torch
+
+from onnx_modular.errors import (
+    MissingWeightError,
+    UnexpectedWeightError,
+    WeightsError,
+    WeightShapeError,
+)
+
+__all__ = ["INDEX_FILE", "WeightPlan", "WeightSource", "has_meta_tensors", "materialized", "plan_weights"]
+
+#: The shard index ``save_pretrained`` writes next to the shards.
+INDEX_FILE = "model.safetensors.index.json"
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]
+
+
+def _read_header(path: pathlib.Path) -> tuple[dict, int]:
+    try:
+        with open(path, "rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            if length > 100 * 1024 * 1024:
+                raise ValueError(f"header length {length} is implausible")
+            header = json.loads(file.read(length))
+    except (OSError, ValueError, struct.error) as e:
+        raise WeightsError(
+            f"{str(path)!r} is not a readable safetensors file: {e}",
+            hint="Give a .safetensors file, a folder of shards with model.safetensors.index.json, or a state dict.",
+        ) from e
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+def _file_entries(path: pathlib.Path) -> dict[str, _Entry]:
+    header, data_start = _read_header(path)
+    entries = {}
+    for key, info in header.items():
+        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise WeightsError(f"Tensor {key!r} in {str(path)!r} has dtype {info.get('dtype')}, which is not supported.")
+        begin, end = (data_start + offset for offset in info["data_offsets"])
+        shape = tuple(int(d) for d in info["shape"])
+        entries[key] = _Entry(dtype, shape, _file_reader(path, begin, end, dtype, shape))
+    return entries
+
+
+def _file_reader(path: pathlib.Path, begin: int, end: int, dtype: torch.dtype, shape: tuple[int, ...]):
+    def read() -> torch.Tensor:
+        buffer = bytearray(end - begin)
+        with open(path, "rb") as file:
+            file.seek(begin)
+            if file.readinto(buffer) != len(buffer):
+                raise WeightsError(f"{str(path)!r} is truncated (tensor at bytes {begin}-{end}).")
+        if not buffer:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+    return read
+
+
+class WeightSource:
+    """Named tensors, each read only when asked for (see the module doc for the forms)."""
+
+    def __init__(self, entries: Mapping[str, _Entry], description: str):
+        self._entries = dict(entries)
+        self.description = description
+
+    @classmethod
+    def open(cls, weights: WeightSource | str | os.PathLike | Mapping[str, torch.Tensor]) -> WeightSource:
+        """A source from a safetensors file, a shard folder or a state dict."""
+        if isinstance(weights, WeightSource):
+            return weights
+        if isinstance(weights, Mapping):
+            entries = {}
+            for key, tensor in weights.items():
+                if not isinstance(tensor, torch.Tensor):
+                    raise WeightsError(f"weights[{key!r}] is a {type(tensor).__name__}, not a tensor.")
+                if tensor.is_meta:
+                    raise WeightsError(f"weights[{key!r}] is on the meta device and has no values.", module_path=_owner(key))
+                entries[key] = _Entry(tensor.dtype, tuple(tensor.shape), lambda tensor=tensor: tensor.detach())
+            return cls(entries, "a state dict")
+        path = pathlib.Path(weights)
+        if path.is_file():
+            return cls(_file_entries(path), str(path))
+        if path.is_dir():
+            return cls(_folder_entries(path), str(path))
+        raise WeightsError(
+            f"weights={str(path)!r} does not exist.",
+            hint="Give a .safetensors file, a folder of shards with model.safetensors.index.json, or a state dict.",
+        )
+
+    @classmethod
+    def from_functions(
+        cls, tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]], description: str = "a custom source"
+    ) -> WeightSource:
+        """A source from ``{name: (dtype, shape, read)}``; ``read()`` is called each time the tensor is needed."""
+        return cls({k: _Entry(dtype, tuple(shape), read) for k, (dtype, shape, read) in tensors.items()}, description)
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def spec(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        entry = self._entries[key]
+        return entry.dtype, entry.shape
+
+    def read(self, key: str) -> torch.Tensor:
+        """The tensor ``key`` as stored (a fresh CPU tensor for files)."""
+        return self._entries[key].read()
+
+    def nbytes(self) -> int:
+        return sum(e.dtype.itemsize * _numel(e.shape) for e in self._entries.values())
+
+
+def _folder_entries(folder: pathlib.Path) -> dict[str, _Entry]:
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise WeightsError(f"{str(index)!r} is not a safetensors index (no weight_map): {e}") from e
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        weight_map = None
+    if not files:
+        raise WeightsError(
+            f"The folder {str(folder)!r} holds no safetensors weights.",
+            hint="Save the model with save_pretrained(..., safe_serialization=True) or give a state dict.",
+        )
+    entries: dict[str, _Entry] = {}
+    for name in files:
+        shard = (folder / name).resolve()
+        if folder.resolve() not in shard.parents:
+            raise WeightsError(f"The index names {name!r}, which is outside {str(folder)!r}.")
+        if not shard.is_file():
+            raise WeightsError(f"The index names {name!r}, which is missing from {str(folder)!r}.")
+        for key, entry in _file_entries(shard).items():
+            if key in entries:
+                raise WeightsError(f"Tensor {key!r} is stored in two shards of {str(folder)!r}.")
+            if weight_map is None or weight_map.get(key) == name:
+                entries[key] = entry
+    if weight_map is not None:
+        missing = [key for key in weight_map if key not in entries]
+        if missing:
+            raise WeightsError(f"The index of {str(folder)!r} names {missing[0]!r}, which its shard does not hold.")
+    return entries
+
+
+def _numel(shape: Iterable[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _owner(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def has_meta_tensors(model: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
+
+
+# -- matching names ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class WeightPlan:
+    """Which source tensor gives each of the model's parameters and buffers.
+
+    Attributes:
+        source: Where the values come from.
+        keys: Model tensor name (every alias of a tied tensor) -> source key.
+        specs: Model tensor name -> (dtype, shape) the model expects.
+    """
+
+    source: WeightSource
+    keys: dict[str, str]
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+    def load(self, name: str) -> torch.Tensor:
+        """The value of the model tensor ``name``, read now and cast to the model's dtype."""
+        tensor = self.source.read(self.keys[name])
+        dtype, _ = self.specs[name]
+        return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+    def lazy_tensor(self, name: str, ir_name: str | None = None) -> ir.LazyTensor:
+        """An ``ir.LazyTensor`` that reads ``name`` each time its bytes are asked for (not cached)."""
+        from onnx_ir.tensor_adapters import TorchTensor
+
+        from onnx_modular import _torch_compat
+
+        dtype, shape = self.specs[name]
+        return ir.LazyTensor(
+            lambda: TorchTensor(self.load(name), name=ir_name or name),
+            dtype=_torch_compat.torch_dtype_to_ir(dtype),
+            shape=ir.Shape(shape),
+            name=ir_name or name,
+        )
+
+    def nbytes(self, names: Iterable[str] | None = None) -> int:
+        """Bytes of the model tensors ``names`` (each distinct source tensor once)."""
+        names = self.keys if names is None else names
+        seen: dict[str, int] = {}
+        for name in names:
+            dtype, shape = self.specs[name]
+            seen[self.keys[name]] = dtype.itemsize * _numel(shape)
+        return sum(seen.values())
+
+
+def plan_weights(model: torch.nn.Module, weights) -> WeightPlan:
+    """Match ``weights`` to ``model`` by name, as ``load_state_dict(strict=True)`` does.
+
+    Raises:
+        MissingWeightError: A parameter or buffer (of any alias of a tied group) has no tensor,
+            or a non-persistent buffer is on the meta device (nothing can give its value).
+        UnexpectedWeightError: The source holds a tensor no name of the model takes.
+        WeightShapeError: A tensor's shape differs from its parameter's.
+    """
+    source = WeightSource.open(weights)
+    state = model.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        groups.setdefault(id(tensor), []).append(name)
+    keys: dict[str, str] = {}
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    missing: list[str] = []
+    used: set[str] = set()
+    for names in groups.values():
+        present = [name for name in names if name in source]
+        if not present:
+            missing.append(names[0] if len(names) == 1 else f"{names[0]} (tied with {', '.join(names[1:])})")
+            continue
+        used.update(present)  # one tensor: the first name present gives it (as the last would in load_state_dict)
+        key = present[0]
+        for name in names:
+            tensor = state[name]
+            _, shape = source.spec(key)
+            if tuple(tensor.shape) != shape:
+                raise WeightShapeError(
+                    f"Tensor {key!r} in {source.description} has shape {list(shape)}, but {name!r} of the model "
+                    f"has shape {list(tensor.shape)}.",
+                    module_path=_owner(name),
+                    hint="Build the model from the configuration the weights were saved with.",
+                )
+            keys[name] = key
+            specs[name] = (tensor.dtype, tuple(tensor.shape))
+    if missing:
+        raise MissingWeightError(
+            f"{len(missing)} tensor(s) of the model are not in {source.description}: {', '.join(missing[:5])}"
+            + (" ..." if len(missing) > 5 else ""),
+            module_path=_owner(missing[0]),
+            hint="Give weights saved from this model class (model.state_dict() names).",
+        )
+    unexpected = [key for key in source.keys() if key not in used]
+    if unexpected:
+        raise UnexpectedWeightError(
+            f"{len(unexpected)} tensor(s) in {source.description} match no parameter or buffer of the model: "
+            f"{', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5 else ""),
+            module_path=_owner(unexpected[0]),
+            hint="Check that the model class and configuration match the checkpoint, or pass a state dict "
+            "without the extra tensors.",
+        )
+    persistent = set(state)
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        if buffer.is_meta and name not in persistent:
+            raise MissingWeightError(
+                f"The buffer {name!r} is on the meta device and not persistent, so no checkpoint can give its value.",
+                module_path=_owner(name),
+                hint="Build the model with its buffers on the CPU (parameters on meta), e.g. with "
+                "onnx_modular.checkpoint.model_on_meta for transformers models.",
+            )
+    return WeightPlan(source, keys, specs)
+
+
+# -- putting real values into a meta model ------------------------------------------------
+
+
+def _slots(
+    model: torch.nn.Module, prefixes: Iterable[str] | None, recurse: bool = True
+) -> list[tuple[torch.nn.Module, str, str, bool]]:
+    """(owner module, attribute, full name, is parameter) for every tensor under ``prefixes``
+    (only the named modules' own tensors when ``recurse`` is false)."""
+    prefixes = None if prefixes is None else set(prefixes)
+    slots = []
+    for module_path, module in model.named_modules(remove_duplicate=False):
+        if prefixes is not None and module_path not in prefixes and (
+            not recurse or not any(p == "" or module_path.startswith(p + ".") for p in prefixes)
+        ):
+            continue
+        dot = f"{module_path}." if module_path else ""
+        for attr, param in module._parameters.items():
+            if param is not None:
+                slots.append((module, attr, dot + attr, True))
+        for attr, buffer in module._buffers.items():
+            if buffer is not None:
+                slots.append((module, attr, dot + attr, False))
+    return slots
+
+
+@contextlib.contextmanager
+def materialized(
+    model: torch.nn.Module, plan: WeightPlan, prefixes: Iterable[str] | None = None, *, recurse: bool = True
+) -> Iterator[int]:
+    """Give the tensors of the modules under ``prefixes`` (``None``: all) their values
+    (with ``recurse=False``, only the tensors those modules own directly).
+
+    Each tensor the plan covers is read from the source (a tied tensor once) and set on
+    its module; on exit the original (meta) tensors are put back and the values dropped.
+    Yields the number of bytes loaded.
+    """
+    loaded: dict[str, torch.Tensor] = {}
+    restore: list[tuple[torch.nn.Module, str, bool, torch.Tensor]] = []
+    try:
+        for module, attr, name, is_parameter in _slots(model, prefixes, recurse):
+            if name not in plan.keys:
+                continue
+            key = plan.keys[name]
+            if key not in loaded:
+                loaded[key] = plan.load(name)
+            table = module._parameters if is_parameter else module._buffers
+            original = table[attr]
+            restore.append((module, attr, is_parameter, original))
+            value = loaded[key]
+            table[attr] = torch.nn.Parameter(value, requires_grad=False) if is_parameter else value
+        yield sum(t.nbytes for t in loaded.values())
+    finally:
+        for module, attr, is_parameter, original in reversed(restore):
+            (module._parameters if is_parameter else module._buffers)[attr] = original
+        loaded.clear()
