@@ -65,6 +65,9 @@ def session(model: str | os.PathLike | bytes, execution_provider: str | None = N
     import onnxruntime as ort
 
     providers = execution_providers(execution_provider)
+    # onnxruntime's default logger prints coloured warnings (and errors) to stderr before the
+    # session's own options apply; ours say what went wrong.
+    ort.set_default_logger_severity(3)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     try:
@@ -150,7 +153,13 @@ def flat_copy(path: str | os.PathLike, model: onnx.ModelProto | None = None) -> 
     """
     if model is None:
         model = onnx.load(str(path), load_external_data=False)
-    flat = onnx.inliner.inline_local_functions(model)
+    try:
+        flat = onnx.inliner.inline_local_functions(model)
+    except (onnx.checker.ValidationError, RuntimeError) as e:
+        raise VerificationError(
+            f"onnx.inliner cannot inline the model: {first_line(e)}",
+            hint="Check the file with `onnx-modular tree`; skip the flat copy with flat=False.",
+        ) from e
     if not uses_external_data(flat):
         yield flat.SerializeToString()
         return

@@ -14,13 +14,16 @@ from onnx_modular import metadata
 from onnx_modular.calltree import CallTree, ModuleCall
 from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.files._proto import FunctionId, all_nodes, function_id, node_id, numel
-from onnx_modular.files.checks import check_model_structure
+from onnx_modular.files.checks import MAX_EXPANDED_CALLS, check_model_structure
 
 __all__ = ["MAX_TREE_CALLS", "function_tree", "count_from_model"]
 
 #: Largest number of calls the expanded tree may hold (a function called from a function
-#: called N times counts N times). Guards against exponential expansion of shared bodies.
-MAX_TREE_CALLS = 200_000
+#: called N times counts N times): the limit onnxruntime and inlining get
+#: (:data:`~onnx_modular.files.checks.MAX_EXPANDED_CALLS`). Guards against exponential expansion
+#: of shared bodies, and keeps a printed tree readable (building and printing 20,000 calls
+#: takes about 1.5 s).
+MAX_TREE_CALLS = MAX_EXPANDED_CALLS
 
 
 def _call_counts(model: onnx.ModelProto, functions: Mapping[FunctionId, onnx.FunctionProto]) -> dict[FunctionId, int]:
@@ -90,7 +93,9 @@ def function_tree(model: onnx.ModelProto, *, max_calls: int = MAX_TREE_CALLS) ->
     total = sum(call_count.values())
     if total > max_calls:
         raise InvalidModelFileError(
-            f"The call hierarchy expands to {total} calls (more than {max_calls}); refusing to build the tree."
+            f"The call hierarchy expands to {total} calls (more than {max_calls}); refusing to build the tree "
+            "(a few functions calling each other many times over: a call-expansion bomb, or a model to "
+            "inspect with function_tree(model, max_calls=...) in Python)."
         )
     sizes = {tensor.name: numel(tensor.dims) for tensor in model.graph.initializer}
     sizes.update({sparse.values.name: numel(sparse.dims) for sparse in model.graph.sparse_initializer})
