@@ -348,3 +348,34 @@ def test_a_call_with_more_inputs_than_its_function_is_refused(tmp_path):
     onnx.save(model, path)
     code, _, err = run_cli("inline", path, tmp_path / "out.onnx")
     assert_clean_error(code, err, "with 2 inputs and 1 outputs, but the function declares 1 inputs and 1 outputs")
+
+
+# -- verify writes nothing next to the model ---------------------------------------------------------
+
+
+def test_verify_with_external_data_writes_nothing_next_to_the_model(external_model, tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    path = _edit_external(external_model, folder)
+    before = (sorted(p.name for p in folder.iterdir()), os.stat(folder).st_mtime_ns)
+    code, out, err = run_cli("verify", path)
+    assert code == 0 and "PASS" in out, err
+    # A file created and removed in the folder would change its modification time.
+    assert (sorted(p.name for p in folder.iterdir()), os.stat(folder).st_mtime_ns) == before
+
+
+def test_verify_against_pytorch_with_external_data_writes_nothing_next_to_the_model(tmp_path):
+    """The instrumented copy (per-module localization) is run from memory too."""
+    import torch
+
+    from onnx_modular import export_modular, verify
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).eval()
+    path = tmp_path / "m.onnx"
+    export_modular(model, (torch.randn(2, 4),), path, external_data=True)
+    before = (sorted(p.name for p in tmp_path.iterdir()), os.stat(tmp_path).st_mtime_ns)
+    report = verify(path, model)
+    assert report.ok and report.checks[0].modules is not None
+    assert [m.module_path for m in report.checks[0].modules.modules] == ["0", "1", "2"]
+    assert (sorted(p.name for p in tmp_path.iterdir()), os.stat(tmp_path).st_mtime_ns) == before

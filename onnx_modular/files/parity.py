@@ -306,8 +306,13 @@ def check_file(
     names, modular = runtime.run(path, feeds, execution_provider=execution_provider)
     flat_outputs = None
     if flat:
-        with runtime.flat_copy(path, model) as flat_model:
-            _, flat_outputs = runtime.run(flat_model, feeds, what="inlined flat copy", execution_provider=execution_provider)
+        _, flat_outputs = runtime.run(
+            runtime.flat_copy(path, model),
+            feeds,
+            what="inlined flat copy",
+            execution_provider=execution_provider,
+            external_data_folder=runtime.external_data_folder(path, model),
+        )
     reference = None
     if expected is not None:
         if isinstance(expected, Mapping):
