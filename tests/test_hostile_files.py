@@ -167,8 +167,11 @@ def test_random_inputs_are_bounded_in_total_before_any_is_made():
     model = fuzz_files._model([helper.make_node("Identity", ["x0"], ["y"])], [], inputs)
     with pytest.raises(InvalidInputError, match=r"'x4' would hold 16777216 elements .*, 83886080 with the inputs before it"):
         file_inputs.random_inputs(model)
-    small = fuzz_files._model([helper.make_node("Identity", ["x0"], ["y"])], [], inputs[:2])
-    assert sum(a.size for a in file_inputs.random_inputs(small, max_elements=2 * 4096 * 4096).values()) == 2 * 4096 * 4096
+    small = [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [64, 64]) for i in range(3)]
+    model = fuzz_files._model([helper.make_node("Identity", ["x0"], ["y"])], [], small)
+    with pytest.raises(InvalidInputError, match="'x2' would hold 4096 elements"):
+        file_inputs.random_inputs(model, max_elements=3 * 4096 - 1)
+    assert sum(a.size for a in file_inputs.random_inputs(model, max_elements=3 * 4096).values()) == 3 * 4096
 
 
 # -- 4. external-data references -----------------------------------------------------------------
@@ -261,7 +264,11 @@ def test_terminal_escapes_in_names_are_printed_escaped(tmp_path):
 # -- 6. metadata JSON ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", ["[" * 100_000 + "]" * 100_000, '{"a": ' * 5000 + "1" + "}" * 5000, json.dumps([{"x": 1}, 2])])
+@pytest.mark.parametrize(
+    "value",
+    ["[" * 100_000 + "]" * 100_000, '{"a": ' * 5000 + "1" + "}" * 5000, json.dumps([{"x": 1}, 2])],
+    ids=["nested-lists", "nested-objects", "not-strings"],
+)
 def test_odd_module_paths_metadata_is_ignored(tmp_path, value):
     model = chain(2)
     model.functions[0].metadata_props.add(key="pkg.onnx_modular.module_paths", value=value)
@@ -379,3 +386,16 @@ def test_verify_against_pytorch_with_external_data_writes_nothing_next_to_the_mo
     assert report.ok and report.checks[0].modules is not None
     assert [m.module_path for m in report.checks[0].modules.modules] == ["0", "1", "2"]
     assert (sorted(p.name for p in tmp_path.iterdir()), os.stat(tmp_path).st_mtime_ns) == before
+
+
+def test_the_tree_limit_is_the_same_and_can_be_raised(tmp_path, monkeypatch):
+    path = tmp_path / "bomb.onnx"
+    onnx.save(fuzz_files.bomb(depth=8, fanout=2), path)  # 255 calls
+    monkeypatch.setenv("ONNX_MODULAR_MAX_EXPANDED_CALLS", "254")
+    code, _, err = run_cli("tree", path)
+    assert_clean_error(code, err, "expands to 255 calls (more than 254)")
+    assert "ONNX_MODULAR_MAX_EXPANDED_CALLS=255" in err
+    monkeypatch.setenv("ONNX_MODULAR_MAX_EXPANDED_CALLS", "255")
+    code, out, err = run_cli("tree", path)
+    assert code == 0, err
+    assert len(out.splitlines()) == 1 + 255

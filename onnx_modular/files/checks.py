@@ -306,6 +306,11 @@ def _limit(variable: str, default: int) -> int:
     return int(text) if text.isdigit() else default
 
 
+def max_expanded_calls() -> int:
+    """:data:`MAX_EXPANDED_CALLS`, or ``ONNX_MODULAR_MAX_EXPANDED_CALLS`` when set (the tree's limit too)."""
+    return _limit(_CALLS_VARIABLE, MAX_EXPANDED_CALLS)
+
+
 def check_expanded_size(model: onnx.ModelProto, *, name: str = "the model") -> tuple[int, int]:
     """Refuse a model whose calls expand to more than :data:`MAX_EXPANDED_NODES` nodes or
     :data:`MAX_EXPANDED_CALLS` calls (raised by the environment variables
