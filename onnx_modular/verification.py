@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
 
 from onnx_modular.errors import ParityError
 from onnx_modular.files import inputs as file_inputs

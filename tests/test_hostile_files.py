@@ -30,7 +30,7 @@ from onnx_modular.files.checks import check_expanded_size, expanded_size
 from onnx_modular.files.parity import Tolerance
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
-import fuzz_files  # noqa: E402
+import fuzz_files
 
 DOMAIN = fuzz_files.DOMAIN
 

@@ -193,7 +193,7 @@ def load_arrays(path: str | os.PathLike, what: str = "--inputs", *, max_bytes: i
                     read_header = (
                         np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
                     )
-                    shape, fortran_order, dtype = read_header(handle, max_header_size=10_000)
+                    shape, _fortran_order, dtype = read_header(handle, max_header_size=10_000)
                     if dtype.hasobject:
                         raise ValueError(f"array {name!r} holds Python objects")
                     size = numel(shape) * dtype.itemsize

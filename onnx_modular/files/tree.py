@@ -14,7 +14,11 @@ from onnx_modular import metadata
 from onnx_modular.calltree import CallTree, ModuleCall
 from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.files._proto import FunctionId, all_nodes, function_id, node_id, numel
-from onnx_modular.files.checks import MAX_EXPANDED_CALLS, check_model_structure, max_expanded_calls
+from onnx_modular.files.checks import (
+    MAX_EXPANDED_CALLS,
+    check_model_structure,
+    max_expanded_calls,
+)
 
 __all__ = ["MAX_TREE_CALLS", "function_tree", "count_from_model"]
 
