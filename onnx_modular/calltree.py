@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from onnx_modular import metadata
+from onnx_modular._text import shown
 
 __all__ = ["ModuleCall", "CallTree"]
 
@@ -286,6 +287,7 @@ class CallTree:
                         child_prefix + ("   " if last else "│  "),
                     )
                 )
+        rows = [[shown(cell) for cell in row] for row in rows]  # names cannot drive the terminal
         widths = [max((len(row[column]) for row in rows if column != 1 or row[2]), default=0) for column in range(6)]
         lines = []
         for row in rows:
@@ -296,7 +298,7 @@ class CallTree:
             cells += [row[column].rjust(widths[column]) for column in range(3, 6)]
             lines.append("  ".join(cells).rstrip())
         if class_filter is not None and not tree.root.children:
-            lines.append(f"(no call matches {class_filter!r})")
+            lines.append(f"(no call matches {shown(class_filter)!r})")
         return "\n".join(lines)
 
     def __str__(self) -> str:

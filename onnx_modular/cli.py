@@ -40,8 +40,10 @@ from typing import Any
 import numpy as np
 
 from onnx_modular import _io
+from onnx_modular._text import shown
 from onnx_modular.errors import InvalidInputError, OnnxModularError, ParityError
 from onnx_modular.files import check_feeds, function_tree, inline_file, load_model_file, model_inputs, random_inputs
+from onnx_modular.files.inputs import load_arrays
 from onnx_modular.files.parity import Tolerance
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_MISMATCH", "EXIT_USAGE", "EXIT_INTERNAL"]
@@ -315,18 +317,6 @@ def _parse_dims(items: Sequence[str]) -> dict[str, int]:
     return dims
 
 
-def _load_npz(path: str, what: str) -> dict[str, np.ndarray]:
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            if not hasattr(archive, "files"):
-                raise InvalidInputError(f"{what} {path!r} holds a single array; save a .npz with np.savez(name=array).")
-            return {name: archive[name] for name in archive.files}
-    except FileNotFoundError:
-        raise InvalidInputError(f"{what} {path!r} does not exist.") from None
-    except (OSError, ValueError) as e:
-        raise InvalidInputError(f"{what} {path!r} is not a readable .npz file: {e}") from None
-
-
 def _feeds_from_npz(model, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     names = [value.name for value in model_inputs(model)]
     positional = [f"arr_{i}" for i in range(len(arrays))]
@@ -339,16 +329,17 @@ def _feeds_from_npz(model, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarra
 def _verify(args: argparse.Namespace) -> int:
     from onnx_modular.files.parity import check_file
 
+    tolerance = Tolerance(args.atol, args.rtol)  # refuses NaN, infinite or negative values first
     model = load_model_file(args.model)
     dims = _parse_dims(args.dim)
     if args.inputs:
         if dims:
             raise InvalidInputError("--dim sizes random inputs; it cannot be combined with --inputs.")
-        feeds = _feeds_from_npz(model, _load_npz(args.inputs, "--inputs"))
+        feeds = _feeds_from_npz(model, load_arrays(args.inputs, "--inputs"))
     else:
         feeds = random_inputs(model, dims=dims, seed=args.seed)
-    expected = _load_npz(args.expected, "--expected") if args.expected else None
-    report = check_file(args.model, feeds, expected=expected, tolerance=Tolerance(args.atol, args.rtol))
+    expected = load_arrays(args.expected, "--expected") if args.expected else None
+    report = check_file(args.model, feeds, expected=expected, tolerance=tolerance)
     if args.json:
         _print_json(
             {
@@ -583,8 +574,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OnnxModularError as e:
         if verbose:
             traceback.print_exc()
-        # The whole message: what failed, the module involved, and "What to do:".
-        _stderr(f"error: {e}")
+        # The whole message: what failed, the module involved, and "What to do:"; names from
+        # the file cannot drive the terminal.
+        _stderr("error: " + "\n".join(shown(line) for line in str(e).split("\n")))
         return EXIT_MISMATCH if isinstance(e, ParityError) else EXIT_USAGE
     except KeyboardInterrupt as e:
         _stderr("interrupted")

@@ -371,9 +371,17 @@ def localize(
     entries = _flatten(probes, None, "", 1, [], counter, metadata.NoOpCalls(model.graph, None, None, counter, True))
 
     feeds = [verification.to_numpy(t) for t in verification.flatten_inputs(args, kwargs)]
-    with runtime.scratch_file(near, "instrumented.onnx") as path:
-        ir.save(model, path)
-        values = runtime.run(path, feeds, what="instrumented model")[1][original_outputs:]
+    if near is None:
+        with runtime.scratch_file(None, "instrumented.onnx") as path:
+            ir.save(model, path)
+            values = runtime.run(path, feeds, what="instrumented model")[1][original_outputs:]
+    else:  # in memory, its external data read from the file's folder: nothing written next to it
+        values = runtime.run(
+            ir.serde.serialize_model(model).SerializeToString(),
+            feeds,
+            what="instrumented model",
+            external_data_folder=near.resolve().parent,
+        )[1][original_outputs:]
     _, captured = capture_module_outputs(torch_model, args, kwargs)
 
     results = []

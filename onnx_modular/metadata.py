@@ -129,11 +129,12 @@ def is_module_function(function: Any) -> bool:
 
 
 def _json_list(text: str | None) -> list:
-    if not text:
+    """A JSON list from metadata; anything else (not JSON, nested too deep to decode) is ``[]``."""
+    if not text or not isinstance(text, str):
         return []
     try:
         decoded = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return []
     return decoded if isinstance(decoded, list) else []
 

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
 
 from onnx_modular.errors import ParityError
 from onnx_modular.files import inputs as file_inputs
+from onnx_modular.files.load import load_model_file
 from onnx_modular.files.parity import (
     OutputParity,
     ParityReport,
@@ -237,7 +237,7 @@ def verify(
     """
     path = pathlib.Path(path)
     tol = tolerance(rtol, atol)
-    proto = onnx.load(str(path), load_external_data=False)
+    proto = load_model_file(path)
     runs: list[tuple[list, tuple, dict]] = []
     if args is not None or kwargs is not None:
         args, kwargs = normalize_inputs(args, kwargs)

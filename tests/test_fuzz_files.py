@@ -1,8 +1,8 @@
 """A short run of the malformed-file fuzzer (``scripts/fuzz_files.py``) over the CLI.
 
-Every failure (traceback, signal, timeout, memory limit) must belong to a class that
-issue 12 lists as open (``fuzz_files.OPEN_BY_TEXT``, ``OPEN_BY_KIND``: items 1-7); a new class fails the
-test. The 2,000-case campaign is ``python scripts/fuzz_files.py --cases 2000``
+Every failure (traceback, signal, timeout, memory limit) must belong to a class listed as
+open (``fuzz_files.OPEN_BY_TEXT``, ``OPEN_BY_KIND``: empty since issue 12's items 1-7 were
+fixed); any failure fails the test. The 2,000-case campaign is ``python scripts/fuzz_files.py --cases 2000``
 (``docs/robustness.md``).
 """
 
@@ -27,8 +27,8 @@ def test_outcomes_are_classified(tmp_path):
     assert fuzz_files.classify(-6, "terminate called after throwing an instance of 'std::bad_alloc'", False) == "memory"
     assert fuzz_files.classify(1, "mismatch but no message", False) == "no-error-line"
     failing = {"argv": ["verify", "m.onnx", "--seed", "-1"], "stderr_tail": "ValueError: expected non-negative integer"}
-    assert fuzz_files.open_item("bitflips", failing) == 7
-    assert fuzz_files.open_item("bomb", {"argv": ["verify", "m.onnx"], "stderr_tail": ""}) == 2
+    assert fuzz_files.open_item("bitflips", failing) is None  # fixed: no class is open any more
+    assert fuzz_files.open_item("bomb", {"argv": ["verify", "m.onnx"], "stderr_tail": ""}) is None
     assert fuzz_files.open_item("bitflips", {"argv": ["tree", "m.onnx"], "stderr_tail": "KeyError: 'x'"}) is None
 
 
@@ -41,6 +41,7 @@ def server():
 
 def test_children_report_clean_errors_and_are_bounded(tmp_path, server):
     """A clean error is ok; a hang is a timeout (the child is killed, the test goes on)."""
+    (tmp_path / "hang.py").write_text("import time\nwhile True:\n    time.sleep(1)\n")
     fuzz_files.gen_recursion(random.Random(1), tmp_path, {})
     result = fuzz_files.run_command(server, ["tree", "m.onnx"], tmp_path, 60, 2 << 30)
     assert result["outcome"] == "ok" and result["exitcode"] == 2, result
@@ -48,8 +49,10 @@ def test_children_report_clean_errors_and_are_bounded(tmp_path, server):
     result = fuzz_files.run_command(server, ["tree", "m.onnx"], tmp_path, 60, 2 << 30)
     assert result["outcome"] == "ok" and result["exitcode"] == 2, result  # tree refuses the expansion
     os.remove(tmp_path / "m.onnx")
-    os.mkfifo(tmp_path / "m.onnx")  # issue 12 item 1: reading a FIFO blocks
-    result = fuzz_files.run_command(server, ["tree", "m.onnx"], tmp_path, 2, 2 << 30)
+    os.mkfifo(tmp_path / "m.onnx")  # issue 12 item 1: reading a FIFO blocked; now refused
+    result = fuzz_files.run_command(server, ["tree", "m.onnx"], tmp_path, 30, 2 << 30)
+    assert result["outcome"] == "ok" and result["exitcode"] == 2, result
+    result = fuzz_files.run_command(server, ["export", "hang.py:f", "-o", "x.onnx"], tmp_path, 2, 2 << 30)
     assert result["outcome"] == "timeout", result
 
 

@@ -7,12 +7,14 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import onnx
 
+from onnx_modular._text import shown
+
 #: ``(domain, name, overload)``, as ``onnx_ir.OperatorIdentifier``.
 FunctionId = tuple[str, str, str]
 
 
 def function_label(function_id: FunctionId) -> str:
-    domain, name, overload = function_id
+    domain, name, overload = (shown(part) for part in function_id)
     label = f"{domain}:{name}" if domain else name
     return f"{label}:{overload}" if overload else label
 

@@ -10,8 +10,9 @@ import onnx
 import onnx.inliner
 
 from onnx_modular import _io
-from onnx_modular.errors import InvalidInputError
-from onnx_modular.files._proto import uses_external_data
+from onnx_modular.errors import InvalidInputError, InvalidModelFileError
+from onnx_modular.files._proto import shown, uses_external_data
+from onnx_modular.files.checks import check_expanded_size
 from onnx_modular.files.load import load_model_file
 
 __all__ = ["inline_file"]
@@ -76,13 +77,20 @@ def inline_file(
         opset.check_opset(opset_version, default=opset_version)  # before any work
     destination = _io.check_destination(destination)  # before the work: a bad path fails fast
     model = load_model_file(source)
+    check_expanded_size(model, name=repr(str(source)))  # before onnx.inliner expands anything
     external = uses_external_data(model)
     if external:
-        onnx.load_external_data_for_model(model, str(pathlib.Path(source).parent))
-    if only:
-        flat = onnx.inliner.inline_selected_functions(model, _resolve_function_ids(model, only))
-    else:
-        flat = onnx.inliner.inline_local_functions(model)
+        try:
+            onnx.load_external_data_for_model(model, str(pathlib.Path(source).parent))
+        except (OSError, ValueError) as e:  # checked by load_model_file; a file changed since
+            raise InvalidModelFileError(f"The external data of {str(source)!r} cannot be read: {e}") from e
+    try:
+        if only:
+            flat = onnx.inliner.inline_selected_functions(model, _resolve_function_ids(model, only))
+        else:
+            flat = onnx.inliner.inline_local_functions(model)
+    except (onnx.checker.ValidationError, RuntimeError) as e:
+        raise InvalidModelFileError(f"onnx.inliner cannot inline {str(source)!r}: {shown(str(e).strip()[:400])}") from e
     if optimize:
         import onnxscript.optimizer
 

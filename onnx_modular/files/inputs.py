@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import numbers
+import os
+import zipfile
 from collections.abc import Mapping
 
 import numpy as np
 import onnx
 
 from onnx_modular.errors import InvalidInputError
-from onnx_modular.files._proto import numel
+from onnx_modular.files._proto import numel, shown
 
-__all__ = ["model_inputs", "random_inputs", "check_feeds"]
+__all__ = ["model_inputs", "random_inputs", "check_feeds", "load_arrays", "MAX_ARRAY_BYTES"]
+
+#: Most bytes :func:`load_arrays` reads from one ``.npz`` (all arrays, uncompressed).
+MAX_ARRAY_BYTES = 2**31
 
 
 _DEFAULT_INT_HIGH = 10
@@ -52,15 +58,20 @@ def random_inputs(
 
     Raises:
         InvalidInputError: An input is not a tensor, has a type without random values
-            (strings), or would hold more than ``max_elements`` elements.
+            (strings), the inputs together would hold more than ``max_elements`` elements
+            (checked before any is made), or ``seed`` is negative.
 
     Example::
 
         feeds = random_inputs(model, dims={"batch": 1, "sequence": 16}, seed=0)
     """
     dims = dict(dims or {})
+    if not isinstance(seed, numbers.Integral) or seed < 0:
+        raise InvalidInputError(f"The seed of the random inputs must be an integer >= 0, got {seed!r}.")
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
+    planned: list[tuple[onnx.ValueInfoProto, np.dtype, list[int]]] = []
+    total = 0
     for value in model_inputs(model):
         if not value.type.HasField("tensor_type"):
             raise InvalidInputError(f"Input {value.name!r} is not a tensor; pass --inputs with its value.")
@@ -73,11 +84,16 @@ def random_inputs(
             else:
                 shape.append(int(dims.get(dim.dim_param, default_dim)) if dim.HasField("dim_param") else default_dim)
         elements = numel(shape)
-        if elements > max_elements:
+        total += elements
+        if total > max_elements:
+            what = f"Input {shown(value.name)!r} would hold {elements} elements (shape {shape})"
+            if total > elements:
+                what += f", {total} with the inputs before it"
             raise InvalidInputError(
-                f"Input {value.name!r} would hold {elements} elements (shape {shape}), more than {max_elements}; "
-                "pass smaller --dim values or --inputs."
+                f"{what}: more than {max_elements} in all; pass smaller --dim values or --inputs."
             )
+        planned.append((value, dtype, shape))
+    for value, dtype, shape in planned:
         if _is_mask(value.name) and (dtype == np.bool_ or np.issubdtype(dtype, np.integer)):
             # Random 0/1 masks can hide every position of a row, and then a correct model's
             # softmax over nothing differs between runtimes: masks keep everything visible.
@@ -136,3 +152,66 @@ def check_feeds(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> None
                 raise InvalidInputError(
                     f"Input {name!r} has shape {list(array.shape)} but the model declares {declared_dims}."
                 )
+
+
+def load_arrays(path: str | os.PathLike, what: str = "--inputs", *, max_bytes: int = MAX_ARRAY_BYTES) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` file (``np.savez``), checked before anything is decompressed.
+
+    The zip directory's sizes bound every member (zipfile never inflates past them), each
+    member's ``.npy`` header (``np.lib.format.read_array_header_*``) must describe an array that
+    fits in its member, with no Python objects, and the members together may hold at most
+    ``max_bytes``. A zip bomb or a header claiming 2**40 elements is refused without
+    allocating it.
+
+    Raises:
+        InvalidInputError: Naming the file and what is wrong with it.
+    """
+    text = str(path)
+    if not os.path.isfile(path):
+        raise InvalidInputError(
+            f"{what} {text!r} " + ("does not exist." if not os.path.exists(path) else "is not a regular file.")
+        )
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        hint = " (a single array saved with np.save; save a .npz with np.savez(name=array))" if _is_npy(path) else ""
+        raise InvalidInputError(f"{what} {text!r} is not a readable .npz file{hint}: {e}") from None
+    names: list[str] = []
+    with archive:
+        members = archive.infolist()
+        total = sum(member.file_size for member in members)
+        if total > max_bytes:
+            raise InvalidInputError(
+                f"{what} {text!r} holds {total} bytes once decompressed, more than {max_bytes}; "
+                "refusing to decompress it (inputs that large are not test inputs)."
+            )
+        try:
+            for member in members:
+                name = member.filename.removesuffix(".npy")
+                with archive.open(member) as handle:
+                    version = np.lib.format.read_magic(handle)
+                    read_header = (
+                        np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                    )
+                    shape, _fortran_order, dtype = read_header(handle, max_header_size=10_000)
+                    if dtype.hasobject:
+                        raise ValueError(f"array {name!r} holds Python objects")
+                    size = numel(shape) * dtype.itemsize
+                    if size > member.file_size:
+                        raise ValueError(
+                            f"array {name!r} declares shape {list(shape)} of {dtype} ({size} bytes) "
+                            f"but its member holds {member.file_size} bytes"
+                        )
+                names.append(name)
+            with np.load(path, allow_pickle=False) as loaded:
+                return {name: loaded[name] for name in names}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:
+            raise InvalidInputError(f"{what} {text!r} is not a readable .npz file: {e}") from None
+
+
+def _is_npy(path: str | os.PathLike) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(6) == b"\x93NUMPY"
+    except OSError:
+        return False

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import os
 import pathlib
+import stat
 from typing import Any
 
 import onnx
 from google.protobuf import message as protobuf_message
 
 from onnx_modular.errors import InvalidModelFileError
-from onnx_modular.files._proto import uses_external_data
+from onnx_modular.files._proto import all_tensors, numel, shown, uses_external_data
 from onnx_modular.files.checks import check_model_structure
 
-__all__ = ["load_model_file"]
+__all__ = ["load_model_file", "read_regular_file", "check_external_data"]
 
 #: Protobuf cannot parse a message of 2 GiB or more.
 _PROTOBUF_LIMIT = 2**31
@@ -118,6 +119,121 @@ def _scan_model_fields(data: bytes, path: str) -> set[int]:
     )
 
 
+def read_regular_file(file: pathlib.Path, text: str, *, limit: int) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes.
+
+    Opened without blocking and checked on the open descriptor (``fstat``), so a FIFO, a
+    device (``/dev/zero``), a socket or a folder is refused before anything is read, and the
+    read is bounded by the size the file had when opened.
+
+    Raises:
+        InvalidModelFileError: The file is missing, not a regular file, too large or unreadable.
+    """
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise InvalidModelFileError(f"{text!r} does not exist.") from None
+    except IsADirectoryError:
+        raise InvalidModelFileError(f"{text!r} is a directory, not an ONNX file.") from None
+    except OSError as e:
+        raise InvalidModelFileError(f"{text!r} cannot be read: {e.strerror or e}.") from e
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise InvalidModelFileError(f"{text!r} is a directory, not an ONNX file.")
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidModelFileError(
+                f"{text!r} is not a regular file (a pipe, a device or a socket); give the path of an .onnx file."
+            )
+        if info.st_size > limit:
+            raise InvalidModelFileError(
+                f"{text!r} is {info.st_size / 2**30:.1f} GiB; an ONNX file cannot exceed protobuf's 2 GiB limit "
+                "(large weights go to external data), so it is corrupted or not ONNX."
+            )
+        chunks, remaining = [], info.st_size
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 1 << 24))
+            if not chunk:
+                break  # the file shrank while being read: the scan reports it truncated
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks)
+    except OSError as e:
+        raise InvalidModelFileError(f"{text!r} cannot be read: {e.strerror or e}.") from e
+    finally:
+        os.close(fd)
+
+
+def _external_fields(tensor: onnx.TensorProto) -> dict[str, str]:
+    return {entry.key: entry.value for entry in tensor.external_data}
+
+
+def _nonnegative(value: str | None, what: str, where: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = -1
+    if number < 0:
+        raise InvalidModelFileError(f"{where}: its external-data {what} {shown(value)!r} is not a non-negative integer.")
+    return number
+
+
+def check_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, name: str = "the model") -> None:
+    """Check every external-data reference of ``model`` before anything reads it.
+
+    Each ``location`` must be a relative path that stays inside ``folder`` (the model's
+    folder; symbolic links are resolved), name a regular file, and ``offset`` + ``length``
+    (or the tensor's size) must lie within that file. One check for loading, ``inline`` and
+    ``verify``; onnx and onnxruntime would otherwise fail later with untyped errors (or read
+    a FIFO forever).
+
+    Raises:
+        InvalidModelFileError: Naming the tensor and the reference.
+    """
+    root = pathlib.Path(os.path.realpath(folder))
+    sizes: dict[str, int] = {}
+    for tensor in all_tensors(model):
+        if not onnx.external_data_helper.uses_external_data(tensor):
+            continue
+        fields = _external_fields(tensor)
+        where = f"{name}: tensor {shown(tensor.name)!r}"
+        location = fields.get("location", "")
+        if not location or "\x00" in location:
+            raise InvalidModelFileError(f"{where} stores its data externally but names no valid file ({shown(location)!r}).")
+        if location not in sizes:
+            target = pathlib.Path(os.path.realpath(root / location))
+            if os.path.isabs(location) or (target != root and root not in target.parents):
+                raise InvalidModelFileError(
+                    f"{where} refers to external data {shown(location)!r} outside the model's folder; "
+                    "refusing to read it (move the data file next to the model)."
+                )
+            try:
+                info = os.stat(target)
+            except OSError as e:
+                raise InvalidModelFileError(
+                    f"{where} refers to external data {shown(location)!r}, which cannot be read: {e.strerror or e} "
+                    "(copy the data file along with the model)."
+                ) from e
+            if not stat.S_ISREG(info.st_mode):
+                raise InvalidModelFileError(f"{where} refers to external data {shown(location)!r}, which is not a regular file.")
+            sizes[location] = info.st_size
+        size = sizes[location]
+        offset = _nonnegative(fields.get("offset"), "offset", where) or 0
+        length = _nonnegative(fields.get("length"), "length", where)
+        try:
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        except (KeyError, TypeError, ValueError):
+            itemsize = 0
+        needed = length if length is not None else numel(tensor.dims) * itemsize
+        if offset + needed > size:
+            raise InvalidModelFileError(
+                f"{where} reads bytes {offset} to {offset + needed} of {shown(location)!r}, which holds {size} bytes "
+                "(the data file is truncated or belongs to another export)."
+            )
+
+
 def load_model_file(
     path: str | os.PathLike, *, load_external_data: bool = False, check: bool = True
 ) -> onnx.ModelProto:
@@ -145,20 +261,7 @@ def load_model_file(
     """
     text = str(path)
     file = pathlib.Path(path)
-    if not file.exists():
-        raise InvalidModelFileError(f"{text!r} does not exist.")
-    if file.is_dir():
-        raise InvalidModelFileError(f"{text!r} is a directory, not an ONNX file.")
-    try:
-        size = file.stat().st_size
-        if size >= _PROTOBUF_LIMIT:
-            raise InvalidModelFileError(
-                f"{text!r} is {size / 2**30:.1f} GiB; an ONNX file cannot exceed protobuf's 2 GiB limit "
-                "(large weights go to external data), so it is corrupted or not ONNX."
-            )
-        data = file.read_bytes()
-    except OSError as e:
-        raise InvalidModelFileError(f"{text!r} cannot be read: {e.strerror or e}.") from e
+    data = read_regular_file(file, text, limit=_PROTOBUF_LIMIT - 1)
     if not data:
         raise InvalidModelFileError(f"{text!r} is empty (0 bytes), not an ONNX model.")
     present = _scan_model_fields(data, text)
@@ -179,6 +282,7 @@ def load_model_file(
         )
     if check:
         check_model_structure(model, name=repr(text))
+        check_external_data(model, file.parent, name=repr(text))
     if load_external_data and uses_external_data(model):
         try:
             onnx.load_external_data_for_model(model, str(file.parent))

@@ -26,6 +26,8 @@ import onnx
 
 from onnx_modular.errors import InvalidInputError, ParityError
 from onnx_modular.files import runtime
+from onnx_modular.files.checks import check_expanded_size
+from onnx_modular.files.load import load_model_file
 
 __all__ = [
     "Tolerance",
@@ -48,6 +50,19 @@ class Tolerance:
 
     atol: float
     rtol: float
+
+    def __post_init__(self) -> None:
+        for name in ("atol", "rtol"):
+            value = getattr(self, name)
+            try:
+                valid = math.isfinite(value) and value >= 0
+            except TypeError:
+                valid = False
+            if not valid:
+                raise InvalidInputError(
+                    f"The tolerance {name}={value!r} must be a finite number >= 0 "
+                    "(a NaN, infinite or negative tolerance makes the comparison meaningless)."
+                )
 
 
 _DEFAULT_TOLERANCES = {
@@ -286,12 +301,18 @@ def check_file(
         InvalidInputError: ``expected`` names an output the model does not have.
         ParityError: ``expected`` (a sequence) has another number of outputs than the model.
     """
-    model = onnx.load(str(path), load_external_data=False)
+    model = load_model_file(path)
+    check_expanded_size(model, name=repr(str(path)))  # onnxruntime inlines every call at load
     names, modular = runtime.run(path, feeds, execution_provider=execution_provider)
     flat_outputs = None
     if flat:
-        with runtime.flat_copy(path, model) as flat_model:
-            _, flat_outputs = runtime.run(flat_model, feeds, what="inlined flat copy", execution_provider=execution_provider)
+        _, flat_outputs = runtime.run(
+            runtime.flat_copy(path, model),
+            feeds,
+            what="inlined flat copy",
+            execution_provider=execution_provider,
+            external_data_folder=runtime.external_data_folder(path, model),
+        )
     reference = None
     if expected is not None:
         if isinstance(expected, Mapping):

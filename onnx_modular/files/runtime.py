@@ -1,9 +1,10 @@
 """onnxruntime for the file tools and verification: sessions, runs, and the inlined flat copy.
 
-One temporary-file scheme: a model that must be written for onnxruntime (an in-memory model,
-the flat copy of a file with external data, an instrumented copy) goes into a private hidden
-folder next to the file it comes from (:func:`scratch_folder`), so relative external-data
-paths still resolve, and the folder is removed afterwards whatever happens.
+Copies of a file made for onnxruntime (the inlined flat copy, an instrumented copy) are
+handed over in memory, with the file's folder as the place of their external data
+(``external_data_folder``: onnxruntime's ``session.model_external_initializers_file_folder_path``),
+so nothing is written next to the user's model. An in-memory model that must be written
+goes into a private temporary folder (:func:`scratch_file`), removed afterwards whatever happens.
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ import onnx.inliner
 from onnx_modular.errors import ExecutionProviderError, VerificationError
 from onnx_modular.files._proto import uses_external_data
 
-__all__ = ["execution_providers", "session", "run", "output_names", "scratch_file", "flat_copy", "first_line"]
+__all__ = [
+    "execution_providers",
+    "session",
+    "run",
+    "output_names",
+    "scratch_file",
+    "flat_copy",
+    "external_data_folder",
+    "first_line",
+]
 
 
 def first_line(exc: BaseException) -> str:
@@ -55,8 +65,15 @@ def execution_providers(execution_provider: str | None = None) -> list[str]:
     return [match] if match == "CPUExecutionProvider" else [match, "CPUExecutionProvider"]
 
 
-def session(model: str | os.PathLike | bytes, execution_provider: str | None = None):
+def session(
+    model: str | os.PathLike | bytes,
+    execution_provider: str | None = None,
+    *,
+    external_data_folder: str | os.PathLike | None = None,
+):
     """An ``onnxruntime.InferenceSession`` (CPU unless ``execution_provider``) with warnings silenced.
+
+    ``external_data_folder``: where a serialized ``model`` (bytes) finds its external data.
 
     Raises:
         ExecutionProviderError: This onnxruntime build lacks the provider.
@@ -65,8 +82,15 @@ def session(model: str | os.PathLike | bytes, execution_provider: str | None = N
     import onnxruntime as ort
 
     providers = execution_providers(execution_provider)
+    # onnxruntime's default logger prints coloured warnings (and errors) to stderr before the
+    # session's own options apply; ours say what went wrong.
+    ort.set_default_logger_severity(3)
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    if external_data_folder is not None:
+        options.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", os.path.abspath(external_data_folder)
+        )
     try:
         return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
@@ -83,6 +107,7 @@ def run(
     *,
     what: str = "model",
     execution_provider: str | None = None,
+    external_data_folder: str | os.PathLike | None = None,
 ) -> tuple[list[str], list[np.ndarray]]:
     """Run a model on ``feeds`` (by name, or one array per input in order).
 
@@ -94,7 +119,11 @@ def run(
     Raises:
         VerificationError: The model cannot be loaded or run, or the inputs do not fit.
     """
-    sess = model if hasattr(model, "get_inputs") else session(model, execution_provider)
+    sess = (
+        model
+        if hasattr(model, "get_inputs")
+        else session(model, execution_provider, external_data_folder=external_data_folder)
+    )
     names = [i.name for i in sess.get_inputs()]
     if not isinstance(feeds, Mapping):
         feeds = list(feeds)
@@ -140,26 +169,31 @@ def scratch_file(near: str | os.PathLike | None, name: str = "model.onnx") -> It
             pass
 
 
-@contextlib.contextmanager
-def flat_copy(path: str | os.PathLike, model: onnx.ModelProto | None = None) -> Iterator[str | bytes]:
-    """The model at ``path`` with every local function inlined (``onnx.inliner``), ready for :func:`run`.
+def flat_copy(path: str | os.PathLike, model: onnx.ModelProto | None = None) -> bytes:
+    """The model at ``path`` with every local function inlined (``onnx.inliner``), serialized for :func:`run`.
 
-    Weights are not loaded: a model with external data gets its flat copy written to a
-    :func:`scratch_file` next to it, so both read the same weight files; other models stay
-    in memory.
+    Weights are not loaded: external-data references are kept as they are, so run the copy
+    with ``external_data_folder=`` the model's folder (:func:`external_data_folder`); nothing
+    is written to disk.
     """
     if model is None:
         model = onnx.load(str(path), load_external_data=False)
-    flat = onnx.inliner.inline_local_functions(model)
-    if not uses_external_data(flat):
-        yield flat.SerializeToString()
-        return
-    with scratch_file(path, "flat.onnx") as target:
-        try:
-            onnx.save(flat, str(target))
-        except OSError as e:
-            raise VerificationError(
-                f"Writing the inlined copy next to {str(path)!r} failed: {e.strerror or e}",
-                hint="Make the model's folder writable, or copy the model somewhere writable.",
-            ) from e
-        yield str(target)
+    try:
+        flat = onnx.inliner.inline_local_functions(model)
+    except (onnx.checker.ValidationError, RuntimeError) as e:
+        raise VerificationError(
+            f"onnx.inliner cannot inline the model: {first_line(e)}",
+            hint="Check the file with `onnx-modular tree`; skip the flat copy with flat=False.",
+        ) from e
+    try:
+        return flat.SerializeToString()
+    except ValueError as e:  # over protobuf's 2 GiB: weights stored in the graph
+        raise VerificationError(
+            f"The inlined copy of {str(path)!r} exceeds protobuf's 2 GiB limit: {first_line(e)}",
+            hint="Save the model with external data (export_modular(..., external_data=True)).",
+        ) from e
+
+
+def external_data_folder(path: str | os.PathLike, model: onnx.ModelProto) -> str | None:
+    """The folder a copy of the model at ``path`` reads its external data from (``None`` without)."""
+    return os.path.dirname(os.path.abspath(path)) if uses_external_data(model) else None

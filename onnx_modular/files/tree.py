@@ -14,13 +14,20 @@ from onnx_modular import metadata
 from onnx_modular.calltree import CallTree, ModuleCall
 from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.files._proto import FunctionId, all_nodes, function_id, node_id, numel
-from onnx_modular.files.checks import check_model_structure
+from onnx_modular.files.checks import (
+    MAX_EXPANDED_CALLS,
+    check_model_structure,
+    max_expanded_calls,
+)
 
 __all__ = ["MAX_TREE_CALLS", "function_tree", "count_from_model"]
 
 #: Largest number of calls the expanded tree may hold (a function called from a function
-#: called N times counts N times). Guards against exponential expansion of shared bodies.
-MAX_TREE_CALLS = 200_000
+#: called N times counts N times): the limit onnxruntime and inlining get
+#: (:data:`~onnx_modular.files.checks.MAX_EXPANDED_CALLS`). Guards against exponential expansion
+#: of shared bodies, and keeps a printed tree readable (building and printing 20,000 calls
+#: takes about 1.5 s).
+MAX_TREE_CALLS = MAX_EXPANDED_CALLS
 
 
 def _call_counts(model: onnx.ModelProto, functions: Mapping[FunctionId, onnx.FunctionProto]) -> dict[FunctionId, int]:
@@ -62,7 +69,7 @@ def _callers_first(sites: Mapping[FunctionId, list[FunctionId]]) -> list[Functio
     return order
 
 
-def function_tree(model: onnx.ModelProto, *, max_calls: int = MAX_TREE_CALLS) -> CallTree:
+def function_tree(model: onnx.ModelProto, *, max_calls: int | None = None) -> CallTree:
     """Build the call hierarchy of a model's local functions.
 
     The root is the main graph; its children are the nodes that call a local function
@@ -72,7 +79,8 @@ def function_tree(model: onnx.ModelProto, *, max_calls: int = MAX_TREE_CALLS) ->
 
     Args:
         model: Any ONNX model (it is checked with :func:`check_model_structure`).
-        max_calls: Refuse models whose expanded tree would hold more calls.
+        max_calls: Refuse models whose expanded tree would hold more calls (default
+            :data:`MAX_TREE_CALLS`, or ``ONNX_MODULAR_MAX_EXPANDED_CALLS`` when set).
 
     Raises:
         InvalidModelFileError: The structure is unusable (see :func:`check_model_structure`),
@@ -88,9 +96,12 @@ def function_tree(model: onnx.ModelProto, *, max_calls: int = MAX_TREE_CALLS) ->
     functions = {function_id(f): f for f in model.functions}
     call_count = _call_counts(model, functions)
     total = sum(call_count.values())
+    max_calls = max_expanded_calls() if max_calls is None else max_calls
     if total > max_calls:
         raise InvalidModelFileError(
-            f"The call hierarchy expands to {total} calls (more than {max_calls}); refusing to build the tree."
+            f"The call hierarchy expands to {total} calls (more than {max_calls}); refusing to build the tree "
+            "(a few functions calling each other many times over: a call-expansion bomb; if the model is "
+            f"genuine, raise the limit with the environment variable ONNX_MODULAR_MAX_EXPANDED_CALLS={total})."
         )
     sizes = {tensor.name: numel(tensor.dims) for tensor in model.graph.initializer}
     sizes.update({sparse.values.name: numel(sparse.dims) for sparse in model.graph.sparse_initializer})
