@@ -13,7 +13,6 @@ import json
 import math
 import os
 import pathlib
-import re
 import subprocess
 import sys
 

@@ -4,7 +4,6 @@ replaces an existing file. Disk-full is real: a tiny tmpfs (skipped where mounti
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 
 import pytest
