@@ -26,6 +26,10 @@ from onnx_modular.passes._functions import CALLS_KEY, callees, function_cycle, r
 __all__ = ["DeduplicateFunctionsPass", "function_fingerprint"]
 
 
+#: Default-domain ops whose result does not depend on the order of their inputs.
+_COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min", "Sum", "Mean", "And", "Or", "Xor", "Equal"})
+
+
 def _dim_key(dim: Any, symbols: dict[str, int]) -> Any:
     if isinstance(dim, int):
         return dim
@@ -66,6 +70,8 @@ def _graph_key(
         scope[value] = ("in", depth, i)
     for index, node in enumerate(graph):
         inputs = tuple(None if v is None else scope.get(v, ("outer", v.name)) for v in node.inputs)
+        if node.domain in ("", "ai.onnx") and node.op_type in _COMMUTATIVE:
+            inputs = tuple(sorted(inputs, key=repr))  # a + b is b + a (torch orders size sums by symbol)
         attrs = tuple(sorted((name, _attr_key(attr, scope, symbols)) for name, attr in node.attributes.items()))
         parts.append((node.domain, node.op_type, node.overload, inputs, attrs, len(node.outputs)))
         for j, value in enumerate(node.outputs):

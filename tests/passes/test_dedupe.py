@@ -147,3 +147,25 @@ def test_symbolic_dims_with_another_equality_structure_stay_apart():
     })
     assert not DeduplicateFunctionsPass()(model).modified
     assert len(model.functions) == 2
+
+
+def test_commutative_operands_in_either_order_compare_equal():
+    # torch writes a sum of two sizes as Add(a, b) in one layer and Add(b, a) in another (sympy
+    # orders the terms by symbol); Sub is not commutative and stays apart.
+    model = ir.from_onnx_text("""
+        <ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>
+        main (int64 a, int64 b) => (int64 y, int64 z, int64 w) {
+          y = pkg.test.F(a, b)
+          z = pkg.test.G(a, b)
+          w = pkg.test.H(a, b)
+        }
+        <domain: "pkg.test", opset_import: ["" : 18]>
+        F (p, q) => (r) { r = Add(p, q) }
+        <domain: "pkg.test", opset_import: ["" : 18]>
+        G (p, q) => (r) { r = Add(q, p) }
+        <domain: "pkg.test", opset_import: ["" : 18]>
+        H (p, q) => (r) { r = Sub(q, p) }
+    """)
+    f, g, h = model.functions.values()
+    assert function_fingerprint(f) == function_fingerprint(g)
+    assert function_fingerprint(f) != function_fingerprint(h)
