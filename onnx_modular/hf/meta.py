@@ -1,11 +1,13 @@
-"""transformers checkpoints exported without loading their weights whole.
+"""transformers checkpoints built without their weights: models on the meta device.
 
 :func:`model_on_meta` builds the model of a checkpoint folder (``config.json`` plus
 safetensors weights, as ``save_pretrained`` writes them) with its parameters on the
 ``meta`` device and its non-persistent buffers (rotary tables) computed on the CPU,
-the way ``from_pretrained`` prepares a model before loading. :func:`export_checkpoint`
-exports it with ``weights=<folder>``: weights are read one tensor at a time while the
-file is written, and checked block by block.
+the way ``from_pretrained`` prepares a model before loading. ``export_modular(model, ...,
+weights=<folder>)`` then reads the weights one tensor at a time while the file is written,
+and checks it block by block; ``onnx-modular export <folder> --task T --stream-weights``
+does both (see :func:`onnx_modular.hf.checkpoint.model_and_inputs`).
+:func:`zero_cache` is a key/value cache of zeros for sample inputs that need no weights.
 
 Nothing is downloaded: the folder must hold the configuration and the weights.
 """
@@ -20,7 +22,7 @@ import torch
 
 from onnx_modular.errors import InvalidInputError
 
-__all__ = ["export_checkpoint", "model_on_meta"]
+__all__ = ["model_on_meta", "on_meta", "zero_cache"]
 
 
 def model_on_meta(
@@ -94,41 +96,23 @@ def _compute_buffers(model: torch.nn.Module) -> None:
         init(module)
 
 
-def export_checkpoint(
-    checkpoint: str | os.PathLike,
-    f: str | os.PathLike,
-    args: tuple | torch.Tensor | None = None,
-    *,
-    kwargs: dict | None = None,
-    model_class: type | None = None,
-    dtype: torch.dtype | None = None,
-    **options: Any,
-):
-    """Export a checkpoint folder with its weights streamed from its safetensors files.
-
-    ``args`` default to ``input_ids`` of shape ``(1, 8)``. ``options`` go to
-    :func:`~onnx_modular.export_modular` (``verify``, ``dynamic_shapes``, ...).
-
-    Example::
-
-        from onnx_modular.checkpoint import export_checkpoint
-        result = export_checkpoint("llama-8b/", "llama.onnx")
-        print(result.blocks)
-    """
-    from onnx_modular.export import export_modular
-
-    model = model_on_meta(checkpoint, model_class=model_class, dtype=dtype)
-    if args is None and kwargs is None:
-        vocab = getattr(model.config, "vocab_size", 32) or 32
-        args = (torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0)),)
-        kwargs = {"use_cache": False} if "use_cache" in _forward_parameters(model) else None
-    return export_modular(model, args if args is not None else (), f, kwargs=kwargs, weights=checkpoint, **options)
+def on_meta(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has its parameters on the meta device (built by :func:`model_on_meta`)."""
+    return any(p.is_meta for p in model.parameters())
 
 
-def _forward_parameters(model: torch.nn.Module) -> set[str]:
-    import inspect
+def zero_cache(model: torch.nn.Module, batch: int, past: int) -> Any:
+    """A ``DynamicCache`` of zeros, ``past`` positions long for every decoder layer, shaped
+    from the config (key/value heads, head dim) as the model fills it: sample inputs for
+    ``causal-lm-with-past`` that need no weights (a model on meta cannot fill its cache)."""
+    import transformers
 
-    try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    layers = [
+        (torch.zeros(batch, heads, past, head_dim, dtype=dtype), torch.zeros(batch, heads, past, head_dim, dtype=dtype))
+        for _ in range(config.num_hidden_layers)
+    ]
+    return transformers.DynamicCache(layers, config=config)
