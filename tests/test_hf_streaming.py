@@ -165,3 +165,26 @@ def test_stream_weights_errors(folder, tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(InvalidInputError, match="not a folder"):
         hf_checkpoint.meta_checkpoint(tmp_path / "missing", "causal-lm")
+
+
+def test_stream_weights_renamed_checkpoint_keys(tmp_path):
+    """transformers 5 saves ViT under its legacy names and renames them at load; streaming
+    applies the same renaming (and the file matches the model loaded normally)."""
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=40, num_labels=3,
+    )
+    folder = tmp_path / "vit"
+    transformers.ViTForImageClassification(config).eval().save_pretrained(folder)
+    real = transformers.ViTForImageClassification.from_pretrained(folder).eval()
+    stored = set(weights_module.WeightSource.open(folder).keys())
+    assert stored != set(real.state_dict())  # the names on disk are not the model's
+    out = tmp_path / "vit.onnx"
+    assert main(["export", str(folder), "--task", "image-classification", "-o", str(out), "--stream-weights", "--static"]) == 0
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = real(pixel_values=pixels).logits
+    (logits,) = _run(out, {"pixel_values": pixels})
+    np.testing.assert_allclose(logits, expected.numpy(), atol=ATOL, rtol=1e-3)
+    assert [d.dim_value for d in onnx.load(str(out), load_external_data=False).graph.input[0].type.tensor_type.shape.dim] == [2, 3, 32, 32]

@@ -21,6 +21,7 @@ from typing import Any
 from onnx_modular import verification
 from onnx_modular.errors import InvalidInputError, ParityError
 from onnx_modular.hf.checkpoint import model_and_inputs
+from onnx_modular.hf.meta import checkpoint_weights
 from onnx_modular.hf.exporter import ModularOnnxConfig, ModularOnnxExporter, modular_result
 
 __all__ = ["export_checkpoint", "streamed"]
@@ -107,7 +108,8 @@ def streamed(args: argparse.Namespace) -> dict[str, Any]:
         )
     if shapes is not None:  # torch.export wants a key per keyword input (None: not dynamic)
         shapes = {name: shapes.get(name) for name in inputs}
-    return {"model": model, "args": (), "kwargs": inputs, "dynamic_shapes": shapes, "weights": args.factory}
+    weights = checkpoint_weights(args.factory, model)  # under the model's names, as from_pretrained renames
+    return {"model": model, "args": (), "kwargs": inputs, "dynamic_shapes": shapes, "weights": weights}
 
 
 def _check_task_given(args: argparse.Namespace) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from onnx_modular.errors import InvalidInputError
 
-__all__ = ["model_on_meta", "on_meta", "zero_cache"]
+__all__ = ["checkpoint_weights", "model_on_meta", "on_meta", "zero_cache"]
 
 
 def model_on_meta(
@@ -116,3 +116,49 @@ def zero_cache(model: torch.nn.Module, batch: int, past: int) -> Any:
         for _ in range(config.num_hidden_layers)
     ]
     return transformers.DynamicCache(layers, config=config)
+
+
+def checkpoint_weights(folder: str | os.PathLike, model: torch.nn.Module) -> Any:
+    """The weights of ``folder`` under ``model``'s names, read one tensor at a time.
+
+    A checkpoint's names are not always the model's: transformers renames some at load
+    (legacy layouts, e.g. ViT's ``attention.attention.query`` saved by ``save_pretrained``),
+    and adds or strips the base model's prefix (a ``BertForMaskedLM`` checkpoint for a
+    ``BertModel``). The same renaming is applied here, as ``from_pretrained`` does, and tensors
+    the model has no place for (another task's head) are left out, as ``from_pretrained`` leaves
+    them. Returns ``folder`` itself when nothing needs renaming.
+
+    Raises:
+        InvalidInputError: a tensor that transformers converts at load (experts fused into one
+            tensor, q/k/v concatenated, ...): streaming reads tensors as stored.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    from onnx_modular.weights import WeightSource
+
+    source = WeightSource.open(folder)
+    conversions = get_model_conversion_mapping(model) if hasattr(model, "base_model_prefix") else []
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    names = set(model.state_dict())
+    renamed: dict[str, str] = {}
+    for key in source.keys():
+        name, converted = rename_source_key(
+            key, renamings, converters, getattr(model, "base_model_prefix", None), model.state_dict()
+        )
+        if converted is not None:
+            raise InvalidInputError(
+                f"transformers converts {key!r} of {str(folder)!r} at load ({type(model).__name__}: {converted!r}), "
+                "which streaming one stored tensor at a time cannot do.",
+                hint="Export without --stream-weights (from_pretrained converts it), or save the checkpoint in the "
+                "model's own layout first.",
+            )
+        if name in names or name == key:
+            renamed[name] = key  # a name the model lacks and transformers keeps is an UnexpectedWeightError
+    if all(name == key for name, key in renamed.items()) and len(renamed) == len(source.keys()):
+        return folder
+    return WeightSource.from_functions(
+        {name: (*source.spec(key), lambda key=key: source.read(key)) for name, key in renamed.items()},
+        description=str(folder),
+    )
