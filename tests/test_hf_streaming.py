@@ -188,3 +188,21 @@ def test_stream_weights_renamed_checkpoint_keys(tmp_path):
     (logits,) = _run(out, {"pixel_values": pixels})
     np.testing.assert_allclose(logits, expected.numpy(), atol=ATOL, rtol=1e-3)
     assert [d.dim_value for d in onnx.load(str(out), load_external_data=False).graph.input[0].type.tensor_type.shape.dim] == [2, 3, 32, 32]
+
+
+def test_stream_weights_refuses_tensors_converted_at_load(tmp_path, capsys):
+    """Mixtral's checkpoint stores one tensor per expert, which transformers fuses at load:
+    streaming stored tensors cannot, so it says so before exporting anything."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, num_local_experts=2, num_experts_per_tok=1,
+    )
+    folder = tmp_path / "mixtral"
+    transformers.MixtralForCausalLM(config).save_pretrained(folder)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["export", str(folder), "--task", "causal-lm", "-o", str(out / "m.onnx"), "--stream-weights"]) == 2
+    err = capsys.readouterr().err
+    assert "transformers converts 'model.layers.0." in err and "experts" in err and "without --stream-weights" in err
+    assert list(out.iterdir()) == []

@@ -151,8 +151,8 @@ def checkpoint_weights(folder: str | os.PathLike, model: torch.nn.Module) -> Any
             raise InvalidInputError(
                 f"transformers converts {key!r} of {str(folder)!r} at load ({type(model).__name__}: {converted!r}), "
                 "which streaming one stored tensor at a time cannot do.",
-                hint="Export without --stream-weights (from_pretrained converts it), or save the checkpoint in the "
-                "model's own layout first.",
+                hint="Export without --stream-weights (from_pretrained converts it), or save model.state_dict() with "
+                "safetensors.torch.save_file and pass that file to export_modular(model_on_meta(...), weights=...).",
             )
         if name in names or name == key:
             renamed[name] = key  # a name the model lacks and transformers keeps is an UnexpectedWeightError
