@@ -21,8 +21,8 @@ from typing import Any
 from onnx_modular import verification
 from onnx_modular.errors import InvalidInputError, ParityError
 from onnx_modular.hf.checkpoint import model_and_inputs
-from onnx_modular.hf.meta import checkpoint_weights
 from onnx_modular.hf.exporter import ModularOnnxConfig, ModularOnnxExporter, modular_result
+from onnx_modular.hf.meta import checkpoint_weights
 
 __all__ = ["export_checkpoint", "streamed"]
 

@@ -141,12 +141,11 @@ def checkpoint_weights(folder: str | os.PathLike, model: torch.nn.Module) -> Any
     conversions = get_model_conversion_mapping(model) if hasattr(model, "base_model_prefix") else []
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    names = set(model.state_dict())
+    state = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
     renamed: dict[str, str] = {}
-    for key in source.keys():
-        name, converted = rename_source_key(
-            key, renamings, converters, getattr(model, "base_model_prefix", None), model.state_dict()
-        )
+    for key in source.keys():  # noqa: SIM118 (a WeightSource, not a dict)
+        name, converted = rename_source_key(key, renamings, converters, prefix, state)
         if converted is not None:
             raise InvalidInputError(
                 f"transformers converts {key!r} of {str(folder)!r} at load ({type(model).__name__}: {converted!r}), "
@@ -154,8 +153,8 @@ def checkpoint_weights(folder: str | os.PathLike, model: torch.nn.Module) -> Any
                 hint="Export without --stream-weights (from_pretrained converts it), or save model.state_dict() with "
                 "safetensors.torch.save_file and pass that file to export_modular(model_on_meta(...), weights=...).",
             )
-        if name in names or name == key:
-            renamed[name] = key  # a name the model lacks and transformers keeps is an UnexpectedWeightError
+        if name in state:  # others (another task's head) are left out, as from_pretrained leaves them
+            renamed[name] = key
     if all(name == key for name, key in renamed.items()) and len(renamed) == len(source.keys()):
         return folder
     return WeightSource.from_functions(

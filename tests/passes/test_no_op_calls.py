@@ -7,10 +7,10 @@ import json
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
+from pass_helpers import PACKAGE, call_tree, check
 
 from onnx_modular import metadata
 from onnx_modular.passes.no_op_calls import RecordNoOpCallsPass
-from pass_helpers import PACKAGE, call_tree, check
 
 # main calls block (Dropout, then Scale, then a Relu) and then a Dropout of its own, whose
 # output is the graph output. Dropout's body is only Identity; Scale's computes a Mul.
