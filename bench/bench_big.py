@@ -5,8 +5,9 @@ For each size: random weights are written to a sharded safetensors folder (with
 then each measured step runs in its own child process, which reports its own peak RSS
 (``VmHWM`` from ``/proc/self/status``) before it exits:
 
-* ``onnx_modular``: ``export_checkpoint(folder, out)`` (model on meta, weights streamed,
-  block-by-block verification unless ``--no-verify``);
+* ``onnx_modular``: ``export_modular(model_on_meta(folder), (input_ids,), out, weights=folder)``
+  (input_ids of shape (1, 8), model on meta, weights streamed, block-by-block verification
+  unless ``--no-verify``);
 * ``torch capture``: ``torch.onnx.export(meta_model, dynamo=True)`` (no weights: what torch
   does on meta);
 * ``torch + apply_weights`` (``--torch-weights``): the same plus ``ONNXProgram.apply_weights``
@@ -50,7 +51,7 @@ def write_checkpoint(size: str, dtype: str, folder: pathlib.Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from onnx_modular.checkpoint import model_on_meta
+    from onnx_modular.hf.meta import model_on_meta
 
     config = _config(size, dtype)
     folder.mkdir(parents=True, exist_ok=True)
@@ -114,10 +115,17 @@ def _own_peak_gib() -> float:
 
 
 def child_export(folder: str, out: str, verify: bool) -> None:
-    from onnx_modular.checkpoint import export_checkpoint
+    import torch
+
+    from onnx_modular import export_modular
+    from onnx_modular.hf.meta import model_on_meta
 
     start = time.perf_counter()
-    result = export_checkpoint(folder, out, verify="blocks" if verify else False)
+    model = model_on_meta(folder)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    result = export_modular(
+        model, (ids,), out, kwargs={"use_cache": False}, weights=folder, verify="blocks" if verify else False
+    )
     seconds = time.perf_counter() - start
     report = {"seconds": seconds, "timings": result.timings, "peak_gib": _own_peak_gib()}
     if result.blocks is not None:
@@ -132,7 +140,7 @@ def child_export(folder: str, out: str, verify: bool) -> None:
 def child_torch(folder: str, out: str, apply: bool) -> None:
     import torch
 
-    from onnx_modular.checkpoint import model_on_meta
+    from onnx_modular.hf.meta import model_on_meta
 
     model = model_on_meta(folder)
     ids = torch.randint(0, model.config.vocab_size, (1, 8))

@@ -149,14 +149,16 @@ def _call_factory(spec: str) -> dict[str, Any]:
 
 
 def _export(args: argparse.Namespace) -> int:
-    if os.path.isdir(args.factory) or args.task is not None:
+    checkpoint = os.path.isdir(args.factory) or args.task is not None
+    if checkpoint and not args.stream_weights:
         return _export_checkpoint(args)
-    for option in ("static", "generation"):
-        if getattr(args, option):
-            raise InvalidInputError(f"--{option} applies to a checkpoint folder exported with --task.")
+    for option in ("static", "generation", "stream_weights"):
+        if getattr(args, option) and not checkpoint:
+            raise InvalidInputError(f"--{option.replace('_', '-')} applies to a checkpoint folder exported with --task.")
     from onnx_modular.export import export_modular  # imports torch: only when exporting
 
-    values = _call_factory(args.factory)
+    # --stream-weights: the checkpoint's model on meta, its weights read from the folder (imports transformers)
+    values = importlib.import_module("onnx_modular.hf.command").streamed(args) if checkpoint else _call_factory(args.factory)
     started = time.perf_counter()
 
     def progress(stage: str, seconds: float) -> None:
@@ -175,6 +177,7 @@ def _export(args: argparse.Namespace) -> int:
                 args.output,
                 kwargs=values.get("kwargs"),
                 dynamic_shapes=values.get("dynamic_shapes"),
+                weights=values.get("weights"),
                 opset_version=args.opset,
                 dedupe=not args.no_dedupe,
                 verify=not args.no_verify,
@@ -200,7 +203,7 @@ def _export(args: argparse.Namespace) -> int:
         )
     else:
         if result.report is not None:
-            print(result.report)
+            print(result.blocks if result.blocks is not None else result.report)
         size = pathlib.Path(args.output).stat().st_size
         print(f"Wrote {args.output} ({size / 1e6:.1f} MB): {result.summary().splitlines()[0]}")
         _print_tree(args, tree, args.output)
@@ -437,16 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="what to export a checkpoint for (which head, which sample inputs)",
     )
     export.add_argument("--static", action="store_true", help="checkpoint: fixed shapes (default: dynamic batch and sequence)")
-    export.add_argument(
-        "--generation",
-        action="store_true",
-        help="checkpoint: export the generation components (prefill, decode) into the -o folder",
-    )
-    export.add_argument(
-        "--keep-on-mismatch",
-        action="store_true",
-        help="write the model even when parity fails (exit code 1, with the report)",
-    )
+    export.add_argument("--generation", action="store_true",
+                        help="checkpoint: export the generation components (prefill, decode) into the -o folder")
+    export.add_argument("--stream-weights", action="store_true", help="checkpoint: never load the weights whole "
+                        "(model on meta, each tensor streamed to <output>.data, verified block by block)")
+    export.add_argument("--keep-on-mismatch", action="store_true", help="write the model even when parity fails (exit code 1)")
     export.add_argument("--no-verify", action="store_true", help="skip the onnxruntime-vs-PyTorch parity check")
     export.add_argument("--no-dedupe", action="store_true", help="keep one function per call (no sharing)")
     export.add_argument(

@@ -323,7 +323,7 @@ def plan_weights(model: torch.nn.Module, weights) -> WeightPlan:
                 f"The buffer {name!r} is on the meta device and not persistent, so no checkpoint can give its value.",
                 module_path=_owner(name),
                 hint="Build the model with its buffers on the CPU (parameters on meta), e.g. with "
-                "onnx_modular.checkpoint.model_on_meta for transformers models.",
+                "onnx_modular.hf.meta.model_on_meta for transformers models.",
             )
     return WeightPlan(source, keys, specs)
 

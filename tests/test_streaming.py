@@ -20,7 +20,6 @@ import transformers
 from safetensors.torch import save_file
 
 from onnx_modular import export_modular
-from onnx_modular.checkpoint import export_checkpoint, model_on_meta
 from onnx_modular.errors import (
     MissingWeightError,
     OnnxModularError,
@@ -28,6 +27,7 @@ from onnx_modular.errors import (
     WeightsError,
     WeightShapeError,
 )
+from onnx_modular.hf.meta import model_on_meta
 from onnx_modular.weights import WeightSource, plan_weights
 
 
@@ -92,7 +92,7 @@ def test_sharded_folder_on_meta_matches_pytorch(checkpoint, tmp_path):
     np.testing.assert_array_equal(value.const_value.numpy(), real.state_dict()[source_name].numpy().T)
 
 
-def test_single_file_full_verification_and_checkpoint_helper(checkpoint, tmp_path):
+def test_single_file_full_verification_and_folder_source(checkpoint, tmp_path):
     folder, real = checkpoint
     file = tmp_path / "w.safetensors"
     save_file({k: v.contiguous() for k, v in real.state_dict().items() if k != "lm_head.weight"}, str(file))
@@ -100,8 +100,10 @@ def test_single_file_full_verification_and_checkpoint_helper(checkpoint, tmp_pat
     result = export_modular(meta, (_ids(),), tmp_path / "a.onnx", kwargs={"use_cache": False}, weights=file, verify="full")
     assert result.blocks is None and result.report.ok  # whole-file check through onnxruntime
     assert result.report.outputs[0].flat_max_abs is not None
-    helper = export_checkpoint(folder, tmp_path / "b.onnx", (_ids(),), kwargs={"use_cache": False}, verify=False)
-    assert helper.report is None
+    unverified = export_modular(
+        model_on_meta(folder), (_ids(),), tmp_path / "b.onnx", kwargs={"use_cache": False}, weights=folder, verify=False
+    )
+    assert unverified.report is None and unverified.blocks is None
     np.testing.assert_array_equal(_ort(tmp_path / "a.onnx", _ids())[0], _ort(tmp_path / "b.onnx", _ids())[0])
 
 

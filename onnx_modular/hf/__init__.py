@@ -40,6 +40,7 @@ from onnx_modular.hf.exporter import (  # noqa: E402
     register,
 )
 from onnx_modular.hf.generation import greedy_generate  # noqa: E402
+from onnx_modular.hf.meta import model_on_meta, zero_cache  # noqa: E402
 
 __all__ = [
     "EXPORT_FORMAT",
@@ -51,9 +52,11 @@ __all__ = [
     "model_and_inputs",
     "greedy_generate",
     "load_checkpoint",
+    "model_on_meta",
     "modular_result",
     "register",
     "sample_inputs",
+    "zero_cache",
 ]
 
 register()

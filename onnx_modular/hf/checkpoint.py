@@ -16,8 +16,17 @@ import transformers
 from transformers.exporters.exporter_dynamo import get_auto_dynamic_shapes
 
 from onnx_modular.errors import InvalidInputError
+from onnx_modular.hf.meta import model_on_meta, on_meta, zero_cache
 
-__all__ = ["TASKS", "GENERATION_TASKS", "load_checkpoint", "sample_inputs", "dynamic_shapes", "model_and_inputs"]
+__all__ = [
+    "TASKS",
+    "GENERATION_TASKS",
+    "load_checkpoint",
+    "meta_checkpoint",
+    "sample_inputs",
+    "dynamic_shapes",
+    "model_and_inputs",
+]
 
 #: task -> the transformers auto class that loads the model for it.
 TASKS: dict[str, str] = {
@@ -97,7 +106,8 @@ def _token_ids(config: Any, shape: tuple[int, ...], generator: torch.Generator) 
 
 def sample_inputs(model: torch.nn.Module, task: str, *, generation: bool = False) -> dict[str, Any]:
     """Forward inputs for ``task`` (generate inputs when ``generation``), seeded: token ids,
-    masks, pixel values, and for ``causal-lm-with-past`` a cache filled by the model itself."""
+    masks, pixel values, and for ``causal-lm-with-past`` a cache filled by the model itself
+    (of zeros for a model on the meta device, which cannot compute one)."""
     _check_task(task)
     config = model.config
     generator = torch.Generator().manual_seed(0)
@@ -117,8 +127,11 @@ def sample_inputs(model: torch.nn.Module, task: str, *, generation: bool = False
         inputs["use_cache"] = False
     elif task == "causal-lm-with-past":
         prefix = _token_ids(config, (BATCH, PAST), generator)
-        with torch.no_grad():
-            cache = model(input_ids=prefix, use_cache=True).past_key_values
+        if on_meta(model):
+            cache = zero_cache(model, BATCH, PAST)
+        else:
+            with torch.no_grad():
+                cache = model(input_ids=prefix, use_cache=True).past_key_values
         inputs["attention_mask"] = torch.ones(BATCH, PAST + SEQUENCE, dtype=torch.long)
         inputs["past_key_values"] = cache
     return inputs
@@ -150,18 +163,64 @@ def dynamic_shapes(inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 def model_and_inputs(
-    source: str | os.PathLike, task: str, *, static: bool = False, generation: bool = False
+    source: str | os.PathLike,
+    task: str,
+    *,
+    static: bool = False,
+    generation: bool = False,
+    stream_weights: bool = False,
 ) -> tuple[torch.nn.Module, dict[str, Any], dict[str, Any] | None]:
     """``(model, sample inputs, dynamic shapes or None)`` for exporting ``source`` for ``task``.
 
-    The seam where a checkpoint becomes something to export: a bounded-memory loader (weights
-    streamed from the checkpoint's safetensors) can replace :func:`load_checkpoint` here.
+    The seam where a checkpoint becomes something to export. With ``stream_weights`` the model
+    is built on the meta device (:func:`~onnx_modular.hf.meta.model_on_meta`) and its weights
+    are never loaded: export it with ``export_modular(model, (), f, kwargs=inputs,
+    dynamic_shapes=shapes, weights=source)``, which streams them from the folder's safetensors.
+
+    Raises:
+        InvalidInputError: ``stream_weights`` with ``generation`` (not supported).
     """
     if generation and task not in GENERATION_TASKS:
         raise InvalidInputError(
             f"Task {task!r} does not generate, so it has no generation components.",
             hint=f"--generation applies to: {', '.join(GENERATION_TASKS)}.",
         )
-    model = load_checkpoint(source, task)
+    if stream_weights:
+        model = meta_checkpoint(source, task, generation=generation)
+    else:
+        model = load_checkpoint(source, task)
     inputs = sample_inputs(model, task, generation=generation)
     return model, inputs, None if static or generation else dynamic_shapes(inputs)
+
+
+def meta_checkpoint(source: str | os.PathLike, task: str, *, generation: bool = False) -> torch.nn.Module:
+    """The model of the folder ``source`` for ``task`` on the meta device (weights not loaded).
+
+    Raises:
+        InvalidInputError: ``generation`` (its components go through transformers'
+            exporter, which needs the weights in memory).
+        InvalidInputError: ``source`` is not a folder with ``config.json``, or has no
+            head for ``task``.
+    """
+    _check_task(task)
+    if generation:
+        raise InvalidInputError(
+            "--stream-weights does not export generation components (--generation): they go through "
+            "transformers' exporter, which needs the weights in memory.",
+            hint="Export --task causal-lm-with-past --stream-weights to one .onnx file (it takes and returns "
+            "the cache, which is what decoding needs), or drop --stream-weights if the weights fit in memory.",
+        )
+    if not pathlib.Path(source).is_dir():
+        raise InvalidInputError(
+            f"{str(source)!r} is not a folder: --stream-weights reads the weights from a checkpoint folder's "
+            "safetensors files.",
+            hint="Give the folder save_pretrained wrote (config.json and *.safetensors).",
+        )
+    auto_class = getattr(transformers, TASKS[task])
+    try:
+        return model_on_meta(source, model_class=auto_class)
+    except ValueError as e:
+        raise InvalidInputError(
+            f"This model has no {TASKS[task]} for task {task!r}: {str(e).splitlines()[0]}",
+            hint=f"Choose a task this architecture supports (tasks: {', '.join(TASKS)}).",
+        ) from e

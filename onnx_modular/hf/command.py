@@ -4,6 +4,10 @@
 what ``ExportedModel.save_pretrained`` writes: one ``.onnx`` per component, ``export.json`` and
 the configs, which ``ExportedModel.from_pretrained`` loads back. Parity is checked on every
 component; with ``--keep-on-mismatch`` a mismatching export is written anyway (exit code 1).
+
+``--stream-weights`` (:func:`streamed`) never loads the weights whole: the model is built on the
+meta device and ``export_modular(..., weights=<folder>)`` streams them one tensor at a time into
+the file's external data and verifies block by block.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from onnx_modular import verification
 from onnx_modular.errors import InvalidInputError, ParityError
 from onnx_modular.hf.checkpoint import model_and_inputs
 from onnx_modular.hf.exporter import ModularOnnxConfig, ModularOnnxExporter, modular_result
+from onnx_modular.hf.meta import checkpoint_weights
 
-__all__ = ["export_checkpoint"]
+__all__ = ["export_checkpoint", "streamed"]
 
 
 def export_checkpoint(
@@ -89,13 +94,35 @@ def export_checkpoint(
     return exported, reports
 
 
-def run(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[Any, dict[str, verification.ParityReport]]:
-    """The CLI's call (arguments as ``onnx_modular.cli`` parses them)."""
+def streamed(args: argparse.Namespace) -> dict[str, Any]:
+    """``--stream-weights``: what the CLI gives ``export_modular`` (``model`` on meta, ``kwargs``,
+    ``dynamic_shapes``, ``weights`` = the folder) to export one .onnx file."""
+    _check_task_given(args)
+    model, inputs, shapes = model_and_inputs(
+        args.factory, args.task, static=args.static, generation=args.generation, stream_weights=True
+    )
+    if pathlib.Path(args.output).suffix != ".onnx":
+        raise InvalidInputError(
+            f"--stream-weights writes one .onnx file (and its .onnx.data), so {args.output!r} must end with .onnx.",
+            hint="Give a file: -o model.onnx.",
+        )
+    if shapes is not None:  # torch.export wants a key per keyword input (None: not dynamic)
+        shapes = {name: shapes.get(name) for name in inputs}
+    weights = checkpoint_weights(args.factory, model)  # under the model's names, as from_pretrained renames
+    return {"model": model, "args": (), "kwargs": inputs, "dynamic_shapes": shapes, "weights": weights}
+
+
+def _check_task_given(args: argparse.Namespace) -> None:
     if args.task is None:
         raise InvalidInputError(
             f"{args.factory!r} is a checkpoint folder: say what to export it for with --task.",
             hint="For example --task causal-lm-with-past (see onnx-modular export --help).",
         )
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[Any, dict[str, verification.ParityReport]]:
+    """The CLI's call (arguments as ``onnx_modular.cli`` parses them)."""
+    _check_task_given(args)
     return export_checkpoint(
         args.factory,
         args.task,

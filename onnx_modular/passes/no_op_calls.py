@@ -58,6 +58,7 @@ def _remove_call(node: ir.Node, mapping: list[int]) -> None:
             output.replace_all_uses_with(identity.outputs[0], replace_graph_outputs=True)
             output.name = None
             identity.outputs[0].name = name
+            identity.outputs[0].type, identity.outputs[0].shape = output.type, output.shape  # a graph output keeps its type
         else:
             output.replace_all_uses_with(source)
     graph.remove(node, safe=True)
