@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -166,11 +167,7 @@ def _export(args: argparse.Namespace) -> int:
 
     _stderr(f"Exporting {args.factory} to {args.output}")
     try:
-        with warnings.catch_warnings():
-            if not getattr(args, "verbose", False):
-                # torch's own deprecation notices say nothing about the user's model.
-                warnings.simplefilter("ignore", FutureWarning)
-                warnings.simplefilter("ignore", DeprecationWarning)
+        with _quiet_warnings(args):
             result = export_modular(
                 values["model"],
                 values["args"],
@@ -233,6 +230,16 @@ def _print_tree(args: argparse.Namespace, tree, path: str) -> None:
         print(f"(calls deeper than {args.depth} not shown; see them with: onnx-modular tree {path})")
 
 
+@contextlib.contextmanager
+def _quiet_warnings(args: argparse.Namespace):
+    """Hide torch's and transformers' deprecation notices (they say nothing about the user's model) unless -v."""
+    with warnings.catch_warnings():
+        if not getattr(args, "verbose", False):
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+        yield
+
+
 def _export_checkpoint(args: argparse.Namespace) -> int:
     """A transformers checkpoint folder (``--task``): see :mod:`onnx_modular.hf.command`."""
     from onnx_modular.hf import command  # imports transformers: a clear error without the [hf] extra
@@ -240,10 +247,7 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     _stderr(f"Exporting {args.factory} ({args.task}) to {args.output}")
     try:
-        with warnings.catch_warnings():
-            if not getattr(args, "verbose", False):
-                warnings.simplefilter("ignore", FutureWarning)
-                warnings.simplefilter("ignore", DeprecationWarning)
+        with _quiet_warnings(args):
             exported, reports = command.run(args, _stderr)
     except ParityError as e:
         reports = getattr(e, "reports", None) or ({"model": e.report} if e.report is not None else {})

@@ -24,6 +24,7 @@ import onnx
 
 __all__ = [
     "PREFIX",
+    "subgraphs",
     "CLASS",
     "PACKAGE",
     "PACKAGE_VERSION",
@@ -272,7 +273,8 @@ class ExpandedCall:
     no_op: NoOpCall | None = None
 
 
-def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The graphs held by a node's attributes (If/Loop/Scan bodies)."""
     for attribute in node.attribute:
         if attribute.type == onnx.AttributeProto.GRAPH:
             yield attribute.g
@@ -356,8 +358,8 @@ def expanded_calls(
             if owner:
                 yield from no_op_entries(no_ops.rest(), caller, depth)
             continue
-        subgraphs = list(_subgraphs(node))
-        for subgraph in reversed(subgraphs):
+        graphs = list(subgraphs(node))
+        for subgraph in reversed(graphs):
             stack.append((iter(subgraph.node), caller, depth, body_path, no_ops, False, exact))
         function = functions.get((node.domain, node.op_type, node.overload))
         if function is None or (module_calls_only and not is_module_function(function)):

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import onnx
 
 from onnx_modular._text import shown
+from onnx_modular.metadata import subgraphs
 
 #: ``(domain, name, overload)``, as ``onnx_ir.OperatorIdentifier``.
 FunctionId = tuple[str, str, str]
@@ -24,12 +25,6 @@ def is_standard_domain(domain: str) -> bool:
     return domain in ("", "ai.onnx") or domain.startswith(("ai.onnx.", "com.microsoft"))
 
 
-def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
-    for attribute in node.attribute:
-        if attribute.type == onnx.AttributeProto.GRAPH:
-            yield attribute.g
-        elif attribute.type == onnx.AttributeProto.GRAPHS:
-            yield from attribute.graphs
 
 
 def all_nodes(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
