@@ -51,11 +51,13 @@ __all__ = [
     "referenced_data",
 ]
 
-# Above this many bytes of weights, store them in external data (protobuf's limit is 2 GiB):
-# onnxruntime reads external data straight into its tensors, while weights inside the protobuf
-# are parsed and then copied (a 98 M-parameter Llama, 392 MB: session 0.76x torch's flat file
-# with external data, 1.37x embedded; docs/benchmarks.md). torch.onnx.export always externalizes.
-EXTERNAL_DATA_THRESHOLD = 64 * 1024 * 1024
+# Above this many bytes of weights, store them in external data, as torch.onnx.export does for
+# every model: onnxruntime reads external data straight into its tensors, while weights inside
+# the protobuf are parsed and then copied, which costs 0.2-0.5 ms of session creation per MB
+# (GPT-2 12 layers, 38 MB: session 1.75x torch's flat file embedded, 1.63x with external data;
+# a 98 M-parameter Llama: 1.37x and 0.76x; docs/benchmarks.md). Below 1 MiB that is under 0.5 ms,
+# and one file is handier.
+EXTERNAL_DATA_THRESHOLD = 1024 * 1024
 # Every temporary folder onnx_modular makes next to a destination starts with this,
 # followed by the owner's pid: ``.onnx_modular-tmp-<pid>-<random>``.
 TEMP_PREFIX = ".onnx_modular-tmp-"

@@ -8,9 +8,10 @@
                    OutlineModuleCallsPass                 -> nested local functions
                    DeduplicateFunctionsPass               -> identical calls share a function
                    NameFunctionsPass                      -> names, doc strings, metadata
-      optimize     onnxscript optimizer per body (inline=False), FoldWeightsPass (weight-only
-                   computations folded across calls), StripConstantMetadataPass,
-                   no-op calls dropped and recorded (RecordNoOpCallsPass), unused removal
+      optimize     onnxscript optimizer per body (inline=False), no-op calls dropped and
+                   recorded (RecordNoOpCallsPass), opset conversion (below 18), FoldWeightsPass
+                   (weight-only computations folded and body constants lifted across calls),
+                   StripConstantMetadataPass, unused removal
       save         atomic write + onnx.checker(full_check=True)
       verify       onnxruntime(modular) vs onnxruntime(flat) vs torch eager (verification.py)
 
@@ -165,7 +166,7 @@ def export_modular(
         custom_translation_table: ``{torch op: onnxscript function}``, as in
             ``torch.onnx.export``: the functions translate those ops (aten or
             ``torch.library`` custom ops), inside the module functions that call them.
-        external_data: Store weights in ``<f>.data``; ``None`` decides by size (> 64 MiB).
+        external_data: Store weights in ``<f>.data``; ``None`` decides by size (> 1 MiB of weights).
         modules: Which module calls become functions: ``"all"`` (default), a set of
             module classes, a maximum depth (1 = children of the root), or a predicate
             ``(module_path, module) -> bool``. Unselected modules are inlined into
@@ -328,13 +329,16 @@ def export_modular(
             # Calls that compute nothing: no function, recorded. Before the weight fold, so that a
             # call whose computation is folded into stored weights (rotary tables) stays a call.
             RecordNoOpCallsPass(tree)(model_ir)
-            if optimize:
-                FoldWeightsPass()(model_ir)  # what the optimizer folds flat, across calls
-                StripConstantMetadataPass()(model_ir)  # body constants cost what flat initializers cost
             cleanup.remove_unused(model_ir)
             _torch_compat.add_opset_imports(model_ir)
             opset.set_default_opset(model_ir, translated_opset)
             opset.ConvertOpsetPass(target_opset)(model_ir)  # converts only below 18
+            if optimize:
+                # What the optimizer folds and lifts flat, across calls. After the conversion, which
+                # needs the bodies' constant inputs (axes) in place to turn them into attributes.
+                FoldWeightsPass()(model_ir)
+                StripConstantMetadataPass()(model_ir)  # the constants left cost what flat initializers cost
+                cleanup.remove_unused(model_ir)
             model_ir.producer_name = "onnx_modular"
             model_ir.producer_version = _version()
         except OnnxModularError:

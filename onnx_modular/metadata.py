@@ -34,6 +34,7 @@ __all__ = [
     "CALL_INDEX",
     "CALL_COUNT",
     "NO_OP_CALLS",
+    "LIFTED_CONSTANTS",
     "NAMESPACE",
     "CALLS",
     "CALL_METADATA_KEYS",
@@ -41,6 +42,7 @@ __all__ = [
     "split_call_name",
     "strip_call_index",
     "props",
+    "lifted_constants",
     "is_module_function",
     "module_paths",
     "body_module_path",
@@ -77,6 +79,10 @@ CALL_COUNT = PREFIX + "call_count"
 #: parent]`` for the module calls made in this body that produced no ops (``nn.Dropout`` in eval,
 #: ``nn.Identity``): they have no function and no node (see :class:`NoOpCall`).
 NO_OP_CALLS = PREFIX + "no_op_calls"
+#: The model: JSON list of the main-graph initializers that hold ``Constant``s lifted out of
+#: function bodies (shapes, scalars; they reach the bodies as formal inputs ``const_...``).
+#: They are not weights: ``onnx-modular tree`` does not count them as parameters.
+LIFTED_CONSTANTS = PREFIX + "lifted_constants"
 #: torch's ``path: class/...`` chain (not ours; kept on every node).
 NAMESPACE = "namespace"
 
@@ -113,6 +119,14 @@ def strip_call_index(name: str) -> str:
 
 
 # -- reading metadata ----------------------------------------------------------------------
+
+
+def lifted_constants(model: Any) -> set[str]:
+    """Names of the main-graph initializers that hold lifted body constants (not weights)."""
+    try:
+        return set(json.loads(props(model).get(LIFTED_CONSTANTS, "[]")))
+    except (ValueError, TypeError):
+        return set()
 
 
 def props(obj: Any) -> Mapping[str, str]:

@@ -20,6 +20,12 @@ DOMAIN_TRANSFORMERS = _domain("transformers")
 CALL_METADATA_KEYS = metadata.CALL_METADATA_KEYS
 
 
+def without_lifted_constants(values) -> list:
+    """The values (or names) other than the ``const_...`` formal inputs of constants that
+    FoldWeightsPass lifted out of the bodies (docs/metadata.md)."""
+    return [v for v in values if not (v if isinstance(v, str) else v.name).startswith("const_")]
+
+
 def functions_by_name(model: ir.Model) -> dict[str, ir.Function]:
     return {f.name: f for f in model.functions.values()}
 

@@ -21,9 +21,10 @@ import onnx
 import onnx.helper as oh
 import onnxruntime as ort
 import pytest
+import transformers
 
 from helpers import DOMAIN_TORCH
-from onnx_modular import files
+from onnx_modular import files, metadata
 from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.cli import main
 
@@ -53,7 +54,8 @@ def reference_params(model: onnx.ModelProto, node_names: list[str]) -> int:
     A plain re-computation, independent of onnx_modular.files: the exporter's optimizer may fold
     constants into initializers or share equal ones, so the tests derive numbers from the file.
     """
-    sizes = {t.name: math.prod(t.dims) for t in model.graph.initializer}
+    lifted = metadata.lifted_constants(model)  # not weights
+    sizes = {t.name: 0 if t.name in lifted else math.prod(t.dims) for t in model.graph.initializer}
     functions = {(f.domain, f.name): f for f in model.functions}
     scope: dict[str, str | None] = {name: name for name in sizes}
     nodes, weights = model.graph.node, set()
@@ -346,12 +348,14 @@ def test_tree_text(gpt2):
     code, out, err = run_cli("tree", gpt2)
     assert code == 0, err
     lines = out.splitlines()
-    total = sum(math.prod(t.dims) for t in model.graph.initializer)
+    lifted = metadata.lifted_constants(model)  # shapes and scalars lifted out of bodies: not parameters
+    assert lifted and lifted <= {t.name for t in model.graph.initializer}
+    total = sum(math.prod(t.dims) for t in model.graph.initializer if t.name not in lifted)
     assert lines[0].startswith("main_graph") and f"{total:,} params" in lines[0]
     h0 = next(line for line in lines if line.startswith("├─ h.0 "))
     assert h0.split()[2:6] == [
         "GPT2Block",
-        "[pkg.transformers.5.23.0]",
+        f"[pkg.transformers.{transformers.__version__}]",
         "×2",
         str(len(function_body(model, "GPT2Block").node)),
     ]
@@ -391,12 +395,13 @@ def test_tree_json_structure(gpt2):
     assert code == 0
     tree = json.loads(out)
     assert tree["function"] is None
-    assert tree["parameters"] == sum(math.prod(t.dims) for t in model.graph.initializer)
+    lifted = metadata.lifted_constants(model)  # not parameters
+    assert tree["parameters"] == sum(math.prod(t.dims) for t in model.graph.initializer if t.name not in lifted)
     assert [c["name"] for c in tree["children"]] == ["wte", "wpe", "drop", "h.0", "h.1", "ln_f"]
     h0, h1 = tree["children"][3], tree["children"][4]
     for block in (h0, h1):
         assert block["function"] == "GPT2Block"
-        assert block["domain"] == "pkg.transformers.5.23.0"
+        assert block["domain"] == f"pkg.transformers.{transformers.__version__}"
         assert block["class"] == "transformers.models.gpt2.modeling_gpt2.GPT2Block"
         assert block["calls"] == 2 and block["nodes"] == len(function_body(model, "GPT2Block").node)
         assert block["parameters"] == reference_params(model, [block["name"]])
@@ -473,8 +478,9 @@ def test_inline_optimize_shares_the_per_call_constants(gpt2, tmp_path, input_ids
     assert code == 0, err
     plain_model, model = onnx.load(plain), onnx.load(optimized)
     assert len(model.functions) == 0
-    assert sum(node.op_type == "Constant" for node in plain_model.graph.node) > 0
-    assert sum(node.op_type == "Constant" for node in model.graph.node) == 0  # lifted and shared
+    # The export lifted the bodies' constants to shared initializers already: no per-call copies.
+    assert sum(node.op_type == "Constant" for node in plain_model.graph.node) == 0
+    assert sum(node.op_type == "Constant" for node in model.graph.node) == 0
     assert len(model.graph.node) < len(plain_model.graph.node)
     (expected,) = run_ort(gpt2, {"input_ids": input_ids})
     (actual,) = run_ort(optimized, {"input_ids": input_ids})

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import models
+import numpy as np
 from helpers import expanded_calls
 from onnx_modular import export_modular, localize, verify, metadata
 
@@ -28,17 +29,20 @@ def plant_weight_fault(source, destination, initializer: str, factor: float = 1.
 
 
 def plant_constant_fault(source, destination, function_name: str):
-    """Change the first float constant inside a function body (every call of it)."""
+    """Change the first float constant a function body reads (every call of it): the constants
+    are lifted to formal inputs, so the body scales its first float one by 1.5."""
     model = ir.load(str(source))
     function = next(f for f in model.functions.values() if f.name == function_name)
     for node in function:
-        if node.op_type == "Constant" and node.attributes["value"].value.dtype == ir.DataType.FLOAT:
-            tensor = node.attributes["value"].value
-            node.attributes["value"] = ir.AttrTensor("value", ir.tensor(tensor.numpy() * 1.5 + 0.5))
-            break
-    else:
-        raise AssertionError(f"no float constant in {function_name}")
-    ir.save(model, str(destination))
+        for index, value in enumerate(node.inputs):
+            if value in function.inputs and value.name.startswith("const_float"):
+                scale = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(1.5, np.float32))})
+                scaled = ir.node("Mul", [value, scale.outputs[0]])
+                function.insert_before(node, [scale, scaled])
+                node.replace_input_with(index, scaled.outputs[0])
+                ir.save(model, str(destination))
+                return
+    raise AssertionError(f"no float constant in {function_name}")
 
 
 @pytest.fixture(scope="module")

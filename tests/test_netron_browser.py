@@ -242,7 +242,9 @@ def test_entering_a_block_shows_its_nested_calls(browser, netron_url, screenshot
         what="the node properties sidebar",
     )
     assert "transformers.models.gpt2.modeling_gpt2.GPT2Attention" in sidebar
-    assert "h.0.attn" in sidebar and "5.23.0" in sidebar and "modeling_gpt2.py:" in sidebar
+    import transformers
+
+    assert "h.0.attn" in sidebar and transformers.__version__ in sidebar and "modeling_gpt2.py:" in sidebar
     time.sleep(0.6)  # the sidebar slides in
     assert browser.save_screenshot(str(screenshot_dir / "netron_call_metadata.png"))
 

@@ -103,7 +103,9 @@ def function_tree(model: onnx.ModelProto, *, max_calls: int | None = None) -> Ca
             "(a few functions calling each other many times over: a call-expansion bomb; if the model is "
             f"genuine, raise the limit with the environment variable ONNX_MODULAR_MAX_EXPANDED_CALLS={total})."
         )
-    sizes = {tensor.name: numel(tensor.dims) for tensor in model.graph.initializer}
+    # Parameters are weight elements: the constants lifted out of bodies (shapes, scalars) are not.
+    lifted = metadata.lifted_constants(model)
+    sizes = {tensor.name: 0 if tensor.name in lifted else numel(tensor.dims) for tensor in model.graph.initializer}
     sizes.update({sparse.values.name: numel(sparse.dims) for sparse in model.graph.sparse_initializer})
     root = ModuleCall(
         key="",

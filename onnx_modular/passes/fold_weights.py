@@ -23,15 +23,27 @@ old copy disappears; tied weights used elsewhere are left alone), and no result 
 ``OUTPUT_SIZE_LIMIT`` elements unless it is no larger than the inputs it replaces.
 The formal input a fold consumes entirely is replaced, at its position, by the folded one,
 named ``<input>.T`` for a plain transpose and ``<inputs>.folded`` otherwise.
+
+``Constant`` nodes of bodies are lifted the same way (``constants=True``, the default when every
+op folds), as the flat optimizer lifts constants to initializers: a body's constant becomes a
+formal input named after its value (``const_int64_-1_256``, ``const_float_0.5``, or
+``const_float_1x1x8x8`` for larger ones), its callers pass it on, and the main graph holds one
+initializer per distinct value, listed in the model's ``pkg.onnx_modular.lifted_constants``.
+onnxruntime inlines every call at session start and turns each body constant into one more
+initializer per call: on GPT-2 (12 layers) 264 of them, which it then creates, optimizes and
+merges again at every session start (docs/benchmarks.md, issue 16).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Iterable
 
 import numpy as np
 import onnx
 import onnx_ir as ir
+
+from onnx_modular import metadata
 
 __all__ = ["FOLDED_KEY", "INPUT_SIZE_LIMIT", "OUTPUT_SIZE_LIMIT", "FoldWeightsPass"]
 
@@ -52,15 +64,18 @@ class FoldWeightsPass(ir.passes.InPlacePass):
     Args:
         ops: Fold only these op types (``None``: every deterministic ONNX op).
             ``{"Transpose"}`` stores ``Linear`` weights pre-transposed and nothing else.
+        constants: Also lift the bodies' ``Constant`` nodes to main-graph initializers,
+            passed in as formal inputs (default: when ``ops`` is ``None``).
 
     Example::
 
         FoldWeightsPass()(model)  # Linear bodies become MatMul(input, weight.T)
     """
 
-    def __init__(self, ops: Collection[str] | None = None):
+    def __init__(self, ops: Collection[str] | None = None, constants: bool | None = None):
         super().__init__()
         self.ops = frozenset(ops) if ops is not None else None
+        self.constants = ops is None if constants is None else constants
 
     def requires(self, model: ir.Model) -> None:
         for function in model.functions.values():
@@ -74,7 +89,7 @@ class FoldWeightsPass(ir.passes.InPlacePass):
         modified = False
         merged: dict = {}  # per graph: (op, inputs, attributes) -> outputs; copies are shared
         for _ in range(len(model.functions) + 1):  # each round moves folds up one call level
-            if not _lift_round(model, self.ops, merged):
+            if not _lift_round(model, self.ops, merged, self.constants):
                 break
             modified = True
         if _store_folded_initializers(model):
@@ -153,20 +168,30 @@ def _argument_key(node: ir.Node, owner: ir.Function | None, index: int, keys: se
     return argument in owner.inputs and (owner.identifier(), owner.inputs.index(argument)) in keys
 
 
-def _foldable_nodes(function: ir.Function, constant: set[ir.Value], ops, excluded: set[ir.Node], opset: int) -> list[ir.Node]:
-    """Nodes of the body (top level, in order) computed from constant inputs and ``Constant``s only."""
-    candidates = _foldable_nodes_unchecked(function, constant, ops, excluded)
+def _foldable_nodes(
+    function: ir.Function, constant: set[ir.Value], ops, excluded: set[ir.Node], opset: int, constants: bool
+) -> list[ir.Node]:
+    """Nodes of the body (top level, in order) computed from constant inputs and ``Constant``s only
+    (and, with ``constants``, the ``Constant`` nodes themselves)."""
+    candidates = _foldable_nodes_unchecked(function, constant, ops, excluded, constants)
     _infer_shapes(_support(out for n in candidates for out in n.outputs), [v for v in function.inputs if v in constant], opset)
-    return _foldable_nodes_unchecked(function, constant, ops, excluded, static=True)
+    return _foldable_nodes_unchecked(function, constant, ops, excluded, constants, static=True)
 
 
-def _foldable_nodes_unchecked(function, constant, ops, excluded, static: bool = False) -> list[ir.Node]:
+def _foldable_nodes_unchecked(function, constant, ops, excluded, constants: bool, static: bool = False) -> list[ir.Node]:
     derived = set(constant)  # values that depend on a constant formal input
     leaves: set[ir.Value] = set()  # Constant outputs
     found = []
     for node in function:
         if _is_constant_node(node):
             leaves.update(node.outputs)
+            if (
+                constants
+                and node not in excluded
+                and not node.outputs[0].is_graph_output()
+                and _type_constant(node.outputs[0])
+            ):
+                found.append(node)
             continue
         inputs = [v for v in node.inputs if v is not None]
         if (
@@ -182,7 +207,16 @@ def _foldable_nodes_unchecked(function, constant, ops, excluded, static: bool = 
     return found
 
 
-def _analyse(model: ir.Model, sites, ops) -> dict[ir.OperatorIdentifier, list[ir.Node]]:
+def _type_constant(value: ir.Value) -> bool:
+    """Give a ``Constant`` output the dtype and shape of its tensor; False if it has none."""
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is None:
+        return False
+    value.dtype, value.shape = tensor.dtype, ir.Shape(tensor.shape.numpy())
+    return True
+
+
+def _analyse(model: ir.Model, sites, ops, constants: bool) -> dict[ir.OperatorIdentifier, list[ir.Node]]:
     """The foldable nodes of each body, pruned to those the size rules allow."""
     functions = model.functions
     opset = _default_opset(model)
@@ -192,7 +226,7 @@ def _analyse(model: ir.Model, sites, ops) -> dict[ir.OperatorIdentifier, list[ir
     sizes = _input_sizes(model, sites, constant_keys)
     excluded: set[ir.Node] = set()
     while True:
-        folds = {fid: set(_foldable_nodes(f, constant[fid], ops, excluded, opset)) for fid, f in functions.items()}
+        folds = {fid: set(_foldable_nodes(f, constant[fid], ops, excluded, opset, constants)) for fid, f in functions.items()}
         owned = _owned_inputs(model, sites, constant_keys, folds)
         bad = set()
         for fid, nodes in folds.items():
@@ -288,10 +322,10 @@ def _owned_argument(node: ir.Node, owner, index: int, owned: set[_Key], folds, m
 # -- moving folds into the callers ---------------------------------------------------------
 
 
-def _lift_round(model: ir.Model, ops, merged: dict) -> bool:
+def _lift_round(model: ir.Model, ops, merged: dict, constants: bool) -> bool:
     """Move every body's foldable nodes one call level up. True if anything moved."""
     sites = _call_sites(model)
-    folds = _analyse(model, sites, ops)
+    folds = _analyse(model, sites, ops, constants)
     if not folds:
         return False
     for fid, nodes in folds.items():
@@ -308,9 +342,16 @@ def _lift(function: ir.Function, nodes: list[ir.Node], sites: list[_Site], merge
     sources = {v: _sources(v, function) for v in frontier}
     parameters = {}
     taken = {v.name for v in old_inputs}
+    by_content: dict[tuple, ir.Value] = {}  # equal lifted constants share one formal input
     for value in frontier:
-        name = _unique(_folded_name(value, sources[value]), taken)
-        parameter = ir.Value(name=name, type=value.type, shape=value.shape)
+        content = _constant_key(value)
+        if content is not None and content in by_content:
+            parameter = by_content[content]
+        else:
+            name = _unique(_folded_name(value, sources[value]), taken)
+            parameter = ir.Value(name=name, type=value.type, shape=value.shape)
+            if content is not None:
+                by_content[content] = parameter
         for use in list(value.uses()):
             if use.node not in folded:
                 use.node.replace_input_with(use.idx, parameter)
@@ -326,10 +367,12 @@ def _lift(function: ir.Function, nodes: list[ir.Node], sites: list[_Site], merge
             order.append(value)
             continue
         for result in frontier:
-            if result not in placed and sources[result][0] is value:
+            if result not in placed and sources[result] and sources[result][0] is value:
                 order.append(parameters[result])
                 placed.add(result)
-    order += [parameters[v] for v in frontier if v not in placed]
+    for value in frontier:
+        if value not in placed and parameters[value] not in order:
+            order.append(parameters[value])
     position = {value: i for i, value in enumerate(old_inputs)}
     for node, owner in sites:
         computed = _copy_into_caller(function, frontier, node, owner, merged)
@@ -360,11 +403,25 @@ def _sources(value: ir.Value, function: ir.Function) -> list[ir.Value]:
 
 
 def _folded_name(value: ir.Value, sources: list[ir.Value]) -> str:
+    if not sources:
+        return _constant_name(value)
     producer = value.producer()
     names = "+".join(v.name or "input" for v in sources)
     if producer is not None and producer.op_type == "Transpose" and producer.inputs[0] in sources:
         return f"{names}.T"
     return f"{names}.folded"
+
+
+def _constant_name(value: ir.Value) -> str:
+    """``const_<dtype>_<values>`` for up to 8 elements, else ``const_<dtype>_<dims>``."""
+    dtype = value.dtype.name.lower() if value.dtype is not None else "tensor"
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is not None and tensor.size <= 8:
+        items = tensor.numpy().reshape(-1).tolist()
+        text = "_".join(f"{x:.8g}" if isinstance(x, float) else str(x) for x in items)
+        return f"const_{dtype}_{text or 'empty'}"
+    dims = "x".join(str(d) for d in value.shape.dims) if value.shape is not None else ""
+    return f"const_{dtype}_{dims or 'scalar'}"
 
 
 def _unique(name: str, taken: set[str]) -> str:
@@ -398,14 +455,14 @@ def _support(values: Iterable[ir.Value]) -> list[ir.Node]:
 
 def _copy_into_caller(function, frontier, call: ir.Node, owner, merged: dict) -> list[ir.Value]:
     """Copy the nodes computing ``frontier`` in front of ``call``, reading its arguments."""
-    graph = owner if owner is not None else call.graph
+    graph = call.graph  # the body (or a subgraph of it) the call sits in
     mapping: dict[ir.Value, ir.Value] = {formal: call.inputs[i] for i, formal in enumerate(function.inputs) if i < len(call.inputs)}
     shared = merged.setdefault(graph, {})
     for node in _support(frontier):
         inputs = [mapping[v] if v is not None else None for v in node.inputs]
         key = (node.domain, node.op_type, tuple(inputs), _attribute_key(node))
-        if key in shared:
-            outputs = shared[key]
+        if key in shared and shared[key][0].producer() is not None and shared[key][0].producer().graph is graph:
+            outputs = shared[key]  # (a copy lifted on in a later round is no longer there)
         else:
             copy = ir.Node(
                 node.domain, node.op_type, inputs, [_copy_attribute(a) for a in node.attributes.values()],
@@ -414,13 +471,36 @@ def _copy_into_caller(function, frontier, call: ir.Node, owner, merged: dict) ->
             copy.meta[FOLDED_KEY] = True
             for old, new in zip(node.outputs, copy.outputs):
                 new.type, new.shape = old.type, old.shape.copy() if old.shape is not None else None
-            call.graph.insert_before(call, copy)
+            _insert_with_folds(graph, copy, call)
             outputs = shared[key] = list(copy.outputs)
         mapping.update(zip(node.outputs, outputs))
     return [mapping[v] for v in frontier]
 
 
-def _attribute_key(node: ir.Node) -> bytes:
+def _insert_with_folds(graph, copy: ir.Node, call: ir.Node) -> None:
+    """Insert ``copy`` after the copies already at the top of ``graph`` (before its first other
+    node). A copy reads only formal inputs, initializers, values of the enclosing scopes and earlier
+    copies, so there it precedes every call that a merged copy may serve, in any order of lifting."""
+    first = next((node for node in graph if not node.meta.get(FOLDED_KEY)), call)
+    graph.insert_before(first, copy)
+
+
+def _constant_key(value: ir.Value) -> tuple | None:
+    """dtype, shape and bytes of a ``Constant``'s output (its name aside); None for other values."""
+    producer = value.producer()
+    if producer is None or not _is_constant_node(producer):
+        return None
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is None:
+        return None
+    return (tensor.dtype, tuple(tensor.shape.numpy()), tensor.tobytes())
+
+
+def _attribute_key(node: ir.Node) -> bytes | tuple:
+    if _is_constant_node(node):
+        content = _constant_key(node.outputs[0])
+        if content is not None:
+            return content
     return b"".join(ir.serde.serialize_attribute(a).SerializeToString() for a in node.attributes.values())
 
 
@@ -457,14 +537,22 @@ def _store_folded_initializers(model: ir.Model) -> bool:
     for value in frontier:
         sources = _graph_sources(value)
         name = _unique(_main_name(value, sources), taken)
-        stored.append((value, name, _evaluator(value, sources, opset)))
-    for value, name, compute in stored:
+        stored.append((value, name, sources, _evaluator(value, sources, opset)))
+    lifted = json.loads(model.metadata_props.get(metadata.LIFTED_CONSTANTS, "[]"))
+    for value, name, sources, compute in stored:
         initializer = ir.Value(name=name, type=value.type, shape=value.shape)
-        initializer.const_value = ir.LazyTensor(compute, dtype=value.dtype, shape=ir.Shape(value.shape.numpy()), name=name)
+        if value.producer().op_type == "Constant":  # a lifted Constant: its own tensor
+            initializer.const_value = ir.tensor(ir.convenience.get_const_tensor(value).numpy(), name=name)
+        else:
+            initializer.const_value = ir.LazyTensor(compute, dtype=value.dtype, shape=ir.Shape(value.shape.numpy()), name=name)
+        if not sources:
+            lifted.append(name)
         ir.convenience.replace_all_uses_with(value, initializer)
         graph.register_initializer(initializer)
     for node in reversed(folded):
         graph.remove(node, safe=True)
+    if lifted:
+        model.metadata_props[metadata.LIFTED_CONSTANTS] = json.dumps(lifted)
     return True
 
 
@@ -479,6 +567,8 @@ def _graph_sources(value: ir.Value) -> list[ir.Value]:
 
 
 def _main_name(value: ir.Value, sources: list[ir.Value]) -> str:
+    if not sources:
+        return _constant_name(value)
     producer = value.producer()
     names = "+".join(v.name for v in sources)
     if producer.op_type == "Transpose" and len(sources) == 1 and producer.inputs[0] is sources[0]:

@@ -47,7 +47,16 @@ def _remove_call(node: ir.Node, mapping: list[int]) -> None:
     graph = node.graph
     for output, index in zip(node.outputs, mapping):
         source = node.inputs[index]
-        if output.is_graph_output() or source is None:
+        if output.is_graph_output() and _can_take_name(source, graph):
+            # A body output produced by a node of the same body: that value takes the output's
+            # place and name (an Identity would be one more node for onnxruntime to inline per call).
+            name = output.name
+            output.replace_all_uses_with(source, replace_graph_outputs=True)
+            output.name = None
+            source.name = name
+            if source.type is None:
+                source.type, source.shape = output.type, output.shape
+        elif output.is_graph_output() or source is None:
             # A graph or body output keeps its name: one Identity takes the call's place.
             identity = ir.Node("", "Identity", [source], num_outputs=1, name=f"{node.name}.identity")
             identity.metadata_props.update(
@@ -62,6 +71,15 @@ def _remove_call(node: ir.Node, mapping: list[int]) -> None:
         else:
             output.replace_all_uses_with(source)
     graph.remove(node, safe=True)
+
+
+def _can_take_name(source: ir.Value | None, graph) -> bool:
+    """Whether ``source`` can become an output of ``graph`` under another name: computed by a node
+    of that graph, and not already an output (a graph input or weight keeps its own name)."""
+    if source is None or source.is_graph_output() or source.is_graph_input() or source.is_initializer():
+        return False
+    producer = source.producer()
+    return producer is not None and producer.graph is graph
 
 
 def _relative_name(call: ModuleCall, owner: ModuleCall) -> str:

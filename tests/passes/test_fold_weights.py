@@ -3,13 +3,16 @@ bodies are folded across one or more call levels into lazily computed initialize
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common  # noqa: F401  (ir.passes.common below)
 import onnxruntime as ort
 import pytest
 
+from onnx_modular import metadata
 from onnx_modular.passes.fold_weights import INPUT_SIZE_LIMIT, FoldWeightsPass
 from onnx_modular.passes.weight_transposes import FoldWeightTransposesPass
 
@@ -203,3 +206,95 @@ F <p> (input) => (output) { output = Transpose <perm: ints = @p> (input) }"""
     model = ir.from_onnx_text(text)
     with pytest.raises(ir.passes.PreconditionError, match="attribute parameters"):
         FoldWeightsPass()(model)
+
+
+CONSTANTS = HEADER + """
+main (float[2,4] x) => (float[8] y) {
+  h = pkg.test.Block(x)
+  g = pkg.test.Block(h)
+  y = pkg.test.Flatten(g)
+}
+<domain: "pkg.test", opset_import: ["" : 18, "pkg.test" : 1]>
+Block (input) => (output) {
+  half = Constant <value = float {0.5}> ()
+  scaled = Mul(input, half)
+  output = pkg.test.Flatten2d(scaled)
+}
+<domain: "pkg.test", opset_import: ["" : 18]>
+Flatten2d (input) => (output) {
+  shape = Constant <value = int64[2] {2, 4}> ()
+  output = Reshape(input, shape)
+}
+<domain: "pkg.test", opset_import: ["" : 18]>
+Flatten (input) => (output) {
+  again = Constant <value = float {0.5}> ()
+  shape = Constant <value = int64[1] {8}> ()
+  flat = Reshape(input, shape)
+  output = Add(flat, again)
+}"""
+
+
+def test_body_constants_are_lifted_to_shared_initializers():
+    """Every Constant of every body becomes a formal input named after its value; the main graph
+    holds one initializer per distinct value (0.5 twice in two functions: one initializer)."""
+    model = ir.from_onnx_text(CONSTANTS)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    expected = _run(model, x=x)
+
+    assert FoldWeightsPass()(model).modified
+    for function in model.functions.values():
+        assert "Constant" not in _ops(function), function.name
+    assert [v.name for v in _function(model, "Flatten2d").inputs] == ["input", "const_int64_2_4"]
+    assert [v.name for v in _function(model, "Block").inputs] == ["input", "const_float_0.5", "const_int64_2_4"]
+    assert [v.name for v in _function(model, "Flatten").inputs] == ["input", "const_float_0.5", "const_int64_8"]
+    lifted = ["const_float_0.5", "const_int64_2_4", "const_int64_8"]
+    assert sorted(model.graph.initializers) == lifted
+    assert sorted(json.loads(model.metadata_props[metadata.LIFTED_CONSTANTS])) == lifted
+    calls = [node for node in model.graph if node.domain == "pkg.test"]
+    half = model.graph.initializers["const_float_0.5"]
+    assert all(half in node.inputs for node in calls)  # one initializer for every call
+    np.testing.assert_array_equal(model.graph.initializers["const_int64_2_4"].const_value.numpy(), [2, 4])
+    np.testing.assert_array_equal(_run(model, x=x)[0], expected[0])
+    assert not FoldWeightsPass()(model).modified  # nothing left to lift
+
+
+def test_constants_stay_with_transposes_only_or_when_returned():
+    model = ir.from_onnx_text(CONSTANTS)
+    assert not FoldWeightTransposesPass()(model).modified  # lifts no constants
+    assert not FoldWeightsPass(constants=False)(model).modified
+    text = HEADER + """
+main (float[2] x) => (float[2] y, float[2] c) { y, c = pkg.test.Pair(x) }
+<domain: "pkg.test", opset_import: ["" : 18]>
+Pair (input) => (output, constant) {
+  constant = Constant <value = float[2] {1, 2}> ()
+  output = Add(input, constant)
+}"""
+    model = ir.from_onnx_text(text)
+    FoldWeightsPass()(model)
+    assert _ops(_function(model, "Pair")) == ["Constant", "Add"]  # a body output stays in the body
+    np.testing.assert_array_equal(_run(model, x=np.zeros(2, np.float32))[1], [1, 2])
+
+
+def test_equal_constants_lifted_from_different_depths():
+    """Inner's constant reaches Mid in round 1 and leaves it in round 2; Leaf's equal constant
+    reaches Mid in round 3 and must not reuse the copy that left (T5's stacks did)."""
+    text = HEADER + """
+main (float[8] x) => (float[2,4] y) { y = pkg.test.Mid(x) }
+<domain: "pkg.test", opset_import: ["" : 18, "pkg.test" : 1]>
+Mid (a) => (out) { b = pkg.test.Inner(a)  flat = Flatten <axis = 0> (b)  c = Reshape(flat, back)  back = Constant <value = int64[1] {8}> ()  out = pkg.test.Deep(c) }
+<domain: "pkg.test", opset_import: ["" : 18, "pkg.test" : 1]>
+Deep (a) => (out) { out = pkg.test.Deeper(a) }
+<domain: "pkg.test", opset_import: ["" : 18, "pkg.test" : 1]>
+Deeper (a) => (out) { out = pkg.test.Leaf(a) }
+<domain: "pkg.test", opset_import: ["" : 18]>
+Inner (a) => (out) { s = Constant <value = int64[2] {2, 4}> ()  out = Reshape(a, s) }
+<domain: "pkg.test", opset_import: ["" : 18]>
+Leaf (a) => (out) { s = Constant <value = int64[2] {2, 4}> ()  out = Reshape(a, s) }"""
+    text = text.replace("c = Reshape(flat, back)  back = Constant <value = int64[1] {8}> ()", "back = Constant <value = int64[1] {8}> ()  c = Reshape(flat, back)")
+    model = ir.from_onnx_text(text)
+    x = np.arange(8, dtype=np.float32)
+    expected = _run(model, x=x)
+    FoldWeightsPass()(model)
+    assert sorted(model.graph.initializers) == ["const_int64_2_4", "const_int64_8"]
+    ir.passes.common.CheckerPass(full_check=True)(model)  # every body topologically sorted
+    np.testing.assert_array_equal(_run(model, x=x)[0], expected[0])

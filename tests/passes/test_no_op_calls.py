@@ -76,9 +76,10 @@ def test_identity_body_is_dropped_and_recorded_with_its_position():
     scale = next(f for f in model.functions.values() if f.name == "Scale")
     assert [node.op_type for node in scale] == ["Mul"] and metadata.NO_OP_CALLS not in scale.metadata_props
     assert [node.op_type for node in block] == ["Scale", "Relu"]  # the Dropout call's input wired through
-    # The main graph output keeps its name (an Identity takes the dropped call's place).
+    # The main graph output keeps its name: the value Block computes takes it (no Identity).
     assert [value.name for value in model.graph.outputs] == ["y"]
-    assert [node.op_type for node in model.graph] == ["Block", "Identity"]
+    assert [node.op_type for node in model.graph] == ["Block"]
+    assert model.graph.outputs[0].producer().op_type == "Block"
     check(model)
     session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), providers=["CPUExecutionProvider"])
     x = np.array([-2.0, 0.5, 3.0], dtype=np.float32)
@@ -99,3 +100,41 @@ def test_nothing_to_drop_leaves_the_model_unchanged():
     assert {f.name for f in model.functions.values()} == {"Block", "Scale", "Dropout"}
     assert metadata.NO_OP_CALLS not in model.graph.metadata_props
     assert [node.op_type for node in model.graph] == ["Block", "Dropout"]
+
+
+def test_output_that_is_an_input_keeps_an_identity():
+    """A body returning a dropped call of its own input: the output needs a node of its own."""
+    text = """
+<ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>
+main (float[3] x) => (float[3] y, float[3] z) {
+  y = pkg.test.Wrap(x)
+  z = pkg.test.Dropout(x)
+}
+<domain: "pkg.test", opset_import: ["" : 18, "pkg.test" : 1]>
+Wrap (input) => (output) {
+  output = pkg.test.Dropout(input)
+}
+<domain: "pkg.test", opset_import: ["" : 18]>
+Dropout (input) => (output) {
+  output = Identity(input)
+}"""
+    model = ir.from_onnx_text(text)
+    for function in model.functions.values():
+        function.metadata_props[metadata.CLASS] = f"{PACKAGE}.layers.{function.name}"
+    for node in model.graph:
+        node.name = {"Wrap": "wrap", "Dropout": "drop"}[node.op_type]
+    wrap = next(f for f in model.functions.values() if f.name == "Wrap")
+    next(iter(wrap)).name = "drop"
+    tree = call_tree(("wrap", "Wrap"), ("wrap.drop", "Dropout"), ("drop", "Dropout"))
+    for call in tree.walk():
+        if not call.is_root:
+            call.function = ("pkg.test", call.qualified_class.rsplit(".", 1)[1])
+    assert RecordNoOpCallsPass(tree)(model).modified
+    assert [node.op_type for node in wrap] == ["Identity"] and [v.name for v in wrap.outputs] == ["output"]
+    assert [node.op_type for node in model.graph] == ["Wrap", "Identity"]
+    assert [value.name for value in model.graph.outputs] == ["y", "z"]
+    check(model)
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.array([-2.0, 0.5, 3.0], dtype=np.float32)
+    for result in session.run(["y", "z"], {"x": x}):
+        np.testing.assert_array_equal(result, x)
