@@ -8,7 +8,7 @@ import re
 
 import numpy as np
 import onnx_ir as ir
-import onnx_ir.passes.common  # noqa: F401  (ir.passes.common below)
+import onnx_ir.passes.common  # ir.passes.common below
 import onnxruntime as ort
 import pytest
 
