@@ -15,7 +15,8 @@ import tempfile
 
 import _common
 import models
-from onnx_modular import export_modular, metadata
+from onnx_modular import export_modular
+from onnx_modular.format import metadata
 
 FACTORIES = {
     "gpt2": models.gpt2,

@@ -16,7 +16,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-from onnx_modular.calltree import CallTree, ModuleCall
+from onnx_modular.format.calltree import CallTree, ModuleCall
 from onnx_modular.errors import (
     CaptureError,
     DecompositionError,
@@ -37,11 +37,11 @@ from onnx_modular.files.parity import OutputParity, ParityReport, Tolerance
 _LAZY = {
     "export_modular": "onnx_modular.export",
     "ModularExport": "onnx_modular.result",
-    "ModuleSelector": "onnx_modular.selection",
-    "localize": "onnx_modular.localization",
-    "LocalizationReport": "onnx_modular.localization",
-    "verify": "onnx_modular.verification",
-    "VerificationReport": "onnx_modular.verification",
+    "ModuleSelector": "onnx_modular.capture.selection",
+    "localize": "onnx_modular.check.localization",
+    "LocalizationReport": "onnx_modular.check.localization",
+    "verify": "onnx_modular.check.verification",
+    "VerificationReport": "onnx_modular.check.verification",
 }
 
 

@@ -89,7 +89,7 @@ class ParityError(OnnxModularError):
     """onnxruntime results differ from PyTorch beyond tolerance.
 
     Attributes:
-        report: The :class:`~onnx_modular.verification.ParityReport`.
+        report: The :class:`~onnx_modular.check.verification.ParityReport`.
         result: The :class:`~onnx_modular.export.ModularExport` (not written to disk);
             call ``result.save(path)`` to keep it for debugging.
     """

@@ -34,7 +34,23 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from onnx_modular import _io, _torch_compat, diagnostics, eager, model_io, opset, selection, streaming, verification
+from onnx_modular.files import save
+
+from onnx_modular.capture import torch_compat
+
+from onnx_modular.capture import diagnostics
+
+from onnx_modular.capture import reference_run
+
+from onnx_modular.capture import pytree_io
+
+from onnx_modular.passes import opset
+
+from onnx_modular.capture import selection
+
+from onnx_modular.weights import streaming
+
+from onnx_modular.check import verification
 from onnx_modular.errors import (
     CaptureError,
     DecompositionError,
@@ -45,7 +61,7 @@ from onnx_modular.errors import (
 )
 from onnx_modular.files import runtime
 from onnx_modular.files.tree import count_from_model
-from onnx_modular.hierarchy import build_call_tree
+from onnx_modular.capture.fx_call_tree import build_call_tree
 from onnx_modular.passes import cleanup
 from onnx_modular.passes.dedupe import DeduplicateFunctionsPass
 from onnx_modular.passes.io_names import NameGraphInputsOutputsPass
@@ -55,7 +71,7 @@ from onnx_modular.passes.constant_metadata import StripConstantMetadataPass
 from onnx_modular.passes.fold_weights import FoldWeightsPass
 from onnx_modular.passes.no_op_calls import RecordNoOpCallsPass
 from onnx_modular.result import ModularExport, model_file
-from onnx_modular.selection import ModuleSelector
+from onnx_modular.capture.selection import ModuleSelector
 
 __all__ = ["export_modular", "ModularExport", "ModuleSelector"]
 
@@ -162,7 +178,7 @@ def export_modular(
         opset_version: ONNX opset of the default domain, 17 to the newest the installed onnx
             knows (default 18). From 18 up torch's translator writes that opset directly
             (``Attention``, ``RMSNormalization`` at 23); 17 is converted from 18 body by body
-            (:mod:`onnx_modular.opset`). Every function imports the same version.
+            (:mod:`onnx_modular.passes.opset`). Every function imports the same version.
         custom_translation_table: ``{torch op: onnxscript function}``, as in
             ``torch.onnx.export``: the functions translate those ops (aten or
             ``torch.library`` custom ops), inside the module functions that call them.
@@ -182,7 +198,7 @@ def export_modular(
             (``model.safetensors.index.json``) or a state dict, read one tensor at a time;
             ``model`` may then be on the ``meta`` device. With a model on ``meta`` the parity
             check runs block by block (``verify="blocks"``; ``"full"`` loads the whole file in
-            onnxruntime instead). See :mod:`onnx_modular.weights` and ``docs/user-guide.md``.
+            onnxruntime instead). See :mod:`onnx_modular.weights.sources` and ``docs/user-guide.md``.
         max_block_bytes: With ``weights=``, the most weight bytes loaded at once in PyTorch
             and onnxruntime (default: a quarter of the weights, see ``streaming.choose_blocks``).
         rtol: Relative tolerance (default per output dtype, see ``verification.default_tolerance``).
@@ -206,12 +222,12 @@ def export_modular(
         print(result.hierarchy)
         print(result.report)
     """
-    _torch_compat.check_torch_version()
+    torch_compat.check_torch_version()
     args, kwargs = _check_inputs(model, args, kwargs)
     if verify:
         runtime.execution_providers(execution_provider)  # an unknown provider fails before the export
     if f is not None:
-        _io.check_destination(f)
+        save.check_destination(f)
     if weights is None:
         streaming.check_model_device(model)
         stream = None
@@ -219,12 +235,12 @@ def export_modular(
         stream = streaming.Stream(model, weights, verify, max_block_bytes)
         external_data = True if external_data is None else external_data
     select = selection.selector(modules, model)
-    target_opset = opset.check_opset(opset_version, default=_torch_compat.default_opset())
-    translated_opset = max(target_opset, _torch_compat.default_opset())
+    target_opset = opset.check_opset(opset_version, default=torch_compat.default_opset())
+    translated_opset = max(target_opset, torch_compat.default_opset())
     if custom_translation_table is not None and not isinstance(custom_translation_table, Mapping):
         raise InvalidInputError("custom_translation_table must be a dict {torch op: onnxscript function}.")
     try:
-        registry = _torch_compat.registry(translated_opset, custom_translation_table)
+        registry = torch_compat.registry(translated_opset, custom_translation_table)
     except Exception as e:
         raise InvalidInputError(f"custom_translation_table could not be registered: {type(e).__name__}: {e}") from e
     if model.training:
@@ -241,23 +257,23 @@ def export_modular(
         # place (a KV cache appends to itself), and the user's objects must stay as given.
         try:
             with stream.eager() if stream is not None else contextlib.nullcontext():
-                expected_outputs, signatures, eager_calls = eager.run(model, *verification.copy_inputs(args, kwargs))
+                expected_outputs, signatures, eager_calls = reference_run.run(model, *verification.copy_inputs(args, kwargs))
         except Exception as e:
             raise CaptureError(
                 f"The model failed to run in PyTorch on the example inputs: {type(e).__name__}: {e}",
                 module_path=diagnostics.module_path_from_traceback(e, model),
                 hint="Check that the example inputs have the shapes and dtypes forward() expects.",
             ) from e
-        model_io.register_input_types(model, {"args": args, "kwargs": kwargs, "output": expected_outputs})
-        model_io.check_outputs(expected_outputs)
-        dynamic_shapes = model_io.expand_dynamic_shapes(model, args, kwargs, dynamic_shapes)
+        pytree_io.register_input_types(model, {"args": args, "kwargs": kwargs, "output": expected_outputs})
+        pytree_io.check_outputs(expected_outputs)
+        dynamic_shapes = pytree_io.expand_dynamic_shapes(model, args, kwargs, dynamic_shapes)
         try:
             if exported_program is not None:
                 program = exported_program
             elif stream is not None:
-                program = stream.capture(_torch_compat.capture, args, kwargs, dynamic_shapes)
+                program = stream.capture(torch_compat.capture, args, kwargs, dynamic_shapes)
             else:
-                program = _torch_compat.capture(model, args, kwargs, dynamic_shapes)
+                program = torch_compat.capture(model, args, kwargs, dynamic_shapes)
         except Exception as e:
             path = diagnostics.module_path_from_traceback(e, model)
             raise CaptureError(
@@ -270,7 +286,7 @@ def export_modular(
 
     with timer("decompose"):
         try:
-            program = _torch_compat.decompose(program, registry)
+            program = torch_compat.decompose(program, registry)
             for fix in program_fixes:
                 fix(program.graph_module)
         except Exception as e:
@@ -283,8 +299,8 @@ def export_modular(
 
     with timer("translate"):
         try:
-            model_ir = _torch_compat.translate(program, registry)
-            _torch_compat.rename_dynamic_axes(model_ir, dynamic_shapes)
+            model_ir = torch_compat.translate(program, registry)
+            torch_compat.rename_dynamic_axes(model_ir, dynamic_shapes)
             if stream is not None:
                 stream.attach(model_ir)  # before any pass renames an initializer
         except Exception as e:
@@ -309,7 +325,7 @@ def export_modular(
             selection.annotate_stacks(model_ir, tree, select)
             cleanup.inline_helper_functions(model_ir)
             cleanup.remove_unused(model_ir)
-            OutlineModuleCallsPass(tree, signatures, value_of=eager.lazy_values(program, args, kwargs, stream and stream.loaders()))(model_ir)
+            OutlineModuleCallsPass(tree, signatures, value_of=reference_run.lazy_values(program, args, kwargs, stream and stream.loaders()))(model_ir)
             if dedupe:
                 DeduplicateFunctionsPass()(model_ir)
             NameFunctionsPass(tree)(model_ir)
@@ -330,7 +346,7 @@ def export_modular(
             # call whose computation is folded into stored weights (rotary tables) stays a call.
             RecordNoOpCallsPass(tree)(model_ir)
             cleanup.remove_unused(model_ir)
-            _torch_compat.add_opset_imports(model_ir)
+            torch_compat.add_opset_imports(model_ir)
             opset.set_default_opset(model_ir, translated_opset)
             opset.ConvertOpsetPass(target_opset)(model_ir)  # converts only below 18
             if optimize:
@@ -378,7 +394,7 @@ def export_modular(
 
     if f is not None:
         with timer("save"):
-            with _io.staged_save(model_ir, f, external_data=external_data) as staged:
+            with save.staged_save(model_ir, f, external_data=external_data) as staged:
                 check(staged)
         result.path = pathlib.Path(f)
         timer.timings["save"] -= timer.timings.get("verify", 0.0)  # verification ran inside the staged save
@@ -415,8 +431,8 @@ def _name_inputs_outputs(
                 hint=f"Give one name per {what} tensor, in the order torch.export flattens them.",
             )
     NameGraphInputsOutputsPass(
-        list(input_names) if input_names is not None else model_io.input_leaf_names(model, args, kwargs),
-        list(output_names) if output_names is not None else model_io.output_leaf_names(outputs),
+        list(input_names) if input_names is not None else pytree_io.input_leaf_names(model, args, kwargs),
+        list(output_names) if output_names is not None else pytree_io.output_leaf_names(outputs),
     )(model_ir)
 
 def _version() -> str:

@@ -14,8 +14,12 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from onnx_modular import _io, metadata, verification
-from onnx_modular.calltree import CallTree
+from onnx_modular.files import save
+
+from onnx_modular.format import metadata
+
+from onnx_modular.check import verification
+from onnx_modular.format.calltree import CallTree
 from onnx_modular.errors import InvalidInputError
 
 __all__ = ["ModularExport"]
@@ -79,7 +83,7 @@ class ModularExport:
 
     def save(self, path: str | os.PathLike, *, external_data: bool | None = None) -> pathlib.Path:
         """Write the model atomically (checked with onnx.checker, full_check=True)."""
-        with _io.staged_save(self.model, path, external_data=external_data):
+        with save.staged_save(self.model, path, external_data=external_data):
             pass
         self.path = pathlib.Path(path)
         return self.path
@@ -128,11 +132,11 @@ class ModularExport:
     ):
         """Per-module parity: every module call's outputs, onnxruntime against ``model``.
 
-        Returns a :class:`~onnx_modular.localization.LocalizationReport` whose
+        Returns a :class:`~onnx_modular.check.localization.LocalizationReport` whose
         ``first_failure`` names the first call (in completion order) beyond tolerance.
         Uses the example inputs of the export unless ``args``/``kwargs`` are given.
         """
-        from onnx_modular.localization import localize
+        from onnx_modular.check.localization import localize
 
         if args is None and kwargs is None:
             args, kwargs = self._example or ((), {})
@@ -160,6 +164,6 @@ def model_file(result: ModularExport) -> Iterator[pathlib.Path]:
         return
     with tempfile.TemporaryDirectory(prefix="onnx_modular-") as tmp:
         path = pathlib.Path(tmp) / "model.onnx"
-        ir.save(result.model, path, external_data="model.onnx.data" if _io.wants_external_data(result.model, None) else None)
+        ir.save(result.model, path, external_data="model.onnx.data" if save.wants_external_data(result.model, None) else None)
         yield path
 

@@ -7,7 +7,7 @@ import importlib.metadata
 import onnx
 import onnx_ir as ir
 
-from onnx_modular import metadata
+from onnx_modular.format import metadata
 
 def _domain(package: str) -> str:
     """The function domain of a package's classes, from its installed version (no local label)."""
@@ -39,7 +39,7 @@ def expanded_calls(model: ir.Model) -> list[tuple[str, str, int]]:
     """Every module call reachable from the main graph, expanded through shared bodies.
 
     Returns (call name, function name, depth) in execution order, from
-    :func:`onnx_modular.metadata.expanded_calls` (the same walk the tree and localization use).
+    :func:`onnx_modular.format.metadata.expanded_calls` (the same walk the tree and localization use).
     """
     proto = ir.serde.serialize_model(model)
     return [(call.call_name, call.function.name, call.depth) for call in metadata.expanded_calls(proto)]

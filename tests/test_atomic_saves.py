@@ -24,12 +24,12 @@ import torch
 import torch.nn as nn
 
 from onnx_modular import InvalidInputError, SaveError, export_modular
-from onnx_modular import _io
+from onnx_modular.files import save
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDTH = 256  # 256 KiB of weights per model: external data is a real second file
 
-# The children save a prepared model through ``_io.staged_save``, the writer every export uses.
+# The children save a prepared model through ``save.staged_save``, the writer every export uses.
 # They load ``onnx_modular`` as a bare namespace (its ``__init__`` would import torch: seconds
 # per child, for nothing the save needs).
 CHILD = textwrap.dedent(
@@ -39,10 +39,10 @@ CHILD = textwrap.dedent(
     package.__path__ = [{package!r}]
     sys.modules["onnx_modular"] = package
     import onnx_ir as ir
-    from onnx_modular import _io
+    from onnx_modular.files import save
 
     def save(seed, path):
-        with _io.staged_save(ir.load(os.path.join({sources!r}, str(seed), "m.onnx")), path, external_data=True):
+        with save.staged_save(ir.load(os.path.join({sources!r}, str(seed), "m.onnx")), path, external_data=True):
             pass
 
     def kill_at(function_name, when):
@@ -123,7 +123,7 @@ def test_kill_between_data_and_model_keeps_the_previous_pair(tmp_path, sources):
         check_code=-signal.SIGKILL,
     )
     assert_holds(dest, 1)  # the old model with its own data, not the new data
-    assert any(name.startswith(_io.TEMP_PREFIX) for name in listing(tmp_path)), listing(tmp_path)
+    assert any(name.startswith(save.TEMP_PREFIX) for name in listing(tmp_path)), listing(tmp_path)
     # The next save removes what the killed one left (its temp folder and its data file).
     export_here(3, dest)
     assert_holds(dest, 3)
@@ -159,7 +159,7 @@ def test_kill_while_writing_leaves_a_temp_folder_the_next_save_removes(tmp_path,
         """,
         check_code=-signal.SIGKILL,
     )
-    stale = [name for name in listing(tmp_path) if name.startswith(_io.TEMP_PREFIX)]
+    stale = [name for name in listing(tmp_path) if name.startswith(save.TEMP_PREFIX)]
     assert len(stale) == 1 and os.listdir(tmp_path / stale[0]), listing(tmp_path)  # partial files inside
     assert_holds(dest, 1)
     export_here(3, dest)
@@ -168,14 +168,14 @@ def test_kill_while_writing_leaves_a_temp_folder_the_next_save_removes(tmp_path,
 
 
 def test_a_live_owners_temp_folder_is_kept(tmp_path):
-    live = tmp_path / f"{_io.TEMP_PREFIX}{os.getpid()}-abc"
+    live = tmp_path / f"{save.TEMP_PREFIX}{os.getpid()}-abc"
     dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = tmp_path / f"{_io.TEMP_PREFIX}{int(dead_pid.stdout)}-abc"
+    dead = tmp_path / f"{save.TEMP_PREFIX}{int(dead_pid.stdout)}-abc"
     other = tmp_path / ".m.onnx.abc.tmp"  # not our naming: never touched
     for folder in (live, dead, other):
         folder.mkdir()
         (folder / "partial").write_bytes(b"x")
-    assert _io.remove_stale_temp_folders(tmp_path) == [dead.name]
+    assert save.remove_stale_temp_folders(tmp_path) == [dead.name]
     assert listing(tmp_path) == sorted([live.name, other.name])
 
 
@@ -236,7 +236,7 @@ def test_racing_saves_serialize(tmp_path, sources):
         while not os.path.exists({go!r}):  # both start saving at once
             time.sleep(0.001)
         for _ in range(25):
-            with _io.staged_save(model, {dest!r}, external_data=True):
+            with save.staged_save(model, {dest!r}, external_data=True):
                 pass
         """
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -45,8 +45,9 @@ from hypothesis import HealthCheck, given, note, settings
 
 import fuzz_models
 from helpers import expanded_calls, top_level_calls
-from onnx_modular import export_modular, metadata
-from onnx_modular.verification import flatten_inputs
+from onnx_modular import export_modular
+from onnx_modular.format import metadata
+from onnx_modular.check.verification import flatten_inputs
 
 FUZZ_EXAMPLES = int(os.environ.get("ONNX_MODULAR_FUZZ_EXAMPLES", "15"))
 SLOW_FUZZ_EXAMPLES = int(os.environ.get("ONNX_MODULAR_FUZZ_SLOW_EXAMPLES", "300"))

@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 from helpers import expanded_calls, functions_by_name, top_level_calls, without_lifted_constants
-from onnx_modular import export_modular, metadata
+from onnx_modular import export_modular
+from onnx_modular.format import metadata
 
 
 def export(model: nn.Module, *args: torch.Tensor, **options):

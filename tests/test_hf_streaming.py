@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from onnx_modular import weights as weights_module  # noqa: E402
+from onnx_modular.weights import sources as weights_module  # noqa: E402
 from onnx_modular.cli import build_parser, main  # noqa: E402
 from onnx_modular.errors import InvalidInputError  # noqa: E402
 from onnx_modular.hf import checkpoint as hf_checkpoint  # noqa: E402
@@ -160,7 +160,7 @@ def test_stream_weights_errors(folder, tmp_path, capsys):
     assert "must end with .onnx" in capsys.readouterr().err
     assert export(str(folder), "-o", str(tmp_path / "m.onnx")) == 2
     assert "--task" in capsys.readouterr().err
-    assert export("onnx_modular.demo:gpt2", "-o", str(tmp_path / "m.onnx")) == 2
+    assert export("onnx_modular.cli.demo:gpt2", "-o", str(tmp_path / "m.onnx")) == 2
     assert "--stream-weights applies to a checkpoint folder" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(InvalidInputError, match="not a folder"):

@@ -18,7 +18,8 @@ import torch
 
 import models
 from helpers import expanded_calls
-from onnx_modular import export_modular, metadata
+from onnx_modular import export_modular
+from onnx_modular.format import metadata
 from onnx_modular.errors import InvalidInputError
 
 ATOL = 1e-4

@@ -16,7 +16,8 @@ import torch
 import models
 import numpy as np
 from helpers import expanded_calls
-from onnx_modular import export_modular, localize, verify, metadata
+from onnx_modular import export_modular, localize, verify
+from onnx_modular.format import metadata
 
 
 def plant_weight_fault(source, destination, initializer: str, factor: float = 1.5):

@@ -24,7 +24,8 @@ from helpers import (
     max_depth,
     top_level_calls,
 )
-from onnx_modular import export_modular, metadata
+from onnx_modular import export_modular
+from onnx_modular.format import metadata
 
 LOCAL = "pkg.models.local"  # classes defined in tests/models.py
 

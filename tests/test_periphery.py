@@ -20,7 +20,8 @@ import torch
 
 import models
 import zoo
-from onnx_modular import export_modular, metadata, verify
+from onnx_modular import export_modular, verify
+from onnx_modular.format import metadata
 from onnx_modular.cli import main
 from onnx_modular.files import function_tree, load_model_file, random_inputs
 from onnx_modular.files.parity import REL_FLOOR, max_differences
@@ -61,7 +62,7 @@ def test_call_names_round_trip():
 
 
 def test_metadata_module_does_not_import_torch():
-    code = "import sys, onnx_modular.metadata, onnx_modular.files; assert 'torch' not in sys.modules"
+    code = "import sys, onnx_modular.format.metadata, onnx_modular.files; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -90,7 +91,7 @@ def test_hierarchy_and_file_tree_agree(qwen2):
 
 def test_export_cli_prints_the_hierarchy(tmp_path):
     path = tmp_path / "gpt2.onnx"
-    code, out = _run_cli(["export", "onnx_modular.demo:gpt2", "-o", str(path), "--depth", "0"])
+    code, out = _run_cli(["export", "onnx_modular.cli.demo:gpt2", "-o", str(path), "--depth", "0"])
     assert code == 0
     tree = str(function_tree(load_model_file(path)))
     assert tree in out  # the export's own tree, identical to the file's
@@ -240,7 +241,7 @@ def test_no_op_calls_are_recorded_and_shown(tmp_path):
 
 
 def test_localization_chart_shows_tolerance_and_keeps_ticks_inside(tmp_path):
-    from onnx_modular.localization import LocalizationReport, ModuleParity
+    from onnx_modular.check.localization import LocalizationReport, ModuleParity
 
     rows = [
         ModuleParity("h.0.attn", "h.0.attn", 0, "GPT2Attention", 2, 3e-6, 1e-4, 1, True, 1e-4),

@@ -19,7 +19,9 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from onnx_modular import export_modular, metadata
+from onnx_modular import export_modular
+
+from onnx_modular.format import metadata
 from onnx_modular.errors import (
     MissingWeightError,
     OnnxModularError,
@@ -28,7 +30,7 @@ from onnx_modular.errors import (
     WeightShapeError,
 )
 from onnx_modular.hf.meta import model_on_meta
-from onnx_modular.weights import WeightSource, plan_weights
+from onnx_modular.weights.sources import WeightSource, plan_weights
 
 
 def _config(tied: bool = True) -> transformers.LlamaConfig:

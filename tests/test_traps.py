@@ -13,7 +13,8 @@ import torch
 
 import models
 from helpers import functions_by_name, top_level_calls, without_lifted_constants
-from onnx_modular import export_modular, metadata
+from onnx_modular import export_modular
+from onnx_modular.format import metadata
 
 
 def export(model, *args, tmp_path=None, **kwargs):

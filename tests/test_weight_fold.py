@@ -15,7 +15,9 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from onnx_modular import export_modular, metadata
+from onnx_modular import export_modular
+
+from onnx_modular.format import metadata
 
 
 def _bodies(result) -> dict[str, list[str]]:

@@ -13,7 +13,8 @@ import torch
 
 import zoo
 from helpers import expanded_calls, torch_value_names_in_signatures
-from onnx_modular import export_modular, metadata
+from onnx_modular import export_modular
+from onnx_modular.format import metadata
 
 
 def _params(dynamic: bool = False):

@@ -2,7 +2,7 @@
 
 - :mod:`~onnx_modular.files.load`: checked loading (a protobuf wire scan, then structure checks);
 - :mod:`~onnx_modular.files.checks`: the structure checks (sizes, missing functions, recursion);
-- :mod:`~onnx_modular.files.tree`: the call tree of a file (:class:`~onnx_modular.calltree.CallTree`);
+- :mod:`~onnx_modular.files.tree`: the call tree of a file (:class:`~onnx_modular.format.calltree.CallTree`);
 - :mod:`~onnx_modular.files.inline`: inlining into a copy, written atomically;
 - :mod:`~onnx_modular.files.runtime`: onnxruntime sessions, runs, the flat copy, temporary files;
 - :mod:`~onnx_modular.files.inputs`: declared inputs, valid random feeds, feed checks;

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import onnx
 import onnx.inliner
 
-from onnx_modular import _io
+from onnx_modular.files import save
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.files._proto import shown, uses_external_data
 from onnx_modular.files.checks import check_expanded_size
@@ -47,7 +47,7 @@ def inline_file(
     """Write a copy of ``source`` with local functions inlined, atomically.
 
     ``opset_version`` converts the copy to that opset of the default domain, body by body
-    (functions left by ``only`` stay functions; see :class:`onnx_modular.opset.ConvertOpsetPass`).
+    (functions left by ``only`` stay functions; see :class:`onnx_modular.passes.opset.ConvertOpsetPass`).
 
     ``optimize=True`` then runs onnxscript's full optimizer on the flat graph, the same one
     ``torch.onnx.export`` runs (constant folding, common subexpressions, constants lifted to
@@ -71,11 +71,11 @@ def inline_file(
     """
     import onnx_ir as ir
 
-    from onnx_modular import opset
+    from onnx_modular.passes import opset
 
     if opset_version is not None:
         opset.check_opset(opset_version, default=opset_version)  # before any work
-    destination = _io.check_destination(destination)  # before the work: a bad path fails fast
+    destination = save.check_destination(destination)  # before the work: a bad path fails fast
     model = load_model_file(source)
     check_expanded_size(model, name=repr(str(source)))  # before onnx.inliner expands anything
     external = uses_external_data(model)
@@ -99,7 +99,7 @@ def inline_file(
         converted = ir.from_proto(flat)
         opset.ConvertOpsetPass(opset_version)(converted)
         flat = ir.to_proto(converted)
-    with _io.atomic_write(destination) as staging:
+    with save.atomic_write(destination) as staging:
         try:
             onnx.save(flat, str(staging.model_path), save_as_external_data=external, location=staging.data_location)
         except (OSError, ValueError) as e:

@@ -3,7 +3,7 @@
 One row type (:class:`OutputParity`) and one report (:class:`ParityReport`) for every check:
 the export's check against PyTorch, ``onnx_modular.verify`` and ``onnx-modular verify``.
 The reference columns are PyTorch's outputs, expected arrays given by the user, or absent
-(then only modular vs flat is compared). No torch here; :mod:`onnx_modular.verification`
+(then only modular vs flat is compared). No torch here; :mod:`onnx_modular.check.verification`
 adds the PyTorch side.
 
 Example::
@@ -158,7 +158,7 @@ class ParityReport:
     outputs: list[OutputParity]
     reference: str | None = "PyTorch"
     shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    modules: Any = None  # onnx_modular.localization.LocalizationReport
+    modules: Any = None  # onnx_modular.check.localization.LocalizationReport
 
     @property
     def ok(self) -> bool:

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 
 import onnx
 
-from onnx_modular import metadata
-from onnx_modular.calltree import CallTree, ModuleCall
+from onnx_modular.format import metadata
+from onnx_modular.format.calltree import CallTree, ModuleCall
 from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.files._proto import FunctionId, all_nodes, function_id, node_id, numel
 from onnx_modular.files.checks import (

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from onnx_modular import verification
+from onnx_modular.check import verification
 from onnx_modular.errors import InvalidInputError, ParityError
 from onnx_modular.hf.checkpoint import model_and_inputs
 from onnx_modular.hf.exporter import ModularOnnxConfig, ModularOnnxExporter, modular_result

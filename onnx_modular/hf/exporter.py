@@ -30,7 +30,11 @@ from transformers.exporters.exporter_onnx import OnnxExporter
 from transformers.exporters.runners.runner_onnx import OnnxModelRunner
 from transformers.exporters.utils import _OUTPUT_FLAGS, apply_fx_node_fixes, apply_patches
 
-from onnx_modular import _io, _torch_compat, verification
+from onnx_modular.files import save
+
+from onnx_modular.capture import torch_compat
+
+from onnx_modular.check import verification
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.export import ModularExport, ModuleSelector, export_modular
 
@@ -103,12 +107,12 @@ class ModularOnnxExporter(OnnxExporter):
 
     export_format = EXPORT_FORMAT
     config_class = ModularOnnxConfig
-    # onnx_modular drives torch's private exporter stages (onnx_modular/_torch_compat.py): the
+    # onnx_modular drives torch's private exporter stages (onnx_modular/torch_compat.py): the
     # installed torch when it is one of the tested releases, else the newest tested one.
     tested_versions = {
         "torch": next(
-            (v for v in _torch_compat.TESTED_TORCH_VERSIONS if torch.__version__.split("+")[0] == v),
-            _torch_compat.TESTED_TORCH_VERSIONS[-1],
+            (v for v in torch_compat.TESTED_TORCH_VERSIONS if torch.__version__.split("+")[0] == v),
+            torch_compat.TESTED_TORCH_VERSIONS[-1],
         )
     }
 
@@ -138,12 +142,12 @@ class ModularOnnxExporter(OnnxExporter):
     def save_program(cls, program: ir.Model, path) -> None:
         """Written as the ``onnx`` format writes it (weights in ``<name>.onnx.data``), atomically
         and checked with ``onnx.checker`` (full check) before it is moved into place."""
-        with _io.staged_save(program, path, external_data=True):
+        with save.staged_save(program, path, external_data=True):
             pass
         # transformers' from_pretrained looks for <name>.data. Over a model that used that name,
         # the atomic write picked a name of its own; a second write goes back to <name>.data.
-        if _io.data_name(pathlib.Path(path), None) not in _io.referenced_data(pathlib.Path(path)):
-            with _io.staged_save(program, path, external_data=True):
+        if save.data_name(pathlib.Path(path), None) not in save.referenced_data(pathlib.Path(path)):
+            with save.staged_save(program, path, external_data=True):
                 pass
 
 

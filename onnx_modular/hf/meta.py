@@ -135,7 +135,7 @@ def checkpoint_weights(folder: str | os.PathLike, model: torch.nn.Module) -> Any
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    from onnx_modular.weights import WeightSource
+    from onnx_modular.weights.sources import WeightSource
 
     source = WeightSource.open(folder)
     conversions = get_model_conversion_mapping(model) if hasattr(model, "base_model_prefix") else []

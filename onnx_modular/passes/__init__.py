@@ -1,6 +1,6 @@
 """ONNX IR passes of the onnx_modular pipeline, one per file. None imports torch.
 
-The FX pass that runs inside torch's decomposition lives in :mod:`onnx_modular.fx_passes`.
+The FX pass that runs inside torch's decomposition lives in :mod:`onnx_modular.capture.fx_fixes`.
 """
 
 from onnx_modular.passes.dedupe import DeduplicateFunctionsPass

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping
 
 import onnx_ir as ir
 
-from onnx_modular import metadata
+from onnx_modular.format import metadata
 
 __all__ = ["CALLS_KEY", "all_nodes", "redirect_calls", "callees", "function_cycle"]
 

@@ -41,7 +41,7 @@ from collections.abc import Collection, Iterable
 
 import onnx_ir as ir
 
-from onnx_modular import metadata
+from onnx_modular.format import metadata
 from onnx_modular.passes._node_eval import evaluator as _evaluator
 from onnx_modular.passes._node_eval import infer_shapes as _infer_shapes
 from onnx_modular.passes._node_eval import static_size as _static_size

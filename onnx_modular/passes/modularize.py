@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import onnx_ir as ir
 
-from onnx_modular import metadata
+from onnx_modular.format import metadata
 from onnx_modular.errors import ModularizeError
 from onnx_modular.passes._functions import CALLS_KEY
 from onnx_modular.passes.signatures import (
@@ -39,7 +39,7 @@ from onnx_modular.passes.signatures import (
 )
 
 if TYPE_CHECKING:  # data only: the pass reads calls' attributes and sets ``function``/``num_nodes``
-    from onnx_modular.calltree import CallTree, ModuleCall
+    from onnx_modular.format.calltree import CallTree, ModuleCall
 
 __all__ = [
     "STACK_KEY",

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
-from onnx_modular import metadata
+from onnx_modular.format import metadata
 from onnx_modular.passes._functions import CALLS_KEY, redirect_calls
 from onnx_modular.passes.signatures import NOTES_KEY
 
 if TYPE_CHECKING:  # data only: the pass reads the calls' attributes and sets ``function``
-    from onnx_modular.calltree import CallTree, ModuleCall
+    from onnx_modular.format.calltree import CallTree, ModuleCall
 
 __all__ = ["NameFunctionsPass", "MAX_LISTED_PATHS"]
 

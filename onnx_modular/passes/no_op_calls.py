@@ -7,7 +7,7 @@ replaced by wiring its outputs to its inputs, and the function is removed. torch
 no op for ``nn.Dropout`` in eval while torch 2.13 emits a ``Dropout``; after this pass both
 give the same file. Such calls stay visible: every body (a function, or the main graph)
 lists the no-op calls made directly in it in ``pkg.onnx_modular.no_op_calls``
-(:data:`onnx_modular.metadata.NO_OP_CALLS`), which ``onnx-modular tree`` shows as
+(:data:`onnx_modular.format.metadata.NO_OP_CALLS`), which ``onnx-modular tree`` shows as
 ``Dropout (no ops)``, as ``result.hierarchy`` does.
 """
 
@@ -17,8 +17,8 @@ import json
 
 import onnx_ir as ir
 
-from onnx_modular import metadata
-from onnx_modular.calltree import CallTree, ModuleCall
+from onnx_modular.format import metadata
+from onnx_modular.format.calltree import CallTree, ModuleCall
 from onnx_modular.passes._functions import all_nodes
 
 __all__ = ["RecordNoOpCallsPass"]
@@ -89,7 +89,7 @@ def _relative_name(call: ModuleCall, owner: ModuleCall) -> str:
 
 
 def _body_no_op_calls(owner: ModuleCall) -> list[list]:
-    """The :class:`~onnx_modular.metadata.NoOpCall` entries of the calls without ops in owner's body."""
+    """The :class:`~onnx_modular.format.metadata.NoOpCall` entries of the calls without ops in owner's body."""
     found: list[list] = []
     before = 0
     stack: list[tuple[ModuleCall, int]] = [(child, -1) for child in reversed(owner.children)]

@@ -1,6 +1,6 @@
 """Eager call signatures, and matching them to the ONNX values at a module boundary.
 
-:mod:`onnx_modular.eager` records, per module call, the tensors ``forward()`` received and
+:mod:`onnx_modular.capture.reference_run` records, per module call, the tensors ``forward()`` received and
 returned (:class:`CallSignature`); :class:`~onnx_modular.passes.modularize.OutlineModuleCallsPass`
 names a function's formal inputs and outputs by matching its boundary values to them
 (docs/design.md, "Naming formal inputs and outputs from forward()"). What cannot be matched

@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-from onnx_modular.calltree import CallTree, ModuleCall
+from onnx_modular.format.calltree import CallTree, ModuleCall
 from onnx_modular.passes.modularize import STACK_KEY
 
 PACKAGE, VERSION = "testpkg", "1.0"

@@ -12,7 +12,7 @@ import onnx_ir.passes.common  # ir.passes.common below
 import onnxruntime as ort
 import pytest
 
-from onnx_modular import metadata
+from onnx_modular.format import metadata
 from onnx_modular.passes.fold_weights import INPUT_SIZE_LIMIT, FoldWeightsPass
 from onnx_modular.passes.weight_transposes import FoldWeightTransposesPass
 

@@ -9,7 +9,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from pass_helpers import PACKAGE, call_tree, check
 
-from onnx_modular import metadata
+from onnx_modular.format import metadata
 from onnx_modular.passes.no_op_calls import RecordNoOpCallsPass
 
 # main calls block (Dropout, then Scale, then a Relu) and then a Dropout of its own, whose

@@ -1,4 +1,4 @@
-"""Exporting with weights streamed from a :class:`~onnx_modular.weights.WeightSource`.
+"""Exporting with weights streamed from a :class:`~onnx_modular.weights.sources.WeightSource`.
 
 Three jobs, none of which holds more than one block of weights at a time:
 
@@ -25,7 +25,7 @@ import onnx_ir as ir
 import torch
 
 from onnx_modular.errors import InvalidInputError, WeightsError
-from onnx_modular.weights import WeightPlan, materialized
+from onnx_modular.weights.sources import WeightPlan, materialized
 
 __all__ = ["DEFAULT_BLOCK_FRACTION", "Blocks", "Stream", "attach_weights", "check_model_device", "choose_blocks", "streamed"]
 
@@ -192,14 +192,14 @@ class Stream:
 
     Args:
         model: The model (parameters on ``meta`` or not).
-        weights: See :class:`~onnx_modular.weights.WeightSource`.
+        weights: See :class:`~onnx_modular.weights.sources.WeightSource`.
         verify: ``True`` (block by block when the model has meta tensors, else whole),
             ``"blocks"``, ``"full"`` or ``False``.
         max_block_bytes: Budget of one block (see :func:`choose_blocks`).
     """
 
     def __init__(self, model: torch.nn.Module, weights, verify: bool | str = True, max_block_bytes: int | None = None):
-        from onnx_modular.weights import has_meta_tensors, plan_weights
+        from onnx_modular.weights.sources import has_meta_tensors, plan_weights
 
         if verify not in (True, False, "blocks", "full"):
             raise InvalidInputError(f"verify must be True, False, 'blocks' or 'full', not {verify!r}.")
@@ -211,7 +211,7 @@ class Stream:
     def capture(self, capture, args: tuple, kwargs: dict, dynamic_shapes):
         """``capture(model, args, kwargs, dynamic_shapes)``; on a meta model whose ops reject
         CPU inputs next to meta weights (``F.linear`` does), again with the inputs on meta."""
-        from onnx_modular.weights import has_meta_tensors
+        from onnx_modular.weights.sources import has_meta_tensors
 
         try:
             return capture(self.model, args, kwargs, dynamic_shapes)
@@ -236,14 +236,14 @@ class Stream:
         return attach_weights(model_ir, self.plan)
 
     def verify(self, path, inputs, expected, tolerance):
-        from onnx_modular.blockwise import verify_blocks
+        from onnx_modular.check.blockwise import verify_blocks
 
         return verify_blocks(path, inputs, expected, self.blocks, tolerance=tolerance)
 
 
 def check_model_device(model: torch.nn.Module) -> None:
     """A model with meta tensors needs ``weights=``."""
-    from onnx_modular.weights import has_meta_tensors
+    from onnx_modular.weights.sources import has_meta_tensors
 
     if has_meta_tensors(model):
         raise InvalidInputError(

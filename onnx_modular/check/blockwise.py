@@ -2,7 +2,7 @@
 
 The written file is evaluated in pieces, in the order of its graph:
 
-* each *block* call (see :func:`onnx_modular.streaming.choose_blocks`) runs in its own
+* each *block* call (see :func:`onnx_modular.weights.streaming.choose_blocks`) runs in its own
   onnxruntime session holding only that call's weights: a one-node model calling the
   block's function, whose initializers point into the file's external data (nothing is
   copied); the session is dropped before the next block;
@@ -14,7 +14,7 @@ The written file is evaluated in pieces, in the order of its graph:
 Each block is fed what the ONNX model computed before it (the pieces chain like the
 whole model does), and its outputs are compared with the same module call's outputs in
 PyTorch, recorded while the eager reference ran with that block's weights loaded
-(:func:`onnx_modular.streaming.streamed`). The graph outputs are compared with PyTorch's
+(:func:`onnx_modular.weights.streaming.streamed`). The graph outputs are compared with PyTorch's
 outputs as in a whole-model check, giving the usual ``ParityReport``.
 """
 
@@ -29,10 +29,10 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from onnx_modular import verification
+from onnx_modular.check import verification
 from onnx_modular.errors import VerificationError
-from onnx_modular.streaming import Blocks
-from onnx_modular.verification import ParityReport, Tolerance
+from onnx_modular.weights.streaming import Blocks
+from onnx_modular.check.verification import ParityReport, Tolerance
 
 __all__ = ["BlockParity", "BlockReport", "verify_blocks"]
 
@@ -267,7 +267,7 @@ def verify_blocks(
     """Evaluate the file at ``path`` block by block in onnxruntime and compare with PyTorch.
 
     ``blocks`` carries the block paths and PyTorch's outputs of each block call (from
-    :func:`onnx_modular.streaming.streamed`); ``expected`` are PyTorch's graph outputs.
+    :func:`onnx_modular.weights.streaming.streamed`); ``expected`` are PyTorch's graph outputs.
     """
     path = pathlib.Path(path)
     model = ir.load(path)  # initializers stay in the external data until a block reads them

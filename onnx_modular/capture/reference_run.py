@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-from onnx_modular import _torch_compat, verification
+from onnx_modular.capture import torch_compat
+
+from onnx_modular.check import verification
 from onnx_modular.passes.signatures import CallSignature, TensorSpec
 
 __all__ = ["run", "tensor_specs", "output_specs", "lazy_values"]
@@ -36,7 +38,7 @@ def tensor_specs(prefix: str, value: Any) -> list[TensorSpec]:
     """Specs of the tensors in ``value``, each holding its tensor (dropped later unless needed)."""
     specs: list[TensorSpec] = []
     if isinstance(value, torch.Tensor):
-        specs.append(TensorSpec(prefix, _torch_compat.torch_dtype_to_ir(value.dtype), tuple(value.shape), value))
+        specs.append(TensorSpec(prefix, torch_compat.torch_dtype_to_ir(value.dtype), tuple(value.shape), value))
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             specs += tensor_specs(f"{prefix}_{i}", item)
@@ -46,7 +48,7 @@ def tensor_specs(prefix: str, value: Any) -> list[TensorSpec]:
     else:
         leaves = torch.utils._pytree.tree_leaves(value)
         for i, leaf in enumerate(leaf for leaf in leaves if isinstance(leaf, torch.Tensor)):
-            specs.append(TensorSpec(f"{prefix}_{i}", _torch_compat.torch_dtype_to_ir(leaf.dtype), tuple(leaf.shape), leaf))
+            specs.append(TensorSpec(f"{prefix}_{i}", torch_compat.torch_dtype_to_ir(leaf.dtype), tuple(leaf.shape), leaf))
     return specs
 
 
@@ -76,7 +78,7 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict):
 
     Calls are keyed by module *instance* and its n-th call: one instance can be reached
     under several attribute paths, and torch.export names each call by the path used,
-    which :func:`onnx_modular.hierarchy.build_call_tree` resolves. An exception of the
+    which :func:`onnx_modular.capture.fx_call_tree.build_call_tree` resolves. An exception of the
     model propagates unchanged (the caller wraps it in a ``CaptureError``).
 
     Returns:
@@ -154,7 +156,7 @@ def lazy_values(
 
     Only calls with several inputs (or outputs) of equal dtype and shape ask, so most
     exports never pay for the run. ``loaders`` (weights streamed from a checkpoint): parameters
-    are read as ops use them (:func:`onnx_modular._torch_compat.program_values`).
+    are read as ops use them (:func:`onnx_modular.capture.torch_compat.program_values`).
     """
     cache: dict[str, Any] | None = None
 
@@ -162,7 +164,7 @@ def lazy_values(
         nonlocal cache
         if cache is None:
             try:
-                cache = _torch_compat.program_values(program, *verification.copy_inputs(args, kwargs), loaders)
+                cache = torch_compat.program_values(program, *verification.copy_inputs(args, kwargs), loaders)
             except Exception as e:  # names stay unresolved; the export itself is unaffected
                 logger.info("Could not evaluate the program to resolve equal-shaped inputs: %s", e)
                 cache = {}

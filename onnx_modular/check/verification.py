@@ -268,7 +268,7 @@ def verify(
             expected = torch_outputs(model, run_args, run_kwargs)
             report = verify_file(path, tensors, expected, flat=flat, tolerance=tol)
             if localize_modules:
-                from onnx_modular.localization import localize
+                from onnx_modular.check.localization import localize
 
                 report.modules = localize(path, model, run_args, run_kwargs, tolerance=tol)
         checks.append(report)

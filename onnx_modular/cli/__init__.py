@@ -16,7 +16,7 @@ Exit codes: 0 success; 1 verification failure (outputs differ beyond tolerance);
 
 Example::
 
-    python -m onnx_modular export onnx_modular.demo:gpt2 -o gpt2.onnx
+    python -m onnx_modular export onnx_modular.cli.demo:gpt2 -o gpt2.onnx
     python -m onnx_modular tree gpt2.onnx --depth 2
 """
 
@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from onnx_modular import _io
-from onnx_modular._text import shown
+from onnx_modular.files import save
+from onnx_modular.format.text import shown
 from onnx_modular.errors import InvalidInputError, OnnxModularError, ParityError
 from onnx_modular.files import check_feeds, function_tree, inline_file, load_model_file, model_inputs, random_inputs
 from onnx_modular.files.inputs import load_arrays
@@ -568,7 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     verbose = getattr(args, "verbose", False)
     try:
-        with _io.interrupt_on_sigterm():  # SIGTERM cleans up like Ctrl-C
+        with save.interrupt_on_sigterm():  # SIGTERM cleans up like Ctrl-C
             return args.run(args)
     except _Mismatch as e:
         _stderr(f"error: {e}")

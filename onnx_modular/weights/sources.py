@@ -243,12 +243,12 @@ class WeightPlan:
         """An ``ir.LazyTensor`` that reads ``name`` each time its bytes are asked for (not cached)."""
         from onnx_ir.tensor_adapters import TorchTensor
 
-        from onnx_modular import _torch_compat
+        from onnx_modular.capture import torch_compat
 
         dtype, shape = self.specs[name]
         return ir.LazyTensor(
             lambda: TorchTensor(self.load(name), name=ir_name or name),
-            dtype=_torch_compat.torch_dtype_to_ir(dtype),
+            dtype=torch_compat.torch_dtype_to_ir(dtype),
             shape=ir.Shape(shape),
             name=ir_name or name,
         )

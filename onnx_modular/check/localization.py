@@ -28,7 +28,9 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 import torch
 
-from onnx_modular import metadata, verification
+from onnx_modular.format import metadata
+
+from onnx_modular.check import verification
 from onnx_modular.files import runtime
 from onnx_modular.files.parity import Tolerance, default_tolerance
 

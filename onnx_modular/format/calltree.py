@@ -1,7 +1,7 @@
 """The module-call tree: one :class:`ModuleCall` per module call, under a :class:`CallTree`.
 
 One type for both sides: ``result.hierarchy`` (built during export from torch's
-``nn_module_stack``, see :mod:`onnx_modular.hierarchy`) and the tree of a saved file
+``nn_module_stack``, see :mod:`onnx_modular.capture.fx_call_tree`) and the tree of a saved file
 (:func:`onnx_modular.files.tree.function_tree`). Node, parameter and call counts always
 come from the final ONNX model (:func:`onnx_modular.files.tree.count_from_model`), so the
 same file gives the same numbers both ways. No torch here.
@@ -15,8 +15,8 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from onnx_modular import metadata
-from onnx_modular._text import shown
+from onnx_modular.format import metadata
+from onnx_modular.format.text import shown
 
 __all__ = ["ModuleCall", "CallTree"]
 
@@ -96,7 +96,7 @@ class ModuleCall:
             stack.extend(reversed(node.children))
 
     def metadata(self) -> dict[str, str]:
-        """Metadata for the ONNX call node (keys from :mod:`onnx_modular.metadata`)."""
+        """Metadata for the ONNX call node (keys from :mod:`onnx_modular.format.metadata`)."""
         props = {
             metadata.MODULE_PATH: self.module_path,
             metadata.CALL_INDEX: str(self.call_index),

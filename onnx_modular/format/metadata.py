@@ -7,7 +7,7 @@ objects (anything with ``metadata_props``).
 
 Example::
 
-    from onnx_modular import metadata
+    from onnx_modular.format import metadata
 
     for call in metadata.expanded_calls(onnx.load("gpt2.onnx")):
         print(call.call_name, call.function.name, call.depth)
@@ -87,7 +87,7 @@ LIFTED_CONSTANTS = PREFIX + "lifted_constants"
 NAMESPACE = "namespace"
 
 #: ``meta`` key (in memory only, never saved) of an ``onnx_ir.Function``: the
-#: :class:`~onnx_modular.calltree.ModuleCall` objects it serves.
+#: :class:`~onnx_modular.format.calltree.ModuleCall` objects it serves.
 CALLS = "onnx_modular.calls"
 
 #: The keys every call node carries.

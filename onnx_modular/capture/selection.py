@@ -8,8 +8,8 @@ from typing import Union
 import onnx_ir as ir
 import torch
 
-from onnx_modular import _torch_compat
-from onnx_modular.calltree import CallTree
+from onnx_modular.capture import torch_compat
+from onnx_modular.format.calltree import CallTree
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.passes.modularize import STACK_KEY
 
@@ -50,7 +50,7 @@ def annotate_stacks(model_ir: ir.Model, tree: CallTree, select: Callable[[str, i
         if call.parent is not None:
             call.selected = select(call.module_path, depth_of[call.key])
     for node in model_ir.graph:
-        fx_node = _torch_compat.fx_node_of(node)
+        fx_node = torch_compat.fx_node_of(node)
         stack = (fx_node.meta.get("nn_module_stack") or {}) if fx_node is not None else {}
         node.meta[STACK_KEY] = tuple(
             key

@@ -1,4 +1,4 @@
-"""Building the module-call tree of an export (:class:`~onnx_modular.calltree.CallTree`).
+"""Building the module-call tree of an export (:class:`~onnx_modular.format.calltree.CallTree`).
 
 Built from the ``nn_module_stack`` that torch.export records on every FX node. The
 stack *keys* tell repeated calls apart (the second call of ``self.shared`` is keyed
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from onnx_modular import metadata
-from onnx_modular.calltree import CallTree, ModuleCall
+from onnx_modular.format import metadata
+from onnx_modular.format.calltree import CallTree, ModuleCall
 from onnx_modular.errors import ModularizeError
 
 __all__ = ["build_call_tree", "module_info", "package_of"]

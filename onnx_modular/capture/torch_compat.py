@@ -5,7 +5,7 @@ functions (its version converter runs an inline pass and ``optimize=True`` inlin
 again), so onnx_modular drives the two private stages it needs directly:
 
 * ``_core._prepare_exported_program_for_export`` (decompose), re-done step by step
-  here so that :func:`onnx_modular.fx_passes.relax_view_strides` can run
+  here so that :func:`onnx_modular.capture.fx_fixes.relax_view_strides` can run
   between the decomposition and the type-promotion interpreter;
 * ``_core._exported_program_to_onnx_program`` (translate).
 
@@ -90,7 +90,7 @@ def registry(opset_version: int | None = None, custom_translation_table: Mapping
 
     Built at ``max(opset_version, 18)``: torchlib picks, per op, the implementation for that
     opset (``Attention`` for SDPA at 23), and below 18 torch translates at 18 and converts
-    (:mod:`onnx_modular.opset` does that per body). ``custom_translation_table`` entries
+    (:mod:`onnx_modular.passes.opset` does that per body). ``custom_translation_table`` entries
     are registered as ``torch.onnx.export`` registers them (they take precedence); ops
     that torch cannot translate but an imported library can (:func:`library_translations`)
     are registered last, only where torch has no translation.
@@ -163,10 +163,10 @@ def decompose(program: torch.export.ExportedProgram, reg) -> torch.export.Export
     """torch's ONNX decompositions, with view strides relaxed before type promotion.
 
     Mirrors ``_core._prepare_exported_program_for_export``; see
-    :mod:`onnx_modular.fx_passes` for why the extra step is needed. ``reg`` is a
+    :mod:`onnx_modular.capture.fx_fixes` for why the extra step is needed. ``reg`` is a
     :func:`registry` (ops it translates, custom ones included, are not decomposed).
     """
-    from onnx_modular.fx_passes import relax_view_strides
+    from onnx_modular.capture.fx_fixes import relax_view_strides
 
     _, _fx_passes, _ = _exporter()
     with (
@@ -197,7 +197,7 @@ def translate(program: torch.export.ExportedProgram, reg) -> ir.Model:
 
     The nodes are written at ``reg``'s opset; the default-domain import still says torchlib's
     (torch fixes it with a version converter that inlines): set it with
-    :func:`onnx_modular.opset.set_default_opset`.
+    :func:`onnx_modular.passes.opset.set_default_opset`.
     """
     _core, _, _ = _exporter()
     onnx_program = _core._exported_program_to_onnx_program(program, registry=reg)
