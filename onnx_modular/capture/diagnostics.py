@@ -7,7 +7,15 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["module_path_from_traceback", "module_path_from_fx_node", "first_line", "suggested_fixes"]
+from onnx_modular.errors import (
+    CaptureError,
+    DecompositionError,
+    ModularizeError,
+    OnnxModularError,
+    TranslationError,
+)
+
+__all__ = ["module_path_from_traceback", "module_path_from_fx_node", "first_line", "suggested_fixes", "stage_error"]
 
 
 def _iter_frames(exc: BaseException) -> Iterator[types.FrameType]:
@@ -70,3 +78,45 @@ def first_line(exc: BaseException) -> str:
         return line(exc)
     return f"{line(exc)} Cause: {type(root).__name__}: {line(root)}"
 
+
+
+def stage_error(stage: str, exc: Exception, model: torch.nn.Module) -> OnnxModularError:
+    """The typed error for an unexpected exception in one stage of ``export_modular``.
+
+    ``stage`` is one of ``"run"`` (the eager reference run), ``"capture"``, ``"decompose"``,
+    ``"translate"``, ``"modularize"``, ``"optimize"``; the error names the module where it can
+    be found and says what to do next.
+    """
+    what = f"{type(exc).__name__}: {first_line(exc)}"
+    if stage == "run":
+        return CaptureError(
+            f"The model failed to run in PyTorch on the example inputs: {type(exc).__name__}: {exc}",
+            module_path=module_path_from_traceback(exc, model),
+            hint="Check that the example inputs have the shapes and dtypes forward() expects.",
+        )
+    if stage == "capture":
+        return CaptureError(
+            f"torch.export could not capture the model: {what}",
+            module_path=module_path_from_traceback(exc, model),
+            hint="Make the code traceable by torch.export (see the cause below), "
+            "or check dynamic_shapes against the inputs." + suggested_fixes(exc),
+        )
+    if stage == "decompose":
+        return DecompositionError(
+            f"torch's ONNX decompositions failed: {what}",
+            module_path=module_path_from_fx_node(exc),
+            hint="The cause below names the operator; report it with the model.",
+        )
+    if stage == "translate":
+        return TranslationError(
+            f"torch's translator failed: {what}",
+            module_path=module_path_from_fx_node(exc),
+            hint="An operator may have no ONNX implementation; the cause below names it. "
+            "Rewrite that code or register a custom translation.",
+        )
+    if stage == "optimize":
+        return ModularizeError(
+            f"Optimizing the function bodies failed: {type(exc).__name__}: {exc}",
+            hint="Pass optimize=False to export without onnxscript's optimizer.",
+        )
+    return ModularizeError(f"Building the function hierarchy failed: {type(exc).__name__}: {exc}")

@@ -5,7 +5,8 @@ torch.export flattens ``(args, kwargs)`` and the return value into tensors with
 
 * Objects torch cannot flatten stop the export. transformers' KV caches (``DynamicCache``,
   ``EncoderDecoderCache``, ...) are the common case; transformers ships the pytree
-  registration itself, and :func:`register_input_types` calls it.
+  registration itself, and :func:`register_input_types` calls it through
+  :mod:`~onnx_modular.capture.library_hooks`.
 * torch names graph inputs after its placeholders (``past_key_values_0``) and outputs after
   the last op (``linear_14``). :func:`leaf_names` gives the dotted path of each tensor in the
   model's own structure instead (``past_key_values.layers.0.keys``, ``logits``), the names
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from onnx_modular.capture import library_hooks
 from onnx_modular.errors import InvalidInputError
 
 __all__ = ["expand_dynamic_shapes", "input_leaf_names", "leaf_names", "output_leaf_names", "register_input_types"]
@@ -32,13 +34,6 @@ logger = logging.getLogger(__name__)
 
 #: Values torch.export takes as they are (tensors become inputs, the rest constants).
 _PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-
-
-def _is_transformers_cache(value: Any) -> bool:
-    return any(
-        cls.__module__.startswith("transformers.") and (cls.__name__ == "Cache" or cls.__name__.endswith("Cache"))
-        for cls in type(value).__mro__
-    )
 
 
 def _unflattenable(value: Any, path: str, found: list[tuple[str, Any]], depth: int = 0) -> None:
@@ -59,8 +54,8 @@ def _unflattenable(value: Any, path: str, found: list[tuple[str, Any]], depth: i
 def register_input_types(model: torch.nn.Module, named_values: Mapping[str, Any]) -> None:
     """Make every object in ``named_values`` flattenable by torch.export, or say which is not.
 
-    transformers caches are registered with transformers' own helper (which registers
-    every ``Cache`` subclass); anything else unknown is an :class:`InvalidInputError`
+    Model libraries register their types through :mod:`onnx_modular.capture.library_hooks`
+    (transformers' caches: :mod:`onnx_modular.hf.hooks`); anything else unknown is an :class:`InvalidInputError`
     naming where it sits.
 
     Raises:
@@ -74,8 +69,7 @@ def register_input_types(model: torch.nn.Module, named_values: Mapping[str, Any]
         return found
 
     found = unflattenable()
-    if any(_is_transformers_cache(value) for _, value in found):
-        _register_transformers_caches(model)
+    if found and library_hooks.make_flattenable(model, [value for _, value in found]):
         found = unflattenable()
     if found:
         path, value = found[0]
@@ -86,26 +80,6 @@ def register_input_types(model: torch.nn.Module, named_values: Mapping[str, Any]
             hint="Register the type with torch.utils._pytree.register_pytree_node (or "
             "torch.export.register_dataclass), or pass its tensors directly.",
         )
-
-
-def _register_transformers_caches(model: torch.nn.Module) -> None:
-    try:  # transformers >= 5.2x: the registration its own exporters use, for every Cache type
-        from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
-    except ImportError:
-        register_cache_pytrees_for_model = None
-    if register_cache_pytrees_for_model is not None:
-        register_cache_pytrees_for_model(model)
-        return
-    try:  # older transformers: DynamicCache only
-        from transformers.integrations.executorch import register_dynamic_cache_export_support
-    except ImportError as e:
-        raise InvalidInputError(
-            "The inputs hold a transformers cache, and this transformers version has no helper "
-            "that makes caches flattenable for torch.export.",
-            hint="Install transformers>=5.2, or register the cache type with "
-            "torch.utils._pytree.register_pytree_node.",
-        ) from e
-    register_dynamic_cache_export_support()
 
 
 # -- names ---------------------------------------------------------------------------

@@ -5,15 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Union
 
-import onnx_ir as ir
 import torch
 
-from onnx_modular.capture import torch_compat
 from onnx_modular.format.calltree import CallTree
 from onnx_modular.errors import InvalidInputError
-from onnx_modular.passes.modularize import STACK_KEY
 
-__all__ = ["ModuleSelector", "selector", "annotate_stacks"]
+__all__ = ["ModuleSelector", "selector", "selected_calls"]
 
 #: Which module calls become functions: ``None``/``"all"``, a set of classes,
 #: a maximum depth (1 = children of the root), or ``predicate(module_path, module)``.
@@ -43,18 +40,9 @@ def selector(modules: ModuleSelector, model: torch.nn.Module) -> Callable[[str, 
     return lambda path, depth: path in named and isinstance(named[path], classes)
 
 
-def annotate_stacks(model_ir: ir.Model, tree: CallTree, select: Callable[[str, int], bool]) -> None:
-    """Set ``node.meta[STACK_KEY]``: the selected module-call keys each node ran under."""
-    depth_of = {call.key: call.depth for call in tree.walk()}
+def selected_calls(tree: CallTree, select: Callable[[str, int], bool]) -> set[str]:
+    """Mark each call of ``tree`` ``selected`` by ``select(module path, depth)``; the selected keys."""
     for call in tree.walk():
         if call.parent is not None:
-            call.selected = select(call.module_path, depth_of[call.key])
-    for node in model_ir.graph:
-        fx_node = torch_compat.fx_node_of(node)
-        stack = (fx_node.meta.get("nn_module_stack") or {}) if fx_node is not None else {}
-        node.meta[STACK_KEY] = tuple(
-            key
-            for key, (path, _) in stack.items()
-            if key in tree and depth_of[key] > 0 and tree[key].selected
-        )
-
+            call.selected = select(call.module_path, call.depth)
+    return {call.key for call in tree.walk() if call.parent is not None and call.selected}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import sys
 import warnings
 from collections.abc import Callable, Mapping
 
@@ -38,11 +37,11 @@ __all__ = [
     "capture",
     "decompose",
     "translate",
-    "add_opset_imports",
     "default_opset",
     "fx_node_of",
     "program_values",
-    "rename_dynamic_axes",
+    "dynamic_axis_names",
+    "module_stacks",
     "torch_dtype_to_ir",
 ]
 
@@ -90,28 +89,29 @@ def registry(opset_version: int | None = None, custom_translation_table: Mapping
 
     Built at ``max(opset_version, 18)``: torchlib picks, per op, the implementation for that
     opset (``Attention`` for SDPA at 23), and below 18 torch translates at 18 and converts
-    (:mod:`onnx_modular.passes.opset` does that per body). ``custom_translation_table`` entries
+    (:class:`~onnx_modular.passes.opset_conversion.ConvertOpsetPass` does that per body). ``custom_translation_table`` entries
     are registered as ``torch.onnx.export`` registers them (they take precedence); ops
     that torch cannot translate but an imported library can (:func:`library_translations`)
     are registered last, only where torch has no translation.
     """
     opset = max(opset_version or default_opset(), default_opset())
+    libraries = tuple(library_translations().items())
     if not custom_translation_table:
-        return _cached_registry(opset, "transformers" in sys.modules)
+        return _cached_registry(opset, libraries)
     reg = _new_registry(opset)
     for torch_op, onnx_op in custom_translation_table.items():
         if isinstance(onnx_op, (list, tuple)):  # as torch.onnx.export
             raise TypeError("The value in custom_translation_table should be a single callable, not a sequence")
         reg.register_op(torch_op, onnx_op, is_complex=False)
-    _fill_gaps(reg)
+    _fill_gaps(reg, libraries)
     return reg
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_registry(opset: int, libraries_imported: bool):
+def _cached_registry(opset: int, libraries: tuple):
     """Cached (building takes ~0.3 s) and never mutated: a custom table gets a registry of its own."""
     reg = _new_registry(opset)
-    _fill_gaps(reg)
+    _fill_gaps(reg, libraries)
     return reg
 
 
@@ -122,29 +122,18 @@ def _new_registry(opset: int):
     return _registration.ONNXRegistry.from_torchlib(opset_version=opset)
 
 
-def _fill_gaps(reg) -> None:
-    for torch_op, onnx_op in library_translations().items():
+def _fill_gaps(reg, libraries: tuple) -> None:
+    for torch_op, onnx_op in libraries:
         if not reg.is_registered(torch_op):
             reg.register_op(torch_op, onnx_op, is_complex=False)
 
 
 def library_translations() -> dict[Callable, Callable]:
-    """Translations that model libraries ship for their own custom ops, when already imported.
+    """Translations that model libraries ship for their own custom ops, when already imported
+    (:func:`onnx_modular.capture.library_hooks.translations`; transformers' in :mod:`onnx_modular.hf.hooks`)."""
+    from onnx_modular.capture import library_hooks
 
-    transformers 5 runs mixture-of-experts layers through its custom op
-    ``transformers::grouped_mm_fallback`` under ``torch.export``; torchlib has no translation
-    for it, so ``torch.onnx.export`` alone fails on such models, and transformers' own ONNX
-    exporter passes its table (``exporters.exporter_onnx._ONNX_TRANSLATION_TABLE``) as
-    ``custom_translation_table``. :func:`registry` uses it only for ops torch lacks, so
-    every op torch translates is translated as torch does.
-    """
-    if "transformers" not in sys.modules:
-        return {}
-    try:
-        from transformers.exporters import exporter_onnx
-    except Exception:  # an older transformers, or onnxscript missing: nothing to add
-        return {}
-    return dict(getattr(exporter_onnx, "_ONNX_TRANSLATION_TABLE", {}))
+    return library_hooks.translations()
 
 
 def default_opset() -> int:
@@ -197,7 +186,7 @@ def translate(program: torch.export.ExportedProgram, reg) -> ir.Model:
 
     The nodes are written at ``reg``'s opset; the default-domain import still says torchlib's
     (torch fixes it with a version converter that inlines): set it with
-    :func:`onnx_modular.passes.opset.set_default_opset`.
+    :class:`~onnx_modular.passes.default_opset.SetDefaultOpsetPass`.
     """
     _core, _, _ = _exporter()
     onnx_program = _core._exported_program_to_onnx_program(program, registry=reg)
@@ -210,20 +199,32 @@ def torch_dtype_to_ir(dtype: torch.dtype) -> ir.DataType:
     return _core.torch_dtype_to_onnx_dtype(dtype)
 
 
-def rename_dynamic_axes(model: ir.Model, dynamic_shapes) -> None:
-    """Name symbolic dims after the user's ``Dim`` / string axis names (``batch``, not ``s72``).
+def dynamic_axis_names(inputs: list[ir.Value], dynamic_shapes) -> dict[str, str]:
+    """``{torch's symbol: the user's axis name}`` for the graph inputs (``s72`` -> ``batch``), for
+    :class:`~onnx_modular.passes.dynamic_axes.RenameDynamicAxesPass`.
 
-    torch only does this for string axes; Dim objects carry a name too.
+    torch renames only string axes; ``Dim`` objects carry a name too, and torch's own mapping
+    function reads both.
     """
     if not dynamic_shapes:
-        return
-    from torch.onnx._internal.exporter import _dynamic_shapes, _ir_passes
+        return {}
+    from torch.onnx._internal.exporter import _dynamic_shapes
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mapping = _dynamic_shapes.create_rename_mapping(model.graph.inputs, dynamic_shapes)
-    if mapping:
-        _ir_passes.rename_axis(model, mapping)
+        return dict(_dynamic_shapes.create_rename_mapping(inputs, dynamic_shapes))
+
+
+def module_stacks(model: ir.Model) -> dict[ir.Node, tuple[str, ...]]:
+    """Each main-graph node's module-call keys (its FX node's ``nn_module_stack``, outermost first),
+    for :class:`~onnx_modular.passes.module_stacks.AnnotateStacksPass`."""
+    stacks = {}
+    for node in model.graph:
+        fx_node = fx_node_of(node)
+        stack = (fx_node.meta.get("nn_module_stack") or {}) if fx_node is not None else {}
+        if stack:
+            stacks[node] = tuple(stack)
+    return stacks
 
 
 def program_values(
@@ -298,15 +299,3 @@ class _Load:
 def fx_node_of(node: ir.Node) -> torch.fx.Node | None:
     """The FX node an ONNX node was translated from (set by torch's translator)."""
     return node.meta.get("node")
-
-
-def add_opset_imports(model: ir.Model) -> None:
-    """torch's opset-import pass: every domain used gets an import where it is used.
-
-    The default domain is always imported: a model with no op at all (``return x``)
-    is still required to declare it.
-    """
-    from torch.onnx._internal.exporter import _ir_passes
-
-    _ir_passes.add_opset_imports(model)
-    model.opset_imports.setdefault("", default_opset())

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import onnx
+import onnx_ir as ir
 
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree, ModuleCall
@@ -20,7 +21,7 @@ from onnx_modular.files.checks import (
     max_expanded_calls,
 )
 
-__all__ = ["MAX_TREE_CALLS", "function_tree", "count_from_model"]
+__all__ = ["MAX_TREE_CALLS", "function_tree", "count_from_model", "count_from_ir"]
 
 #: Largest number of calls the expanded tree may hold (a function called from a function
 #: called N times counts N times): the limit onnxruntime and inlining get
@@ -177,3 +178,27 @@ def count_from_model(tree: CallTree, model: onnx.ModelProto) -> None:
         call.function, call.overload = found.function, found.overload
         call.num_nodes, call.parameters = found.num_nodes, found.parameters
         call.call_count, call.node_name = found.call_count, found.node_name
+
+
+def count_from_ir(tree: CallTree, model: ir.Model) -> None:
+    """:func:`count_from_model` on the final in-memory model, without reading its weights.
+
+    The model is serialized once with every initializer's value replaced, for the time of the
+    serialization, by an external-data reference of the same dtype and shape (parameters count
+    by shape); streamed or lazily loaded weights are never read, and no file is parsed.
+    """
+    originals: dict[ir.Value, ir.TensorProtocol] = {}
+    try:
+        for value in model.graph.initializers.values():
+            tensor = value.const_value
+            if tensor is None:
+                continue
+            originals[value] = tensor
+            value.const_value = ir.ExternalTensor(
+                "weights", 0, 0, tensor.dtype, shape=ir.Shape(tensor.shape), name=value.name or tensor.name
+            )
+        proto = ir.serde.serialize_model(model)
+    finally:
+        for value, tensor in originals.items():
+            value.const_value = tensor
+    count_from_model(tree, proto)

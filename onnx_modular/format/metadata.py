@@ -37,6 +37,7 @@ __all__ = [
     "LIFTED_CONSTANTS",
     "NAMESPACE",
     "CALLS",
+    "STACK",
     "CALL_METADATA_KEYS",
     "call_name",
     "split_call_name",
@@ -89,6 +90,11 @@ NAMESPACE = "namespace"
 #: ``meta`` key (in memory only, never saved) of an ``onnx_ir.Function``: the
 #: :class:`~onnx_modular.format.calltree.ModuleCall` objects it serves.
 CALLS = "onnx_modular.calls"
+
+#: ``meta`` key (in memory only) of a main-graph ``onnx_ir.Node`` before outlining: the
+#: module-call keys (outermost first) the node ran under. Set by ``AnnotateStacksPass``,
+#: read by ``OutlineModuleCallsPass`` and ``InlineHelperFunctionsPass``.
+STACK = "onnx_modular.stack"
 
 #: The keys every call node carries.
 CALL_METADATA_KEYS = frozenset({MODULE_PATH, CALL_INDEX, CLASS, PACKAGE, PACKAGE_VERSION, NAMESPACE})

@@ -1,7 +1,7 @@
 """ONNX IR pass: outline every module call into a nested ONNX local function.
 
 The pass works on the flat model that torch's translator produces. Each node
-carries ``meta[STACK_KEY]``: the tuple of module-call keys (outermost first) that
+carries ``meta[metadata.STACK]``: the tuple of module-call keys (outermost first) that
 the node was executed under. Nodes are grouped by that stack level by level:
 the nodes of one call become the body of one function, replaced in the caller
 by a single call node, and the body is outlined again one level down.
@@ -42,7 +42,6 @@ if TYPE_CHECKING:  # data only: the pass reads calls' attributes and sets ``func
     from onnx_modular.format.calltree import CallTree, ModuleCall
 
 __all__ = [
-    "STACK_KEY",
     "GLOBAL_NAME_KEY",
     "TensorSpec",
     "CallSignature",
@@ -50,7 +49,6 @@ __all__ = [
     "NOTES_KEY",
 ]
 
-STACK_KEY = "onnx_modular.stack"
 GLOBAL_NAME_KEY = "onnx_modular.global_name"
 def _nested_nodes(node: ir.Node) -> Iterable[ir.Node]:
     for attr in node.attributes.values():
@@ -108,7 +106,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         """The main graph is topologically sorted, and every stack key is a call of the tree."""
         defined = set(model.graph.inputs) | set(model.graph.initializers.values())
         for node in model.graph:
-            for key in node.meta.get(STACK_KEY, ()):
+            for key in node.meta.get(metadata.STACK, ()):
                 if key not in self.call_tree:
                     raise ir.passes.PreconditionError(
                         f"Node {node.name!r} ran under the module call {key!r}, which is not in the call tree."
@@ -135,7 +133,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
     def _outline(self, container: ir.Graph, depth: int) -> None:
         groups: dict[str, list[ir.Node]] = {}
         for node in container:
-            stack = node.meta.get(STACK_KEY, ())
+            stack = node.meta.get(metadata.STACK, ())
             if len(stack) > depth:
                 groups.setdefault(stack[depth], []).append(node)
         # Node positions, computed once: extraction removes members and puts the call node at
@@ -443,8 +441,8 @@ def _make_convex(
                 upstream.add(node)
     absorbed = downstream & upstream
     for node in absorbed:
-        stack = node.meta.get(STACK_KEY, ())
-        node.meta[STACK_KEY] = tuple(stack[:depth]) + (key,)
+        stack = node.meta.get(metadata.STACK, ())
+        node.meta[metadata.STACK] = tuple(stack[:depth]) + (key,)
     if absorbed:
         member_set |= absorbed
         members = [node for node in span if node in member_set]
@@ -462,11 +460,11 @@ def _clone_shared_constants(graph: ir.Graph) -> None:
     for node in list(graph):
         if node.op_type != "Constant" or node.domain != "" or node.inputs:
             continue
-        own_stack = node.meta.get(STACK_KEY, ())
+        own_stack = node.meta.get(metadata.STACK, ())
         output = node.outputs[0]
         clones: dict[tuple[str, ...], ir.Node] = {}
         for use in sorted(output.uses(), key=lambda u: position.get(u.node, 0)):
-            user_stack = use.node.meta.get(STACK_KEY, ())
+            user_stack = use.node.meta.get(metadata.STACK, ())
             if user_stack == own_stack or use.node.graph is not graph:
                 continue
             clone = clones.get(user_stack)
@@ -480,7 +478,7 @@ def _clone_shared_constants(graph: ir.Graph) -> None:
                     name=f"{node.name}_copy{len(clones)}",
                     metadata_props=dict(use.node.metadata_props),
                 )
-                clone.meta[STACK_KEY] = user_stack
+                clone.meta[metadata.STACK] = user_stack
                 clone.outputs[0].name = f"{output.name}_copy{len(clones)}"
                 clone.outputs[0].type = output.type
                 clone.outputs[0].shape = output.shape

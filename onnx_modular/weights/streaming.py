@@ -6,12 +6,11 @@ Three jobs, none of which holds more than one block of weights at a time:
   (the top-most modules holding at most ``max_block_bytes`` of weights).
 * :func:`streamed`: run the model in PyTorch with each block's weights loaded just for its
   call (the eager reference of the export); records each block call's outputs.
-* :func:`attach_weights`: give every initializer of the translated model an
-  ``ir.LazyTensor`` that reads its tensor from the source when the file is written.
-  ``ir.save`` writes external data one tensor at a time (``onnx_ir.external_data``'s
-  serial writer calls ``tofile`` per tensor), so each value lives only while it is
-  written; folds that build on an initializer (``FoldWeightTransposesPass`` stores
-  ``<name>.T`` as a ``LazyTensor`` over the source's ``const_value``) stay lazy too.
+* :meth:`Stream.attach_pass`: :class:`~onnx_modular.passes.attach_weights.AttachWeightsPass`
+  gives every initializer of the translated model an ``ir.LazyTensor`` that reads its
+  tensor from the source when the file is written. ``ir.save`` writes external data one
+  tensor at a time (``onnx_ir.external_data``'s serial writer calls ``tofile`` per tensor),
+  so each value lives only while it is written.
 """
 
 from __future__ import annotations
@@ -21,13 +20,13 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 
-import onnx_ir as ir
 import torch
 
-from onnx_modular.errors import InvalidInputError, WeightsError
+from onnx_modular.errors import InvalidInputError
+from onnx_modular.passes.attach_weights import AttachWeightsPass
 from onnx_modular.weights.sources import WeightPlan, materialized
 
-__all__ = ["DEFAULT_BLOCK_FRACTION", "Blocks", "Stream", "attach_weights", "check_model_device", "choose_blocks", "streamed"]
+__all__ = ["DEFAULT_BLOCK_FRACTION", "Blocks", "Stream", "check_model_device", "choose_blocks", "streamed"]
 
 logger = logging.getLogger(__name__)
 
@@ -161,32 +160,6 @@ def streamed(model: torch.nn.Module, plan: WeightPlan, blocks: Blocks) -> Iterat
                 pending.pop().close()
 
 
-def attach_weights(model: ir.Model, plan: WeightPlan) -> int:
-    """Give each initializer named like a model tensor a lazy value read from the source.
-
-    Returns the number of initializers attached. Raises :class:`WeightsError` if an
-    initializer still holds a meta tensor afterwards (a constant torch.export lifted
-    from a meta tensor that no checkpoint names).
-    """
-    count = 0
-    for name, value in list(model.graph.initializers.items()):
-        if name in plan.keys:
-            value.const_value = plan.lazy_tensor(name)
-            count += 1
-        elif _is_meta(value.const_value):
-            raise WeightsError(
-                f"The initializer {name!r} comes from a meta tensor that the weights do not name.",
-                module_path=name.rsplit(".", 1)[0] if "." in name else "",
-                hint="Create that tensor on the CPU (it is a constant or non-persistent buffer).",
-            )
-    return count
-
-
-def _is_meta(tensor) -> bool:
-    raw = getattr(tensor, "raw", None)
-    return isinstance(raw, torch.Tensor) and raw.is_meta
-
-
 class Stream:
     """What ``export_modular(..., weights=...)`` needs: the plan, the blocks, the mode.
 
@@ -232,8 +205,9 @@ class Stream:
         """State-dict name -> function reading that tensor (for ``program_values``)."""
         return {name: (lambda name=name: self.plan.load(name)) for name in self.plan.keys}
 
-    def attach(self, model_ir: ir.Model) -> int:
-        return attach_weights(model_ir, self.plan)
+    def attach_pass(self) -> AttachWeightsPass:
+        """The pass that makes the translated model's initializers read from the checkpoint."""
+        return AttachWeightsPass(self.plan.keys, self.plan.lazy_tensor)
 
     def verify(self, path, inputs, expected, tolerance):
         from onnx_modular.check.blockwise import verify_blocks

@@ -6,7 +6,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_modular.format.calltree import CallTree, ModuleCall
-from onnx_modular.passes.modularize import STACK_KEY
+from onnx_modular.format import metadata
 
 PACKAGE, VERSION = "testpkg", "1.0"
 DOMAIN = f"pkg.{PACKAGE}.{VERSION}"
@@ -36,10 +36,10 @@ def call_tree(*calls: tuple[str, str]) -> CallTree:
 
 
 def set_stacks(model: ir.Model, stacks: dict[str, tuple[str, ...]]) -> None:
-    """``node.meta[STACK_KEY]`` for the main-graph node producing each named value."""
+    """``node.meta[metadata.STACK]`` for the main-graph node producing each named value."""
     producers = {value.name: node for node in model.graph for value in node.outputs}
     for value_name, stack in stacks.items():
-        producers[value_name].meta[STACK_KEY] = stack
+        producers[value_name].meta[metadata.STACK] = stack
 
 
 def function(model: ir.Model, name: str) -> ir.Function:

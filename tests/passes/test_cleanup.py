@@ -8,7 +8,7 @@ from pass_helpers import call_tree, check
 
 from onnx_modular.passes import cleanup
 from onnx_modular.passes._functions import CALLS_KEY
-from onnx_modular.passes.modularize import STACK_KEY
+from onnx_modular.format import metadata
 
 HELPER = """
 <ir_version: 10, opset_import: ["" : 18, "pkg.torch.onnx" : 1]>
@@ -28,12 +28,12 @@ aten_getitem (p) => (q) {
 
 def test_helper_functions_are_inlined_keeping_the_module_stack():
     model = ir.from_onnx_text(HELPER)
-    model.graph.node(0).meta[STACK_KEY] = ("block",)
+    model.graph.node(0).meta[metadata.STACK] = ("block",)
     assert cleanup.InlineHelperFunctionsPass()(model).modified
     assert not model.functions
     ops = [node.op_type for node in model.graph]
     assert ops == ["Constant", "SplitToSequence", "Constant", "SequenceAt", "Relu"]
-    assert [node.meta.get(STACK_KEY) for node in model.graph][:4] == [("block",)] * 4
+    assert [node.meta.get(metadata.STACK) for node in model.graph][:4] == [("block",)] * 4
     assert all(not key.startswith("pkg.onnx_modular.internal") for node in model.graph for key in node.metadata_props)
     check(model)
 

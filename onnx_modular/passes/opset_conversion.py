@@ -25,15 +25,15 @@ import onnx.version_converter
 import onnx_ir as ir
 
 from onnx_modular.errors import InvalidInputError
+from onnx_modular.passes._functions import bodies
+from onnx_modular.passes.default_opset import SetDefaultOpsetPass
 
 __all__ = [
     "MIN_OPSET",
     "max_opset",
     "supported_opsets",
     "check_opset",
-    "set_default_opset",
     "ConvertOpsetPass",
-    "fuse_standard_ops",
 ]
 
 #: The lowest opset a modular file can have: torchlib is written for 18, and onnx's
@@ -92,26 +92,6 @@ def check_opset(opset_version: int | None, *, default: int) -> int:
     return opset_version
 
 
-def _bodies(model: ir.Model) -> list[ir.Graph | ir.Function]:
-    return [model.graph, *model.functions.values()]
-
-
-def set_default_opset(model: ir.Model, version: int) -> None:
-    """Import ``version`` of the default domain in the model, the main graph and every function.
-
-    For a model whose nodes were written at ``version`` already (torch's translator at that
-    opset labels its imports with its library's opset, 18, whatever it translated at).
-    """
-    model.opset_imports[""] = version
-    for body in _bodies(model):
-        if any(node.domain in ("", "ai.onnx") for node in ir.traversal.RecursiveGraphIterator(body)) or body is model.graph:
-            body.opset_imports.pop("ai.onnx", None)
-            body.opset_imports[""] = version
-        for node in ir.traversal.RecursiveGraphIterator(body):
-            if node.domain in ("", "ai.onnx"):
-                node.version = None  # the body's import says which version
-
-
 class ConvertOpsetPass(ir.passes.InPlacePass):
     """Convert every body (main graph and each function) to ``target`` without inlining.
 
@@ -129,7 +109,7 @@ class ConvertOpsetPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         source = model.opset_imports.get("", model.graph.opset_imports.get(""))
         modified = False
-        for body in _bodies(model):
+        for body in bodies(model):
             version = body.opset_imports.get("", source)
             if version is None or version == self.target:
                 continue
@@ -137,7 +117,7 @@ class ConvertOpsetPass(ir.passes.InPlacePass):
                 continue
             _convert_body(model, body, version, self.target)
             modified = True
-        set_default_opset(model, self.target)
+        SetDefaultOpsetPass(self.target)(model)
         return ir.passes.PassResult(model, modified=modified or source != self.target)
 
 
@@ -387,50 +367,3 @@ def _transplant(body: ir.Graph | ir.Function, new_graph: ir.Graph) -> None:
         new.shape = new.shape or old.shape
         new.metadata_props.update(old.metadata_props)
         body.outputs[i] = new
-
-
-def fuse_standard_ops(model: ir.Model) -> dict[str, int]:
-    """onnxscript's ONNX fusions (``onnxscript.rewriter.onnx_fusions``) inside every body.
-
-    At opset 23 they turn hand-written RMS norms (transformers' ``LlamaRMSNorm`` and the
-    like: ``pow``, ``mean``, ``rsqrt``) into one ``RMSNormalization``, which torch's translator
-    emits only for ``F.rms_norm``. The rules check the input dtype, which a function's formal
-    inputs lack (ONNX functions are untyped): each formal input gets, for the time of the
-    rewrite, the dtype all its callers pass (none when they disagree). Returns the counts.
-    """
-    from onnxscript.rewriter import onnx_fusions
-
-    if model.opset_imports.get("") != 23:  # the fusions target opset 23 only
-        return {}
-    typed = _type_formal_inputs(model)
-    try:
-        return onnx_fusions.fuse(model)
-    finally:
-        for value in typed:
-            value.type = None
-
-
-def _type_formal_inputs(model: ir.Model) -> list[ir.Value]:
-    """Give function formal inputs their callers' common dtype, outermost functions first."""
-    typed: list[ir.Value] = []
-    for _ in range(len(model.functions) + 1):  # a fixpoint is reached within the nesting depth
-        seen: dict[int, set] = {}
-        formals: dict[int, ir.Value] = {}
-        for body in _bodies(model):
-            for node in ir.traversal.RecursiveGraphIterator(body):
-                function = model.functions.get(node.op_identifier())
-                if function is None:
-                    continue
-                for formal, actual in zip(function.inputs, node.inputs):
-                    formals[id(formal)] = formal
-                    seen.setdefault(id(formal), set()).add(actual.type if actual is not None else None)
-        changed = False
-        for key, types in seen.items():
-            formal = formals[key]
-            if formal.type is None and len(types) == 1 and None not in types:
-                formal.type = next(iter(types))
-                typed.append(formal)
-                changed = True
-        if not changed:
-            break
-    return typed

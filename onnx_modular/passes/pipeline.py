@@ -1,0 +1,129 @@
+"""The pass lists of an export, run declaratively with onnx_ir's ``PassManager``.
+
+Every IR rewrite of ``export_modular`` is a pass of this package; this module only says which
+run, in which order, with which (plain, torch-free) data. Three lists, one per stage:
+
+    translated   RenameDynamicAxes, [AttachWeights], NameGraphInputsOutputs, SetDefaultOpset
+    modularize   AnnotateStacks, InlineHelperFunctions, RemoveUnused, OutlineModuleCalls,
+                 [DeduplicateFunctions], NameFunctions
+    optimize     [RemoveUnused, OptimizeFunctions, FuseStandardOps], RecordNoOpCalls, RemoveUnused,
+                 AddOpsetImports, ConvertOpset, [FoldWeights, StripConstantMetadata, RemoveUnused]
+
+``RemoveUnusedPass`` runs only after a pass that leaves something unused behind (helper
+inlining; deduplication, before the optimizer would fold dead copies; dropped no-op calls;
+the weight fold), and the default-domain version is set once, right after translation (the
+conversion below 18 sets the target's itself).
+
+Example::
+
+    from onnx_modular.passes import pipeline
+
+    pipeline.run(pipeline.optimize_passes(tree=tree, opset=18, target_opset=17, optimize=True), model)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import onnx_ir as ir
+
+from onnx_modular.passes.constant_metadata import StripConstantMetadataPass
+from onnx_modular.passes.dedupe import DeduplicateFunctionsPass
+from onnx_modular.passes.default_opset import SetDefaultOpsetPass
+from onnx_modular.passes.dynamic_axes import RenameDynamicAxesPass
+from onnx_modular.passes.fold_weights import FoldWeightsPass
+from onnx_modular.passes.inline_helpers import InlineHelperFunctionsPass
+from onnx_modular.passes.io_names import NameGraphInputsOutputsPass
+from onnx_modular.passes.modularize import OutlineModuleCallsPass
+from onnx_modular.passes.module_stacks import AnnotateStacksPass
+from onnx_modular.passes.naming import NameFunctionsPass
+from onnx_modular.passes.no_op_calls import RecordNoOpCallsPass
+from onnx_modular.passes.opset_conversion import ConvertOpsetPass
+from onnx_modular.passes.opset_imports import AddOpsetImportsPass
+from onnx_modular.passes.optimize import OptimizeFunctionsPass
+from onnx_modular.passes.remove_unused import RemoveUnusedPass
+from onnx_modular.passes.standard_ops import FuseStandardOpsPass
+
+if TYPE_CHECKING:
+    from onnx_modular.format.calltree import CallTree
+    from onnx_modular.passes.signatures import CallSignature
+
+__all__ = ["translated_passes", "modularize_passes", "optimize_passes", "run"]
+
+
+def translated_passes(
+    *,
+    axis_names: Mapping[str, str],
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    opset: int,
+    weights: ir.passes.PassBase | None = None,
+) -> list[ir.passes.PassBase]:
+    """What the translator's flat model needs first: axis names, weights, I/O names, one opset.
+
+    ``weights`` (an :class:`~onnx_modular.passes.attach_weights.AttachWeightsPass`) runs
+    before any pass renames an initializer.
+    """
+    return [
+        RenameDynamicAxesPass(axis_names),
+        *([weights] if weights is not None else []),
+        NameGraphInputsOutputsPass(input_names, output_names),
+        SetDefaultOpsetPass(opset),
+    ]
+
+
+def modularize_passes(
+    *,
+    stacks: Mapping[ir.Node, tuple[str, ...]],
+    selected: Collection[str],
+    tree: CallTree,
+    signatures: Mapping[str, CallSignature],
+    value_of: Callable[[str], Any] | None = None,
+    dedupe: bool = True,
+) -> list[ir.passes.PassBase]:
+    """Flat model -> nested module-call functions, shared where identical, named."""
+    return [
+        AnnotateStacksPass(stacks, selected),
+        InlineHelperFunctionsPass(),
+        RemoveUnusedPass(),
+        OutlineModuleCallsPass(tree, signatures, value_of=value_of),
+        *([DeduplicateFunctionsPass()] if dedupe else []),
+        NameFunctionsPass(tree),
+    ]
+
+
+def optimize_passes(*, tree: CallTree, opset: int, target_opset: int, optimize: bool = True) -> list[ir.passes.PassBase]:
+    """Simplify every body (hierarchy kept), record no-op calls, convert the opset, fold weights.
+
+    No-op calls are recorded before the weight fold, so that a call whose computation is
+    folded into stored weights (rotary tables) stays a call; the fold runs after the
+    conversion, which needs the bodies' constant inputs (axes) in place to turn them into
+    attributes.
+    """
+    return [
+        *([RemoveUnusedPass(), OptimizeFunctionsPass(), FuseStandardOpsPass()] if optimize else []),
+        RecordNoOpCallsPass(tree),
+        RemoveUnusedPass(),
+        AddOpsetImportsPass(opset),
+        ConvertOpsetPass(target_opset),  # converts only below the translated opset (18)
+        *([FoldWeightsPass(), StripConstantMetadataPass(), RemoveUnusedPass()] if optimize else []),
+    ]
+
+
+def run(passes: Sequence[ir.passes.PassBase], model: ir.Model) -> ir.passes.PassResult:
+    """Run ``passes`` in order on ``model`` (in place) with onnx_ir's ``PassManager``.
+
+    onnx_ir wraps what a pass raises in ``PassError``s (one per level); the pass's own
+    exception is raised instead, so that a typed error (an opset the converter cannot
+    reach, a weight the checkpoint lacks) reaches the caller as itself.
+    """
+    try:
+        return ir.passes.PassManager(list(passes))(model)
+    except ir.passes.PassError as e:
+        cause: BaseException = e
+        while isinstance(cause, ir.passes.PassError) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if cause is e:
+            raise
+        raise cause from cause.__cause__
