@@ -101,7 +101,7 @@ def export_modular(
         opset_version: ONNX opset of the default domain, 17 to the newest the installed onnx
             knows (default 18). From 18 up torch's translator writes that opset directly
             (``Attention``, ``RMSNormalization`` at 23); 17 is converted from 18 body by body
-            (:mod:`onnx_modular.passes.opset`). Every function imports the same version.
+            (:class:`~onnx_modular.passes.opset_conversion.ConvertOpsetPass`). Every function imports the same version.
         custom_translation_table: ``{torch op: onnxscript function}``, as in
             ``torch.onnx.export``: the functions translate those ops (aten or
             ``torch.library`` custom ops), inside the module functions that call them.

@@ -19,7 +19,7 @@ import torch.nn as nn
 import models
 from helpers import DOMAIN_TORCH, DOMAIN_TRANSFORMERS, expanded_calls, functions_by_name
 from onnx_modular import export_modular, files
-from onnx_modular.passes import opset
+from onnx_modular.passes import opset_conversion as opset
 from onnx_modular.errors import InvalidInputError, TranslationError
 
 

@@ -47,7 +47,7 @@ def inline_file(
     """Write a copy of ``source`` with local functions inlined, atomically.
 
     ``opset_version`` converts the copy to that opset of the default domain, body by body
-    (functions left by ``only`` stay functions; see :class:`onnx_modular.passes.opset.ConvertOpsetPass`).
+    (functions left by ``only`` stay functions; see :class:`onnx_modular.passes.opset_conversion.ConvertOpsetPass`).
 
     ``optimize=True`` then runs onnxscript's full optimizer on the flat graph, the same one
     ``torch.onnx.export`` runs (constant folding, common subexpressions, constants lifted to
@@ -71,7 +71,7 @@ def inline_file(
     """
     import onnx_ir as ir
 
-    from onnx_modular.passes import opset
+    from onnx_modular.passes import opset_conversion as opset
 
     if opset_version is not None:
         opset.check_opset(opset_version, default=opset_version)  # before any work

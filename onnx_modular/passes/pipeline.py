@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 __all__ = ["translated_passes", "modularize_passes", "optimize_passes", "run"]
 
+#: What onnx_ir wraps a pass's own exception in.
+_WRAPPERS = (ir.passes.PassError, ir.passes.PreconditionError, ir.passes.PostconditionError)
+
 
 def translated_passes(
     *,
@@ -120,9 +123,9 @@ def run(passes: Sequence[ir.passes.PassBase], model: ir.Model) -> ir.passes.Pass
     """
     try:
         return ir.passes.PassManager(list(passes))(model)
-    except ir.passes.PassError as e:
+    except _WRAPPERS as e:
         cause: BaseException = e
-        while isinstance(cause, ir.passes.PassError) and cause.__cause__ is not None:
+        while isinstance(cause, _WRAPPERS) and cause.__cause__ is not None:
             cause = cause.__cause__
         if cause is e:
             raise

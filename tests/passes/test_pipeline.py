@@ -1,0 +1,45 @@
+"""passes/pipeline.py: the pass lists of each stage, and typed errors passing through PassManager."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+import pytest
+from pass_helpers import call_tree
+
+from onnx_modular.errors import InvalidInputError
+from onnx_modular.passes import pipeline
+from onnx_modular.passes.opset_conversion import ConvertOpsetPass
+
+
+def _names(passes):
+    return [type(p).__name__ for p in passes]
+
+
+def test_optimize_list_runs_unused_removal_only_after_passes_that_leave_garbage():
+    tree = call_tree(("block", "Block"))
+    on = _names(pipeline.optimize_passes(tree=tree, opset=18, target_opset=17, optimize=True))
+    assert on == [
+        "RemoveUnusedPass", "OptimizeFunctionsPass", "FuseStandardOpsPass", "RecordNoOpCallsPass", "RemoveUnusedPass",
+        "AddOpsetImportsPass", "ConvertOpsetPass", "FoldWeightsPass", "StripConstantMetadataPass", "RemoveUnusedPass",
+    ]
+    off = _names(pipeline.optimize_passes(tree=tree, opset=18, target_opset=18, optimize=False))
+    assert off == ["RecordNoOpCallsPass", "RemoveUnusedPass", "AddOpsetImportsPass", "ConvertOpsetPass"]
+
+
+def test_modularize_and_translated_lists():
+    tree = call_tree(("block", "Block"))
+    names = _names(pipeline.modularize_passes(stacks={}, selected=set(), tree=tree, signatures={}, dedupe=False))
+    assert names == [
+        "AnnotateStacksPass", "InlineHelperFunctionsPass", "RemoveUnusedPass", "OutlineModuleCallsPass", "NameFunctionsPass",
+    ]
+    names = _names(pipeline.translated_passes(axis_names={}, input_names=["x"], output_names=["y"], opset=18))
+    assert names == ["RenameDynamicAxesPass", "NameGraphInputsOutputsPass", "SetDefaultOpsetPass"]
+
+
+def test_a_typed_error_of_a_pass_is_raised_as_itself():
+    model = ir.from_onnx_text("""
+        <ir_version: 10, opset_import: ["" : 18]>
+        main (float[2] x) => (float[2] y) { y = Relu(x) }
+    """)
+    with pytest.raises(InvalidInputError, match="possible opsets"):
+        pipeline.run([ConvertOpsetPass(3)], model)
