@@ -29,7 +29,7 @@ from onnx_modular.files import save
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDTH = 256  # 256 KiB of weights per model: external data is a real second file
 
-# The children save a prepared model through ``save.staged_save``, the writer every export uses.
+# The children save a prepared model through ``files.save.staged_save``, the writer every export uses.
 # They load ``onnx_modular`` as a bare namespace (its ``__init__`` would import torch: seconds
 # per child, for nothing the save needs).
 CHILD = textwrap.dedent(
@@ -39,10 +39,10 @@ CHILD = textwrap.dedent(
     package.__path__ = [{package!r}]
     sys.modules["onnx_modular"] = package
     import onnx_ir as ir
-    from onnx_modular.files import save
+    from onnx_modular.files import save as files_save
 
     def save(seed, path):
-        with save.staged_save(ir.load(os.path.join({sources!r}, str(seed), "m.onnx")), path, external_data=True):
+        with files_save.staged_save(ir.load(os.path.join({sources!r}, str(seed), "m.onnx")), path, external_data=True):
             pass
 
     def kill_at(function_name, when):
@@ -236,7 +236,7 @@ def test_racing_saves_serialize(tmp_path, sources):
         while not os.path.exists({go!r}):  # both start saving at once
             time.sleep(0.001)
         for _ in range(25):
-            with save.staged_save(model, {dest!r}, external_data=True):
+            with files_save.staged_save(model, {dest!r}, external_data=True):
                 pass
         """
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
