@@ -40,7 +40,7 @@ import torch
 from onnx_modular.capture import diagnostics, pytree_io, reference_run, selection, torch_compat
 from onnx_modular.capture.fx_call_tree import build_call_tree
 from onnx_modular.capture.selection import ModuleSelector
-from onnx_modular.check import verification
+from onnx_modular.check import blockwise, verification
 from onnx_modular.errors import InvalidInputError, OnnxModularError
 from onnx_modular.files import runtime, save
 from onnx_modular.files.parity import Tolerance
@@ -351,9 +351,9 @@ def _save_and_verify(result: ModularExport, f, plan: _Plan, stages: _Stages, *, 
         with stages("verify", ""):
             inputs, expected = result._reference
             if plan.stream is not None and plan.stream.blockwise:
-                result.blocks = plan.stream.verify(path, inputs, expected, plan.tolerance)
+                result.blocks = blockwise.verify_blocks(path, inputs, expected, plan.stream.blocks, tolerance=plan.tolerance)
                 result.report = result.blocks.outputs
-                streaming.assert_blocks(result.blocks, result=result)
+                blockwise.assert_blocks(result.blocks, result=result)
             else:
                 result.report = verification.verify_file(
                     path, inputs, expected, flat=flat, tolerance=plan.tolerance,

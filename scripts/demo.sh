@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 mkdir -p out
-python3 -m onnx_modular export onnx_modular.cli.demo:gpt2 -o out/gpt2_modular.onnx
+python3 -m onnx_modular export onnx_modular.hf.demo:gpt2 -o out/gpt2_modular.onnx

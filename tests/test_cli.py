@@ -1,6 +1,6 @@
 """End-to-end tests of the command line (``onnx_modular.cli``) on real exported files.
 
-One tiny GPT-2 is exported once per module (``onnx_modular.cli.demo:gpt2``) and shared;
+One tiny GPT-2 is exported once per module (``onnx_modular.hf.demo:gpt2``) and shared;
 bad files (not ONNX, truncated, recursive functions, a missing function, a huge
 dimension) are built by hand with ``onnx.helper``.
 """
@@ -102,7 +102,7 @@ def find_call(tree: dict, function: str) -> dict:
 def exported(tmp_path_factory):
     """The demo GPT-2, exported once through the CLI with --json (rc, stdout, stderr, path)."""
     path = tmp_path_factory.mktemp("export") / "gpt2.onnx"
-    code, out, err = run_cli("export", "onnx_modular.cli.demo:gpt2", "-o", path, "--json")
+    code, out, err = run_cli("export", "onnx_modular.hf.demo:gpt2", "-o", path, "--json")
     return code, out, err, path
 
 
@@ -264,7 +264,7 @@ def test_export_prints_each_stage_then_report_and_tree(exported):
 def test_export_text_output_and_flags(tmp_path):
     path = tmp_path / "nodedupe.onnx"
     code, out, err = run_cli(
-        "export", "onnx_modular.cli.demo:gpt2", "-o", path, "--no-verify", "--no-dedupe", "--opset", "18"
+        "export", "onnx_modular.hf.demo:gpt2", "-o", path, "--no-verify", "--no-dedupe", "--opset", "18"
     )
     assert code == 0, err
     assert "verify" not in err and "capture" in err and "save" in err
@@ -278,10 +278,10 @@ def test_export_text_output_and_flags(tmp_path):
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("onnx_modular.cli.demo", "Expected 'package.module:factory'"),
+        ("onnx_modular.hf.demo", "Expected 'package.module:factory'"),
         ("no_such_package_xyz.models:build", "Cannot import 'no_such_package_xyz.models'"),
-        ("onnx_modular.cli.demo:nope", "has no attribute 'nope'"),
-        ("onnx_modular.cli.demo:__doc__", "is not callable"),
+        ("onnx_modular.hf.demo:nope", "has no attribute 'nope'"),
+        ("onnx_modular.hf.demo:__doc__", "is not callable"),
         ("json:dumps", "The factory 'json:dumps' raised TypeError"),
         ("os:getcwd", "The factory 'os:getcwd' returned str"),
     ],
@@ -336,7 +336,7 @@ def test_export_parity_failure_exits_1_and_writes_nothing(tmp_path):
 
 
 def test_export_to_missing_folder_is_bad_input(tmp_path):
-    code, _, err = run_cli("export", "onnx_modular.cli.demo:gpt2", "-o", tmp_path / "nope" / "m.onnx")
+    code, _, err = run_cli("export", "onnx_modular.hf.demo:gpt2", "-o", tmp_path / "nope" / "m.onnx")
     assert code == 2
     assert "error: [save] The output folder" in err and "does not exist" in err
 
@@ -556,7 +556,7 @@ def test_verify_exits_1_when_modular_and_inlined_differ(tmp_path):
 def test_verify_against_expected_outputs(gpt2, tmp_path):
     import torch
 
-    from onnx_modular.cli import demo
+    from onnx_modular.hf import demo
 
     model, (input_ids,) = demo.gpt2()
     with torch.no_grad():
@@ -735,7 +735,7 @@ def test_export_the_kv_cache_demo(tmp_path):
     """The KV-cache demo from the command line: named cache inputs/outputs, full names in the
     parity report, and a decode-step check at other sizes through `verify --dim`."""
     path = tmp_path / "llama_kv.onnx"
-    code, out, err = run_cli("export", "onnx_modular.cli.demo:llama_kv", "-o", path, "--depth", "1")
+    code, out, err = run_cli("export", "onnx_modular.hf.demo:llama_kv", "-o", path, "--depth", "1")
     assert code == 0, err
     assert "output.past_key_values.layers.1.values [2, 2, 5, 16]" in out  # not cut to 24 characters
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

@@ -160,7 +160,7 @@ def test_stream_weights_errors(folder, tmp_path, capsys):
     assert "must end with .onnx" in capsys.readouterr().err
     assert export(str(folder), "-o", str(tmp_path / "m.onnx")) == 2
     assert "--task" in capsys.readouterr().err
-    assert export("onnx_modular.cli.demo:gpt2", "-o", str(tmp_path / "m.onnx")) == 2
+    assert export("onnx_modular.hf.demo:gpt2", "-o", str(tmp_path / "m.onnx")) == 2
     assert "--stream-weights applies to a checkpoint folder" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(InvalidInputError, match="not a folder"):

@@ -99,7 +99,7 @@ def screenshot_dir(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def gpt2_file(tmp_path_factory) -> pathlib.Path:
     from onnx_modular import export_modular
-    from onnx_modular.cli import demo
+    from onnx_modular.hf import demo
 
     model, args = demo.gpt2()
     path = tmp_path_factory.mktemp("netron") / "gpt2.onnx"

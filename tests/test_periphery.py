@@ -91,7 +91,7 @@ def test_hierarchy_and_file_tree_agree(qwen2):
 
 def test_export_cli_prints_the_hierarchy(tmp_path):
     path = tmp_path / "gpt2.onnx"
-    code, out = _run_cli(["export", "onnx_modular.cli.demo:gpt2", "-o", str(path), "--depth", "0"])
+    code, out = _run_cli(["export", "onnx_modular.hf.demo:gpt2", "-o", str(path), "--depth", "0"])
     assert code == 0
     tree = str(function_tree(load_model_file(path)))
     assert tree in out  # the export's own tree, identical to the file's

@@ -30,15 +30,12 @@ import onnx_ir as ir
 import torch
 
 from onnx_modular.check import verification
-from onnx_modular.errors import VerificationError
+from onnx_modular.errors import ParityError, VerificationError
+from onnx_modular.format import metadata
 from onnx_modular.weights.streaming import Blocks
 from onnx_modular.check.verification import ParityReport, Tolerance
 
-__all__ = ["BlockParity", "BlockReport", "verify_blocks"]
-
-_PATH_KEY = "pkg.onnx_modular.module_path"
-_INDEX_KEY = "pkg.onnx_modular.call_index"
-
+__all__ = ["BlockParity", "BlockReport", "verify_blocks", "assert_blocks"]
 
 @dataclasses.dataclass
 class BlockParity:
@@ -102,7 +99,7 @@ class _Evaluator:
             self._holds_blocks[key] = False  # recursion guard
             self._holds_blocks[key] = any(
                 (inner := self._function(n)) is not None
-                and (n.metadata_props.get(_PATH_KEY) in self.blocks or self._holds_block(inner))
+                and (n.metadata_props.get(metadata.MODULE_PATH) in self.blocks or self._holds_block(inner))
                 for n in function
             )
         return self._holds_blocks[key]
@@ -149,7 +146,7 @@ class _Evaluator:
     def _run_block(self, node: ir.Node, path: str, env) -> None:
         results = self._session([node], env, list(node.outputs))
         env.update(zip(node.outputs, results))
-        index = int(node.metadata_props.get(_INDEX_KEY, "0"))
+        index = int(node.metadata_props.get(metadata.CALL_INDEX, "0"))
         expected = self.blocks.outputs.get((path, index))
         self.report.append(self._compare(path, index, results, expected))
 
@@ -247,7 +244,7 @@ def _copy_attr(attr: ir.Attr) -> ir.Attr:
 
 def _full_path(node: ir.Node, caller: str | None) -> str | None:
     """The module path of a call node: full in the main graph, relative to the caller in a body."""
-    path = node.metadata_props.get(_PATH_KEY)
+    path = node.metadata_props.get(metadata.MODULE_PATH)
     if path is None or caller is None:
         return path
     name = (node.name or "").split("@")[0]
@@ -290,3 +287,19 @@ def verify_blocks(
         names, outputs, None, [verification.to_numpy(t) for t in expected], tolerance=tolerance
     )
     return BlockReport(evaluator.report, report)
+
+
+def assert_blocks(report, *, result=None) -> None:
+    """Raise :class:`ParityError` naming the first block call beyond tolerance."""
+    first = report.first_failure
+    if first is None:
+        return
+    raise ParityError(
+        f"Block {first.module_path!r} ({first.module_class}) differs from PyTorch: max abs {first.max_abs:.3e}"
+        + ("" if first.outputs_compared else " (its outputs could not be matched)")
+        + f".\n{report}",
+        report=report.outputs,
+        result=result,
+        module_path=first.module_path,
+        hint="Inspect error.report; loosen rtol/atol if the drift is expected (e.g. float16).",
+    )

@@ -30,8 +30,9 @@ import torch
 
 from onnx_modular.format import metadata
 
-from onnx_modular.check import verification
+from onnx_modular.check import tensors
 from onnx_modular.files import runtime
+from onnx_modular.files import parity
 from onnx_modular.files.parity import Tolerance, default_tolerance
 
 __all__ = [
@@ -95,14 +96,14 @@ class LocalizationReport:
         return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
-        width = verification.name_column_width((m.call_name for m in self.modules), minimum=40, maximum=72)
+        width = parity.name_column_width((m.call_name for m in self.modules), minimum=40, maximum=72)
         header = f"{'#':>4} {'module call':<{width}} {'function':<24} {'depth':>5} {'max abs':>10} {'max rel':>10}  ok"
         lines = ["Per-module parity (onnxruntime vs PyTorch, in completion order)", header, "-" * len(header)]
         first = self.first_failure
         for i, m in enumerate(self.modules):
             mark = "yes" if m.ok else ("NO  <- first to drift" if m is first else "NO")
             lines.append(
-                f"{i:>4} {verification.fit_name(m.call_name, width):<{width}} {m.function[:24]:<24} {m.depth:>5} {m.max_abs:>10.2e} {m.max_rel:>10.2e}  {mark}"
+                f"{i:>4} {parity.fit_name(m.call_name, width):<{width}} {m.function[:24]:<24} {m.depth:>5} {m.max_abs:>10.2e} {m.max_rel:>10.2e}  {mark}"
             )
         growth = ", ".join(f"depth {d}: {v:.1e}" for d, v in self.by_depth().items())
         lines.append(f"max abs error by depth: {growth}")
@@ -190,14 +191,14 @@ def capture_module_outputs(
         def hook(module, hook_args, output):
             index = counts.get(path, 0)
             counts[path] = index + 1
-            captured[(path, index)] = [t.detach().clone() for t in verification.flatten_outputs(output)]
+            captured[(path, index)] = [t.detach().clone() for t in tensors.flatten_outputs(output)]
 
         return hook
 
     for path, module in model.named_modules():
         if path:
             handles.append(module.register_forward_hook(make_hook(path)))
-    args, kwargs = verification.copy_inputs(args, kwargs or {})  # a cache grows in place
+    args, kwargs = tensors.copy_inputs(args, kwargs or {})  # a cache grows in place
     try:
         with torch.no_grad():
             output = model(*args, **kwargs)
@@ -328,12 +329,12 @@ def _compare_call(onnx_values: Sequence[np.ndarray], torch_values: Sequence[torc
             if j in used or tuple(tensor.shape) != value.shape:
                 continue
             used.add(j)
-            reference = verification.to_numpy(tensor)
+            reference = tensors.to_numpy(tensor)
             tol = tolerance or default_tolerance(tensor.dtype)
             atol = tol.atol if atol is None else min(atol, tol.atol)
-            abs_error, rel_error = verification.max_differences(value, reference)
+            abs_error, rel_error = parity.max_differences(value, reference)
             max_abs, max_rel = max(max_abs, abs_error), max(max_rel, rel_error)
-            ok = ok and verification.allclose(value, reference, tol)
+            ok = ok and parity.allclose(value, reference, tol)
             compared += 1
             break
     return max_abs, max_rel, compared, ok, atol
@@ -360,7 +361,7 @@ def localize(
         report = localize("gpt2.onnx", model, (input_ids,))
         print(report.first_failure)   # None, or the first module call beyond tolerance
     """
-    args, kwargs = verification.normalize_inputs(args, kwargs)
+    args, kwargs = tensors.normalize_inputs(args, kwargs)
     if isinstance(onnx_model, ir.Model):
         model = ir.serde.deserialize_model(ir.serde.serialize_model(onnx_model))
         near = None
@@ -372,7 +373,7 @@ def localize(
     counter = metadata.CallCounter()
     entries = _flatten(probes, None, "", 1, [], counter, metadata.NoOpCalls(model.graph, None, None, counter, True))
 
-    feeds = [verification.to_numpy(t) for t in verification.flatten_inputs(args, kwargs)]
+    feeds = [tensors.to_numpy(t) for t in tensors.flatten_inputs(args, kwargs)]
     if near is None:
         with runtime.scratch_file(None, "instrumented.onnx") as path:
             ir.save(model, path)

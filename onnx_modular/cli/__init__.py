@@ -16,7 +16,7 @@ Exit codes: 0 success; 1 verification failure (outputs differ beyond tolerance);
 
 Example::
 
-    python -m onnx_modular export onnx_modular.cli.demo:gpt2 -o gpt2.onnx
+    python -m onnx_modular export onnx_modular.hf.demo:gpt2 -o gpt2.onnx
     python -m onnx_modular tree gpt2.onnx --depth 2
 """
 

@@ -209,11 +209,6 @@ class Stream:
         """The pass that makes the translated model's initializers read from the checkpoint."""
         return AttachWeightsPass(self.plan.keys, self.plan.lazy_tensor)
 
-    def verify(self, path, inputs, expected, tolerance):
-        from onnx_modular.check.blockwise import verify_blocks
-
-        return verify_blocks(path, inputs, expected, self.blocks, tolerance=tolerance)
-
 
 def check_model_device(model: torch.nn.Module) -> None:
     """A model with meta tensors needs ``weights=``."""
@@ -225,21 +220,3 @@ def check_model_device(model: torch.nn.Module) -> None:
             module_path="",
             hint="Pass weights=<safetensors file, shard folder or state dict> to take the values from there.",
         )
-
-
-def assert_blocks(report, *, result=None) -> None:
-    """Raise :class:`ParityError` naming the first block call beyond tolerance."""
-    from onnx_modular.errors import ParityError
-
-    first = report.first_failure
-    if first is None:
-        return
-    raise ParityError(
-        f"Block {first.module_path!r} ({first.module_class}) differs from PyTorch: max abs {first.max_abs:.3e}"
-        + ("" if first.outputs_compared else " (its outputs could not be matched)")
-        + f".\n{report}",
-        report=report.outputs,
-        result=result,
-        module_path=first.module_path,
-        hint="Inspect error.report; loosen rtol/atol if the drift is expected (e.g. float16).",
-    )

@@ -2,8 +2,8 @@
 
 Each factory returns what ``onnx-modular export`` expects:
 
-    python -m onnx_modular export onnx_modular.cli.demo:gpt2 -o gpt2.onnx
-    python -m onnx_modular export onnx_modular.cli.demo:llama_kv -o llama_kv.onnx
+    python -m onnx_modular export onnx_modular.hf.demo:gpt2 -o gpt2.onnx
+    python -m onnx_modular export onnx_modular.hf.demo:llama_kv -o llama_kv.onnx
 
 Nothing is downloaded; ``transformers`` must be installed (it is in the ``test`` extra).
 """
