@@ -12,7 +12,6 @@ import time
 import warnings
 
 import numpy as np
-import onnx
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))

@@ -15,10 +15,10 @@ import pathlib
 import statistics
 import tempfile
 
-import torch
-
 import _common
 import models
+import torch
+
 from onnx_modular import export_modular, files
 
 

@@ -20,6 +20,7 @@ import time
 
 import _common
 import models
+
 from onnx_modular import export_modular
 
 

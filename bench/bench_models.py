@@ -15,6 +15,7 @@ import tempfile
 
 import _common
 import models
+
 from onnx_modular import export_modular
 from onnx_modular.format import metadata
 

@@ -16,7 +16,6 @@ import importlib
 
 __version__ = "0.1.0"
 
-from onnx_modular.format.calltree import CallTree, ModuleCall
 from onnx_modular.errors import (
     CaptureError,
     DecompositionError,
@@ -32,6 +31,7 @@ from onnx_modular.errors import (
     VerificationError,
 )
 from onnx_modular.files.parity import OutputParity, ParityReport, Tolerance
+from onnx_modular.format.calltree import CallTree, ModuleCall
 
 #: name -> module that defines it, imported on first use (these modules import torch).
 _LAZY = {

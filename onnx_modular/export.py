@@ -37,7 +37,13 @@ from typing import Any
 import onnx_ir as ir
 import torch
 
-from onnx_modular.capture import diagnostics, pytree_io, reference_run, selection, torch_compat
+from onnx_modular.capture import (
+    diagnostics,
+    pytree_io,
+    reference_run,
+    selection,
+    torch_compat,
+)
 from onnx_modular.capture.fx_call_tree import build_call_tree
 from onnx_modular.capture.selection import ModuleSelector
 from onnx_modular.check import blockwise, verification

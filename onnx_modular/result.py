@@ -14,13 +14,11 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from onnx_modular.files import save
-
-from onnx_modular.format import metadata
-
 from onnx_modular.check import verification
-from onnx_modular.format.calltree import CallTree
 from onnx_modular.errors import InvalidInputError
+from onnx_modular.files import save
+from onnx_modular.format import metadata
+from onnx_modular.format.calltree import CallTree
 
 __all__ = ["ModularExport"]
 

@@ -39,10 +39,9 @@ def main() -> None:
     sys.path.insert(0, str(TESTS))
     warnings.simplefilter("ignore")
     logging.disable(logging.WARNING)
-    from hypothesis import HealthCheck, given, settings
-
     import fuzz_models
     import test_fuzz
+    from hypothesis import HealthCheck, given, settings
 
     deadline = time.monotonic() + options.minutes * 60
     start = time.monotonic()

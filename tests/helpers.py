@@ -9,6 +9,7 @@ import onnx_ir as ir
 
 from onnx_modular.format import metadata
 
+
 def _domain(package: str) -> str:
     """The function domain of a package's classes, from its installed version (no local label)."""
     return f"pkg.{package}.{importlib.metadata.version(package).split('+', 1)[0]}"

@@ -22,12 +22,12 @@ import onnx.helper as oh
 import onnxruntime as ort
 import pytest
 import transformers
-
 from helpers import DOMAIN_TORCH
+
 from onnx_modular import files
-from onnx_modular.format import metadata
-from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.cli import main
+from onnx_modular.errors import InvalidModelFileError
+from onnx_modular.format import metadata
 
 # onnxruntime 1.2x reads IR version 10; onnx.helper would stamp its newest one.
 IR_VERSION = 10

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 
+import models
 import pytest
 import torch
 import torch.nn as nn
-
-import models
 from helpers import expanded_calls, functions_by_name, top_level_calls
+
 from onnx_modular import InvalidInputError, export_modular
 from onnx_modular.format import metadata
 from onnx_modular.passes.dedupe import function_fingerprint

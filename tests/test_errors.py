@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
+import models
 import pytest
 import torch
 import torch.nn as nn
 
-import models
 from onnx_modular import (
     CaptureError,
     InvalidInputError,

@@ -34,6 +34,7 @@ import os
 import pathlib
 import tempfile
 
+import fuzz_models
 import numpy as np
 import onnx
 import onnx.inliner
@@ -41,13 +42,12 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
+from helpers import expanded_calls, top_level_calls
 from hypothesis import HealthCheck, given, note, settings
 
-import fuzz_models
-from helpers import expanded_calls, top_level_calls
 from onnx_modular import export_modular
-from onnx_modular.format import metadata
 from onnx_modular.check.verification import flatten_inputs
+from onnx_modular.format import metadata
 
 FUZZ_EXAMPLES = int(os.environ.get("ONNX_MODULAR_FUZZ_EXAMPLES", "15"))
 SLOW_FUZZ_EXAMPLES = int(os.environ.get("ONNX_MODULAR_FUZZ_SLOW_EXAMPLES", "300"))

@@ -13,8 +13,13 @@ import onnx
 import pytest
 import torch
 import torch.nn as nn
+from helpers import (
+    expanded_calls,
+    functions_by_name,
+    top_level_calls,
+    without_lifted_constants,
+)
 
-from helpers import expanded_calls, functions_by_name, top_level_calls, without_lifted_constants
 from onnx_modular import export_modular
 from onnx_modular.format import metadata
 

@@ -20,11 +20,16 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import onnx_modular.hf as hf  # noqa: E402
-from onnx_modular.cli import main  # noqa: E402
-from onnx_modular.errors import InvalidInputError, MissingDependencyError, OnnxModularError  # noqa: E402
 from transformers.exporters import ExportedModel  # noqa: E402
 from transformers.exporters.auto import get_exporter_class, get_runner_class  # noqa: E402
+
+import onnx_modular.hf as hf  # noqa: E402
+from onnx_modular.cli import main  # noqa: E402
+from onnx_modular.errors import (  # noqa: E402
+    InvalidInputError,
+    MissingDependencyError,
+    OnnxModularError,
+)
 
 TORCH_DOMAIN = f"pkg.torch.{torch.__version__.split('+')[0]}"
 TRANSFORMERS_DOMAIN = f"pkg.transformers.{transformers.__version__}"

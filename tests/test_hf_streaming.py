@@ -13,11 +13,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from onnx_modular.weights import sources as weights_module  # noqa: E402
 from onnx_modular.cli import build_parser, main  # noqa: E402
 from onnx_modular.errors import InvalidInputError  # noqa: E402
 from onnx_modular.hf import checkpoint as hf_checkpoint  # noqa: E402
 from onnx_modular.hf import command  # noqa: E402
+from onnx_modular.weights import sources as weights_module  # noqa: E402
 
 ATOL = 1e-4
 CACHE = [f"input.past_key_values.layers.{i}.{kind}" for i in range(2) for kind in ("keys", "values")]

@@ -11,16 +11,16 @@ greedy decode loop that feeds the ONNX cache outputs back as inputs.
 
 from __future__ import annotations
 
+import models
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-
-import models
 from helpers import expanded_calls
+
 from onnx_modular import export_modular
-from onnx_modular.format import metadata
 from onnx_modular.errors import InvalidInputError
+from onnx_modular.format import metadata
 
 ATOL = 1e-4
 LAYERS = 2

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import json
 
+import models
+import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
-
-import models
-import numpy as np
 from helpers import expanded_calls
+
 from onnx_modular import export_modular, localize, verify
 from onnx_modular.format import metadata
 
 
 def plant_weight_fault(source, destination, initializer: str, factor: float = 1.5):
     model = ir.load(str(source))
-    if initializer not in model.graph.initializers:  # stored pre-transposed (FoldWeightTransposesPass)
+    if initializer not in model.graph.initializers:  # stored pre-transposed (FoldWeightsPass)
         initializer += ".T"
     value = model.graph.initializers[initializer]
     value.const_value = ir.tensor(value.const_value.numpy() * factor, name=initializer)

@@ -10,11 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import models
 import onnx
 import pytest
 import torch
-
-import models
 from helpers import (
     CALL_METADATA_KEYS,
     DOMAIN_TRANSFORMERS,
@@ -24,6 +23,7 @@ from helpers import (
     max_depth,
     top_level_calls,
 )
+
 from onnx_modular import export_modular
 from onnx_modular.format import metadata
 

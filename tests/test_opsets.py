@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import collections
 
+import models
 import onnx
 import onnx_ir as ir
 import pytest
 import torch
 import torch.nn as nn
-
-import models
 from helpers import DOMAIN_TORCH, DOMAIN_TRANSFORMERS, expanded_calls, functions_by_name
+
 from onnx_modular import export_modular, files
-from onnx_modular.passes import opset_conversion as opset
 from onnx_modular.errors import InvalidInputError, TranslationError
+from onnx_modular.passes import opset_conversion as opset
 
 
 def default_domain_imports(model: ir.Model) -> set[int]:

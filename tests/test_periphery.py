@@ -12,19 +12,19 @@ import subprocess
 import sys
 import textwrap
 
+import models
 import numpy as np
 import onnx
 import onnx.helper as oh
 import pytest
 import torch
-
-import models
 import zoo
+
 from onnx_modular import export_modular, verify
-from onnx_modular.format import metadata
 from onnx_modular.cli import main
 from onnx_modular.files import function_tree, load_model_file, random_inputs
 from onnx_modular.files.parity import REL_FLOOR, max_differences
+from onnx_modular.format import metadata
 
 
 def _qwen2():

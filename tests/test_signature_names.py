@@ -12,8 +12,12 @@ import functools
 
 import pytest
 import torch
+from helpers import (
+    functions_by_name,
+    torch_value_names_in_signatures,
+    without_lifted_constants,
+)
 
-from helpers import functions_by_name, torch_value_names_in_signatures, without_lifted_constants
 from onnx_modular import export_modular
 
 

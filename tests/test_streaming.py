@@ -20,8 +20,6 @@ import transformers
 from safetensors.torch import save_file
 
 from onnx_modular import export_modular
-
-from onnx_modular.format import metadata
 from onnx_modular.errors import (
     MissingWeightError,
     OnnxModularError,
@@ -29,6 +27,7 @@ from onnx_modular.errors import (
     WeightsError,
     WeightShapeError,
 )
+from onnx_modular.format import metadata
 from onnx_modular.hf.meta import model_on_meta
 from onnx_modular.weights.sources import WeightSource, plan_weights
 

@@ -6,13 +6,13 @@ Numerics: onnxruntime (modular and flat) against torch with the float32 defaults
 
 from __future__ import annotations
 
+import models
 import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-
-import models
 from helpers import functions_by_name, top_level_calls, without_lifted_constants
+
 from onnx_modular import export_modular
 from onnx_modular.format import metadata
 

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from onnx_modular import export_modular
-
 from onnx_modular.format import metadata
 
 

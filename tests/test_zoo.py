@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import zoo
 from helpers import expanded_calls, torch_value_names_in_signatures
+
 from onnx_modular import export_modular
 from onnx_modular.format import metadata
 

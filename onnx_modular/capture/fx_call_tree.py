@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from onnx_modular.errors import ModularizeError
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree, ModuleCall
-from onnx_modular.errors import ModularizeError
 
 __all__ = ["build_call_tree", "module_info", "package_of"]
 

@@ -61,7 +61,10 @@ def _load_front_ends() -> None:
 def make_flattenable(model: Any, values: Sequence[Any]) -> bool:
     """Let every registered library make ``values`` flattenable; True if one registered something."""
     _load_front_ends()
-    return any([hook(model, values) for hook in _input_type_hooks])
+    registered = False
+    for hook in _input_type_hooks:  # every hook runs: values may come from several libraries
+        registered = hook(model, values) or registered
+    return registered
 
 
 def translations() -> dict[Callable, Callable]:

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from onnx_modular.capture import torch_compat
-
 from onnx_modular.check import verification
 from onnx_modular.passes.signatures import CallSignature, TensorSpec
 

@@ -7,8 +7,8 @@ from typing import Union
 
 import torch
 
-from onnx_modular.format.calltree import CallTree
 from onnx_modular.errors import InvalidInputError
+from onnx_modular.format.calltree import CallTree
 
 __all__ = ["ModuleSelector", "selector", "selected_calls"]
 

@@ -30,10 +30,10 @@ import onnx_ir as ir
 import torch
 
 from onnx_modular.check import verification
+from onnx_modular.check.verification import ParityReport, Tolerance
 from onnx_modular.errors import ParityError, VerificationError
 from onnx_modular.format import metadata
 from onnx_modular.weights.streaming import Blocks
-from onnx_modular.check.verification import ParityReport, Tolerance
 
 __all__ = ["BlockParity", "BlockReport", "verify_blocks", "assert_blocks"]
 

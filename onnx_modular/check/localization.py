@@ -28,12 +28,10 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 import torch
 
-from onnx_modular.format import metadata
-
 from onnx_modular.check import tensors
-from onnx_modular.files import runtime
-from onnx_modular.files import parity
+from onnx_modular.files import parity, runtime
 from onnx_modular.files.parity import Tolerance, default_tolerance
+from onnx_modular.format import metadata
 
 __all__ = [
     "ModuleParity",

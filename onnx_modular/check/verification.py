@@ -17,10 +17,7 @@ import pathlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from onnx_modular.check.tensors import (
-    copy_inputs,
     flatten_inputs,
     flatten_outputs,
     normalize_inputs,

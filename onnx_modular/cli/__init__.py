@@ -40,12 +40,19 @@ from typing import Any
 
 import numpy as np
 
-from onnx_modular.files import save
-from onnx_modular.format.text import shown
 from onnx_modular.errors import InvalidInputError, OnnxModularError, ParityError
-from onnx_modular.files import check_feeds, function_tree, inline_file, load_model_file, model_inputs, random_inputs
+from onnx_modular.files import (
+    check_feeds,
+    function_tree,
+    inline_file,
+    load_model_file,
+    model_inputs,
+    random_inputs,
+    save,
+)
 from onnx_modular.files.inputs import load_arrays
 from onnx_modular.files.parity import Tolerance
+from onnx_modular.format.text import shown
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_MISMATCH", "EXIT_USAGE", "EXIT_INTERNAL"]
 
@@ -242,7 +249,9 @@ def _quiet_warnings(args: argparse.Namespace):
 
 def _export_checkpoint(args: argparse.Namespace) -> int:
     """A transformers checkpoint folder (``--task``): see :mod:`onnx_modular.hf.command`."""
-    from onnx_modular.hf import command  # imports transformers: a clear error without the [hf] extra
+    from onnx_modular.hf import (
+        command,  # imports transformers: a clear error without the [hf] extra
+    )
 
     started = time.perf_counter()
     _stderr(f"Exporting {args.factory} ({args.task}) to {args.output}")

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import onnx
 
-from onnx_modular.format.text import shown
 from onnx_modular.format.metadata import subgraphs
+from onnx_modular.format.text import shown
 
 #: ``(domain, name, overload)``, as ``onnx_ir.OperatorIdentifier``.
 FunctionId = tuple[str, str, str]

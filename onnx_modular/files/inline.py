@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import onnx
 import onnx.inliner
 
-from onnx_modular.files import save
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
+from onnx_modular.files import save
 from onnx_modular.files._proto import shown, uses_external_data
 from onnx_modular.files.checks import check_expanded_size
 from onnx_modular.files.load import load_model_file

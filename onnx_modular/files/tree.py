@@ -11,8 +11,6 @@ from collections.abc import Mapping
 import onnx
 import onnx_ir as ir
 
-from onnx_modular.format import metadata
-from onnx_modular.format.calltree import CallTree, ModuleCall
 from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.files._proto import FunctionId, all_nodes, function_id, node_id, numel
 from onnx_modular.files.checks import (
@@ -20,6 +18,8 @@ from onnx_modular.files.checks import (
     check_model_structure,
     max_expanded_calls,
 )
+from onnx_modular.format import metadata
+from onnx_modular.format.calltree import CallTree, ModuleCall
 
 __all__ = ["MAX_TREE_CALLS", "function_tree", "count_from_model", "count_from_ir"]
 

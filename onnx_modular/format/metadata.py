@@ -38,6 +38,11 @@ __all__ = [
     "NAMESPACE",
     "CALLS",
     "STACK",
+    "GLOBAL_NAME",
+    "SOURCE_NAME",
+    "SIGNATURE_NOTES",
+    "FOLDED",
+    "INLINED_STACK",
     "CALL_METADATA_KEYS",
     "call_name",
     "split_call_name",
@@ -95,6 +100,19 @@ CALLS = "onnx_modular.calls"
 #: module-call keys (outermost first) the node ran under. Set by ``AnnotateStacksPass``,
 #: read by ``OutlineModuleCallsPass`` and ``InlineHelperFunctionsPass``.
 STACK = "onnx_modular.stack"
+
+#: ``meta`` keys (in memory only) the passes leave for each other:
+#: a function's name before NameFunctionsPass names it (OutlineModuleCallsPass),
+GLOBAL_NAME = "onnx_modular.global_name"
+#: a value's name in torch's translation (= FX node name), matched to eager signatures,
+SOURCE_NAME = "onnx_modular.source_name"
+#: a function's notes on inputs/outputs the signature matching could not name,
+SIGNATURE_NOTES = "onnx_modular.signature_notes"
+#: an initializer FoldWeightsPass computed (its sources' names).
+FOLDED = "onnx_modular.folded"
+#: Node metadata property (removed again within InlineHelperFunctionsPass) carrying
+#: :data:`STACK` across onnx_ir's inliner, which copies ``metadata_props`` but not ``meta``.
+INLINED_STACK = PREFIX + "internal.stack"
 
 #: The keys every call node carries.
 CALL_METADATA_KEYS = frozenset({MODULE_PATH, CALL_INDEX, CLASS, PACKAGE, PACKAGE_VERSION, NAMESPACE})

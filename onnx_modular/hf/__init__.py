@@ -29,7 +29,12 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
         hint="Install the extra: pip install 'onnx-modular[hf]'.",
     ) from e
 
-from onnx_modular.hf.checkpoint import TASKS, load_checkpoint, model_and_inputs, sample_inputs  # noqa: E402
+from onnx_modular.hf.checkpoint import (  # noqa: E402
+    TASKS,
+    load_checkpoint,
+    model_and_inputs,
+    sample_inputs,
+)
 from onnx_modular.hf.command import export_checkpoint  # noqa: E402
 from onnx_modular.hf.exporter import (  # noqa: E402
     EXPORT_FORMAT,

@@ -21,7 +21,11 @@ from typing import Any
 from onnx_modular.check import verification
 from onnx_modular.errors import InvalidInputError, ParityError
 from onnx_modular.hf.checkpoint import model_and_inputs
-from onnx_modular.hf.exporter import ModularOnnxConfig, ModularOnnxExporter, modular_result
+from onnx_modular.hf.exporter import (
+    ModularOnnxConfig,
+    ModularOnnxExporter,
+    modular_result,
+)
 from onnx_modular.hf.meta import checkpoint_weights
 
 __all__ = ["export_checkpoint", "streamed"]

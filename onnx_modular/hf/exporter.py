@@ -12,11 +12,10 @@ runs on the final program, after those fixes.
 
 from __future__ import annotations
 
-import pathlib
-
 import contextlib
 import dataclasses
 import functools
+import pathlib
 import threading
 from collections.abc import Iterator, MutableMapping
 from typing import Any
@@ -25,18 +24,24 @@ import onnx_ir as ir
 import torch
 from transformers.exporters import auto
 from transformers.exporters.configs import OnnxConfig
-from transformers.exporters.exporter_dynamo import patch_forward_signature, patch_model_config, reset_model_state
+from transformers.exporters.exporter_dynamo import (
+    patch_forward_signature,
+    patch_model_config,
+    reset_model_state,
+)
 from transformers.exporters.exporter_onnx import OnnxExporter
 from transformers.exporters.runners.runner_onnx import OnnxModelRunner
-from transformers.exporters.utils import _OUTPUT_FLAGS, apply_fx_node_fixes, apply_patches
-
-from onnx_modular.files import save
+from transformers.exporters.utils import (
+    _OUTPUT_FLAGS,
+    apply_fx_node_fixes,
+    apply_patches,
+)
 
 from onnx_modular.capture import torch_compat
-
 from onnx_modular.check import verification
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.export import ModularExport, ModuleSelector, export_modular
+from onnx_modular.files import save
 
 __all__ = [
     "EXPORT_FORMAT",

@@ -28,14 +28,18 @@ def register_caches(model: Any, values: Sequence[Any]) -> bool:
     if not any(is_transformers_cache(value) for value in values):
         return False
     try:  # transformers >= 5.2x: the registration its own exporters use, for every Cache type
-        from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
+        from transformers.exporters.exporter_dynamo import (
+            register_cache_pytrees_for_model,
+        )
     except ImportError:
         register_cache_pytrees_for_model = None
     if register_cache_pytrees_for_model is not None:
         register_cache_pytrees_for_model(model)
         return True
     try:  # older transformers: DynamicCache only
-        from transformers.integrations.executorch import register_dynamic_cache_export_support
+        from transformers.integrations.executorch import (
+            register_dynamic_cache_export_support,
+        )
     except ImportError as e:
         raise InvalidInputError(
             "The inputs hold a transformers cache, and this transformers version has no helper "

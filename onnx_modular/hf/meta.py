@@ -133,7 +133,11 @@ def checkpoint_weights(folder: str | os.PathLike, model: torch.nn.Module) -> Any
             tensor, q/k/v concatenated, ...): streaming reads tensors as stored.
     """
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        rename_source_key,
+    )
 
     from onnx_modular.weights.sources import WeightSource
 

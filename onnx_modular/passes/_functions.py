@@ -6,13 +6,8 @@ from collections.abc import Iterator, Mapping
 
 import onnx_ir as ir
 
-from onnx_modular.format import metadata
+__all__ = ["bodies", "all_nodes", "redirect_calls", "callees", "function_cycle"]
 
-__all__ = ["CALLS_KEY", "bodies", "all_nodes", "redirect_calls", "callees", "function_cycle"]
-
-#: ``function.meta`` key (in memory, not saved): the ModuleCalls a module-call function serves.
-#: OutlineModuleCallsPass sets it, DeduplicateFunctionsPass merges it, NameFunctionsPass reads it.
-CALLS_KEY = metadata.CALLS  # in-memory meta key: the module calls a function serves
 
 
 def bodies(model: ir.Model) -> list[ir.Graph | ir.Function]:

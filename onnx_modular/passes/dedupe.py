@@ -21,7 +21,8 @@ from typing import Any
 
 import onnx_ir as ir
 
-from onnx_modular.passes._functions import CALLS_KEY, callees, function_cycle, redirect_calls
+from onnx_modular.format import metadata
+from onnx_modular.passes._functions import callees, function_cycle, redirect_calls
 
 __all__ = ["DeduplicateFunctionsPass", "function_fingerprint"]
 
@@ -109,7 +110,7 @@ class DeduplicateFunctionsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         functions = model.functions
-        ours = [f for f in functions.values() if CALLS_KEY in f.meta]
+        ours = [f for f in functions.values() if metadata.CALLS in f.meta]
         height: dict[ir.OperatorIdentifier, int] = {}
 
         def height_of(function: ir.Function) -> int:
@@ -135,8 +136,8 @@ class DeduplicateFunctionsPass(ir.passes.InPlacePass):
                     continue
                 mapping[function.identifier()] = keeper.identifier()
                 _generalize_dims(keeper, function)
-                keeper.meta[CALLS_KEY].extend(function.meta[CALLS_KEY])
-                for call in function.meta[CALLS_KEY]:
+                keeper.meta[metadata.CALLS].extend(function.meta[metadata.CALLS])
+                for call in function.meta[metadata.CALLS]:
                     call.function = (keeper.domain, keeper.name)
             redirect_calls(model, mapping)
             for identifier in mapping:

@@ -47,13 +47,12 @@ from onnx_modular.passes._node_eval import infer_shapes as _infer_shapes
 from onnx_modular.passes._node_eval import static_size as _static_size
 from onnx_modular.passes._node_eval import support as _support
 
-__all__ = ["FOLDED_KEY", "INPUT_SIZE_LIMIT", "OUTPUT_SIZE_LIMIT", "FoldWeightsPass"]
+__all__ = ["INPUT_SIZE_LIMIT", "OUTPUT_SIZE_LIMIT", "FoldWeightsPass"]
 
 #: onnxscript's defaults (``onnxscript.optimizer._constant_folding``), the flat export's rules.
 INPUT_SIZE_LIMIT = 8192
 OUTPUT_SIZE_LIMIT = 512 * 512
 #: ``node.meta`` flag of the copies moved into callers (internal to this pass).
-FOLDED_KEY = "onnx_modular.folded"
 
 _NON_DETERMINISTIC = frozenset({"RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike", "Multinomial"})
 _Key = tuple[ir.OperatorIdentifier, int]  # (function, formal input index)
@@ -301,7 +300,7 @@ def _owned_inputs(model: ir.Model, sites, constant_keys: set[_Key], folds) -> se
 
 def _owned_use(use: ir.Usage, folded: Collection[ir.Node], owned: set[_Key], model: ir.Model) -> bool:
     node = use.node
-    if node in folded or node.meta.get(FOLDED_KEY):
+    if node in folded or node.meta.get(metadata.FOLDED):
         return True
     return node.op_identifier() in model.functions and (node.op_identifier(), use.idx) in owned
 
@@ -442,7 +441,7 @@ def _copy_into_caller(function, frontier, call: ir.Node, owner, merged: dict) ->
                 node.domain, node.op_type, inputs, [_copy_attribute(a) for a in node.attributes.values()],
                 num_outputs=len(node.outputs), version=node.version, metadata_props=dict(node.metadata_props),
             )
-            copy.meta[FOLDED_KEY] = True
+            copy.meta[metadata.FOLDED] = True
             for old, new in zip(node.outputs, copy.outputs):
                 new.type, new.shape = old.type, old.shape.copy() if old.shape is not None else None
             _insert_with_folds(graph, copy, call)
@@ -455,7 +454,7 @@ def _insert_with_folds(graph, copy: ir.Node, call: ir.Node) -> None:
     """Insert ``copy`` after the copies already at the top of ``graph`` (before its first other
     node). A copy reads only formal inputs, initializers, values of the enclosing scopes and earlier
     copies, so there it precedes every call that a merged copy may serve, in any order of lifting."""
-    first = next((node for node in graph if not node.meta.get(FOLDED_KEY)), call)
+    first = next((node for node in graph if not node.meta.get(metadata.FOLDED)), call)
     graph.insert_before(first, copy)
 
 
@@ -493,7 +492,7 @@ def _remove_dead(function: ir.Function) -> None:
 
 def _store_folded_initializers(model: ir.Model) -> bool:
     graph = model.graph
-    folded = [node for node in graph if node.meta.get(FOLDED_KEY)]
+    folded = [node for node in graph if node.meta.get(metadata.FOLDED)]
     if not folded:
         return False
     members = set(folded)

@@ -8,9 +8,6 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from onnx_modular.format import metadata
-from onnx_modular.passes._functions import CALLS_KEY
-
-_TEMP_STACK_PROP = "pkg.onnx_modular.internal.stack"
 
 __all__ = ["InlineHelperFunctionsPass"]
 
@@ -32,7 +29,7 @@ class InlineHelperFunctionsPass(ir.passes.InPlacePass):
 
     def requires(self, model: ir.Model) -> None:
         # onnx_ir's InlinePass inlines every function: module functions would be flattened too.
-        ours = [f.name for f in model.functions.values() if CALLS_KEY in f.meta]
+        ours = [f.name for f in model.functions.values() if metadata.CALLS in f.meta]
         if ours:
             raise ir.passes.PreconditionError(
                 f"Module-call functions exist already ({', '.join(ours[:5])}); helper functions are "
@@ -46,10 +43,10 @@ class InlineHelperFunctionsPass(ir.passes.InPlacePass):
         # not its ``meta``: carry the module-call stack across in a temporary property.
         for node in model.graph:
             if metadata.STACK in node.meta:
-                node.metadata_props[_TEMP_STACK_PROP] = json.dumps(node.meta[metadata.STACK])
+                node.metadata_props[metadata.INLINED_STACK] = json.dumps(node.meta[metadata.STACK])
         modified = common_passes.InlinePass()(model).modified
         for node in ir.traversal.RecursiveGraphIterator(model.graph):
-            stack = node.metadata_props.pop(_TEMP_STACK_PROP, None)
+            stack = node.metadata_props.pop(metadata.INLINED_STACK, None)
             if stack is not None and node.graph is model.graph:
                 node.meta[metadata.STACK] = tuple(json.loads(stack))
         return ir.passes.PassResult(model, modified=modified)

@@ -19,13 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import onnx_ir as ir
 
-from onnx_modular.format import metadata
 from onnx_modular.errors import ModularizeError
-from onnx_modular.passes._functions import CALLS_KEY
+from onnx_modular.format import metadata
 from onnx_modular.passes.signatures import (
-    NOTES_KEY,
     SIZE_INPUT,
-    SOURCE_NAME_KEY,
     UNBOUND_INPUT,
     UNBOUND_OUTPUT,
     CallSignature,
@@ -42,14 +39,11 @@ if TYPE_CHECKING:  # data only: the pass reads calls' attributes and sets ``func
     from onnx_modular.format.calltree import CallTree, ModuleCall
 
 __all__ = [
-    "GLOBAL_NAME_KEY",
     "TensorSpec",
     "CallSignature",
     "OutlineModuleCallsPass",
-    "NOTES_KEY",
 ]
 
-GLOBAL_NAME_KEY = "onnx_modular.global_name"
 def _nested_nodes(node: ir.Node) -> Iterable[ir.Node]:
     for attr in node.attributes.values():
         if attr.type == ir.AttributeType.GRAPH:
@@ -227,7 +221,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
             call_node.metadata_props["namespace"] = namespace
         for inner_value, outer_value, name in zip(outputs, call_node.outputs, output_names):
             # The caller's value keeps the (graph-unique) name; the body's is the formal output.
-            inner_value.meta[SOURCE_NAME_KEY] = outer_value.meta[SOURCE_NAME_KEY] = source_name(inner_value)
+            inner_value.meta[metadata.SOURCE_NAME] = outer_value.meta[metadata.SOURCE_NAME] = source_name(inner_value)
             outer_value.name = inner_value.name
             outer_value.type = inner_value.type
             outer_value.shape = inner_value.shape
@@ -255,8 +249,8 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
             ),
             attributes=[],
         )
-        function.meta[CALLS_KEY] = [call]
-        function.meta[NOTES_KEY] = input_notes + output_notes
+        function.meta[metadata.CALLS] = [call]
+        function.meta[metadata.SIGNATURE_NOTES] = input_notes + output_notes
         self._model.functions[function.identifier()] = function
         call.function = (domain, temp_name)
         return function, call_node
@@ -305,9 +299,9 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         pairs = []
         for (actual, _), name in zip(ordered, names):
             formal = ir.Value(name=name, type=actual.type, shape=actual.shape)
-            formal.meta[SOURCE_NAME_KEY] = source_name(actual)
+            formal.meta[metadata.SOURCE_NAME] = source_name(actual)
             if (global_name := _global_name(actual)) is not None:
-                formal.meta[GLOBAL_NAME_KEY] = global_name
+                formal.meta[metadata.GLOBAL_NAME] = global_name
             pairs.append((actual, formal))
         return pairs, notes
 
@@ -342,7 +336,7 @@ def _free_names(inner: set[ir.Node], outputs: set[ir.Value], wanted: list[str]) 
     taken = {value.name for value in values if value.name} | wanted_set
     for value in values:
         if value.name in wanted_set:
-            value.meta.setdefault(SOURCE_NAME_KEY, value.name)
+            value.meta.setdefault(metadata.SOURCE_NAME, value.name)
             base, index = value.name, 1
             while f"{base}__{index}" in taken:
                 index += 1
@@ -366,7 +360,7 @@ def _import_opsets(model: ir.Model, functions: list[ir.Function]) -> None:
 def _global_name(value: ir.Value) -> str | None:
     if value.is_initializer():
         return value.name
-    return value.meta.get(GLOBAL_NAME_KEY)
+    return value.meta.get(metadata.GLOBAL_NAME)
 
 
 def _first_use_order(node: ir.Node) -> Callable[[ir.Value], int]:

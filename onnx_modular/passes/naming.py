@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING
 import onnx_ir as ir
 
 from onnx_modular.format import metadata
-from onnx_modular.passes._functions import CALLS_KEY, redirect_calls
-from onnx_modular.passes.signatures import NOTES_KEY
+from onnx_modular.passes._functions import redirect_calls
 
 if TYPE_CHECKING:  # data only: the pass reads the calls' attributes and sets ``function``
     from onnx_modular.format.calltree import CallTree, ModuleCall
@@ -67,7 +66,7 @@ class NameFunctionsPass(ir.passes.InPlacePass):
     def requires(self, model: ir.Model) -> None:
         """Every call a module-call function serves is a call of ``call_tree`` (the same export)."""
         for function in model.functions.values():
-            for call in function.meta.get(CALLS_KEY, ()):
+            for call in function.meta.get(metadata.CALLS, ()):
                 if call.key not in self.call_tree:
                     raise ir.passes.PreconditionError(
                         f"Function {function.name!r} serves the call {call.key!r}, which is not in the call tree; "
@@ -76,16 +75,16 @@ class NameFunctionsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         order = {call.key: i for i, call in enumerate(self.call_tree.walk())}
-        ours = [f for f in model.functions.values() if CALLS_KEY in f.meta]
+        ours = [f for f in model.functions.values() if metadata.CALLS in f.meta]
         groups: dict[tuple[str, str], list[ir.Function]] = {}
         for function in ours:
-            calls = function.meta[CALLS_KEY]
+            calls = function.meta[metadata.CALLS]
             calls.sort(key=lambda call: order[call.key])
             groups.setdefault((function.domain, calls[0].class_name), []).append(function)
 
         renames: dict[ir.OperatorIdentifier, ir.OperatorIdentifier] = {}
         for (domain, class_name), functions in groups.items():
-            functions.sort(key=lambda f: order[f.meta[CALLS_KEY][0].key])
+            functions.sort(key=lambda f: order[f.meta[metadata.CALLS][0].key])
             for index, function in enumerate(functions):
                 name = class_name if index == 0 else f"{class_name}_{index + 1}"
                 renames[function.identifier()] = (domain, name, "")
@@ -98,11 +97,11 @@ class NameFunctionsPass(ir.passes.InPlacePass):
                 continue
             function.name = new[1]
             function.graph.name = new[1]
-            calls = function.meta[CALLS_KEY]
+            calls = function.meta[metadata.CALLS]
             for call in calls:
                 call.function = (function.domain, function.name)
             first = calls[0]
-            function.doc_string = _doc_string(calls, function.name, function.meta.get(NOTES_KEY, []))
+            function.doc_string = _doc_string(calls, function.name, function.meta.get(metadata.SIGNATURE_NOTES, []))
             props = function.metadata_props
             props[metadata.CLASS] = first.qualified_class
             props[metadata.PACKAGE] = first.package

@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnx_modular.format import metadata
+
 __all__ = [
     "TensorSpec",
     "CallSignature",
-    "NOTES_KEY",
     "match_unambiguous",
     "match_by_value",
     "why_unbound_input",
@@ -28,9 +29,7 @@ __all__ = [
     "unique_names",
 ]
 
-SOURCE_NAME_KEY = "onnx_modular.source_name"  # the translator's value name (= FX node name)
 #: function.meta: lines explaining formal inputs/outputs not named from forward() (doc string)
-NOTES_KEY = "onnx_modular.signature_notes"
 UNBOUND_INPUT = "unbound_input"
 UNBOUND_OUTPUT = "unbound_output"
 SIZE_INPUT = "size"
@@ -148,7 +147,7 @@ def _allclose(expected: np.ndarray | None, computed: np.ndarray) -> bool:
 
 
 def source_name(value: ir.Value) -> str:
-    return value.meta.get(SOURCE_NAME_KEY) or value.name or ""
+    return value.meta.get(metadata.SOURCE_NAME) or value.name or ""
 
 
 def _candidates(value: ir.Value, specs: Sequence[TensorSpec], matched: dict[ir.Value, int]) -> list[str]:

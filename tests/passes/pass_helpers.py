@@ -5,8 +5,8 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-from onnx_modular.format.calltree import CallTree, ModuleCall
 from onnx_modular.format import metadata
+from onnx_modular.format.calltree import CallTree, ModuleCall
 
 PACKAGE, VERSION = "testpkg", "1.0"
 DOMAIN = f"pkg.{PACKAGE}.{VERSION}"

@@ -6,7 +6,7 @@ import onnx_ir as ir
 import pytest
 from pass_helpers import call_tree
 
-from onnx_modular.passes._functions import CALLS_KEY
+from onnx_modular.format import metadata
 from onnx_modular.passes.dedupe import DeduplicateFunctionsPass, function_fingerprint
 
 # Two blocks whose bodies differ only in value names and in which (equal) Act function they call,
@@ -46,7 +46,7 @@ def _model():
         if function.name in CALLS:
             call = tree[CALLS[function.name]]
             call.function = (function.domain, function.name)
-            function.meta[CALLS_KEY] = [call]
+            function.meta[metadata.CALLS] = [call]
     return model, tree
 
 
@@ -57,8 +57,8 @@ def test_identical_calls_share_one_function_at_every_level():
     assert names == ["Act__call2", "Act__call5", "Block__call1", "helper_1", "helper_2"]
     assert [node.op_type for node in model.graph] == ["Block__call1", "Block__call1", "Act__call5", "helper_1", "helper_2"]
     block = model.functions[("pkg.test", "Block__call1", "")]
-    assert block.meta[CALLS_KEY] == [tree["h.0"], tree["h.1"]]
-    assert model.functions[("pkg.test", "Act__call2", "")].meta[CALLS_KEY] == [tree["h.0.act"], tree["h.1.act"]]
+    assert block.meta[metadata.CALLS] == [tree["h.0"], tree["h.1"]]
+    assert model.functions[("pkg.test", "Act__call2", "")].meta[metadata.CALLS] == [tree["h.0.act"], tree["h.1.act"]]
     assert tree["h.1"].function == ("pkg.test", "Block__call1")
     assert tree["h.1.act"].function == ("pkg.test", "Act__call2")
     assert tree["act"].function == ("pkg.test", "Act__call5")
@@ -117,7 +117,7 @@ def _layers(shapes: dict[str, list]) -> tuple[ir.Model, object]:
     for function in model.functions.values():
         call = tree["layers.0" if function.name.endswith("1") else "layers.1"]
         call.function = (function.domain, function.name)
-        function.meta[CALLS_KEY] = [call]
+        function.meta[metadata.CALLS] = [call]
         for value, dims in zip([*function.inputs, *function.outputs], shapes[function.name]):
             value.shape = ir.Shape(dims)
     return model, tree
@@ -132,7 +132,7 @@ def test_symbolic_dims_compare_up_to_renaming_and_differing_ones_become_anonymou
     })
     assert DeduplicateFunctionsPass()(model).modified
     (layer,) = model.functions.values()
-    assert layer.meta[CALLS_KEY] == [tree["layers.0"], tree["layers.1"]]
+    assert layer.meta[metadata.CALLS] == [tree["layers.0"], tree["layers.1"]]
     for value in [*layer.inputs, *layer.outputs]:
         batch, length = value.shape
         assert str(batch) == "batch"  # the same in both callers: kept

@@ -14,7 +14,6 @@ import pytest
 
 from onnx_modular.format import metadata
 from onnx_modular.passes.fold_weights import INPUT_SIZE_LIMIT, FoldWeightsPass
-from onnx_modular.passes.weight_transposes import FoldWeightTransposesPass
 
 HEADER = '<ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>'
 LINEAR = """
@@ -192,7 +191,7 @@ Scaled (input, weight) => (output) {
   output = MatMul(input, s)
 }"""
     model = _model(text, w=np.ones((4, 4), np.float32))
-    FoldWeightTransposesPass()(model)
+    FoldWeightsPass(ops={"Transpose"})(model)  # only the transposes
     assert _ops(_function(model, "Scaled")) == ["Constant", "Mul", "MatMul"]
     FoldWeightsPass()(model)
     assert _ops(_function(model, "Scaled")) == ["MatMul"]
@@ -260,7 +259,7 @@ def test_body_constants_are_lifted_to_shared_initializers():
 
 def test_constants_stay_with_transposes_only_or_when_returned():
     model = ir.from_onnx_text(CONSTANTS)
-    assert not FoldWeightTransposesPass()(model).modified  # lifts no constants
+    assert not FoldWeightsPass(ops={"Transpose"})(model).modified  # lifts no constants
     assert not FoldWeightsPass(constants=False)(model).modified
     text = HEADER + """
 main (float[2] x) => (float[2] y, float[2] c) { y, c = pkg.test.Pair(x) }

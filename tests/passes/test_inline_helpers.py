@@ -7,7 +7,6 @@ import pytest
 from pass_helpers import call_tree, check
 
 from onnx_modular.format import metadata
-from onnx_modular.passes._functions import CALLS_KEY
 from onnx_modular.passes.inline_helpers import InlineHelperFunctionsPass
 
 HELPER = """
@@ -41,6 +40,6 @@ def test_helper_functions_are_inlined_keeping_the_module_stack():
 def test_helper_inlining_requires_no_module_functions():
     model = ir.from_onnx_text(HELPER)
     (function,) = model.functions.values()
-    function.meta[CALLS_KEY] = [call_tree(("block", "Block"))["block"]]
+    function.meta[metadata.CALLS] = [call_tree(("block", "Block"))["block"]]
     with pytest.raises(ir.passes.PreconditionError, match="aten_getitem"):
         InlineHelperFunctionsPass()(model)

@@ -8,9 +8,8 @@ import onnxruntime as ort
 import pytest
 from pass_helpers import DOMAIN, call_tree, check, set_stacks, signature_names
 
-from onnx_modular.passes._functions import CALLS_KEY
+from onnx_modular.format import metadata
 from onnx_modular.passes.modularize import (
-    NOTES_KEY,
     CallSignature,
     OutlineModuleCallsPass,
     TensorSpec,
@@ -82,7 +81,7 @@ def test_nested_functions_named_from_forward():
     assert [v.name for v in outer_call.inputs] == ["x", "block.fc.weight", "block.fc.bias"]
     assert outer_call.outputs[0].name == "r"  # the caller's value keeps its graph-unique name
     assert [call.num_nodes for call in tree.walk()] == [0, 2, 2]
-    assert block.meta[CALLS_KEY] == [tree["block"]] and block.meta[NOTES_KEY] == []
+    assert block.meta[metadata.CALLS] == [tree["block"]] and block.meta[metadata.SIGNATURE_NOTES] == []
     check(model)
     np.testing.assert_allclose(run(model, x=x)[0], expected, rtol=1e-6)
 
@@ -134,7 +133,7 @@ def test_equal_shapes_resolved_by_value():
     call_node = model.graph.node(0)
     assert [v.name for v in call_node.inputs] == ["p", "q"]  # forward() order, not first-use order
     assert [v.name for v in call_node.outputs] == ["t", "s"]  # forward()'s return order
-    assert pair.meta[NOTES_KEY] == []
+    assert pair.meta[metadata.SIGNATURE_NOTES] == []
     check(model)
     y, z = run(model, p=values["p"], q=values["q"])
     np.testing.assert_allclose(y, np.maximum(values["t"], 0), rtol=1e-6)
@@ -149,7 +148,7 @@ def test_equal_shapes_without_values_are_not_guessed():
         ["unbound_input_0", "unbound_input_1"],
         ["unbound_output_0", "unbound_output_1"],
     )
-    notes = pair.meta[NOTES_KEY]
+    notes = pair.meta[metadata.SIGNATURE_NOTES]
     assert notes[0].startswith("unbound_input_0: one of a, b ")
     assert notes[2].startswith("unbound_output_0: one of output_0, output_1 ")
     check(model)
@@ -175,7 +174,7 @@ def test_unbound_inputs_outputs_and_sizes_are_described():
     signature = CallSignature([spec("hidden_states", (2, 3))], [spec("output", (2, 3))], absent=("attention_mask",))
     layer = outline(model, tree, {("layer", 0): signature})["layer"]
     assert signature_names(layer) == (["hidden_states", "unbound_input_0", "size_0"], ["output", "unbound_output_0"])
-    notes = layer.meta[NOTES_KEY]
+    notes = layer.meta[metadata.SIGNATURE_NOTES]
     assert len(notes) == 3
     assert notes[0].startswith("unbound_input_0: not a tensor that forward() received")
     assert "None for attention_mask" in notes[0]
@@ -189,7 +188,7 @@ def test_call_not_seen_in_eager_mode():
     tree = call_tree(("block", "Block"), ("block.fc", "Linear"))
     functions = outline(model, tree)  # no signatures at all
     assert signature_names(functions["block.fc"]) == (["unbound_input_0", "weight", "bias"], ["unbound_output_0"])
-    assert all("not observed in eager mode" in note for note in functions["block.fc"].meta[NOTES_KEY])
+    assert all("not observed in eager mode" in note for note in functions["block.fc"].meta[metadata.SIGNATURE_NOTES])
 
 
 def test_body_values_make_way_for_formal_names():

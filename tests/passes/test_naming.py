@@ -8,8 +8,7 @@ import onnx_ir as ir
 import pytest
 from pass_helpers import call_tree
 
-from onnx_modular.passes._functions import CALLS_KEY
-from onnx_modular.passes.modularize import NOTES_KEY
+from onnx_modular.format import metadata
 from onnx_modular.passes.naming import MAX_LISTED_PATHS, NameFunctionsPass
 
 # Definitions in an order unlike execution: the encoder's Linear runs first.
@@ -35,7 +34,7 @@ def _model():
     tree = call_tree(("enc", "Linear"), ("dec.0", "Linear"), ("dec.1", "Linear"), ("norm", "Norm"))
     serves = {"Linear__call9": ["enc"], "Linear__call2": ["dec.1", "dec.0"], "Norm__call4": ["norm"]}
     for function in model.functions.values():
-        function.meta[CALLS_KEY] = [tree[key] for key in serves[function.name]]
+        function.meta[metadata.CALLS] = [tree[key] for key in serves[function.name]]
     return model, tree
 
 
@@ -48,13 +47,13 @@ def test_names_follow_execution_order():
         ("pkg.test", "Linear"), ("pkg.test", "Linear_2"), ("pkg.test", "Linear_2"), ("pkg.test", "Norm")
     ]
     shared = model.functions[("pkg.test", "Linear_2", "")]
-    assert shared.meta[CALLS_KEY] == [tree["dec.0"], tree["dec.1"]]  # sorted by execution order
+    assert shared.meta[metadata.CALLS] == [tree["dec.0"], tree["dec.1"]]  # sorted by execution order
     assert shared.graph.name == "Linear_2"
 
 
 def test_doc_string_and_metadata():
     model, tree = _model()
-    model.functions[("pkg.test", "Norm__call4", "")].meta[NOTES_KEY] = ["unbound_input_0: why"]
+    model.functions[("pkg.test", "Norm__call4", "")].meta[metadata.SIGNATURE_NOTES] = ["unbound_input_0: why"]
     NameFunctionsPass(tree)(model)
     shared = model.functions[("pkg.test", "Linear_2", "")]
     props = shared.metadata_props
@@ -83,7 +82,7 @@ def test_long_call_lists_are_shortened():
         Block__call1 (p) => (q) { q = Relu(p) }
     """)
     (function,) = model.functions.values()
-    function.meta[CALLS_KEY] = [tree[key] for key in keys]
+    function.meta[metadata.CALLS] = [tree[key] for key in keys]
     NameFunctionsPass(tree)(model)
     assert f"{len(keys)} calls: h.0, h.1," in function.doc_string
     assert function.doc_string.endswith("h.7, ... (3 more)")
