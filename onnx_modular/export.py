@@ -46,7 +46,7 @@ from onnx_modular.capture import (
 )
 from onnx_modular.capture.fx_call_tree import build_call_tree
 from onnx_modular.capture.selection import ModuleSelector
-from onnx_modular.check import blockwise, verification
+from onnx_modular.check import blockwise, tensors, verification
 from onnx_modular.errors import InvalidInputError, OnnxModularError
 from onnx_modular.files import runtime, save
 from onnx_modular.files.parity import Tolerance
@@ -162,7 +162,7 @@ def export_modular(
     # The eager run and the capture get their own copy of the inputs: a forward pass may update
     # its inputs in place (a KV cache appends to itself), and the user's objects stay as given.
     with stages("capture", "run", report=False), stream.eager() if stream else contextlib.nullcontext():
-        expected, signatures, eager_calls = reference_run.run(model, *verification.copy_inputs(args, kwargs))
+        expected, signatures, eager_calls = reference_run.run(model, *tensors.copy_inputs(args, kwargs))
     with stages("capture"):
         dynamic_shapes = _check_io(model, args, kwargs, expected, dynamic_shapes)
         program = exported_program or _capture(model, args, kwargs, dynamic_shapes, stream)
@@ -194,7 +194,7 @@ def export_modular(
         hierarchy=tree,
         timings=stages.timings,
         exported_program=program,
-        _reference=(verification.flatten_inputs(args, kwargs), verification.flatten_outputs(expected)),
+        _reference=(tensors.flatten_inputs(args, kwargs), tensors.flatten_outputs(expected)),
         _example=(args, kwargs),
     )
     _save_and_verify(result, f, plan, stages, verify=bool(verify), flat=verify_flat)

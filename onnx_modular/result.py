@@ -14,7 +14,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from onnx_modular.check import verification
+from onnx_modular.check import tensors, verification
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.files import save
 from onnx_modular.format import metadata
@@ -65,9 +65,9 @@ class ModularExport:
         if key not in self._sessions:
             with model_file(self) as path:
                 self._sessions[key] = runtime.session(path, execution_provider)
-        inputs = [verification.to_numpy(t) for t in verification.flatten_inputs(args, kwargs)]
+        inputs = [tensors.to_numpy(t) for t in tensors.flatten_inputs(args, kwargs)]
         _, outputs = runtime.run(self._sessions[key], inputs)
-        return [verification.to_torch(array) for array in outputs]
+        return [tensors.to_torch(array) for array in outputs]
 
     @property
     def model_proto(self) -> onnx.ModelProto:
@@ -110,9 +110,9 @@ class ModularExport:
         else:
             if model is None:
                 raise InvalidInputError("Pass model=... to compute PyTorch outputs for new inputs.")
-            args, kwargs = verification.normalize_inputs(args, kwargs)
-            inputs = verification.flatten_inputs(args, kwargs)
-            expected = verification.torch_outputs(model, args, kwargs)
+            args, kwargs = tensors.normalize_inputs(args, kwargs)
+            inputs = tensors.flatten_inputs(args, kwargs)
+            expected = tensors.torch_outputs(model, args, kwargs)
         tolerance = verification.tolerance(rtol, atol)
         with model_file(self) as path:
             return verification.verify_file(
@@ -138,7 +138,7 @@ class ModularExport:
 
         if args is None and kwargs is None:
             args, kwargs = self._example or ((), {})
-        args, kwargs = verification.normalize_inputs(args, kwargs)
+        args, kwargs = tensors.normalize_inputs(args, kwargs)
         with model_file(self) as path:
             return localize(path, model, args, kwargs, tolerance=verification.tolerance(rtol, atol))
 

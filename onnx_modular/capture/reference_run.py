@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from onnx_modular.capture import torch_compat
-from onnx_modular.check import verification
+from onnx_modular.check import tensors
 from onnx_modular.passes.signatures import CallSignature, TensorSpec
 
 __all__ = ["run", "tensor_specs", "output_specs", "lazy_values"]
@@ -163,7 +163,7 @@ def lazy_values(
         nonlocal cache
         if cache is None:
             try:
-                cache = torch_compat.program_values(program, *verification.copy_inputs(args, kwargs), loaders)
+                cache = torch_compat.program_values(program, *tensors.copy_inputs(args, kwargs), loaders)
             except Exception as e:  # names stay unresolved; the export itself is unaffected
                 logger.info("Could not evaluate the program to resolve equal-shaped inputs: %s", e)
                 cache = {}

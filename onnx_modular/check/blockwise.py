@@ -29,9 +29,10 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from onnx_modular.check import verification
-from onnx_modular.check.verification import ParityReport, Tolerance
+from onnx_modular.check import tensors
 from onnx_modular.errors import ParityError, VerificationError
+from onnx_modular.files import parity
+from onnx_modular.files.parity import ParityReport, Tolerance
 from onnx_modular.format import metadata
 from onnx_modular.weights.streaming import Blocks
 
@@ -66,13 +67,13 @@ class BlockReport:
         return next((b for b in self.blocks if not b.ok), None)
 
     def __str__(self) -> str:
-        width = verification.name_column_width(b.module_path for b in self.blocks)
+        width = parity.name_column_width(b.module_path for b in self.blocks)
         header = f"{'block call':<{width}} {'class':<24} {'weights MB':>10} {'max abs':>10}  ok"
         lines = ["Block-by-block parity (onnxruntime, one block's weights at a time, vs PyTorch)", header]
         for b in self.blocks:
             name = b.module_path + (f"@{b.call_index}" if b.call_index else "")
             lines.append(
-                f"{verification.fit_name(name, width):<{width}} {b.module_class[:24]:<24} "
+                f"{parity.fit_name(name, width):<{width}} {b.module_class[:24]:<24} "
                 f"{b.weight_bytes / 2**20:>10.1f} {b.max_abs:>10.2e}  {'yes' if b.ok else 'NO'}"
             )
         lines.append(str(self.outputs))
@@ -162,9 +163,9 @@ class _Evaluator:
                         pairs.append((same[0], tensor))
         worst, ok = 0.0, bool(pairs)
         for array, tensor in pairs:
-            reference = verification.to_numpy(tensor)
-            worst = max(worst, verification.max_differences(array, reference)[0])
-            ok = ok and verification.allclose(array, reference, self.tolerance or verification.default_tolerance(tensor.dtype))
+            reference = tensors.to_numpy(tensor)
+            worst = max(worst, parity.max_differences(array, reference)[0])
+            ok = ok and parity.allclose(array, reference, self.tolerance or parity.default_tolerance(tensor.dtype))
         return BlockParity(path, index, self.blocks.classes.get(path, ""), self.blocks.nbytes.get(path, 0), len(pairs), worst, ok)
 
     def _session(self, nodes: list[ir.Node], env, wanted: list[ir.Value]) -> list[np.ndarray]:
@@ -272,7 +273,7 @@ def verify_blocks(
     if len(model.graph.inputs) != len(inputs):
         raise VerificationError(f"The model has {len(model.graph.inputs)} inputs but {len(inputs)} tensors were given.")
     for value, tensor in zip(model.graph.inputs, inputs):
-        env[value] = verification.to_numpy(tensor) if isinstance(tensor, torch.Tensor) else np.asarray(tensor)
+        env[value] = tensors.to_numpy(tensor) if isinstance(tensor, torch.Tensor) else np.asarray(tensor)
     for value in model.graph.initializers.values():
         env[value] = value
     # Pieces are written next to the model, so that their external-data paths resolve.
@@ -283,8 +284,8 @@ def verify_blocks(
         source = env[value]
         outputs.append(source.const_value.numpy() if isinstance(source, ir.Value) else source)
     names = [v.name for v in model.graph.outputs]
-    report = verification.compare_outputs(
-        names, outputs, None, [verification.to_numpy(t) for t in expected], tolerance=tolerance
+    report = parity.compare_outputs(
+        names, outputs, None, [tensors.to_numpy(t) for t in expected], tolerance=tolerance
     )
     return BlockReport(evaluator.report, report)
 

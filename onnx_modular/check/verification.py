@@ -19,10 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from onnx_modular.check.tensors import (
     flatten_inputs,
-    flatten_outputs,
     normalize_inputs,
     to_numpy,
-    to_torch,
     torch_outputs,
 )
 from onnx_modular.errors import ParityError
@@ -51,11 +49,6 @@ __all__ = [
     "OutputParity",
     "ParityReport",
     "VerificationReport",
-    "flatten_inputs",
-    "flatten_outputs",
-    "torch_outputs",
-    "to_numpy",
-    "to_torch",
     "max_differences",
     "allclose",
     "fit_name",
