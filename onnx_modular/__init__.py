@@ -26,6 +26,7 @@ from onnx_modular.errors import (
     ModularizeError,
     OnnxModularError,
     ParityError,
+    ProfileError,
     SaveError,
     TranslationError,
     VerificationError,
@@ -42,6 +43,9 @@ _LAZY = {
     "LocalizationReport": "onnx_modular.check.localization",
     "verify": "onnx_modular.check.verification",
     "VerificationReport": "onnx_modular.check.verification",
+    # torch-free, but onnxruntime is imported only when profiling
+    "profile": "onnx_modular.files.profile",
+    "ProfileReport": "onnx_modular.files.profile",
 }
 
 
@@ -72,6 +76,8 @@ __all__ = [
     "VerificationReport",
     "localize",
     "LocalizationReport",
+    "profile",
+    "ProfileReport",
     "OnnxModularError",
     "InvalidInputError",
     "CaptureError",
@@ -84,4 +90,5 @@ __all__ = [
     "InvalidModelFileError",
     "MissingDependencyError",
     "ExecutionProviderError",
+    "ProfileError",
 ]

@@ -20,6 +20,7 @@ __all__ = [
     "InvalidModelFileError",
     "MissingDependencyError",
     "ExecutionProviderError",
+    "ProfileError",
     "WeightsError",
     "MissingWeightError",
     "UnexpectedWeightError",
@@ -124,6 +125,12 @@ class ExecutionProviderError(OnnxModularError, ValueError):
     """The onnxruntime execution provider asked for is not available in this onnxruntime build."""
 
     stage = "run"
+
+
+class ProfileError(OnnxModularError):
+    """onnxruntime could not load or run the model being profiled. Nothing is written."""
+
+    stage = "profile"
 
 
 class WeightsError(OnnxModularError, ValueError):

@@ -142,6 +142,35 @@ class ModularExport:
         with model_file(self) as path:
             return localize(path, model, args, kwargs, tolerance=verification.tolerance(rtol, atol))
 
+    def profile(
+        self,
+        inputs: Any = None,
+        *,
+        runs: int = 10,
+        warmup: int = 2,
+        execution_provider: str | None = None,
+        threads: int | None = None,
+        optimization: str = "all",
+    ):
+        """Where the time goes, per module call, in onnxruntime (:func:`onnx_modular.profile`).
+
+        ``inputs``: as for :func:`onnx_modular.profile` (arrays by input name, in order, or a
+        ``.npz``); by default the example inputs of the export. Join the per-module error with
+        ``result.profile().join(result.localize(model))``.
+
+        Returns:
+            A :class:`~onnx_modular.files.profile.ProfileReport`.
+        """
+        from onnx_modular.files.profile import profile
+
+        if inputs is None and self._example is not None:
+            inputs = [tensors.to_numpy(t) for t in tensors.flatten_inputs(*self._example)]
+        with model_file(self) as path:
+            return profile(
+                path, inputs, runs=runs, warmup=warmup, execution_provider=execution_provider,
+                threads=threads, optimization=optimization,
+            )
+
     def summary(self) -> str:
         functions = self.functions
         calls = sum(int(f.metadata_props.get(metadata.CALL_COUNT, "1")) for f in functions)

@@ -6,6 +6,7 @@ Subcommands::
     onnx-modular tree m.onnx [--depth N] [--class NAME]    # the function-call tree
     onnx-modular inline m.onnx flat.onnx [--only NAME ...] [--optimize]  # onnx.inliner, atomically
     onnx-modular verify m.onnx [--inputs x.npz]            # onnxruntime: modular vs inlined copy
+    onnx-modular profile m.onnx [--depth D] [--html P]     # time per module call (onnxruntime's profiler)
     onnx-modular view m.onnx [--port P]                    # Netron on localhost
 
 Exit codes: 0 success; 1 verification failure (outputs differ beyond tolerance);
@@ -38,19 +39,10 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 
 from onnx_modular.errors import InvalidInputError, OnnxModularError, ParityError
-from onnx_modular.files import (
-    check_feeds,
-    function_tree,
-    inline_file,
-    load_model_file,
-    model_inputs,
-    random_inputs,
-    save,
-)
-from onnx_modular.files.inputs import load_arrays
+from onnx_modular.files import function_tree, inline_file, load_model_file, random_inputs, save
+from onnx_modular.files.inputs import feeds_from_arrays, load_arrays
 from onnx_modular.files.parity import Tolerance
 from onnx_modular.format.text import shown
 
@@ -333,13 +325,6 @@ def _parse_dims(items: Sequence[str]) -> dict[str, int]:
     return dims
 
 
-def _feeds_from_npz(model, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    names = [value.name for value in model_inputs(model)]
-    positional = [f"arr_{i}" for i in range(len(arrays))]
-    if sorted(arrays) == sorted(positional) and not set(arrays) & set(names):
-        arrays = {name: arrays[f"arr_{i}"] for i, name in enumerate(names) if f"arr_{i}" in arrays}
-    check_feeds(model, arrays)
-    return arrays
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -351,7 +336,7 @@ def _verify(args: argparse.Namespace) -> int:
     if args.inputs:
         if dims:
             raise InvalidInputError("--dim sizes random inputs; it cannot be combined with --inputs.")
-        feeds = _feeds_from_npz(model, load_arrays(args.inputs, "--inputs"))
+        feeds = feeds_from_arrays(model, load_arrays(args.inputs, "--inputs"))
     else:
         feeds = random_inputs(model, dims=dims, seed=args.seed)
     expected = load_arrays(args.expected, "--expected") if args.expected else None
@@ -371,6 +356,38 @@ def _verify(args: argparse.Namespace) -> int:
     if not report.ok:
         failed = ", ".join(o.name for o in report.outputs if not o.ok)
         raise _Mismatch(f"outputs differ beyond atol={args.atol:g} rtol={args.rtol:g}: {failed}")
+    return EXIT_OK
+
+
+# -- profile -------------------------------------------------------------------------------
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from onnx_modular.files.profile import profile
+
+    outputs = {"json": args.json, "trace": args.trace, "html": args.html}
+    to_stdout = outputs["json"] == "-"
+    for path in outputs.values():
+        if path is not None and path != "-":
+            save.check_destination(path)  # a bad path fails before the model runs
+    dims = _parse_dims(args.dim)
+    if args.inputs and dims:
+        raise InvalidInputError("--dim sizes random inputs; it cannot be combined with --inputs.")
+    report = profile(
+        args.model,
+        args.inputs,
+        runs=args.runs,
+        warmup=args.warmup,
+        execution_provider=args.provider,
+        threads=args.threads,
+        optimization=args.optimization,
+        dims=dims or None,
+        seed=args.seed,
+    )
+    written = report.save(**{kind: None if path == "-" else path for kind, path in outputs.items()})
+    for path in written:  # written first: a reader that stops early (| head) does not lose them
+        _stderr(f"Wrote {path}")
+    print(report.to_json() if to_stdout else report.format(max_depth=args.depth or None, top=args.top))
     return EXIT_OK
 
 
@@ -544,6 +561,35 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default 1e-3)")
     verify.add_argument("--json", action="store_true", help="print the report as JSON")
     verify.set_defaults(run=_verify)
+
+    prof = commands.add_parser(
+        "profile",
+        parents=[common],
+        help="time every module call in onnxruntime (its profiler, on the call tree)",
+        description="Run the model in onnxruntime with its profiler and attribute every kernel to the "
+        "module call it came from (nodes onnxruntime fuses across modules go to the innermost call "
+        "holding all their parts). Prints the call tree with inclusive and self time (sums of the "
+        "kernels' medians over the runs), share and kernels, the slowest calls by self time and the "
+        "time per class. Inputs are random from the declared shapes unless --inputs is given.",
+    )
+    prof.add_argument("model", help="the .onnx file")
+    prof.add_argument("--inputs", default=None, metavar="FILE.npz", help="inputs by name (or arr_0, arr_1, ...)")
+    prof.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    prof.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                      help="size of a symbolic dimension in random inputs (default 2); repeatable")
+    prof.add_argument("--runs", type=int, default=10, metavar="N", help="measured runs (default 10)")
+    prof.add_argument("--warmup", type=int, default=2, metavar="N", help="runs before them, not measured (default 2)")
+    prof.add_argument("--threads", type=int, default=None, metavar="N",
+                      help="onnxruntime intra-op threads (default: onnxruntime's)")
+    prof.add_argument("--provider", default=None, metavar="EP", help="execution provider (default CPU; cuda, ...)")
+    prof.add_argument("--optimization", default="all", choices=["all", "extended", "basic", "disabled"],
+                      help="onnxruntime graph optimization level (default all, as onnxruntime)")
+    prof.add_argument("--depth", type=_positive, default=None, metavar="N", help="show calls down to depth N")
+    prof.add_argument("--top", type=_positive, default=10, metavar="N", help="slowest calls by self time to list (default 10)")
+    prof.add_argument("--json", default=None, metavar="PATH", help="write the profile as JSON ('-': print it instead of the tree)")
+    prof.add_argument("--trace", default=None, metavar="PATH", help="write a Chrome trace (Perfetto, speedscope)")
+    prof.add_argument("--html", default=None, metavar="PATH", help="write a self-contained HTML page with a flame chart")
+    prof.set_defaults(run=_profile)
 
     view = commands.add_parser(
         "view",

@@ -6,7 +6,10 @@
 - :mod:`~onnx_modular.files.inline`: inlining into a copy, written atomically;
 - :mod:`~onnx_modular.files.runtime`: onnxruntime sessions, runs, the flat copy, temporary files;
 - :mod:`~onnx_modular.files.inputs`: declared inputs, valid random feeds, feed checks;
-- :mod:`~onnx_modular.files.parity`: the parity report (modular, flat, reference).
+- :mod:`~onnx_modular.files.parity`: the parity report (modular, flat, reference);
+- :mod:`~onnx_modular.files.profile`: run time per module call (``onnx_modular.profile``), with
+  :mod:`~onnx_modular.files.attribution` (which call each kernel belongs to) and
+  :mod:`~onnx_modular.files.profile_views` (Chrome trace, HTML flame chart).
 
 Example::
 

@@ -13,7 +13,7 @@ import onnx
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.files._proto import numel, shown
 
-__all__ = ["model_inputs", "random_inputs", "check_feeds", "load_arrays", "MAX_ARRAY_BYTES"]
+__all__ = ["model_inputs", "random_inputs", "check_feeds", "feeds_from_arrays", "load_arrays", "MAX_ARRAY_BYTES"]
 
 #: Most bytes :func:`load_arrays` reads from one ``.npz`` (all arrays, uncompressed).
 MAX_ARRAY_BYTES = 2**31
@@ -152,6 +152,21 @@ def check_feeds(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> None
                 raise InvalidInputError(
                     f"Input {name!r} has shape {list(array.shape)} but the model declares {declared_dims}."
                 )
+
+
+def feeds_from_arrays(model: onnx.ModelProto, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Feeds from arrays by input name, or positional (``arr_0``, ``arr_1``: ``np.savez(a, b)``), checked.
+
+    Raises:
+        InvalidInputError: The arrays do not fit the model's inputs (see :func:`check_feeds`).
+    """
+    arrays = dict(arrays)
+    names = [value.name for value in model_inputs(model)]
+    positional = [f"arr_{i}" for i in range(len(arrays))]
+    if sorted(arrays) == sorted(positional) and not set(arrays) & set(names):
+        arrays = {name: arrays[f"arr_{i}"] for i, name in enumerate(names) if f"arr_{i}" in arrays}
+    check_feeds(model, arrays)
+    return arrays
 
 
 def load_arrays(path: str | os.PathLike, what: str = "--inputs", *, max_bytes: int = MAX_ARRAY_BYTES) -> dict[str, np.ndarray]:

@@ -14,7 +14,8 @@ import os
 import pathlib
 import tempfile
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -70,10 +71,13 @@ def session(
     execution_provider: str | None = None,
     *,
     external_data_folder: str | os.PathLike | None = None,
+    configure: Callable[[Any], None] | None = None,
 ):
     """An ``onnxruntime.InferenceSession`` (CPU unless ``execution_provider``) with warnings silenced.
 
     ``external_data_folder``: where a serialized ``model`` (bytes) finds its external data.
+    ``configure``: called with the ``SessionOptions`` before the session is made (profiling,
+    threads, optimization level).
 
     Raises:
         ExecutionProviderError: This onnxruntime build lacks the provider.
@@ -91,6 +95,8 @@ def session(
         options.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", os.path.abspath(external_data_folder)
         )
+    if configure is not None:
+        configure(options)
     try:
         return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types

@@ -44,6 +44,7 @@ __all__ = [
     "check_destination",
     "staged_save",
     "atomic_write",
+    "write_text",
     "interrupt_on_sigterm",
     "EXTERNAL_DATA_THRESHOLD",
     "TEMP_PREFIX",
@@ -427,3 +428,16 @@ def staged_save(model: ir.Model, path: str | os.PathLike, *, external_data: bool
                 hint="This is a bug in onnx_modular or torch's translator; please report it with the model.",
             ) from e
         yield staged
+
+
+def write_text(path: str | os.PathLike, text: str) -> pathlib.Path:
+    """Write a text file (a report: JSON, HTML) atomically, as models are written: into a
+    private folder next to ``path``, then moved into place; a failure leaves ``path`` as it was.
+    """
+    with atomic_write(path) as staging:
+        try:
+            staging.model_path.write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise SaveError(f"Writing {_shown(staging.destination)} failed: {e}", hint="Check free disk space and permissions.") from e
+        destination = staging.destination
+    return destination

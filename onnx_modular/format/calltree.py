@@ -239,6 +239,29 @@ class CallTree:
         """Deepest nesting of any call (0 for a tree without calls)."""
         return max((call.depth for call in self.walk()), default=0)
 
+    def drawn(self, max_depth: int | None = None) -> Iterator[tuple[ModuleCall, str]]:
+        """(call, its tree-drawing prefix such as ``│  ├─ ``) in display order, down to ``max_depth``.
+
+        The one drawing of the tree: :meth:`format` and the profile's view (``onnx-modular profile``)
+        put their columns after it.
+        """
+        stack: list[tuple[ModuleCall, str, str, int]] = [(self.root, "", "", 0)]
+        while stack:
+            node, label_prefix, child_prefix, depth = stack.pop()
+            yield node, label_prefix
+            if max_depth is not None and depth >= max_depth:
+                continue
+            for index in reversed(range(len(node.children))):
+                last = index == len(node.children) - 1
+                stack.append(
+                    (
+                        node.children[index],
+                        child_prefix + ("└─ " if last else "├─ "),
+                        child_prefix + ("   " if last else "│  "),
+                        depth + 1,
+                    )
+                )
+
     def format(self, max_depth: int | None = None, class_filter: str | None = None) -> str:
         """A readable tree, one call per line: call name, function, domain, calls, nodes, parameters.
 
@@ -257,9 +280,7 @@ class CallTree:
         """
         tree = self.filtered(max_depth, class_filter)
         rows: list[list[str]] = []
-        stack: list[tuple[ModuleCall, str, str]] = [(tree.root, "", "")]
-        while stack:
-            node, label_prefix, child_prefix = stack.pop()
+        for node, label_prefix in tree.drawn():
             nodes = f"{node.num_nodes} node{'' if node.num_nodes == 1 else 's'}"
             params = f"{node.parameters:,} params"
             if node.is_root:
@@ -277,15 +298,6 @@ class CallTree:
                         nodes,
                         params,
                     ]
-                )
-            for index in reversed(range(len(node.children))):
-                last = index == len(node.children) - 1
-                stack.append(
-                    (
-                        node.children[index],
-                        child_prefix + ("└─ " if last else "├─ "),
-                        child_prefix + ("   " if last else "│  "),
-                    )
                 )
         rows = [[shown(cell) for cell in row] for row in rows]  # names cannot drive the terminal
         widths = [max((len(row[column]) for row in rows if column != 1 or row[2]), default=0) for column in range(6)]
