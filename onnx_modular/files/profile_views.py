@@ -1,6 +1,6 @@
 """Views of a :class:`~onnx_modular.files.profile.ProfileReport`: the terminal view, a Chrome trace, an HTML flame chart.
 
-Both are built from data only; names from the file are escaped (JSON in the trace, ``textContent``
+All are built from data only; names from the file are escaped (JSON in the trace, ``textContent``
 and an escaped ``<pre>`` in the page), and the page loads nothing from the network.
 """
 
@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import html
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from onnx_modular.format.text import shown
 from onnx_modular.files.parity import fit_name
+from onnx_modular.format.text import shown
 
-if TYPE_CHECKING:
-    from onnx_modular.files.profile import ProfileReport
+# The report (onnx_modular.files.profile.ProfileReport) is taken as it comes, not imported: its
+# methods call these views, and the package has no import circles (tests/test_layout.py).
+ProfileReport = Any
 
 __all__ = ["text", "chrome_trace", "html_page"]
 
