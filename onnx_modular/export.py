@@ -10,7 +10,9 @@
                    (capture/selection.py), then pipeline.modularize_passes  -> nested functions
       optimize     pipeline.optimize_passes: onnxscript's optimizer per body (inline=False),
                    no-op calls recorded, opset conversion (below 18), weight fold
-      save         atomic write + onnx.checker(full_check=True) (files/save.py)
+      save         functions callee-first, atomic write + onnx.checker(full_check=True)
+                   (files/save.py); with flat_file=, the flat deployment copy beside it
+                   (files/flat.py), both written or neither
       verify       onnxruntime (modular, flat) vs PyTorch (check/verification.py), or block by
                    block for streamed weights (check/blockwise.py), inside the staged save
 
@@ -48,6 +50,7 @@ from onnx_modular.capture.fx_call_tree import build_call_tree
 from onnx_modular.capture.selection import ModuleSelector
 from onnx_modular.check import blockwise, tensors, verification
 from onnx_modular.errors import InvalidInputError, OnnxModularError
+from onnx_modular.files import flat as flat_files
 from onnx_modular.files import runtime, save
 from onnx_modular.files.parity import Tolerance
 from onnx_modular.files.tree import count_from_ir
@@ -87,6 +90,7 @@ def export_modular(
     exported_program: torch.export.ExportedProgram | None = None,
     program_fixes: Sequence[Callable[[torch.fx.GraphModule], None]] = (),
     execution_provider: str | None = None,
+    flat_file: bool | str | os.PathLike | None = None,
 ) -> ModularExport:
     """Export ``model`` to ONNX with every module call as a nested local function.
 
@@ -140,6 +144,12 @@ def export_modular(
             translation (transformers' FX node fixes).
         execution_provider: onnxruntime provider of the parity check (CPU by default; ``"cuda"``,
             ... when this onnxruntime build has it, else ``ExecutionProviderError`` before exporting).
+        flat_file: Also write the deployment copy: every call inlined and onnxscript's optimizer
+            run (as ``onnx-modular inline --optimize``), for runtimes that do not read local
+            functions (OpenVINO, TensorRT; ``docs/compatibility.md``). ``True`` writes
+            ``<stem>.flat.onnx`` beside ``f``, or give a path. It is verified against PyTorch like
+            the modular file (``result.flat_report``), and the two files are written together or
+            not at all. Its nodes keep torch's ``namespace`` per call (Model Explorer's layers).
 
     Returns:
         A :class:`ModularExport` with the model, the call tree and the parity report.
@@ -155,7 +165,7 @@ def export_modular(
     plan = _Plan.check(
         model, args, kwargs, f, weights=weights, verify=verify, max_block_bytes=max_block_bytes, modules=modules,
         opset_version=opset_version, custom_translation_table=custom_translation_table, external_data=external_data,
-        execution_provider=execution_provider, rtol=rtol, atol=atol,
+        execution_provider=execution_provider, rtol=rtol, atol=atol, flat_file=flat_file,
     )
     args, kwargs, stream = plan.args, plan.kwargs, plan.stream
     stages = _Stages(model, progress)
@@ -219,15 +229,17 @@ class _Plan:
     external_data: bool | None
     execution_provider: str | None
     tolerance: Tolerance | None
+    flat_path: pathlib.Path | None = None  # where flat_file= writes the flat copy
 
     @classmethod
     def check(cls, model, args, kwargs, f, *, weights, verify, max_block_bytes, modules, opset_version,
-              custom_translation_table, external_data, execution_provider, rtol, atol) -> _Plan:
+              custom_translation_table, external_data, execution_provider, rtol, atol, flat_file=None) -> _Plan:
         args, kwargs = _check_inputs(model, args, kwargs)
         if verify:
             runtime.execution_providers(execution_provider)  # an unknown provider fails before the export
         if f is not None:
             save.check_destination(f)
+        flat_path = flat_files.flat_file_path(f, flat_file, streamed=weights is not None)
         if weights is None:
             streaming.check_model_device(model)
             stream = None
@@ -248,7 +260,7 @@ class _Plan:
         if model.training:
             logger.warning("Exporting a model in training mode; call model.eval() first for inference graphs.")
         return cls(args, kwargs, stream, select, target_opset, translated_opset, registry, external_data,
-                   execution_provider, verification.tolerance(rtol, atol))
+                   execution_provider, verification.tolerance(rtol, atol), flat_path)
 
 
 def _check_inputs(model: Any, args: Any, kwargs: dict | None) -> tuple[tuple, dict]:
@@ -351,7 +363,7 @@ def _modularize(model_ir: ir.Model, model, program, plan: _Plan, eager_calls, si
 def _save_and_verify(result: ModularExport, f, plan: _Plan, stages: _Stages, *, verify: bool, flat: bool) -> None:
     """Write ``f`` atomically with the parity check inside (no file on a mismatch), or only check."""
 
-    def check(path: pathlib.Path) -> None:
+    def check(path: pathlib.Path, staged_flat: pathlib.Path | None = None) -> None:
         if not verify:
             return
         with stages("verify", ""):
@@ -365,13 +377,20 @@ def _save_and_verify(result: ModularExport, f, plan: _Plan, stages: _Stages, *, 
                     path, inputs, expected, flat=flat, tolerance=plan.tolerance,
                     execution_provider=plan.execution_provider,
                 )
+            if staged_flat is not None:  # the deployment copy, against PyTorch as well
+                result.flat_report = verification.verify_file(
+                    staged_flat, inputs, expected, flat=False, tolerance=plan.tolerance,
+                    execution_provider=plan.execution_provider,
+                )
         verification.assert_parity(result.report, result=result)
+        if result.flat_report is not None:
+            verification.assert_parity(result.flat_report, result=result)
 
     if f is not None:
         with stages("save", "", report=False):
-            with save.staged_save(result.model, f, external_data=plan.external_data) as staged:
-                check(staged)
-        result.path = pathlib.Path(f)
+            with flat_files.staged_with_flat(result.model, f, plan.flat_path, external_data=plan.external_data) as staged:
+                check(*staged)
+        result.path, result.flat_path = pathlib.Path(f), plan.flat_path
         stages.timings["save"] -= stages.timings.get("verify", 0.0)  # verification ran inside the staged save
         if stages.progress is not None:
             stages.progress("save", stages.timings["save"])

@@ -34,6 +34,8 @@ class ModularExport:
         blocks: The block-by-block report (``weights=`` with a model on ``meta``), else ``None``.
         timings: Seconds spent per stage.
         path: Where the model was written (``None`` if not saved yet).
+        flat_path: Where the flat deployment copy was written (``export_modular(flat_file=...)``).
+        flat_report: That copy's parity report against PyTorch (onnxruntime).
     """
 
     model: ir.Model
@@ -42,6 +44,8 @@ class ModularExport:
     blocks: Any = None  # blockwise.BlockReport when verified block by block (weights=...)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     path: pathlib.Path | None = None
+    flat_path: pathlib.Path | None = None
+    flat_report: verification.ParityReport | None = None
     exported_program: torch.export.ExportedProgram | None = dataclasses.field(default=None, repr=False)
     _reference: tuple[list[torch.Tensor], list[torch.Tensor]] | None = dataclasses.field(default=None, repr=False)
     _example: tuple[tuple, dict] | None = dataclasses.field(default=None, repr=False)
@@ -79,11 +83,28 @@ class ModularExport:
         """The module-call functions (torch's own helper functions excluded)."""
         return [f for f in self.model.functions.values() if metadata.is_module_function(f)]
 
-    def save(self, path: str | os.PathLike, *, external_data: bool | None = None) -> pathlib.Path:
-        """Write the model atomically (checked with onnx.checker, full_check=True)."""
-        with save.staged_save(self.model, path, external_data=external_data):
-            pass
-        self.path = pathlib.Path(path)
+    def save(
+        self,
+        path: str | os.PathLike,
+        *,
+        external_data: bool | None = None,
+        flat_file: bool | str | os.PathLike | None = None,
+    ) -> pathlib.Path:
+        """Write the model atomically (checked with onnx.checker, full_check=True).
+
+        ``flat_file``: also write the flat deployment copy (as ``export_modular(flat_file=...)``:
+        ``True`` for ``<stem>.flat.onnx`` beside ``path``); verified against the export's PyTorch
+        outputs when they are stored (``self.flat_report``), both files written or neither.
+        """
+        from onnx_modular.files import flat
+
+        flat_path = flat.flat_file_path(path, flat_file)
+        with flat.staged_with_flat(self.model, path, flat_path, external_data=external_data) as (_, staged_flat):
+            if staged_flat is not None and self._reference is not None:
+                inputs, expected = self._reference
+                self.flat_report = verification.verify_file(staged_flat, inputs, expected, flat=False)
+                verification.assert_parity(self.flat_report, result=self)
+        self.path, self.flat_path = pathlib.Path(path), flat_path or self.flat_path
         return self.path
 
     def verify(

@@ -713,12 +713,14 @@ def test_view_serves_the_model(gpt2, monkeypatch):
         base = f"http://{address[0]}:{address[1]}"
         with urllib.request.urlopen(base + "/", timeout=10) as response:
             served["page"] = response.status
+        shown = onnx.load(served["file"], load_external_data=False)  # while the display copy exists
+        served["lifted inputs"] = sum(name.startswith("const_") for f in shown.functions for name in f.input)
         netron.stop(address)
 
     real_start = netron.start
 
     def start(file, address=None, browse=True):
-        served["browse"] = browse
+        served["browse"], served["file"] = browse, file
         result = real_start(file, address=address, browse=False)
         served.setdefault("addresses", []).append(result)
         return result
@@ -729,6 +731,12 @@ def test_view_serves_the_model(gpt2, monkeypatch):
     assert code == 0, err
     assert served["page"] == 200 and served["browse"] is False
     assert "Netron is serving" in err and "(Ctrl+C to stop)" in err
+    # A display copy with the lifted constants back in the bodies (the file keeps them lifted).
+    assert served["file"] != str(gpt2) and served["lifted inputs"] == 0 and "lifted constants shown" in err
+    assert sum(name.startswith("const_") for f in onnx.load(str(gpt2)).functions for name in f.input) > 10
+    served.clear()
+    code, _, err = run_cli("view", gpt2, "--port", "0", "--no-browser", "--as-stored")
+    assert code == 0 and served["file"] == str(gpt2) and served["lifted inputs"] > 10
 
 
 def test_export_the_kv_cache_demo(tmp_path):

@@ -252,8 +252,12 @@ def test_cli_causal_lm_with_past(checkpoints, tmp_path, capsys):
 
 def test_cli_image_classification_static(checkpoints, tmp_path):
     out = tmp_path / "vit.onnx"
-    code = main(["export", str(checkpoints["vit"]), "--task", "image-classification", "--static", "-o", str(out)])
+    code = main(
+        ["export", str(checkpoints["vit"]), "--task", "image-classification", "--static", "-o", str(out), "--flat-file"]
+    )
     assert code == 0
+    flat = tmp_path / "vit.flat.onnx"  # --flat-file: the deployment copy beside it, verified
+    assert not onnx.load(str(flat)).functions
     saved = onnx.load(str(out))
     _assert_modular(saved, {"ViTModel": TRANSFORMERS_DOMAIN, "ViTLayer": TRANSFORMERS_DOMAIN})
     shape = [d.dim_value for d in saved.graph.input[0].type.tensor_type.shape.dim]
@@ -263,6 +267,7 @@ def test_cli_image_classification_static(checkpoints, tmp_path):
     with torch.no_grad():
         expected = model(pixel_values=pixels).logits
     torch.testing.assert_close(torch.from_numpy(_run_file(out, {"pixel_values": pixels})[0]), expected, atol=ATOL, rtol=1e-3)
+    torch.testing.assert_close(torch.from_numpy(_run_file(flat, {"pixel_values": pixels})[0]), expected, atol=ATOL, rtol=1e-3)
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ bounded; the server and the browser are stopped in teardown.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -108,13 +109,29 @@ def gpt2_file(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def netron_url(gpt2_file):
-    address = netron.start(str(gpt2_file), address=("localhost", 0), browse=False)
+def shown_file(gpt2_file, tmp_path_factory) -> pathlib.Path:
+    """What ``onnx-modular view`` serves: the file with its lifted constants back in their bodies."""
+    from onnx_modular.files.display import write_display_copy
+
+    copy = tmp_path_factory.mktemp("view") / gpt2_file.name
+    assert write_display_copy(gpt2_file, copy)
+    return copy
+
+
+@contextlib.contextmanager
+def served(path: pathlib.Path):
+    address = netron.start(str(path), address=("localhost", 0), browse=False)
     try:
         host, port = address
         yield f"http://{host}:{port}/"
     finally:
         netron.stop(address)
+
+
+@pytest.fixture(scope="module")
+def netron_url(shown_file):
+    with served(shown_file) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +213,17 @@ def breadcrumb(driver, last: str) -> list[str]:
     )
 
 
+def graph_text(driver) -> str:
+    return driver.execute_script("return document.getElementById('canvas').textContent")
+
+
+def input_names(driver) -> list[str]:
+    """The graph-input boxes Netron draws for the graph or function body on screen."""
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll('[id^=\"input-name-\"]')).map(e => e.id.slice('input-name-'.length))"
+    )
+
+
 def test_top_level_shows_the_module_calls(browser, netron_url, screenshot_dir):
     open_model(browser, netron_url)
     # Call nodes are named after module paths; Netron labels them with the function name.
@@ -206,6 +234,8 @@ def test_top_level_shows_the_module_calls(browser, netron_url, screenshot_dir):
         assert info["definition"], f"{name} cannot be entered"
     # The nested calls are not in the main graph: they live in the function bodies.
     assert node_info(browser, "attn") is None
+    # The block call lists its input and its weights, not the constants lifted for onnxruntime.
+    assert "const_" not in graph_text(browser)
     for _ in range(2):
         click(browser, browser.find_element(By.ID, "zoom-out-button"))
     center_on(browser, "h.0")
@@ -230,6 +260,10 @@ def test_entering_a_block_shows_its_nested_calls(browser, netron_url, screenshot
         info = node_info(browser, name)
         assert info is not None and info["type"] == function, (name, info)
         assert info["definition"]
+    # Its inputs: hidden_states, the folded mask and the twelve weights; no lifted constant.
+    inputs = input_names(browser)
+    assert "hidden_states" in inputs and "ln_1.weight" in inputs and len(inputs) == 14, inputs
+    assert not any(name.startswith("const_") for name in inputs)
     assert browser.save_screenshot(str(screenshot_dir / "netron_block.png"))
 
     # The call node's metadata: module path, class, package and version, source.
@@ -266,3 +300,17 @@ def test_entering_a_block_shows_its_nested_calls(browser, netron_url, screenshot
     wait_for(browser, "return document.getElementById('node-name-c_attn')", what="the body of GPT2Attention")
     assert breadcrumb(browser, "GPT2Attention")[-2:] == ["GPT2Block", "GPT2Attention"]
     assert node_info(browser, "c_proj")["type"] == "Conv1D_2"
+
+
+def test_the_file_as_stored_shows_the_lifted_constants_as_block_inputs(browser, gpt2_file, screenshot_dir):
+    """``onnx-modular view --as-stored``: what Netron shows when it opens the file itself."""
+    with served(gpt2_file) as url:
+        open_model(browser, url)
+        assert "const_int64" in graph_text(browser)  # rows of the block call boxes
+        enter_function(browser, "h.0")
+        wait_for(browser, "return document.getElementById('node-name-attn')", what="the body of GPT2Block")
+        time.sleep(0.5)
+        inputs = input_names(browser)
+        lifted = [name for name in inputs if name.startswith("const_")]
+        assert len(lifted) >= 10 and len(inputs) == 14 + len(lifted), inputs
+        assert browser.save_screenshot(str(screenshot_dir / "netron_block_as_stored.png"))

@@ -33,6 +33,7 @@ import math
 import os
 import pathlib
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -41,7 +42,14 @@ from typing import Any
 
 
 from onnx_modular.errors import InvalidInputError, OnnxModularError, ParityError
-from onnx_modular.files import function_tree, inline_file, load_model_file, random_inputs, save
+from onnx_modular.files import (
+    function_tree,
+    inline_file,
+    load_model_file,
+    random_inputs,
+    save,
+)
+from onnx_modular.files.display import write_display_copy
 from onnx_modular.files.inputs import feeds_from_arrays, load_arrays
 from onnx_modular.files.parity import Tolerance
 from onnx_modular.format.text import shown
@@ -178,6 +186,7 @@ def _export(args: argparse.Namespace) -> int:
                 dedupe=not args.no_dedupe,
                 verify=not args.no_verify,
                 progress=progress,
+                flat_file=args.flat_file,
             )
     except ParityError as e:
         _report_mismatch(args, e, {"model": e.report} if e.report is not None else {})
@@ -194,6 +203,8 @@ def _export(args: argparse.Namespace) -> int:
                 "ok": True if result.report is None else result.report.ok,
                 "timings": result.timings,
                 "report": None if result.report is None else result.report.to_dict(),
+                "flat_path": None if result.flat_path is None else str(result.flat_path),
+                "flat_report": None if result.flat_report is None else result.flat_report.to_dict(),
                 "tree": tree.to_dict(),
             }
         )
@@ -202,6 +213,10 @@ def _export(args: argparse.Namespace) -> int:
             print(result.blocks if result.blocks is not None else result.report)
         size = pathlib.Path(args.output).stat().st_size
         print(f"Wrote {args.output} ({size / 1e6:.1f} MB): {result.summary().splitlines()[0]}")
+        if result.flat_path is not None:
+            if result.flat_report is not None:
+                print(f"Flat copy: {result.flat_report}")
+            print(f"Wrote {result.flat_path} ({result.flat_path.stat().st_size / 1e6:.1f} MB): every call inlined, optimized")
         _print_tree(args, tree, args.output)
     return EXIT_OK
 
@@ -402,13 +417,19 @@ def _view(args: argparse.Namespace) -> int:
         raise InvalidInputError("Viewing needs the netron package: pip install netron") from None
     # netron logs its own "Serving ..." line (configuring the root logger if nobody did); one is enough.
     logging.getLogger("netron").setLevel(logging.WARNING)
-    try:
-        address = netron.start(str(args.model), address=(args.host, args.port), browse=not args.no_browser)
-    except OSError as e:
-        raise InvalidInputError(f"Netron cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
-    host, port = address if isinstance(address, tuple) else (args.host, address)
-    _stderr(f"Netron is serving {args.model} at http://{host}:{port} (Ctrl+C to stop)")
-    netron.wait()
+    with tempfile.TemporaryDirectory(prefix="onnx_modular-view-") as folder:
+        shown, note = str(args.model), ""
+        if not args.as_stored:  # lifted constants back in their bodies (files/display.py)
+            copy = pathlib.Path(folder) / pathlib.Path(args.model).name
+            if write_display_copy(args.model, copy):
+                shown, note = str(copy), " with its lifted constants shown in their bodies (--as-stored: the file as it is)"
+        try:
+            address = netron.start(shown, address=(args.host, args.port), browse=not args.no_browser)
+        except OSError as e:
+            raise InvalidInputError(f"Netron cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
+        host, port = address if isinstance(address, tuple) else (args.host, address)
+        _stderr(f"Netron is serving {args.model}{note} at http://{host}:{port} (Ctrl+C to stop)")
+        netron.wait()
     return EXIT_OK
 
 
@@ -477,6 +498,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--keep-on-mismatch", action="store_true", help="write the model even when parity fails (exit code 1)")
     export.add_argument("--no-verify", action="store_true", help="skip the onnxruntime-vs-PyTorch parity check")
     export.add_argument("--no-dedupe", action="store_true", help="keep one function per call (no sharing)")
+    export.add_argument(
+        "--flat-file",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="PATH",
+        help="also write the flat deployment copy (every call inlined, optimized, verified) to PATH "
+        "(default <name>.flat.onnx beside -o), for runtimes without local functions (OpenVINO, TensorRT)",
+    )
     export.add_argument(
         "--opset", type=int, default=None, metavar="N", help="ONNX opset of the default domain (17 to 23 and up; default 18)"
     )
@@ -602,6 +632,12 @@ def build_parser() -> argparse.ArgumentParser:
     view.add_argument("--port", type=int, default=8080, help="port to serve on (default 8080)")
     view.add_argument("--host", default="localhost", help="address to serve on (default localhost)")
     view.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    view.add_argument(
+        "--as-stored",
+        action="store_true",
+        help="show the file exactly as stored (by default, constants lifted out of the bodies for onnxruntime "
+        "are shown back inside them, which reads like the module code)",
+    )
     view.set_defaults(run=_view)
     return parser
 

@@ -13,7 +13,9 @@ from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.files import save
 from onnx_modular.files._proto import shown, uses_external_data
 from onnx_modular.files.checks import check_expanded_size
+from onnx_modular.files.flat import inline_model
 from onnx_modular.files.load import load_model_file
+from onnx_modular.passes.function_order import sort_functions_proto
 
 __all__ = ["inline_file"]
 
@@ -54,6 +56,10 @@ def inline_file(
     initializers, equal initializers merged), so the per-call copies of constants become one
     shared initializer each, as in torch's own flat file.
 
+    Every inlined node keeps its metadata, rebased onto the call it came from (torch's
+    ``namespace``, which Model Explorer nests by, names ``h.1`` for the nodes of ``h.1``), and
+    carries that call's ``pkg.onnx_modular.*`` keys (:mod:`onnx_modular.files.flat`).
+
     Uses ``onnx.inliner.inline_local_functions`` (everything) or
     ``onnx.inliner.inline_selected_functions`` (the functions named in ``only``, each
     ``name`` or ``domain:name``; calls nested inside them stay calls unless selected too).
@@ -87,8 +93,8 @@ def inline_file(
     try:
         if only:
             flat = onnx.inliner.inline_selected_functions(model, _resolve_function_ids(model, only))
-        else:
-            flat = onnx.inliner.inline_local_functions(model)
+        else:  # each inlined node labelled with its own call (files/flat.py)
+            flat = inline_model(model)
     except (onnx.checker.ValidationError, RuntimeError) as e:
         raise InvalidModelFileError(f"onnx.inliner cannot inline {str(source)!r}: {shown(str(e).strip()[:400])}") from e
     if optimize:
@@ -99,6 +105,7 @@ def inline_file(
         converted = ir.from_proto(flat)
         opset.ConvertOpsetPass(opset_version)(converted)
         flat = ir.to_proto(converted)
+    sort_functions_proto(flat)  # functions left by `only`, callee-first (passes/function_order.py)
     with save.atomic_write(destination) as staging:
         try:
             onnx.save(flat, str(staging.model_path), save_as_external_data=external, location=staging.data_location)

@@ -23,6 +23,7 @@ recognised by their prefix and removed once their owner is gone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -43,7 +44,9 @@ from onnx_modular.errors import InvalidInputError, SaveError
 __all__ = [
     "check_destination",
     "staged_save",
+    "write_checked",
     "atomic_write",
+    "atomic_writes",
     "write_text",
     "interrupt_on_sigterm",
     "EXTERNAL_DATA_THRESHOLD",
@@ -364,41 +367,142 @@ def atomic_write(path: str | os.PathLike) -> Iterator[Staging]:
             onnx.save(model, staging.model_path, save_as_external_data=True,
                       location=staging.data_location)
     """
-    destination = check_destination(path)
-    parent = destination.parent if str(destination.parent) else pathlib.Path(".")
-    # The lock is held from the choice of the data file's name to the move: a concurrent save
-    # to the same destination waits, then sees this one's model.
-    with interrupt_on_sigterm(), _temp_folder(parent) as tmpdir, destination_lock(destination):
-        staging = Staging(tmpdir, destination, _data_token(destination))
+    with atomic_writes([path]) as (staging,):
         yield staging
-        staged_data = tmpdir / staging.data_location
+
+
+@contextlib.contextmanager
+def atomic_writes(paths: list[str | os.PathLike]) -> Iterator[list[Staging]]:
+    """Stage writes of several files that belong together (a modular file and its flat copy):
+    all are moved into place, or none.
+
+    As :func:`atomic_write`, one :class:`Staging` per path. The files are moved in order after
+    the body; if a move fails, the files already moved are put back as they were (the previous
+    model and data file restored, or the new one removed), so a failure never leaves one file
+    of the set new and another old or missing.
+
+    Example::
+
+        with atomic_writes(["m.onnx", "m.flat.onnx"]) as (modular, flat):
+            ...  # write both, check both; raising here moves neither
+    """
+    destinations = [check_destination(path) for path in paths]
+    if len({os.path.abspath(d) for d in destinations}) != len(destinations):
+        raise InvalidInputError(
+            "Two files of one save have the same path: " + ", ".join(_shown(d) for d in destinations) + ".",
+            hint="Give each file its own path.",
+        )
+    with interrupt_on_sigterm(), contextlib.ExitStack() as stack:
+        tmpdirs = [stack.enter_context(_temp_folder(_parent(d))) for d in destinations]
+        # Locks in one order for every writer: two saves of the same set wait, never deadlock. Each
+        # is held from the choice of the data file's name to the move: a concurrent save to the same
+        # destination waits, then sees this one's model.
+        for destination in sorted(destinations, key=lambda d: (str(_parent(d).resolve()), d.name)):
+            stack.enter_context(destination_lock(destination))
+        stagings = [Staging(tmpdir, d, _data_token(d)) for tmpdir, d in zip(tmpdirs, destinations)]
+        yield stagings
         try:
-            for staged in (staged_data, staging.model_path):
-                if staged.exists():
-                    _fsync(staged)
+            for staging in stagings:
+                for staged in (staging.model_path.parent / staging.data_location, staging.model_path):
+                    if staged.exists():
+                        _fsync(staged)
             with _signals_deferred():
-                _commit(staging, staged_data if staged_data.exists() else None, parent)
+                _commit_all(stagings, keep_previous=len(stagings) > 1)
         except OSError as e:
-            raise SaveError(f"Moving the file into {_shown(destination)} failed: {e}") from e
+            shown = ", ".join(_shown(d) for d in destinations)
+            raise SaveError(f"Moving the file into {shown} failed: {e}") from e
 
 
-def _commit(staging: Staging, staged_data: pathlib.Path | None, parent: pathlib.Path) -> None:
-    """Data first, then the model, then the previous data: each step leaves a valid pair."""
-    destination = staging.destination
-    previous = referenced_data(destination) if destination.exists() else set()
-    if staged_data is not None:
-        os.replace(staged_data, parent / staging.data_location)
+def _parent(destination: pathlib.Path) -> pathlib.Path:
+    return destination.parent if str(destination.parent) else pathlib.Path(".")
+
+
+@dataclasses.dataclass
+class _Moved:
+    """One file moved into place: what to restore if a later file of the set fails."""
+
+    staging: Staging
+    previous_data: set[str]
+    backup: pathlib.Path | None = None  # the previous model (a hard link in the temporary folder)
+    data: pathlib.Path | None = None  # the data file moved into place
+    data_backup: pathlib.Path | None = None  # what was at the data file's name before
+
+
+def _backup(path: pathlib.Path, tmpdir: pathlib.Path) -> pathlib.Path | None:
+    """A hard link to ``path`` in the temporary folder (a copy where links are not supported)."""
+    if not path.exists():
+        return None
+    backup = tmpdir / f".{secrets.token_hex(8)}.previous"
+    try:
+        os.link(path, backup)
+    except OSError:
+        shutil.copy2(path, backup)
+    return backup
+
+
+def _commit_all(stagings: list[Staging], *, keep_previous: bool) -> None:
+    """Data first, then the model, for each file; then the previous data: each step leaves valid pairs."""
+    moved: list[_Moved] = []
+    try:
+        for staging in stagings:
+            moved.append(_commit(staging, keep_previous))
+    except BaseException:
+        for entry in reversed(moved):
+            _restore(entry)
+        raise
+    for entry in moved:
+        _remove_previous_data(entry)
+
+
+def _commit(staging: Staging, keep_previous: bool) -> _Moved:
+    destination, tmpdir = staging.destination, staging.model_path.parent
+    parent = _parent(destination)
+    entry = _Moved(staging, referenced_data(destination) if destination.exists() else set())
+    staged_data = tmpdir / staging.data_location
+    if staged_data.exists():
+        target = parent / staging.data_location
+        if keep_previous:
+            entry.data_backup = _backup(target, tmpdir)
+        os.replace(staged_data, target)
+        entry.data = target
         _fsync(parent)
+    if keep_previous:
+        entry.backup = _backup(destination, tmpdir)
     os.replace(staging.model_path, destination)
     _fsync(parent)
+    return entry
+
+
+def _restore(entry: _Moved) -> None:
+    """Undo one :func:`_commit` (best effort: a failing step leaves the rest to be tried)."""
+    destination = entry.staging.destination
+    with contextlib.suppress(OSError):
+        if entry.backup is not None:
+            os.replace(entry.backup, destination)
+        else:
+            os.unlink(destination)
+    if entry.data is not None:
+        with contextlib.suppress(OSError):
+            if entry.data_backup is not None:
+                os.replace(entry.data_backup, entry.data)
+            else:
+                os.unlink(entry.data)
+    with contextlib.suppress(OSError):
+        _fsync(_parent(destination))
+
+
+def _remove_previous_data(entry: _Moved) -> None:
+    staging = entry.staging
+    destination = staging.destination
+    parent = _parent(destination)
     own = _own_data_files(destination)
     conventional = data_name(destination, None)  # also torch.onnx.export's name: removed only if it was ours
-    for entry in os.listdir(parent):
-        if entry == staging.data_location:
+    for name in os.listdir(parent):
+        if name == staging.data_location:
             continue
-        if own.fullmatch(entry) or (entry == conventional and entry in previous):
+        if own.fullmatch(name) or (name == conventional and name in entry.previous_data):
             with contextlib.suppress(OSError):
-                os.unlink(parent / entry)
+                os.unlink(parent / name)
 
 
 @contextlib.contextmanager
@@ -413,21 +517,33 @@ def staged_save(model: ir.Model, path: str | os.PathLike, *, external_data: bool
         with staged_save(model, "m.onnx") as staged:
             run_checks(staged)      # raising here leaves "m.onnx" untouched
     """
-    external = wants_external_data(model, external_data)
     with atomic_write(path) as staging:
-        staged, destination = staging.model_path, staging.destination
-        try:
-            ir.save(model, staged, external_data=staging.data_location if external else None)
-        except OSError as e:
-            raise SaveError(f"Writing {_shown(destination)} failed: {e}", hint="Check free disk space and permissions.") from e
-        try:
-            onnx.checker.check_model(str(staged), full_check=True)
-        except Exception as e:
-            raise SaveError(
-                f"The ONNX checker rejected the model: {e}",
-                hint="This is a bug in onnx_modular or torch's translator; please report it with the model.",
-            ) from e
-        yield staged
+        yield write_checked(model, staging, external_data=external_data)
+
+
+def write_checked(model: ir.Model, staging: Staging, *, external_data: bool | None = None) -> pathlib.Path:
+    """Write ``model`` (functions callee-first) where ``staging`` says, check it with
+    ``onnx.checker(full_check=True)``, and return the staged path.
+
+    ``external_data``: ``None`` decides by size (:data:`EXTERNAL_DATA_THRESHOLD`).
+    """
+    from onnx_modular.passes.function_order import SortFunctionsPass
+
+    SortFunctionsPass()(model)  # every file callee-first: readers that resolve functions in file order
+    external = wants_external_data(model, external_data)
+    staged, destination = staging.model_path, staging.destination
+    try:
+        ir.save(model, staged, external_data=staging.data_location if external else None)
+    except OSError as e:
+        raise SaveError(f"Writing {_shown(destination)} failed: {e}", hint="Check free disk space and permissions.") from e
+    try:
+        onnx.checker.check_model(str(staged), full_check=True)
+    except Exception as e:
+        raise SaveError(
+            f"The ONNX checker rejected the model: {e}",
+            hint="This is a bug in onnx_modular or torch's translator; please report it with the model.",
+        ) from e
+    return staged
 
 
 def write_text(path: str | os.PathLike, text: str) -> pathlib.Path:

@@ -42,6 +42,7 @@ def export_checkpoint(
     keep_on_mismatch: bool = False,
     opset_version: int | None = None,
     dedupe: bool = True,
+    flat_file: bool | str | None = None,
     log: Callable[[str], None] = lambda text: None,
 ) -> tuple[Any, dict[str, verification.ParityReport]]:
     """Export a checkpoint folder for ``task``; returns ``(ExportedModel, {component: report})``.
@@ -57,6 +58,11 @@ def export_checkpoint(
         raise InvalidInputError(
             f"--generation writes several components, so {str(output)!r} must be a folder, not a .onnx file.",
             hint="Give a folder: -o out/ (prefill.onnx, decode.onnx, export.json, config.json).",
+        )
+    if flat_file and not single_file:
+        raise InvalidInputError(
+            "--flat-file writes the flat copy beside one .onnx file; a folder export writes several.",
+            hint="Give a file (-o model.onnx), or run `onnx-modular inline --optimize` on a file of the folder.",
         )
     if output.is_file() and not single_file:
         raise InvalidInputError(f"{str(output)!r} is a file; the export of a checkpoint to a folder needs a folder.")
@@ -90,7 +96,7 @@ def export_checkpoint(
     if failure is not None and not keep_on_mismatch:
         raise failure
     if single_file:
-        modular_result(exported).save(output)
+        modular_result(exported).save(output, flat_file=flat_file)
     else:
         exported.save_pretrained(output)
     if failure is not None:
@@ -137,5 +143,6 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[Any, dict
         keep_on_mismatch=args.keep_on_mismatch,
         opset_version=args.opset,
         dedupe=not args.no_dedupe,
+        flat_file=getattr(args, "flat_file", None),
         log=log,
     )

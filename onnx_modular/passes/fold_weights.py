@@ -37,7 +37,7 @@ merges again at every session start (docs/benchmarks.md, issue 16).
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import onnx_ir as ir
 
@@ -65,7 +65,9 @@ class FoldWeightsPass(ir.passes.InPlacePass):
     Args:
         ops: Fold only these op types (``None``: every deterministic ONNX op).
             ``{"Transpose"}`` stores ``Linear`` weights pre-transposed and nothing else.
-        constants: Also lift the bodies' ``Constant`` nodes to main-graph initializers,
+        constants: Also lift the bodies' ``Constant`` nodes to main-graph initializers (or a
+            predicate ``constants(value) -> bool`` on each ``Constant``'s typed output, lifting
+            only those: ``bench/bench_lifted_constants.py`` measures such choices),
             passed in as formal inputs (default: when ``ops`` is ``None``).
 
     Example::
@@ -73,7 +75,7 @@ class FoldWeightsPass(ir.passes.InPlacePass):
         FoldWeightsPass()(model)  # Linear bodies become MatMul(input, weight.T)
     """
 
-    def __init__(self, ops: Collection[str] | None = None, constants: bool | None = None):
+    def __init__(self, ops: Collection[str] | None = None, constants: bool | Callable[[ir.Value], bool] | None = None):
         super().__init__()
         self.ops = frozenset(ops) if ops is not None else None
         self.constants = ops is None if constants is None else constants
@@ -183,6 +185,7 @@ def _foldable_nodes_unchecked(function, constant, ops, excluded, constants: bool
                 and node not in excluded
                 and not node.outputs[0].is_graph_output()
                 and _type_constant(node.outputs[0])
+                and (constants is True or constants(node.outputs[0]))
             ):
                 found.append(node)
             continue

@@ -7,7 +7,8 @@ run, in which order, with which (plain, torch-free) data. Three lists, one per s
     modularize   AnnotateStacks, InlineHelperFunctions, RemoveUnused, OutlineModuleCalls,
                  [DeduplicateFunctions], NameFunctions
     optimize     [RemoveUnused, OptimizeFunctions, FuseStandardOps], RecordNoOpCalls, RemoveUnused,
-                 AddOpsetImports, ConvertOpset, [FoldWeights, StripConstantMetadata, RemoveUnused]
+                 AddOpsetImports, ConvertOpset, [FoldWeights, StripConstantMetadata, RemoveUnused],
+                 SortFunctions
 
 ``RemoveUnusedPass`` runs only after a pass that leaves something unused behind (helper
 inlining; deduplication, before the optimizer would fold dead copies; dropped no-op calls;
@@ -33,6 +34,7 @@ from onnx_modular.passes.dedupe import DeduplicateFunctionsPass
 from onnx_modular.passes.default_opset import SetDefaultOpsetPass
 from onnx_modular.passes.dynamic_axes import RenameDynamicAxesPass
 from onnx_modular.passes.fold_weights import FoldWeightsPass
+from onnx_modular.passes.function_order import SortFunctionsPass
 from onnx_modular.passes.inline_helpers import InlineHelperFunctionsPass
 from onnx_modular.passes.io_names import NameGraphInputsOutputsPass
 from onnx_modular.passes.modularize import OutlineModuleCallsPass
@@ -111,6 +113,7 @@ def optimize_passes(*, tree: CallTree, opset: int, target_opset: int, optimize: 
         AddOpsetImportsPass(opset),
         ConvertOpsetPass(target_opset),  # converts only below the translated opset (18)
         *([FoldWeightsPass(), StripConstantMetadataPass(), RemoveUnusedPass()] if optimize else []),
+        SortFunctionsPass(),  # callee-first in memory too (every save sorts again: files/save.py)
     ]
 
 
