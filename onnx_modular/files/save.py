@@ -6,18 +6,22 @@ verified), and only then moved into place. A failure at any step removes the
 temporary folder: no partial file, and an existing file at the destination is never
 overwritten by a failed write.
 
-External data never breaks the pair. The data file gets the conventional name
-``<name>.data`` (as ``torch.onnx.export`` writes it) unless the model already at the
-destination refers to that file; then this write's data goes to a name of its own
-(``<name>.<8 hex>.data``) and the next write returns to ``<name>.data``. Either way the
-data file is moved into place *before* the model file is replaced, and the previous
-write's data file is removed *after*, so a crash at any point leaves the destination
-referring to a complete data file that matches it (at worst an unreferenced data file or
-temporary folder is left, removed by the next save to that folder). Concurrent saves to
-one destination are serialized by an advisory lock (``fcntl.flock``) held from the choice
-of the data file's name to the move, so the last one wins whole. SIGTERM is handled like
-SIGINT while a save runs; temporary folders left by killed processes (``kill -9``) are
-recognised by their prefix and removed once their owner is gone.
+External data never breaks the pair, and never touches another model's. The data file gets
+the conventional name ``<name>.data`` (as ``torch.onnx.export`` writes it) when no file has
+that name; otherwise (the model at the destination uses it, or another model refers to it)
+this write's data goes to a new name of its own (``<name>.<8 hex>.data``): an existing file
+is never replaced, except the destination itself. The data file is moved into place *before*
+the model file is replaced, and the data files the previous model referred to (named as this
+module names them) are removed *after*. A journal (``.onnx_modular-commit-<hash>``) lists the
+new and the retired data files before anything moves, so the next save to that destination
+finishes a commit that was killed half-way; nothing is ever removed by its name alone.
+Concurrent saves to one destination are serialized by an advisory lock (``fcntl.flock``)
+held from the choice of the data file's name to the move, so the last one wins whole. Lock and
+journal files are created with ``O_EXCL | O_NOFOLLOW``. A destination that exists and is not
+a regular file (a device, a FIFO) is refused before any work. SIGTERM is handled like SIGINT
+while a save runs, and both wait until the renames of a commit are done; temporary folders
+left by killed processes (``kill -9``) are recognised by their prefix and removed once their
+owner is gone.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import json
 import os
 import pathlib
 import re
 import secrets
 import shutil
 import signal
+import stat
 import threading
 from collections.abc import Iterator
 
@@ -62,6 +68,7 @@ EXTERNAL_DATA_THRESHOLD = 1024 * 1024
 # followed by the owner's pid: ``.onnx_modular-tmp-<pid>-<random>``.
 TEMP_PREFIX = ".onnx_modular-tmp-"
 _LOCK_PREFIX = ".onnx_modular-lock-"
+_JOURNAL_PREFIX = ".onnx_modular-commit-"
 _TOKEN_HEX = 8
 _DATA_SUFFIX_LEN = len(f".{'0' * _TOKEN_HEX}.data")
 # Writers add to the names they are given (onnx_ir stages ``.<name>.XXXXXXXX``, verification
@@ -89,6 +96,8 @@ def check_destination(path: str | os.PathLike) -> pathlib.Path:
     path = pathlib.Path(raw)
     shown = _shown(raw)
     parent = path.parent if str(path.parent) else pathlib.Path(".")
+    if "\x00" in raw:
+        raise SaveError(f"The output path {shown} contains a NUL byte.", hint="Give a file path such as 'model.onnx'.")
     if path.name in ("", ".", "..") or raw.endswith((os.sep, os.sep + ".", os.sep + "..")):
         raise SaveError(f"The output path {shown} has no file name.", hint="Give a file path such as 'model.onnx'.")
     name_max = _name_max(parent)
@@ -103,6 +112,7 @@ def check_destination(path: str | os.PathLike) -> pathlib.Path:
         raise SaveError(f"Cannot use the output path {shown}: {e.strerror or e}", hint="Choose another path.") from e
     if is_dir:
         raise SaveError(f"The output path {shown} is a directory.", hint="Give a file path such as 'model.onnx'.")
+    _check_replaceable(path, shown)
     if not parent_is_dir:
         raise SaveError(
             f"The output folder {_shown(parent)} does not exist.",
@@ -114,6 +124,23 @@ def check_destination(path: str | os.PathLike) -> pathlib.Path:
             hint="Choose a folder you can write to, or fix its permissions.",
         )
     return path
+
+
+def _check_replaceable(path: pathlib.Path, shown: str) -> None:
+    """An existing destination must be a regular file (or a link to one): replacing a device
+    node (``/dev/null``) breaks the system, and a FIFO would block the write forever."""
+    try:
+        info = os.stat(path)  # follows a symbolic link to what it names
+    except FileNotFoundError:
+        return  # nothing there, or a dangling link: the save replaces the link
+    except OSError as e:
+        raise SaveError(f"Cannot use the output path {shown}: {e.strerror or e}", hint="Choose another path.") from e
+    if not stat.S_ISREG(info.st_mode):
+        raise SaveError(
+            f"The output path {shown} exists and is not a regular file (a device, a FIFO or a socket); "
+            "onnx_modular only replaces regular files.",
+            hint="Give the path of a new or existing .onnx file.",
+        )
 
 
 def _shown(path: str | os.PathLike) -> str:
@@ -157,23 +184,20 @@ def data_name(destination: pathlib.Path, token: str | None) -> str:
     return f"{stem}.data" if token is None else f"{stem}.{token}.data"
 
 
-def _data_token(destination: pathlib.Path) -> str | None:
-    """``None`` (the conventional data-file name) unless the model at ``destination`` may refer to it."""
-    if not destination.exists():
-        return None
-    conventional = data_name(destination, None)
-    try:
-        small = destination.stat().st_size <= _LEGACY_SCAN_LIMIT
-    except OSError:
-        small = False
-    if small and conventional not in referenced_data(destination):
-        return None
-    return secrets.token_hex(_TOKEN_HEX // 2)
-
-
-def _own_data_files(destination: pathlib.Path) -> re.Pattern[str]:
+def _data_pattern(destination: pathlib.Path) -> re.Pattern[str]:
+    """The names this module gives ``destination``'s data files: ``<name>.data``, ``<name>.<8 hex>.data``."""
     stem = data_name(destination, "0" * _TOKEN_HEX)[:-_DATA_SUFFIX_LEN]
-    return re.compile(re.escape(stem) + rf"\.[0-9a-f]{{{_TOKEN_HEX}}}\.data")
+    return re.compile(re.escape(stem) + rf"(\.[0-9a-f]{{{_TOKEN_HEX}}})?\.data")
+
+
+def _choose_data_name(destination: pathlib.Path) -> str:
+    """A data-file name that no file in the folder has: ``<name>.data`` when free, else a
+    ``<name>.<8 hex>.data`` of its own. An existing file is never replaced, whoever it belongs
+    to (the model at the destination, or another model that refers to that name)."""
+    name = data_name(destination, None)
+    while os.path.lexists(destination.parent / name):
+        name = data_name(destination, secrets.token_hex(_TOKEN_HEX // 2))
+    return name
 
 
 # -- signals -----------------------------------------------------------------------------
@@ -208,13 +232,37 @@ def interrupt_on_sigterm() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
-    """SIGINT/SIGTERM wait until the block ends (the few renames of a commit)."""
-    deferred = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, deferred)
+    """SIGINT/SIGTERM wait until the block ends (the few renames of a commit).
+
+    Blocking the signals is not enough: a signal caught just before the block runs its
+    Python handler at the next bytecode, inside the block. So the main thread's handlers
+    are swapped for one that records the signal, which is handed to the previous handler
+    once the block is done.
+    """
+    deferred = (signal.SIGINT, signal.SIGTERM)
+    pending: list[int] = []
+    previous_handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in deferred:
+            previous_handlers[signum] = signal.signal(signum, lambda signum, frame: pending.append(signum))
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(deferred))
     try:
         yield
     finally:
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    for signum in dict.fromkeys(pending):
+        handler = previous_handlers.get(signum)
+        if callable(handler):
+            handler(signum, None)
+        elif handler == signal.SIG_DFL:
+            os.kill(os.getpid(), signum)
+
+
+#: Public name for the CLI: heavy imports (torch, onnxruntime) run with signals deferred, since a
+#: SIGTERM raised inside a C extension's initialisation aborts the process (exit 134).
+signals_deferred = _signals_deferred
 
 
 # -- temporary folders and locks ------------------------------------------------------------
@@ -279,21 +327,61 @@ def _temp_folder(parent: pathlib.Path) -> Iterator[pathlib.Path]:
         os.close(fd)
 
 
+def _private_path(destination: pathlib.Path, prefix: str) -> pathlib.Path:
+    digest = hashlib.sha256(os.fsencode(destination.name)).hexdigest()[:16]
+    return destination.parent / f"{prefix}{digest}"
+
+
+def _open_private_file(path: pathlib.Path, *, create: bool) -> int:
+    """Open one of our lock/journal files without following a link: created with
+    ``O_EXCL`` when ``create``; an existing one must be a regular file. ``FileExistsError``
+    and ``FileNotFoundError`` pass through (the caller retries); others are a SaveError."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if create:
+        flags |= os.O_CREAT | os.O_EXCL
+    try:
+        fd = os.open(path, flags, 0o600)
+    except (FileExistsError, FileNotFoundError):
+        raise
+    except OSError as e:
+        raise SaveError(
+            f"Cannot use {_shown(path)}, onnx_modular's lock/journal file for this destination: "
+            f"{e.strerror or e} (something else sits at that name: a link, a folder or a special file).",
+            hint="Remove it if no onnx_modular save is running in that folder, then save again.",
+        ) from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SaveError(
+            f"{_shown(path)}, onnx_modular's lock file for this destination, is not a regular file.",
+            hint="Remove it if no onnx_modular save is running in that folder, then save again.",
+        )
+    return fd
+
+
 @contextlib.contextmanager
 def destination_lock(destination: pathlib.Path) -> Iterator[None]:
     """An exclusive advisory lock for one destination, held by at most one writer.
 
-    The lock file (``.onnx_modular-lock-<hash>``) is removed on release; a waiter that
-    wakes up on a removed file takes the lock again on the new one.
+    The lock file (``.onnx_modular-lock-<hash>``) is created with ``O_EXCL | O_NOFOLLOW``
+    (an existing one, another writer's, is opened without following links and must be a
+    regular file) and removed on release; a waiter that wakes up on a removed file takes the
+    lock again on the new one.
     """
-    digest = hashlib.sha256(os.fsencode(destination.name)).hexdigest()[:16]
-    lock_path = destination.parent / f"{_LOCK_PREFIX}{digest}"
+    lock_path = _private_path(destination, _LOCK_PREFIX)
     while True:
-        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fd = _open_private_file(lock_path, create=True)
+        except FileExistsError:
+            try:
+                fd = _open_private_file(lock_path, create=False)
+            except FileNotFoundError:
+                continue  # released meanwhile
+        except FileNotFoundError as e:
+            raise SaveError(f"Cannot create a lock file in {_shown(destination.parent)}.") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
-                same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+                same = os.lstat(lock_path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
                 same = False
         except BaseException:
@@ -321,19 +409,29 @@ def _fsync(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def referenced_data(model_path: pathlib.Path) -> set[str]:
-    """External-data locations of an existing (small) model file; empty when unreadable."""
+def _references(model_path: pathlib.Path) -> set[str] | None:
+    """External-data locations of an existing model file (every tensor it holds), ``set()``
+    when there is none, ``None`` when it cannot be told (unreadable, not ONNX, too large)."""
+    from onnx_modular.files._proto import all_tensors
+    from onnx_modular.files.load import read_regular_file
+
     try:
-        if model_path.stat().st_size > _LEGACY_SCAN_LIMIT:
+        if not os.path.lexists(model_path):
             return set()
-        model = onnx.load(str(model_path), load_external_data=False)
-    except Exception:
-        return set()
+        model = onnx.ModelProto()
+        model.ParseFromString(read_regular_file(model_path, str(model_path), limit=_LEGACY_SCAN_LIMIT))
+    except Exception:  # noqa: BLE001 - whatever it is, its references are unknown
+        return None
     locations = set()
-    for tensor in model.graph.initializer:
+    for tensor in all_tensors(model):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             locations.update(entry.value for entry in tensor.external_data if entry.key == "location")
     return locations
+
+
+def referenced_data(model_path: pathlib.Path) -> set[str]:
+    """External-data locations of an existing (small) model file; empty when unreadable."""
+    return _references(model_path) or set()
 
 
 # -- the write ----------------------------------------------------------------------------
@@ -344,10 +442,10 @@ class Staging:
     data, the relative ``data_location`` to record in the model (its file sits next to
     ``model_path``)."""
 
-    def __init__(self, tmpdir: pathlib.Path, destination: pathlib.Path, token: str | None):
+    def __init__(self, tmpdir: pathlib.Path, destination: pathlib.Path):
         self.destination = destination
         self.model_path = tmpdir / _safe_stem(destination.name, _name_max(tmpdir) - _NAME_ROOM)
-        self.data_location = data_name(destination, token)
+        self.data_location = _choose_data_name(destination)
 
 
 @contextlib.contextmanager
@@ -368,7 +466,8 @@ def atomic_write(path: str | os.PathLike) -> Iterator[Staging]:
     # The lock is held from the choice of the data file's name to the move: a concurrent save
     # to the same destination waits, then sees this one's model.
     with interrupt_on_sigterm(), _temp_folder(parent) as tmpdir, destination_lock(destination):
-        staging = Staging(tmpdir, destination, _data_token(destination))
+        _finish_interrupted_commit(destination)
+        staging = Staging(tmpdir, destination)
         yield staging
         staged_data = tmpdir / staging.data_location
         try:
@@ -381,25 +480,85 @@ def atomic_write(path: str | os.PathLike) -> Iterator[Staging]:
             raise SaveError(f"Moving the file into {_shown(destination)} failed: {e}") from e
 
 
+def _write_journal(destination: pathlib.Path, names: list[str]) -> pathlib.Path:
+    """Record the data files a commit creates and retires, before it touches any."""
+    journal = _private_path(destination, _JOURNAL_PREFIX)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(journal)  # a finished one: _finish_interrupted_commit read it
+    fd = _open_private_file(journal, create=True)
+    try:
+        os.write(fd, json.dumps(names).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return journal
+
+
+def _finish_interrupted_commit(destination: pathlib.Path) -> None:
+    """After a commit killed half-way, remove the data files it recorded that the model at
+    the destination does not refer to (the new data of a model never moved, or the previous
+    data of a model that was replaced). Only names the journal lists and that follow this
+    destination's data-file naming are removed: nothing the journal cannot prove we made."""
+    journal = _private_path(destination, _JOURNAL_PREFIX)
+    if not os.path.lexists(journal):
+        return
+    from onnx_modular.files.load import read_regular_file
+
+    try:
+        names = json.loads(read_regular_file(journal, str(journal), limit=1 << 16))
+    except Exception:  # noqa: BLE001 - an unreadable journal proves nothing: remove nothing
+        names = None
+    current = _references(destination)
+    if isinstance(names, list) and current is not None:
+        own = _data_pattern(destination)
+        for name in names:
+            if isinstance(name, str) and name not in current and own.fullmatch(name):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISREG(os.lstat(destination.parent / name).st_mode):
+                        os.unlink(destination.parent / name)
+    with contextlib.suppress(OSError):
+        os.unlink(journal)
+
+
+def _move_without_replacing(source: pathlib.Path, target: pathlib.Path) -> None:
+    """Move ``source`` to ``target``, failing rather than replacing a file that appeared there."""
+    try:
+        os.link(source, target)
+    except FileExistsError as e:
+        raise SaveError(f"{_shown(target)} appeared during the save; it was not replaced.", hint="Save again.") from e
+    except OSError:  # a file system without hard links
+        if os.path.lexists(target):
+            raise SaveError(f"{_shown(target)} appeared during the save; it was not replaced.", hint="Save again.") from None
+        os.replace(source, target)
+    # (a linked source stays in the temporary folder, removed with it)
+
+
 def _commit(staging: Staging, staged_data: pathlib.Path | None, parent: pathlib.Path) -> None:
-    """Data first, then the model, then the previous data: each step leaves a valid pair."""
+    """Data first, then the model, then the previous data: each step leaves a valid pair.
+
+    A journal lists the new data file and the previous model's data files (only those named
+    as this module names them) before anything moves, so the next save can finish a commit
+    that was killed half-way (:func:`_finish_interrupted_commit`).
+    """
     destination = staging.destination
-    previous = referenced_data(destination) if destination.exists() else set()
+    _check_replaceable(destination, _shown(destination))  # it may have changed since the check
+    previous = _references(destination) or set()
+    own = _data_pattern(destination)
+    retired = sorted(name for name in previous if name != staging.data_location and own.fullmatch(name))
+    created = [staging.data_location] if staged_data is not None else []
+    journal = _write_journal(destination, created + retired) if created or retired else None
     if staged_data is not None:
-        os.replace(staged_data, parent / staging.data_location)
+        _move_without_replacing(staged_data, parent / staging.data_location)
         _fsync(parent)
     os.replace(staging.model_path, destination)
     _fsync(parent)
-    own = _own_data_files(destination)
-    conventional = data_name(destination, None)  # also torch.onnx.export's name: removed only if it was ours
-    for entry in os.listdir(parent):
-        if entry == staging.data_location:
-            continue
-        if own.fullmatch(entry) or (entry == conventional and entry in previous):
-            with contextlib.suppress(OSError):
-                os.unlink(parent / entry)
-
-
+    for name in retired:
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.lstat(parent / name).st_mode):
+                os.unlink(parent / name)
+    if journal is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(journal)
 @contextlib.contextmanager
 def staged_save(model: ir.Model, path: str | os.PathLike, *, external_data: bool | None = None) -> Iterator[pathlib.Path]:
     """Write ``model`` to a temporary path, yield it for checks, then move it into place.

@@ -6,12 +6,16 @@ import re
 
 __all__ = ["shown"]
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# C0/C1 controls (ANSI escapes, BEL, newlines), and the invisible format characters that reorder
+# or hide text: bidirectional embeddings, overrides and isolates (U+202E turns a line around),
+# zero-width characters, line/paragraph separators, the byte-order mark.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
 
 
 def shown(value: str | bytes) -> str:
-    """A name read from a file, safe to print: undecodable bytes as ``\\xff`` and control
-    characters (ANSI escapes, newlines) as ``\\x1b``, so a name cannot rewrite the terminal.
+    """A name read from a file, safe to print: undecodable bytes as ``\\xff``, control
+    characters (ANSI escapes, newlines) as ``\\x1b`` and bidirectional overrides or
+    zero-width characters as ``\\u202e``, so a name cannot rewrite the terminal or reorder a line.
 
     protobuf returns ``bytes`` for a string field that is not valid UTF-8.
 
@@ -21,4 +25,9 @@ def shown(value: str | bytes) -> str:
     """
     if isinstance(value, bytes):
         value = value.decode("utf-8", "backslashreplace")
-    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", str(value))
+    return _CONTROL.sub(_escape, str(value))
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"

@@ -24,6 +24,10 @@ from onnx_modular.errors import InvalidInputError
 
 __all__ = ["checkpoint_weights", "model_on_meta", "on_meta", "zero_cache"]
 
+#: Most values a sample cache of zeros may hold (2**28: 1 GiB of float32); real sample caches
+#: (batch 2, 4 positions) hold a few million at most.
+_MAX_CACHE_ELEMENTS = 2**28
+
 
 def model_on_meta(
     checkpoint: str | os.PathLike | Any,
@@ -42,12 +46,15 @@ def model_on_meta(
     import transformers
 
     if isinstance(checkpoint, (str, os.PathLike)):
+        from onnx_modular.hf.checkpoint import check_checkpoint_folder
+
         folder = pathlib.Path(checkpoint)
-        if not (folder / "config.json").is_file():
+        if not os.path.lexists(folder / "config.json"):
             raise InvalidInputError(
                 f"{str(folder)!r} has no config.json.",
                 hint="Give a folder written by save_pretrained (config.json and *.safetensors).",
             )
+        check_checkpoint_folder(folder)
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
     else:
         config = checkpoint
@@ -108,12 +115,23 @@ def zero_cache(model: torch.nn.Module, batch: int, past: int) -> Any:
     import transformers
 
     config = model.config.get_text_config(decoder=True)
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads if heads else 0)
+    layers = getattr(config, "num_hidden_layers", None)
+    sizes = (batch, heads, past, head_dim, layers)
+    if not all(type(size) is int and size > 0 for size in sizes):
+        raise InvalidInputError(f"The config's cache sizes (batch, heads, past, head_dim, layers) {sizes} are not positive integers.")
+    elements = 2 * batch * heads * past * head_dim * layers
+    if elements > _MAX_CACHE_ELEMENTS:  # checked before anything is allocated
+        raise InvalidInputError(
+            f"A sample cache for this config holds {elements} values (batch {batch}, {heads} heads, {past} positions, "
+            f"head_dim {head_dim}, {layers} layers): more than {_MAX_CACHE_ELEMENTS}; the config is implausible.",
+            hint="Check num_key_value_heads, head_dim and num_hidden_layers in config.json.",
+        )
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     layers = [
         (torch.zeros(batch, heads, past, head_dim, dtype=dtype), torch.zeros(batch, heads, past, head_dim, dtype=dtype))
-        for _ in range(config.num_hidden_layers)
+        for _ in range(layers)
     ]
     return transformers.DynamicCache(layers, config=config)
 
