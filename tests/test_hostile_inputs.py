@@ -372,7 +372,7 @@ def test_localize_uses_the_bounded_loader(tmp_path):
     import sys
 
     from onnx_modular.errors import InvalidModelFileError
-    from onnx_modular.localization import localize
+    from onnx_modular.check.localization import localize
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
     import fuzz_files
