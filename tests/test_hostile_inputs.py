@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 from onnx_modular import InvalidInputError, ModularizeError, export_modular
-from onnx_modular.errors import OnnxModularError
 from onnx_modular.cli import main
+from onnx_modular.errors import OnnxModularError
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:
@@ -101,7 +101,7 @@ def test_non_tensor_outputs_are_named(tmp_path, model, message):
 def test_a_factory_that_exits_is_an_error(tmp_path):
     script = tmp_path / "make.py"
     script.write_text("import sys\ndef make():\n    sys.exit()\n")
-    code, out, err = run_cli("export", f"{script}:make", "-o", tmp_path / "m.onnx")
+    code, _, err = run_cli("export", f"{script}:make", "-o", tmp_path / "m.onnx")
     assert code == 2
     assert f"error: [input] The factory '{script}:make' exited (SystemExit(None)) instead of returning a model." in err
     assert sorted(os.listdir(tmp_path)) == ["make.py"]
@@ -124,12 +124,12 @@ def test_a_factory_module_that_exits_on_import_is_an_error(tmp_path):
 @pytest.mark.parametrize(
     "call, message",
     [
-        (dict(args=3), "args must be a tuple of positional inputs"),
-        (dict(args="x"), "args must be a tuple of positional inputs"),
-        (dict(kwargs=[1, 2]), "kwargs must be a dict"),
-        (dict(verify="bogus"), "verify must be True, False, 'blocks' or 'full'"),
-        (dict(max_block_bytes=-5), "max_block_bytes must be a positive number"),
-        (dict(max_block_bytes=True), "max_block_bytes must be a positive number"),
+        ({"args": 3}, "args must be a tuple of positional inputs"),
+        ({"args": "x"}, "args must be a tuple of positional inputs"),
+        ({"kwargs": [1, 2]}, "kwargs must be a dict"),
+        ({"verify": "bogus"}, "verify must be True, False, 'blocks' or 'full'"),
+        ({"max_block_bytes": -5}, "max_block_bytes must be a positive number"),
+        ({"max_block_bytes": True}, "max_block_bytes must be a positive number"),
     ],
 )
 def test_api_misuse_is_a_typed_error(tmp_path, call, message):
@@ -205,11 +205,11 @@ def test_a_model_in_training_mode_comes_back_as_given(tmp_path, fail):
 
 # -- issue 25: safetensors headers are validated as data -------------------------------------
 
-import json  # noqa: E402
-import struct  # noqa: E402
+import json
+import struct
 
-from onnx_modular.errors import WeightsError  # noqa: E402
-from onnx_modular.weights import WeightSource  # noqa: E402
+from onnx_modular.errors import WeightsError
+from onnx_modular.weights import WeightSource
 
 
 def safetensors_file(path, header, body: bytes = b"\0" * 56, raw: bytes | None = None):
@@ -311,19 +311,19 @@ def _edited_config(source, target, text=None, **changes):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (dict(text="{not json"), "config.json' is not valid JSON"),
-        (dict(text=""), "config.json' is not valid JSON"),
-        (dict(text="[1, 2]"), "holds a JSON list, not an object"),
-        (dict(text="[" * 50_000 + "]" * 50_000), "nested too deeply"),
-        (dict(model_type="no-such-model"), "model_type 'no-such-model', which this transformers version does not know"),
-        (dict(model_type=None), "model_type None"),
-        (dict(auto_map={"AutoConfig": "code.Config"}), "never runs code from a checkpoint"),
-        (dict(hidden_size=-4), "sets hidden_size to -4"),
-        (dict(num_attention_heads="4"), "sets num_attention_heads to '4'"),
-        (dict(dtype="Tensor"), "sets dtype to 'Tensor'"),
-        (dict(hidden_size=10**9), "describes a model of at least 1e+18 parameters"),
-        (dict(num_hidden_layers=10**7), "describes a model of at least"),
-        (dict(vocab_size=10**12), "describes a model of at least"),
+        ({"text": "{not json"}, "config.json' is not valid JSON"),
+        ({"text": ""}, "config.json' is not valid JSON"),
+        ({"text": "[1, 2]"}, "holds a JSON list, not an object"),
+        ({"text": "[" * 50_000 + "]" * 50_000}, "nested too deeply"),
+        ({"model_type": "no-such-model"}, "model_type 'no-such-model', which this transformers version does not know"),
+        ({"model_type": None}, "model_type None"),
+        ({"auto_map": {"AutoConfig": "code.Config"}}, "never runs code from a checkpoint"),
+        ({"hidden_size": -4}, "sets hidden_size to -4"),
+        ({"num_attention_heads": "4"}, "sets num_attention_heads to '4'"),
+        ({"dtype": "Tensor"}, "sets dtype to 'Tensor'"),
+        ({"hidden_size": 10**9}, "describes a model of at least 1e+18 parameters"),
+        ({"num_hidden_layers": 10**7}, "describes a model of at least"),
+        ({"vocab_size": 10**12}, "describes a model of at least"),
     ],
 )
 @pytest.mark.parametrize("stream", [False, True], ids=["load", "meta"])
@@ -371,8 +371,8 @@ def test_the_zero_cache_is_bounded_before_allocation(llama_folder):
 def test_localize_uses_the_bounded_loader(tmp_path):
     import sys
 
-    from onnx_modular.errors import InvalidModelFileError
     from onnx_modular.check.localization import localize
+    from onnx_modular.errors import InvalidModelFileError
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
     import fuzz_files

@@ -75,17 +75,17 @@ def test_external_data_export_is_complete(tmp_path):
 
 # -- issue 25: a save replaces only the destination and the data it refers to ---------------
 
-import hashlib  # noqa: E402
-import json  # noqa: E402
+import hashlib
+import json
 
-import numpy as np  # noqa: E402
-import onnx  # noqa: E402
-import onnx.numpy_helper  # noqa: E402
-from onnx import TensorProto, helper  # noqa: E402
+import numpy as np
+import onnx
+import onnx.numpy_helper
+from onnx import TensorProto, helper
 
-from onnx_modular.files import save as _io  # noqa: E402
-from onnx_modular.cli import main  # noqa: E402
-from onnx_modular.files import inline_file  # noqa: E402
+from onnx_modular.cli import main
+from onnx_modular.files import inline_file
+from onnx_modular.files import save as _io
 
 
 def external_pair(folder, name: str, location: str, value: float = 1.0):

@@ -49,7 +49,9 @@ def _fold_only_small_outputs(node) -> bool | None:
     refuse to fold, before evaluation, a node whose output (after shape inference) is larger than
     the folder's own output limit, or of unknown size when its op can grow. ``None``: the
     folder's default rules."""
-    from onnxscript.optimizer._constant_folding import DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT
+    from onnxscript.optimizer._constant_folding import (
+        DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
+    )
 
     for output in node.outputs:
         shape = output.shape

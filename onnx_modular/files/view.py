@@ -21,7 +21,7 @@ from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.files._proto import all_tensors
 from onnx_modular.files.load import check_external_data, read_regular_file
 
-__all__ = ["served_files", "serve"]
+__all__ = ["serve", "served_files"]
 
 #: One external-data file served at most (larger ones are refused, not truncated).
 _MAX_SERVED_DATA = 2**34

@@ -16,16 +16,21 @@ import transformers
 from transformers.exporters.exporter_dynamo import get_auto_dynamic_shapes
 
 from onnx_modular.errors import InvalidInputError
-from onnx_modular.hf.meta import check_checkpoint_folder, model_on_meta, on_meta, zero_cache
+from onnx_modular.hf.meta import (
+    check_checkpoint_folder,
+    model_on_meta,
+    on_meta,
+    zero_cache,
+)
 
 __all__ = [
-    "TASKS",
     "GENERATION_TASKS",
+    "TASKS",
+    "dynamic_shapes",
     "load_checkpoint",
     "meta_checkpoint",
-    "sample_inputs",
-    "dynamic_shapes",
     "model_and_inputs",
+    "sample_inputs",
 ]
 
 #: task -> the transformers auto class that loads the model for it.
