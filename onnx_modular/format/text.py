@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 
 __all__ = ["shown"]
 
@@ -25,7 +26,18 @@ def shown(value: str | bytes) -> str:
     """
     if isinstance(value, bytes):
         value = value.decode("utf-8", "backslashreplace")
-    return _CONTROL.sub(_escape, str(value))
+    text = _CONTROL.sub(_escape, str(value))
+    if not text.isascii():  # any other invisible format character (tags, annotations, ...)
+        text = "".join(_escape_char(c) if unicodedata.category(c) in _INVISIBLE else c for c in text)
+    return text
+
+
+_INVISIBLE = frozenset({"Cc", "Cf", "Zl", "Zp"})
+
+
+def _escape_char(char: str) -> str:
+    code = ord(char)
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
 def _escape(match: re.Match) -> str:
