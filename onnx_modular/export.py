@@ -167,49 +167,52 @@ def export_modular(
         opset_version=opset_version, custom_translation_table=custom_translation_table, external_data=external_data,
         execution_provider=execution_provider, rtol=rtol, atol=atol, flat_file=flat_file,
     )
-    args, kwargs, stream = plan.args, plan.kwargs, plan.stream
-    stages = _Stages(model, progress)
-    # The eager run and the capture get their own copy of the inputs: a forward pass may update
-    # its inputs in place (a KV cache appends to itself), and the user's objects stay as given.
-    with stages("capture", "run", report=False), stream.eager() if stream else contextlib.nullcontext():
-        expected, signatures, eager_calls = reference_run.run(model, *tensors.copy_inputs(args, kwargs))
-    with stages("capture"):
-        dynamic_shapes = _check_io(model, args, kwargs, expected, dynamic_shapes)
-        program = exported_program or _capture(model, args, kwargs, dynamic_shapes, stream)
-    with stages("decompose"):
-        program = torch_compat.decompose(program, plan.registry)
-        for fix in program_fixes:
-            fix(program.graph_module)
-    with stages("translate"):
-        model_ir = torch_compat.translate(program, plan.registry)
-        names = _io_names(model_ir, model, args, kwargs, expected, input_names, output_names)
-        pipeline.run(
-            pipeline.translated_passes(
-                axis_names=torch_compat.dynamic_axis_names(model_ir.graph.inputs, dynamic_shapes),
-                input_names=names[0], output_names=names[1], opset=plan.translated_opset,
-                weights=stream.attach_pass() if stream else None,
-            ),
-            model_ir,
+    # The export runs the model (reference run, torch.export): the user gets it back exactly as
+    # given, buffers (BatchNorm statistics) and training flags included, even on failure.
+    with reference_run.kept_as_given(model):
+        args, kwargs, stream = plan.args, plan.kwargs, plan.stream
+        stages = _Stages(model, progress)
+        # The eager run and the capture get their own copy of the inputs: a forward pass may update
+        # its inputs in place (a KV cache appends to itself), and the user's objects stay as given.
+        with stages("capture", "run", report=False), stream.eager() if stream else contextlib.nullcontext():
+            expected, signatures, eager_calls = reference_run.run(model, *tensors.copy_inputs(args, kwargs))
+        with stages("capture"):
+            dynamic_shapes = _check_io(model, args, kwargs, expected, dynamic_shapes)
+            program = exported_program or _capture(model, args, kwargs, dynamic_shapes, stream)
+        with stages("decompose"):
+            program = torch_compat.decompose(program, plan.registry)
+            for fix in program_fixes:
+                fix(program.graph_module)
+        with stages("translate"):
+            model_ir = torch_compat.translate(program, plan.registry)
+            names = _io_names(model_ir, model, args, kwargs, expected, input_names, output_names)
+            pipeline.run(
+                pipeline.translated_passes(
+                    axis_names=torch_compat.dynamic_axis_names(model_ir.graph.inputs, dynamic_shapes),
+                    input_names=names[0], output_names=names[1], opset=plan.translated_opset,
+                    weights=stream.attach_pass() if stream else None,
+                ),
+                model_ir,
+            )
+        with stages("modularize"), _gc_paused():
+            tree = _modularize(model_ir, model, program, plan, eager_calls, signatures, dedupe=dedupe)
+        with stages("optimize"):
+            passes = pipeline.optimize_passes(
+                tree=tree, opset=plan.translated_opset, target_opset=plan.target_opset, optimize=optimize
+            )
+            pipeline.run(passes, model_ir)
+            model_ir.producer_name, model_ir.producer_version = "onnx_modular", _version()
+        result = ModularExport(
+            model=model_ir,
+            hierarchy=tree,
+            timings=stages.timings,
+            exported_program=program,
+            _reference=(tensors.flatten_inputs(args, kwargs), tensors.flatten_outputs(expected)),
+            _example=(args, kwargs),
         )
-    with stages("modularize"), _gc_paused():
-        tree = _modularize(model_ir, model, program, plan, eager_calls, signatures, dedupe=dedupe)
-    with stages("optimize"):
-        passes = pipeline.optimize_passes(
-            tree=tree, opset=plan.translated_opset, target_opset=plan.target_opset, optimize=optimize
-        )
-        pipeline.run(passes, model_ir)
-        model_ir.producer_name, model_ir.producer_version = "onnx_modular", _version()
-    result = ModularExport(
-        model=model_ir,
-        hierarchy=tree,
-        timings=stages.timings,
-        exported_program=program,
-        _reference=(tensors.flatten_inputs(args, kwargs), tensors.flatten_outputs(expected)),
-        _example=(args, kwargs),
-    )
-    _save_and_verify(result, f, plan, stages, verify=bool(verify), flat=verify_flat)
-    count_from_ir(tree, model_ir)  # the tree's counts are those of the final model
-    return result
+        _save_and_verify(result, f, plan, stages, verify=bool(verify), flat=verify_flat)
+        count_from_ir(tree, model_ir)  # the tree's counts are those of the final model
+        return result
 
 
 # -- options ------------------------------------------------------------------------------------
@@ -235,6 +238,12 @@ class _Plan:
     def check(cls, model, args, kwargs, f, *, weights, verify, max_block_bytes, modules, opset_version,
               custom_translation_table, external_data, execution_provider, rtol, atol, flat_file=None) -> _Plan:
         args, kwargs = _check_inputs(model, args, kwargs)
+        if not (isinstance(verify, bool) or verify in ("blocks", "full")):
+            raise InvalidInputError(f"verify must be True, False, 'blocks' or 'full', not {verify!r}.")
+        if max_block_bytes is not None and (
+            isinstance(max_block_bytes, bool) or not isinstance(max_block_bytes, int) or max_block_bytes <= 0
+        ):
+            raise InvalidInputError(f"max_block_bytes must be a positive number of bytes, not {max_block_bytes!r}.")
         if verify:
             runtime.execution_providers(execution_provider)  # an unknown provider fails before the export
         if f is not None:
@@ -269,8 +278,21 @@ def _check_inputs(model: Any, args: Any, kwargs: dict | None) -> tuple[tuple, di
             f"export_modular needs a torch.nn.Module, got {type(model).__name__}.",
             hint="Pass the model object itself (not a function, ExportedProgram or ScriptModule).",
         )
-    if not isinstance(args, tuple):
-        args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+    if args is None:
+        args = ()
+    if isinstance(args, torch.Tensor):
+        args = (args,)
+    elif isinstance(args, list):
+        args = tuple(args)
+    elif not isinstance(args, tuple):
+        raise InvalidInputError(
+            f"args must be a tuple of positional inputs (or one tensor), not {type(args).__name__}.",
+            hint="Pass args=(x,) for one input; keyword inputs go in kwargs={...}.",
+        )
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise InvalidInputError(
+            f"kwargs must be a dict of keyword inputs, not {type(kwargs).__name__}.", hint="Pass kwargs={'name': x}."
+        )
     kwargs = dict(kwargs or {})
     try:
         inspect.signature(model.forward).bind(*args, **kwargs)

@@ -12,7 +12,10 @@ and an address-space limit (``RLIMIT_AS``), and its outcome is classified:
 - ``ok``: exit 0, or exit 1/2 with an ``error:`` line and no traceback;
 - failures: ``traceback`` (an uncaught exception, or exit 3 "internal error"),
   ``signal`` (killed by a signal: segfault, abort), ``timeout``, ``memory`` (the address
-  space limit was hit: ``MemoryError`` or ``std::bad_alloc``), ``no-error-line``.
+  space limit was hit: ``MemoryError`` or ``std::bad_alloc``), ``no-error-line``,
+  ``raw-escape`` (a name from the file reached the terminal with its ESC/BEL/U+202E),
+  ``data-loss`` (a file the case said must survive changed, or a lock link was followed out of
+  the folder), ``outside-ref`` (``inline`` wrote a file referring to data outside its folder).
 
 Children are forked from a server process that has already imported the CLI (and frozen
 its objects out of the garbage collector), so a command costs its own work, not an
@@ -31,6 +34,8 @@ import argparse
 import collections
 import contextlib
 import gc
+import hashlib
+import io
 import json
 import os
 import pathlib
@@ -46,11 +51,19 @@ import textwrap
 import time
 from collections.abc import Callable
 
+import numpy
 import onnx
 from onnx import TensorProto, helper
 
 COMMANDS = ("tree", "inline", "verify")
-FAILURES = ("traceback", "signal", "timeout", "memory", "no-error-line")
+FAILURES = ("traceback", "signal", "timeout", "memory", "no-error-line", "raw-escape", "data-loss", "outside-ref")
+#: Bytes that must never reach the terminal from a file's names: ESC, BEL, and the bidirectional
+#: override that turns a line around (each is printed escaped, ``\\x1b``, ``\\u202e``).
+RAW_ESCAPES = ("\x1b", "\x07", "\u202e", "\u2066")
+#: A generator's promises about its case, checked after the commands (``case/.checks.json``):
+#: ``keep`` files that must stay byte-identical (or stay FIFOs), ``inputs`` an .npz for verify,
+#: ``optimize`` to run ``inline --optimize``.
+CHECKS_FILE = ".checks.json"
 DOMAIN = "pkg.fuzz"
 
 # -- running one command in a limited child --------------------------------------------
@@ -153,7 +166,7 @@ class ForkServer:
 def classify(exitcode: int | None, stderr: str, timed_out: bool) -> str:
     if timed_out:
         return "timeout"
-    if "MemoryError" in stderr or "bad_alloc" in stderr:
+    if "MemoryError" in stderr or "bad_alloc" in stderr or "Unable to allocate" in stderr:
         return "memory"
     if exitcode is not None and exitcode < 0:
         return "signal"
@@ -179,9 +192,12 @@ def _exception_of(stderr: str) -> str:
 
 def run_command(server: ForkServer, argv: list[str], cwd: pathlib.Path, timeout: float, memory_bytes: int) -> dict:
     answer = server.run(argv, cwd, timeout, memory_bytes)
-    err = cwd / ".stderr"
+    err, out = cwd / ".stderr", cwd / ".stdout"
     stderr = err.read_text(errors="replace") if err.exists() else ""
+    stdout = out.read_text(errors="replace") if out.exists() else ""
     outcome = classify(answer["exitcode"], stderr, answer["timed_out"])
+    if outcome == "ok" and any(raw in stdout or raw in stderr for raw in RAW_ESCAPES):
+        outcome = "raw-escape"  # a name from the file reached the terminal unescaped
     result = {"argv": argv, "outcome": outcome, "exitcode": answer["exitcode"], "seconds": round(answer["seconds"], 2)}
     if outcome != "ok":
         result["exception"] = _exception_of(stderr) if outcome != "signal" else f"signal {-answer['exitcode']}"
@@ -413,6 +429,196 @@ def gen_special_file(rng, case, seeds):
     return "m.onnx"
 
 
+# -- issue 25: hidden external data, names for the terminal, npz inputs, destinations ------
+
+
+def _checks(case: pathlib.Path, **checks) -> None:
+    (case / CHECKS_FILE).write_text(json.dumps(checks))
+
+
+def _fingerprint(path: pathlib.Path) -> str:
+    if path.is_fifo():
+        return "fifo"
+    if not path.exists():
+        return "missing"
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _external_ref(tensor: onnx.TensorProto, location: str) -> None:
+    tensor.ClearField("raw_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    del tensor.external_data[:]
+    tensor.external_data.add(key="location", value=location)
+
+
+def gen_hidden_external(rng, case, seeds):
+    """An external-data reference where a shallow check does not look: a sparse initializer's
+    values or indices, a Constant's ``sparse_value``, an initializer of an If branch inside a
+    function, a tensor attribute whose declared type says it is an int. The file it names is
+    outside the folder, a FIFO (a read hangs: a timeout), or a link to ``/dev/zero``."""
+    target = rng.choice(["fifo", "../outside.bin", "zero", "/etc/hostname", "link-out"])
+    if target == "fifo":
+        os.mkfifo(case / "fifo")
+    elif target == "zero":
+        os.symlink("/dev/zero", case / "zero")
+    elif target == "link-out":
+        os.symlink("../outside.bin", case / "link-out")
+    (case.parent / "outside.bin").write_bytes(b"\0" * 64)
+    values = helper.make_tensor("v", TensorProto.FLOAT, [2], [1.0, 2.0])
+    indices = helper.make_tensor("i", TensorProto.INT64, [2], [0, 4])
+    sparse = helper.make_sparse_tensor(values, indices, [2, 3])
+    where = rng.randrange(5)
+    _external_ref(values if rng.random() < 0.5 else indices, target)
+    relu = [helper.make_node("Relu", ["x"], ["y"])]
+    if where == 0:  # a sparse initializer of the main graph
+        model = _model(relu, [])
+        model.graph.sparse_initializer.append(sparse)
+    elif where == 1:  # Constant sparse_value, in a function
+        body = [helper.make_node("Constant", [], ["s"], sparse_value=sparse), helper.make_node("Relu", ["a"], ["b"])]
+        model = _model([_call("f", ["x"], ["y"])], [helper.make_function(DOMAIN, "f", ["a"], ["b"], body, _opsets())])
+    else:
+        dense = helper.make_tensor("w", TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])
+        _external_ref(dense, target)
+        if where == 2:  # an initializer of an If branch inside a function
+            branch = helper.make_graph(
+                [helper.make_node("Identity", ["w"], ["o"])], "then", [],
+                [helper.make_tensor_value_info("o", TensorProto.FLOAT, [3])], [dense],
+            )  # fmt: skip
+            body = [
+                helper.make_node("Constant", [], ["c"], value=helper.make_tensor("c", TensorProto.BOOL, [], [True])),
+                helper.make_node("If", ["c"], ["k"], then_branch=branch, else_branch=branch),
+                helper.make_node("Relu", ["a"], ["b"]),
+            ]
+            model = _model([_call("f", ["x"], ["y"])], [helper.make_function(DOMAIN, "f", ["a"], ["b"], body, _opsets())])
+        else:  # a Constant whose tensor attribute claims another type
+            attribute = helper.make_attribute("value", dense)
+            if where == 4:
+                attribute.type = onnx.AttributeProto.INT
+            constant = helper.make_node("Constant", [], ["w2"])
+            constant.attribute.append(attribute)
+            model = _model([constant, helper.make_node("Relu", ["x"], ["y"])], [])
+    _checks(case, no_outside_refs=["out.onnx"])
+    return _write(case, model.SerializeToString())
+
+
+_TERMINAL = ["\x1b[2J\x1b[H", "\x1b]0;owned\x07", "\u202eevil", "PASS\x1b[1A\x1b[2K", "\u2066x\u2069"]
+
+
+def gen_terminal_names(rng, case, seeds):
+    """Names that would drive the terminal (clear the screen, set the title, reverse a line)
+    in graph inputs/outputs, node names and function names; the commands print them in the
+    tree, the verify report and its error line. Any raw ESC/BEL/U+202E printed is a failure."""
+    bad = rng.choice(_TERMINAL)
+    nodes = [_call("f" + bad, ["x" + bad], ["y" + bad])]
+    nodes[0].name = "node" + rng.choice(_TERMINAL)
+    body = [helper.make_node("Relu", ["a"], ["b"])]
+    if rng.random() < 0.5:  # a model that differs from its flat copy cannot: make verify fail differently
+        body[0].name = rng.choice(_TERMINAL)
+    functions = [helper.make_function(DOMAIN, "f" + bad, ["a"], ["b"], body, _opsets())]
+    model = _model(
+        nodes,
+        functions,
+        inputs=[helper.make_tensor_value_info("x" + bad, TensorProto.FLOAT, [2, 3])],
+        outputs=[helper.make_tensor_value_info("y" + bad, TensorProto.FLOAT, [2, 3])],
+    )
+    if rng.random() < 0.3:
+        model.graph.node[0].input[0] = "undefined" + bad  # onnxruntime refuses: an error line with the name
+    return _write(case, model.SerializeToString())
+
+
+def _npz_bytes(rng) -> bytes:
+    buffer = io.BytesIO()
+    how = rng.randrange(5)
+    if how == 0:
+        numpy.savez(buffer, x=numpy.array(["ab", "c"]))
+    elif how == 1:
+        numpy.savez(buffer, x=numpy.zeros(6, dtype="U0"))
+    elif how == 2:
+        numpy.savez(buffer, x=numpy.zeros(2, dtype=[("a", "f4"), ("b", "i4")]))
+    else:
+        numpy.savez(buffer, x=numpy.zeros((2, 3), dtype=numpy.float32))
+    data = bytearray(buffer.getvalue())
+    central = data.find(b"PK\x01\x02")
+    if how == 3:  # an encrypted member
+        data[6] |= 1
+        data[central + 8] |= 1
+    elif how == 4:  # a compression method zipfile does not know
+        data[8] = data[central + 10] = rng.choice([1, 6, 97, 99])
+    return bytes(data)
+
+
+def gen_npz_inputs(rng, case, seeds):
+    """``verify --inputs`` with an .npz holding strings, empty items, records, an encrypted
+    member or an unknown compression method."""
+    (case / "in.npz").write_bytes(_npz_bytes(rng))
+    _checks(case, inputs="in.npz")
+    model = _model([helper.make_node("Relu", ["x"], ["y"])], [])
+    return _write(case, model.SerializeToString())
+
+
+def gen_destination(rng, case, seeds):
+    """``inline`` to a destination that must not be replaced or followed: a FIFO, a link to a
+    FIFO or to ``/dev/null``, or a lock-file name taken by a dangling link or a folder; and
+    another model (``victim.onnx``) whose data file has the name the destination's data would
+    take. The victim's files and the FIFO must come through unchanged."""
+    source = seeds["external"].parent
+    for entry in source.iterdir():
+        shutil.copy(entry, case / entry.name)
+    name = seeds["external"].name
+    how = rng.randrange(5)
+    if how == 0:
+        os.mkfifo(case / "out.onnx")
+    elif how == 1:
+        os.mkfifo(case / "pipe")
+        os.symlink("pipe", case / "out.onnx")
+    elif how == 2:
+        os.symlink("/dev/null", case / "out.onnx")
+    else:
+        lock = ".onnx_modular-lock-" + hashlib.sha256(b"out.onnx").hexdigest()[:16]
+        if how == 3:
+            os.symlink("../escaped-lock", case / lock)
+        else:
+            (case / lock).mkdir()
+    # the victim: a renamed copy of the seed whose data file is named as out.onnx's would be
+    victim = onnx.load(str(case / name), load_external_data=False)
+    for tensor in victim.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                old = entry.value
+                entry.value = "out.onnx.data"
+    if (case / old).exists():
+        shutil.copy(case / old, case / "out.onnx.data")
+    onnx.save(victim, str(case / "victim.onnx"))
+    keep = ["victim.onnx", "out.onnx.data"] + (["out.onnx"] if how == 0 else ["pipe"] if how == 1 else [])
+    _checks(case, keep={path: _fingerprint(case / path) for path in keep}, outside="escaped-lock")
+    return name
+
+
+def gen_constant_bomb(rng, case, seeds):
+    """A tiny file whose constant folds to a declared 1024**3 tensor (ConstantOfShape, Expand,
+    Tile): ``inline --optimize`` must not allocate it (the memory limit catches it)."""
+    shape = helper.make_tensor("s", TensorProto.INT64, [3], [1024, 1024, rng.choice([1024, 4096])])
+    one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+    how = rng.randrange(3)
+    if how == 0:
+        grow = [helper.make_node("ConstantOfShape", ["s"], ["big"], value=one)]
+    elif how == 1:
+        grow = [helper.make_node("Constant", [], ["o"], value=one), helper.make_node("Expand", ["o", "s"], ["big"])]
+    else:
+        grow = [
+            helper.make_node("Constant", [], ["o"], value=helper.make_tensor("o", TensorProto.FLOAT, [1, 1, 1], [1.0])),
+            helper.make_node("Tile", ["o", "s"], ["big"]),
+        ]
+    nodes = [
+        helper.make_node("Constant", [], ["s"], value=shape),
+        *grow,
+        helper.make_node("ReduceSum", ["big"], ["total"], keepdims=0),
+        helper.make_node("Add", ["x", "total"], ["y"]),
+    ]
+    _checks(case, optimize=True)
+    return _write(case, _model(nodes, []).SerializeToString())
+
+
 # -- generated function graphs ----------------------------------------------------------
 
 
@@ -533,17 +739,68 @@ GENERATORS: dict[str, tuple[Generator, float]] = {
     "deep_chain": (gen_deep_chain, 2),
     "many_inputs": (gen_many_inputs, 2),
     "symbolic_dims": (gen_symbolic_dims, 3),
+    "hidden_external": (gen_hidden_external, 4),
+    "terminal_names": (gen_terminal_names, 3),
+    "npz_inputs": (gen_npz_inputs, 2),
+    "destination": (gen_destination, 3),
+    "constant_bomb": (gen_constant_bomb, 2),
 }
 
 _VERIFY_EXTRAS = [[], [], [], ["--seed", "-1"], ["--rtol", "nan"], ["--atol", "-1"], ["--dim", "batch=0"]]
 
 
-def commands_for(rng: random.Random, name: str) -> list[list[str]]:
+def commands_for(rng: random.Random, name: str, checks: dict | None = None) -> list[list[str]]:
+    checks = checks or {}
+    verify = ["--inputs", checks["inputs"]] if "inputs" in checks else rng.choice(_VERIFY_EXTRAS)
     return [
         ["tree", name],
-        ["inline", name, "out.onnx"],
-        ["verify", name, *rng.choice(_VERIFY_EXTRAS)],
+        ["inline", name, "out.onnx", *(["--optimize"] if checks.get("optimize") else [])],
+        ["verify", name, *verify],
     ]
+
+
+def check_promises(case: pathlib.Path, checks: dict, results: list[dict]) -> None:
+    """Files a case's generator said must survive (``keep``) or must not appear (``outside``,
+    next to the case folder): a difference marks the last command ``data-loss``."""
+    changed = [path for path, before in checks.get("keep", {}).items() if _fingerprint(case / path) != before]
+    outside = checks.get("outside")
+    if outside and os.path.lexists(case.parent / outside):
+        changed.append("../" + outside)
+        os.unlink(case.parent / outside)
+    if changed and results:
+        results[-1].update(outcome="data-loss", exception="changed: " + ", ".join(changed))
+    for written in checks.get("no_outside_refs", []):
+        leaks = _outside_references(case, case / written)
+        if leaks and results:  # the inline that wrote it
+            results[1].update(outcome="outside-ref", exception=f"{written} refers to {leaks[0]!r}")
+
+
+def _outside_references(case: pathlib.Path, path: pathlib.Path) -> list[str]:
+    """External-data locations of a written file that leave its folder (a read or a later
+    write through them would too), or name something other than a regular file."""
+    if not path.is_file():
+        return []
+    model = onnx.load(str(path), load_external_data=False)
+    protos = [model.graph, *model.functions]
+    found = []
+    while protos:
+        proto = protos.pop()
+        tensors = list(getattr(proto, "initializer", []))
+        for sparse in getattr(proto, "sparse_initializer", []):
+            tensors += [sparse.values, sparse.indices]
+        for node in proto.node:
+            for attribute in node.attribute:
+                tensors += [attribute.t, *attribute.tensors]
+                for sparse in [attribute.sparse_tensor, *attribute.sparse_tensors]:
+                    tensors += [sparse.values, sparse.indices]
+                protos += [attribute.g, *attribute.graphs]
+        for tensor in tensors:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    target = os.path.realpath(case / entry.value)
+                    if os.path.dirname(target) != os.path.realpath(case) or not os.path.isfile(target):
+                        found.append(entry.value)
+    return found
 
 
 # -- the campaign -------------------------------------------------------------------------
@@ -583,7 +840,12 @@ def run_campaign(
             except Exception as e:  # noqa: BLE001 - a generator bug must not stop the campaign
                 record = {"case": index, "kind": kind, "generator_error": repr(e)}
             else:
-                results = [run_command(server, argv, case, timeout, memory_mb << 20) for argv in commands_for(rng, file_name)]
+                checks = json.loads((case / CHECKS_FILE).read_text()) if (case / CHECKS_FILE).exists() else {}
+                results = [
+                    run_command(server, argv, case, timeout, memory_mb << 20)
+                    for argv in commands_for(rng, file_name, checks)
+                ]
+                check_promises(case, checks, results)
                 record = {"case": index, "kind": kind, "seed": seed, "results": results}
             records.append(record)
             if log_file:

@@ -701,42 +701,102 @@ def test_python_dash_m(gpt2, bad_files):
     assert "Traceback" not in done.stderr
 
 
-def test_view_serves_the_model(gpt2, monkeypatch):
-    netron = pytest.importorskip("netron")
+def test_view_serves_the_model_and_its_data_only(tmp_path):
+    """`view` answers for the model and its own external data; a key file, a FIFO, a path out
+    of the folder are 404s; SIGTERM stops it (exit 143) even after the FIFO was asked for."""
+    pytest.importorskip("netron")
+    import re
+    import signal
+    import urllib.error
     import urllib.request
 
-    served = {}
+    import onnx.numpy_helper
 
-    def fake_wait():
-        # Instead of blocking until Ctrl+C: fetch the page and the model, then stop.
-        (address,) = [a for a in served.get("addresses", [])]
-        base = f"http://{address[0]}:{address[1]}"
-        with urllib.request.urlopen(base + "/", timeout=10) as response:
-            served["page"] = response.status
-        shown = onnx.load(served["file"], load_external_data=False)  # while the display copy exists
-        served["lifted inputs"] = sum(name.startswith("const_") for f in shown.functions for name in f.input)
-        netron.stop(address)
+    weight = onnx.numpy_helper.from_array(np.ones((32, 32), dtype=np.float32), "w")
+    graph = oh.make_graph(
+        [oh.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 32])],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 32])], [weight],
+    )  # fmt: skip
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
+    model.ir_version = 10
+    onnx.save(model, str(tmp_path / "m.onnx"), save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    (tmp_path / "key.pem").write_text("secret")
+    os.mkfifo(tmp_path / "fifo")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onnx_modular", "view", "m.onnx", "--port", "0", "--no-browser"],
+        cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        line = proc.stderr.readline()
+        address = re.search(r"http://[^ ]+", line)
+        assert address, line
+        base = address.group(0)
 
-    real_start = netron.start
+        def status(path):
+            try:
+                with urllib.request.urlopen(base + path, timeout=10) as response:
+                    return response.status, response.read()
+            except urllib.error.HTTPError as e:
+                return e.code, b""
 
-    def start(file, address=None, browse=True):
-        served["browse"], served["file"] = browse, file
-        result = real_start(file, address=address, browse=False)
-        served.setdefault("addresses", []).append(result)
-        return result
+        assert status("/")[0] == 200
+        assert status("/data/m.onnx") == (200, (tmp_path / "m.onnx").read_bytes())
+        assert status("/data/m.onnx.data") == (200, (tmp_path / "m.onnx.data").read_bytes())
+        for path in ("/data/key.pem", "/data/fifo", "/data/../key.pem", "/data/%2e%2e/m.onnx", "/data//etc/hostname"):
+            assert status(path)[0] == 404, path
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        assert "interrupted" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "key.pem", "m.onnx", "m.onnx.data"]
 
-    monkeypatch.setattr(netron, "start", start)
-    monkeypatch.setattr(netron, "wait", fake_wait)
-    code, _, err = run_cli("view", gpt2, "--port", "0", "--no-browser")
-    assert code == 0, err
-    assert served["page"] == 200 and served["browse"] is False
-    assert "Netron is serving" in err and "(Ctrl+C to stop)" in err
-    # A display copy with the lifted constants back in the bodies (the file keeps them lifted).
-    assert served["file"] != str(gpt2) and served["lifted inputs"] == 0 and "lifted constants shown" in err
-    assert sum(name.startswith("const_") for f in onnx.load(str(gpt2)).functions for name in f.input) > 10
-    served.clear()
-    code, _, err = run_cli("view", gpt2, "--port", "0", "--no-browser", "--as-stored")
-    assert code == 0 and served["file"] == str(gpt2) and served["lifted inputs"] > 10
+
+def _served_model(model_path: pathlib.Path, *flags: str) -> tuple[bytes, str]:
+    """Start `view` on ``model_path`` in a child, fetch the model bytes Netron is given, stop it."""
+    import re
+    import signal
+    import urllib.request
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onnx_modular", "view", str(model_path), "--port", "0", "--no-browser", *flags],
+        env=env, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        line = proc.stderr.readline()
+        address = re.search(r"http://[^ ]+", line)
+        assert address, line
+        with urllib.request.urlopen(f"{address.group(0)}/data/{model_path.name}", timeout=30) as response:
+            data = response.read()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return data, line
+
+
+def test_view_shows_lifted_constants_in_their_bodies(gpt2):
+    """`view` gives Netron a display copy with the lifted constants back in the bodies (the
+    file keeps them lifted); `--as-stored` serves the file's own bytes."""
+    pytest.importorskip("netron")
+
+    def lifted_inputs(model: onnx.ModelProto) -> int:
+        return sum(name.startswith("const_") for f in model.functions for name in f.input)
+
+    assert lifted_inputs(onnx.load(str(gpt2), load_external_data=False)) > 10
+    data, line = _served_model(gpt2)
+    assert "lifted constants shown" in line
+    shown = onnx.ModelProto.FromString(data)
+    assert lifted_inputs(shown) == 0 and len(shown.functions) > 0
+    data, line = _served_model(gpt2, "--as-stored")
+    assert data == gpt2.read_bytes() and "lifted constants shown" not in line
 
 
 def test_export_the_kv_cache_demo(tmp_path):

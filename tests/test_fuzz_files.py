@@ -16,7 +16,7 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
-import fuzz_files  # noqa: E402
+import fuzz_files
 
 
 def test_outcomes_are_classified(tmp_path):
@@ -64,3 +64,60 @@ def test_fifty_cases_find_no_new_failure_class(tmp_path, server):
     assert sum(len(r["results"]) for r in records) == 150
     new = fuzz_files.new_failures(records)
     assert not new, fuzz_files.summary(records)
+
+
+# -- issue 25: hypothesis over safetensors headers and printed names ----------------------------
+
+import json
+import struct
+import unicodedata
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+_json_scalars = st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats(allow_nan=False) | st.text(max_size=8)
+_json = st.recursive(_json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
+_entry = st.fixed_dictionaries(
+    {},
+    optional={
+        "dtype": st.sampled_from(["F32", "F16", "I64", "BOOL", "U8", "F33", ""]) | _json,
+        "shape": st.lists(st.integers(-2, 6), max_size=3) | _json,
+        "data_offsets": st.lists(st.integers(-64, 200), min_size=0, max_size=3) | _json,
+    },
+)
+_header = st.dictionaries(st.sampled_from(["a", "b", "c", "__metadata__"]), _entry | _json, max_size=4) | _json
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(header=_header, body=st.binary(max_size=200), claimed=st.none() | st.integers(0, 2**40))
+def test_any_safetensors_header_is_read_or_refused_as_data(tmp_path_factory, header, body, claimed):
+    """Whatever a header says, opening the file either gives tensors that lie inside the file,
+    one after another, or raises WeightsError: never another exception, never a read past the end."""
+    from onnx_modular.errors import WeightsError
+    from onnx_modular.weights.sources import WeightSource
+
+    text = json.dumps(header).encode()
+    path = tmp_path_factory.mktemp("st") / "w.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text) if claimed is None else claimed) + text + body)
+    try:
+        source = WeightSource.open(path)
+    except WeightsError:
+        return
+    for key in source.keys():  # noqa: SIM118 (a WeightSource, not a dict)
+        tensor = source.read(key)
+        dtype, shape = source.spec(key)
+        assert tuple(tensor.shape) == shape and tensor.dtype == dtype
+
+
+_FORMAT = ("Cc", "Cf", "Zl", "Zp")
+
+
+@settings(max_examples=500, deadline=None, derandomize=True)
+@given(st.text() | st.binary() | st.text(alphabet=st.characters(categories=("Cc", "Cf", "Zl", "Zp", "Lo", "Mn"))))
+def test_shown_names_hold_no_control_or_format_characters(value):
+    """What the CLI prints of a name (``shown``) holds no control character (ANSI escapes, BEL)
+    and no invisible format character that could reorder the line (U+202E) or hide text."""
+    from onnx_modular.format.text import shown
+
+    printed = shown(value)
+    assert not any(unicodedata.category(c) in _FORMAT for c in printed), repr(printed)

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import pathlib
+import random as random_module
 import sys
 import zipfile
 
@@ -399,3 +400,180 @@ def test_the_tree_limit_is_the_same_and_can_be_raised(tmp_path, monkeypatch):
     code, out, err = run_cli("tree", path)
     assert code == 0, err
     assert len(out.splitlines()) == 1 + 255
+
+
+# -- issue 25: every tensor goes through the one external-data check ---------------------------
+
+
+def _hidden_reference(where: str, location: str) -> onnx.ModelProto:
+    """A model whose only external reference sits at ``where``."""
+    values = helper.make_tensor("v", TensorProto.FLOAT, [2], [1.0, 2.0])
+    indices = helper.make_tensor("i", TensorProto.INT64, [2], [0, 4])
+    dense = helper.make_tensor("w", TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])
+    target = indices if where == "sparse-indices" else dense if where in ("function-if", "mislabelled") else values
+    fuzz_files._external_ref(target, location)
+    sparse = helper.make_sparse_tensor(values, indices, [2, 3])
+    relu = [helper.make_node("Relu", ["x"], ["y"])]
+    if where in ("sparse-values", "sparse-indices"):
+        model = fuzz_files._model(relu, [])
+        model.graph.sparse_initializer.append(sparse)
+        return model
+    if where == "constant-sparse-value":
+        body = [helper.make_node("Constant", [], ["s"], sparse_value=sparse), helper.make_node("Relu", ["a"], ["b"])]
+    elif where == "function-if":
+        branch = helper.make_graph(
+            [helper.make_node("Identity", ["w"], ["o"])], "then", [], [helper.make_tensor_value_info("o", TensorProto.FLOAT, [3])], [dense]
+        )
+        body = [
+            helper.make_node("Constant", [], ["c"], value=helper.make_tensor("c", TensorProto.BOOL, [], [True])),
+            helper.make_node("If", ["c"], ["k"], then_branch=branch, else_branch=branch),
+            helper.make_node("Relu", ["a"], ["b"]),
+        ]
+    else:  # a tensor attribute whose declared type says INT
+        attribute = helper.make_attribute("value", dense)
+        attribute.type = onnx.AttributeProto.INT
+        body = [helper.make_node("Constant", [], ["w2"]), helper.make_node("Relu", ["a"], ["b"])]
+        body[0].attribute.append(attribute)
+    function = helper.make_function(DOMAIN, "f", ["a"], ["b"], body, fuzz_files._opsets())
+    return fuzz_files._model([fuzz_files._call("f", ["x"], ["y"])], [function])
+
+
+HIDDEN = ["sparse-values", "sparse-indices", "constant-sparse-value", "function-if", "mislabelled"]
+
+
+@pytest.mark.parametrize("where", HIDDEN)
+def test_references_in_every_tensor_are_checked(tmp_path, where):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (tmp_path / "secret.bin").write_bytes(b"\x01" * 64)
+    os.symlink("../secret.bin", folder / "link.bin")  # a link out of the folder
+    os.mkfifo(folder / "fifo.bin")
+    for location, message in (
+        ("../secret.bin", "outside the model's folder"),
+        ("link.bin", "outside the model's folder"),
+        ("fifo.bin", "which is not a regular file"),
+    ):
+        path = folder / "m.onnx"
+        path.write_bytes(_hidden_reference(where, location).SerializeToString())
+        with pytest.raises(InvalidModelFileError, match=message):
+            load_model_file(path)
+        if location != "fifo.bin":  # (a missed FIFO would hang: the load above proves the check)
+            for argv in (["tree", path], ["inline", path, folder / "out.onnx"], ["verify", path]):
+                assert_clean_error(*run_cli(*argv)[::2], message)
+    assert sorted(os.listdir(folder)) == ["fifo.bin", "link.bin", "m.onnx"]
+
+
+def test_hidden_references_inside_the_folder_are_loaded(tmp_path):
+    """The same places, pointing at a good file, load through the bounded loader (inline keeps them)."""
+    from onnx_modular.files.load import load_external_data
+
+    for where in HIDDEN:
+        (tmp_path / "d.bin").write_bytes(np.array([5.0, 6.0, 7.0], dtype=np.float32).tobytes())
+        model = _hidden_reference(where, "d.bin")
+        if where == "sparse-indices":
+            (tmp_path / "d.bin").write_bytes(np.array([0, 4], dtype=np.int64).tobytes())
+        elif where in ("sparse-values", "constant-sparse-value"):
+            (tmp_path / "d.bin").write_bytes(np.array([5.0, 6.0], dtype=np.float32).tobytes())
+        load_external_data(model, tmp_path)
+        from onnx_modular.files._proto import all_tensors, uses_external_data
+
+        assert not uses_external_data(model), where
+        assert any(t.raw_data for t in all_tensors(model)), where
+
+
+# -- issue 25: npz inputs, --dim, names on the terminal -----------------------------------------
+
+
+@pytest.mark.parametrize("how", range(5), ids=["strings", "U0", "records", "encrypted", "compression"])
+def test_odd_npz_inputs_are_typed_errors(small_model, tmp_path, how):
+    class Fixed(random_module.Random):
+        def randrange(self, n):
+            return how
+
+        def choice(self, seq):
+            return seq[-1]
+
+    (tmp_path / "in.npz").write_bytes(fuzz_files._npz_bytes(Fixed()))
+    code, _, err = run_cli("verify", small_model, "--inputs", tmp_path / "in.npz")
+    assert_clean_error(code, err, "is not a readable .npz file")
+
+
+def test_a_zero_dimension_is_refused_as_documented(small_model):
+    assert_clean_error(*run_cli("verify", small_model, "--dim", "batch=0")[::2], "size >= 1")
+
+
+def test_names_are_escaped_in_every_report(tmp_path):
+    bad = "\x1b[2J\x07\u202eevil"
+    model = fuzz_files._model(
+        [fuzz_files._call("f", ["x" + bad], ["y" + bad])],
+        [helper.make_function(DOMAIN, "f", ["a"], ["b"], [helper.make_node("Relu", ["a"], ["b"])], fuzz_files._opsets())],
+        inputs=[helper.make_tensor_value_info("x" + bad, TensorProto.FLOAT, [2, 3])],
+        outputs=[helper.make_tensor_value_info("y" + bad, TensorProto.FLOAT, [2, 3])],
+    )
+    model.graph.node[0].name = "call\u202eeman"
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    raw = ("\x1b", "\x07", "\u202e")
+    for argv in (["tree", path], ["verify", path], ["inline", path, tmp_path / "out.onnx"]):
+        code, out, err = run_cli(*argv)
+        assert code == 0, err
+        assert not any(c in out + err for c in raw), (argv, out, err)
+    assert "\\u202eeman" in run_cli("tree", path)[1]
+    assert "y\\x1b[2J\\x07\\u202eevil" in run_cli("verify", path)[1]  # the report's output column
+    # the mismatch line names the outputs too: expected values that differ
+    np.savez(tmp_path / "expected.npz", **{"y" + bad: np.full((2, 3), 99.0, dtype=np.float32)})
+    np.savez(tmp_path / "in.npz", **{"x" + bad: np.ones((2, 3), dtype=np.float32)})
+    code, out, err = run_cli("verify", path, "--inputs", tmp_path / "in.npz", "--expected", tmp_path / "expected.npz")
+    assert code == 1 and err.startswith("error: outputs differ"), err
+    assert not any(c in out + err for c in raw) and "\\u202eevil" in err
+
+
+# -- issue 25: memory follows the file's real size ----------------------------------------------
+
+
+def test_a_file_is_held_once_while_read(tmp_path):
+    import tracemalloc
+
+    from onnx_modular.files.load import read_regular_file
+
+    path = tmp_path / "big.bin"
+    path.write_bytes(os.urandom(1 << 20) * 48)  # 48 MiB
+    tracemalloc.start()
+    try:
+        data = read_regular_file(path, "big.bin", limit=1 << 30)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(data) == 48 << 20
+    assert peak < 1.1 * (48 << 20), peak  # joined chunks would peak at twice the size
+
+
+def test_inline_optimize_does_not_fold_declared_giant_constants(tmp_path):
+    """A 150-byte file whose constant folds to 1024**3 floats: the fold is refused before it is
+    evaluated (onnxscript evaluates, then checks the size), so nothing of 4 GiB is allocated."""
+    import subprocess
+
+    for how in range(3):
+        case = tmp_path / f"case{how}"
+        case.mkdir()
+
+        class Fixed(random_module.Random):
+            kind = how
+
+            def randrange(self, n):
+                return self.kind
+
+            def choice(self, seq):
+                return seq[0]
+
+        name = fuzz_files.gen_constant_bomb(Fixed(), case, {})
+        code = (
+            "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30));"
+            f"from onnx_modular.cli import main; sys.exit(main(['inline', {name!r}, 'out.onnx', '--optimize']))"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=case, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "Unable to allocate" not in done.stderr and "MemoryError" not in done.stderr, done.stderr[-2000:]
+        assert (case / "out.onnx").stat().st_size < 10_000

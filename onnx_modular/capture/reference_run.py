@@ -16,10 +16,11 @@ Names of the recorded tensors:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,9 +29,49 @@ from onnx_modular.capture import torch_compat
 from onnx_modular.check import tensors
 from onnx_modular.passes.signatures import CallSignature, TensorSpec
 
-__all__ = ["run", "tensor_specs", "output_specs", "lazy_values"]
+__all__ = ["kept_as_given", "run", "tensor_specs", "output_specs", "lazy_values"]
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def kept_as_given(model: torch.nn.Module) -> Iterator[None]:
+    """Give ``model`` back as it was when the block ends, normally or not: every module's
+    training flag, parameter and buffer objects, and the buffers' values.
+
+    Running a model in training mode updates its buffers (BatchNorm's ``running_mean``,
+    ``num_batches_tracked``); the export runs it (eager reference, torch.export), so the
+    buffers are copied first (parameters are not copied: forward does not change them, and
+    they are the bulk of the memory).
+    """
+    modules = list(model.modules())
+    flags = [module.training for module in modules]
+    parameters = [dict(module._parameters) for module in modules]
+    buffers = [dict(module._buffers) for module in modules]
+    values = {
+        id(buffer): buffer.detach().clone()
+        for held in buffers
+        for buffer in held.values()
+        if isinstance(buffer, torch.Tensor) and not buffer.is_meta
+    }
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, training, params, bufs in zip(modules, flags, parameters, buffers):
+                module.training = training
+                module._parameters.clear()
+                module._parameters.update(params)
+                module._buffers.clear()
+                module._buffers.update(bufs)
+                for buffer in bufs.values():
+                    saved = values.get(id(buffer)) if isinstance(buffer, torch.Tensor) else None
+                    if saved is None or torch.equal(buffer, saved):
+                        continue
+                    if buffer.shape == saved.shape and buffer.dtype == saved.dtype:
+                        buffer.copy_(saved)
+                    else:
+                        buffer.data = saved
 
 
 def tensor_specs(prefix: str, value: Any) -> list[TensorSpec]:

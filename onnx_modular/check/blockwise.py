@@ -223,7 +223,7 @@ def _run(path: pathlib.Path, inputs: list[np.ndarray]) -> list[np.ndarray]:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4
     options.add_session_config_entry("session.disable_prepacking", "1")
     try:
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])

@@ -30,6 +30,8 @@ import torch
 
 from onnx_modular.check import tensors
 from onnx_modular.files import parity, runtime
+from onnx_modular.files.checks import check_expanded_size
+from onnx_modular.files.load import load_model_file
 from onnx_modular.files.parity import Tolerance, default_tolerance
 from onnx_modular.format import metadata
 
@@ -364,8 +366,13 @@ def localize(
         model = ir.serde.deserialize_model(ir.serde.serialize_model(onnx_model))
         near = None
     else:
-        model = ir.load(str(onnx_model))
+        # The file tools' bounded loading: special files, bad external-data references and
+        # call-expansion bombs are refused before onnxruntime sees anything.
         near = pathlib.Path(onnx_model)
+        proto = load_model_file(near)
+        check_expanded_size(proto, name=repr(str(onnx_model)))
+        model = ir.serde.deserialize_model(proto)
+        del proto
     original_outputs = len(model.graph.outputs)
     probes = instrument(model)
     counter = metadata.CallCounter()

@@ -33,7 +33,6 @@ import math
 import os
 import pathlib
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -49,7 +48,7 @@ from onnx_modular.files import (
     random_inputs,
     save,
 )
-from onnx_modular.files.display import write_display_copy
+from onnx_modular.files.display import display_bytes
 from onnx_modular.files.inputs import feeds_from_arrays, load_arrays
 from onnx_modular.files.parity import Tolerance
 from onnx_modular.format.text import shown
@@ -66,8 +65,18 @@ class _Mismatch(Exception):
     """Verification ran and found differences beyond tolerance (exit code 1)."""
 
 
+def _safe(text: Any) -> str:
+    """``text`` with every line escaped (:func:`~onnx_modular.format.text.shown`): names from a file
+    (outputs, nodes, functions) cannot move the cursor, clear the screen or reorder the line."""
+    return "\n".join(shown(line) for line in str(text).split("\n"))
+
+
 def _stderr(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+    print(_safe(text), file=sys.stderr, flush=True)
+
+
+def _stdout(text: Any) -> None:
+    print(_safe(text))
 
 
 def _json_safe(value: Any) -> Any:
@@ -101,7 +110,9 @@ def _load_factory(spec: str):
         module = importlib.util.module_from_spec(module_spec)
         try:
             module_spec.loader.exec_module(module)
-        except (Exception, SystemExit) as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # SystemExit and others: the factory file's own doing
             raise InvalidInputError(f"Running {module_name!r} failed: {type(e).__name__}: {e}") from e
     else:
         # Like `python -m`, find modules in the current folder (console scripts do not).
@@ -111,7 +122,9 @@ def _load_factory(spec: str):
             module = importlib.import_module(module_name)
         except ImportError as e:
             raise InvalidInputError(f"Cannot import {module_name!r}: {e}") from e
-        except (Exception, SystemExit) as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
             raise InvalidInputError(f"Importing {module_name!r} failed: {type(e).__name__}: {e}") from e
     target: Any = module
     for part in attribute.split("."):
@@ -120,6 +133,11 @@ def _load_factory(spec: str):
         target = getattr(target, part)
     if not callable(target):
         raise InvalidInputError(f"{spec!r} is not callable (a factory returning (model, args) is expected).")
+    if module_name == "builtins" or getattr(target, "__module__", None) == "builtins":
+        raise InvalidInputError(
+            f"{spec!r} is a Python builtin, not a factory: it cannot return a model.",
+            hint="Name a function of your own that returns (model, args): 'package.module:make' or 'file.py:make'.",
+        )
     return target
 
 
@@ -133,7 +151,9 @@ def _call_factory(spec: str) -> dict[str, Any]:
             f"The factory {spec!r} exited (SystemExit({e.code!r})) instead of returning a model.",
             hint="A factory must return (model, args) or a dict with 'model'; it must not call sys.exit().",
         ) from e
-    except Exception as e:
+    except KeyboardInterrupt:
+        raise  # Ctrl+C, or the factory's own: either way "interrupted", exit 130, nothing written
+    except BaseException as e:  # an exception class of the factory's own, not derived from Exception
         raise InvalidInputError(f"The factory {spec!r} raised {type(e).__name__}: {e}") from e
     keys = ("model", "args", "kwargs", "dynamic_shapes")
     if isinstance(result, dict):
@@ -210,13 +230,13 @@ def _export(args: argparse.Namespace) -> int:
         )
     else:
         if result.report is not None:
-            print(result.blocks if result.blocks is not None else result.report)
+            _stdout(result.blocks if result.blocks is not None else result.report)
         size = pathlib.Path(args.output).stat().st_size
-        print(f"Wrote {args.output} ({size / 1e6:.1f} MB): {result.summary().splitlines()[0]}")
+        _stdout(f"Wrote {args.output} ({size / 1e6:.1f} MB): {result.summary().splitlines()[0]}")
         if result.flat_path is not None:
             if result.flat_report is not None:
-                print(f"Flat copy: {result.flat_report}")
-            print(f"Wrote {result.flat_path} ({result.flat_path.stat().st_size / 1e6:.1f} MB): every call inlined, optimized")
+                _stdout(f"Flat copy: {result.flat_report}")
+            _stdout(f"Wrote {result.flat_path} ({result.flat_path.stat().st_size / 1e6:.1f} MB): every call inlined, optimized")
         _print_tree(args, tree, args.output)
     return EXIT_OK
 
@@ -235,13 +255,13 @@ def _report_mismatch(args: argparse.Namespace, error: ParityError, reports: dict
         )
     else:
         for report in reports.values():
-            print(report)
+            _stdout(report)
 
 
 def _print_tree(args: argparse.Namespace, tree, path: str) -> None:
-    print(tree.format(max_depth=args.depth or None))
+    _stdout(tree.format(max_depth=args.depth or None))
     if args.depth and tree.height > args.depth:
-        print(f"(calls deeper than {args.depth} not shown; see them with: onnx-modular tree {path})")
+        _stdout(f"(calls deeper than {args.depth} not shown; see them with: onnx-modular tree {path})")
 
 
 @contextlib.contextmanager
@@ -292,9 +312,9 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
         return EXIT_OK
     for name, file in zip(exported.components, files):
         if name in reports:
-            print(reports[name])
+            _stdout(reports[name])
         size = file.stat().st_size + sum(f.stat().st_size for f in file.parent.glob(file.name + ".data"))
-        print(f"Wrote {file} ({size / 1e6:.1f} MB)")
+        _stdout(f"Wrote {file} ({size / 1e6:.1f} MB)")
         _print_tree(args, function_tree(load_model_file(file)), str(file))
     return EXIT_OK
 
@@ -308,7 +328,7 @@ def _tree(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(tree.filtered(args.depth, args.class_name).to_dict())
     else:
-        print(tree.format(max_depth=args.depth, class_filter=args.class_name))
+        _stdout(tree.format(max_depth=args.depth, class_filter=args.class_name))
     return EXIT_OK
 
 
@@ -316,7 +336,7 @@ def _inline(args: argparse.Namespace) -> int:
     source = load_model_file(args.model)
     flat = inline_file(args.model, args.output, only=args.only, optimize=args.optimize, opset_version=args.opset)
     inlined = len(source.functions) - len(flat.functions)
-    print(
+    _stdout(
         f"Wrote {args.output}: {len(flat.graph.node)} nodes in the main graph, "
         f"{len(flat.functions)} local functions left ({inlined} inlined)"
     )
@@ -334,8 +354,8 @@ def _parse_dims(items: Sequence[str]) -> dict[str, int]:
             size = int(value)
         except ValueError:
             size = -1
-        if not sep or not name or size < 0:
-            raise InvalidInputError(f"--dim expects name=size with size >= 0, got {item!r}.")
+        if not sep or not name or size < 1:
+            raise InvalidInputError(f"--dim expects name=size with size >= 1, got {item!r}.")
         dims[name] = size
     return dims
 
@@ -366,8 +386,8 @@ def _verify(args: argparse.Namespace) -> int:
         )
     else:
         shapes = ", ".join(f"{name}{list(a.shape)}" for name, a in feeds.items())
-        print(f"inputs: {shapes or '(none)'}" + ("" if args.inputs else f" (random, seed {args.seed})"))
-        print(report)
+        _stdout(f"inputs: {shapes or '(none)'}" + ("" if args.inputs else f" (random, seed {args.seed})"))
+        _stdout(report)
     if not report.ok:
         failed = ", ".join(o.name for o in report.outputs if not o.ok)
         raise _Mismatch(f"outputs differ beyond atol={args.atol:g} rtol={args.rtol:g}: {failed}")
@@ -410,26 +430,22 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _view(args: argparse.Namespace) -> int:
-    load_model_file(args.model)
+    from onnx_modular.files.view import serve
+
+    model = load_model_file(args.model)  # bounded, checked, external-data references included
     try:
         import netron
     except ImportError:
         raise InvalidInputError("Viewing needs the netron package: pip install netron") from None
     # netron logs its own "Serving ..." line (configuring the root logger if nobody did); one is enough.
     logging.getLogger("netron").setLevel(logging.WARNING)
-    with tempfile.TemporaryDirectory(prefix="onnx_modular-view-") as folder:
-        shown, note = str(args.model), ""
-        if not args.as_stored:  # lifted constants back in their bodies (files/display.py)
-            copy = pathlib.Path(folder) / pathlib.Path(args.model).name
-            if write_display_copy(args.model, copy):
-                shown, note = str(copy), " with its lifted constants shown in their bodies (--as-stored: the file as it is)"
-        try:
-            address = netron.start(shown, address=(args.host, args.port), browse=not args.no_browser)
-        except OSError as e:
-            raise InvalidInputError(f"Netron cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
-        host, port = address if isinstance(address, tuple) else (args.host, address)
+    # Lifted constants back in their bodies (files/display.py), unless --as-stored.
+    shown = None if args.as_stored else display_bytes(model)
+    note = "" if shown is None else " with its lifted constants shown in their bodies (--as-stored: the file as it is)"
+    with serve(args.model, model, address=(args.host, args.port), browse=not args.no_browser, shown=shown) as (host, port):
         _stderr(f"Netron is serving {args.model}{note} at http://{host}:{port} (Ctrl+C to stop)")
-        netron.wait()
+        while netron.status((host, port)):
+            time.sleep(0.1)
     return EXIT_OK
 
 
@@ -585,7 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=SIZE",
-        help="size of a symbolic dimension in random inputs (default 2); repeatable",
+        help="size (>= 1) of a symbolic dimension in random inputs (default 2); repeatable",
     )
     verify.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default 1e-4)")
     verify.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default 1e-3)")
@@ -642,6 +658,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _import_what_runs(args: argparse.Namespace) -> None:
+    """Import the heavy libraries the command uses (torch, onnxruntime, onnxscript) up front.
+
+    A signal that lands while a C extension initialises aborts the process or leaves a
+    half-imported module (an ImportError traceback): main() runs this with SIGINT/SIGTERM
+    deferred, so they are handled right after, as a clean exit 130/143.
+    """
+    run = getattr(args, "run", None)
+    if run is _export:
+        importlib.import_module("onnx_modular.export")
+        if os.path.isdir(args.factory) or args.task is not None:
+            with contextlib.suppress(ImportError):  # without the [hf] extra, the command says so
+                importlib.import_module("onnx_modular.hf.command")
+    elif run is _verify:
+        importlib.import_module("onnx_modular.files.parity")
+        importlib.import_module("onnxruntime")
+    elif run is _inline and (args.optimize or args.opset is not None):
+        importlib.import_module("onnxscript.optimizer")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code.
 
@@ -660,6 +696,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     verbose = getattr(args, "verbose", False)
     try:
         with save.interrupt_on_sigterm():  # SIGTERM cleans up like Ctrl-C
+            with save.signals_deferred():  # handled once the imports are done: exit 143, no abort
+                _import_what_runs(args)
             return args.run(args)
     except _Mismatch as e:
         _stderr(f"error: {e}")
@@ -669,7 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         # The whole message: what failed, the module involved, and "What to do:"; names from
         # the file cannot drive the terminal.
-        _stderr("error: " + "\n".join(shown(line) for line in str(e).split("\n")))
+        _stderr(f"error: {e}")
         return EXIT_MISMATCH if isinstance(e, ParityError) else EXIT_USAGE
     except KeyboardInterrupt as e:
         _stderr("interrupted")

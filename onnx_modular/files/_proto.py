@@ -48,23 +48,46 @@ def function_id(function: onnx.FunctionProto) -> FunctionId:
     return (function.domain, function.name, function.overload)
 
 
-def all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    """Initializers (subgraphs included) and tensor attributes, in the graph and in functions."""
-    graphs = [model.graph]
-    while graphs:
-        graph = graphs.pop()
-        yield from graph.initializer
-        for node in graph.node:
-            graphs.extend(subgraphs(node))
-    nodes = list(all_nodes(model.graph.node))
+def all_graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:
+    """The main graph and every subgraph (If/Loop/Scan bodies) at any depth, in the main graph
+    and in local functions."""
+    pending = [model.graph]
     for function in model.functions:
-        nodes.extend(all_nodes(function.node))
-    for node in nodes:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.TENSOR:
+        for node in function.node:
+            pending.extend(subgraphs(node))
+    while pending:
+        graph = pending.pop()
+        yield graph
+        for node in graph.node:
+            pending.extend(subgraphs(node))
+
+
+def _sparse(sparse: onnx.SparseTensorProto) -> Iterator[onnx.TensorProto]:
+    yield sparse.values
+    yield sparse.indices
+
+
+def all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor a file can hold, wherever it sits: initializers and sparse initializers
+    (values and indices) of every graph and subgraph, and tensor and sparse-tensor attributes
+    (``Constant``'s ``value``/``sparse_value``) of every node, in the graph, in functions and
+    in their subgraphs at any depth. The one list every external-data check walks."""
+    graphs = list(all_graphs(model))
+    for graph in graphs:
+        yield from graph.initializer
+        for sparse in graph.sparse_initializer:
+            yield from _sparse(sparse)
+    nodes = [node for graph in graphs for node in graph.node]
+    nodes += [node for function in model.functions for node in function.node]
+    for node in nodes:  # nodes of subgraphs are in their graph's list
+        for attribute in node.attribute:  # by field, not by declared type: onnx's loader does the same
+            if attribute.HasField("t"):
                 yield attribute.t
-            elif attribute.type == onnx.AttributeProto.TENSORS:
-                yield from attribute.tensors
+            yield from attribute.tensors
+            if attribute.HasField("sparse_tensor"):
+                yield from _sparse(attribute.sparse_tensor)
+            for sparse in attribute.sparse_tensors:
+                yield from _sparse(sparse)
 
 
 def uses_external_data(model: onnx.ModelProto) -> bool:

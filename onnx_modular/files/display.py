@@ -14,20 +14,27 @@ import onnx
 
 from onnx_modular.files.load import load_model_file
 
-__all__ = ["write_display_copy"]
+__all__ = ["display_bytes", "write_display_copy"]
 
 
-def write_display_copy(source: str | os.PathLike, destination: str | os.PathLike) -> bool:
-    """Write ``source`` to ``destination`` with its lifted constants sunk back into the bodies.
-
-    Returns:
-        Whether anything changed (a file without lifted constants is copied as it is).
-    """
+def display_bytes(model: onnx.ModelProto) -> bytes | None:
+    """``model`` serialized with its lifted constants sunk back into the bodies, or ``None``
+    when it has none (then the file is shown as it is). External-data references are kept as
+    they are: the viewer reads them from the model's own folder."""
     import onnx_ir as ir
 
     from onnx_modular.passes.sink_constants import SinkLiftedConstantsPass
 
-    model = ir.from_proto(load_model_file(source))
-    changed = SinkLiftedConstantsPass()(model).modified
-    onnx.save(ir.to_proto(model), str(pathlib.Path(destination)))
-    return changed
+    copy = ir.from_proto(model)
+    if not SinkLiftedConstantsPass()(copy).modified:
+        return None
+    return ir.to_proto(copy).SerializeToString()
+
+
+def write_display_copy(source: str | os.PathLike, destination: str | os.PathLike) -> bool:
+    """Write the display copy of ``source`` to ``destination`` (the file as it is when it has
+    no lifted constants). Returns whether anything changed."""
+    model = load_model_file(source)
+    shown = display_bytes(model)
+    pathlib.Path(destination).write_bytes(shown if shown is not None else model.SerializeToString())
+    return shown is not None

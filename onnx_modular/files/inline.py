@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 from collections.abc import Sequence
@@ -14,7 +15,7 @@ from onnx_modular.files import save
 from onnx_modular.files._proto import shown, uses_external_data
 from onnx_modular.files.checks import check_expanded_size
 from onnx_modular.files.flat import inline_model
-from onnx_modular.files.load import load_model_file
+from onnx_modular.files.load import load_external_data, load_model_file
 from onnx_modular.passes.function_order import sort_functions_proto
 
 __all__ = ["inline_file"]
@@ -36,6 +37,33 @@ def _resolve_function_ids(model: onnx.ModelProto, selectors: Sequence[str]) -> l
             )
         resolved += [m for m in matches if m not in resolved]
     return resolved
+
+
+# Ops whose output size comes from an input's values, not its size: a 150-byte file can ask
+# ConstantOfShape or Expand for 1024**3 elements.
+_GROWING_OPS = frozenset(
+    {"ConstantOfShape", "Expand", "Tile", "Range", "Resize", "Upsample", "Pad", "OneHot", "CenterCropPad", "Col2Im"}
+)
+
+
+def _fold_only_small_outputs(node) -> bool | None:
+    """onnxscript's constant folder evaluates a node and only then checks its output's size:
+    refuse to fold, before evaluation, a node whose output (after shape inference) is larger than
+    the folder's own output limit, or of unknown size when its op can grow. ``None``: the
+    folder's default rules."""
+    from onnxscript.optimizer._constant_folding import (
+        DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
+    )
+
+    for output in node.outputs:
+        shape = output.shape
+        if shape is None or not shape.is_static():
+            if node.op_type in _GROWING_OPS:
+                return False
+            continue
+        if math.prod(int(d) for d in shape) > DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT:
+            return False
+    return None
 
 
 def inline_file(
@@ -86,10 +114,7 @@ def inline_file(
     check_expanded_size(model, name=repr(str(source)))  # before onnx.inliner expands anything
     external = uses_external_data(model)
     if external:
-        try:
-            onnx.load_external_data_for_model(model, str(pathlib.Path(source).parent))
-        except (OSError, ValueError) as e:  # checked by load_model_file; a file changed since
-            raise InvalidModelFileError(f"The external data of {str(source)!r} cannot be read: {e}") from e
+        load_external_data(model, pathlib.Path(source).parent, name=repr(str(source)))
     try:
         if only:
             flat = onnx.inliner.inline_selected_functions(model, _resolve_function_ids(model, only))
@@ -100,7 +125,9 @@ def inline_file(
     if optimize:
         import onnxscript.optimizer
 
-        flat = onnxscript.optimizer.optimize(flat)
+        optimized = ir.serde.deserialize_model(flat)
+        onnxscript.optimizer.optimize_ir(optimized, should_fold=_fold_only_small_outputs)
+        flat = ir.serde.serialize_model(optimized)
     if opset_version is not None:
         converted = ir.from_proto(flat)
         opset.ConvertOpsetPass(opset_version)(converted)

@@ -211,6 +211,10 @@ def load_arrays(path: str | os.PathLike, what: str = "--inputs", *, max_bytes: i
                     shape, _fortran_order, dtype = read_header(handle, max_header_size=10_000)
                     if dtype.hasobject:
                         raise ValueError(f"array {name!r} holds Python objects")
+                    if dtype.kind in "US" or dtype.names is not None or dtype.itemsize == 0:
+                        raise ValueError(
+                            f"array {name!r} has dtype {dtype} (strings, records or empty items); inputs are numeric arrays"
+                        )
                     size = numel(shape) * dtype.itemsize
                     if size > member.file_size:
                         raise ValueError(
@@ -220,8 +224,9 @@ def load_arrays(path: str | os.PathLike, what: str = "--inputs", *, max_bytes: i
                 names.append(name)
             with np.load(path, allow_pickle=False) as loaded:
                 return {name: loaded[name] for name in names}
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:
-            raise InvalidInputError(f"{what} {text!r} is not a readable .npz file: {e}") from None
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError, RuntimeError, NotImplementedError) as e:
+            # RuntimeError: an encrypted member; NotImplementedError: a compression zipfile lacks
+            raise InvalidInputError(f"{what} {shown(text)!r} is not a readable .npz file: {shown(str(e))}") from None
 
 
 def _is_npy(path: str | os.PathLike) -> bool:

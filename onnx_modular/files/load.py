@@ -18,7 +18,7 @@ from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.files._proto import all_tensors, numel, shown, uses_external_data
 from onnx_modular.files.checks import check_model_structure
 
-__all__ = ["load_model_file", "read_regular_file", "check_external_data"]
+__all__ = ["load_model_file", "load_external_data", "read_regular_file", "check_external_data"]
 
 #: Protobuf cannot parse a message of 2 GiB or more.
 _PROTOBUF_LIMIT = 2**31
@@ -119,7 +119,7 @@ def _scan_model_fields(data: bytes, path: str) -> set[int]:
     )
 
 
-def read_regular_file(file: pathlib.Path, text: str, *, limit: int) -> bytes:
+def read_regular_file(file: pathlib.Path, text: str, *, limit: int) -> bytearray:
     """The bytes of a regular file of at most ``limit`` bytes.
 
     Opened without blocking and checked on the open descriptor (``fstat``), so a FIFO, a
@@ -135,8 +135,8 @@ def read_regular_file(file: pathlib.Path, text: str, *, limit: int) -> bytes:
         raise InvalidModelFileError(f"{text!r} does not exist.") from None
     except IsADirectoryError:
         raise InvalidModelFileError(f"{text!r} is a directory, not an ONNX file.") from None
-    except OSError as e:
-        raise InvalidModelFileError(f"{text!r} cannot be read: {e.strerror or e}.") from e
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise InvalidModelFileError(f"{shown(text)!r} cannot be read: {getattr(e, 'strerror', None) or e}.") from e
     try:
         info = os.fstat(fd)
         if stat.S_ISDIR(info.st_mode):
@@ -150,14 +150,19 @@ def read_regular_file(file: pathlib.Path, text: str, *, limit: int) -> bytes:
                 f"{text!r} is {info.st_size / 2**30:.1f} GiB; an ONNX file cannot exceed protobuf's 2 GiB limit "
                 "(large weights go to external data), so it is corrupted or not ONNX."
             )
-        chunks, remaining = [], info.st_size
-        while remaining > 0:
-            chunk = os.read(fd, min(remaining, 1 << 24))
-            if not chunk:
+        # One buffer of the size at open, filled in place: the bytes are held once (a file
+        # near 2 GiB read in chunks and joined would be held twice).
+        buffer = bytearray(info.st_size)
+        view, filled = memoryview(buffer), 0
+        while filled < info.st_size:
+            count = os.readv(fd, [view[filled : filled + (1 << 24)]])
+            if not count:
                 break  # the file shrank while being read: the scan reports it truncated
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(chunks)
+            filled += count
+        view.release()
+        if filled < info.st_size:
+            del buffer[filled:]
+        return buffer
     except OSError as e:
         raise InvalidModelFileError(f"{text!r} cannot be read: {e.strerror or e}.") from e
     finally:
@@ -234,6 +239,37 @@ def check_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, na
             )
 
 
+def load_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, name: str = "the model") -> None:
+    """Read every external tensor of ``model`` (:func:`~onnx_modular.files._proto.all_tensors`:
+    sparse tensors and subgraphs in functions included) into the model, after
+    :func:`check_external_data`: each read is bounded by the file's size and opened as a
+    regular file inside ``folder``, as the model itself is read.
+
+    Raises:
+        InvalidModelFileError: A reference the check refuses, or a file changed since.
+    """
+    check_external_data(model, folder, name=name)
+    root = pathlib.Path(os.path.realpath(folder))
+    contents: dict[str, memoryview] = {}
+    for tensor in all_tensors(model):
+        if not onnx.external_data_helper.uses_external_data(tensor):
+            continue
+        fields = _external_fields(tensor)
+        location = fields["location"]
+        if location not in contents:
+            data = read_regular_file(root / location, f"{shown(location)} (external data of {name})", limit=2**62)
+            contents[location] = memoryview(data)
+        data = contents[location]
+        offset = int(fields.get("offset") or 0)
+        length = fields.get("length")
+        end = len(data) if length is None else offset + int(length)
+        if end > len(data):
+            raise InvalidModelFileError(f"{name}: the external data {shown(location)!r} changed while being read.")
+        tensor.raw_data = bytes(data[offset:end])
+        del tensor.external_data[:]
+        tensor.data_location = onnx.TensorProto.DEFAULT
+
+
 def load_model_file(
     path: str | os.PathLike, *, load_external_data: bool = False, check: bool = True
 ) -> onnx.ModelProto:
@@ -284,9 +320,6 @@ def load_model_file(
         check_model_structure(model, name=repr(text))
         check_external_data(model, file.parent, name=repr(text))
     if load_external_data and uses_external_data(model):
-        try:
-            onnx.load_external_data_for_model(model, str(file.parent))
-        except (OSError, ValueError) as e:
-            raise InvalidModelFileError(f"The external data of {text!r} cannot be read: {e}") from e
+        load_external_data(model, file.parent, name=repr(text))
     return model
 

@@ -86,11 +86,12 @@ def session(
     import onnxruntime as ort
 
     providers = execution_providers(execution_provider)
-    # onnxruntime's default logger prints coloured warnings (and errors) to stderr before the
-    # session's own options apply; ours say what went wrong.
-    ort.set_default_logger_severity(3)
+    # onnxruntime's default logger prints coloured warnings and errors to stderr (with node names
+    # from the file, unescaped) before the session's own options apply; its errors reach us as
+    # exceptions, and ours say what went wrong, escaped: fatal messages only.
+    ort.set_default_logger_severity(4)
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4
     if external_data_folder is not None:
         options.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", os.path.abspath(external_data_folder)

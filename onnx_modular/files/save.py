@@ -6,33 +6,38 @@ verified), and only then moved into place. A failure at any step removes the
 temporary folder: no partial file, and an existing file at the destination is never
 overwritten by a failed write.
 
-External data never breaks the pair. The data file gets the conventional name
-``<name>.data`` (as ``torch.onnx.export`` writes it) unless the model already at the
-destination refers to that file; then this write's data goes to a name of its own
-(``<name>.<8 hex>.data``) and the next write returns to ``<name>.data``. Either way the
-data file is moved into place *before* the model file is replaced, and the previous
-write's data file is removed *after*, so a crash at any point leaves the destination
-referring to a complete data file that matches it (at worst an unreferenced data file or
-temporary folder is left, removed by the next save to that folder). Concurrent saves to
-one destination are serialized by an advisory lock (``fcntl.flock``) held from the choice
-of the data file's name to the move, so the last one wins whole. SIGTERM is handled like
-SIGINT while a save runs; temporary folders left by killed processes (``kill -9``) are
-recognised by their prefix and removed once their owner is gone.
+External data never breaks the pair, and never touches another model's. The data file gets
+the conventional name ``<name>.data`` (as ``torch.onnx.export`` writes it) when no file has
+that name; otherwise (the model at the destination uses it, or another model refers to it)
+this write's data goes to a new name of its own (``<name>.<8 hex>.data``): an existing file
+is never replaced, except the destination itself. The data file is moved into place *before*
+the model file is replaced, and the data files the previous model referred to (named as this
+module names them) are removed *after*. A journal (``.onnx_modular-commit-<hash>``) lists the
+new and the retired data files before anything moves, so the next save to that destination
+finishes a commit that was killed half-way; nothing is ever removed by its name alone.
+Concurrent saves to one destination are serialized by an advisory lock (``fcntl.flock``)
+held from the choice of the data file's name to the move, so the last one wins whole. Lock and
+journal files are created with ``O_EXCL | O_NOFOLLOW``. A destination that exists and is not
+a regular file (a device, a FIFO) is refused before any work. SIGTERM is handled like SIGINT
+while a save runs, and both wait until the renames of a commit are done; temporary folders
+left by killed processes (``kill -9``) are recognised by their prefix and removed once their
+owner is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import hashlib
+import json
 import os
 import pathlib
 import re
 import secrets
 import shutil
 import signal
+import stat
 import threading
 from collections.abc import Iterator
 
@@ -66,6 +71,7 @@ EXTERNAL_DATA_THRESHOLD = 1024 * 1024
 # followed by the owner's pid: ``.onnx_modular-tmp-<pid>-<random>``.
 TEMP_PREFIX = ".onnx_modular-tmp-"
 _LOCK_PREFIX = ".onnx_modular-lock-"
+_JOURNAL_PREFIX = ".onnx_modular-commit-"
 _TOKEN_HEX = 8
 _DATA_SUFFIX_LEN = len(f".{'0' * _TOKEN_HEX}.data")
 # Writers add to the names they are given (onnx_ir stages ``.<name>.XXXXXXXX``, verification
@@ -93,6 +99,8 @@ def check_destination(path: str | os.PathLike) -> pathlib.Path:
     path = pathlib.Path(raw)
     shown = _shown(raw)
     parent = path.parent if str(path.parent) else pathlib.Path(".")
+    if "\x00" in raw:
+        raise SaveError(f"The output path {shown} contains a NUL byte.", hint="Give a file path such as 'model.onnx'.")
     if path.name in ("", ".", "..") or raw.endswith((os.sep, os.sep + ".", os.sep + "..")):
         raise SaveError(f"The output path {shown} has no file name.", hint="Give a file path such as 'model.onnx'.")
     name_max = _name_max(parent)
@@ -107,6 +115,7 @@ def check_destination(path: str | os.PathLike) -> pathlib.Path:
         raise SaveError(f"Cannot use the output path {shown}: {e.strerror or e}", hint="Choose another path.") from e
     if is_dir:
         raise SaveError(f"The output path {shown} is a directory.", hint="Give a file path such as 'model.onnx'.")
+    _check_replaceable(path, shown)
     if not parent_is_dir:
         raise SaveError(
             f"The output folder {_shown(parent)} does not exist.",
@@ -118,6 +127,23 @@ def check_destination(path: str | os.PathLike) -> pathlib.Path:
             hint="Choose a folder you can write to, or fix its permissions.",
         )
     return path
+
+
+def _check_replaceable(path: pathlib.Path, shown: str) -> None:
+    """An existing destination must be a regular file (or a link to one): replacing a device
+    node (``/dev/null``) breaks the system, and a FIFO would block the write forever."""
+    try:
+        info = os.stat(path)  # follows a symbolic link to what it names
+    except FileNotFoundError:
+        return  # nothing there, or a dangling link: the save replaces the link
+    except OSError as e:
+        raise SaveError(f"Cannot use the output path {shown}: {e.strerror or e}", hint="Choose another path.") from e
+    if not stat.S_ISREG(info.st_mode):
+        raise SaveError(
+            f"The output path {shown} exists and is not a regular file (a device, a FIFO or a socket); "
+            "onnx_modular only replaces regular files.",
+            hint="Give the path of a new or existing .onnx file.",
+        )
 
 
 def _shown(path: str | os.PathLike) -> str:
@@ -161,23 +187,20 @@ def data_name(destination: pathlib.Path, token: str | None) -> str:
     return f"{stem}.data" if token is None else f"{stem}.{token}.data"
 
 
-def _data_token(destination: pathlib.Path) -> str | None:
-    """``None`` (the conventional data-file name) unless the model at ``destination`` may refer to it."""
-    if not destination.exists():
-        return None
-    conventional = data_name(destination, None)
-    try:
-        small = destination.stat().st_size <= _LEGACY_SCAN_LIMIT
-    except OSError:
-        small = False
-    if small and conventional not in referenced_data(destination):
-        return None
-    return secrets.token_hex(_TOKEN_HEX // 2)
-
-
-def _own_data_files(destination: pathlib.Path) -> re.Pattern[str]:
+def _data_pattern(destination: pathlib.Path) -> re.Pattern[str]:
+    """The names this module gives ``destination``'s data files: ``<name>.data``, ``<name>.<8 hex>.data``."""
     stem = data_name(destination, "0" * _TOKEN_HEX)[:-_DATA_SUFFIX_LEN]
-    return re.compile(re.escape(stem) + rf"\.[0-9a-f]{{{_TOKEN_HEX}}}\.data")
+    return re.compile(re.escape(stem) + rf"(\.[0-9a-f]{{{_TOKEN_HEX}}})?\.data")
+
+
+def _choose_data_name(destination: pathlib.Path) -> str:
+    """A data-file name that no file in the folder has: ``<name>.data`` when free, else a
+    ``<name>.<8 hex>.data`` of its own. An existing file is never replaced, whoever it belongs
+    to (the model at the destination, or another model that refers to that name)."""
+    name = data_name(destination, None)
+    while os.path.lexists(destination.parent / name):
+        name = data_name(destination, secrets.token_hex(_TOKEN_HEX // 2))
+    return name
 
 
 # -- signals -----------------------------------------------------------------------------
@@ -212,13 +235,37 @@ def interrupt_on_sigterm() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
-    """SIGINT/SIGTERM wait until the block ends (the few renames of a commit)."""
-    deferred = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, deferred)
+    """SIGINT/SIGTERM wait until the block ends (the few renames of a commit).
+
+    Blocking the signals is not enough: a signal caught just before the block runs its
+    Python handler at the next bytecode, inside the block. So the main thread's handlers
+    are swapped for one that records the signal, which is handed to the previous handler
+    once the block is done.
+    """
+    deferred = (signal.SIGINT, signal.SIGTERM)
+    pending: list[int] = []
+    previous_handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in deferred:
+            previous_handlers[signum] = signal.signal(signum, lambda signum, frame: pending.append(signum))
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(deferred))
     try:
         yield
     finally:
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    for signum in dict.fromkeys(pending):
+        handler = previous_handlers.get(signum)
+        if callable(handler):
+            handler(signum, None)
+        elif handler == signal.SIG_DFL:
+            os.kill(os.getpid(), signum)
+
+
+#: Public name for the CLI: heavy imports (torch, onnxruntime) run with signals deferred, since a
+#: SIGTERM raised inside a C extension's initialisation aborts the process (exit 134).
+signals_deferred = _signals_deferred
 
 
 # -- temporary folders and locks ------------------------------------------------------------
@@ -283,21 +330,61 @@ def _temp_folder(parent: pathlib.Path) -> Iterator[pathlib.Path]:
         os.close(fd)
 
 
+def _private_path(destination: pathlib.Path, prefix: str) -> pathlib.Path:
+    digest = hashlib.sha256(os.fsencode(destination.name)).hexdigest()[:16]
+    return destination.parent / f"{prefix}{digest}"
+
+
+def _open_private_file(path: pathlib.Path, *, create: bool) -> int:
+    """Open one of our lock/journal files without following a link: created with
+    ``O_EXCL`` when ``create``; an existing one must be a regular file. ``FileExistsError``
+    and ``FileNotFoundError`` pass through (the caller retries); others are a SaveError."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if create:
+        flags |= os.O_CREAT | os.O_EXCL
+    try:
+        fd = os.open(path, flags, 0o600)
+    except (FileExistsError, FileNotFoundError):
+        raise
+    except OSError as e:
+        raise SaveError(
+            f"Cannot use {_shown(path)}, onnx_modular's lock/journal file for this destination: "
+            f"{e.strerror or e} (something else sits at that name: a link, a folder or a special file).",
+            hint="Remove it if no onnx_modular save is running in that folder, then save again.",
+        ) from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SaveError(
+            f"{_shown(path)}, onnx_modular's lock file for this destination, is not a regular file.",
+            hint="Remove it if no onnx_modular save is running in that folder, then save again.",
+        )
+    return fd
+
+
 @contextlib.contextmanager
 def destination_lock(destination: pathlib.Path) -> Iterator[None]:
     """An exclusive advisory lock for one destination, held by at most one writer.
 
-    The lock file (``.onnx_modular-lock-<hash>``) is removed on release; a waiter that
-    wakes up on a removed file takes the lock again on the new one.
+    The lock file (``.onnx_modular-lock-<hash>``) is created with ``O_EXCL | O_NOFOLLOW``
+    (an existing one, another writer's, is opened without following links and must be a
+    regular file) and removed on release; a waiter that wakes up on a removed file takes the
+    lock again on the new one.
     """
-    digest = hashlib.sha256(os.fsencode(destination.name)).hexdigest()[:16]
-    lock_path = destination.parent / f"{_LOCK_PREFIX}{digest}"
+    lock_path = _private_path(destination, _LOCK_PREFIX)
     while True:
-        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fd = _open_private_file(lock_path, create=True)
+        except FileExistsError:
+            try:
+                fd = _open_private_file(lock_path, create=False)
+            except FileNotFoundError:
+                continue  # released meanwhile
+        except FileNotFoundError as e:
+            raise SaveError(f"Cannot create a lock file in {_shown(destination.parent)}.") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
-                same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+                same = os.lstat(lock_path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
                 same = False
         except BaseException:
@@ -325,19 +412,29 @@ def _fsync(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def referenced_data(model_path: pathlib.Path) -> set[str]:
-    """External-data locations of an existing (small) model file; empty when unreadable."""
+def _references(model_path: pathlib.Path) -> set[str] | None:
+    """External-data locations of an existing model file (every tensor it holds), ``set()``
+    when there is none, ``None`` when it cannot be told (unreadable, not ONNX, too large)."""
+    from onnx_modular.files._proto import all_tensors
+    from onnx_modular.files.load import read_regular_file
+
     try:
-        if model_path.stat().st_size > _LEGACY_SCAN_LIMIT:
+        if not os.path.lexists(model_path):
             return set()
-        model = onnx.load(str(model_path), load_external_data=False)
-    except Exception:
-        return set()
+        model = onnx.ModelProto()
+        model.ParseFromString(read_regular_file(model_path, str(model_path), limit=_LEGACY_SCAN_LIMIT))
+    except Exception:  # noqa: BLE001 - whatever it is, its references are unknown
+        return None
     locations = set()
-    for tensor in model.graph.initializer:
+    for tensor in all_tensors(model):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             locations.update(entry.value for entry in tensor.external_data if entry.key == "location")
     return locations
+
+
+def referenced_data(model_path: pathlib.Path) -> set[str]:
+    """External-data locations of an existing (small) model file; empty when unreadable."""
+    return _references(model_path) or set()
 
 
 # -- the write ----------------------------------------------------------------------------
@@ -348,10 +445,10 @@ class Staging:
     data, the relative ``data_location`` to record in the model (its file sits next to
     ``model_path``)."""
 
-    def __init__(self, tmpdir: pathlib.Path, destination: pathlib.Path, token: str | None):
+    def __init__(self, tmpdir: pathlib.Path, destination: pathlib.Path):
         self.destination = destination
         self.model_path = tmpdir / _safe_stem(destination.name, _name_max(tmpdir) - _NAME_ROOM)
-        self.data_location = data_name(destination, token)
+        self.data_location = _choose_data_name(destination)
 
 
 @contextlib.contextmanager
@@ -376,10 +473,10 @@ def atomic_writes(paths: list[str | os.PathLike]) -> Iterator[list[Staging]]:
     """Stage writes of several files that belong together (a modular file and its flat copy):
     all are moved into place, or none.
 
-    As :func:`atomic_write`, one :class:`Staging` per path. The files are moved in order after
-    the body; if a move fails, the files already moved are put back as they were (the previous
-    model and data file restored, or the new one removed), so a failure never leaves one file
-    of the set new and another old or missing.
+    As :func:`atomic_write`, one :class:`Staging` per path. The files are committed in order
+    after the body; if a commit fails, the files already moved are put back as they were (the
+    previous model restored, the new data file removed by the commit journal), and no previous
+    data file is removed before every file of the set is in place.
 
     Example::
 
@@ -399,7 +496,9 @@ def atomic_writes(paths: list[str | os.PathLike]) -> Iterator[list[Staging]]:
         # destination waits, then sees this one's model.
         for destination in sorted(destinations, key=lambda d: (str(_parent(d).resolve()), d.name)):
             stack.enter_context(destination_lock(destination))
-        stagings = [Staging(tmpdir, d, _data_token(d)) for tmpdir, d in zip(tmpdirs, destinations)]
+        for destination in destinations:
+            _finish_interrupted_commit(destination)
+        stagings = [Staging(tmpdir, d) for tmpdir, d in zip(tmpdirs, destinations)]
         yield stagings
         try:
             for staging in stagings:
@@ -407,7 +506,7 @@ def atomic_writes(paths: list[str | os.PathLike]) -> Iterator[list[Staging]]:
                     if staged.exists():
                         _fsync(staged)
             with _signals_deferred():
-                _commit_all(stagings, keep_previous=len(stagings) > 1)
+                _commit_all(stagings)
         except OSError as e:
             shown = ", ".join(_shown(d) for d in destinations)
             raise SaveError(f"Moving the file into {shown} failed: {e}") from e
@@ -417,92 +516,139 @@ def _parent(destination: pathlib.Path) -> pathlib.Path:
     return destination.parent if str(destination.parent) else pathlib.Path(".")
 
 
-@dataclasses.dataclass
-class _Moved:
-    """One file moved into place: what to restore if a later file of the set fails."""
-
-    staging: Staging
-    previous_data: set[str]
-    backup: pathlib.Path | None = None  # the previous model (a hard link in the temporary folder)
-    data: pathlib.Path | None = None  # the data file moved into place
-    data_backup: pathlib.Path | None = None  # what was at the data file's name before
-
-
-def _backup(path: pathlib.Path, tmpdir: pathlib.Path) -> pathlib.Path | None:
-    """A hard link to ``path`` in the temporary folder (a copy where links are not supported)."""
-    if not path.exists():
-        return None
-    backup = tmpdir / f".{secrets.token_hex(8)}.previous"
+def _write_journal(destination: pathlib.Path, names: list[str]) -> pathlib.Path:
+    """Record the data files a commit creates and retires, before it touches any."""
+    journal = _private_path(destination, _JOURNAL_PREFIX)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(journal)  # a finished one: _finish_interrupted_commit read it
+    fd = _open_private_file(journal, create=True)
     try:
-        os.link(path, backup)
-    except OSError:
-        shutil.copy2(path, backup)
-    return backup
+        os.write(fd, json.dumps(names).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return journal
 
 
-def _commit_all(stagings: list[Staging], *, keep_previous: bool) -> None:
-    """Data first, then the model, for each file; then the previous data: each step leaves valid pairs."""
+def _finish_interrupted_commit(destination: pathlib.Path) -> None:
+    """After a commit killed half-way, remove the data files it recorded that the model at
+    the destination does not refer to (the new data of a model never moved, or the previous
+    data of a model that was replaced). Only names the journal lists and that follow this
+    destination's data-file naming are removed: nothing the journal cannot prove we made."""
+    journal = _private_path(destination, _JOURNAL_PREFIX)
+    if not os.path.lexists(journal):
+        return
+    from onnx_modular.files.load import read_regular_file
+
+    try:
+        names = json.loads(read_regular_file(journal, str(journal), limit=1 << 16))
+    except Exception:  # noqa: BLE001 - an unreadable journal proves nothing: remove nothing
+        names = None
+    current = _references(destination)
+    if isinstance(names, list) and current is not None:
+        own = _data_pattern(destination)
+        for name in names:
+            if isinstance(name, str) and name not in current and own.fullmatch(name):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISREG(os.lstat(destination.parent / name).st_mode):
+                        os.unlink(destination.parent / name)
+    with contextlib.suppress(OSError):
+        os.unlink(journal)
+
+
+def _move_without_replacing(source: pathlib.Path, target: pathlib.Path) -> None:
+    """Move ``source`` to ``target``, failing rather than replacing a file that appeared there."""
+    try:
+        os.link(source, target)
+    except FileExistsError as e:
+        raise SaveError(f"{_shown(target)} appeared during the save; it was not replaced.", hint="Save again.") from e
+    except OSError:  # a file system without hard links
+        if os.path.lexists(target):
+            raise SaveError(f"{_shown(target)} appeared during the save; it was not replaced.", hint="Save again.") from None
+        os.replace(source, target)
+    # (a linked source stays in the temporary folder, removed with it)
+
+
+class _Moved:
+    """One file of a set moved into place: its retired data files and journal, and the
+    previous model (a hard link in the temporary folder) to restore if a later file fails."""
+
+    def __init__(self, staging: Staging, retired: list[str], journal: pathlib.Path | None, backup: pathlib.Path | None):
+        self.staging, self.retired, self.journal, self.backup = staging, retired, journal, backup
+
+
+def _commit_all(stagings: list[Staging]) -> None:
+    """Move every file of the set into place, then retire the previous data files; if a move
+    fails, the files already moved are restored first."""
     moved: list[_Moved] = []
     try:
         for staging in stagings:
-            moved.append(_commit(staging, keep_previous))
+            moved.append(_move_in(staging, keep_previous=len(stagings) > 1))
     except BaseException:
         for entry in reversed(moved):
             _restore(entry)
         raise
     for entry in moved:
-        _remove_previous_data(entry)
+        _retire(entry)
 
 
-def _commit(staging: Staging, keep_previous: bool) -> _Moved:
-    destination, tmpdir = staging.destination, staging.model_path.parent
-    parent = _parent(destination)
-    entry = _Moved(staging, referenced_data(destination) if destination.exists() else set())
+def _move_in(staging: Staging, *, keep_previous: bool) -> _Moved:
+    """Data first, then the model: each step leaves a valid pair.
+
+    A journal lists the new data file and the previous model's data files (only those named
+    as this module names them) before anything moves, so the next save can finish a commit
+    that was killed half-way (:func:`_finish_interrupted_commit`).
+    """
+    destination = staging.destination
+    tmpdir, parent = staging.model_path.parent, _parent(destination)
     staged_data = tmpdir / staging.data_location
-    if staged_data.exists():
-        target = parent / staging.data_location
-        if keep_previous:
-            entry.data_backup = _backup(target, tmpdir)
-        os.replace(staged_data, target)
-        entry.data = target
+    if not staged_data.exists():
+        staged_data = None
+    _check_replaceable(destination, _shown(destination))  # it may have changed since the check
+    previous = _references(destination) or set()
+    own = _data_pattern(destination)
+    retired = sorted(name for name in previous if name != staging.data_location and own.fullmatch(name))
+    created = [staging.data_location] if staged_data is not None else []
+    journal = _write_journal(destination, created + retired) if created or retired else None
+    if staged_data is not None:
+        _move_without_replacing(staged_data, parent / staging.data_location)
         _fsync(parent)
-    if keep_previous:
-        entry.backup = _backup(destination, tmpdir)
+    backup = None
+    if keep_previous and os.path.lexists(destination):
+        backup = tmpdir / f".{secrets.token_hex(8)}.previous"
+        try:
+            os.link(destination, backup)
+        except OSError:
+            shutil.copy2(destination, backup)
     os.replace(staging.model_path, destination)
     _fsync(parent)
-    return entry
+    return _Moved(staging, retired, journal, backup)
+
+
+def _retire(entry: _Moved) -> None:
+    """Remove the data files the previous model used (regular files this module named), then the journal."""
+    parent = _parent(entry.staging.destination)
+    for name in entry.retired:
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.lstat(parent / name).st_mode):
+                os.unlink(parent / name)
+    if entry.journal is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(entry.journal)
 
 
 def _restore(entry: _Moved) -> None:
-    """Undo one :func:`_commit` (best effort: a failing step leaves the rest to be tried)."""
+    """Undo one :func:`_move_in` (best effort): the previous model back (or the new one removed),
+    then the journal removes the new data file that no model refers to any more."""
     destination = entry.staging.destination
     with contextlib.suppress(OSError):
         if entry.backup is not None:
             os.replace(entry.backup, destination)
         else:
             os.unlink(destination)
-    if entry.data is not None:
-        with contextlib.suppress(OSError):
-            if entry.data_backup is not None:
-                os.replace(entry.data_backup, entry.data)
-            else:
-                os.unlink(entry.data)
     with contextlib.suppress(OSError):
+        _finish_interrupted_commit(destination)
         _fsync(_parent(destination))
-
-
-def _remove_previous_data(entry: _Moved) -> None:
-    staging = entry.staging
-    destination = staging.destination
-    parent = _parent(destination)
-    own = _own_data_files(destination)
-    conventional = data_name(destination, None)  # also torch.onnx.export's name: removed only if it was ours
-    for name in os.listdir(parent):
-        if name == staging.data_location:
-            continue
-        if own.fullmatch(name) or (name == conventional and name in entry.previous_data):
-            with contextlib.suppress(OSError):
-                os.unlink(parent / name)
 
 
 @contextlib.contextmanager

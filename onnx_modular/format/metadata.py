@@ -318,11 +318,10 @@ class ExpandedCall:
 
 def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
     """The graphs held by a node's attributes (If/Loop/Scan bodies)."""
-    for attribute in node.attribute:
-        if attribute.type == onnx.AttributeProto.GRAPH:
+    for attribute in node.attribute:  # by field, whatever type the attribute declares (a hostile file may lie)
+        if attribute.HasField("g"):
             yield attribute.g
-        elif attribute.type == onnx.AttributeProto.GRAPHS:
-            yield from attribute.graphs
+        yield from attribute.graphs
 
 
 class NoOpCalls:

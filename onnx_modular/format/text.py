@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 
 __all__ = ["shown"]
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# C0/C1 controls (ANSI escapes, BEL, newlines), and the invisible format characters that reorder
+# or hide text: bidirectional embeddings, overrides and isolates (U+202E turns a line around),
+# zero-width characters, line/paragraph separators, the byte-order mark.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
 
 
 def shown(value: str | bytes) -> str:
-    """A name read from a file, safe to print: undecodable bytes as ``\\xff`` and control
-    characters (ANSI escapes, newlines) as ``\\x1b``, so a name cannot rewrite the terminal.
+    """A name read from a file, safe to print: undecodable bytes as ``\\xff``, control
+    characters (ANSI escapes, newlines) as ``\\x1b`` and bidirectional overrides or
+    zero-width characters as ``\\u202e``, so a name cannot rewrite the terminal or reorder a line.
 
     protobuf returns ``bytes`` for a string field that is not valid UTF-8.
 
@@ -21,4 +26,20 @@ def shown(value: str | bytes) -> str:
     """
     if isinstance(value, bytes):
         value = value.decode("utf-8", "backslashreplace")
-    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", str(value))
+    text = _CONTROL.sub(_escape, str(value))
+    if not text.isascii():  # any other invisible format character (tags, annotations, ...)
+        text = "".join(_escape_char(c) if unicodedata.category(c) in _INVISIBLE else c for c in text)
+    return text
+
+
+_INVISIBLE = frozenset({"Cc", "Cf", "Zl", "Zp"})
+
+
+def _escape_char(char: str) -> str:
+    code = ord(char)
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"

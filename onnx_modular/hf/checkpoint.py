@@ -16,16 +16,21 @@ import transformers
 from transformers.exporters.exporter_dynamo import get_auto_dynamic_shapes
 
 from onnx_modular.errors import InvalidInputError
-from onnx_modular.hf.meta import model_on_meta, on_meta, zero_cache
+from onnx_modular.hf.meta import (
+    check_checkpoint_folder,
+    model_on_meta,
+    on_meta,
+    zero_cache,
+)
 
 __all__ = [
-    "TASKS",
     "GENERATION_TASKS",
+    "TASKS",
+    "dynamic_shapes",
     "load_checkpoint",
     "meta_checkpoint",
-    "sample_inputs",
-    "dynamic_shapes",
     "model_and_inputs",
+    "sample_inputs",
 ]
 
 #: task -> the transformers auto class that loads the model for it.
@@ -65,11 +70,12 @@ def load_checkpoint(source: str | os.PathLike, task: str) -> torch.nn.Module:
     _check_task(task)
     path = pathlib.Path(source)
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not os.path.lexists(path / "config.json"):
             raise InvalidInputError(
                 f"{str(path)!r} has no config.json, so it is not a transformers checkpoint.",
                 hint="Point at the folder save_pretrained wrote (config.json and *.safetensors).",
             )
+        check_checkpoint_folder(path)
     elif path.exists():
         raise InvalidInputError(
             f"{str(source)!r} is not a checkpoint folder.",
@@ -84,17 +90,19 @@ def load_checkpoint(source: str | os.PathLike, task: str) -> torch.nn.Module:
             "(onnx_modular never downloads).",
             hint="Download it first (hf download NAME), or pass the folder save_pretrained wrote.",
         ) from e
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise InvalidInputError(f"transformers refuses the config of {str(source)!r}: {str(e).splitlines()[0]}") from e
     try:
-        model = auto_class.from_pretrained(source, config=config, local_files_only=True)
+        model = auto_class.from_pretrained(source, config=config, local_files_only=True, use_safetensors=True)
     except ValueError as e:
         raise InvalidInputError(
             f"A {config.model_type!r} model has no {TASKS[task]} for task {task!r}: {str(e).splitlines()[0]}",
             hint=f"Choose a task this architecture supports (tasks: {', '.join(TASKS)}).",
         ) from e
-    except OSError as e:
+    except (OSError, RuntimeError, TypeError, KeyError, AttributeError) as e:  # shapes that contradict the config, ...
         raise InvalidInputError(
-            f"Loading the weights of {str(source)!r} failed: {str(e).splitlines()[0]}",
-            hint="Check that the folder holds the weights save_pretrained wrote (*.safetensors).",
+            f"Loading the weights of {str(source)!r} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            hint="Check that the folder holds the weights save_pretrained wrote (*.safetensors) for this config.",
         ) from e
     return model.eval()
 
@@ -216,9 +224,16 @@ def meta_checkpoint(source: str | os.PathLike, task: str, *, generation: bool = 
             "safetensors files.",
             hint="Give the folder save_pretrained wrote (config.json and *.safetensors).",
         )
+    if not os.path.lexists(pathlib.Path(source) / "config.json"):
+        raise InvalidInputError(
+            f"{str(source)!r} has no config.json.", hint="Give a folder written by save_pretrained (config.json and *.safetensors)."
+        )
+    check_checkpoint_folder(pathlib.Path(source))
     auto_class = getattr(transformers, TASKS[task])
     try:
         return model_on_meta(source, model_class=auto_class)
+    except (TypeError, KeyError, AttributeError) as e:
+        raise InvalidInputError(f"transformers cannot build the model of {str(source)!r}: {type(e).__name__}: {e}") from e
     except ValueError as e:
         raise InvalidInputError(
             f"This model has no {TASKS[task]} for task {task!r}: {str(e).splitlines()[0]}",

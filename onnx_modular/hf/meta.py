@@ -22,7 +22,111 @@ import torch
 
 from onnx_modular.errors import InvalidInputError
 
-__all__ = ["checkpoint_weights", "model_on_meta", "on_meta", "zero_cache"]
+__all__ = ["check_checkpoint_folder", "checkpoint_weights", "model_on_meta", "on_meta", "zero_cache"]
+
+#: Most values a sample cache of zeros may hold (2**28: 1 GiB of float32); real sample caches
+#: (batch 2, 4 positions) hold a few million at most.
+_MAX_CACHE_ELEMENTS = 2**28
+
+
+# Size fields a config may carry (top level or in a nested text/vision config).
+_WIDTHS = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim")
+_DEPTHS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
+_COUNTS = (*_WIDTHS, *_DEPTHS, "vocab_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+           "head_dim", "n_head", "n_inner", "d_ff", "d_kv", "num_heads", "max_position_embeddings",
+           "n_positions", "image_size", "patch_size", "num_channels", "num_labels")  # fmt: skip
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "auto")
+_PICKLED = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
+_CONFIG_LIMIT = 16 * 1024 * 1024
+
+
+def _configs(config: dict) -> list[dict]:
+    """The config and the sub-configs it nests (``text_config``, ``vision_config``, ...)."""
+    return [config, *(value for value in config.values() if isinstance(value, dict) and "model_type" in value)]
+
+
+def _estimated_parameters(config: dict) -> int:
+    """A lower bound on the parameters a config describes: the embedding and one square
+    matrix of the width per layer, for the config and each nested config. Every transformer
+    has at least that much."""
+    total = 0
+    for part in _configs(config):
+        width = next((part[k] for k in _WIDTHS if type(part.get(k)) is int), 0)
+        depth = max((part[k] for k in _DEPTHS if type(part.get(k)) is int), default=0)
+        vocab = part.get("vocab_size") if type(part.get("vocab_size")) is int else 0
+        total += vocab * width + depth * width * width
+    return total
+
+
+def check_checkpoint_folder(folder: pathlib.Path) -> None:
+    """Refuse a checkpoint folder before transformers reads it, with a typed error that names
+    what is wrong: ``config.json`` that is not a JSON object (or is nested, empty, duplicated);
+    a ``model_type`` transformers does not know; ``auto_map`` (code in the folder, which
+    onnx_modular never runs); negative or non-integer sizes; an unknown ``dtype``; no
+    safetensors weights (pickled ``pytorch_model.bin`` is never unpickled); and sizes whose
+    smallest possible model is far larger than the weights in the folder (``hidden_size=10**9``,
+    ``num_hidden_layers=10**7``), which would take minutes or all memory to build.
+
+    Raises:
+        InvalidInputError: The first problem found, with what to do.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from onnx_modular.errors import InvalidModelFileError
+    from onnx_modular.files.load import read_regular_file
+    from onnx_modular.weights.sources import _parse_json
+
+    file = folder / "config.json"
+    shown_file = repr(str(file))
+    try:
+        config = _parse_json(read_regular_file(file, str(file), limit=_CONFIG_LIMIT))
+    except InvalidModelFileError as e:
+        raise InvalidInputError(f"{shown_file} cannot be read: {e}", hint="Give the folder save_pretrained wrote.") from e
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidInputError(
+            f"{shown_file} is not valid JSON: {e}.", hint="Fix or regenerate config.json (save_pretrained writes it)."
+        ) from e
+    if not isinstance(config, dict):
+        raise InvalidInputError(
+            f"{shown_file} holds a JSON {type(config).__name__}, not an object of settings.",
+            hint="Fix or regenerate config.json (save_pretrained writes it).",
+        )
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
+        raise InvalidInputError(
+            f"{shown_file} has model_type {model_type!r}, which this transformers version does not know.",
+            hint="Export a checkpoint of an architecture transformers ships (onnx_modular never runs code from the folder).",
+        )
+    for part in _configs(config):
+        if "auto_map" in part:
+            raise InvalidInputError(
+                f"{shown_file} asks for model code from the folder (auto_map), and onnx_modular never runs code from a checkpoint.",
+                hint="Build the model yourself and export it with export_modular(model, ...) or a factory.",
+            )
+        for key in _COUNTS:
+            value = part.get(key)
+            if value is not None and not (type(value) is int and value >= 0) and not (key == "image_size" and isinstance(value, list)):
+                raise InvalidInputError(f"{shown_file} sets {key} to {value!r}; it must be a non-negative integer.")
+        for key in ("dtype", "torch_dtype"):
+            value = part.get(key)
+            if value is not None and value not in _DTYPES:
+                raise InvalidInputError(f"{shown_file} sets {key} to {value!r}; expected one of {', '.join(_DTYPES)}.")
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        pickled = sorted(p.name for pattern in _PICKLED for p in folder.glob(pattern))
+        raise InvalidInputError(
+            f"{str(folder)!r} holds no safetensors weights"
+            + (f" (only {', '.join(pickled[:3])}: pickled weights are never unpickled, as loading runs code)." if pickled else "."),
+            hint="Convert the weights to safetensors (save_pretrained(..., safe_serialization=True)) in a trusted environment.",
+        )
+    stored = sum(p.stat().st_size for p in weights if p.is_file())
+    smallest = _estimated_parameters(config) // 2  # bytes, at 4 bits a parameter
+    if smallest > 4 * stored + 2**20:
+        raise InvalidInputError(
+            f"{shown_file} describes a model of at least {_estimated_parameters(config):.3g} parameters, but the folder "
+            f"holds {stored / 1e6:.1f} MB of weights: the config and the weights do not belong together.",
+            hint="Check hidden_size, num_hidden_layers and vocab_size in config.json against the weights.",
+        )
 
 
 def model_on_meta(
@@ -43,11 +147,12 @@ def model_on_meta(
 
     if isinstance(checkpoint, (str, os.PathLike)):
         folder = pathlib.Path(checkpoint)
-        if not (folder / "config.json").is_file():
+        if not os.path.lexists(folder / "config.json"):
             raise InvalidInputError(
                 f"{str(folder)!r} has no config.json.",
                 hint="Give a folder written by save_pretrained (config.json and *.safetensors).",
             )
+        check_checkpoint_folder(folder)
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
     else:
         config = checkpoint
@@ -108,12 +213,23 @@ def zero_cache(model: torch.nn.Module, batch: int, past: int) -> Any:
     import transformers
 
     config = model.config.get_text_config(decoder=True)
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads if heads else 0)
+    layers = getattr(config, "num_hidden_layers", None)
+    sizes = (batch, heads, past, head_dim, layers)
+    if not all(type(size) is int and size > 0 for size in sizes):
+        raise InvalidInputError(f"The config's cache sizes (batch, heads, past, head_dim, layers) {sizes} are not positive integers.")
+    elements = 2 * batch * heads * past * head_dim * layers
+    if elements > _MAX_CACHE_ELEMENTS:  # checked before anything is allocated
+        raise InvalidInputError(
+            f"A sample cache for this config holds {elements} values (batch {batch}, {heads} heads, {past} positions, "
+            f"head_dim {head_dim}, {layers} layers): more than {_MAX_CACHE_ELEMENTS}; the config is implausible.",
+            hint="Check num_key_value_heads, head_dim and num_hidden_layers in config.json.",
+        )
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     layers = [
         (torch.zeros(batch, heads, past, head_dim, dtype=dtype), torch.zeros(batch, heads, past, head_dim, dtype=dtype))
-        for _ in range(config.num_hidden_layers)
+        for _ in range(layers)
     ]
     return transformers.DynamicCache(layers, config=config)
 

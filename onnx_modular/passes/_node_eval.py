@@ -106,7 +106,7 @@ def evaluator(value: ir.Value, sources: list[ir.Value], opset: int):
 
             options = ort.SessionOptions()
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-            options.log_severity_level = 3
+            options.log_severity_level = 4
             session = ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
             (result,) = session.run([output_name], feeds)
         except Exception:  # noqa: BLE001 - a dtype onnxruntime's Python API cannot take (bfloat16)

@@ -26,8 +26,10 @@ import dataclasses
 import json
 import os
 import pathlib
+import stat
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import onnx_ir as ir
 import torch
@@ -67,33 +69,114 @@ class _Entry:
     read: Callable[[], torch.Tensor]
 
 
-def _read_header(path: pathlib.Path) -> tuple[dict, int]:
+_HEADER_LIMIT = 100 * 1024 * 1024
+_SOURCE_HINT = "Give a .safetensors file, a folder of shards with model.safetensors.index.json, or a state dict."
+
+
+def _open_regular(path: pathlib.Path, what: str) -> tuple[int, int]:
+    """``(fd, size)`` of a regular file opened without blocking (a FIFO or a device is refused
+    before anything is read)."""
     try:
-        with open(path, "rb") as file:
-            (length,) = struct.unpack("<Q", file.read(8))
-            if length > 100 * 1024 * 1024:
-                raise ValueError(f"header length {length} is implausible")
-            header = json.loads(file.read(length))
-    except (OSError, ValueError, struct.error) as e:
-        raise WeightsError(
-            f"{str(path)!r} is not a readable safetensors file: {e}",
-            hint="Give a .safetensors file, a folder of shards with model.safetensors.index.json, or a state dict.",
-        ) from e
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{what} {str(path)!r} cannot be read: {getattr(e, 'strerror', None) or e}", hint=_SOURCE_HINT) from e
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise WeightsError(f"{what} {str(path)!r} is not a regular file (a pipe, a device or a folder).", hint=_SOURCE_HINT)
+    return fd, info.st_size
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        duplicate = next(key for key in keys if keys.count(key) > 1)
+        raise ValueError(f"the name {duplicate!r} appears twice")
+    return dict(pairs)
+
+
+def _parse_json(raw: bytes | str) -> Any:
+    """JSON that is refused (``ValueError``) rather than half-read: duplicate keys, nesting too
+    deep for Python (``RecursionError``), invalid UTF-8."""
+    try:
+        return json.loads(raw, object_pairs_hook=_no_duplicates)
+    except RecursionError:
+        raise ValueError("it is nested too deeply") from None
+
+
+def _read_header(path: pathlib.Path) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], int]:
+    """The tensors of a safetensors file, ``{name: (dtype, shape, begin, end)}`` (absolute
+    offsets), validated as data before any use: an 8-byte header length within the file; a
+    JSON object of objects with a known ``dtype``, a ``shape`` of non-negative integers and two
+    ``data_offsets`` whose difference is the tensor's size; no name twice; the tensors laid out
+    in order, without overlaps or holes, ending at the end of the file (as the safetensors
+    format requires). A header that lies is refused here, not read as weights."""
+    fd, size = _open_regular(path, "The weights file")
+    try:
+        try:
+            head = os.pread(fd, 8, 0)
+            if len(head) < 8:
+                raise ValueError(f"the file is {size} bytes long, shorter than a safetensors header")
+            (length,) = struct.unpack("<Q", head)
+            if length > min(_HEADER_LIMIT, size - 8):
+                raise ValueError(f"its header claims {length} bytes, but the file holds {size - 8} after the length")
+            header = _parse_json(os.pread(fd, length, 8))
+            if not isinstance(header, dict):
+                raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")  # noqa: TRY004
+        except (OSError, ValueError, struct.error) as e:
+            raise WeightsError(f"{str(path)!r} is not a readable safetensors file: {e}.", hint=_SOURCE_HINT) from e
+    finally:
+        os.close(fd)
+    data_start, data_length = 8 + length, size - 8 - length
     header.pop("__metadata__", None)
-    return header, 8 + length
+    tensors, spans = {}, []
+    for key, info in header.items():
+        where = f"Tensor {key!r} in {str(path)!r}"
+        if not isinstance(info, dict):
+            raise WeightsError(f"{where} is described by a JSON {type(info).__name__}, not an object (the file is corrupted).")
+        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+        if dtype is None:
+            raise WeightsError(f"{where} has dtype {info.get('dtype')!r}, which is not supported.")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise WeightsError(f"{where} has shape {shape!r}; a shape is a list of non-negative integers.")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_length
+        ):
+            raise WeightsError(
+                f"{where} has data_offsets {offsets!r}; they must be two integers 0 <= begin <= end <= {data_length} "
+                "(the bytes after the header)."
+            )
+        if offsets[1] - offsets[0] != _numel(shape) * dtype.itemsize:
+            raise WeightsError(
+                f"{where} declares shape {shape} of {info['dtype']} ({_numel(shape) * dtype.itemsize} bytes) but "
+                f"{offsets[1] - offsets[0]} bytes of data."
+            )
+        tensors[key] = (dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+        spans.append((offsets[0], offsets[1], key))
+    end = 0
+    for begin, stop, key in sorted(spans):
+        if begin != end:
+            what = "overlaps the tensor before it" if begin < end else f"leaves a hole of {begin - end} bytes before it"
+            raise WeightsError(f"Tensor {key!r} in {str(path)!r} {what} (data_offsets {[begin, stop]}): the file is corrupted.")
+        end = stop
+    if end != data_length:
+        raise WeightsError(
+            f"The tensors of {str(path)!r} end at byte {end} of the data, but the file holds {data_length}: "
+            "the file is truncated or corrupted."
+        )
+    return tensors, data_start
 
 
 def _file_entries(path: pathlib.Path) -> dict[str, _Entry]:
-    header, data_start = _read_header(path)
-    entries = {}
-    for key, info in header.items():
-        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise WeightsError(f"Tensor {key!r} in {str(path)!r} has dtype {info.get('dtype')}, which is not supported.")
-        begin, end = (data_start + offset for offset in info["data_offsets"])
-        shape = tuple(int(d) for d in info["shape"])
-        entries[key] = _Entry(dtype, shape, _file_reader(path, begin, end, dtype, shape))
-    return entries
+    tensors, _ = _read_header(path)
+    return {
+        key: _Entry(dtype, shape, _file_reader(path, begin, end, dtype, shape))
+        for key, (dtype, shape, begin, end) in tensors.items()
+    }
 
 
 def _file_reader(path: pathlib.Path, begin: int, end: int, dtype: torch.dtype, shape: tuple[int, ...]):
@@ -131,15 +214,16 @@ class WeightSource:
                     raise WeightsError(f"weights[{key!r}] is on the meta device and has no values.", module_path=_owner(key))
                 entries[key] = _Entry(tensor.dtype, tuple(tensor.shape), lambda tensor=tensor: tensor.detach())
             return cls(entries, "a state dict")
+        if not isinstance(weights, (str, os.PathLike)):
+            raise WeightsError(f"weights must be a path, a state dict or a WeightSource, not {type(weights).__name__}.", hint=_SOURCE_HINT)
         path = pathlib.Path(weights)
-        if path.is_file():
-            return cls(_file_entries(path), str(path))
-        if path.is_dir():
+        try:
+            info = os.stat(path)
+        except (OSError, ValueError):
+            raise WeightsError(f"weights={str(path)!r} does not exist.", hint=_SOURCE_HINT) from None
+        if stat.S_ISDIR(info.st_mode):
             return cls(_folder_entries(path), str(path))
-        raise WeightsError(
-            f"weights={str(path)!r} does not exist.",
-            hint="Give a .safetensors file, a folder of shards with model.safetensors.index.json, or a state dict.",
-        )
+        return cls(_file_entries(path), str(path))  # refuses a FIFO or a device as such
 
     @classmethod
     def from_functions(
@@ -168,11 +252,22 @@ class WeightSource:
 
 def _folder_entries(folder: pathlib.Path) -> dict[str, _Entry]:
     index = folder / INDEX_FILE
-    if index.is_file():
+    if os.path.lexists(index):
+        fd, size = _open_regular(index, "The shard index")
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise WeightsError(f"{str(index)!r} is not a safetensors index (no weight_map): {e}") from e
+            if size > _HEADER_LIMIT:
+                raise WeightsError(f"{str(index)!r} is {size} bytes long: not a safetensors index.")
+            document = _parse_json(os.pread(fd, size, 0))
+            weight_map = document.get("weight_map") if isinstance(document, dict) else None
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"it has no weight_map object (got {type(weight_map).__name__})")  # noqa: TRY004
+            bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+            if bad is not None:
+                raise ValueError(f"weight_map maps {bad[0]!r} to {bad[1]!r}, not to a shard file name")
+        except (OSError, ValueError) as e:
+            raise WeightsError(f"{str(index)!r} is not a safetensors index: {e}.") from e
+        finally:
+            os.close(fd)
         files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
@@ -187,7 +282,7 @@ def _folder_entries(folder: pathlib.Path) -> dict[str, _Entry]:
         shard = (folder / name).resolve()
         if folder.resolve() not in shard.parents:
             raise WeightsError(f"The index names {name!r}, which is outside {str(folder)!r}.")
-        if not shard.is_file():
+        if not os.path.lexists(shard):
             raise WeightsError(f"The index names {name!r}, which is missing from {str(folder)!r}.")
         for key, entry in _file_entries(shard).items():
             if key in entries:
