@@ -42,6 +42,8 @@ _LAZY = {
     "LocalizationReport": "onnx_modular.check.localization",
     "verify": "onnx_modular.check.verification",
     "VerificationReport": "onnx_modular.check.verification",
+    "extract": "onnx_modular.files.extract",
+    "replace": "onnx_modular.files.replace",
 }
 
 
@@ -70,6 +72,8 @@ __all__ = [
     "Tolerance",
     "verify",
     "VerificationReport",
+    "extract",
+    "replace",
     "localize",
     "LocalizationReport",
     "OnnxModularError",

@@ -6,7 +6,9 @@
 - :mod:`~onnx_modular.files.inline`: inlining into a copy, written atomically;
 - :mod:`~onnx_modular.files.runtime`: onnxruntime sessions, runs, the flat copy, temporary files;
 - :mod:`~onnx_modular.files.inputs`: declared inputs, valid random feeds, feed checks;
-- :mod:`~onnx_modular.files.parity`: the parity report (modular, flat, reference).
+- :mod:`~onnx_modular.files.parity`: the parity report (modular, flat, reference);
+- :mod:`~onnx_modular.files.extract`: one module call (or class) as a model of its own, with ONNX test data;
+- :mod:`~onnx_modular.files.replace`: a block's graph as the body of a call's (or class's) function.
 
 Example::
 

@@ -13,7 +13,7 @@ import onnx
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.files._proto import numel, shown
 
-__all__ = ["model_inputs", "random_inputs", "check_feeds", "load_arrays", "MAX_ARRAY_BYTES"]
+__all__ = ["model_inputs", "random_inputs", "check_feeds", "feeds_for", "load_arrays", "MAX_ARRAY_BYTES"]
 
 #: Most bytes :func:`load_arrays` reads from one ``.npz`` (all arrays, uncompressed).
 MAX_ARRAY_BYTES = 2**31
@@ -152,6 +152,22 @@ def check_feeds(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> None
                 raise InvalidInputError(
                     f"Input {name!r} has shape {list(array.shape)} but the model declares {declared_dims}."
                 )
+
+
+def feeds_for(
+    model: onnx.ModelProto, inputs: str | os.PathLike | Mapping[str, np.ndarray] | None, *, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """The whole model's inputs for a run: ``inputs`` (an ``.npz`` file or arrays by name, checked
+    against the declared inputs), or random ones from the declared shapes (``seed``) as ``verify`` makes.
+
+    Raises:
+        InvalidInputError: The file cannot be read or the arrays do not fit the model.
+    """
+    if inputs is None:
+        return random_inputs(model, seed=seed)
+    arrays = load_arrays(inputs, "--inputs") if isinstance(inputs, (str, os.PathLike)) else dict(inputs)
+    check_feeds(model, arrays)
+    return arrays
 
 
 def load_arrays(path: str | os.PathLike, what: str = "--inputs", *, max_bytes: int = MAX_ARRAY_BYTES) -> dict[str, np.ndarray]:

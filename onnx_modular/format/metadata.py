@@ -36,6 +36,7 @@ __all__ = [
     "NO_OP_CALLS",
     "LIFTED_CONSTANTS",
     "NAMESPACE",
+    "EXTRACTED_FROM",
     "CALLS",
     "STACK",
     "GLOBAL_NAME",
@@ -89,6 +90,8 @@ NO_OP_CALLS = PREFIX + "no_op_calls"
 #: function bodies (shapes, scalars; they reach the bodies as formal inputs ``const_...``).
 #: They are not weights: ``onnx-modular tree`` does not count them as parameters.
 LIFTED_CONSTANTS = PREFIX + "lifted_constants"
+#: The model of one extracted call (``onnx-modular extract``): the file it was extracted from.
+EXTRACTED_FROM = PREFIX + "extracted_from"
 #: torch's ``path: class/...`` chain (not ours; kept on every node).
 NAMESPACE = "namespace"
 
