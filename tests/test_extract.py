@@ -148,6 +148,18 @@ def test_replace_unchanged_block_is_a_round_trip(exported, blocks, tmp_path):
 
     assert functions(tmp_path / "class.onnx") == functions(path)
 
+    # A block at another opset is converted to the model's.
+    import onnx_ir as ir
+
+    from onnx_modular.passes.opset_conversion import ConvertOpsetPass
+
+    newer = ir.load(block)
+    ConvertOpsetPass(21)(newer)
+    ir.save(newer, tmp_path / "block21.onnx")
+    converted = replace(path, "GPT2Block", tmp_path / "block21.onnx", tmp_path / "from21.onnx")
+    assert max(converted.max_abs.values()) == 0.0
+    assert {o.domain: o.version for o in onnx.load(tmp_path / "from21.onnx").opset_import}[""] == 18
+
     # One path: h.1 gets a function of its own; the same calls, classes and numbers.
     one = replace(path, "h.1", block, tmp_path / "h1.onnx")
     assert one.functions[0].endswith(":GPT2Block_2")  # numbered as the exporter numbers a class's functions
