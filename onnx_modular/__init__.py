@@ -46,6 +46,8 @@ _LAZY = {
     # torch-free, but onnxruntime is imported only when profiling
     "profile": "onnx_modular.files.profile",
     "ProfileReport": "onnx_modular.files.profile",
+    "extract": "onnx_modular.files.extract",
+    "replace": "onnx_modular.files.replace",
 }
 
 
@@ -74,6 +76,8 @@ __all__ = [
     "Tolerance",
     "verify",
     "VerificationReport",
+    "extract",
+    "replace",
     "localize",
     "LocalizationReport",
     "profile",

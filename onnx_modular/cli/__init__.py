@@ -8,6 +8,8 @@ Subcommands::
     onnx-modular verify m.onnx [--inputs x.npz]            # onnxruntime: modular vs inlined copy
     onnx-modular profile m.onnx [--depth D] [--html P]     # time per module call (onnxruntime's profiler)
     onnx-modular view m.onnx [--port P]                    # Netron on localhost
+    onnx-modular extract m.onnx h.1.attn -o OUT [--with-data]  # one call (or class) as its own model
+    onnx-modular replace m.onnx GPT2Block block.onnx -o new.onnx  # a block as the body of a call / class
 
 Exit codes: 0 success; 1 verification failure (outputs differ beyond tolerance);
 2 usage error or bad input (unreadable model, bad factory, export failure, ...);
@@ -426,6 +428,33 @@ def _profile(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- extract, replace ----------------------------------------------------------------------
+
+
+def _npz_feeds(args: argparse.Namespace) -> dict | None:
+    if not args.inputs:
+        return None
+    return feeds_from_arrays(load_model_file(args.model), load_arrays(args.inputs, "--inputs"))
+
+
+def _extract(args: argparse.Namespace) -> int:
+    from onnx_modular.files.extract import extract
+
+    if args.inputs and not args.with_data:
+        raise InvalidInputError("--inputs gives the whole model's inputs for the test data: add --with-data.")
+    result = extract(args.model, args.call, args.output, with_data=args.with_data, inputs=_npz_feeds(args))
+    print(f"Wrote {len(result.models)} model(s) into {args.output}")
+    print(result)
+    return EXIT_OK
+
+
+def _replace(args: argparse.Namespace) -> int:
+    from onnx_modular.files.replace import replace
+
+    print(replace(args.model, args.target, args.block, args.output, inputs=_npz_feeds(args)))
+    return EXIT_OK
+
+
 # -- view --------------------------------------------------------------------------------
 
 
@@ -636,6 +665,46 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--trace", default=None, metavar="PATH", help="write a Chrome trace (Perfetto, speedscope)")
     prof.add_argument("--html", default=None, metavar="PATH", help="write a self-contained HTML page with a flame chart")
     prof.set_defaults(run=_profile)
+
+    extract = commands.add_parser(
+        "extract",
+        parents=[common],
+        help="write one module call (or every call of a class) as a model of its own",
+        description="Write the function of a call (a module path such as h.1.attn) or of every call of a "
+        "class (GPT2Block: one model per distinct function) as a model: the body as its graph, the formal "
+        "inputs as inputs, the weights and constants the call receives as initializers. The output "
+        "folder gets one test case per model in ONNX's layout (<case>/model.onnx, test_data_set_<n>/).",
+    )
+    extract.add_argument("model", help="the .onnx file")
+    extract.add_argument("call", help="a module path (h.1.attn) or a class or function name (GPT2Block)")
+    extract.add_argument("-o", "--output", required=True, metavar="OUT", help="a new or empty folder")
+    extract.add_argument(
+        "--with-data",
+        action="store_true",
+        help="also write each call's inputs and outputs from one onnxruntime run of the whole model "
+        "(one data set per call), checked on the extracted model",
+    )
+    extract.add_argument(
+        "--inputs", default=None, metavar="FILE.npz", help="the whole model's inputs for --with-data (default: random, seed 0)"
+    )
+    extract.set_defaults(run=_extract)
+
+    replace = commands.add_parser(
+        "replace",
+        parents=[common],
+        help="make a block's graph the body of a class's functions or of one call",
+        description="Replace the body of every function of a class, or of one call path (which then gets "
+        "a function of its own), by the graph of BLOCK (e.g. an extracted model after editing). The "
+        "result is checked, compared with the original in onnxruntime, and written atomically.",
+    )
+    replace.add_argument("model", help="the .onnx file")
+    replace.add_argument("target", help="a class or function name (GPT2Block) or a module path (h.1)")
+    replace.add_argument("block", help="the .onnx file whose graph becomes the body")
+    replace.add_argument("-o", "--output", required=True, metavar="NEW.onnx", help="the file to write")
+    replace.add_argument(
+        "--inputs", default=None, metavar="FILE.npz", help="inputs of the comparison with the original (default: random, seed 0)"
+    )
+    replace.set_defaults(run=_replace)
 
     view = commands.add_parser(
         "view",

@@ -13,7 +13,7 @@ import onnx
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.files._proto import numel, shown
 
-__all__ = ["model_inputs", "random_inputs", "check_feeds", "feeds_from_arrays", "load_arrays", "MAX_ARRAY_BYTES"]
+__all__ = ["model_inputs", "random_inputs", "check_feeds", "feeds_from_arrays", "feeds_for", "load_arrays", "MAX_ARRAY_BYTES"]
 
 #: Most bytes :func:`load_arrays` reads from one ``.npz`` (all arrays, uncompressed).
 MAX_ARRAY_BYTES = 2**31
@@ -167,6 +167,21 @@ def feeds_from_arrays(model: onnx.ModelProto, arrays: Mapping[str, np.ndarray]) 
         arrays = {name: arrays[f"arr_{i}"] for i, name in enumerate(names) if f"arr_{i}" in arrays}
     check_feeds(model, arrays)
     return arrays
+
+
+def feeds_for(
+    model: onnx.ModelProto, inputs: str | os.PathLike | Mapping[str, np.ndarray] | None, *, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """The whole model's inputs for a run: ``inputs`` (an ``.npz`` file or arrays by name, checked
+    against the declared inputs), or random ones from the declared shapes (``seed``) as ``verify`` makes.
+
+    Raises:
+        InvalidInputError: The file cannot be read or the arrays do not fit the model.
+    """
+    if inputs is None:
+        return random_inputs(model, seed=seed)
+    arrays = load_arrays(inputs, "--inputs") if isinstance(inputs, (str, os.PathLike)) else dict(inputs)
+    return feeds_from_arrays(model, arrays)
 
 
 def load_arrays(path: str | os.PathLike, what: str = "--inputs", *, max_bytes: int = MAX_ARRAY_BYTES) -> dict[str, np.ndarray]:

@@ -37,6 +37,7 @@ __all__ = [
     "LIFTED_CONSTANTS",
     "PROFILE_ORIGIN",
     "NAMESPACE",
+    "EXTRACTED_FROM",
     "CALLS",
     "STACK",
     "GLOBAL_NAME",
@@ -94,6 +95,8 @@ LIFTED_CONSTANTS = PREFIX + "lifted_constants"
 #: node's index in the copy's origin table while ``onnx.inliner`` inlines it; removed before the
 #: copy runs, never in a saved file.
 PROFILE_ORIGIN = PREFIX + "profile_origin"
+#: The model of one extracted call (``onnx-modular extract``): the file it was extracted from.
+EXTRACTED_FROM = PREFIX + "extracted_from"
 #: torch's ``path: class/...`` chain (not ours; kept on every node).
 NAMESPACE = "namespace"
 

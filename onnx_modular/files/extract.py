@@ -1,0 +1,498 @@
+"""One module call as a model of its own, with the values it really receives as ONNX test data.
+
+``extract("gpt2.onnx", "h.1.attn", "out/")`` writes the function of that call as a model:
+its body is the graph (nested functions kept), its formal inputs are the graph inputs under
+their formal names, and the weights and lifted constants the call receives become initializers
+under those names. A class (``GPT2Block``) gives one model per distinct function of that class
+(identical calls share one function: a 12-layer GPT-2 gives one model).
+
+Where the calls of one function receive different weights (``h.0`` and ``h.1`` of a
+``GPT2Block``), the weights are initializers that are also graph inputs (ONNX's overridable
+initializers): the values are the first call's, and each call's data set feeds its own. A
+formal input every call feeds from the same initializer (one call, or shared constants) is a
+plain initializer, a constant for compilers.
+
+The output folder holds one test case per model, in ONNX's layout (what
+``onnx.backend.test.loader.load_model_tests`` and onnxruntime's ``onnx_test_runner`` read)::
+
+    out/GPT2Block/model.onnx
+    out/GPT2Block/test_data_set_0/input_0.pb ... output_0.pb     (call h.0)
+    out/GPT2Block/test_data_set_1/...                             (call h.1)
+
+The data (``with_data=True``) comes from one onnxruntime run of the whole model on copies of
+the functions on each call's chain that also return the call's inputs and outputs
+(:func:`onnx_modular.files._calls.expose`); every data set is checked on the extracted model
+before anything is written. The folder is built in a private temporary folder and moved into
+place whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+
+from onnx_modular.errors import InvalidInputError, ParityError, SaveError
+from onnx_modular.files import _calls, runtime, save
+from onnx_modular.files._proto import all_nodes, function_label
+from onnx_modular.files.inputs import feeds_for
+from onnx_modular.files.load import load_model_file
+from onnx_modular.files.parity import allclose, default_tolerance, max_differences
+from onnx_modular.format import metadata
+
+__all__ = ["extract", "Extraction", "ExtractedModel", "DataSet", "MODEL_FILE", "EXTRACTED_FROM"]
+
+#: The model file of a test case (ONNX's test-case layout).
+MODEL_FILE = "model.onnx"
+#: Model metadata of an extracted model: the file it was extracted from.
+EXTRACTED_FROM = metadata.EXTRACTED_FROM
+
+
+@dataclasses.dataclass
+class DataSet:
+    """One call's values: ``folder/input_<i>.pb``, ``output_<i>.pb``; the extracted model's
+    largest difference from the whole model's values, per output."""
+
+    call_name: str
+    folder: pathlib.Path
+    max_abs: dict[str, float]
+
+
+@dataclasses.dataclass
+class ExtractedModel:
+    """One written model (one test case)."""
+
+    path: pathlib.Path
+    function: str
+    call_names: list[str]
+    inputs: list[str]
+    initializers: list[str]
+    data_sets: list[DataSet] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Extraction:
+    """What :func:`extract` wrote."""
+
+    source: str
+    target: str
+    output: pathlib.Path
+    models: list[ExtractedModel]
+
+    def __str__(self) -> str:
+        lines = []
+        for model in self.models:
+            lines.append(
+                f"{model.path}: function {model.function}, calls {', '.join(model.call_names)}; "
+                f"{len(model.inputs)} inputs, {len(model.initializers)} initializers"
+            )
+            for data in model.data_sets:
+                worst = max(data.max_abs.values(), default=0.0)
+                lines.append(f"  {data.folder.name}: call {data.call_name}, max abs difference {worst:.3g}")
+        return "\n".join(lines)
+
+
+def check_output_folder(out: str | os.PathLike) -> pathlib.Path:
+    """``out`` as a folder that does not exist yet, or is empty, in an existing folder."""
+    if not isinstance(out, (str, os.PathLike)) or isinstance(os.fspath(out), bytes):
+        raise InvalidInputError(f"The output folder must be a path, not {type(out).__name__}.")
+    folder = pathlib.Path(out)
+    parent = folder.parent if str(folder.parent) else pathlib.Path(".")
+    if folder.name in ("", ".", ".."):
+        folder = folder.resolve()
+        parent = folder.parent
+    if folder.exists() or folder.is_symlink():
+        if not folder.is_dir() or folder.is_symlink():
+            raise InvalidInputError(f"The output {str(out)!r} exists and is not a folder.", hint="Give a new folder.")
+        if any(folder.iterdir()):
+            raise InvalidInputError(
+                f"The output folder {str(out)!r} exists and is not empty; nothing was written.",
+                hint="Give a new or empty folder (nothing is overwritten).",
+            )
+    if not parent.is_dir():
+        raise InvalidInputError(f"The folder {str(parent)!r} of the output does not exist.", hint="Create it first.")
+    return folder
+
+
+def _case_name(text: str, taken: set[str]) -> str:
+    name = re.sub(r"[^A-Za-z0-9._@-]", "_", text) or "call"
+    if name.startswith("."):
+        name = "_" + name
+    return _calls.unique_name(name, taken)
+
+
+@dataclasses.dataclass
+class _Formal:
+    name: str
+    source: str | None  # the initializer every call feeds it from (a plain initializer)
+    default: str | None  # else the first call's initializer (an overridable one), if all calls feed one
+
+    @property
+    def is_input(self) -> bool:
+        return self.source is None
+
+
+def _formals(model: onnx.ModelProto, function: onnx.FunctionProto, sites: list[metadata.ExpandedCall]) -> list[_Formal]:
+    formals = []
+    for index, name in enumerate(function.input):
+        sources = [_calls.initializer_source(model, site, index) for site in sites]
+        if all(s is not None for s in sources) and len(set(sources)) == 1:
+            formals.append(_Formal(name, sources[0], None))
+        elif all(s is not None for s in sources):
+            formals.append(_Formal(name, None, sources[0]))
+        else:
+            formals.append(_Formal(name, None, None))
+    return formals
+
+
+def capture(
+    model: onnx.ModelProto,
+    path: str | os.PathLike,
+    wanted: Mapping[str, list[int]],
+    feeds: Mapping[str, np.ndarray],
+) -> dict[str, tuple[dict[int, np.ndarray], list[np.ndarray]]]:
+    """The values entering (formal indices in ``wanted[call]``) and leaving each call, from one
+    onnxruntime run of the whole model on ``feeds``.
+
+    Runs a copy in which each call's chain of callers has bodies of its own that also return
+    the call's values (the model's other calls keep their shared bodies).
+    """
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    for name in wanted:
+        _calls.specialize(probe, name)
+    taken = _calls.body_names(probe.graph)
+    for function in probe.functions:
+        taken |= _calls.body_names(function)
+    plan = {}
+    for name, indices in wanted.items():
+        call = _calls.find_call(probe, name)
+        values = [call.node.input[i] if i < len(call.node.input) else "" for i in indices] + list(call.node.output)
+        plan[name] = (indices, _calls.expose(probe, call, values, taken))
+    folder = runtime.external_data_folder(path, model)
+    names, arrays = runtime.run(probe.SerializeToString(), feeds, what="model", external_data_folder=folder)
+    by_name = dict(zip(names, arrays))
+    captured = {}
+    for name, (indices, outputs) in plan.items():
+        values = [by_name.get(output) if output else None for output in outputs]
+        captured[name] = (dict(zip(indices, values[: len(indices)])), values[len(indices) :])
+    return captured
+
+
+def _value_info(function: onnx.FunctionProto, name: str) -> onnx.ValueInfoProto | None:
+    for value in function.value_info:
+        if value.name == name:
+            return value
+    return None
+
+
+def _site_type(model: onnx.ModelProto, site: metadata.ExpandedCall, actuals, index: int, name: str):
+    """The type the body holding the call declares for its ``index``-th actual, under ``name``."""
+    if index >= len(actuals) or not actuals[index]:
+        return None
+    graph = model.graph
+    body = site.caller.function if site.caller is not None else None
+    values = body.value_info if body is not None else [*graph.input, *graph.value_info, *graph.output]
+    for value in values:
+        if value.name == actuals[index] and value.type.HasField("tensor_type"):
+            typed = onnx.ValueInfoProto()
+            typed.CopyFrom(value)
+            typed.name = name
+            return typed
+    return None
+
+
+def _from_array(name: str, array: np.ndarray) -> onnx.ValueInfoProto:
+    elem = onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
+    return onnx.helper.make_tensor_value_info(name, elem, list(array.shape))
+
+
+def _dims(value: onnx.ValueInfoProto) -> str:
+    tensor_type = value.type.tensor_type
+    elem = onnx.TensorProto.DataType.Name(tensor_type.elem_type).lower() if tensor_type.elem_type else "?"
+    if not tensor_type.HasField("shape"):
+        return f"{elem}[...]"
+    dims = [str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?") for d in tensor_type.shape.dim]
+    return f"{elem}[{', '.join(dims)}]"
+
+
+def _is_static(value: onnx.ValueInfoProto) -> bool:
+    tensor_type = value.type.tensor_type
+    dims = tensor_type.shape.dim
+    return tensor_type.HasField("shape") and len(dims) > 0 and all(d.HasField("dim_value") for d in dims)
+
+
+def _load_tensor(model_tensor: onnx.TensorProto, name: str, folder: str) -> onnx.TensorProto:
+    tensor = onnx.TensorProto()
+    tensor.CopyFrom(model_tensor)
+    tensor.name = name
+    if onnx.external_data_helper.uses_external_data(tensor):
+        onnx.external_data_helper.load_external_data_for_tensor(tensor, folder)
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        del tensor.external_data[:]
+    return tensor
+
+
+def _build(
+    model: onnx.ModelProto,
+    source: str,
+    function: onnx.FunctionProto,
+    sites: list[metadata.ExpandedCall],
+    formals: list[_Formal],
+    captured: Mapping[str, tuple[dict[int, np.ndarray], list[np.ndarray]]] | None,
+) -> onnx.ModelProto:
+    folder = os.path.dirname(os.path.abspath(source))
+    initializers = {tensor.name: tensor for tensor in model.graph.initializer}
+    lifted_sources = metadata.lifted_constants(model)
+    names = [site.call_name for site in sites]
+    first = captured[names[0]] if captured else None
+    graph = onnx.GraphProto(name=function.name)
+    graph.node.extend(function.node)
+    notes = []
+    for index, formal in enumerate(formals):
+        declared = _value_info(function, formal.name)
+        if declared is None and first is not None and first[0].get(index) is not None:
+            declared = _from_array(formal.name, first[0][index])
+            notes.append(f"{formal.name}: no type in the body; {_dims(declared)} as the call {names[0]} receives it")
+        elif declared is None and formal.source is not None:
+            tensor = initializers[formal.source]
+            declared = onnx.helper.make_tensor_value_info(formal.name, tensor.data_type, list(tensor.dims))
+        elif declared is None and (declared := _site_type(model, sites[0], sites[0].node.input, index, formal.name)):
+            notes.append(f"{formal.name}: no type in the body; {_dims(declared)} as the call site declares it")
+        if declared is None:
+            raise InvalidInputError(
+                f"The formal input {formal.name!r} of {function.name} has no declared type.",
+                module_path=names[0],
+                hint="Extract with --with-data: the types are then taken from the values the call receives.",
+            )
+        if formal.is_input:
+            graph.input.append(declared)
+        source_name = formal.source or formal.default
+        if source_name is not None:
+            graph.initializer.append(_load_tensor(initializers[source_name], formal.name, folder))
+    for index, name in enumerate(function.output):
+        declared = _value_info(function, name)
+        if declared is None and first is not None and first[1][index] is not None:
+            declared = _from_array(name, first[1][index])
+            notes.append(f"{name}: no type in the body; {_dims(declared)} as the call {names[0]} returns it")
+        elif declared is None and (declared := _site_type(model, sites[0], sites[0].node.output, index, name)):
+            notes.append(f"{name}: no type in the body; {_dims(declared)} as the call site declares it")
+        graph.output.append(declared if declared is not None else onnx.ValueInfoProto(name=name))
+    boundary = set(function.input) | set(function.output)
+    graph.value_info.extend(v for v in function.value_info if v.name not in boundary)
+    body_path = metadata.strip_call_index(names[0])
+    written_for = metadata.body_module_path(function)
+    if metadata.NO_OP_CALLS in metadata.props(function):  # the body's calls without ops, now the graph's
+        _calls.set_prop(graph, metadata.NO_OP_CALLS, metadata.props(function)[metadata.NO_OP_CALLS])
+    _calls.rebase_body(graph, written_for, body_path)
+
+    functions = _calls.used_functions(model, function.node)
+    used_domains = {""} | {node.domain for node in all_nodes(graph.node)}
+    for f in functions:
+        used_domains |= {node.domain for node in all_nodes(f.node)} | {f.domain}
+    opsets = [o for o in model.opset_import if o.domain in used_domains]
+    extracted = onnx.helper.make_model(graph, opset_imports=opsets, functions=functions)
+    extracted.ir_version = model.ir_version
+    extracted.producer_name = "onnx_modular.extract"
+    from onnx_modular import __version__
+
+    extracted.producer_version = __version__
+    props = metadata.props(function)
+    entries = {
+        metadata.EXTRACTED_FROM: source,
+        metadata.MODULE_PATH: body_path,
+        metadata.MODULE_PATHS: json.dumps(names),
+    }
+    for key in (metadata.CLASS, metadata.PACKAGE, metadata.PACKAGE_VERSION, metadata.SOURCE):
+        if key in props:
+            entries[key] = props[key]
+    lifted = [f.name for f in formals if (f.source or f.default) in lifted_sources]
+    if lifted:
+        entries[metadata.LIFTED_CONSTANTS] = json.dumps(lifted)
+    onnx.helper.set_model_props(extracted, entries)
+
+    label = function_label((function.domain, function.name, function.overload))
+    lines = [
+        (
+            f"{function.name}: the function {label} of {'the calls' if len(names) > 1 else 'the call'} "
+            f"{', '.join(names)}, extracted from {os.path.basename(source)} by onnx_modular."
+        ),
+        "Dims as the body declares them (symbolic ones stay symbolic):",
+    ]
+    weights = {tensor.name for tensor in graph.initializer}
+    for value in [*graph.input, *graph.output]:
+        if value.name in weights:
+            continue
+        fixed = " (static in the body: fixed by the call site at export)" if _is_static(value) else ""
+        lines.append(f"  {value.name}: {_dims(value)}{fixed}")
+    lines.append(f"Initializers: {len(graph.initializer)} (the weights and constants the call receives).")
+    overridable = [f.name for f in formals if f.default is not None]
+    if overridable:
+        lines.append(
+            f"Weights that differ between the calls ({len(overridable)}) are initializers that are also graph "
+            f"inputs: the values are {names[0]}'s; each test data set feeds its call's own."
+        )
+    lines += notes
+    if captured:
+        for name in names:
+            inputs = captured[name][0]
+            shapes = [f"{formals[i].name}{list(a.shape)}" for i, a in inputs.items() if a is not None]
+            lines.append(f"At the call {name}: {', '.join(shapes)}")
+    extracted.doc_string = "\n".join(lines)
+    return extracted
+
+
+def _write_case(
+    extracted: onnx.ModelProto,
+    folder: pathlib.Path,
+    formals: list[_Formal],
+    sites: list[str],
+    captured,
+) -> list[tuple[str, pathlib.Path, dict[str, float]]]:
+    """Save the model in ``folder``, check it (onnx.checker, onnxruntime), write and check the data sets."""
+    import onnx_ir as ir
+
+    folder.mkdir()
+    path = folder / MODEL_FILE
+    as_ir = ir.from_proto(extracted)
+    external = save.wants_external_data(as_ir, None)
+    try:
+        ir.save(as_ir, path, external_data=f"{MODEL_FILE}.data" if external else None)
+    except OSError as e:
+        raise SaveError(f"Writing {path.name} failed: {e}", hint="Check free disk space and permissions.") from e
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as e:
+        raise SaveError(
+            f"The ONNX checker rejected the extracted model of {', '.join(sites)}: {runtime.first_line(e)}",
+            module_path=sites[0],
+            hint="This is a bug in onnx_modular or an unusual file; please report it with the model.",
+        ) from e
+    session = runtime.session(str(path))  # onnxruntime loads it
+    results = []
+    if captured is None:
+        return results
+    input_names = [value.name for value in extracted.graph.input]
+    output_names = [value.name for value in extracted.graph.output]
+    index_of = {f.name: i for i, f in enumerate(formals)}
+    for k, name in enumerate(sites):
+        inputs, outputs = captured[name]
+        feeds = {n: inputs[index_of[n]] for n in input_names}
+        missing = [n for n, a in feeds.items() if a is None]
+        if missing:
+            raise InvalidInputError(f"The call {name} does not receive {missing[0]!r}.", module_path=name)
+        _, actual = runtime.run(session, feeds, what=f"extracted model of {name}")
+        differences = {}
+        for out_name, got, expected in zip(output_names, actual, outputs):
+            tolerance = default_tolerance(expected.dtype)
+            differences[out_name] = max_differences(got, expected)[0]
+            if not allclose(got, expected, tolerance):
+                raise ParityError(
+                    f"The extracted model does not reproduce the output {out_name!r} of the call {name}: "
+                    f"max abs difference {differences[out_name]:.3g} (atol {tolerance.atol:g}, rtol {tolerance.rtol:g}).",
+                    module_path=name,
+                    hint="Nothing was written. A body with random ops differs on every run; otherwise check the file "
+                    "with `onnx-modular verify`, and report it with the model.",
+                )
+        data = folder / f"test_data_set_{k}"
+        data.mkdir()
+        for i, n in enumerate(input_names):
+            (data / f"input_{i}.pb").write_bytes(onnx.numpy_helper.from_array(feeds[n], n).SerializeToString())
+        for i, (n, array) in enumerate(zip(output_names, outputs)):
+            (data / f"output_{i}.pb").write_bytes(onnx.numpy_helper.from_array(np.asarray(array), n).SerializeToString())
+        results.append((name, data, differences))
+    return results
+
+
+def extract(
+    path: str | os.PathLike,
+    call: str,
+    out: str | os.PathLike,
+    *,
+    with_data: bool = False,
+    inputs: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
+) -> Extraction:
+    """Write the function of one module call (or of every call of a class) as a model of its own.
+
+    Args:
+        path: The modular ``.onnx`` file.
+        call: A call path (``h.1.attn``, ``shared@1``) or a class (``GPT2Block``, the qualified
+            class, a function name, a glob).
+        out: A new (or empty) folder; it gets one test-case folder per model
+            (``<call path>/`` or ``<function>/``, each with ``model.onnx``).
+        with_data: Also write each call's inputs and outputs from one onnxruntime run of the
+            whole model, as ``test_data_set_<n>/input_<i>.pb`` / ``output_<i>.pb`` (one data set
+            per call), checked on the extracted model.
+        inputs: The whole model's inputs for that run (an ``.npz`` file or arrays by name);
+            random inputs from the declared shapes (seed 0, as ``verify``) by default.
+
+    Returns:
+        What was written, with the largest difference of each data set.
+
+    Raises:
+        InvalidInputError: Unknown call or class (the closest names are listed), an output
+            folder that exists and is not empty, inputs that do not fit.
+        InvalidModelFileError: The file cannot be read, or calls a function it does not hold.
+        ParityError: The extracted model does not reproduce a call's outputs. Nothing is written.
+
+    Example::
+
+        result = extract("gpt2.onnx", "GPT2Block", "blocks/", with_data=True)
+        print(result)
+    """
+    folder = check_output_folder(out)
+    source = str(path)
+    model = load_model_file(path)
+    target = _calls.resolve_target(model, call)
+    calls = _calls.module_calls(model)
+    functions = {(f.domain, f.name, f.overload): f for f in model.functions}
+    cases: list[tuple[onnx.FunctionProto, list[str], list[_Formal]]] = []
+    for fid in target.functions:
+        names = target.calls_of(fid, calls)
+        sites = [calls[name] for name in names]
+        cases.append((functions[fid], names, _formals(model, functions[fid], sites)))
+    captured = None
+    if with_data:
+        feeds = feeds_for(model, inputs)
+        wanted = {
+            name: [i for i, f in enumerate(formals) if f.is_input] for _, names, formals in cases for name in names
+        }
+        captured = capture(model, path, wanted, feeds)
+    elif inputs is not None:
+        raise InvalidInputError("inputs= is for the test data: pass with_data=True (--with-data) too.")
+    built = []
+    for function, names, formals in cases:
+        sites = [calls[name] for name in names]
+        built.append(_build(model, source, function, sites, formals, captured))
+    models: list[ExtractedModel] = []
+    parent = folder.parent if str(folder.parent) else pathlib.Path(".")
+    with save.interrupt_on_sigterm(), save._temp_folder(parent) as tmp:
+        staged = tmp / "out"
+        staged.mkdir()
+        taken: set[str] = set()
+        for (function, names, formals), extracted in zip(cases, built):
+            case = _case_name(function.name if target.is_class else names[0], taken)
+            results = _write_case(extracted, staged / case, formals, names, captured)
+            models.append(
+                ExtractedModel(
+                    path=folder / case / MODEL_FILE,
+                    function=function_label((function.domain, function.name, function.overload)),
+                    call_names=names,
+                    inputs=[v.name for v in extracted.graph.input],
+                    initializers=[t.name for t in extracted.graph.initializer],
+                    data_sets=[DataSet(n, folder / case / d.name, diffs) for n, d, diffs in results],
+                )
+            )
+        try:
+            os.replace(staged, folder)  # a folder that exists is empty (checked): rename(2) replaces it
+        except OSError as e:
+            raise SaveError(f"Moving the extracted models into {str(folder)!r} failed: {e}") from e
+    return Extraction(source, call, folder, models)
+
