@@ -357,7 +357,10 @@ def _save_and_verify(result: ModularExport, f, plan: _Plan, stages: _Stages, *, 
         with stages("verify", ""):
             inputs, expected = result._reference
             if plan.stream is not None and plan.stream.blockwise:
-                result.blocks = blockwise.verify_blocks(path, inputs, expected, plan.stream.blocks, tolerance=plan.tolerance)
+                result.blocks = blockwise.verify_blocks(
+                    path, inputs, expected, plan.stream.blocks, tolerance=plan.tolerance,
+                    execution_provider=plan.execution_provider,
+                )
                 result.report = result.blocks.outputs
                 blockwise.assert_blocks(result.blocks, result=result)
             else:

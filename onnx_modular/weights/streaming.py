@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
+from onnx_modular.capture.call_hooks import call_hooks
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.passes.attach_weights import AttachWeightsPass
 from onnx_modular.weights.sources import WeightPlan, materialized
@@ -124,37 +125,26 @@ def streamed(model: torch.nn.Module, plan: WeightPlan, blocks: Blocks) -> Iterat
     Tensors of modules outside every block are loaded for the whole ``with``. The outputs
     of each block call are recorded in ``blocks.outputs`` (copies, by path and call index).
     """
-    modules = dict(model.named_modules())
-    handles = []
     stacks: dict[str, list[contextlib.ExitStack]] = {}
-    counts: dict[str, int] = {}
 
-    def hooks(path: str):
-        def pre_hook(module, args, kwargs):
-            stack = contextlib.ExitStack()
-            stack.enter_context(materialized(model, plan, [path]))
-            stacks.setdefault(path, []).append(stack)
+    def load(path: str, index: int, module, args, kwargs) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(materialized(model, plan, [path]))
+        stacks.setdefault(path, []).append(stack)
 
-        def post_hook(module, args, kwargs, output):
-            stacks[path].pop().close()
-            index = counts.get(path, 0)
-            counts[path] = index + 1
-            blocks.outputs[(path, index)] = [t.detach().clone() for t in _flat_tensors(output)]
+    def unload(path: str, index: int, module, args, kwargs, output) -> None:
+        stacks[path].pop().close()
+        blocks.outputs[(path, index)] = [t.detach().clone() for t in _flat_tensors(output)]
 
-        return pre_hook, post_hook
-
-    # Outermost hooks: registered first so that they run before the export's own hooks
-    # record the call, and after them on the way out.
-    for path in blocks.paths:
-        pre_hook, post_hook = hooks(path)
-        handles.append(modules[path].register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
-        handles.append(modules[path].register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+    # Outermost hooks: the block's weights are loaded before the reference run's own hooks
+    # record the call, and unloaded after them, even when forward raises.
     try:
-        with materialized(model, plan, _resident_prefixes(model, blocks), recurse=False):
+        with (
+            call_hooks(model, load, unload, paths=blocks.paths, outermost=True),
+            materialized(model, plan, _resident_prefixes(model, blocks), recurse=False),
+        ):
             yield blocks
     finally:
-        for handle in handles:
-            handle.remove()
         for pending in stacks.values():
             while pending:
                 pending.pop().close()
