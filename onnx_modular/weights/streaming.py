@@ -171,22 +171,6 @@ class Stream:
         self.blocks = choose_blocks(model, self.plan, max_block_bytes)
         self.blockwise = verify == "blocks" or (verify is True and has_meta_tensors(model))
 
-    def capture(self, capture, args: tuple, kwargs: dict, dynamic_shapes):
-        """``capture(model, args, kwargs, dynamic_shapes)``; on a meta model whose ops reject
-        CPU inputs next to meta weights (``F.linear`` does), again with the inputs on meta."""
-        from onnx_modular.weights.sources import has_meta_tensors
-
-        try:
-            return capture(self.model, args, kwargs, dynamic_shapes)
-        except Exception as first:
-            if not has_meta_tensors(self.model):
-                raise
-            to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v
-            try:
-                return capture(self.model, *torch.utils._pytree.tree_map(to_meta, (args, kwargs)), dynamic_shapes)
-            except Exception:
-                raise first from None
-
     def eager(self):
         """Context for the eager reference run: each block loaded just for its call."""
         return streamed(self.model, self.plan, self.blocks)
