@@ -2,7 +2,7 @@
 
     nn.Module + example inputs
       capture      eager reference run, calls recorded (capture/reference_run.py)
-                   + torch.export, non-strict (capture/torch_compat.py)      -> ExportedProgram
+                   + torch.export, non-strict (capture/strategies.py)        -> ExportedProgram
       decompose    torch's ONNX decompositions + FX fixes                   -> decomposed program
       translate    torch's FX -> ONNX translator, then passes/pipeline.translated_passes
                    (axis names, weights, input/output names, one opset)     -> flat onnx_ir.Model
@@ -44,6 +44,7 @@ from onnx_modular.capture import (
     pytree_io,
     reference_run,
     selection,
+    strategies,
     torch_compat,
 )
 from onnx_modular.capture.fx_call_tree import build_call_tree
@@ -59,6 +60,7 @@ from onnx_modular.passes import pipeline
 from onnx_modular.passes.opset_conversion import check_opset
 from onnx_modular.result import ModularExport, model_file
 from onnx_modular.weights import streaming
+from onnx_modular.weights.sources import has_meta_tensors
 
 __all__ = ["export_modular", "ModularExport", "ModuleSelector"]
 
@@ -178,7 +180,9 @@ def export_modular(
             expected, signatures, eager_calls = reference_run.run(model, *tensors.copy_inputs(args, kwargs))
         with stages("capture"):
             dynamic_shapes = _check_io(model, args, kwargs, expected, dynamic_shapes)
-            program = exported_program or _capture(model, args, kwargs, dynamic_shapes, stream)
+            program = exported_program or strategies.capture(
+                model, args, kwargs, dynamic_shapes, on_meta=stream is not None and has_meta_tensors(model)
+            )
         with stages("decompose"):
             program = torch_compat.decompose(program, plan.registry)
             for fix in program_fixes:
@@ -341,12 +345,6 @@ def _check_io(model: torch.nn.Module, args: tuple, kwargs: dict, expected: Any, 
     return pytree_io.expand_dynamic_shapes(model, args, kwargs, dynamic_shapes)
 
 
-def _capture(model, args, kwargs, dynamic_shapes, stream: streaming.Stream | None) -> torch.export.ExportedProgram:
-    if stream is not None:  # the meta-device route: inputs moved to meta when the ops need it
-        return stream.capture(torch_compat.capture, args, kwargs, dynamic_shapes)
-    return torch_compat.capture(model, args, kwargs, dynamic_shapes)
-
-
 def _io_names(model_ir: ir.Model, model, args, kwargs, outputs, input_names, output_names) -> tuple[list, list]:
     """The graph's input and output names: the user's (one per tensor), else forward()'s."""
     graph = model_ir.graph
@@ -391,7 +389,10 @@ def _save_and_verify(result: ModularExport, f, plan: _Plan, stages: _Stages, *, 
         with stages("verify", ""):
             inputs, expected = result._reference
             if plan.stream is not None and plan.stream.blockwise:
-                result.blocks = blockwise.verify_blocks(path, inputs, expected, plan.stream.blocks, tolerance=plan.tolerance)
+                result.blocks = blockwise.verify_blocks(
+                    path, inputs, expected, plan.stream.blocks, tolerance=plan.tolerance,
+                    execution_provider=plan.execution_provider,
+                )
                 result.report = result.blocks.outputs
                 blockwise.assert_blocks(result.blocks, result=result)
             else:

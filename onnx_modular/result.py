@@ -148,6 +148,7 @@ class ModularExport:
         *,
         rtol: float | None = None,
         atol: float | None = None,
+        execution_provider: str | None = None,
     ):
         """Per-module parity: every module call's outputs, onnxruntime against ``model``.
 
@@ -161,7 +162,10 @@ class ModularExport:
             args, kwargs = self._example or ((), {})
         args, kwargs = tensors.normalize_inputs(args, kwargs)
         with model_file(self) as path:
-            return localize(path, model, args, kwargs, tolerance=verification.tolerance(rtol, atol))
+            return localize(
+                path, model, args, kwargs, tolerance=verification.tolerance(rtol, atol),
+                execution_provider=execution_provider,
+            )
 
     def profile(
         self,

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import expanded_calls
 
-from onnx_modular import export_modular, localize, verify
+from onnx_modular import ExecutionProviderError, export_modular, localize, verify
 from onnx_modular.format import metadata
 
 
@@ -65,6 +65,17 @@ def test_correct_model_has_no_fault(gpt2_file):
     assert all(m.outputs_compared >= 1 for m in report.modules)
     assert max(m.max_abs for m in report.modules) < 1e-4
     assert set(report.by_depth()) == {1, 2, 3}
+
+
+def test_localize_and_verify_run_on_the_execution_provider_given(gpt2_file):
+    """One session path (files/runtime.py): the provider reaches localization's and verify's sessions."""
+    model, args, path, _ = gpt2_file
+    with pytest.raises(ExecutionProviderError, match="no-such-provider"):
+        localize(path, model, args, execution_provider="no-such-provider")
+    with pytest.raises(ExecutionProviderError, match="no-such-provider"):
+        verify(path, model, args, execution_provider="no-such-provider")
+    report = localize(path, model, args, execution_provider="cpu")
+    assert report.ok and all(m.kind == "call" and m.tolerance is not None for m in report.modules)
 
 
 def test_weight_fault_deep_in_second_block(gpt2_file, tmp_path):

@@ -241,11 +241,15 @@ def test_no_op_calls_are_recorded_and_shown(tmp_path):
 
 
 def test_localization_chart_shows_tolerance_and_keeps_ticks_inside(tmp_path):
-    from onnx_modular.check.localization import LocalizationReport, ModuleParity
+    from onnx_modular.check.localization import LocalizationReport
+    from onnx_modular.files.parity import Parity, Tolerance
 
+    tolerance = Tolerance(1e-4, 1e-3)
     rows = [
-        ModuleParity("h.0.attn", "h.0.attn", 0, "GPT2Attention", 2, 3e-6, 1e-4, 1, True, 1e-4),
-        ModuleParity("h.0", "h.0", 0, "GPT2Block", 1, 0.5, 2.0, 1, False, 1e-4),
+        Parity("h.0.attn", kind="call", module_path="h.0.attn", function="GPT2Attention", depth=2,
+               modular_max_abs=3e-6, modular_max_rel=1e-4, outputs_compared=1, ok=True, tolerance=tolerance),
+        Parity("h.0", kind="call", module_path="h.0", function="GPT2Block", depth=1,
+               modular_max_abs=0.5, modular_max_rel=2.0, outputs_compared=1, ok=False, tolerance=tolerance),
     ]
     page = LocalizationReport(rows, None).save_html(tmp_path / "chart.html").read_text()
     width = int(re.search(r'<svg [^>]*width="(\d+)"', page).group(1))

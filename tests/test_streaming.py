@@ -20,7 +20,9 @@ import transformers
 from safetensors.torch import save_file
 
 from onnx_modular import export_modular
+from onnx_modular.check.blockwise import verify_blocks
 from onnx_modular.errors import (
+    ExecutionProviderError,
     MissingWeightError,
     OnnxModularError,
     UnexpectedWeightError,
@@ -30,6 +32,7 @@ from onnx_modular.errors import (
 from onnx_modular.format import metadata
 from onnx_modular.hf.meta import model_on_meta
 from onnx_modular.weights.sources import WeightSource, plan_weights
+from onnx_modular.weights.streaming import Blocks
 
 
 def _config(tied: bool = True) -> transformers.LlamaConfig:
@@ -73,6 +76,11 @@ def test_sharded_folder_on_meta_matches_pytorch(checkpoint, tmp_path):
     paths = [b.module_path for b in result.blocks.blocks]
     assert "model.layers.0" in " ".join(paths) and "lm_head" in paths
     assert all(b.outputs_compared >= 1 for b in result.blocks.blocks)
+    # One row type for outputs and blocks; the block sessions run on the provider given.
+    assert {b.kind for b in result.blocks.blocks} == {"block"} and {o.kind for o in result.report.outputs} == {"output"}
+    blocks = Blocks([b.module_path for b in result.blocks.blocks], {b.module_path: b.weight_bytes for b in result.blocks.blocks})
+    with pytest.raises(ExecutionProviderError, match="no-such-provider"):
+        verify_blocks(out, [_ids()], [], blocks, execution_provider="no-such-provider")
     # External data by default, and every initializer is streamed (lazy) in memory.
     assert (tmp_path / "m.onnx.data").is_file()
     eager = [n for n, v in result.model.graph.initializers.items() if not isinstance(v.const_value, ir.LazyTensor)]

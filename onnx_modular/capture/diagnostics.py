@@ -14,8 +14,9 @@ from onnx_modular.errors import (
     OnnxModularError,
     TranslationError,
 )
+from onnx_modular.format.text import first_line
 
-__all__ = ["module_path_from_traceback", "module_path_from_fx_node", "first_line", "suggested_fixes", "stage_error"]
+__all__ = ["module_path_from_traceback", "module_path_from_fx_node", "suggested_fixes", "stage_error"]
 
 
 def _iter_frames(exc: BaseException) -> Iterator[types.FrameType]:
@@ -64,22 +65,6 @@ def suggested_fixes(exc: BaseException) -> str:
     return " torch suggests: " + "; ".join(fixes[:8]) if fixes else ""
 
 
-def first_line(exc: BaseException) -> str:
-    """The first line of the error, plus that of its innermost cause (which usually says why)."""
-
-    def line(error: BaseException) -> str:
-        text = str(error).strip()
-        return text.splitlines()[0][:400] if text else type(error).__name__
-
-    root = exc
-    while root.__cause__ is not None:
-        root = root.__cause__
-    if root is exc:
-        return line(exc)
-    return f"{line(exc)} Cause: {type(root).__name__}: {line(root)}"
-
-
-
 def stage_error(stage: str, exc: Exception, model: torch.nn.Module) -> OnnxModularError:
     """The typed error for an unexpected exception in one stage of ``export_modular``.
 
@@ -87,7 +72,7 @@ def stage_error(stage: str, exc: Exception, model: torch.nn.Module) -> OnnxModul
     ``"translate"``, ``"modularize"``, ``"optimize"``; the error names the module where it can
     be found and says what to do next.
     """
-    what = f"{type(exc).__name__}: {first_line(exc)}"
+    what = f"{type(exc).__name__}: {first_line(exc, cause=True)}"
     if stage == "run":
         return CaptureError(
             f"The model failed to run in PyTorch on the example inputs: {type(exc).__name__}: {exc}",

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from onnx_modular.capture import torch_compat
+from onnx_modular.capture.call_hooks import call_hooks
 from onnx_modular.check import tensors
 from onnx_modular.passes.signatures import CallSignature, TensorSpec
 
@@ -132,61 +133,53 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict):
     signatures: dict[tuple[int, int], CallSignature] = {}
     calls: list[tuple[int, int, str, tuple[int, int] | None]] = []
     active: list[tuple[int, int]] = []
-    counts: dict[int, int] = {}
-    pending: dict[int, list[tuple[str, int, list[TensorSpec], tuple[str, ...]]]] = {}
-    handles = []
+    pending: dict[tuple[int, int], tuple[list[TensorSpec], tuple[str, ...]]] = {}
+    parameters: dict[str, inspect.Signature | None] = {}
 
-    def make_hooks(path: str, module: torch.nn.Module):
-        try:
-            parameters = inspect.signature(module.forward)
-        except (TypeError, ValueError):
-            parameters = None
-
-        def pre_hook(mod, hook_args, hook_kwargs):
-            index = counts.get(id(mod), 0)
-            counts[id(mod)] = index + 1
-            specs: list[TensorSpec] = []
-            absent: list[str] = []
+    def pre(path: str, index: int, module: torch.nn.Module, hook_args: tuple, hook_kwargs: dict) -> None:
+        if path not in parameters:
             try:
-                bound = parameters.bind(*hook_args, **hook_kwargs) if parameters else None
-            except TypeError:
-                bound = None
-            if bound is not None:
-                for name, parameter in parameters.parameters.items():
-                    if parameter.kind == inspect.Parameter.VAR_KEYWORD:
-                        for key, item in bound.arguments.get(name, {}).items():
-                            specs += tensor_specs(key, item)
-                            if item is None:
-                                absent.append(key)
-                    elif name in bound.arguments:
-                        specs += tensor_specs(name, bound.arguments[name])
-                        if bound.arguments[name] is None:
-                            absent.append(name)
-                    elif parameter.default is None:
-                        absent.append(name)  # not passed, so None
-            pending.setdefault(id(mod), []).append((path, index, _keep_values_where_ambiguous(specs), tuple(absent)))
-            calls.append((id(mod), index, path, active[-1] if active else None))
-            active.append((id(mod), index))
+                parameters[path] = inspect.signature(module.forward)
+            except (TypeError, ValueError):
+                parameters[path] = None
+        specs, absent = _input_specs(parameters[path], hook_args, hook_kwargs)
+        pending[(id(module), index)] = (_keep_values_where_ambiguous(specs), absent)
+        calls.append((id(module), index, path, active[-1] if active else None))
+        active.append((id(module), index))
 
-        def post_hook(mod, hook_args, hook_kwargs, output):
-            _, index, specs, absent = pending[id(mod)].pop()
-            active.pop()
-            outputs = _keep_values_where_ambiguous(output_specs(output))
-            signatures[(id(mod), index)] = CallSignature(specs, outputs, absent)
+    def post(path: str, index: int, module: torch.nn.Module, hook_args: tuple, hook_kwargs: dict, output: Any) -> None:
+        specs, absent = pending.pop((id(module), index))
+        active.pop()
+        outputs = _keep_values_where_ambiguous(output_specs(output))
+        signatures[(id(module), index)] = CallSignature(specs, outputs, absent)
 
-        return pre_hook, post_hook
-
-    for path, module in model.named_modules():
-        pre_hook, post_hook = make_hooks(path, module)
-        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            outputs = model(*args, **kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with call_hooks(model, pre, post), torch.no_grad():
+        outputs = model(*args, **kwargs)
     return outputs, signatures, calls
+
+
+def _input_specs(parameters: inspect.Signature | None, args: tuple, kwargs: dict) -> tuple[list[TensorSpec], tuple[str, ...]]:
+    """Specs of the tensors a call received, by forward()'s parameter names, and the parameters that were None."""
+    specs: list[TensorSpec] = []
+    absent: list[str] = []
+    try:
+        bound = parameters.bind(*args, **kwargs) if parameters else None
+    except TypeError:
+        bound = None
+    if bound is not None:
+        for name, parameter in parameters.parameters.items():
+            if parameter.kind == inspect.Parameter.VAR_KEYWORD:
+                for key, item in bound.arguments.get(name, {}).items():
+                    specs += tensor_specs(key, item)
+                    if item is None:
+                        absent.append(key)
+            elif name in bound.arguments:
+                specs += tensor_specs(name, bound.arguments[name])
+                if bound.arguments[name] is None:
+                    absent.append(name)
+            elif parameter.default is None:
+                absent.append(name)  # not passed, so None
+    return specs, tuple(absent)
 
 
 def lazy_values(

@@ -31,31 +31,19 @@ import torch
 
 from onnx_modular.check import tensors
 from onnx_modular.errors import ParityError, VerificationError
-from onnx_modular.files import parity
-from onnx_modular.files.parity import ParityReport, Tolerance
+from onnx_modular.files import parity, runtime
+from onnx_modular.files.parity import Parity, ParityReport, Tolerance
 from onnx_modular.format import metadata
 from onnx_modular.weights.streaming import Blocks
 
-__all__ = ["BlockParity", "BlockReport", "verify_blocks", "assert_blocks"]
-
-@dataclasses.dataclass
-class BlockParity:
-    """One block call: onnxruntime (fed by the ONNX model's own upstream values) vs PyTorch."""
-
-    module_path: str
-    call_index: int
-    module_class: str
-    weight_bytes: int
-    outputs_compared: int
-    max_abs: float
-    ok: bool
-
+__all__ = ["BlockReport", "verify_blocks", "assert_blocks"]
 
 @dataclasses.dataclass
 class BlockReport:
-    """Per-block parity plus the graph outputs' parity (``outputs``)."""
+    """Per-block parity (one :class:`~onnx_modular.files.parity.Parity` row, ``kind="block"``, per
+    block call) plus the graph outputs' parity (``outputs``)."""
 
-    blocks: list[BlockParity]
+    blocks: list[Parity]
     outputs: ParityReport
 
     @property
@@ -63,7 +51,7 @@ class BlockReport:
         return self.outputs.ok and all(b.ok for b in self.blocks)
 
     @property
-    def first_failure(self) -> BlockParity | None:
+    def first_failure(self) -> Parity | None:
         return next((b for b in self.blocks if not b.ok), None)
 
     def __str__(self) -> str:
@@ -81,12 +69,16 @@ class BlockReport:
 
 
 class _Evaluator:
-    def __init__(self, model: ir.Model, blocks: Blocks, workdir: pathlib.Path, tolerance: Tolerance | None):
+    def __init__(
+        self, model: ir.Model, blocks: Blocks, workdir: pathlib.Path, tolerance: Tolerance | None,
+        execution_provider: str | None = None,
+    ):
         self.model = model
+        self.execution_provider = execution_provider
         self.blocks = blocks
         self.workdir = workdir
         self.tolerance = tolerance
-        self.report: list[BlockParity] = []
+        self.report: list[Parity] = []
         self._holds_blocks: dict[ir.OperatorIdentifier, bool] = {}
 
     # -- what a call is ---------------------------------------------------------------
@@ -107,12 +99,21 @@ class _Evaluator:
 
     # -- evaluation -------------------------------------------------------------------
 
-    def run(self, nodes: Sequence[ir.Node], env: dict[ir.Value, object], outputs: Sequence[ir.Value], caller: str | None) -> None:
-        """Evaluate ``nodes`` in order; ``env`` maps values to arrays or to initializer values."""
+    def run(
+        self, nodes: Sequence[ir.Node], env: dict[ir.Value, object], outputs: Sequence[ir.Value],
+        caller: str | None = None, body_path: str | None = None,
+    ) -> None:
+        """Evaluate ``nodes`` in order; ``env`` maps values to arrays or to initializer values.
+
+        ``caller`` and ``body_path``: the enclosing call and the path its body was written for
+        (:func:`~onnx_modular.format.metadata.resolve_module_path`); ``None`` in the main graph.
+        """
         stretch: list[ir.Node] = []
         for node in nodes:
             function = self._function(node)
-            path = _full_path(node, caller)
+            path = node.metadata_props.get(metadata.MODULE_PATH)
+            if path is not None:
+                path = metadata.resolve_module_path(node.name or "", path, caller, body_path)
             if function is not None and (path in self.blocks or self._holds_block(function)):
                 self._run_stretch(stretch, env, nodes, outputs)
                 stretch = []
@@ -122,7 +123,7 @@ class _Evaluator:
                     inner: dict[ir.Value, object] = {
                         formal: env[actual] for formal, actual in zip(function.inputs, node.inputs) if actual is not None
                     }
-                    self.run(list(function), inner, function.outputs, path)
+                    self.run(list(function), inner, function.outputs, path, metadata.body_module_path(function))
                     for actual, formal in zip(node.outputs, function.outputs):
                         env[actual] = inner[formal]
             else:
@@ -151,7 +152,7 @@ class _Evaluator:
         expected = self.blocks.outputs.get((path, index))
         self.report.append(self._compare(path, index, results, expected))
 
-    def _compare(self, path: str, index: int, actual: list[np.ndarray], expected: list[torch.Tensor] | None) -> BlockParity:
+    def _compare(self, path: str, index: int, actual: list[np.ndarray], expected: list[torch.Tensor] | None) -> Parity:
         pairs: list[tuple[np.ndarray, torch.Tensor]] = []
         if expected is not None:
             if len(actual) == len(expected):
@@ -161,12 +162,18 @@ class _Evaluator:
                     same = [a for a in actual if tuple(a.shape) == tuple(tensor.shape)]
                     if len(same) == 1:
                         pairs.append((same[0], tensor))
-        worst, ok = 0.0, bool(pairs)
+        worst, worst_rel, ok, used = 0.0, 0.0, bool(pairs), self.tolerance
         for array, tensor in pairs:
             reference = tensors.to_numpy(tensor)
-            worst = max(worst, parity.max_differences(array, reference)[0])
-            ok = ok and parity.allclose(array, reference, self.tolerance or parity.default_tolerance(tensor.dtype))
-        return BlockParity(path, index, self.blocks.classes.get(path, ""), self.blocks.nbytes.get(path, 0), len(pairs), worst, ok)
+            abs_error, rel_error = parity.max_differences(array, reference)
+            worst, worst_rel = max(worst, abs_error), max(worst_rel, rel_error)
+            used = self.tolerance or parity.default_tolerance(tensor.dtype)
+            ok = ok and parity.allclose(array, reference, used)
+        return Parity(
+            metadata.call_name(path, index), kind="block", module_path=path, call_index=index,
+            function=self.blocks.classes.get(path, ""), weight_bytes=self.blocks.nbytes.get(path, 0),
+            outputs_compared=len(pairs), modular_max_abs=worst, modular_max_rel=worst_rel, ok=ok, tolerance=used,
+        )
 
     def _session(self, nodes: list[ir.Node], env, wanted: list[ir.Value]) -> list[np.ndarray]:
         """Run ``nodes`` as one model: arrays from ``env`` are fed, initializers are referenced."""
@@ -213,45 +220,16 @@ class _Evaluator:
         path = self.workdir / f".block-{uuid.uuid4().hex[:8]}.onnx"
         try:
             ir.save(piece, path)  # external initializers keep pointing into the file's data
-            return _run(path, [feeds[i.name] for i in inputs])
+            session = runtime.session(path, self.execution_provider, prepacking=False)
+            return runtime.run(session, [feeds[i.name] for i in inputs], what="block of the model")[1]
         finally:
             path.unlink(missing_ok=True)
-
-
-def _run(path: pathlib.Path, inputs: list[np.ndarray]) -> list[np.ndarray]:
-    """One piece in onnxruntime (CPU), without pre-packed weight copies (a block's weights once)."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 4
-    options.add_session_config_entry("session.disable_prepacking", "1")
-    try:
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        return session.run(None, {i.name: array for i, array in zip(session.get_inputs(), inputs)})
-    except Exception as e:
-        text = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
-        raise VerificationError(
-            f"onnxruntime could not run a block of the model: {text}",
-            hint="onnxruntime's CPU kernels do not cover every dtype (bfloat16 arithmetic, for one); "
-            "pass verify=False to export without the check, or verify a float32/float16 export.",
-        ) from e
 
 
 def _copy_attr(attr: ir.Attr) -> ir.Attr:
     if attr.is_ref():
         return ir.RefAttr(attr.name, attr.ref_attr_name, attr.type)
     return ir.Attr(attr.name, attr.type, attr.value)
-
-
-def _full_path(node: ir.Node, caller: str | None) -> str | None:
-    """The module path of a call node: full in the main graph, relative to the caller in a body."""
-    path = node.metadata_props.get(metadata.MODULE_PATH)
-    if path is None or caller is None:
-        return path
-    name = (node.name or "").split("@")[0]
-    if caller and name and path.endswith("." + name) and not path.startswith(caller + "."):
-        return f"{caller}.{name}"  # a body shared by several callers names its first caller
-    return path
 
 
 def verify_blocks(
@@ -261,8 +239,12 @@ def verify_blocks(
     blocks: Blocks,
     *,
     tolerance: Tolerance | None = None,
+    execution_provider: str | None = None,
 ) -> BlockReport:
     """Evaluate the file at ``path`` block by block in onnxruntime and compare with PyTorch.
+
+    ``execution_provider``: onnxruntime's provider for every piece (CPU by default), as in
+    :func:`onnx_modular.files.runtime.session`.
 
     ``blocks`` carries the block paths and PyTorch's outputs of each block call (from
     :func:`onnx_modular.weights.streaming.streamed`); ``expected`` are PyTorch's graph outputs.
@@ -277,8 +259,8 @@ def verify_blocks(
     for value in model.graph.initializers.values():
         env[value] = value
     # Pieces are written next to the model, so that their external-data paths resolve.
-    evaluator = _Evaluator(model, blocks, path.parent, tolerance)
-    evaluator.run(list(model.graph), env, model.graph.outputs, None)
+    evaluator = _Evaluator(model, blocks, path.parent, tolerance, execution_provider)
+    evaluator.run(list(model.graph), env, model.graph.outputs)
     outputs = []
     for value in model.graph.outputs:
         source = env[value]

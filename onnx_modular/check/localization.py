@@ -28,15 +28,15 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 import torch
 
+from onnx_modular.capture.call_hooks import call_hooks
 from onnx_modular.check import tensors
 from onnx_modular.files import parity, runtime
 from onnx_modular.files.checks import check_expanded_size
 from onnx_modular.files.load import load_model_file
-from onnx_modular.files.parity import Tolerance, default_tolerance
+from onnx_modular.files.parity import Parity, Tolerance, default_tolerance
 from onnx_modular.format import metadata
 
 __all__ = [
-    "ModuleParity",
     "LocalizationReport",
     "localize",
     "capture_module_outputs",
@@ -45,26 +45,11 @@ __all__ = [
 
 
 @dataclasses.dataclass
-class ModuleParity:
-    """Error of one module call's outputs, onnxruntime against PyTorch."""
-
-    call_name: str
-    module_path: str
-    call_index: int
-    function: str
-    depth: int
-    max_abs: float
-    max_rel: float
-    outputs_compared: int
-    ok: bool
-    atol: float | None = None
-
-
-@dataclasses.dataclass
 class LocalizationReport:
-    """Per-module errors in the order the calls finish (children before their parent)."""
+    """Per-module errors in the order the calls finish (children before their parent): one
+    :class:`~onnx_modular.files.parity.Parity` row (``kind="call"``) per module call."""
 
-    modules: list[ModuleParity]
+    modules: list[Parity]
     tolerance: Tolerance | None
 
     @property
@@ -72,7 +57,7 @@ class LocalizationReport:
         return all(m.ok for m in self.modules)
 
     @property
-    def first_failure(self) -> ModuleParity | None:
+    def first_failure(self) -> Parity | None:
         """The first module call, in completion order, whose error exceeds tolerance."""
         return next((m for m in self.modules if not m.ok), None)
 
@@ -89,7 +74,7 @@ class LocalizationReport:
             "ok": self.ok,
             "first_failure": first.call_name if first else None,
             "max_abs_by_depth": self.by_depth(),
-            "modules": [dataclasses.asdict(m) for m in self.modules],
+            "modules": [m.to_dict() for m in self.modules],
         }
 
     def to_json(self) -> str:
@@ -184,27 +169,13 @@ def capture_module_outputs(
 ) -> tuple[Any, dict[tuple[str, int], list[torch.Tensor]]]:
     """Run ``model`` once; return its output and every call's output tensors by (path, call index)."""
     captured: dict[tuple[str, int], list[torch.Tensor]] = {}
-    counts: dict[str, int] = {}
-    handles = []
 
-    def make_hook(path: str):
-        def hook(module, hook_args, output):
-            index = counts.get(path, 0)
-            counts[path] = index + 1
-            captured[(path, index)] = [t.detach().clone() for t in tensors.flatten_outputs(output)]
+    def record(path: str, index: int, module, hook_args, hook_kwargs, output) -> None:
+        captured[(path, index)] = [t.detach().clone() for t in tensors.flatten_outputs(output)]
 
-        return hook
-
-    for path, module in model.named_modules():
-        if path:
-            handles.append(module.register_forward_hook(make_hook(path)))
     args, kwargs = tensors.copy_inputs(args, kwargs or {})  # a cache grows in place
-    try:
-        with torch.no_grad():
-            output = model(*args, **kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with call_hooks(model, post=record, paths=[path for path, _ in model.named_modules() if path]), torch.no_grad():
+        output = model(*args, **kwargs)
     return output, captured
 
 
@@ -322,7 +293,7 @@ def _compare_call(onnx_values: Sequence[np.ndarray], torch_values: Sequence[torc
     max_abs = max_rel = 0.0
     compared = 0
     ok = True
-    atol = None
+    used_tolerance: Tolerance | None = None
     for value in onnx_values:
         value = np.asarray(value)
         for j, tensor in enumerate(torch_values):
@@ -331,13 +302,14 @@ def _compare_call(onnx_values: Sequence[np.ndarray], torch_values: Sequence[torc
             used.add(j)
             reference = tensors.to_numpy(tensor)
             tol = tolerance or default_tolerance(tensor.dtype)
-            atol = tol.atol if atol is None else min(atol, tol.atol)
+            if used_tolerance is None or tol.atol < used_tolerance.atol:
+                used_tolerance = tol  # the tightest one, shown on the chart
             abs_error, rel_error = parity.max_differences(value, reference)
             max_abs, max_rel = max(max_abs, abs_error), max(max_rel, rel_error)
             ok = ok and parity.allclose(value, reference, tol)
             compared += 1
             break
-    return max_abs, max_rel, compared, ok, atol
+    return max_abs, max_rel, compared, ok, used_tolerance
 
 
 def localize(
@@ -347,6 +319,7 @@ def localize(
     kwargs: dict | None = None,
     *,
     tolerance: Tolerance | None = None,
+    execution_provider: str | None = None,
 ) -> LocalizationReport:
     """Compare every module call of a modular ONNX model with the same call in PyTorch.
 
@@ -355,6 +328,8 @@ def localize(
         torch_model: The PyTorch model it was exported from.
         args, kwargs: Inputs (any shape the export allows).
         tolerance: Overrides the per-dtype default tolerance.
+        execution_provider: onnxruntime's provider (CPU by default), as in
+            :func:`onnx_modular.files.runtime.session`.
 
     Example::
 
@@ -382,12 +357,15 @@ def localize(
     if near is None:
         with runtime.scratch_file(None, "instrumented.onnx") as path:
             ir.save(model, path)
-            values = runtime.run(path, feeds, what="instrumented model")[1][original_outputs:]
+            values = runtime.run(
+                path, feeds, what="instrumented model", execution_provider=execution_provider
+            )[1][original_outputs:]
     else:  # in memory, its external data read from the file's folder: nothing written next to it
         values = runtime.run(
             ir.serde.serialize_model(model).SerializeToString(),
             feeds,
             what="instrumented model",
+            execution_provider=execution_provider,
             external_data_folder=near.resolve().parent,
         )[1][original_outputs:]
     _, captured = capture_module_outputs(torch_model, args, kwargs)
@@ -395,8 +373,11 @@ def localize(
     results = []
     for call_name, module_path, index, function, depth, (begin, end) in entries:
         torch_values = captured.get((module_path, index), [])
-        max_abs, max_rel, compared, ok, atol = _compare_call(values[begin:end], torch_values, tolerance)
+        max_abs, max_rel, compared, ok, used = _compare_call(values[begin:end], torch_values, tolerance)
         results.append(
-            ModuleParity(call_name, module_path, index, function, depth, max_abs, max_rel, compared, ok, atol)
+            Parity(
+                call_name, kind="call", module_path=module_path, call_index=index, function=function, depth=depth,
+                modular_max_abs=max_abs, modular_max_rel=max_rel, outputs_compared=compared, ok=ok, tolerance=used,
+            )
         )
     return LocalizationReport(results, tolerance)

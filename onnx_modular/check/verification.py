@@ -1,10 +1,10 @@
 """Verification: onnxruntime (modular and flat) against PyTorch, on a file or an export.
 
-The one verification path: :func:`onnx_modular.files.parity.check_file` runs the file and
-its inlined flat copy (:mod:`onnx_modular.files.runtime`) and builds the one
-:class:`~onnx_modular.files.parity.ParityReport`; this module adds the PyTorch side
-(reference outputs, per-module localization) and :func:`verify`, the standalone check of a
-saved file. torch is imported only when a PyTorch model or tensors are involved, so
+Output parity of a whole file: :func:`onnx_modular.files.parity.check_file` runs the file
+and its inlined flat copy (sessions from :mod:`onnx_modular.files.runtime`) and builds the
+:class:`~onnx_modular.files.parity.ParityReport`; this module adds the PyTorch side (reference
+outputs) and :func:`verify`, the standalone check of a saved file, which also localizes per
+module (:mod:`onnx_modular.check.localization`). Block by block is :mod:`onnx_modular.check.blockwise`. torch is imported only when a PyTorch model or tensors are involved, so
 ``verify(path)`` without a model works where torch cannot be imported.
 """
 
@@ -146,6 +146,7 @@ def verify(
     atol: float | None = None,
     seed: int = 0,
     flat: bool = True,
+    execution_provider: str | None = None,
 ) -> VerificationReport:
     """Check a saved modular model: onnxruntime (modular, flat) against PyTorch, per output and per module.
 
@@ -162,6 +163,8 @@ def verify(
         localize_modules: Also compare every module call (needs ``model``).
         rtol, atol: Override the per-dtype default tolerance.
         flat: Also run the inlined flat copy.
+        execution_provider: onnxruntime's provider for every run (CPU by default; ``"cuda"``, ...
+            when this onnxruntime build has it, else :class:`~onnx_modular.errors.ExecutionProviderError`).
 
     Example::
 
@@ -196,13 +199,19 @@ def verify(
     checks = []
     for tensors, run_args, run_kwargs in runs:
         if model is None:
-            report = check_file(path, [to_numpy(t) for t in tensors], flat=flat, tolerance=tol)
+            report = check_file(
+                path, [to_numpy(t) for t in tensors], flat=flat, tolerance=tol, execution_provider=execution_provider
+            )
         else:
             expected = torch_outputs(model, run_args, run_kwargs)
-            report = verify_file(path, tensors, expected, flat=flat, tolerance=tol)
+            report = verify_file(
+                path, tensors, expected, flat=flat, tolerance=tol, execution_provider=execution_provider
+            )
             if localize_modules:
                 from onnx_modular.check.localization import localize
 
-                report.modules = localize(path, model, run_args, run_kwargs, tolerance=tol)
+                report.modules = localize(
+                    path, model, run_args, run_kwargs, tolerance=tol, execution_provider=execution_provider
+                )
         checks.append(report)
     return VerificationReport(checks)

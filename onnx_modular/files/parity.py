@@ -1,6 +1,7 @@
 """Parity of a file: onnxruntime on the modular model and its inlined flat copy, against a reference.
 
-One row type (:class:`OutputParity`) and one report (:class:`ParityReport`) for every check:
+One row type for every check (:class:`Parity`: a model output, a module call of localization,
+a block of the block-wise check) and the report of a run's outputs (:class:`ParityReport`):
 the export's check against PyTorch, ``onnx_modular.verify`` and ``onnx-modular verify``.
 The reference columns are PyTorch's outputs, expected arrays given by the user, or absent
 (then only modular vs flat is compared). No torch here; :mod:`onnx_modular.check.verification`
@@ -22,11 +23,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import onnx
 
 from onnx_modular.errors import InvalidInputError, ParityError
 from onnx_modular.files import runtime
 from onnx_modular.files.checks import check_expanded_size
+from onnx_modular.files.inputs import model_inputs
 from onnx_modular.files.load import load_model_file
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "REL_FLOOR",
     "max_differences",
     "allclose",
+    "Parity",
     "OutputParity",
     "ParityReport",
     "compare_outputs",
@@ -121,19 +123,30 @@ def allclose(actual: np.ndarray, expected: np.ndarray, tolerance: Tolerance) -> 
 
 
 @dataclasses.dataclass
-class OutputParity:
-    """Differences for one model output (``None`` where that comparison was not made).
+class Parity:
+    """One compared thing, onnxruntime against a reference: the one row type of every check.
+
+    ``kind`` says what was compared: ``"output"`` (a model output: :func:`check_file`, the
+    export's check, ``verify``), ``"call"`` (a module call's outputs:
+    :func:`onnx_modular.check.localization.localize`) or ``"block"`` (a block call of the
+    block-by-block check, :mod:`onnx_modular.check.blockwise`). Fields that do not apply to a
+    kind stay at their defaults (``None`` where a comparison was not made).
 
     Attributes:
+        name: The output name, or the call name (``h.0.attn``, ``shared@1``).
         modular_max_abs, modular_max_rel: The modular model against the reference.
-        flat_max_abs, flat_max_rel: The flat (inlined) copy against the reference.
+        flat_max_abs, flat_max_rel: The flat (inlined) copy against the reference (outputs).
         modular_vs_flat_max_abs, modular_vs_flat_max_rel: The modular model against its flat copy.
+        module_path, call_index, depth: Where the call sits (calls and blocks).
+        function: The function a call ran (calls), or the module class (blocks).
+        outputs_compared: How many of the call's outputs were matched with PyTorch's.
+        weight_bytes: Weight bytes of a block.
     """
 
     name: str
-    shape: tuple[int, ...]
-    dtype: str
-    tolerance: Tolerance
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    tolerance: Tolerance | None = None
     modular_max_abs: float | None = None
     modular_max_rel: float | None = None
     flat_max_abs: float | None = None
@@ -141,6 +154,44 @@ class OutputParity:
     modular_vs_flat_max_abs: float | None = None
     modular_vs_flat_max_rel: float | None = None
     ok: bool = True
+    kind: str = "output"
+    module_path: str | None = None
+    call_index: int = 0
+    function: str = ""
+    depth: int = 0
+    outputs_compared: int = 0
+    weight_bytes: int = 0
+
+    @property
+    def max_abs(self) -> float:
+        """The modular model's largest absolute difference from the reference (0 when not compared)."""
+        return self.modular_max_abs or 0.0
+
+    @property
+    def max_rel(self) -> float:
+        return self.modular_max_rel or 0.0
+
+    @property
+    def call_name(self) -> str:
+        return self.name
+
+    @property
+    def module_class(self) -> str:
+        return self.function
+
+    @property
+    def atol(self) -> float | None:
+        return self.tolerance.atol if self.tolerance is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        row = dataclasses.asdict(self)
+        row["tolerance"] = dataclasses.asdict(self.tolerance) if self.tolerance is not None else None
+        row["max_abs"], row["max_rel"] = self.max_abs, self.max_rel
+        return row
+
+
+#: The row of a model output (the name the public API has always had).
+OutputParity = Parity
 
 
 @dataclasses.dataclass
@@ -182,10 +233,7 @@ class ParityReport:
             "ok": self.ok,
             "reference": self.reference,
             "shapes": self.shapes,
-            "outputs": [
-                {**dataclasses.asdict(output), "tolerance": dataclasses.asdict(output.tolerance)}
-                for output in self.outputs
-            ],
+            "outputs": [output.to_dict() for output in self.outputs],
             "modules": self.modules.to_dict() if self.modules is not None else None,
         }
 
@@ -333,12 +381,8 @@ def check_file(
     if isinstance(feeds, Mapping):
         shapes = {name: list(np.shape(value)) for name, value in feeds.items()}
     else:
-        shapes = {value.name: list(np.shape(array)) for value, array in zip(_inputs(model), feeds)}
+        shapes = {value.name: list(np.shape(array)) for value, array in zip(model_inputs(model), feeds)}
     return compare_outputs(
         names, modular, flat_outputs, reference, reference_name=reference_name, tolerance=tolerance, shapes=shapes
     )
 
-
-def _inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
-    initializers = {tensor.name for tensor in model.graph.initializer}
-    return [value for value in model.graph.input if value.name not in initializers]

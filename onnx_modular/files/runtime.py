@@ -23,22 +23,17 @@ import onnx.inliner
 
 from onnx_modular.errors import ExecutionProviderError, VerificationError
 from onnx_modular.files._proto import uses_external_data
+from onnx_modular.format.text import first_line
 
 __all__ = [
     "execution_providers",
     "session",
     "run",
-    "output_names",
     "scratch_file",
     "flat_copy",
     "external_data_folder",
-    "first_line",
 ]
 
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:400] if text else type(exc).__name__
 
 
 def execution_providers(execution_provider: str | None = None) -> list[str]:
@@ -72,12 +67,15 @@ def session(
     *,
     external_data_folder: str | os.PathLike | None = None,
     configure: Callable[[Any], None] | None = None,
+    prepacking: bool = True,
 ):
     """An ``onnxruntime.InferenceSession`` (CPU unless ``execution_provider``) with warnings silenced.
 
     ``external_data_folder``: where a serialized ``model`` (bytes) finds its external data.
     ``configure``: called with the ``SessionOptions`` before the session is made (profiling,
     threads, optimization level).
+    ``prepacking=False``: no pre-packed copies of the weights (the block-wise check holds one
+    block's weights once).
 
     Raises:
         ExecutionProviderError: This onnxruntime build lacks the provider.
@@ -92,6 +90,8 @@ def session(
     ort.set_default_logger_severity(4)
     options = ort.SessionOptions()
     options.log_severity_level = 4
+    if not prepacking:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     if external_data_folder is not None:
         options.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", os.path.abspath(external_data_folder)
@@ -149,9 +149,6 @@ def run(
         ) from e
     return [o.name for o in sess.get_outputs()], outputs
 
-
-def output_names(model: onnx.ModelProto) -> list[str]:
-    return [value.name for value in model.graph.output]
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-__all__ = ["shown"]
+__all__ = ["shown", "first_line"]
 
 # C0/C1 controls (ANSI escapes, BEL, newlines), and the invisible format characters that reorder
 # or hide text: bidirectional embeddings, overrides and isolates (U+202E turns a line around),
@@ -43,3 +43,21 @@ def _escape_char(char: str) -> str:
 def _escape(match: re.Match) -> str:
     code = ord(match.group())
     return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def first_line(exc: BaseException, *, cause: bool = False) -> str:
+    """The first line of an error's message (its type when empty), at most 400 characters.
+
+    With ``cause``, the first line of its innermost ``__cause__`` follows (which usually says why).
+    """
+
+    def line(error: BaseException) -> str:
+        text = str(error).strip()
+        return text.splitlines()[0][:400] if text else type(error).__name__
+
+    root = exc
+    while cause and root.__cause__ is not None:
+        root = root.__cause__
+    if root is exc:
+        return line(exc)
+    return f"{line(exc)} Cause: {type(root).__name__}: {line(root)}"

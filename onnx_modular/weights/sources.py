@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import stat
@@ -247,7 +248,7 @@ class WeightSource:
         return self._entries[key].read()
 
     def nbytes(self) -> int:
-        return sum(e.dtype.itemsize * _numel(e.shape) for e in self._entries.values())
+        return sum(e.dtype.itemsize * math.prod(e.shape) for e in self._entries.values())
 
 
 def _folder_entries(folder: pathlib.Path) -> dict[str, _Entry]:
@@ -294,13 +295,6 @@ def _folder_entries(folder: pathlib.Path) -> dict[str, _Entry]:
         if missing:
             raise WeightsError(f"The index of {str(folder)!r} names {missing[0]!r}, which its shard does not hold.")
     return entries
-
-
-def _numel(shape: Iterable[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _owner(name: str) -> str:
@@ -354,7 +348,7 @@ class WeightPlan:
         seen: dict[str, int] = {}
         for name in names:
             dtype, shape = self.specs[name]
-            seen[self.keys[name]] = dtype.itemsize * _numel(shape)
+            seen[self.keys[name]] = dtype.itemsize * math.prod(shape)
         return sum(seen.values())
 
 

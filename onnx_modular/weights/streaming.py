@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
+from onnx_modular.capture.call_hooks import call_hooks
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.passes.attach_weights import AttachWeightsPass
 from onnx_modular.weights.sources import WeightPlan, materialized
@@ -124,37 +125,26 @@ def streamed(model: torch.nn.Module, plan: WeightPlan, blocks: Blocks) -> Iterat
     Tensors of modules outside every block are loaded for the whole ``with``. The outputs
     of each block call are recorded in ``blocks.outputs`` (copies, by path and call index).
     """
-    modules = dict(model.named_modules())
-    handles = []
     stacks: dict[str, list[contextlib.ExitStack]] = {}
-    counts: dict[str, int] = {}
 
-    def hooks(path: str):
-        def pre_hook(module, args, kwargs):
-            stack = contextlib.ExitStack()
-            stack.enter_context(materialized(model, plan, [path]))
-            stacks.setdefault(path, []).append(stack)
+    def load(path: str, index: int, module, args, kwargs) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(materialized(model, plan, [path]))
+        stacks.setdefault(path, []).append(stack)
 
-        def post_hook(module, args, kwargs, output):
-            stacks[path].pop().close()
-            index = counts.get(path, 0)
-            counts[path] = index + 1
-            blocks.outputs[(path, index)] = [t.detach().clone() for t in _flat_tensors(output)]
+    def unload(path: str, index: int, module, args, kwargs, output) -> None:
+        stacks[path].pop().close()
+        blocks.outputs[(path, index)] = [t.detach().clone() for t in _flat_tensors(output)]
 
-        return pre_hook, post_hook
-
-    # Outermost hooks: registered first so that they run before the export's own hooks
-    # record the call, and after them on the way out.
-    for path in blocks.paths:
-        pre_hook, post_hook = hooks(path)
-        handles.append(modules[path].register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
-        handles.append(modules[path].register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+    # Outermost hooks: the block's weights are loaded before the reference run's own hooks
+    # record the call, and unloaded after them, even when forward raises.
     try:
-        with materialized(model, plan, _resident_prefixes(model, blocks), recurse=False):
+        with (
+            call_hooks(model, load, unload, paths=blocks.paths, outermost=True),
+            materialized(model, plan, _resident_prefixes(model, blocks), recurse=False),
+        ):
             yield blocks
     finally:
-        for handle in handles:
-            handle.remove()
         for pending in stacks.values():
             while pending:
                 pending.pop().close()
@@ -180,22 +170,6 @@ class Stream:
         self.plan = plan_weights(model, weights)
         self.blocks = choose_blocks(model, self.plan, max_block_bytes)
         self.blockwise = verify == "blocks" or (verify is True and has_meta_tensors(model))
-
-    def capture(self, capture, args: tuple, kwargs: dict, dynamic_shapes):
-        """``capture(model, args, kwargs, dynamic_shapes)``; on a meta model whose ops reject
-        CPU inputs next to meta weights (``F.linear`` does), again with the inputs on meta."""
-        from onnx_modular.weights.sources import has_meta_tensors
-
-        try:
-            return capture(self.model, args, kwargs, dynamic_shapes)
-        except Exception as first:
-            if not has_meta_tensors(self.model):
-                raise
-            to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v
-            try:
-                return capture(self.model, *torch.utils._pytree.tree_map(to_meta, (args, kwargs)), dynamic_shapes)
-            except Exception:
-                raise first from None
 
     def eager(self):
         """Context for the eager reference run: each block loaded just for its call."""
