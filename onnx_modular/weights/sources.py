@@ -151,9 +151,9 @@ def _read_header(path: pathlib.Path) -> tuple[dict[str, tuple[torch.dtype, tuple
                 f"{where} has data_offsets {offsets!r}; they must be two integers 0 <= begin <= end <= {data_length} "
                 "(the bytes after the header)."
             )
-        if offsets[1] - offsets[0] != _numel(shape) * dtype.itemsize:
+        if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
             raise WeightsError(
-                f"{where} declares shape {shape} of {info['dtype']} ({_numel(shape) * dtype.itemsize} bytes) but "
+                f"{where} declares shape {shape} of {info['dtype']} ({math.prod(shape) * dtype.itemsize} bytes) but "
                 f"{offsets[1] - offsets[0]} bytes of data."
             )
         tensors[key] = (dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
