@@ -270,6 +270,9 @@ def load_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, nam
         tensor.data_location = onnx.TensorProto.DEFAULT
 
 
+_load_external_data = load_external_data  # the parameter of load_model_file shadows the name
+
+
 def load_model_file(
     path: str | os.PathLike, *, load_external_data: bool = False, check: bool = True
 ) -> onnx.ModelProto:
@@ -320,6 +323,6 @@ def load_model_file(
         check_model_structure(model, name=repr(text))
         check_external_data(model, file.parent, name=repr(text))
     if load_external_data and uses_external_data(model):
-        load_external_data(model, file.parent, name=repr(text))
+        _load_external_data(model, file.parent, name=repr(text))
     return model
 
