@@ -158,15 +158,17 @@ def child_export(folder: str, out: str, verify: bool) -> None:
     import onnx_ir as ir
     import torch
 
-    from onnx_modular import _io, _torch_compat, eager, export_modular
+    from onnx_modular import export_modular
+    from onnx_modular.capture import reference_run, torch_compat
+    from onnx_modular.files import save
     from onnx_modular.hf.meta import model_on_meta
 
     parts: dict = {}  # sub-stages, timed by wrapping (this child only)
-    _timed(eager, "run", "eager run", parts)
-    _timed(_torch_compat, "capture", "torch.export", parts)
+    _timed(reference_run, "run", "eager run", parts)
+    _timed(torch_compat, "capture", "torch.export", parts)
     _timed(ir, "save", "ir.save", parts)
     _timed(onnx.checker, "check_model", "onnx.checker", parts)
-    _timed(_io, "_fsync", "fsync", parts)
+    _timed(save, "_fsync", "fsync", parts)
     start = time.perf_counter()
     model = model_on_meta(folder)
     ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))

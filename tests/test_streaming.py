@@ -210,7 +210,7 @@ def test_unchanged_weights_are_copied_file_to_file(tmp_path, monkeypatch):
     destination without a file descriptor, through memory; the bytes are the same."""
     import io
 
-    from onnx_modular import weights as weights_module
+    from onnx_modular.weights import sources
 
     state = {"a": torch.randn(64, 32), "b": torch.randn(16).to(torch.float16)}
     save_file(state, str(tmp_path / "w.safetensors"))
@@ -233,7 +233,7 @@ def test_unchanged_weights_are_copied_file_to_file(tmp_path, monkeypatch):
     buffer = io.BytesIO()  # no file descriptor: written through memory
     plan.lazy_tensor("a").tofile(buffer)
     assert buffer.getvalue() == state["a"].numpy().tobytes() and len(copies) == 1
-    assert weights_module._copy_range(source.location("a"), buffer, 64 * 32 * 4) is False
+    assert sources._copy_range(source.location("a"), buffer, 64 * 32 * 4) is False
 
 
 @pytest.mark.slow
