@@ -114,10 +114,12 @@ def _run_into(session, feeds: dict[str, np.ndarray], output_name: str, shape: tu
         (result,) = session.run([output_name], feeds)
         return result
     binding = session.io_binding()
-    for name, array in feeds.items():
-        binding.bind_cpu_input(name, np.ascontiguousarray(array))
+    arrays = {name: np.ascontiguousarray(array) for name, array in feeds.items()}  # alive until the run ends
+    for name, array in arrays.items():
+        binding.bind_cpu_input(name, array)
     binding.bind_output(output_name, "cpu", 0, result.dtype, result.shape, result.ctypes.data)
     session.run_with_iobinding(binding)
+    del arrays
     return result
 
 
