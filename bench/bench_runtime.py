@@ -13,8 +13,9 @@ initializers onnxruntime runs after its optimizations (``optimized_model_filepat
 whether one run executes the same kernels in the same order (onnxruntime's profiler).
 
 Models: GPT-2 (12 and 48 layers, d=256), a Llama-shaped model of 98 M parameters (8 layers,
-hidden 1024) and a recurrent model (2-layer nn.LSTM, nn.GRU, Linear head), random weights
-perturbed so that no two tensors are equal (``trained_like``).
+hidden 1024) and a recurrent model (2-layer nn.LSTM, nn.GRU, Linear head) on two shapes
+(input (2, 16, 32), hidden 64; input (2, 5, 8), hidden 32), random weights perturbed so that
+no two tensors are equal (``trained_like``).
 """
 
 from __future__ import annotations
@@ -63,11 +64,18 @@ def trained_like(build):
     return build_perturbed
 
 
+def recurrent_small():
+    """The recurrent model on a short sequence of few features (issue 24's shape)."""
+    torch.manual_seed(0)
+    return models.Recurrent(features=8, hidden=32).eval(), (torch.randn(2, 5, 8),), {}
+
+
 MODELS = {
     "gpt2-12": ("GPT-2, 12 layers, d=256", lambda: models.gpt2(n_layer=12, d=256)),
     "gpt2-48": ("GPT-2, 48 layers, d=256", lambda: models.gpt2(n_layer=48, d=256)),
     "llama": ("Llama-shaped, 8 layers, hidden 1024 (98 M)", llama_100m),
     "recurrent": ("LSTM (2 layers) + GRU + Linear", models.recurrent),
+    "recurrent-small": ("LSTM (2 layers) + GRU + Linear, input (2, 5, 8), hidden 32", recurrent_small),
 }
 
 

@@ -213,6 +213,37 @@ def test_save_reads_one_tensor_at_a_time(tmp_path):
         np.testing.assert_allclose(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0], real(x).numpy(), atol=1e-5)
 
 
+def test_unchanged_weights_are_copied_file_to_file(tmp_path, monkeypatch):
+    """A weight written as stored goes file to file (``copy_file_range``); a cast one, or a
+    destination without a file descriptor, through memory; the bytes are the same."""
+    import io
+
+    from onnx_modular.weights import sources
+
+    state = {"a": torch.randn(64, 32), "b": torch.randn(16).to(torch.float16)}
+    save_file(state, str(tmp_path / "w.safetensors"))
+    source = WeightSource.open(tmp_path / "w.safetensors")
+    with torch.device("meta"):
+        model = torch.nn.Module()
+        model.register_buffer("a", torch.empty(64, 32))
+        model.register_buffer("b", torch.empty(16))  # float32: cast from the stored float16
+    plan = plan_weights(model, source)
+    copies = []
+    real_copy = os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: copies.append(a) or real_copy(*a))
+    with open(tmp_path / "out.bin", "wb") as file:
+        file.write(b"head")
+        for name in ("a", "b"):
+            plan.lazy_tensor(name).tofile(file)
+    data = (tmp_path / "out.bin").read_bytes()
+    assert len(copies) == 1 and copies[0][2] == 64 * 32 * 4  # "a" only, in one kernel copy
+    assert data == b"head" + state["a"].numpy().tobytes() + state["b"].float().numpy().tobytes()
+    buffer = io.BytesIO()  # no file descriptor: written through memory
+    plan.lazy_tensor("a").tofile(buffer)
+    assert buffer.getvalue() == state["a"].numpy().tobytes() and len(copies) == 1
+    assert sources._copy_range(source.location("a"), buffer, 64 * 32 * 4) is False
+
+
 @pytest.mark.slow
 def test_peak_memory_does_not_grow_with_weights(tmp_path):
     """Export ~400 MB of weights on meta: the process's peak RSS grows by far less."""

@@ -4,6 +4,7 @@ outputs, and onnxruntime (or onnx's reference evaluator) for their values. Used 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import numpy as np
@@ -89,6 +90,39 @@ def infer_shapes(nodes: list[ir.Node], inputs: list[ir.Value], opset: int) -> No
             out.shape = ir.Shape(dims)
 
 
+@functools.lru_cache(maxsize=8)
+def _session(model_bytes: bytes):
+    """One onnxruntime session per tiny model: the Linear weights of a transformer share a few
+    shapes, so their transposes share a session (creating one cost as much as running it: 30 ms
+    of 60 for a 46 MB transpose). No memory arena: a session holds no buffers between runs."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    options.intra_op_num_threads = 1  # the file writer runs these on its own threads
+    options.enable_cpu_mem_arena = False
+    return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+def _run_into(session, feeds: dict[str, np.ndarray], output_name: str, shape: tuple[int, ...], dtype: ir.DataType) -> np.ndarray:
+    """Run ``session`` writing its output into a new numpy array: numpy backs large arrays with
+    transparent huge pages, onnxruntime's own allocation faults in 4 KiB pages (a 46 MB
+    transpose: 31 ms of CPU into numpy's buffer, 61 ms into onnxruntime's)."""
+    result = np.empty(shape, dtype=dtype.numpy())
+    if result.size == 0:
+        (result,) = session.run([output_name], feeds)
+        return result
+    binding = session.io_binding()
+    arrays = {name: np.ascontiguousarray(array) for name, array in feeds.items()}  # alive until the run ends
+    for name, array in arrays.items():
+        binding.bind_cpu_input(name, array)
+    binding.bind_output(output_name, "cpu", 0, result.dtype, result.shape, result.ctypes.data)
+    session.run_with_iobinding(binding)
+    del arrays
+    return result
+
+
 def evaluator(value: ir.Value, sources: list[ir.Value], opset: int):
     """A function computing ``value`` from the sources' tensors: onnxruntime on a tiny model
     (optimizations off), or onnx's reference evaluator for dtypes onnxruntime's Python API cannot
@@ -102,13 +136,7 @@ def evaluator(value: ir.Value, sources: list[ir.Value], opset: int):
     def compute() -> ir.Tensor:
         feeds = {name: t.numpy() for name, t in zip(inputs, tensors)}
         try:
-            import onnxruntime as ort
-
-            options = ort.SessionOptions()
-            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-            options.log_severity_level = 4
-            session = ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
-            (result,) = session.run([output_name], feeds)
+            result = _run_into(_session(model_bytes), feeds, output_name, shape, value.dtype)
         except Exception:  # noqa: BLE001 - a dtype onnxruntime's Python API cannot take (bfloat16)
             from onnx.reference import ReferenceEvaluator
 

@@ -6,7 +6,7 @@ run, in which order, with which (plain, torch-free) data. Three lists, one per s
     translated   RenameDynamicAxes, [AttachWeights], NameGraphInputsOutputs, SetDefaultOpset
     modularize   AnnotateStacks, InlineHelperFunctions, RemoveUnused, OutlineModuleCalls,
                  [DeduplicateFunctions], NameFunctions
-    optimize     [RemoveUnused, OptimizeFunctions, FuseStandardOps], RecordNoOpCalls, RemoveUnused,
+    optimize     [RemoveUnused, FoldStaticShapes, OptimizeFunctions, FuseStandardOps], RecordNoOpCalls, RemoveUnused,
                  AddOpsetImports, ConvertOpset, [FoldWeights, StripConstantMetadata, RemoveUnused],
                  SortFunctions
 
@@ -46,6 +46,7 @@ from onnx_modular.passes.opset_imports import AddOpsetImportsPass
 from onnx_modular.passes.optimize import OptimizeFunctionsPass
 from onnx_modular.passes.remove_unused import RemoveUnusedPass
 from onnx_modular.passes.standard_ops import FuseStandardOpsPass
+from onnx_modular.passes.static_shapes import FoldStaticShapesPass
 
 if TYPE_CHECKING:
     from onnx_modular.format.calltree import CallTree
@@ -101,13 +102,16 @@ def modularize_passes(
 def optimize_passes(*, tree: CallTree, opset: int, target_opset: int, optimize: bool = True) -> list[ir.passes.PassBase]:
     """Simplify every body (hierarchy kept), record no-op calls, convert the opset, fold weights.
 
+    ``Shape`` of what every call of a body fixes becomes a constant before the optimizer, which
+    then folds the shape arithmetic built on it, as it does in a flat graph.
+
     No-op calls are recorded before the weight fold, so that a call whose computation is
     folded into stored weights (rotary tables) stays a call; the fold runs after the
     conversion, which needs the bodies' constant inputs (axes) in place to turn them into
     attributes.
     """
     return [
-        *([RemoveUnusedPass(), OptimizeFunctionsPass(), FuseStandardOpsPass()] if optimize else []),
+        *([RemoveUnusedPass(), FoldStaticShapesPass(), OptimizeFunctionsPass(), FuseStandardOpsPass()] if optimize else []),
         RecordNoOpCallsPass(tree),
         RemoveUnusedPass(),
         AddOpsetImportsPass(opset),

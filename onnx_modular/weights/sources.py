@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import io
 import json
 import math
 import os
@@ -32,6 +34,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 import torch
 
@@ -68,6 +71,8 @@ class _Entry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
+    #: (file, first byte) of a tensor stored raw in a file: its bytes can be copied file to file.
+    location: tuple[pathlib.Path, int] | None = None
 
 
 _HEADER_LIMIT = 100 * 1024 * 1024
@@ -175,19 +180,21 @@ def _read_header(path: pathlib.Path) -> tuple[dict[str, tuple[torch.dtype, tuple
 def _file_entries(path: pathlib.Path) -> dict[str, _Entry]:
     tensors, _ = _read_header(path)
     return {
-        key: _Entry(dtype, shape, _file_reader(path, begin, end, dtype, shape))
+        key: _Entry(dtype, shape, _file_reader(path, begin, end, dtype, shape), (path, begin))
         for key, (dtype, shape, begin, end) in tensors.items()
     }
 
 
 def _file_reader(path: pathlib.Path, begin: int, end: int, dtype: torch.dtype, shape: tuple[int, ...]):
     def read() -> torch.Tensor:
-        buffer = bytearray(end - begin)
+        # numpy's buffers of 4 MiB and more are backed by transparent huge pages: filling a fresh
+        # bytearray (zeroed, 4 KiB pages) took 3x as long as the read itself (42 vs 13 ms for 46 MB).
+        buffer = np.empty(end - begin, dtype=np.uint8)
         with open(path, "rb") as file:
             file.seek(begin)
             if file.readinto(buffer) != len(buffer):
                 raise WeightsError(f"{str(path)!r} is truncated (tensor at bytes {begin}-{end}).")
-        if not buffer:
+        if not buffer.size:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
 
@@ -246,6 +253,10 @@ class WeightSource:
     def read(self, key: str) -> torch.Tensor:
         """The tensor ``key`` as stored (a fresh CPU tensor for files)."""
         return self._entries[key].read()
+
+    def location(self, key: str) -> tuple[pathlib.Path, int] | None:
+        """(file, first byte) when ``key`` is stored raw in a file, else ``None``."""
+        return self._entries[key].location
 
     def nbytes(self) -> int:
         return sum(e.dtype.itemsize * math.prod(e.shape) for e in self._entries.values())
@@ -335,8 +346,11 @@ class WeightPlan:
         from onnx_modular.capture import torch_compat
 
         dtype, shape = self.specs[name]
-        return ir.LazyTensor(
+        key = self.keys[name]
+        location = self.source.location(key) if self.source.spec(key)[0] == dtype else None
+        return _StoredTensor(
             lambda: TorchTensor(self.load(name), name=ir_name or name),
+            location,
             dtype=torch_compat.torch_dtype_to_ir(dtype),
             shape=ir.Shape(shape),
             name=ir_name or name,
@@ -350,6 +364,53 @@ class WeightPlan:
             dtype, shape = self.specs[name]
             seen[self.keys[name]] = dtype.itemsize * math.prod(shape)
         return sum(seen.values())
+
+
+class _StoredTensor(ir.LazyTensor):
+    """A lazy tensor whose bytes, when ``location`` is given, sit unchanged in a file (safetensors
+    and ONNX external data both store raw little-endian C-order bytes): ``tofile`` copies them
+    file to file in the kernel (``os.copy_file_range``), without reading them into memory."""
+
+    def __init__(self, func: Callable[[], ir.TensorProtocol], location: tuple[pathlib.Path, int] | None, **kwargs):
+        super().__init__(func, **kwargs)
+        self._location = location
+
+    def tofile(self, file) -> None:
+        if self._location is None or not _copy_range(self._location, file, self.nbytes):
+            super().tofile(file)
+
+
+#: Errors of ``copy_file_range`` that mean "not between these files": fall back to read + write.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF, errno.ETXTBSY}
+
+
+def _copy_range(location: tuple[pathlib.Path, int], file, nbytes: int) -> bool:
+    """Copy ``nbytes`` from ``location`` to ``file`` at its position; False when the kernel cannot."""
+    copy = getattr(os, "copy_file_range", None)
+    try:
+        destination = file.fileno()
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return False
+    if copy is None or nbytes == 0:
+        return False
+    file.flush()
+    start = file.tell()
+    path, begin = location
+    done = 0
+    with open(path, "rb") as source:
+        try:
+            while done < nbytes:
+                copied = copy(source.fileno(), destination, nbytes - done, begin + done, start + done)
+                if copied == 0:
+                    raise WeightsError(f"{str(path)!r} is truncated (tensor at bytes {begin}-{begin + nbytes}).")
+                done += copied
+        except OSError as e:
+            if e.errno not in _NO_KERNEL_COPY:
+                raise
+            file.seek(start)
+            return False
+    file.seek(start + nbytes)
+    return True
 
 
 def plan_weights(model: torch.nn.Module, weights) -> WeightPlan:

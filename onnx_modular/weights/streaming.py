@@ -10,7 +10,9 @@ Three jobs, none of which holds more than one block of weights at a time:
   gives every initializer of the translated model an ``ir.LazyTensor`` that reads its
   tensor from the source when the file is written. ``ir.save`` writes external data one
   tensor at a time (``onnx_ir.external_data``'s serial writer calls ``tofile`` per tensor),
-  so each value lives only while it is written.
+  so each value lives only while it is written. A weight written as stored (same dtype,
+  not folded) is copied from the safetensors file to the external-data file by the kernel
+  (``os.copy_file_range``), never read into memory.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ def test_optimize_list_runs_unused_removal_only_after_passes_that_leave_garbage(
     tree = call_tree(("block", "Block"))
     on = _names(pipeline.optimize_passes(tree=tree, opset=18, target_opset=17, optimize=True))
     assert on == [
-        "RemoveUnusedPass", "OptimizeFunctionsPass", "FuseStandardOpsPass", "RecordNoOpCallsPass", "RemoveUnusedPass",
+        "RemoveUnusedPass", "FoldStaticShapesPass", "OptimizeFunctionsPass", "FuseStandardOpsPass", "RecordNoOpCallsPass", "RemoveUnusedPass",
         "AddOpsetImportsPass", "ConvertOpsetPass", "FoldWeightsPass", "StripConstantMetadataPass", "RemoveUnusedPass",
         "SortFunctionsPass",
     ]
