@@ -7,11 +7,10 @@ import pathlib
 from collections.abc import Sequence
 
 import onnx
-import onnx.inliner
 
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.files import save
-from onnx_modular.files._proto import shown, uses_external_data
+from onnx_modular.files._proto import inline_functions, shown, uses_external_data
 from onnx_modular.files.checks import check_expanded_size
 from onnx_modular.files.load import load_model_file
 
@@ -85,10 +84,7 @@ def inline_file(
         except (OSError, ValueError) as e:  # checked by load_model_file; a file changed since
             raise InvalidModelFileError(f"The external data of {str(source)!r} cannot be read: {e}") from e
     try:
-        if only:
-            flat = onnx.inliner.inline_selected_functions(model, _resolve_function_ids(model, only))
-        else:
-            flat = onnx.inliner.inline_local_functions(model)
+        flat = inline_functions(model, _resolve_function_ids(model, only) if only else None)
     except (onnx.checker.ValidationError, RuntimeError) as e:
         raise InvalidModelFileError(f"onnx.inliner cannot inline {str(source)!r}: {shown(str(e).strip()[:400])}") from e
     if optimize:
