@@ -35,6 +35,7 @@ __all__ = [
     "registry",
     "library_translations",
     "capture",
+    "eager_control_flow",
     "decompose",
     "translate",
     "default_opset",
@@ -141,6 +142,39 @@ def default_opset() -> int:
     from torch.onnx._internal.exporter import _constants
 
     return _constants.TORCHLIB_OPSET
+
+
+@contextlib.contextmanager
+def eager_control_flow():
+    """Run ``torch.cond``, ``while_loop``, ``scan``, ``map`` as plain Python in eager mode.
+
+    In eager mode torch runs these higher-order ops through ``torch.compile(fullgraph=True)``
+    (``_higher_order_ops.utils._hop_compile_and_call``), and dynamo refuses branches that
+    mutate state outside them: the forward hooks that record module calls
+    (``UncapturedHigherOrderOpError ... Unsafe side effect``). Whether it refuses depended on
+    dynamo's state left by earlier compilations in the process (issue 21). Called directly,
+    each op dispatches to its eager implementation (``cond``: the branch the predicate picks),
+    which computes the same values without dynamo; ``torch.export`` is not affected (it runs
+    outside this context and traces both branches).
+    """
+    try:
+        from torch._higher_order_ops import utils as hop_utils
+    except ImportError:  # a torch without higher-order ops in Python: nothing to change
+        yield
+        return
+    original = getattr(hop_utils, "_hop_compile_and_call", None)
+    if original is None:
+        yield
+        return
+
+    def call_directly(fn, args, kwargs=None):
+        return fn(*args, **(kwargs or {}))
+
+    hop_utils._hop_compile_and_call = call_directly
+    try:
+        yield
+    finally:
+        hop_utils._hop_compile_and_call = original
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_shapes) -> torch.export.ExportedProgram:
