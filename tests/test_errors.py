@@ -124,3 +124,33 @@ def test_optimizer_keeps_each_layers_own_weights():
     second = next(node for node in result.model.graph if node.name == "h.1")
     names = [value.name for value in second.inputs]
     assert "h.1.ln_1.weight" in names and "h.0.ln_1.weight" not in names
+
+
+def test_library_error_at_save_is_a_typed_error_naming_the_module(tmp_path, monkeypatch):
+    # issue 21: onnx_ir.serde.SerdeError reached the user untyped. Here a weight fold computed
+    # at save (a weight above the fold's eager size) cannot give the shape it was typed with: the
+    # serializer raises inside onnx_ir, which must surface as SaveError naming the module.
+    import onnx_ir
+    import onnx_ir.serde
+
+    from onnx_modular.passes import fold_weights
+
+    infer = fold_weights._infer_shapes
+
+    def wrong_transpose_shape(nodes, inputs, opset):
+        infer(nodes, inputs, opset)
+        for node in nodes:
+            if node.op_type == "Transpose":
+                node.outputs[0].shape = onnx_ir.Shape([1, 128 * 96])
+
+    monkeypatch.setattr(fold_weights, "_infer_shapes", wrong_transpose_shape)
+    model = Wrap(nn.Sequential(nn.Linear(96, 128), nn.ReLU())).eval()  # 12288 weights > INPUT_SIZE_LIMIT
+    existing = tmp_path / "m.onnx"
+    existing.write_bytes(b"keep")
+    with pytest.raises(SaveError) as info:
+        export_modular(model, (torch.randn(2, 3, 96),), existing)  # 3-D: MatMul(x, Transpose(w))
+    assert isinstance(info.value.__cause__, onnx_ir.serde.SerdeError)
+    assert info.value.module_path == "inner.0"
+    assert "SerdeError" in str(info.value) and info.value.hint
+    assert existing.read_bytes() == b"keep"
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx"]
