@@ -321,7 +321,7 @@ Norm (input, weight, u, v) => (output) {
     (folded,) = [v for name, v in model.graph.initializers.items() if name.endswith(".folded")]
     assert folded.shape == ir.Shape([]) and folded.const_value.numpy().shape == ()
     proto = ir.to_proto(model)  # serializes the folded tensor
-    assert [d for d in proto.graph.initializer if d.name == folded.name][0].dims == []
+    assert next(d for d in proto.graph.initializer if d.name == folded.name).dims == []
     np.testing.assert_allclose(_run(model, x=x)[0], expected[0], rtol=1e-6)
 
 
