@@ -154,3 +154,39 @@ def test_library_error_at_save_is_a_typed_error_naming_the_module(tmp_path, monk
     assert "SerdeError" in str(info.value) and info.value.hint
     assert existing.read_bytes() == b"keep"
     assert sorted(os.listdir(tmp_path)) == ["m.onnx"]
+
+
+def test_axis_torch_specialized_is_fixed_with_a_warning(tmp_path):
+    # issue 21 (RWKV, Funnel, Mamba2, Zamba2 with Dim.AUTO): torch.export specializes an axis the
+    # model only traces for; the file must fix it, not declare a symbol named "8"
+    import numpy as np
+    import onnxruntime as ort
+    from torch.export import Dim
+
+    from onnx_modular.passes.specialized_dims import SpecializedAxisWarning
+
+    class FixedLength(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x.reshape(x.shape[0], 2, 4))
+
+    torch.manual_seed(0)
+    model = FixedLength().eval()
+    with pytest.warns(SpecializedAxisWarning, match=r"Axis 1 of input 'x'.*specialized it to 8"):
+        result = export_modular(model, (torch.randn(3, 8),), tmp_path / "m.onnx", dynamic_shapes={"x": {0: Dim.AUTO, 1: Dim.AUTO}})
+    dims = [d for d in result.model.graph.inputs[0].shape.dims]
+    assert isinstance(dims[0], onnx_ir_symbolic()) and dims[1] == 8
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    x = torch.randn(5, 8)  # another batch size still runs
+    np.testing.assert_allclose(session.run(None, {"x": x.numpy()})[0], model(x).detach().numpy(), atol=1e-5)
+    with pytest.raises(Exception, match=r"(?i)invalid dimensions"):  # rejected at the input, not inside
+        session.run(None, {"x": np.ones((3, 16), np.float32)})
+
+
+def onnx_ir_symbolic():
+    import onnx_ir
+
+    return onnx_ir.SymbolicDim
