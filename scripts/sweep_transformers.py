@@ -50,7 +50,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "deberta-v2": {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "position_buckets": 8, "max_relative_positions": 16},
     "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": 16, "expand": 2},
     "whisper": {"max_source_positions": 32, "max_target_positions": 32},
-    "swin": {"window_size": 4},
+    "swin": {"image_size": 224},  # windows of 7 over a 56 x 56 grid: smaller grids break its masks
 }
 
 BATCH, SEQUENCE = 2, 8
@@ -145,7 +145,18 @@ def _shrunk(config: Any) -> dict[str, Any]:
                 out[key] = [HIDDEN] * len(value)
         if layers and isinstance(value, (list, tuple)) and len(value) == layers and key not in out and layers > 2:
             out[key] = list(value)[:2]  # per-layer lists (layer_types, ...) follow the layer count
-    return out
+    accepted = _init_parameters(type(config))
+    return {key: value for key, value in out.items() if accepted is None or key in accepted}
+
+
+def _init_parameters(config_class) -> set[str] | None:
+    """The constructor's named parameters (derived attributes, Swin's num_layers, are not)."""
+    try:
+        parameters = inspect.signature(config_class.__init__).parameters
+    except (TypeError, ValueError):
+        return None
+    named = {name for name, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return named if len(named) > 1 else None
 
 
 def tiny_config(model_type: str):
@@ -211,8 +222,12 @@ def make_inputs(model, config) -> dict[str, Any]:
         inputs["input_ids"] = _token_ids(config, (BATCH, SEQUENCE), generator)
         if "attention_mask" in parameters:
             inputs["attention_mask"] = torch.ones(BATCH, SEQUENCE, dtype=torch.long)
-        if "pixel_values" in parameters and main == "pixel_values":
-            pass
+        image_tokens = [k for k in config.to_dict() if k.startswith(("image_token", "video_token"))]
+        vision = getattr(config, "vision_config", None)
+        if "pixel_values" in parameters and vision is not None and not image_tokens:  # dual encoders (CLIP)
+            height, width = _image_size(vision)
+            channels = getattr(vision, "num_channels", 3) or 3
+            inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
     if "use_cache" in parameters:  # no cache object in the outputs: torch.export needs its pytree registered
         inputs["use_cache"] = False
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
