@@ -87,9 +87,11 @@ def _special_ids(values: dict[str, Any]) -> set[int]:
     return found
 
 
-def _shrunk(config: Any) -> dict[str, Any]:
-    """Constructor arguments that shrink ``config`` (the rules; sub-configs recursively)."""
+def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """Constructor arguments that shrink ``config`` (the rules; sub-configs recursively, keeping
+    the vocabulary above the token ids of the enclosing config, LLaVA's image token)."""
     values = config.to_dict()
+    special = _special_ids(values) | inherited_ids
     sub_configs = set(getattr(config, "sub_configs", {}) or {})
     layers = next((values[k] for k in _LAYER_KEYS if isinstance(values.get(k), int)), None)
     out: dict[str, Any] = {}
@@ -97,7 +99,7 @@ def _shrunk(config: Any) -> dict[str, Any]:
         if key in sub_configs or (isinstance(value, dict) and hasattr(getattr(config, key, None), "to_dict")):
             sub = getattr(config, key, None)
             if sub is not None and hasattr(sub, "to_dict"):
-                out[key] = {**sub.to_dict(), **_shrunk(sub)}
+                out[key] = {**sub.to_dict(), **_shrunk(sub, frozenset(special))}
             continue
         if isinstance(value, bool) or value is None:
             continue
@@ -127,7 +129,7 @@ def _shrunk(config: Any) -> dict[str, Any]:
             elif key == "patch_size" and value > 8:
                 out[key] = 8
             elif key == "vocab_size" and value > 512:
-                out[key] = max(512, max(_special_ids(values), default=0) + 1)
+                out[key] = max(512, max(special, default=0) + 1)
             elif key in ("num_conv_pos_embeddings",) and value > 16:
                 out[key] = 16
             elif key in ("num_conv_pos_embedding_groups",) and value > 2:

@@ -140,7 +140,7 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict):
         handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
     try:
-        with torch.no_grad(), _torch_compat.eager_control_flow():  # hooks inside torch.cond branches
+        with torch.no_grad(), torch_compat.eager_control_flow():  # hooks inside torch.cond branches
             outputs = model(*args, **kwargs)
     finally:
         for handle in handles:

@@ -34,6 +34,7 @@ __all__ = [
     "check_torch_version",
     "registry",
     "library_translations",
+    "DataDependentCaptureWarning",
     "capture",
     "eager_control_flow",
     "decompose",
@@ -124,9 +125,14 @@ def _new_registry(opset: int):
 
 
 def _fill_gaps(reg, libraries: tuple) -> None:
+    from onnx_modular.capture import translations
+
     for torch_op, onnx_op in libraries:
         if not reg.is_registered(torch_op):
             reg.register_op(torch_op, onnx_op, is_complex=False)
+    for torch_op, onnx_op, is_complex in translations.translations():  # ops torchlib lacks
+        if not any(decomp.is_complex == is_complex for decomp in reg.get_decomps(torch_op)):
+            reg.register_op(torch_op, onnx_op, is_complex=is_complex)
 
 
 def library_translations() -> dict[Callable, Callable]:
@@ -177,9 +183,76 @@ def eager_control_flow():
         hop_utils._hop_compile_and_call = original
 
 
+class DataDependentCaptureWarning(UserWarning):
+    """torch.export could not decide a branch on a tensor's value; the program assumes the
+    example inputs' outcome there (``torch.export.draft_export``)."""
+
+
+def _data_dependent(error: BaseException) -> bool:
+    from torch.fx.experimental import symbolic_shapes
+
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, symbolic_shapes.GuardOnDataDependentSymNode) or "data-dependent" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_shapes) -> torch.export.ExportedProgram:
-    """torch.export in non-strict mode (public API; kept here so all torch entry points sit together)."""
-    return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    """torch.export, non-strict; where that fails on a data-dependent guard, ``draft_export``.
+
+    torch's own exporter tries several strategies in turn (``_capture_strategies``: non-strict,
+    strict, and ``draft_export`` behind a flag that is off by default). A data-dependent guard
+    (``GuardOnDataDependentSymNode: Eq(u0, 1)``: Longformer's and EnCodec's padding sizes kept
+    as tensors) fails non-strict and strict alike, because dynamo meets the same unbacked value;
+    ``draft_export`` instead assumes, at each such guard, what the example inputs give and
+    records it. The program is then right for inputs that decide those guards the same way, which
+    the parity check confirms on the example, and the export warns with the guards assumed
+    (:class:`DataDependentCaptureWarning`). Other failures are raised as they are (docs/design.md,
+    "Capture strategies").
+    """
+    try:
+        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as first:
+        if not _data_dependent(first) or not hasattr(torch.export, "draft_export"):
+            raise
+        try:
+            with warnings.catch_warnings(), _quiet("torch.export._draft_export"):
+                warnings.simplefilter("ignore")
+                program = torch.export.draft_export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        except Exception:
+            raise first from None
+    report = getattr(program, "_report", None)
+    failures = getattr(report, "failures", None) or []
+    assumed = sorted({_first_line_of(getattr(f, "reason", None) or str(f)) for f in failures})
+    warnings.warn(
+        "torch.export could not trace a branch on tensor values (data-dependent guard); the program "
+        "was captured with torch.export.draft_export, which assumes what the example inputs give there"
+        + (": " + "; ".join(assumed[:4]) if assumed else "")
+        + ". Inputs that take another branch may need another export.",
+        DataDependentCaptureWarning,
+        stacklevel=3,
+    )
+    return program
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    """Silence a torch logger (draft_export logs its whole report as a warning)."""
+    log = logging.getLogger(logger_name)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _first_line_of(text: str) -> str:
+    text = str(text).strip()
+    return text.splitlines()[0][:200] if text else ""
 
 
 def decompose(program: torch.export.ExportedProgram, reg) -> torch.export.ExportedProgram:
