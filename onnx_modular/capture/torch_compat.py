@@ -208,10 +208,12 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_sh
     (``GuardOnDataDependentSymNode: Eq(u0, 1)``: Longformer's and EnCodec's padding sizes kept
     as tensors) fails non-strict and strict alike, because dynamo meets the same unbacked value;
     ``draft_export`` instead assumes, at each such guard, what the example inputs give and
-    records it. The program is then right for inputs that decide those guards the same way, which
-    the parity check confirms on the example, and the export warns with the guards assumed
-    (:class:`DataDependentCaptureWarning`). Other failures are raised as they are (docs/design.md,
-    "Capture strategies").
+    records it. That program is kept only when every data-dependent value it assumed comes from
+    weights, buffers and constants alone (the same for every input, as a padding size kept in a
+    buffer); a guard on values computed from the inputs (``if x.sum() > 0``) would make the file
+    wrong for other inputs, so the original error is raised. The export warns with the guards
+    assumed (:class:`DataDependentCaptureWarning`). Other failures are raised as they are
+    (docs/design.md, "Capture strategies").
     """
     try:
         return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
@@ -224,6 +226,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_sh
                 program = torch.export.draft_export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception:
             raise first from None
+        if _reads_user_inputs(program):  # a branch on input values: no single program is right
+            raise first
     report = getattr(program, "_report", None)
     failures = getattr(report, "failures", None) or []
     assumed = sorted({_first_line_of(getattr(f, "reason", None) or str(f)) for f in failures})
@@ -236,6 +240,25 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_sh
         stacklevel=3,
     )
     return program
+
+
+def _reads_user_inputs(program: torch.export.ExportedProgram) -> bool:
+    """Whether a value the program's data-dependent symbols come from (``.item()``, ``nonzero``:
+    nodes with ``unbacked_bindings``) is computed from a user input, not only from weights,
+    buffers and constants. Only then can the assumed outcome differ between inputs."""
+    user_inputs = set(program.graph_signature.user_inputs)
+    sources = [node for node in program.graph.nodes if node.meta.get("unbacked_bindings")]
+    seen: set = set()
+    stack = list(sources)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder" and node.name in user_inputs:
+            return True
+        stack.extend(node.all_input_nodes)
+    return False
 
 
 @contextlib.contextmanager
