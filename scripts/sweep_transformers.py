@@ -80,7 +80,7 @@ _RANK_KEYS = {"kv_lora_rank", "q_lora_rank"}
 def _special_ids(values: dict[str, Any]) -> set[int]:
     found = set()
     for key, value in values.items():
-        if (key.endswith("_token_id") or key.endswith("_token_index") or key.endswith("_id")) and isinstance(value, int):
+        if key.endswith(("_token_id", "_token_index", "_id")) and isinstance(value, int):
             found.add(value)
         elif key.endswith("_token_id") and isinstance(value, list):
             found.update(v for v in value if isinstance(v, int))
@@ -106,9 +106,7 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[st
         if isinstance(value, int):
             if key in _HIDDEN_KEYS and value > HIDDEN:
                 out[key] = HIDDEN
-            elif key in _LAYER_KEYS and value > 2:
-                out[key] = 2
-            elif key in _HEAD_KEYS and value > 2:
+            elif key in _LAYER_KEYS and value > 2 or key in _HEAD_KEYS and value > 2:
                 out[key] = 2
             elif key in _KV_HEAD_KEYS and value > 1:
                 out[key] = 1
@@ -355,7 +353,7 @@ def _child(kind: str, model_type: str, class_name: str, memory_bytes: int, conne
     os.nice(0)
     try:
         if memory_bytes:
-            soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+            _, hard = resource.getrlimit(resource.RLIMIT_AS)
             resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
         warnings.simplefilter("ignore")
         import logging

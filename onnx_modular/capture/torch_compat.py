@@ -224,10 +224,10 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_sh
             with warnings.catch_warnings(), _quiet("torch.export._draft_export"):
                 warnings.simplefilter("ignore")
                 program = torch.export.draft_export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the first error is the one that says why
             raise first from None
         if _reads_user_inputs(program):  # a branch on input values: no single program is right
-            raise first
+            raise
     report = getattr(program, "_report", None)
     failures = getattr(report, "failures", None) or []
     assumed = sorted({_first_line_of(getattr(f, "reason", None) or str(f)) for f in failures})

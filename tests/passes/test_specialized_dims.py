@@ -10,7 +10,11 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from onnx_modular.passes.specialized_dims import FixSpecializedDimsPass, SpecializedAxisWarning, fix_specialized_dims
+from onnx_modular.passes.specialized_dims import (
+    FixSpecializedDimsPass,
+    SpecializedAxisWarning,
+    fix_specialized_dims,
+)
 
 TEXT = """<ir_version: 10, opset_import: ["" : 18]>
 main (float["batch", "8"] x) => (float["batch", 2, 4] y) {
