@@ -612,7 +612,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--order", choices=("shuffled", "alphabetical"), default="shuffled",
                         help="shuffled (default): the sample, then base models, then heads, each in a fixed random order")
     parser.add_argument("--notes", default="", help="text put under the totals")
+    parser.add_argument("--render", help="only write the Markdown from this JSON (with --notes), no sweep")
     args = parser.parse_args(argv)
+    if args.render:
+        data = json.loads(pathlib.Path(args.render).read_text())
+        rows = [Row(**row) for row in data["rows"]]
+        write_markdown(pathlib.Path(args.output), rows, data["environment"], data["planned"], args.notes)
+        return 0
 
     import torch  # noqa: F401 - imported before forking: the children share it
     import transformers  # noqa: F401
