@@ -1,7 +1,8 @@
 """Where torch's own export stops and export_modular goes on (issue 21), each on a small model of
 its class: complex values through shape ops (Llama-4-style rotary), a runtime check captured as
-``aten._is_all_true`` (LLaVA's image-token count), and a data-dependent guard (Longformer's
-padding size kept as a tensor), captured by ``torch.export.draft_export``. Parity (onnxruntime
+``aten._is_all_true`` (LLaVA's image-token count), and a data-dependent guard on a value of the
+weights (a padding size kept as a tensor buffer, EnCodec-style), captured by
+``torch.export.draft_export``; a guard on input values still fails the capture. Parity (onnxruntime
 vs PyTorch, float32 atol 1e-4 / rtol 1e-3) is asserted inside export_modular and again here."""
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class CheckedTokens(nn.Module):
 
 
 class PaddedByBuffer(nn.Module):
-    """A padding size kept as a tensor buffer, tested against 1 (Longformer, EnCodec)."""
+    """A padding size kept as a tensor buffer, tested against 1 (EnCodec-style)."""
 
     def __init__(self):
         super().__init__()
@@ -90,3 +91,24 @@ def test_data_dependent_guard_is_captured_by_draft_export(tmp_path):
         result = export_modular(model, (x,), tmp_path / "m.onnx")
     assert result.report.ok and [f.name for f in result.functions] == ["Conv1d"]
     np.testing.assert_allclose(_run(tmp_path / "m.onnx", {"x": x.numpy()}), model(x).detach().numpy(), atol=1e-5)
+
+
+class BranchOnInput(nn.Module):
+    """A branch on a value of the input (Longformer's is_global_attn): no single graph is right."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        if int(mask.any().item()) == 1:
+            return self.proj(x)
+        return x
+
+
+def test_data_dependent_guard_on_inputs_still_fails_the_capture():
+    from onnx_modular.errors import CaptureError
+
+    model = BranchOnInput().eval()
+    with pytest.raises(CaptureError, match=r"(?i)data-dependent"):
+        export_modular(model, (torch.randn(2, 4), torch.tensor([0, 1])))

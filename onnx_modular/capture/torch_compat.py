@@ -243,11 +243,17 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_sh
 
 
 def _reads_user_inputs(program: torch.export.ExportedProgram) -> bool:
-    """Whether a value the program's data-dependent symbols come from (``.item()``, ``nonzero``:
-    nodes with ``unbacked_bindings``) is computed from a user input, not only from weights,
-    buffers and constants. Only then can the assumed outcome differ between inputs."""
+    """Whether a data-dependent value of the program (ops tagged ``data_dependent_output`` or
+    ``dynamic_output_shape``: ``.item()``, ``nonzero``) is computed from a user input, not only
+    from weights, buffers and constants. Only then can the assumed outcome differ between inputs."""
+    data_dependent = {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape}
     user_inputs = set(program.graph_signature.user_inputs)
-    sources = [node for node in program.graph.nodes if node.meta.get("unbacked_bindings")]
+    # where data-dependent values are born: ops tagged so (item, _local_scalar_dense, nonzero, ...)
+    sources = [
+        node
+        for node in program.graph.nodes
+        if node.op == "call_function" and data_dependent & set(getattr(node.target, "tags", ()))
+    ]
     seen: set = set()
     stack = list(sources)
     while stack:
