@@ -28,23 +28,23 @@ import onnx_ir as ir
 import torch
 
 __all__ = [
-    "TESTED_TORCH_VERSIONS",
     "ADMITTED_TORCH_VERSIONS",
+    "TESTED_TORCH_VERSIONS",
     "TORCH_VERSION",
-    "check_torch_version",
-    "registry",
-    "library_translations",
     "DataDependentCaptureWarning",
     "capture",
-    "eager_control_flow",
+    "check_torch_version",
     "decompose",
-    "translate",
     "default_opset",
-    "fx_node_of",
-    "program_values",
     "dynamic_axis_names",
+    "eager_control_flow",
+    "fx_node_of",
+    "library_translations",
     "module_stacks",
+    "program_values",
+    "registry",
     "torch_dtype_to_ir",
+    "translate",
 ]
 
 #: Releases the test suite ran against (``bash scripts/test-torch.sh <version>``).
