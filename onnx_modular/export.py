@@ -386,7 +386,7 @@ def _save_and_verify(result: ModularExport, f, plan: _Plan, stages: _Stages, *, 
     def check(path: pathlib.Path, staged_flat: pathlib.Path | None = None) -> None:
         if not verify:
             return
-        with stages("verify", ""):
+        with stages("verify"):
             inputs, expected = result._reference
             if plan.stream is not None and plan.stream.blockwise:
                 result.blocks = blockwise.verify_blocks(
@@ -410,7 +410,7 @@ def _save_and_verify(result: ModularExport, f, plan: _Plan, stages: _Stages, *, 
             verification.assert_parity(result.flat_report, result=result)
 
     if f is not None:
-        with stages("save", "", report=False):
+        with stages("save", report=False):
             with flat_files.staged_with_flat(result.model, f, plan.flat_path, external_data=plan.external_data) as staged:
                 check(*staged)
         result.path, result.flat_path = pathlib.Path(f), plan.flat_path
@@ -418,8 +418,13 @@ def _save_and_verify(result: ModularExport, f, plan: _Plan, stages: _Stages, *, 
         if stages.progress is not None:
             stages.progress("save", stages.timings["save"])
     elif verify:
-        with model_file(result) as path:
-            check(path)
+        try:
+            with model_file(result) as path:  # a temporary file for the check
+                check(path)
+        except OnnxModularError:
+            raise
+        except Exception as e:  # a library's exception writing the temporary file
+            raise diagnostics.stage_error("save", e, stages.model) from e
 
 
 @contextlib.contextmanager

@@ -124,3 +124,69 @@ def test_optimizer_keeps_each_layers_own_weights():
     second = next(node for node in result.model.graph if node.name == "h.1")
     names = [value.name for value in second.inputs]
     assert "h.1.ln_1.weight" in names and "h.0.ln_1.weight" not in names
+
+
+def test_library_error_at_save_is_a_typed_error_naming_the_module(tmp_path, monkeypatch):
+    # issue 21: onnx_ir.serde.SerdeError reached the user untyped. Here a weight fold computed
+    # at save (a weight above the fold's eager size) cannot give the shape it was typed with: the
+    # serializer raises inside onnx_ir, which must surface as SaveError naming the module.
+    import onnx_ir
+    import onnx_ir.serde
+
+    from onnx_modular.passes import fold_weights
+
+    infer = fold_weights._infer_shapes
+
+    def wrong_transpose_shape(nodes, inputs, opset):
+        infer(nodes, inputs, opset)
+        for node in nodes:
+            if node.op_type == "Transpose":
+                node.outputs[0].shape = onnx_ir.Shape([1, 128 * 96])
+
+    monkeypatch.setattr(fold_weights, "_infer_shapes", wrong_transpose_shape)
+    model = Wrap(nn.Sequential(nn.Linear(96, 128), nn.ReLU())).eval()  # 12288 weights > INPUT_SIZE_LIMIT
+    existing = tmp_path / "m.onnx"
+    existing.write_bytes(b"keep")
+    with pytest.raises(SaveError) as info:
+        export_modular(model, (torch.randn(2, 3, 96),), existing)  # 3-D: MatMul(x, Transpose(w))
+    assert isinstance(info.value.__cause__, onnx_ir.serde.SerdeError)
+    assert info.value.module_path == "inner.0"
+    assert "SerdeError" in str(info.value) and info.value.hint
+    assert existing.read_bytes() == b"keep"
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx"]
+
+
+def test_axis_torch_specialized_is_fixed_with_a_warning(tmp_path):
+    # issue 21 (RWKV, Funnel, Mamba2, Zamba2 with Dim.AUTO): torch.export specializes an axis the
+    # model only traces for; the file must fix it, not declare a symbol named "8"
+    import numpy as np
+    import onnxruntime as ort
+    from torch.export import Dim
+
+    from onnx_modular.passes.specialized_dims import SpecializedAxisWarning
+
+    class FixedLength(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x.reshape(x.shape[0], 2, 4))
+
+    torch.manual_seed(0)
+    model = FixedLength().eval()
+    with pytest.warns(SpecializedAxisWarning, match=r"Axis 1 of input 'x'.*specialized it to 8"):
+        result = export_modular(model, (torch.randn(3, 8),), tmp_path / "m.onnx", dynamic_shapes={"x": {0: Dim.AUTO, 1: Dim.AUTO}})
+    dims = [d for d in result.model.graph.inputs[0].shape.dims]
+    assert isinstance(dims[0], onnx_ir_symbolic()) and dims[1] == 8
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    x = torch.randn(5, 8)  # another batch size still runs
+    np.testing.assert_allclose(session.run(None, {"x": x.numpy()})[0], model(x).detach().numpy(), atol=1e-5)
+    with pytest.raises(Exception, match=r"(?i)invalid dimensions"):  # rejected at the input, not inside
+        session.run(None, {"x": np.ones((3, 16), np.float32)})
+
+
+def onnx_ir_symbolic():
+    import onnx_ir
+
+    return onnx_ir.SymbolicDim

@@ -145,3 +145,44 @@ def test_modular_file_runs_like_its_flat_copy(tmp_path):
     for a, b, c in zip(modular_out, flat_out, expected):
         np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(b, c, rtol=1e-5, atol=1e-6)
+
+
+_COND_CHILD = """
+import torch
+from torch import nn
+from onnx_modular import export_modular
+
+class Branches(nn.Module):
+    # torch.cond whose branches call modules: the hooks recording module calls run inside them
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda t: self.a(t), lambda t: self.b(t).relu(), (x,))
+
+torch.manual_seed(0)
+model = Branches().eval()
+for _ in range(2):  # first alone in a fresh process, then after another export
+    result = export_modular(model, (torch.randn(2, 4).abs(),))
+    assert result.report.ok, str(result.report)
+    for sample in (torch.randn(2, 4).abs(), -torch.randn(2, 4).abs()):  # both branches at run time
+        assert result.verify((sample,), model=model).ok
+    export_modular(nn.Sequential(nn.Linear(4, 4)).eval(), (torch.randn(2, 4),), verify=False)
+print("OK")
+"""
+
+
+def test_torch_cond_branches_calling_modules_in_a_fresh_process():
+    # issue 21: failed alone (dynamo refused the recording hooks inside the branches), passed
+    # after other exports in the same process; a fresh interpreter shows both
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-c", _COND_CHILD], check=False, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]

@@ -200,3 +200,17 @@ def test_recurrent_shape_logic_is_folded_like_flat(tmp_path):
     assert sum(len(ops) for ops in bodies.values()) == len(flat_ops) + 2
     # 2.4x before the fold; what is left above the flat file is the hierarchy's metadata
     assert helpers.graph_bytes(path) <= 1.25 * helpers.graph_bytes(flat)
+
+
+def test_scalar_computed_from_weights_is_folded_with_its_shape(tmp_path):
+    # spectral norm's sigma = u . (W v) is a scalar computed from weights alone; it was folded
+    # to shape (1,) and the save failed (issue 21, also DeBERTa-v2's relative attention)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8)), nn.ReLU()).eval()
+    x = torch.randn(2, 8)
+    result = export_modular(model, (x,), tmp_path / "sn.onnx")
+    assert result.report.ok
+    folded = [i for i in onnx.load(tmp_path / "sn.onnx").graph.initializer if i.name.endswith(".folded")]
+    assert [list(i.dims) for i in folded] == [[]]
+    session = ort.InferenceSession(str(tmp_path / "sn.onnx"), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"input": x.numpy()})[0], model(x).detach().numpy(), atol=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import types
 from collections.abc import Iterator
 
@@ -12,11 +13,13 @@ from onnx_modular.errors import (
     DecompositionError,
     ModularizeError,
     OnnxModularError,
+    SaveError,
     TranslationError,
+    VerificationError,
 )
 from onnx_modular.format.text import first_line
 
-__all__ = ["module_path_from_traceback", "module_path_from_fx_node", "suggested_fixes", "stage_error"]
+__all__ = ["module_path_from_traceback", "module_path_from_fx_node", "module_path_from_names", "suggested_fixes", "stage_error"]
 
 
 def _iter_frames(exc: BaseException) -> Iterator[types.FrameType]:
@@ -65,11 +68,31 @@ def suggested_fixes(exc: BaseException) -> str:
     return " torch suggests: " + "; ".join(fixes[:8]) if fixes else ""
 
 
+def module_path_from_names(exc: BaseException, model: torch.nn.Module) -> str | None:
+    """The module owning the longest parameter or buffer name that the error's messages mention
+    (a weight fold names its initializers after the weights it reads)."""
+    texts = []
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        texts.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    text = "\n".join(texts)
+    found = [
+        name
+        for name, _ in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+        if name in text and re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", text)
+    ]
+    if not found:
+        return None
+    return max(found, key=len).rpartition(".")[0]
+
+
 def stage_error(stage: str, exc: Exception, model: torch.nn.Module) -> OnnxModularError:
     """The typed error for an unexpected exception in one stage of ``export_modular``.
 
     ``stage`` is one of ``"run"`` (the eager reference run), ``"capture"``, ``"decompose"``,
-    ``"translate"``, ``"modularize"``, ``"optimize"``; the error names the module where it can
+    ``"translate"``, ``"modularize"``, ``"optimize"``, ``"save"``, ``"verify"``; the error names the module where it can
     be found and says what to do next.
     """
     what = f"{type(exc).__name__}: {first_line(exc, cause=True)}"
@@ -98,6 +121,21 @@ def stage_error(stage: str, exc: Exception, model: torch.nn.Module) -> OnnxModul
             module_path=module_path_from_fx_node(exc),
             hint="An operator may have no ONNX implementation; the cause below names it. "
             "Rewrite that code or register a custom translation.",
+        )
+    if stage in ("save", "verify"):  # a library's exception (onnx_ir's SerdeError, onnxruntime's)
+        path = module_path_from_traceback(exc, model)
+        if path is None:
+            path = module_path_from_names(exc, model)
+        if stage == "save":
+            return SaveError(
+                f"Writing the model failed: {what}",
+                module_path=path,
+                hint="Export with optimize=False (no weight fold) to narrow it down, and report the model.",
+            )
+        return VerificationError(
+            f"Verification failed: {what}",
+            module_path=path,
+            hint="Export with verify=False to keep the file, check it with `onnx-modular verify`, and report the model.",
         )
     if stage == "optimize":
         return ModularizeError(

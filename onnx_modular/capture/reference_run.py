@@ -153,7 +153,8 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict):
         outputs = _keep_values_where_ambiguous(output_specs(output))
         signatures[(id(module), index)] = CallSignature(specs, outputs, absent)
 
-    with call_hooks(model, pre, post), torch.no_grad():
+    # eager_control_flow: torch.cond branches run eagerly, so the hooks may record inside them
+    with call_hooks(model, pre, post), torch.no_grad(), torch_compat.eager_control_flow():
         outputs = model(*args, **kwargs)
     return outputs, signatures, calls
 

@@ -28,21 +28,23 @@ import onnx_ir as ir
 import torch
 
 __all__ = [
-    "TESTED_TORCH_VERSIONS",
     "ADMITTED_TORCH_VERSIONS",
+    "TESTED_TORCH_VERSIONS",
     "TORCH_VERSION",
-    "check_torch_version",
-    "registry",
-    "library_translations",
+    "DataDependentCaptureWarning",
     "capture",
+    "check_torch_version",
     "decompose",
-    "translate",
     "default_opset",
-    "fx_node_of",
-    "program_values",
     "dynamic_axis_names",
+    "eager_control_flow",
+    "fx_node_of",
+    "library_translations",
     "module_stacks",
+    "program_values",
+    "registry",
     "torch_dtype_to_ir",
+    "translate",
 ]
 
 #: Releases the test suite ran against (``bash scripts/test-torch.sh <version>``).
@@ -123,9 +125,14 @@ def _new_registry(opset: int):
 
 
 def _fill_gaps(reg, libraries: tuple) -> None:
+    from onnx_modular.capture import translations
+
     for torch_op, onnx_op in libraries:
         if not reg.is_registered(torch_op):
             reg.register_op(torch_op, onnx_op, is_complex=False)
+    for torch_op, onnx_op, is_complex in translations.translations():  # ops torchlib lacks
+        if not any(decomp.is_complex == is_complex for decomp in reg.get_decomps(torch_op)):
+            reg.register_op(torch_op, onnx_op, is_complex=is_complex)
 
 
 def library_translations() -> dict[Callable, Callable]:
@@ -143,9 +150,138 @@ def default_opset() -> int:
     return _constants.TORCHLIB_OPSET
 
 
+@contextlib.contextmanager
+def eager_control_flow():
+    """Run ``torch.cond``, ``while_loop``, ``scan``, ``map`` as plain Python in eager mode.
+
+    In eager mode torch runs these higher-order ops through ``torch.compile(fullgraph=True)``
+    (``_higher_order_ops.utils._hop_compile_and_call``), and dynamo refuses branches that
+    mutate state outside them: the forward hooks that record module calls
+    (``UncapturedHigherOrderOpError ... Unsafe side effect``). Whether it refuses depended on
+    dynamo's state left by earlier compilations in the process (issue 21). Called directly,
+    each op dispatches to its eager implementation (``cond``: the branch the predicate picks),
+    which computes the same values without dynamo; ``torch.export`` is not affected (it runs
+    outside this context and traces both branches).
+    """
+    try:
+        from torch._higher_order_ops import utils as hop_utils
+    except ImportError:  # a torch without higher-order ops in Python: nothing to change
+        yield
+        return
+    original = getattr(hop_utils, "_hop_compile_and_call", None)
+    if original is None:
+        yield
+        return
+
+    def call_directly(fn, args, kwargs=None):
+        return fn(*args, **(kwargs or {}))
+
+    hop_utils._hop_compile_and_call = call_directly
+    try:
+        yield
+    finally:
+        hop_utils._hop_compile_and_call = original
+
+
+class DataDependentCaptureWarning(UserWarning):
+    """torch.export could not decide a branch on a tensor's value; the program assumes the
+    example inputs' outcome there (``torch.export.draft_export``)."""
+
+
+def _data_dependent(error: BaseException) -> bool:
+    from torch.fx.experimental import symbolic_shapes
+
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, symbolic_shapes.GuardOnDataDependentSymNode) or "data-dependent" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_shapes) -> torch.export.ExportedProgram:
-    """torch.export in non-strict mode (public API; kept here so all torch entry points sit together)."""
-    return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    """torch.export, non-strict; where that fails on a data-dependent guard, ``draft_export``.
+
+    torch's own exporter tries several strategies in turn (``_capture_strategies``: non-strict,
+    strict, and ``draft_export`` behind a flag that is off by default). A data-dependent guard
+    (``GuardOnDataDependentSymNode: Eq(u0, 1)``: Longformer's and EnCodec's padding sizes kept
+    as tensors) fails non-strict and strict alike, because dynamo meets the same unbacked value;
+    ``draft_export`` instead assumes, at each such guard, what the example inputs give and
+    records it. That program is kept only when every data-dependent value it assumed comes from
+    weights, buffers and constants alone (the same for every input, as a padding size kept in a
+    buffer); a guard on values computed from the inputs (``if x.sum() > 0``) would make the file
+    wrong for other inputs, so the original error is raised. The export warns with the guards
+    assumed (:class:`DataDependentCaptureWarning`). Other failures are raised as they are
+    (docs/design.md, "Capture strategies").
+    """
+    try:
+        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as first:
+        if not _data_dependent(first) or not hasattr(torch.export, "draft_export"):
+            raise
+        try:
+            with warnings.catch_warnings(), _quiet("torch.export._draft_export"):
+                warnings.simplefilter("ignore")
+                program = torch.export.draft_export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        except Exception:  # noqa: BLE001 - the first error is the one that says why
+            raise first from None
+        if _reads_user_inputs(program):  # a branch on input values: no single program is right
+            raise
+    report = getattr(program, "_report", None)
+    failures = getattr(report, "failures", None) or []
+    assumed = sorted({_first_line_of(getattr(f, "reason", None) or str(f)) for f in failures})
+    warnings.warn(
+        "torch.export could not trace a branch on tensor values (data-dependent guard); the program "
+        "was captured with torch.export.draft_export, which assumes what the example inputs give there"
+        + (": " + "; ".join(assumed[:4]) if assumed else "")
+        + ". Inputs that take another branch may need another export.",
+        DataDependentCaptureWarning,
+        stacklevel=3,
+    )
+    return program
+
+
+def _reads_user_inputs(program: torch.export.ExportedProgram) -> bool:
+    """Whether a data-dependent value of the program (ops tagged ``data_dependent_output`` or
+    ``dynamic_output_shape``: ``.item()``, ``nonzero``) is computed from a user input, not only
+    from weights, buffers and constants. Only then can the assumed outcome differ between inputs."""
+    data_dependent = {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape}
+    user_inputs = set(program.graph_signature.user_inputs)
+    # where data-dependent values are born: ops tagged so (item, _local_scalar_dense, nonzero, ...)
+    sources = [
+        node
+        for node in program.graph.nodes
+        if node.op == "call_function" and data_dependent & set(getattr(node.target, "tags", ()))
+    ]
+    seen: set = set()
+    stack = list(sources)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder" and node.name in user_inputs:
+            return True
+        stack.extend(node.all_input_nodes)
+    return False
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    """Silence a torch logger (draft_export logs its whole report as a warning)."""
+    log = logging.getLogger(logger_name)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _first_line_of(text: str) -> str:
+    text = str(text).strip()
+    return text.splitlines()[0][:200] if text else ""
 
 
 def decompose(program: torch.export.ExportedProgram, reg) -> torch.export.ExportedProgram:

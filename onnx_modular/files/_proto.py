@@ -27,6 +27,35 @@ def is_standard_domain(domain: str) -> bool:
 
 
 
+def inline_functions(model: onnx.ModelProto, function_ids: Sequence[tuple[str, str]] | None = None) -> onnx.ModelProto:
+    """``onnx.inliner`` on ``model``: every local function, or those of ``function_ids``.
+
+    Works around an onnx.inliner bug first: an initializer of an If/Loop/Scan body inside a
+    function, read by that body's outputs, is renamed in the initializer list and under another
+    name in the outputs (``row_result__1`` / ``row_result__1_0``), so onnxruntime rejects the copy
+    ("Graph output (row_result__1_0) does not exist", likely onnx/onnx#5816, closed unfixed). Such
+    initializers (onnxscript's optimizer makes them from folded branch constants) become
+    ``Constant`` nodes of their body, which the inliner renames consistently; the values are the same.
+    ``model`` itself is rewritten so (its bodies' initializers become ``Constant`` nodes).
+    """
+    import onnx.inliner
+
+    bodies = [g for n in all_nodes(model.graph.node) for g in subgraphs(n)]
+    bodies += [g for f in model.functions for n in all_nodes(f.node) for g in subgraphs(n)]
+    for graph in bodies:
+        constants = [
+            onnx.helper.make_node("Constant", [], [tensor.name], value=tensor) for tensor in graph.initializer
+        ]
+        if constants:
+            nodes = constants + list(graph.node)
+            del graph.initializer[:]
+            del graph.node[:]
+            graph.node.extend(nodes)
+    if function_ids is None:
+        return onnx.inliner.inline_local_functions(model)
+    return onnx.inliner.inline_selected_functions(model, list(function_ids))
+
+
 def all_nodes(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
     """The nodes and, depth first, the nodes of their If/Loop/Scan subgraphs."""
     stack = [iter(nodes)]

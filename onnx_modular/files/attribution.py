@@ -41,7 +41,7 @@ import onnx.inliner
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree, ModuleCall
 from onnx_modular.errors import InvalidModelFileError
-from onnx_modular.files._proto import all_nodes, function_id, node_id, shown, subgraphs
+from onnx_modular.files._proto import all_nodes, function_id, inline_functions, node_id, shown, subgraphs
 
 __all__ = ["NodeOrigin", "Attribution", "tagged_copy", "attribute", "innermost_common"]
 
@@ -152,7 +152,7 @@ def tagged_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, Node
         specialized.append(body)
     copy.functions.extend(specialized)
     try:
-        flat = onnx.inliner.inline_local_functions(copy)
+        flat = inline_functions(copy)
     except (onnx.checker.ValidationError, RuntimeError) as e:
         raise InvalidModelFileError(
             f"onnx.inliner cannot inline the model: {shown(str(e).strip()[:400])}",

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 import onnx
 import onnx.inliner
 
+from onnx_modular.files._proto import inline_functions
 from onnx_modular.files import save
 from onnx_modular.format import metadata
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
@@ -191,7 +192,7 @@ def inline_model(model: onnx.ModelProto, *, optimize: bool = False) -> onnx.Mode
     ``model``'s functions and call nodes are rewritten on the way (:func:`relocate_calls`; pass a
     copy to keep it). Raises what ``onnx.inliner`` raises.
     """
-    flat = onnx.inliner.inline_local_functions(relocate_calls(model))
+    flat = inline_functions(relocate_calls(model))
     if optimize:
         import onnxscript.optimizer
 

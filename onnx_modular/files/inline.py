@@ -8,11 +8,10 @@ import pathlib
 from collections.abc import Sequence
 
 import onnx
-import onnx.inliner
 
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.files import save
-from onnx_modular.files._proto import shown, uses_external_data
+from onnx_modular.files._proto import inline_functions, shown, uses_external_data
 from onnx_modular.files.checks import check_expanded_size
 from onnx_modular.files.flat import inline_model
 from onnx_modular.files.load import load_external_data, load_model_file
@@ -117,7 +116,7 @@ def inline_file(
         load_external_data(model, pathlib.Path(source).parent, name=repr(str(source)))
     try:
         if only:
-            flat = onnx.inliner.inline_selected_functions(model, _resolve_function_ids(model, only))
+            flat = inline_functions(model, _resolve_function_ids(model, only))
         else:  # each inlined node labelled with its own call (files/flat.py)
             flat = inline_model(model)
     except (onnx.checker.ValidationError, RuntimeError) as e:

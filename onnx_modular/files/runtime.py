@@ -19,10 +19,9 @@ from typing import Any
 
 import numpy as np
 import onnx
-import onnx.inliner
 
 from onnx_modular.errors import ExecutionProviderError, VerificationError
-from onnx_modular.files._proto import uses_external_data
+from onnx_modular.files._proto import inline_functions, uses_external_data
 from onnx_modular.format.text import first_line
 
 __all__ = [
@@ -68,6 +67,7 @@ def session(
     external_data_folder: str | os.PathLike | None = None,
     configure: Callable[[Any], None] | None = None,
     prepacking: bool = True,
+    what: str = "model",
 ):
     """An ``onnxruntime.InferenceSession`` (CPU unless ``execution_provider``) with warnings silenced.
 
@@ -101,11 +101,23 @@ def session(
     try:
         return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
-        raise VerificationError(
-            f"onnxruntime cannot load the model: {first_line(e)}",
-            hint="onnxruntime's CPU kernels do not cover every dtype (bfloat16 arithmetic, for one); "
-            "check the file with `onnx-modular tree`, or verify a float32/float16 export.",
-        ) from e
+        raise VerificationError(f"onnxruntime cannot load the {what}: {first_line(e)}", hint=_load_hint(e, what)) from e
+
+
+def _load_hint(error: Exception, what: str) -> str:
+    """What to do when onnxruntime rejects a model, by the kind of its complaint."""
+    message = str(error)
+    if "NOT_IMPLEMENTED" in message or "Could not find an implementation" in message:
+        return (
+            "onnxruntime has no kernel for an operator with these dtypes (bfloat16 arithmetic on CPU, "
+            "for one); verify a float32/float16 export, or use an execution provider that has it."
+        )
+    if what != "model":
+        return (
+            f"The {what} is made by onnx.inliner from a file onnxruntime loads; skip it with "
+            "verify_flat=False (flat=False in check_file) and report the model."
+        )
+    return "The file is not valid for onnxruntime; check it with `onnx-modular tree` and onnx.checker, and report the model."
 
 
 def run(
@@ -129,7 +141,7 @@ def run(
     sess = (
         model
         if hasattr(model, "get_inputs")
-        else session(model, execution_provider, external_data_folder=external_data_folder)
+        else session(model, execution_provider, external_data_folder=external_data_folder, what=what)
     )
     names = [i.name for i in sess.get_inputs()]
     if not isinstance(feeds, Mapping):
@@ -183,7 +195,7 @@ def flat_copy(path: str | os.PathLike, model: onnx.ModelProto | None = None) -> 
     if model is None:
         model = onnx.load(str(path), load_external_data=False)
     try:
-        flat = onnx.inliner.inline_local_functions(model)
+        flat = inline_functions(model)
     except (onnx.checker.ValidationError, RuntimeError) as e:
         raise VerificationError(
             f"onnx.inliner cannot inline the model: {first_line(e)}",

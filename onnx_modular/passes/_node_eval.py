@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-__all__ = ["evaluator", "infer_shapes", "static_size", "support"]
+__all__ = ["FoldedShapeError", "evaluator", "infer_shapes", "static_size", "support"]
 
 
 def static_size(value: ir.Value) -> int | None:
@@ -123,27 +123,51 @@ def _run_into(session, feeds: dict[str, np.ndarray], output_name: str, shape: tu
     return result
 
 
+class FoldedShapeError(ValueError):
+    """A computed value has another shape or dtype than the value it is to replace."""
+
+
 def evaluator(value: ir.Value, sources: list[ir.Value], opset: int):
     """A function computing ``value`` from the sources' tensors: onnxruntime on a tiny model
     (optimizations off), or onnx's reference evaluator for dtypes onnxruntime's Python API cannot
     take. The tiny model holds no weights: they are read (``const_value.numpy()``) only when called.
+
+    The result has exactly the dtype and shape of ``value`` (what onnx's shape inference gave it),
+    or the function raises :class:`FoldedShapeError`: where onnxruntime's result has another shape
+    or dtype, onnx's reference evaluator (the specification's implementation) decides.
     """
     names: dict[ir.Value, str] = {}
     model_bytes = _proto(support([value]), sources, [value], opset, names).SerializeToString()
     tensors = [v.const_value for v in sources]
-    inputs, output_name, shape = [names[v] for v in sources], names[value], tuple(value.shape.numpy())
+    inputs, output_name, shape, dtype = [names[v] for v in sources], names[value], tuple(value.shape.numpy()), value.dtype
+
+    def reference(feeds) -> np.ndarray:
+        from onnx.reference import ReferenceEvaluator
+
+        (result,) = ReferenceEvaluator(onnx.load_from_string(model_bytes)).run([output_name], feeds)
+        return _contiguous(result)
+
+    def matches(result: np.ndarray) -> bool:
+        return result.shape == shape and ir.tensor(result).dtype == dtype
 
     def compute() -> ir.Tensor:
         feeds = {name: t.numpy() for name, t in zip(inputs, tensors)}
         try:
             result = _run_into(_session(model_bytes), feeds, output_name, shape, value.dtype)
         except Exception:  # noqa: BLE001 - a dtype onnxruntime's Python API cannot take (bfloat16)
-            from onnx.reference import ReferenceEvaluator
-
-            (result,) = ReferenceEvaluator(onnx.load_from_string(model_bytes)).run([output_name], feeds)
-        result = np.ascontiguousarray(result)
-        if result.shape != shape:
-            raise ValueError(f"Folded value {output_name}: shape {result.shape}, expected {shape}.")
+            result = reference(feeds)
+        else:
+            if not matches(result):
+                result = reference(feeds)
+        if not matches(result):
+            raise FoldedShapeError(
+                f"Folded value {output_name}: {ir.tensor(result).dtype} {result.shape}, expected {dtype} {shape}."
+            )
         return ir.tensor(result)
 
     return compute
+
+
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    # not np.ascontiguousarray, which turns a scalar (shape ()) into shape (1,)
+    return np.asarray(array, order="C")

@@ -42,6 +42,7 @@ from collections.abc import Callable, Collection, Iterable
 import onnx_ir as ir
 
 from onnx_modular.format import metadata
+from onnx_modular.passes._node_eval import FoldedShapeError
 from onnx_modular.passes._node_eval import evaluator as _evaluator
 from onnx_modular.passes._node_eval import infer_shapes as _infer_shapes
 from onnx_modular.passes._node_eval import static_size as _static_size
@@ -512,12 +513,21 @@ def _store_folded_initializers(model: ir.Model) -> bool:
     stored = []
     for value in frontier:
         sources = _graph_sources(value)
-        name = _unique(_main_name(value, sources), taken)
         if _is_constant_node(value.producer()):  # a lifted Constant: its own tensor
-            tensor = ir.tensor(ir.convenience.get_const_tensor(value).numpy(), name=name)
+            tensor = ir.tensor(ir.convenience.get_const_tensor(value).numpy())
         else:  # computed (from weights, read lazily) when the file is written
-            tensor = ir.LazyTensor(_evaluator(value, sources, opset), dtype=value.dtype, shape=ir.Shape(value.shape.numpy()), name=name)
-        stored.append((value, name, sources, tensor))
+            compute = _evaluator(value, sources, opset)
+            if _in_memory(sources) and sum(v.const_value.size for v in sources) <= INPUT_SIZE_LIMIT:
+                # small weights in memory: computed now, so that a value that cannot be computed with
+                # exactly the shape and dtype it replaces stays unfolded (its nodes stay in the graph);
+                # weights read lazily (streamed) stay unread, and a mismatch then fails the save
+                try:
+                    compute = _constant(compute())
+                except FoldedShapeError:
+                    continue
+            tensor = ir.LazyTensor(compute, dtype=value.dtype, shape=ir.Shape(value.shape.numpy()))
+        tensor.name = _unique(_main_name(value, sources), taken)
+        stored.append((value, tensor.name, sources, tensor))
     lifted = json.loads(model.metadata_props.get(metadata.LIFTED_CONSTANTS, "[]"))
     for value, name, sources, tensor in stored:
         initializer = ir.Value(name=name, type=value.type, shape=value.shape)
@@ -527,10 +537,19 @@ def _store_folded_initializers(model: ir.Model) -> bool:
         ir.convenience.replace_all_uses_with(value, initializer)
         graph.register_initializer(initializer)
     for node in reversed(folded):
-        graph.remove(node, safe=True)
+        if not any(out.uses() or out.is_graph_output() for out in node.outputs):  # else: not folded
+            graph.remove(node, safe=True)
     if lifted:
         model.metadata_props[metadata.LIFTED_CONSTANTS] = json.dumps(lifted)
     return True
+
+
+def _in_memory(sources: list[ir.Value]) -> bool:
+    return not any(isinstance(v.const_value, ir.LazyTensor) for v in sources)
+
+
+def _constant(tensor: ir.Tensor):
+    return lambda: tensor
 
 
 def _graph_sources(value: ir.Value) -> list[ir.Value]:

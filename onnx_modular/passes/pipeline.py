@@ -45,6 +45,7 @@ from onnx_modular.passes.opset_conversion import ConvertOpsetPass
 from onnx_modular.passes.opset_imports import AddOpsetImportsPass
 from onnx_modular.passes.optimize import OptimizeFunctionsPass
 from onnx_modular.passes.remove_unused import RemoveUnusedPass
+from onnx_modular.passes.specialized_dims import FixSpecializedDimsPass
 from onnx_modular.passes.standard_ops import FuseStandardOpsPass
 from onnx_modular.passes.static_shapes import FoldStaticShapesPass
 
@@ -75,6 +76,7 @@ def translated_passes(
         RenameDynamicAxesPass(axis_names),
         *([weights] if weights is not None else []),
         NameGraphInputsOutputsPass(input_names, output_names),
+        FixSpecializedDimsPass(warn=True),  # after the names: the warning names the input
         SetDefaultOpsetPass(opset),
     ]
 

@@ -297,3 +297,70 @@ Leaf (a) => (out) { s = Constant <value = int64[2] {2, 4}> ()  out = Reshape(a, 
     assert sorted(model.graph.initializers) == ["const_int64_2_4", "const_int64_8"]
     ir.passes.common.CheckerPass(full_check=True)(model)  # every body topologically sorted
     np.testing.assert_array_equal(_run(model, x=x)[0], expected[0])
+
+
+def test_scalar_fold_keeps_its_shape():
+    # spectral norm's sigma, u . (W v): two 1-D MatMuls give a scalar (shape ()), which a folded
+    # value must keep exactly (it came back as (1,) and failed the save, issue 21)
+    text = HEADER + """
+main (float[2,3] x) => (float[2,3] y) { y = pkg.test.Norm(x, w, u, v) }
+<domain: "pkg.test", opset_import: ["" : 18]>
+Norm (input, weight, u, v) => (output) {
+  wv = MatMul(weight, v)
+  sigma = MatMul(u, wv)
+  output = Div(input, sigma)
+}"""
+    rng = np.random.default_rng(0)
+    arrays = {"w": rng.standard_normal((3, 3), np.float32), "u": rng.standard_normal(3, np.float32), "v": rng.standard_normal(3, np.float32)}
+    x = rng.standard_normal((2, 3), np.float32)
+    model = _model(text, **arrays)
+    expected = _run(model, x=x)
+
+    assert FoldWeightsPass()(model).modified
+    assert _ops(_function(model, "Norm")) == ["Div"]
+    (folded,) = [v for name, v in model.graph.initializers.items() if name.endswith(".folded")]
+    assert folded.shape == ir.Shape([]) and folded.const_value.numpy().shape == ()
+    proto = ir.to_proto(model)  # serializes the folded tensor
+    assert next(d for d in proto.graph.initializer if d.name == folded.name).dims == []
+    np.testing.assert_allclose(_run(model, x=x)[0], expected[0], rtol=1e-6)
+
+
+def test_value_not_computable_with_its_shape_is_not_folded(monkeypatch):
+    # when the computed tensor has another shape than the value it would replace (here a shape
+    # declared wrong on purpose after onnx's inference), the value is not folded: its nodes stay
+    # in the main graph, reading the weights, and the model still serializes and runs
+    from onnx_modular.passes import fold_weights
+
+    infer = fold_weights._infer_shapes
+
+    def wrong_shapes(nodes, inputs, opset):
+        infer(nodes, inputs, opset)
+        for node in nodes:
+            if node.op_type == "Transpose":
+                node.outputs[0].shape = ir.Shape([9])
+
+    monkeypatch.setattr(fold_weights, "_infer_shapes", wrong_shapes)
+    text = HEADER + """
+main (float[2,3] x) => (float[2,3] y) { y = pkg.test.Linear(x, w) }""" + LINEAR
+    w = np.arange(9, dtype=np.float32).reshape(3, 3)
+    x = np.ones((2, 3), np.float32)
+    model = _model(text, w=w)
+    expected = _run(model, x=x)
+    FoldWeightsPass()(model)
+    assert set(model.graph.initializers) == {"w"}
+    assert [node.op_type for node in model.graph] == ["Transpose", "Linear"]
+    model.graph.node(0).outputs[0].shape = ir.Shape([3, 3])  # the wrong shape was ours
+    np.testing.assert_allclose(_run(model, x=x)[0], expected[0])
+
+
+def test_evaluator_rejects_a_result_of_another_shape():
+    from onnx_modular.passes._node_eval import FoldedShapeError, evaluator
+
+    source = ir.Value(name="w", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([3]))
+    source.const_value = ir.tensor(np.ones(3, np.float32))
+    node = ir.Node("", "ReduceSum", [source], attributes=[ir.AttrInt64("keepdims", 1)])
+    node.outputs[0].dtype, node.outputs[0].shape = ir.DataType.FLOAT, ir.Shape([])  # keepdims gives (1,)
+    with pytest.raises(FoldedShapeError, match=r"\(1,\), expected FLOAT \(\)"):
+        evaluator(node.outputs[0], [source], 18)()
+    node.outputs[0].shape = ir.Shape([1])
+    assert evaluator(node.outputs[0], [source], 18)().numpy().shape == (1,)

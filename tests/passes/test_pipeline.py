@@ -34,7 +34,9 @@ def test_modularize_and_translated_lists():
         "AnnotateStacksPass", "InlineHelperFunctionsPass", "RemoveUnusedPass", "OutlineModuleCallsPass", "NameFunctionsPass",
     ]
     names = _names(pipeline.translated_passes(axis_names={}, input_names=["x"], output_names=["y"], opset=18))
-    assert names == ["RenameDynamicAxesPass", "NameGraphInputsOutputsPass", "SetDefaultOpsetPass"]
+    assert names == [
+        "RenameDynamicAxesPass", "NameGraphInputsOutputsPass", "FixSpecializedDimsPass", "SetDefaultOpsetPass",
+    ]
 
 
 def test_a_typed_error_of_a_pass_is_raised_as_itself():

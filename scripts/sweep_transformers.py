@@ -1,0 +1,671 @@
+#!/usr/bin/env python
+"""Sweep every model type transformers ships: tiny config, random weights, valid inputs, then
+``torch.onnx.export(dynamo=True)`` (flat) and ``export_modular``, each in a time- and
+memory-bounded child process. Writes ``docs/coverage.md`` (totals first) and a JSON beside it.
+
+    python scripts/sweep_transformers.py                       # every type: base models, then heads
+    python scripts/sweep_transformers.py --sample              # the ~20 architectures of the test suite
+    python scripts/sweep_transformers.py --types llama,bert --heads
+    python scripts/sweep_transformers.py --compare old.json    # also list what regressed
+    python scripts/sweep_transformers.py --resume              # keep rows already in the JSON
+
+Each architecture gets a configuration shrunk from its default one by the rules of
+:func:`tiny_config` (hidden sizes, layers, heads, experts, vocabulary, image and audio sizes),
+with per-architecture :data:`OVERRIDES`, random weights (seed 0) and inputs from
+:func:`make_inputs` (token ids, pixels, audio features by the model's main input). The children
+are forked from this process after torch and transformers are imported (no import cost per
+child); each has a time limit (``--timeout``) and an address-space limit (``--memory-gb``).
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import inspect
+import json
+import multiprocessing
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+#: Architectures of the default test suite's sample (tests/test_sweep.py): decoder, encoder,
+#: encoder-decoder, vision, audio, multimodal, state-space, mixture of experts.
+SAMPLE = (
+    "llama", "gpt2", "qwen2", "bert", "deberta-v2", "roberta", "t5", "bart", "vit", "swin",
+    "convnext", "resnet", "whisper", "wav2vec2", "clip", "mamba", "mamba2", "mixtral", "qwen2_moe", "falcon",
+)
+
+#: Per-architecture config overrides, applied after the generic shrinking rules.
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "deberta-v2": {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "position_buckets": 8, "max_relative_positions": 16},
+    "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": 16, "expand": 2},
+    "whisper": {"max_source_positions": 32, "max_target_positions": 32},
+    "swin": {"image_size": 224},  # windows of 7 over a 56 x 56 grid: smaller grids break its masks
+}
+
+BATCH, SEQUENCE = 2, 8
+HIDDEN = 32
+
+_HIDDEN_KEYS = {
+    "hidden_size", "d_model", "n_embd", "embed_dim", "hidden_dim", "d_embed", "dim", "word_embed_proj_dim",
+    "projection_dim", "encoder_hidden_size", "decoder_hidden_size", "text_hidden_size",
+}
+_LAYER_KEYS = {
+    "num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
+    "num_encoder_layers", "num_decoder_layers", "num_text_layers", "num_vision_layers",
+}
+_HEAD_KEYS = {"num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads"}
+_KV_HEAD_KEYS = {"num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"}
+_FFN_KEYS = {
+    "intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff", "ffn_hidden_size",
+    "decoder_intermediate_size", "encoder_intermediate_size",
+}
+_SMALL_FFN_KEYS = {"moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"}
+_EXPERT_KEYS = {"num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"}
+_TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"}
+_HEAD_DIM_KEYS = {"head_dim", "attention_head_dim", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"}
+_RANK_KEYS = {"kv_lora_rank", "q_lora_rank"}
+
+
+def _special_ids(values: dict[str, Any]) -> set[int]:
+    found = set()
+    for key, value in values.items():
+        if key.endswith(("_token_id", "_token_index", "_id")) and isinstance(value, int):
+            found.add(value)
+        elif key.endswith("_token_id") and isinstance(value, list):
+            found.update(v for v in value if isinstance(v, int))
+    return found
+
+
+def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """Constructor arguments that shrink ``config`` (the rules; sub-configs recursively, keeping
+    the vocabulary above the token ids of the enclosing config, LLaVA's image token)."""
+    values = config.to_dict()
+    special = _special_ids(values) | inherited_ids
+    sub_configs = set(getattr(config, "sub_configs", {}) or {})
+    layers = next((values[k] for k in _LAYER_KEYS if isinstance(values.get(k), int)), None)
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in sub_configs or (isinstance(value, dict) and hasattr(getattr(config, key, None), "to_dict")):
+            sub = getattr(config, key, None)
+            if sub is not None and hasattr(sub, "to_dict"):
+                out[key] = {**sub.to_dict(), **_shrunk(sub, frozenset(special))}
+            continue
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int):
+            if key in _HIDDEN_KEYS and value > HIDDEN:
+                out[key] = HIDDEN
+            elif key in _LAYER_KEYS and value > 2 or key in _HEAD_KEYS and value > 2:
+                out[key] = 2
+            elif key in _KV_HEAD_KEYS and value > 1:
+                out[key] = 1
+            elif key in _FFN_KEYS and value > 2 * HIDDEN:
+                out[key] = 2 * HIDDEN
+            elif key in _SMALL_FFN_KEYS and value > HIDDEN:
+                out[key] = HIDDEN
+            elif key in _EXPERT_KEYS and value > 4:
+                out[key] = 4
+            elif key in _TOPK_KEYS and value > 2:
+                out[key] = 2
+            elif key in _HEAD_DIM_KEYS and value > 16:
+                out[key] = 16
+            elif key in _RANK_KEYS and value > HIDDEN:
+                out[key] = HIDDEN
+            elif key == "image_size" and value > 32:
+                out[key] = 32
+            elif key == "patch_size" and value > 8:
+                out[key] = 8
+            elif key == "vocab_size" and value > 512:
+                out[key] = max(512, max(special, default=0) + 1)
+            elif key in ("num_conv_pos_embeddings",) and value > 16:
+                out[key] = 16
+            elif key in ("num_conv_pos_embedding_groups",) and value > 2:
+                out[key] = 2
+            elif key == "max_source_positions" and value > 64:
+                out[key] = 64
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            if key in ("hidden_sizes", "dims", "embed_dims", "neck_hidden_sizes"):
+                out[key] = [min(v, 8 * 2**i) for i, v in enumerate(value)]
+            elif key in ("depths", "num_layers_per_stage", "layers_per_stage"):
+                out[key] = [1] * len(value)
+            elif key in ("num_heads", "attention_heads", "num_attention_heads"):
+                out[key] = [min(v, 2) for v in value]
+            elif key == "conv_dim":
+                out[key] = [HIDDEN] * len(value)
+        if layers and isinstance(value, (list, tuple)) and len(value) == layers and key not in out and layers > 2:
+            out[key] = list(value)[:2]  # per-layer lists (layer_types, ...) follow the layer count
+    accepted = _init_parameters(type(config))
+    return {key: value for key, value in out.items() if accepted is None or key in accepted}
+
+
+def _init_parameters(config_class) -> set[str] | None:
+    """The constructor's named parameters (derived attributes, Swin's num_layers, are not)."""
+    try:
+        parameters = inspect.signature(config_class.__init__).parameters
+    except (TypeError, ValueError):
+        return None
+    named = {name for name, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return named if len(named) > 1 else None
+
+
+def tiny_config(model_type: str):
+    """The default config of ``model_type``, shrunk by :func:`_shrunk` and :data:`OVERRIDES`."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    kwargs = {**_shrunk(default), **OVERRIDES.get(model_type, {})}
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def _forward_parameters(model) -> set[str]:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _token_ids(config, shape, generator):
+    import torch
+
+    text = getattr(config, "text_config", None) or config
+    vocab = getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or 100
+    special = _special_ids(config.to_dict()) | _special_ids(text.to_dict() if hasattr(text, "to_dict") else {})
+    allowed = [i for i in range(3, min(vocab, 100)) if i not in special] or [0]
+    index = torch.randint(0, len(allowed), shape, generator=generator)
+    return torch.tensor(allowed)[index]
+
+
+def _image_size(config) -> tuple[int, int]:
+    size = getattr(config, "image_size", None) or 32
+    if isinstance(size, (list, tuple)):
+        return int(size[0]), int(size[-1])
+    if isinstance(size, dict):
+        return int(size.get("height", 32)), int(size.get("width", 32))
+    return int(size), int(size)
+
+
+def make_inputs(model, config) -> dict[str, Any]:
+    """Valid example inputs by the model's main input (token ids, pixels, audio), batch 2."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    parameters = _forward_parameters(model)
+    main = getattr(model, "main_input_name", "input_ids")
+    inputs: dict[str, Any] = {}
+    if main == "pixel_values" or ("pixel_values" in parameters and "input_ids" not in parameters):
+        vision = getattr(config, "vision_config", None) or config
+        height, width = _image_size(vision)
+        channels = getattr(vision, "num_channels", 3) or 3
+        inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
+    elif main == "input_features":
+        bins = getattr(config, "num_mel_bins", None) or getattr(config, "feature_size", None) or 80
+        if getattr(config, "max_source_positions", None) and getattr(config, "model_type", "") in ("whisper",):
+            inputs["input_features"] = torch.randn(BATCH, bins, 2 * config.max_source_positions, generator=generator)
+        else:
+            frames = 64
+            shape = (BATCH, frames, bins) if "speech_to_text" in config.model_type else (BATCH, bins, frames)
+            inputs["input_features"] = torch.randn(*shape, generator=generator)
+    elif main == "input_values":
+        inputs["input_values"] = torch.randn(BATCH, 4000, generator=generator)
+    else:
+        inputs["input_ids"] = _token_ids(config, (BATCH, SEQUENCE), generator)
+        if "attention_mask" in parameters:
+            inputs["attention_mask"] = torch.ones(BATCH, SEQUENCE, dtype=torch.long)
+        image_tokens = [k for k in config.to_dict() if k.startswith(("image_token", "video_token"))]
+        vision = getattr(config, "vision_config", None)
+        if "pixel_values" in parameters and vision is not None and not image_tokens:  # dual encoders (CLIP)
+            height, width = _image_size(vision)
+            channels = getattr(vision, "num_channels", 3) or 3
+            inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
+    if "use_cache" in parameters:  # no cache object in the outputs: torch.export needs its pytree registered
+        inputs["use_cache"] = False
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
+        inputs["decoder_input_ids"] = _token_ids(config, (BATCH, 4), generator)
+    return inputs
+
+
+def build(model_type: str, class_name: str):
+    """(model, inputs, expected outputs as a list of tensors) with random weights, seed 0."""
+    import torch
+    import transformers
+
+    config = tiny_config(model_type)
+    torch.manual_seed(0)
+    model = getattr(transformers, class_name)._from_config(config).eval()
+    inputs = make_inputs(model, config)
+    with torch.no_grad():
+        expected = model(**inputs)
+    return model, inputs, _tensors(expected)
+
+
+def _tensors(output) -> list:
+    import torch
+
+    leaves = torch.utils._pytree.tree_leaves(output.to_tuple() if hasattr(output, "to_tuple") else output)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def _depth(call, level: int = 0) -> int:
+    return max([level] + [_depth(child, level + 1) for child in call.children])
+
+
+# -- one exporter in a child ---------------------------------------------------------------
+
+
+def _job_modular(model_type: str, class_name: str) -> dict[str, Any]:
+    from onnx_modular import export_modular
+
+    record: dict[str, Any] = {}
+    start = time.perf_counter()
+    model, inputs, _ = build(model_type, class_name)
+    record["built"] = True
+    record["build_seconds"] = time.perf_counter() - start
+    try:
+        result = export_modular(model, (), kwargs=inputs)
+    except Exception as e:
+        record.update(ok=False, stage=getattr(e, "stage", "export"), error=_first_line(e), report=_report_of(e))
+        return record
+    record.update(
+        ok=result.report.ok,
+        functions=len(result.model.functions),
+        depth=_depth(result.hierarchy.root),
+        max_abs=_max_abs(result.report),
+    )
+    return record
+
+
+def _report_of(error) -> float | None:
+    report = getattr(error, "report", None)
+    return _max_abs(report) if report is not None else None
+
+
+def _max_abs(report) -> float | None:
+    values = [o.modular_max_abs for o in report.outputs if getattr(o, "modular_max_abs", None) is not None]
+    return max(values) if values else None
+
+
+def _job_flat(model_type: str, class_name: str) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    record: dict[str, Any] = {}
+    start = time.perf_counter()
+    model, inputs, expected = build(model_type, class_name)
+    record["built"] = True
+    record["build_seconds"] = time.perf_counter() - start
+    try:
+        program = torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False)
+    except Exception as e:
+        record.update(ok=False, stage="export", error=_first_line(e))
+        return record
+    try:
+        outputs = program(**{k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)})  # constants are in the graph
+    except Exception as e:
+        record.update(ok=False, stage="run", error=_first_line(e))
+        return record
+    if len(outputs) != len(expected):
+        record.update(ok=False, stage="verify", error=f"{len(outputs)} outputs, PyTorch has {len(expected)}")
+        return record
+    worst, ok = 0.0, True
+    for got, want in zip(outputs, expected):
+        got, want = np.asarray(got.detach().numpy(), np.float64), np.asarray(want.detach().numpy(), np.float64)
+        if got.shape != want.shape:
+            ok = False
+            record["error"] = f"shape {list(got.shape)} != {list(want.shape)}"
+            continue
+        if got.size:
+            worst = max(worst, float(np.max(np.abs(got - want))))
+            ok = ok and bool(np.allclose(got, want, rtol=1e-3, atol=1e-4))  # onnx_modular's float32 default
+    record.update(ok=ok, max_abs=worst)
+    if not ok:
+        record.setdefault("stage", "verify")
+        record.setdefault("error", f"max abs difference {worst:.3g}")
+    return record
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's first line; for torch.onnx's errors, the first line of its exception summary."""
+    text = str(error).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = lines[0] if lines else ""
+    if "## Exception summary" in lines:
+        line = lines[lines.index("## Exception summary") + 1] if lines.index("## Exception summary") + 1 < len(lines) else line
+    elif lines and line.startswith("[") and "]" in line and len(lines) > 1 and len(line) < 60:
+        line = " ".join(lines[:2])
+    return f"{type(error).__name__}: {line[:300]}"
+
+
+_JOBS = {"flat": _job_flat, "modular": _job_modular}
+
+
+def _child(kind: str, model_type: str, class_name: str, memory_bytes: int, connection) -> None:
+    os.nice(0)
+    try:
+        if memory_bytes:
+            _, hard = resource.getrlimit(resource.RLIMIT_AS)
+            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
+        warnings.simplefilter("ignore")
+        import logging
+
+        logging.disable(logging.WARNING)
+        record = _JOBS[kind](model_type, class_name)
+    except MemoryError:
+        record = {"ok": False, "stage": "memory", "error": "MemoryError: over the memory limit"}
+    except BaseException as e:  # noqa: BLE001 - everything is recorded
+        record = {"ok": False, "stage": "build", "error": _first_line(e), "trace": traceback.format_exc()[-2000:]}
+    try:
+        connection.send(record)
+    finally:
+        connection.close()
+
+
+def run_child(kind: str, model_type: str, class_name: str, timeout: float, memory_gb: float) -> dict[str, Any]:
+    """One exporter on one architecture in a forked child, bounded in time and address space."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    memory = int(memory_gb * 2**30) + _address_space() if memory_gb else 0
+    start = time.perf_counter()
+    process = context.Process(target=_child, args=(kind, model_type, class_name, memory, send), daemon=True)
+    process.start()
+    send.close()
+    record = None
+    if receive.poll(timeout):
+        try:
+            record = receive.recv()
+        except EOFError:
+            record = None
+    process.join(5)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    if record is None:
+        if time.perf_counter() - start >= timeout:
+            record = {"ok": False, "stage": "timeout", "error": f"over {timeout:.0f} s"}
+        else:
+            record = {"ok": False, "stage": "crash", "error": f"child exited with code {process.exitcode}"}
+    record["seconds"] = round(time.perf_counter() - start, 1)
+    return record
+
+
+def _address_space() -> int:
+    """This process's virtual size (torch maps several GB before any work): the limit adds to it."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# -- the list of architectures -----------------------------------------------------------
+
+
+def architectures(heads: bool = True) -> list[tuple[str, str, str]]:
+    """``(model_type, class name, task)`` for every model type: base models first, then heads."""
+    import transformers
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    rows = []
+    types = sorted(configuration_auto.CONFIG_MAPPING_NAMES)
+    for model_type in types:
+        name = modeling_auto.MODEL_MAPPING_NAMES.get(model_type)
+        for class_name in _names(name):
+            if hasattr(transformers, class_name):
+                rows.append((model_type, class_name, "base"))
+    if heads:
+        mappings = sorted(n for n in dir(modeling_auto) if n.startswith("MODEL_FOR_") and n.endswith("_MAPPING_NAMES"))
+        seen = {row[1] for row in rows}
+        for model_type in types:
+            for mapping in mappings:
+                task = mapping[len("MODEL_FOR_") : -len("_MAPPING_NAMES")].lower().replace("_", "-")
+                for class_name in _names(getattr(modeling_auto, mapping).get(model_type)):
+                    if class_name not in seen and hasattr(transformers, class_name):
+                        seen.add(class_name)
+                        rows.append((model_type, class_name, task))
+    return rows
+
+
+def _names(value) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)]
+
+
+# -- the report ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Row:
+    model_type: str
+    class_name: str
+    task: str
+    built: bool = False
+    flat_ok: bool = False
+    modular_ok: bool = False
+    functions: int | None = None
+    depth: int | None = None
+    max_abs: float | None = None
+    flat_max_abs: float | None = None
+    flat_stage: str | None = None
+    flat_error: str | None = None
+    stage: str | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return self.class_name
+
+
+def sweep_one(model_type: str, class_name: str, task: str, timeout: float, memory_gb: float) -> Row:
+    row = Row(model_type, class_name, task)
+    flat = run_child("flat", model_type, class_name, timeout, memory_gb)
+    modular = run_child("modular", model_type, class_name, timeout, memory_gb)
+    row.built = bool(flat.get("built") or modular.get("built"))
+    row.flat_ok = bool(flat.get("ok"))
+    row.flat_max_abs = flat.get("max_abs")
+    if not row.flat_ok:
+        row.flat_stage, row.flat_error = flat.get("stage"), flat.get("error")
+    row.modular_ok = bool(modular.get("ok"))
+    row.functions, row.depth, row.max_abs = modular.get("functions"), modular.get("depth"), modular.get("max_abs") or modular.get("report")
+    if not row.modular_ok:
+        row.stage, row.error = modular.get("stage"), modular.get("error")
+    row.seconds = round(flat.get("seconds", 0) + modular.get("seconds", 0), 1)
+    return row
+
+
+def _environment() -> dict[str, str]:
+    import onnxruntime
+    import onnxscript
+    import torch
+    import transformers
+
+    commit = os.environ.get("SWEEP_COMMIT", "")  # a sweep run from an exported snapshot of a commit
+    if not commit:
+        try:
+            git = ["git", "rev-parse", "--short", "HEAD"]
+            commit = subprocess.run(git, cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip() or "?"
+        except OSError:
+            commit = "?"
+    return {
+        "commit": commit,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "onnxscript": onnxscript.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def totals(rows: list[Row]) -> dict[str, int]:
+    return {
+        "tried": len(rows),
+        "built": sum(r.built for r in rows),
+        "flat_ok": sum(r.flat_ok for r in rows),
+        "modular_ok": sum(r.modular_ok for r in rows),
+        "both_ok": sum(r.flat_ok and r.modular_ok for r in rows),
+        "flat_only": sum(r.flat_ok and not r.modular_ok for r in rows),
+        "modular_only": sum(r.modular_ok and not r.flat_ok for r in rows),
+    }
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.2g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, str], planned: int, notes: str = "") -> None:
+    t = totals(rows)
+    lines = [
+        "# Coverage: transformers architectures",
+        "",
+        f"Generated by `scripts/sweep_transformers.py` on commit {environment['commit']}, torch {environment['torch']}, "
+        f"transformers {environment['transformers']}, onnxscript {environment['onnxscript']}, onnxruntime "
+        f"{environment['onnxruntime']} ({environment['date']}). Tiny configs from the defaults, random weights, "
+        "batch 2; flat = `torch.onnx.export(dynamo=True)` then onnxruntime vs PyTorch, modular = `export_modular` "
+        "(its own parity check, modular and inlined copy); both with atol 1e-4 / rtol 1e-3.",
+        "",
+        "## Totals",
+        "",
+        "| tried | of planned | built | flat ok | modular ok | both | flat only | modular only |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| {t['tried']} | {planned} | {t['built']} | {t['flat_ok']} | {t['modular_ok']} | {t['both_ok']} | {t['flat_only']} | {t['modular_only']} |",
+        "",
+    ]
+    if notes:
+        lines += [notes.strip(), ""]
+    flat_only = [r for r in rows if r.flat_ok and not r.modular_ok]
+    lines += ["## Flat exports, modular does not", ""]
+    lines += [f"- `{r.class_name}` ({r.model_type}): {r.stage}: {_cell(r.error)}" for r in flat_only] or ["None."]
+    lines += [
+        "",
+        "## Every architecture",
+        "",
+        "| model type | class | task | built | flat | modular | functions | depth | max abs (modular) | max abs (flat) | failing stage | first error line | s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        stage = r.stage or (f"flat: {r.flat_stage}" if r.flat_stage else "")
+        error = r.error or r.flat_error
+        lines.append(
+            f"| {r.model_type} | {r.class_name} | {r.task} | {_cell(r.built)} | {_cell(r.flat_ok)} | {_cell(r.modular_ok)} | "
+            f"{_cell(r.functions)} | {_cell(r.depth)} | {_cell(r.max_abs)} | {_cell(r.flat_max_abs)} | {_cell(stage)} | "
+            f"{_cell((error or '')[:160])} | {r.seconds:.0f} |"
+        )
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+
+
+def write_json(path: pathlib.Path, rows: list[Row], environment: dict[str, str], planned: int) -> None:
+    data = {"environment": environment, "planned": planned, "totals": totals(rows), "rows": [dataclasses.asdict(r) for r in rows]}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def read_rows(path: pathlib.Path) -> list[Row]:
+    data = json.loads(path.read_text())
+    return [Row(**row) for row in data["rows"]]
+
+
+def regressions(old: list[Row], new: list[Row]) -> list[str]:
+    """What worked in ``old`` and does not in ``new`` (built, flat, modular), by class."""
+    before = {r.key: r for r in old}
+    found = []
+    for r in new:
+        o = before.get(r.key)
+        if o is None:
+            continue
+        for field, label in (("built", "built"), ("flat_ok", "flat"), ("modular_ok", "modular")):
+            if getattr(o, field) and not getattr(r, field):
+                detail = r.error if field != "flat_ok" else r.flat_error
+                found.append(f"{r.class_name} ({r.model_type}): {label} regressed: {detail or ''}".strip())
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--types", help="comma-separated model types (default: every type)")
+    parser.add_argument("--sample", action="store_true", help="the sample of the default test suite")
+    parser.add_argument("--heads", action="store_true", help="also task heads (default with no --types/--sample)")
+    parser.add_argument("--no-heads", action="store_true", help="base models only")
+    parser.add_argument("--limit", type=int, help="at most this many architectures")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds per exporter and architecture")
+    parser.add_argument("--memory-gb", type=float, default=6, help="address space per child beyond the parent's")
+    parser.add_argument("--output", default=str(ROOT / "docs" / "coverage.md"))
+    parser.add_argument("--json", help="default: the output with .json")
+    parser.add_argument("--compare", help="an older JSON: list regressions")
+    parser.add_argument("--resume", action="store_true", help="keep the rows already in the JSON, sweep the rest")
+    parser.add_argument("--order", choices=("shuffled", "alphabetical"), default="shuffled",
+                        help="shuffled (default): the sample, then base models, then heads, each in a fixed random order")
+    parser.add_argument("--notes", default="", help="text put under the totals")
+    parser.add_argument("--render", help="only write the Markdown from this JSON (with --notes), no sweep")
+    args = parser.parse_args(argv)
+    if args.render:
+        data = json.loads(pathlib.Path(args.render).read_text())
+        rows = [Row(**row) for row in data["rows"]]
+        write_markdown(pathlib.Path(args.output), rows, data["environment"], data["planned"], args.notes)
+        return 0
+
+    import torch  # noqa: F401 - imported before forking: the children share it
+    import transformers  # noqa: F401
+
+    import onnx_modular.export  # noqa: F401
+
+    output = pathlib.Path(args.output)
+    json_path = pathlib.Path(args.json) if args.json else output.with_suffix(".json")
+    heads = not args.no_heads and (args.heads or not (args.types or args.sample))
+    planned = architectures(heads=heads)
+    if args.sample or args.types:
+        wanted = list(SAMPLE) if args.sample else args.types.split(",")
+        planned = [row for row in planned if row[0] in wanted]
+    elif args.order == "shuffled":  # the sample first, then the rest in a fixed random order:
+        import random  # a sweep cut short by its time budget still covers every kind of model
+
+        rest = [row for row in planned if row[0] not in SAMPLE or row[2] != "base"]
+        random.Random(0).shuffle(rest)
+        base = [row for row in rest if row[2] == "base"]
+        planned = [row for row in planned if row[0] in SAMPLE and row[2] == "base"] + base + [r for r in rest if r[2] != "base"]
+    if args.limit:
+        planned = planned[: args.limit]
+    rows: list[Row] = read_rows(json_path) if args.resume and json_path.exists() else []
+    done = {r.key for r in rows}
+    environment = _environment()
+    for model_type, class_name, task in planned:
+        if class_name in done:
+            continue
+        row = sweep_one(model_type, class_name, task, args.timeout, args.memory_gb)
+        rows.append(row)
+        print(
+            f"{model_type:24} {class_name:48} built={_cell(row.built):3} flat={_cell(row.flat_ok):3} "
+            f"modular={_cell(row.modular_ok):3} {row.seconds:5.0f}s {row.stage or ''} {(row.error or '')[:100]}",
+            flush=True,
+        )
+        write_json(json_path, rows, environment, len(planned))
+        write_markdown(output, rows, environment, len(planned), args.notes)
+    print(json.dumps(totals(rows)))
+    if args.compare:
+        found = regressions(read_rows(pathlib.Path(args.compare)), rows)
+        print(f"{len(found)} regressions against {args.compare}")
+        for line in found:
+            print("  " + line)
+        return 1 if found else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())

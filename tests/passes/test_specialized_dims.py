@@ -1,0 +1,50 @@
+"""FixSpecializedDimsPass on models from ONNX text (no torch): a symbolic dim named by a number
+(torch's name for an axis torch.export specialized) becomes that fixed dim."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from onnx_modular.passes.specialized_dims import (
+    FixSpecializedDimsPass,
+    SpecializedAxisWarning,
+    fix_specialized_dims,
+)
+
+TEXT = """<ir_version: 10, opset_import: ["" : 18]>
+main (float["batch", "8"] x) => (float["batch", 2, 4] y) {
+  shape = Constant <value_ints = [-1, 2, 4]> ()
+  y = Reshape(x, shape)
+}"""
+
+
+def test_numbered_symbolic_dims_become_fixed():
+    model = ir.from_onnx_text(TEXT)
+    fix = FixSpecializedDimsPass()
+    assert fix(model).modified
+    assert model.graph.inputs[0].shape == ir.Shape([ir.SymbolicDim("batch"), 8])
+    assert fix.specialized == [("x", 1, 8)]
+    assert not FixSpecializedDimsPass()(model).modified  # nothing left to fix
+
+
+def test_fixed_input_rejects_another_size_at_the_boundary():
+    model = ir.from_onnx_text(TEXT)
+    with pytest.warns(SpecializedAxisWarning, match=r"Axis 1 of input 'x'.*specialized it to 8"):
+        assert fix_specialized_dims(model) == [("x", 1, 8)]
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    assert session.run(None, {"x": np.ones((3, 8), np.float32)})[0].shape == (3, 2, 4)
+    with pytest.raises(Exception, match=r"(?is)invalid dimensions for input: x.*index: 1 Got: 16 Expected: 8"):
+        session.run(None, {"x": np.ones((3, 16), np.float32)})
+
+
+def test_named_dims_are_left_alone():
+    model = ir.from_onnx_text(TEXT.replace('"8"', '"seq"').replace("[-1, 2, 4]", "[-1, 2, 4]"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fix_specialized_dims(model) == []
+    assert model.graph.inputs[0].shape == ir.Shape([ir.SymbolicDim("batch"), ir.SymbolicDim("seq")])
