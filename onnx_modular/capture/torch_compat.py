@@ -35,6 +35,7 @@ __all__ = [
     "registry",
     "library_translations",
     "capture",
+    "export_dims",
     "decompose",
     "translate",
     "default_opset",
@@ -144,8 +145,32 @@ def default_opset() -> int:
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_shapes) -> torch.export.ExportedProgram:
-    """torch.export in non-strict mode (public API; kept here so all torch entry points sit together)."""
-    return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    """torch.export in non-strict mode, taking ``dynamic_shapes`` as ``torch.onnx.export(dynamo=True)`` does.
+
+    As torch's capture strategies (``_capture_strategies.TorchExportNonStrictStrategy``): axis
+    names given as strings become ``Dim.DYNAMIC`` (:func:`dynamic_axis_names` gives the ONNX axes
+    those names), and when torch.export rejects the shapes with suggested fixes (``Dim("seq")``
+    without the ``min`` or ``max`` the model needs), the fixes are applied and it captures again;
+    sizes 0 and 1 are not specialized (``backed_size_oblivious``), as in torch's capture.
+    """
+    dynamic_shapes = export_dims(dynamic_shapes)
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        try:
+            return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        except torch._dynamo.exc.UserError as error:
+            try:
+                refined = torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(error.msg, dynamic_shapes)
+            except Exception:
+                raise error from None
+            return torch.export.export(model, args, kwargs, dynamic_shapes=refined, strict=False)
+
+
+def export_dims(dynamic_shapes):
+    """``dynamic_shapes`` for ``torch.export``: axis names (strings) become ``Dim.DYNAMIC``, as in
+    ``torch.onnx.export``; Dims, hints and the structure stay as given."""
+    from torch.onnx._internal.exporter import _dynamic_shapes
+
+    return _dynamic_shapes.convert_str_to_export_dim(dynamic_shapes)[0]
 
 
 def decompose(program: torch.export.ExportedProgram, reg) -> torch.export.ExportedProgram:

@@ -153,12 +153,15 @@ class ParityReport:
             ``None`` (only modular vs flat).
         shapes: Input name -> shape of the run.
         modules: Per-module localization of the run, when it was asked for.
+        note: How the check was made when it is not the plain run of the file (a bfloat16
+            file is checked on its float32-widened copy), else ``None``.
     """
 
     outputs: list[OutputParity]
     reference: str | None = "PyTorch"
     shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     modules: Any = None  # onnx_modular.check.localization.LocalizationReport
+    note: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -187,6 +190,7 @@ class ParityReport:
                 for output in self.outputs
             ],
             "modules": self.modules.to_dict() if self.modules is not None else None,
+            "note": self.note,
         }
 
     def to_json(self) -> str:
@@ -207,7 +211,7 @@ class ParityReport:
             if self.reference
             else "onnxruntime: modular vs its inlined flat copy (max abs difference in mod-flat)"
         )
-        lines = [title, header, "-" * len(header)]
+        lines = [title] + ([self.note] if self.note else []) + [header, "-" * len(header)]
         for o in self.outputs:
             tolerance = f"{o.tolerance.atol:.0e}/{o.tolerance.rtol:.0e}"
             lines.append(

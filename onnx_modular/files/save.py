@@ -32,6 +32,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import threading
 from collections.abc import Iterator
 
@@ -372,6 +373,9 @@ def atomic_write(path: str | os.PathLike) -> Iterator[Staging]:
         yield staging
         staged_data = tmpdir / staging.data_location
         try:
+            if staged_data.exists() and staging.model_path.exists():
+                # onnx's external-data writer creates the data file 0600: give it the model's permissions.
+                os.chmod(staged_data, stat.S_IMODE(staging.model_path.stat().st_mode))
             for staged in (staged_data, staging.model_path):
                 if staged.exists():
                     _fsync(staged)

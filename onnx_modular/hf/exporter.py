@@ -128,8 +128,12 @@ class ModularOnnxExporter(OnnxExporter):
         # eager run of the modular pipeline sees the same config.
         output_flags = {flag: sample_inputs[flag] for flag in _OUTPUT_FLAGS if flag in sample_inputs}
         conversion = _ModularConversion(model, config, output_flags)
-        with conversion.replacing_torch_onnx_export():
-            program, metadata = super().export_program(model, sample_inputs, config)
+        # Axis names (strings, as torch.onnx.export takes them) are Dim.DYNAMIC for transformers'
+        # torch.export call; the conversion names the ONNX axes after them.
+        traced = dataclasses.replace(config, dynamic_shapes=torch_compat.export_dims(config.dynamic_shapes))
+        # Sizes 0 and 1 are not specialized, as in torch.onnx.export's capture and export_modular's.
+        with conversion.replacing_torch_onnx_export(), torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            program, metadata = super().export_program(model, sample_inputs, traced)
         result = conversion.result
         if result is None or result.model is not program:
             raise InvalidInputError(
@@ -219,6 +223,7 @@ class _ModularConversion:
                 verify=False,  # checked on the final program, after transformers' IR fixes
                 custom_translation_table=custom_translation_table,
                 exported_program=program,
+                dynamic_shapes=config.dynamic_shapes,  # only names the axes: the program is captured
                 program_fixes=[functools.partial(apply_fx_node_fixes, "onnx")],
             )
         return torch.onnx.ONNXProgram(self.result.model, program)
