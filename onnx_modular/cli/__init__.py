@@ -167,8 +167,9 @@ def _export(args: argparse.Namespace) -> int:
     from onnx_modular.export import export_modular  # imports torch: only when exporting
 
     if checkpoint:  # --stream-weights: the checkpoint's model on meta, its weights read from the folder
-        _quiet_transformers(args)
-        values = importlib.import_module("onnx_modular.hf.command").streamed(args, _stderr)
+        command = importlib.import_module("onnx_modular.hf.command")  # imports transformers
+        command.quiet_progress_bars(getattr(args, "verbose", False))
+        values = command.streamed(args, _stderr)
     else:
         values = _call_factory(args.factory)
     started = time.perf_counter()
@@ -239,15 +240,6 @@ def _print_tree(args: argparse.Namespace, tree, path: str) -> None:
         print(f"(calls deeper than {args.depth} not shown; see them with: onnx-modular tree {path})")
 
 
-def _quiet_transformers(args: argparse.Namespace) -> None:
-    """transformers' own progress bars ("Loading weights", "Writing model shards") would fight the
-    live line, and fill logs when stderr is not a terminal: the CLI's display replaces them."""
-    import transformers
-
-    if not getattr(args, "verbose", False):
-        transformers.utils.logging.disable_progress_bar()
-
-
 @contextlib.contextmanager
 def _quiet_warnings(args: argparse.Namespace):
     """Hide torch's and transformers' deprecation notices (they say nothing about the user's model) unless -v."""
@@ -265,7 +257,7 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
     )
 
     started = time.perf_counter()
-    _quiet_transformers(args)
+    command.quiet_progress_bars(getattr(args, "verbose", False))
     _stderr(f"Exporting {args.factory} to {args.output}")
     try:
         with _quiet_warnings(args), Progress(sys.stderr, command.STAGES, output=args.output) as progress:

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import transformers
+
 from onnx_modular.check import verification
 from onnx_modular.errors import InvalidInputError, ParityError
 from onnx_modular.files import save
@@ -200,6 +202,13 @@ def streamed(args: argparse.Namespace, log: Callable[[str], None] = lambda text:
         shapes = {name: shapes.get(name) for name in inputs}
     weights = checkpoint_weights(args.factory, model)  # under the model's names, as from_pretrained renames
     return {"model": model, "args": (), "kwargs": inputs, "dynamic_shapes": shapes, "weights": weights}
+
+
+def quiet_progress_bars(verbose: bool = False) -> None:
+    """transformers' own progress bars ("Loading weights", "Writing model shards") would fight the
+    CLI's live line, and fill logs when stderr is not a terminal: the CLI's display replaces them."""
+    if not verbose:
+        transformers.utils.logging.disable_progress_bar()
 
 
 def _task(args: argparse.Namespace, log: Callable[[str], None]) -> str:
