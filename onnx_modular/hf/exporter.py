@@ -131,8 +131,7 @@ class ModularOnnxExporter(OnnxExporter):
         # Axis names (strings, as torch.onnx.export takes them) are Dim.DYNAMIC for transformers'
         # torch.export call; the conversion names the ONNX axes after them.
         traced = dataclasses.replace(config, dynamic_shapes=torch_compat.export_dims(config.dynamic_shapes))
-        # Sizes 0 and 1 are not specialized, as in torch.onnx.export's capture and export_modular's.
-        with conversion.replacing_torch_onnx_export(), torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        with conversion.replacing_torch_onnx_export():
             program, metadata = super().export_program(model, sample_inputs, traced)
         result = conversion.result
         if result is None or result.model is not program:
