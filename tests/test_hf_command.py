@@ -35,10 +35,6 @@ def _dims(model: onnx.ModelProto) -> dict[str, list]:
     return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
 
 
-def _decoder_functions(model: onnx.ModelProto) -> list[str]:
-    return [f.name for f in model.functions if f.name.startswith("LlamaDecoderLayer")]
-
-
 def test_optimum_task_names_and_inference(tmp_path):
     assert hf_checkpoint.resolve_task("text-generation-with-past") == "causal-lm-with-past"
     assert hf_checkpoint.resolve_task("fill-mask") == "masked-lm"
@@ -138,6 +134,10 @@ def test_float16_streamed_export_passes_block_by_block(tmp_path, capsys):
     assert "Block-by-block parity" in printed and "chained" in printed and "PASS" in printed
     saved = onnx.load(str(out), load_external_data=False)
     assert saved.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
-    assert _decoder_functions(saved) == ["LlamaDecoderLayer"]  # both layers share one function
+    # One axis name per meaning in every decoder body (whether the layers share one function
+    # depends on the order torch traced their size computations in: not asserted, see docs/cli.md).
+    bodies = [f for f in saved.functions if f.name.startswith("LlamaDecoderLayer")]
+    symbols = {d.dim_param for f in bodies for v in f.value_info for d in v.type.tensor_type.shape.dim if d.dim_param}
+    assert symbols and symbols <= {"batch_size", "sequence_length", "past_sequence_length", "past_sequence_length + sequence_length"}
     assert _dims(saved)["attention_mask"] == ["batch_size", "past_sequence_length + sequence_length"]
     assert main(["verify", str(out)]) == 0
