@@ -147,22 +147,34 @@ def default_opset() -> int:
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_shapes) -> torch.export.ExportedProgram:
     """torch.export in non-strict mode, taking ``dynamic_shapes`` as ``torch.onnx.export(dynamo=True)`` does.
 
-    As torch's capture strategies (``_capture_strategies.TorchExportNonStrictStrategy``): axis
-    names given as strings become ``Dim.DYNAMIC`` (:func:`dynamic_axis_names` gives the ONNX axes
-    those names), and when torch.export rejects the shapes with suggested fixes (``Dim("seq")``
-    without the ``min`` or ``max`` the model needs), the fixes are applied and it captures again;
-    sizes 0 and 1 are not specialized (``backed_size_oblivious``), as in torch's capture.
+    Axis names given as strings become ``Dim.DYNAMIC`` (:func:`dynamic_axis_names` gives the ONNX
+    axes those names). When torch.export rejects the shapes (a constraint violation: ``Dim("seq")``
+    without the ``min`` the model needs), it captures again as torch's own capture strategy does
+    (``_capture_strategies.TorchExportNonStrictStrategy``): sizes 0 and 1 not specialized
+    (``backed_size_oblivious``), and torch's suggested fixes applied if it still refuses. A capture
+    that works without that strategy is kept as it was (some bounded ``Dim``s only pass without it).
     """
     dynamic_shapes = export_dims(dynamic_shapes)
+
+    def export(shapes):
+        return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+
+    try:
+        return export(dynamic_shapes)
+    except torch._dynamo.exc.UserError as error:
+        first = error
     with torch.fx.experimental._config.patch(backed_size_oblivious=True):
         try:
-            return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            return export(dynamic_shapes)
         except torch._dynamo.exc.UserError as error:
             try:
                 refined = torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(error.msg, dynamic_shapes)
             except Exception:
-                raise error from None
-            return torch.export.export(model, args, kwargs, dynamic_shapes=refined, strict=False)
+                raise first from None
+            try:
+                return export(refined)
+            except torch._dynamo.exc.UserError:
+                raise first from None
 
 
 def export_dims(dynamic_shapes):
