@@ -214,6 +214,8 @@ def export_modular(
             _reference=(tensors.flatten_inputs(args, kwargs), tensors.flatten_outputs(expected)),
             _example=(args, kwargs),
         )
+        if stream is None and verification.uses_bfloat16(model_ir):  # the reference of its float32-widened check
+            result._reference_float32 = verification.float32_reference(model, args, kwargs)
         _save_and_verify(result, f, plan, stages, verify=bool(verify), flat=verify_flat)
         count_from_ir(tree, model_ir)  # the tree's counts are those of the final model
         return result
@@ -395,6 +397,11 @@ def _save_and_verify(result: ModularExport, f, plan: _Plan, stages: _Stages, *, 
                 )
                 result.report = result.blocks.outputs
                 blockwise.assert_blocks(result.blocks, result=result)
+            elif result._reference_float32 is not None:  # no bfloat16 kernels in onnxruntime's CPU provider
+                result.report = verification.verify_bfloat16(
+                    path, *result._reference_float32, flat=flat, tolerance=plan.tolerance,
+                    execution_provider=plan.execution_provider,
+                )
             else:
                 result.report = verification.verify_file(
                     path, inputs, expected, flat=flat, tolerance=plan.tolerance,

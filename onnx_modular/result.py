@@ -49,6 +49,8 @@ class ModularExport:
     exported_program: torch.export.ExportedProgram | None = dataclasses.field(default=None, repr=False)
     _reference: tuple[list[torch.Tensor], list[torch.Tensor]] | None = dataclasses.field(default=None, repr=False)
     _example: tuple[tuple, dict] | None = dataclasses.field(default=None, repr=False)
+    #: bfloat16 exports: ``(inputs, outputs)`` of PyTorch in float32 on the bfloat16 weights.
+    _reference_float32: tuple[list[torch.Tensor], list[torch.Tensor]] | None = dataclasses.field(default=None, repr=False)
     _sessions: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     def __call__(self, *args: Any, execution_provider: str | None = None, **kwargs: Any) -> list[torch.Tensor]:
@@ -124,6 +126,20 @@ class ModularExport:
         need the PyTorch ``model`` to compute the reference. ``execution_provider``: as for
         calling the result (CPU by default).
         """
+        tolerance = verification.tolerance(rtol, atol)
+        if verification.uses_bfloat16(self.model):  # checked on a float32-widened copy
+            if args is None and kwargs is None:
+                if self._reference_float32 is None:
+                    raise InvalidInputError("No float32 reference is stored for this bfloat16 export; pass args and model.")
+                reference = self._reference_float32
+            elif model is None:
+                raise InvalidInputError("Pass model=... to compute PyTorch outputs for new inputs.")
+            else:
+                reference = verification.float32_reference(model, *tensors.normalize_inputs(args, kwargs))
+            with model_file(self) as path:
+                return verification.verify_bfloat16(
+                    path, *reference, flat=flat, tolerance=tolerance, execution_provider=execution_provider
+                )
         if args is None and kwargs is None:
             if self._reference is None:
                 raise InvalidInputError("No reference outputs are stored; pass args and model.")
@@ -134,7 +150,6 @@ class ModularExport:
             args, kwargs = tensors.normalize_inputs(args, kwargs)
             inputs = tensors.flatten_inputs(args, kwargs)
             expected = tensors.torch_outputs(model, args, kwargs)
-        tolerance = verification.tolerance(rtol, atol)
         with model_file(self) as path:
             return verification.verify_file(
                 path, inputs, expected, flat=flat, tolerance=tolerance, execution_provider=execution_provider

@@ -34,6 +34,7 @@ __all__ = [
     "DataDependentCaptureWarning",
     "capture",
     "check_torch_version",
+    "export_dims",
     "decompose",
     "default_opset",
     "dynamic_axis_names",
@@ -203,6 +204,10 @@ def _data_dependent(error: BaseException) -> bool:
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_shapes) -> torch.export.ExportedProgram:
     """torch.export, non-strict; where that fails on a data-dependent guard, ``draft_export``.
 
+    ``dynamic_shapes`` are taken as ``torch.onnx.export(dynamo=True)`` takes them (axis names as
+    strings become ``Dim.DYNAMIC``); shapes torch.export rejects are retried as torch's own capture
+    does (:func:`_export_non_strict`).
+
     torch's own exporter tries several strategies in turn (``_capture_strategies``: non-strict,
     strict, and ``draft_export`` behind a flag that is off by default). A data-dependent guard
     (``GuardOnDataDependentSymNode: Eq(u0, 1)``: Longformer's and EnCodec's padding sizes kept
@@ -215,8 +220,9 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_sh
     assumed (:class:`DataDependentCaptureWarning`). Other failures are raised as they are
     (docs/design.md, "Capture strategies").
     """
+    dynamic_shapes = export_dims(dynamic_shapes)
     try:
-        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        return _export_non_strict(model, args, kwargs, dynamic_shapes)
     except Exception as first:
         if not _data_dependent(first) or not hasattr(torch.export, "draft_export"):
             raise
@@ -282,6 +288,45 @@ def _quiet(logger_name: str):
 def _first_line_of(text: str) -> str:
     text = str(text).strip()
     return text.splitlines()[0][:200] if text else ""
+
+
+def _export_non_strict(model, args, kwargs, dynamic_shapes) -> torch.export.ExportedProgram:
+    """torch.export in non-strict mode. When it rejects the shapes (a constraint violation:
+    ``Dim("seq")`` without the ``min`` the model needs), it captures again as torch's own capture
+    strategy does (``_capture_strategies.TorchExportNonStrictStrategy``): sizes 0 and 1 not
+    specialized (``backed_size_oblivious``), and torch's suggested fixes applied if it still
+    refuses. A capture that works without that strategy is kept as it was (some bounded ``Dim``s
+    only pass without it).
+    """
+
+    def export(shapes):
+        return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+
+    try:
+        return export(dynamic_shapes)
+    except torch._dynamo.exc.UserError as error:
+        first = error
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        try:
+            return export(dynamic_shapes)
+        except torch._dynamo.exc.UserError as error:
+            try:
+                refined = torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(error.msg, dynamic_shapes)
+            except Exception:
+                raise first from None
+            try:
+                return export(refined)
+            except torch._dynamo.exc.UserError:
+                raise first from None
+
+
+
+def export_dims(dynamic_shapes):
+    """``dynamic_shapes`` for ``torch.export``: axis names (strings) become ``Dim.DYNAMIC``, as in
+    ``torch.onnx.export``; Dims, hints and the structure stay as given."""
+    from torch.onnx._internal.exporter import _dynamic_shapes
+
+    return _dynamic_shapes.convert_str_to_export_dim(dynamic_shapes)[0]
 
 
 def decompose(program: torch.export.ExportedProgram, reg) -> torch.export.ExportedProgram:

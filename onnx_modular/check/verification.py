@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from onnx_modular.check.tensors import (
+    copy_inputs,
     flatten_inputs,
     normalize_inputs,
     to_numpy,
@@ -55,6 +56,9 @@ __all__ = [
     "name_column_width",
     "compare_outputs",
     "verify_file",
+    "uses_bfloat16",
+    "float32_reference",
+    "verify_bfloat16",
     "verify",
     "assert_parity",
 ]
@@ -86,6 +90,82 @@ def verify_file(
         tolerance=tolerance,
         execution_provider=execution_provider,
     )
+
+
+def uses_bfloat16(model: Any) -> bool:
+    """Whether an ``onnx_ir.Model`` has bfloat16 weights, inputs or outputs."""
+    import onnx_ir as ir
+
+    graph = model.graph
+    values = [*graph.inputs, *graph.outputs, *graph.initializers.values()]
+    return any(getattr(v.type, "dtype", None) == ir.DataType.BFLOAT16 for v in values)
+
+
+def float32_reference(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(inputs, outputs)`` of ``model`` run in float32 on its bfloat16-rounded weights (every
+    bfloat16 value is a float32 value), on the inputs widened alike.
+
+    The model's own bfloat16 tensors are widened for the run and given back after it (the same
+    tensor objects: a copy of the model would not do, as exporters patch ``forward`` on the
+    instance).
+    """
+    import itertools
+
+    import torch
+
+    widen = lambda value: value.float() if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 else value  # noqa: E731
+    args32, kwargs32 = torch.utils._pytree.tree_map(widen, copy_inputs(args, kwargs))
+    saved = [(t, t.data) for t in itertools.chain(model.parameters(), model.buffers()) if t.dtype == torch.bfloat16]
+    try:
+        for tensor, data in saved:
+            tensor.data = data.float()
+        return flatten_inputs(args32, kwargs32), torch_outputs(model, args32, kwargs32)
+    finally:
+        for tensor, data in saved:
+            tensor.data = data
+
+
+def verify_bfloat16(
+    path: str | os.PathLike,
+    inputs: Sequence[Any],
+    expected: Sequence[Any],
+    *,
+    flat: bool = True,
+    tolerance: Tolerance | None = None,
+    execution_provider: str | None = None,
+) -> ParityReport:
+    """Check a bfloat16 file where onnxruntime has no bfloat16 kernels (its CPU provider).
+
+    The file is widened to float32 (:class:`~onnx_modular.passes.widen.WidenFloatPass`: weights,
+    constants, inputs, outputs and casts; exact, as every bfloat16 value is a float32 value) and
+    run in onnxruntime on ``inputs`` against ``expected``, PyTorch's outputs in float32 on the same
+    bfloat16-rounded weights (:func:`float32_reference`), with float32 tolerances. The report's
+    ``note`` says so, and whether onnxruntime loads the bfloat16 file itself.
+    """
+    import tempfile
+
+    import onnx_ir as ir
+
+    from onnx_modular.files import runtime
+    from onnx_modular.passes.widen import WidenFloatPass
+
+    try:
+        runtime.session(path, execution_provider)
+        loads = "onnxruntime loads the bfloat16 file"
+    except Exception as e:  # onnxruntime's CPU provider: no bfloat16 MatMul, Add, ...
+        loads = f"onnxruntime does not load the bfloat16 file ({str(e).strip().splitlines()[0][:160]})"
+    with tempfile.TemporaryDirectory(prefix="onnx_modular-bf16-") as folder:
+        widened = ir.load(path)
+        WidenFloatPass()(widened)
+        copy_path = pathlib.Path(folder) / "float32.onnx"
+        ir.save(widened, copy_path, external_data="float32.onnx.data")
+        report = verify_file(copy_path, inputs, expected, flat=flat, tolerance=tolerance, execution_provider=execution_provider)
+    report.reference = "PyTorch float32"
+    report.note = (
+        "bfloat16 file checked on its float32-widened copy, against PyTorch in float32 on the same "
+        f"bfloat16 weights; {loads}"
+    )
+    return report
 
 
 def assert_parity(report: ParityReport, *, result=None) -> None:

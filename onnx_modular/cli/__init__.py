@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from typing import Any
 
 
+from onnx_modular.cli.progress import EXPORT_STAGES, Progress
 from onnx_modular.errors import InvalidInputError, OnnxModularError, ParityError
 from onnx_modular.files import (
     function_tree,
@@ -182,21 +183,21 @@ def _export(args: argparse.Namespace) -> int:
     checkpoint = os.path.isdir(args.factory) or args.task is not None
     if checkpoint and not args.stream_weights:
         return _export_checkpoint(args)
-    for option in ("static", "generation", "stream_weights"):
+    for option in ("static", "generation", "stream_weights", "dtype"):
         if getattr(args, option) and not checkpoint:
-            raise InvalidInputError(f"--{option.replace('_', '-')} applies to a checkpoint folder exported with --task.")
+            raise InvalidInputError(f"--{option.replace('_', '-')} applies to a checkpoint folder.")
     from onnx_modular.export import export_modular  # imports torch: only when exporting
 
-    # --stream-weights: the checkpoint's model on meta, its weights read from the folder (imports transformers)
-    values = importlib.import_module("onnx_modular.hf.command").streamed(args) if checkpoint else _call_factory(args.factory)
+    if checkpoint:  # --stream-weights: the checkpoint's model on meta, its weights read from the folder
+        command = importlib.import_module("onnx_modular.hf.command")  # imports transformers
+        command.quiet_progress_bars(getattr(args, "verbose", False))
+        values = command.streamed(args, _stderr)
+    else:
+        values = _call_factory(args.factory)
     started = time.perf_counter()
-
-    def progress(stage: str, seconds: float) -> None:
-        _stderr(f"  {stage:<11} {seconds:7.2f}s")
-
     _stderr(f"Exporting {args.factory} to {args.output}")
     try:
-        with _quiet_warnings(args):
+        with _quiet_warnings(args), Progress(sys.stderr, EXPORT_STAGES, output=args.output) as progress:
             result = export_modular(
                 values["model"],
                 values["args"],
@@ -207,6 +208,8 @@ def _export(args: argparse.Namespace) -> int:
                 opset_version=args.opset,
                 dedupe=not args.no_dedupe,
                 verify=not args.no_verify,
+                rtol=args.rtol,
+                atol=args.atol,
                 progress=progress,
                 flat_file=args.flat_file,
             )
@@ -283,10 +286,11 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
     )
 
     started = time.perf_counter()
-    _stderr(f"Exporting {args.factory} ({args.task}) to {args.output}")
+    command.quiet_progress_bars(getattr(args, "verbose", False))
+    _stderr(f"Exporting {args.factory} to {args.output}")
     try:
-        with _quiet_warnings(args):
-            exported, reports = command.run(args, _stderr)
+        with _quiet_warnings(args), Progress(sys.stderr, command.STAGES, output=args.output) as progress:
+            exported, reports = command.run(args, progress.line, progress)
     except ParityError as e:
         reports = getattr(e, "reports", None) or ({"model": e.report} if e.report is not None else {})
         _report_mismatch(args, e, reports)
@@ -327,10 +331,11 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
 def _tree(args: argparse.Namespace) -> int:
     model = load_model_file(args.model)
     tree = function_tree(model)
+    depth = args.depth or None  # 0 = all, as for export --depth
     if args.json:
-        _print_json(tree.filtered(args.depth, args.class_name).to_dict())
+        _print_json(tree.filtered(depth, args.class_name).to_dict())
     else:
-        _stdout(tree.format(max_depth=args.depth, class_filter=args.class_name))
+        _stdout(tree.format(max_depth=depth, class_filter=args.class_name))
     return EXIT_OK
 
 
@@ -532,8 +537,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--task",
         default=None,
-        choices=["feature-extraction", "masked-lm", "causal-lm", "causal-lm-with-past", "seq2seq-lm", "image-classification"],
-        help="what to export a checkpoint for (which head, which sample inputs)",
+        metavar="TASK",
+        help="what to export a checkpoint for (which head, which sample inputs): feature-extraction, masked-lm, "
+        "causal-lm, causal-lm-with-past, seq2seq-lm, image-classification, or Optimum's name (text-generation, "
+        "text-generation-with-past, fill-mask, text2text-generation); default: inferred from config.architectures",
+    )
+    export.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "float16", "bfloat16"],
+        help="checkpoint: the precision to export in (default: the checkpoint's); a bfloat16 file is checked on its "
+        "float32-widened copy (onnxruntime's CPU provider has no bfloat16 kernels)",
     )
     export.add_argument("--static", action="store_true", help="checkpoint: fixed shapes (default: dynamic batch and sequence)")
     export.add_argument("--generation", action="store_true",
@@ -543,6 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--keep-on-mismatch", action="store_true", help="write the model even when parity fails (exit code 1)")
     export.add_argument("--no-verify", action="store_true", help="skip the onnxruntime-vs-PyTorch parity check")
     export.add_argument("--no-dedupe", action="store_true", help="keep one function per call (no sharing)")
+    export.add_argument("--atol", type=float, default=None, help="absolute tolerance of the check (default: per output dtype)")
+    export.add_argument("--rtol", type=float, default=None, help="relative tolerance of the check (default: per output dtype)")
     export.add_argument(
         "--flat-file",
         nargs="?",
@@ -574,7 +590,9 @@ def build_parser() -> argparse.ArgumentParser:
         "weight elements flowing into the call.",
     )
     tree.add_argument("model", help="the .onnx file")
-    tree.add_argument("--depth", type=_positive, default=None, metavar="N", help="show calls down to depth N")
+    tree.add_argument(
+        "--depth", type=_positive, default=None, metavar="N", help="show calls down to depth N (0 = all, the default)"
+    )
     tree.add_argument(
         "--class",
         dest="class_name",

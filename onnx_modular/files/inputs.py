@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import numbers
 import os
+import re
 import zipfile
 from collections.abc import Mapping
 
@@ -51,7 +53,8 @@ def random_inputs(
 ) -> dict[str, np.ndarray]:
     """Random feeds for the model's inputs, from their declared shapes and types.
 
-    Symbolic dimensions take their value from ``dims`` (by name) or ``default_dim``;
+    Symbolic dimensions take their value from ``dims`` (by name) or ``default_dim``; a dimension
+    named by a sum of others (``past_sequence_length + sequence_length``) is their sum;
     floats are standard normal, integers uniform in ``[0, int_high)``, booleans fair coins.
     Integer and boolean inputs named like a mask (``attention_mask``, ``*mask*``) are all
     ones, so that no row is masked entirely (an input the model cannot have been meant for).
@@ -82,7 +85,7 @@ def random_inputs(
             if dim.HasField("dim_value") and dim.dim_value >= 0:
                 shape.append(dim.dim_value)
             else:
-                shape.append(int(dims.get(dim.dim_param, default_dim)) if dim.HasField("dim_param") else default_dim)
+                shape.append(_dim_size(dim.dim_param, dims, default_dim) if dim.HasField("dim_param") else default_dim)
         elements = numel(shape)
         total += elements
         if total > max_elements:
@@ -111,10 +114,38 @@ def random_inputs(
                 f"Cannot make random values for input {value.name!r} of dtype {dtype}; pass --inputs."
             )
         feeds[value.name] = array
-    unused = set(dims) - {d.dim_param for v in model_inputs(model) for d in v.type.tensor_type.shape.dim}
+    params = {d.dim_param for v in model_inputs(model) for d in v.type.tensor_type.shape.dim}
+    unused = set(dims) - params - {word for param in params for word in re.findall(r"[A-Za-z_]\w*", param)}
     if unused:
         raise InvalidInputError(f"No input has a dimension named {sorted(unused)[0]!r} (given with --dim).")
     return feeds
+
+
+def _dim_size(name: str, dims: Mapping[str, int], default: int) -> int:
+    """The size of a symbolic dimension: given in ``dims``, else computed when ``name`` is a sum
+    or product of other names and integers (``past_sequence_length + sequence_length``, the
+    length of a with-past attention mask, as Optimum and torch name it), else ``default``."""
+    if name in dims:
+        return int(dims[name])
+    try:
+        tree = ast.parse(name, mode="eval").body
+    except SyntaxError:
+        return default
+
+    def value(node: ast.AST) -> int | None:
+        if isinstance(node, ast.Name):
+            return int(dims.get(node.id, default))
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if left is None or right is None:
+                return None
+            return {ast.Add: left + right, ast.Sub: left - right, ast.Mult: left * right}[type(node.op)]
+        return None
+
+    size = value(tree) if isinstance(tree, ast.BinOp) else None
+    return size if size is not None and 0 <= size <= 2**31 else default
 
 
 def _is_mask(name: str) -> bool:

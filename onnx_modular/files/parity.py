@@ -141,6 +141,10 @@ class Parity:
         function: The function a call ran (calls), or the module class (blocks).
         outputs_compared: How many of the call's outputs were matched with PyTorch's.
         weight_bytes: Weight bytes of a block.
+        inputs_from_torch: How many of a block's inputs were PyTorch's own (the rest: the ONNX
+            model's upstream values).
+        chained_max_abs: A block's difference when fed the ONNX model's upstream values (drift
+            included); ``modular_max_abs`` is the block's own, on PyTorch's inputs.
     """
 
     name: str
@@ -161,6 +165,8 @@ class Parity:
     depth: int = 0
     outputs_compared: int = 0
     weight_bytes: int = 0
+    inputs_from_torch: int = 0
+    chained_max_abs: float | None = None
 
     @property
     def max_abs(self) -> float:
@@ -204,12 +210,15 @@ class ParityReport:
             ``None`` (only modular vs flat).
         shapes: Input name -> shape of the run.
         modules: Per-module localization of the run, when it was asked for.
+        note: How the check was made when it is not the plain run of the file (a bfloat16
+            file is checked on its float32-widened copy), else ``None``.
     """
 
     outputs: list[OutputParity]
     reference: str | None = "PyTorch"
     shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     modules: Any = None  # onnx_modular.check.localization.LocalizationReport
+    note: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -235,6 +244,7 @@ class ParityReport:
             "shapes": self.shapes,
             "outputs": [output.to_dict() for output in self.outputs],
             "modules": self.modules.to_dict() if self.modules is not None else None,
+            "note": self.note,
         }
 
     def to_json(self) -> str:
@@ -255,7 +265,7 @@ class ParityReport:
             if self.reference
             else "onnxruntime: modular vs its inlined flat copy (max abs difference in mod-flat)"
         )
-        lines = [title, header, "-" * len(header)]
+        lines = [title] + ([self.note] if self.note else []) + [header, "-" * len(header)]
         for o in self.outputs:
             tolerance = f"{o.tolerance.atol:.0e}/{o.tolerance.rtol:.0e}"
             lines.append(

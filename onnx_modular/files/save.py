@@ -502,7 +502,11 @@ def atomic_writes(paths: list[str | os.PathLike]) -> Iterator[list[Staging]]:
         yield stagings
         try:
             for staging in stagings:
-                for staged in (staging.model_path.parent / staging.data_location, staging.model_path):
+                staged_data = staging.model_path.parent / staging.data_location
+                if staged_data.exists() and staging.model_path.exists():
+                    # onnx's external-data writer creates the data file 0600: give it the model's permissions.
+                    os.chmod(staged_data, stat.S_IMODE(staging.model_path.stat().st_mode))
+                for staged in (staged_data, staging.model_path):
                     if staged.exists():
                         _fsync(staged)
             with _signals_deferred():

@@ -24,6 +24,10 @@ from onnx_modular.hf.meta import (
 )
 
 __all__ = [
+    "TASK_ALIASES",
+    "DTYPES",
+    "resolve_task",
+    "infer_task",
     "GENERATION_TASKS",
     "TASKS",
     "dynamic_shapes",
@@ -43,6 +47,28 @@ TASKS: dict[str, str] = {
     "image-classification": "AutoModelForImageClassification",
 }
 
+#: ``--dtype`` names -> torch dtypes (as Optimum's ``--dtype``): the precision the model is exported in.
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+#: Optimum's task names (``optimum-cli export onnx --task``) -> ours.
+TASK_ALIASES: dict[str, str] = {
+    "text-generation": "causal-lm",
+    "text-generation-with-past": "causal-lm-with-past",
+    "fill-mask": "masked-lm",
+    "text2text-generation": "seq2seq-lm",
+}
+
+#: The end of a class name in ``config.architectures`` -> the task inferred when none is given
+#: (a causal LM with its cache, as Optimum infers ``text-generation-with-past``).
+_ARCHITECTURE_TASKS = (
+    ("ForCausalLM", "causal-lm-with-past"),
+    ("ForMaskedLM", "masked-lm"),
+    ("ForConditionalGeneration", "seq2seq-lm"),
+    ("ForSeq2SeqLM", "seq2seq-lm"),
+    ("ForImageClassification", "image-classification"),
+    ("Model", "feature-extraction"),
+)
+
 #: Tasks whose model ``generate``s (``--generation`` exports its prefill and decode components).
 GENERATION_TASKS = ("causal-lm", "causal-lm-with-past", "seq2seq-lm")
 
@@ -54,20 +80,66 @@ _SEQUENCE_INPUTS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder
 
 def _check_task(task: str) -> None:
     if task not in TASKS:
-        raise InvalidInputError(f"Unknown task {task!r}.", hint=f"Use one of: {', '.join(TASKS)}.")
+        raise InvalidInputError(
+            f"Unknown task {task!r}.", hint=f"Use one of: {', '.join(TASKS)} (or Optimum's {', '.join(TASK_ALIASES)})."
+        )
 
 
-def load_checkpoint(source: str | os.PathLike, task: str) -> torch.nn.Module:
+def resolve_task(task: str) -> str:
+    """Our name of ``task``: one of :data:`TASKS`, or an Optimum name (:data:`TASK_ALIASES`)."""
+    task = TASK_ALIASES.get(task, task)
+    _check_task(task)
+    return task
+
+
+def infer_task(source: str | os.PathLike) -> tuple[str, str]:
+    """``(task, architecture)``: the task of the checkpoint's ``config.architectures[0]``.
+
+    Raises:
+        InvalidInputError: No config, no architectures, or one whose task is not known.
+    """
+    try:
+        config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise InvalidInputError(
+            f"Cannot read the config of {str(source)!r} to infer the task: {str(e).splitlines()[0]}",
+            hint="Pass --task (see onnx-modular export --help).",
+        ) from e
+    architectures = getattr(config, "architectures", None) or []
+    for architecture in architectures[:1]:
+        for suffix, task in _ARCHITECTURE_TASKS:
+            if isinstance(architecture, str) and architecture.endswith(suffix):
+                if task == "seq2seq-lm" and not getattr(config, "is_encoder_decoder", False):
+                    break
+                return task, architecture
+    raise InvalidInputError(
+        f"Cannot infer the task of {str(source)!r} from config.architectures ({architectures or 'none'}).",
+        hint=f"Pass --task: one of {', '.join(TASKS)}.",
+    )
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise InvalidInputError(f"Unknown dtype {dtype!r}.", hint=f"Use one of: {', '.join(DTYPES)}.")
+    return DTYPES[dtype]
+
+
+def load_checkpoint(source: str | os.PathLike, task: str, *, dtype: str | torch.dtype | None = None) -> torch.nn.Module:
     """The model of ``source`` for ``task``, in eval mode.
 
     ``source`` is a folder with ``config.json`` and weights (as ``save_pretrained`` writes
     them), or a Hub id whose files are already in the local cache (nothing is downloaded).
+    ``dtype`` (``"float32"``, ``"float16"``, ``"bfloat16"`` or a torch dtype): the precision of
+    the model; default: the checkpoint's own (``config.json``'s ``dtype``).
 
     Raises:
         InvalidInputError: No such folder, no config, no weights, a name not in the local
             cache, or a model that has no head for ``task``.
     """
     _check_task(task)
+    dtype = _dtype(dtype)
     path = pathlib.Path(source)
     if path.is_dir():
         if not os.path.lexists(path / "config.json"):
@@ -93,7 +165,10 @@ def load_checkpoint(source: str | os.PathLike, task: str) -> torch.nn.Module:
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise InvalidInputError(f"transformers refuses the config of {str(source)!r}: {str(e).splitlines()[0]}") from e
     try:
-        model = auto_class.from_pretrained(source, config=config, local_files_only=True, use_safetensors=True)
+        model = auto_class.from_pretrained(
+            source, config=config, local_files_only=True, use_safetensors=True,
+            **({"dtype": dtype} if dtype is not None else {}),
+        )
     except ValueError as e:
         raise InvalidInputError(
             f"A {config.model_type!r} model has no {TASKS[task]} for task {task!r}: {str(e).splitlines()[0]}",
@@ -123,7 +198,8 @@ def sample_inputs(model: torch.nn.Module, task: str, *, generation: bool = False
         size = getattr(config, "image_size", 32)
         size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
         channels = getattr(config, "num_channels", 3)
-        return {"pixel_values": torch.randn((BATCH, channels, *size), generator=generator)}
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        return {"pixel_values": torch.randn((BATCH, channels, *size), generator=generator).to(dtype)}
     input_ids = _token_ids(config, (BATCH, SEQUENCE), generator)
     inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
     if generation:
@@ -145,23 +221,44 @@ def sample_inputs(model: torch.nn.Module, task: str, *, generation: bool = False
     return inputs
 
 
+#: Axis names, as Optimum names them: one name per meaning, shared by every input and output.
+BATCH_AXIS, SEQUENCE_AXIS, PAST_AXIS = "batch_size", "sequence_length", "past_sequence_length"
+DECODER_SEQUENCE_AXIS = "decoder_sequence_length"
+#: The mask of a step after a prefill covers the past and the new tokens.
+TOTAL_AXIS = f"{PAST_AXIS} + {SEQUENCE_AXIS}"
+
+
 def dynamic_shapes(inputs: dict[str, Any]) -> dict[str, Any]:
-    """``Dim.AUTO`` on the batch and sequence axes of ``inputs`` (batch and past for a cache's
-    tensors, batch for pixel values); every other axis stays static."""
-    auto = torch.export.Dim.AUTO
+    """Named dynamic axes for ``inputs``: batch and sequence of token inputs, batch and past of a
+    cache's tensors, batch of pixel values; every other axis stays static.
+
+    The names are Optimum's (``batch_size``, ``sequence_length``, ``past_sequence_length``,
+    ``decoder_sequence_length``), one ``Dim`` per name shared by every input, so that torch.export
+    gives each meaning one symbol: every cache tensor has the same past length, and the decoder
+    layers trace alike and share one function. A with-past mask spans ``past_sequence_length +
+    sequence_length``, which no ``Dim`` expresses: that name is a string (``Dim.DYNAMIC`` for
+    torch.export, as ``torch.onnx.export`` takes it), naming the ONNX axis.
+    """
+    dims = {name: torch.export.Dim(name) for name in (BATCH_AXIS, SEQUENCE_AXIS, PAST_AXIS, DECODER_SEQUENCE_AXIS)}
+    batch = dims[BATCH_AXIS]
+    with_past = "past_key_values" in inputs
     shapes: dict[str, Any] = {}
     for name, value in inputs.items():
         if isinstance(value, torch.Tensor):
-            if name in _SEQUENCE_INPUTS or name in ("token_type_ids", "position_ids"):
-                shapes[name] = {0: auto, 1: auto}
+            if name in ("decoder_input_ids", "decoder_attention_mask"):
+                shapes[name] = {0: batch, 1: dims[DECODER_SEQUENCE_AXIS]}
+            elif name == "attention_mask" and with_past:
+                shapes[name] = {0: batch, 1: TOTAL_AXIS}
+            elif name in _SEQUENCE_INPUTS or name in ("token_type_ids", "position_ids"):
+                shapes[name] = {0: batch, 1: dims[SEQUENCE_AXIS]}
             elif name == "pixel_values":
-                shapes[name] = {0: auto}
+                shapes[name] = {0: batch}
             else:
                 shapes[name] = None
         elif name == "past_key_values":
             # transformers' own structure for the cache, with only batch and past dynamic.
             shapes[name] = torch.utils._pytree.tree_map(
-                lambda spec: {0: auto, 2: auto} if len(spec) == 4 else {0: auto},
+                lambda spec: {0: batch, 2: dims[PAST_AXIS]} if len(spec) == 4 else {0: batch},
                 get_auto_dynamic_shapes(value),
                 is_leaf=lambda spec: isinstance(spec, dict),
             )
@@ -177,6 +274,7 @@ def model_and_inputs(
     static: bool = False,
     generation: bool = False,
     stream_weights: bool = False,
+    dtype: str | torch.dtype | None = None,
 ) -> tuple[torch.nn.Module, dict[str, Any], dict[str, Any] | None]:
     """``(model, sample inputs, dynamic shapes or None)`` for exporting ``source`` for ``task``.
 
@@ -184,6 +282,7 @@ def model_and_inputs(
     is built on the meta device (:func:`~onnx_modular.hf.meta.model_on_meta`) and its weights
     are never loaded: export it with ``export_modular(model, (), f, kwargs=inputs,
     dynamic_shapes=shapes, weights=source)``, which streams them from the folder's safetensors.
+    ``dtype``: as for :func:`load_checkpoint` (streamed weights are cast to it as they are read).
 
     Raises:
         InvalidInputError: ``stream_weights`` with ``generation`` (not supported).
@@ -194,14 +293,16 @@ def model_and_inputs(
             hint=f"--generation applies to: {', '.join(GENERATION_TASKS)}.",
         )
     if stream_weights:
-        model = meta_checkpoint(source, task, generation=generation)
+        model = meta_checkpoint(source, task, generation=generation, dtype=dtype)
     else:
-        model = load_checkpoint(source, task)
+        model = load_checkpoint(source, task, dtype=dtype)
     inputs = sample_inputs(model, task, generation=generation)
     return model, inputs, None if static or generation else dynamic_shapes(inputs)
 
 
-def meta_checkpoint(source: str | os.PathLike, task: str, *, generation: bool = False) -> torch.nn.Module:
+def meta_checkpoint(
+    source: str | os.PathLike, task: str, *, generation: bool = False, dtype: str | torch.dtype | None = None
+) -> torch.nn.Module:
     """The model of the folder ``source`` for ``task`` on the meta device (weights not loaded).
 
     Raises:
@@ -231,7 +332,7 @@ def meta_checkpoint(source: str | os.PathLike, task: str, *, generation: bool = 
     check_checkpoint_folder(pathlib.Path(source))
     auto_class = getattr(transformers, TASKS[task])
     try:
-        return model_on_meta(source, model_class=auto_class)
+        return model_on_meta(source, model_class=auto_class, dtype=_dtype(dtype))
     except (TypeError, KeyError, AttributeError) as e:
         raise InvalidInputError(f"transformers cannot build the model of {str(source)!r}: {type(e).__name__}: {e}") from e
     except ValueError as e:

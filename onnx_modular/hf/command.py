@@ -13,14 +13,20 @@ the file's external data and verifies block by block.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import pathlib
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any
 
+import transformers
+
 from onnx_modular.check import verification
 from onnx_modular.errors import InvalidInputError, ParityError
-from onnx_modular.hf.checkpoint import model_and_inputs
+from onnx_modular.files import save
+from onnx_modular.hf.checkpoint import infer_task, model_and_inputs, resolve_task
 from onnx_modular.hf.exporter import (
     ModularOnnxConfig,
     ModularOnnxExporter,
@@ -28,7 +34,30 @@ from onnx_modular.hf.exporter import (
 )
 from onnx_modular.hf.meta import checkpoint_weights
 
-__all__ = ["export_checkpoint", "streamed"]
+__all__ = ["RUNTIME_FILES", "export_checkpoint", "streamed"]
+
+
+#: The stages of a checkpoint export, in order (the live progress line names the one under way).
+STAGES = ("load", "export", "verify", "save")
+
+#: Files of a checkpoint folder that a runtime needs beside the model (tokenizer, generation
+#: settings, processors), copied into an output folder when present.
+RUNTIME_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
 
 
 def export_checkpoint(
@@ -43,17 +72,31 @@ def export_checkpoint(
     opset_version: int | None = None,
     dedupe: bool = True,
     flat_file: bool | str | None = None,
+    dtype: str | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
     log: Callable[[str], None] = lambda text: None,
+    progress: Any = None,
 ) -> tuple[Any, dict[str, verification.ParityReport]]:
     """Export a checkpoint folder for ``task``; returns ``(ExportedModel, {component: report})``.
 
+    ``task`` may be an Optimum name (``text-generation-with-past``); ``dtype`` (``float32``,
+    ``float16``, ``bfloat16``; default: the checkpoint's) is the precision of the export; ``rtol``
+    and ``atol`` override the per-dtype tolerances of the check. A folder output also gets the
+    checkpoint's tokenizer files and ``generation_config.json`` (:data:`RUNTIME_FILES`), and its
+    ``export.json`` records the check that was made. ``progress``: a
+    :class:`~onnx_modular._cli_progress.Progress` (stage lines and the live line), else ``log``
+    gets one line per stage.
+
     Raises:
+        InvalidInputError: A bad output path (before any work).
         ParityError: A component differs from PyTorch beyond tolerance (nothing is written,
             unless ``keep_on_mismatch``: then everything is written and the error raised after).
             Its ``reports`` holds every component's report.
     """
     output = pathlib.Path(output)
     single_file = output.suffix == ".onnx"
+    task = resolve_task(task)
     if generation and single_file:
         raise InvalidInputError(
             f"--generation writes several components, so {str(output)!r} must be a folder, not a .onnx file.",
@@ -66,50 +109,95 @@ def export_checkpoint(
         )
     if output.is_file() and not single_file:
         raise InvalidInputError(f"{str(output)!r} is a file; the export of a checkpoint to a folder needs a folder.")
-    started = time.perf_counter()
-    model, inputs, shapes = model_and_inputs(source, task, static=static, generation=generation)
-    log(f"  load        {time.perf_counter() - started:7.2f}s  ({type(model).__name__})")
+    # Before any work: the file's folder, or the output folder (or its parent), must exist and be writable.
+    save.check_destination(output / "export.json" if output.is_dir() else output)
+    stage = progress.stage if progress is not None else _logged_stage(log)
+    tolerance = verification.tolerance(rtol, atol)  # refuses NaN, infinite or negative values first
+    with stage("load") as detail:
+        model, inputs, shapes = model_and_inputs(source, task, static=static, generation=generation, dtype=dtype)
+        detail.append(f"({type(model).__name__}, {str(next(model.parameters()).dtype).replace('torch.', '')})")
     config = ModularOnnxConfig(
         dynamic=not static, dynamic_shapes=shapes, opset_version=opset_version, dedupe=dedupe, verify=False
     )
     exporter = ModularOnnxExporter()
-    started = time.perf_counter()
-    if generation:
-        exported = exporter.export_for_generation(model, inputs, config)
-    else:
-        exported = exporter.export(model, inputs, config)
-    log(f"  export      {time.perf_counter() - started:7.2f}s  ({', '.join(exported.components)})")
+    with stage("export") as detail:
+        if generation:
+            exported = exporter.export_for_generation(model, inputs, config)
+        else:
+            exported = exporter.export(model, inputs, config)
+        detail.append(f"({', '.join(exported.components)})")
     reports: dict[str, verification.ParityReport] = {}
     failure: ParityError | None = None
     if verify:
-        started = time.perf_counter()
-        for name in exported.components:
-            result = modular_result(exported, name)
-            result.report = reports[name] = result.verify()
-            try:
-                verification.assert_parity(result.report, result=result)
-            except ParityError as e:
-                failure = failure or e
-        log(f"  verify      {time.perf_counter() - started:7.2f}s")
+        with stage("verify"):
+            for name in exported.components:
+                result = modular_result(exported, name)
+                result.report = reports[name] = result.verify(rtol=rtol, atol=atol)
+                try:
+                    verification.assert_parity(result.report, result=result)
+                except ParityError as e:
+                    failure = failure or e
+    for name, component in exported.components.items():  # export.json says what was done
+        component.metadata.export_config.update(
+            verify=name in reports,
+            verified=bool(name in reports and reports[name].ok),
+            rtol=None if tolerance is None else tolerance.rtol,
+            atol=None if tolerance is None else tolerance.atol,
+            task=task,
+        )
     if failure is not None:
         failure.reports = reports  # every component's report, for the command line
     if failure is not None and not keep_on_mismatch:
         raise failure
-    if single_file:
-        modular_result(exported).save(output, flat_file=flat_file)
-    else:
-        exported.save_pretrained(output)
+    with stage("save"):
+        if single_file:
+            modular_result(exported).save(output, flat_file=flat_file)
+        else:
+            exported.save_pretrained(output)
+            _copy_runtime_files(source, output)
     if failure is not None:
         raise failure
     return exported, reports
 
 
-def streamed(args: argparse.Namespace) -> dict[str, Any]:
+def _logged_stage(log: Callable[[str], None]):
+    @contextlib.contextmanager
+    def stage(name: str):
+        started = time.perf_counter()
+        detail: list[str] = []
+        yield detail
+        log(f"  {name:<11} {time.perf_counter() - started:7.2f}s" + (f"  {' '.join(detail)}" if detail else ""))
+
+    return stage
+
+
+def _copy_runtime_files(source: str, output: pathlib.Path) -> list[str]:
+    """Copy :data:`RUNTIME_FILES` of the checkpoint folder ``source`` into ``output`` (each atomically,
+    regular files only); what ``save_pretrained`` wrote itself (``generation_config.json``) is kept."""
+    folder = pathlib.Path(source)
+    copied = []
+    if not folder.is_dir():
+        return copied
+    for name in RUNTIME_FILES:
+        file = folder / name
+        if (output / name).exists() or file.is_symlink() or not file.is_file():
+            continue
+        staged = output / f".{name}.{os.getpid()}.tmp"
+        try:
+            shutil.copyfile(file, staged)
+            os.replace(staged, output / name)
+        finally:
+            staged.unlink(missing_ok=True)
+        copied.append(name)
+    return copied
+
+
+def streamed(args: argparse.Namespace, log: Callable[[str], None] = lambda text: None) -> dict[str, Any]:
     """``--stream-weights``: what the CLI gives ``export_modular`` (``model`` on meta, ``kwargs``,
     ``dynamic_shapes``, ``weights`` = the folder) to export one .onnx file."""
-    _check_task_given(args)
+    task = _task(args, log)
     model, inputs, shapes = model_and_inputs(
-        args.factory, args.task, static=args.static, generation=args.generation, stream_weights=True
+        args.factory, task, static=args.static, generation=args.generation, stream_weights=True, dtype=args.dtype
     )
     if pathlib.Path(args.output).suffix != ".onnx":
         raise InvalidInputError(
@@ -122,20 +210,34 @@ def streamed(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": model, "args": (), "kwargs": inputs, "dynamic_shapes": shapes, "weights": weights}
 
 
-def _check_task_given(args: argparse.Namespace) -> None:
-    if args.task is None:
+def quiet_progress_bars(verbose: bool = False) -> None:
+    """transformers' own progress bars ("Loading weights", "Writing model shards") would fight the
+    CLI's live line, and fill logs when stderr is not a terminal: the CLI's display replaces them."""
+    if not verbose:
+        transformers.utils.logging.disable_progress_bar()
+
+
+def _task(args: argparse.Namespace, log: Callable[[str], None]) -> str:
+    """``--task`` (an Optimum name is accepted), else the task of ``config.architectures`` (printed)."""
+    if args.task is not None:
+        return resolve_task(args.task)
+    if not pathlib.Path(args.factory).is_dir():
         raise InvalidInputError(
-            f"{args.factory!r} is a checkpoint folder: say what to export it for with --task.",
+            f"{args.factory!r} is not a checkpoint folder: say what to export it for with --task.",
             hint="For example --task causal-lm-with-past (see onnx-modular export --help).",
         )
+    task, architecture = infer_task(args.factory)
+    log(f"Task: {task} (inferred from config.architectures: {architecture}; choose another with --task)")
+    return task
 
 
-def run(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[Any, dict[str, verification.ParityReport]]:
+def run(
+    args: argparse.Namespace, log: Callable[[str], None], progress: Any = None
+) -> tuple[Any, dict[str, verification.ParityReport]]:
     """The CLI's call (arguments as ``onnx_modular.cli`` parses them)."""
-    _check_task_given(args)
     return export_checkpoint(
         args.factory,
-        args.task,
+        _task(args, log),
         args.output,
         static=args.static,
         generation=args.generation,
@@ -144,5 +246,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[Any, dict
         opset_version=args.opset,
         dedupe=not args.no_dedupe,
         flat_file=getattr(args, "flat_file", None),
+        dtype=args.dtype,
+        rtol=args.rtol,
+        atol=args.atol,
         log=log,
+        progress=progress,
     )

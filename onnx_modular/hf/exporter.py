@@ -128,8 +128,11 @@ class ModularOnnxExporter(OnnxExporter):
         # eager run of the modular pipeline sees the same config.
         output_flags = {flag: sample_inputs[flag] for flag in _OUTPUT_FLAGS if flag in sample_inputs}
         conversion = _ModularConversion(model, config, output_flags)
+        # Axis names (strings, as torch.onnx.export takes them) are Dim.DYNAMIC for transformers'
+        # torch.export call; the conversion names the ONNX axes after them.
+        traced = dataclasses.replace(config, dynamic_shapes=torch_compat.export_dims(config.dynamic_shapes))
         with conversion.replacing_torch_onnx_export():
-            program, metadata = super().export_program(model, sample_inputs, config)
+            program, metadata = super().export_program(model, sample_inputs, traced)
         result = conversion.result
         if result is None or result.model is not program:
             raise InvalidInputError(
@@ -219,6 +222,7 @@ class _ModularConversion:
                 verify=False,  # checked on the final program, after transformers' IR fixes
                 custom_translation_table=custom_translation_table,
                 exported_program=program,
+                dynamic_shapes=config.dynamic_shapes,  # only names the axes: the program is captured
                 program_fixes=[functools.partial(apply_fx_node_fixes, "onnx")],
             )
         return torch.onnx.ONNXProgram(self.result.model, program)

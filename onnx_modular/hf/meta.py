@@ -166,7 +166,7 @@ def model_on_meta(
     try:
         with torch.device("meta"):
             if hasattr(model_class, "from_config"):
-                model = model_class.from_config(config)
+                model = model_class.from_config(config, dtype=dtype)  # else config.dtype wins
             else:
                 model = model_class(config)
     finally:

@@ -15,7 +15,8 @@ class RenameDynamicAxesPass(ir.passes.InPlacePass):
 
     ``mapping`` is ``{torch's symbol: the user's name}``, plain strings; the capture side
     builds it from ``dynamic_shapes`` (torch names only string axes; ``Dim`` objects carry a
-    name too). Longer symbols are replaced first (``s11`` before ``s1``), as torch does.
+    name too). Longer symbols are replaced first (``s11`` before ``s1``), as torch does. A sum
+    of names is spelled one way (``past_sequence_length + sequence_length``, terms sorted).
 
     Example::
 
@@ -36,7 +37,7 @@ class RenameDynamicAxesPass(ir.passes.InPlacePass):
             dims, changed = [], False
             for dim in value.shape:
                 if isinstance(dim, ir.SymbolicDim) and dim.value is not None:
-                    new = self.mapping.get(dim.value) or self._replace(dim.value)
+                    new = _one_spelling(self.mapping.get(dim.value) or self._replace(dim.value))
                     changed |= new != dim.value
                     dims.append(new)
                 else:
@@ -50,6 +51,17 @@ class RenameDynamicAxesPass(ir.passes.InPlacePass):
         for old, new in self.mapping.items():
             expression = re.sub(rf"(?<!\w){re.escape(old)}(?!\w)", new, expression)
         return expression
+
+
+_NAME_SUM = re.compile(r"\s*[A-Za-z_]\w*(\s*\+\s*[A-Za-z_]\w*)+\s*")
+
+
+def _one_spelling(name: str) -> str:
+    """A sum of names with its terms sorted: torch prints a cache's new length ``s1 + s2`` for one
+    layer and ``s2 + s1`` for another, which once renamed would keep their bodies (and functions) apart."""
+    if _NAME_SUM.fullmatch(name):
+        return " + ".join(sorted(term.strip() for term in name.split("+")))
+    return name
 
 
 def _all_values(model: ir.Model) -> Iterator[ir.Value]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 from collections.abc import Iterator
 
@@ -52,6 +53,10 @@ class Blocks:
     nbytes: dict[str, int]
     outputs: dict[tuple[str, int], list[torch.Tensor]] = dataclasses.field(default_factory=dict)
     classes: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: ``(module path, call index) -> {forward parameter name: tensor}`` of each block call (a
+    #: tuple argument ``position_embeddings`` gives ``position_embeddings_0``, ``_1``, as the
+    #: function's inputs are named): the block-wise check feeds each block PyTorch's own inputs.
+    inputs: dict[tuple[str, int], dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
     def __contains__(self, path: str) -> bool:
         return path in self.nbytes
@@ -120,6 +125,25 @@ def _flat_tensors(value) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+def _named_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+    """Copies of the tensors a call receives, by forward parameter name (``name_i`` inside a tuple)."""
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {}
+    named: dict[str, torch.Tensor] = {}
+    for name, value in bound.arguments.items():
+        items = value.items() if isinstance(value, dict) else [(name, value)]
+        for key, item in items:
+            if isinstance(item, torch.Tensor):
+                named[key] = item.detach().clone()
+            elif isinstance(item, (tuple, list)):
+                for i, element in enumerate(item):
+                    if isinstance(element, torch.Tensor):
+                        named[f"{key}_{i}"] = element.detach().clone()
+    return named
+
+
 @contextlib.contextmanager
 def streamed(model: torch.nn.Module, plan: WeightPlan, blocks: Blocks) -> Iterator[Blocks]:
     """Within the ``with``, calling ``model`` loads each block's weights just for its call.
@@ -133,6 +157,7 @@ def streamed(model: torch.nn.Module, plan: WeightPlan, blocks: Blocks) -> Iterat
         stack = contextlib.ExitStack()
         stack.enter_context(materialized(model, plan, [path]))
         stacks.setdefault(path, []).append(stack)
+        blocks.inputs[(path, index)] = _named_inputs(module, args, kwargs)
 
     def unload(path: str, index: int, module, args, kwargs, output) -> None:
         stacks[path].pop().close()
