@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import onnx
 import onnx.inliner
 
-from onnx_modular.files._proto import inline_functions
+from onnx_modular.files._proto import all_nodes, inline_functions
 from onnx_modular.files import save
 from onnx_modular.format import metadata
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
@@ -82,17 +82,6 @@ def _set(node: onnx.NodeProto, key: str, value: str) -> None:
             entry.value = value
             return
     node.metadata_props.add(key=key, value=value)
-
-
-def _all_nodes(nodes) -> Iterator[onnx.NodeProto]:
-    stack = [iter(nodes)]
-    while stack:
-        node = next(stack[-1], None)
-        if node is None:
-            stack.pop()
-            continue
-        yield node
-        stack.extend(iter(graph.node) for graph in metadata.subgraphs(node))
 
 
 def _relocate_node(node: onnx.NodeProto, home: str | None, call_segments: list[str]) -> None:
@@ -146,7 +135,7 @@ def relocate_calls(model: onnx.ModelProto) -> onnx.ModelProto:
     pending: list[tuple[onnx.NodeProto, list[str], str | None]] = []
 
     def enqueue(nodes, caller_path: str | None, body_path: str | None) -> None:
-        for node in _all_nodes(nodes):
+        for node in all_nodes(nodes):
             if (node.domain, node.op_type, node.overload) not in functions:
                 continue
             props = metadata.props(node)
@@ -169,7 +158,7 @@ def relocate_calls(model: onnx.ModelProto) -> onnx.ModelProto:
         taken.add((body.domain, body.name))
         home = metadata.body_module_path(function)
         carried = {key: value for key, value in metadata.props(call).items() if key in CARRIED_CALL_KEYS}
-        for node in _all_nodes(body.node):
+        for node in all_nodes(body.node):
             _relocate_node(node, home, call_segments)
             if (node.domain, node.op_type, node.overload) not in functions:
                 for key, value in carried.items():
