@@ -394,7 +394,7 @@ def test_sigterm_while_the_cli_imports_torch_exits_cleanly(tmp_path, delay):
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "onnx_modular", "export", "onnx_modular.demo:gpt2", "-o", str(tmp_path / "m.onnx")],
+        [sys.executable, "-m", "onnx_modular", "export", "onnx_modular.hf.demo:gpt2", "-o", str(tmp_path / "m.onnx")],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     time.sleep(delay)

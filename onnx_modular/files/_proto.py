@@ -40,12 +40,14 @@ def inline_functions(model: onnx.ModelProto, function_ids: Sequence[tuple[str, s
     """
     import onnx.inliner
 
-    bodies = [g for n in all_nodes(model.graph.node) for g in subgraphs(n)]
-    bodies += [g for f in model.functions for n in all_nodes(f.node) for g in subgraphs(n)]
-    for graph in bodies:
-        constants = [
-            onnx.helper.make_node("Constant", [], [tensor.name], value=tensor) for tensor in graph.initializer
-        ]
+    bodies = [(n, g) for n in all_nodes(model.graph.node) for g in subgraphs(n)]
+    bodies += [(n, g) for f in model.functions for n in all_nodes(f.node) for g in subgraphs(n)]
+    for owner, graph in bodies:
+        constants = []
+        for tensor in graph.initializer:
+            constant = onnx.helper.make_node("Constant", [], [tensor.name], name=f"{tensor.name}_constant", value=tensor)
+            constant.metadata_props.extend(owner.metadata_props)  # the module (and tags) of the node that owns the body
+            constants.append(constant)
         if constants:
             nodes = constants + list(graph.node)
             del graph.initializer[:]

@@ -284,8 +284,9 @@ class ProfileReport:
         modules = localization.get("modules", []) if isinstance(localization, Mapping) else localization.modules
         drift = {}
         for module in modules:
-            row = module if isinstance(module, Mapping) else dataclasses.asdict(module)
-            drift[row["call_name"]] = {key: row.get(key) for key in ("max_abs", "max_rel", "ok")}
+            row = module if isinstance(module, Mapping) else module.to_dict()
+            # a call's row (files.parity.Parity) is named by its call name
+            drift[row.get("call_name", row.get("name"))] = {key: row.get(key) for key in ("max_abs", "max_rel", "ok")}
         return dataclasses.replace(self, drift=drift)
 
     def table(self) -> list[dict[str, Any]]:

@@ -120,7 +120,10 @@ def _run_into(session, feeds: dict[str, np.ndarray], output_name: str, shape: tu
     binding.bind_output(output_name, "cpu", 0, result.dtype, result.shape, result.ctypes.data)
     session.run_with_iobinding(binding)
     del arrays
-    return result
+    computed = tuple(binding.get_outputs()[0].shape())
+    # onnxruntime writes into a bound buffer of the same size whatever shape it computed: a value
+    # of another shape ((1,) for ()) must show as such, so that the caller refuses to fold it.
+    return result if computed == tuple(shape) else result.reshape(computed)
 
 
 class FoldedShapeError(ValueError):
