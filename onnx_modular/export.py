@@ -207,12 +207,8 @@ def export_modular(
             pipeline.run(passes, model_ir)
             model_ir.producer_name, model_ir.producer_version = "onnx_modular", _version()
         result = ModularExport(
-            model=model_ir,
-            hierarchy=tree,
-            timings=stages.timings,
-            exported_program=program,
+            model=model_ir, hierarchy=tree, timings=stages.timings, exported_program=program, _example=(args, kwargs),
             _reference=(tensors.flatten_inputs(args, kwargs), tensors.flatten_outputs(expected)),
-            _example=(args, kwargs),
         )
         if stream is None and verification.uses_bfloat16(model_ir):  # the reference of its float32-widened check
             result._reference_float32 = verification.float32_reference(model, args, kwargs)
