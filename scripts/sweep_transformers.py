@@ -8,6 +8,7 @@ memory-bounded child process. Writes ``docs/coverage.md`` (totals first) and a J
     python scripts/sweep_transformers.py --types llama,bert --heads
     python scripts/sweep_transformers.py --compare old.json    # also list what regressed
     python scripts/sweep_transformers.py --resume              # keep rows already in the JSON
+    python scripts/sweep_transformers.py --resume --redo failed --jobs 2   # sweep failed rows again, two at once
 
 Each architecture gets a configuration shrunk from its default one by the rules of
 :func:`tiny_config` (hidden sizes, layers, heads, experts, vocabulary, image and audio sizes),
@@ -467,7 +468,10 @@ class Row:
 def sweep_one(model_type: str, class_name: str, task: str, timeout: float, memory_gb: float) -> Row:
     row = Row(model_type, class_name, task)
     flat = run_child("flat", model_type, class_name, timeout, memory_gb)
-    modular = run_child("modular", model_type, class_name, timeout, memory_gb)
+    if flat.get("stage") == "build":  # the same build would fail the same way: not run twice
+        modular = dict(flat, seconds=0.0)
+    else:
+        modular = run_child("modular", model_type, class_name, timeout, memory_gb)
     row.built = bool(flat.get("built") or modular.get("built"))
     row.flat_ok = bool(flat.get("ok"))
     row.flat_max_abs = flat.get("max_abs")
@@ -609,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="default: the output with .json")
     parser.add_argument("--compare", help="an older JSON: list regressions")
     parser.add_argument("--resume", action="store_true", help="keep the rows already in the JSON, sweep the rest")
+    parser.add_argument("--redo", help="with --resume: sweep again the kept rows whose modular stage is one of these "
+                        "(comma-separated, e.g. capture,verify; 'failed' for every row not modular ok)")
+    parser.add_argument("--jobs", type=int, default=1, help="architectures swept at once (each in its own children)")
     parser.add_argument("--order", choices=("shuffled", "alphabetical"), default="shuffled",
                         help="shuffled (default): the sample, then base models, then heads, each in a fixed random order")
     parser.add_argument("--notes", default="", help="text put under the totals")
@@ -642,20 +649,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit:
         planned = planned[: args.limit]
     rows: list[Row] = read_rows(json_path) if args.resume and json_path.exists() else []
+    if args.redo:
+        stages = set(args.redo.split(","))
+        rows = [r for r in rows if not ("failed" in stages and not r.modular_ok or r.stage in stages)]
     done = {r.key for r in rows}
     environment = _environment()
-    for model_type, class_name, task in planned:
-        if class_name in done:
-            continue
-        row = sweep_one(model_type, class_name, task, args.timeout, args.memory_gb)
+    todo = [row for row in planned if row[1] not in done]
+    order = {row[1]: i for i, row in enumerate(planned)}
+
+    def finished(row: Row) -> None:  # in the main thread: rows, JSON and Markdown stay consistent
         rows.append(row)
+        rows.sort(key=lambda r: order.get(r.class_name, len(order)))
         print(
-            f"{model_type:24} {class_name:48} built={_cell(row.built):3} flat={_cell(row.flat_ok):3} "
+            f"{row.model_type:24} {row.class_name:48} built={_cell(row.built):3} flat={_cell(row.flat_ok):3} "
             f"modular={_cell(row.modular_ok):3} {row.seconds:5.0f}s {row.stage or ''} {(row.error or '')[:100]}",
             flush=True,
         )
         write_json(json_path, rows, environment, len(planned))
         write_markdown(output, rows, environment, len(planned), args.notes)
+
+    if args.jobs <= 1:
+        for model_type, class_name, task in todo:
+            finished(sweep_one(model_type, class_name, task, args.timeout, args.memory_gb))
+    else:  # threads only wait on their forked children: the exports run in parallel processes
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        with ThreadPoolExecutor(args.jobs) as pool:
+            futures = [pool.submit(sweep_one, *row, args.timeout, args.memory_gb) for row in todo]
+            for future in as_completed(futures):
+                finished(future.result())
     print(json.dumps(totals(rows)))
     if args.compare:
         found = regressions(read_rows(pathlib.Path(args.compare)), rows)
