@@ -8,7 +8,8 @@
 - :mod:`~onnx_modular.files.inputs`: declared inputs, valid random feeds, feed checks;
 - :mod:`~onnx_modular.files.parity`: the parity report (modular, flat, reference);
 - :mod:`~onnx_modular.files.profile`: run time per module call (``onnx_modular.profile``), with
-  :mod:`~onnx_modular.files.attribution` (which call each kernel belongs to) and
+  :mod:`~onnx_modular.files.attribution` (which call each kernel belongs to),
+  :mod:`~onnx_modular.files.profile_report` (the report: times per kernel, call and class) and
   :mod:`~onnx_modular.files.profile_views` (Chrome trace, HTML flame chart);
 - :mod:`~onnx_modular.files.extract`: one module call (or class) as a model of its own, with ONNX test data;
 - :mod:`~onnx_modular.files.replace`: a block's graph as the body of a call's (or class's) function.
