@@ -1,0 +1,421 @@
+"""The command line's subcommands: one function per command, taking the parsed arguments and
+returning the exit code (:mod:`onnx_modular.cli.parser` binds each to its subcommand)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import logging
+import os
+import pathlib
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+
+from onnx_modular.cli.progress import EXPORT_STAGES, Progress
+from onnx_modular.errors import InvalidInputError, ParityError
+from onnx_modular.files import (
+    function_tree,
+    inline_file,
+    load_model_file,
+    random_inputs,
+    save,
+)
+from onnx_modular.files.display import display_bytes
+from onnx_modular.files.inputs import feeds_from_arrays, load_arrays
+from onnx_modular.files.parity import Tolerance
+from onnx_modular.cli.output import EXIT_OK, Mismatch, print_json, stderr, stdout
+
+
+# -- export ------------------------------------------------------------------------------
+
+
+def _load_factory(spec: str):
+    """``package.module:factory`` or ``path/to/file.py:factory`` -> the callable."""
+    module_name, sep, attribute = spec.rpartition(":")
+    if not sep or not module_name or not attribute:
+        raise InvalidInputError(f"Expected 'package.module:factory', got {spec!r}.")
+    if module_name.endswith(".py"):
+        file = pathlib.Path(module_name)
+        if not file.is_file():
+            raise InvalidInputError(f"The factory file {module_name!r} does not exist.")
+        module_spec = importlib.util.spec_from_file_location(file.stem, file)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # SystemExit and others: the factory file's own doing
+            raise InvalidInputError(f"Running {module_name!r} failed: {type(e).__name__}: {e}") from e
+    else:
+        # Like `python -m`, find modules in the current folder (console scripts do not).
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise InvalidInputError(f"Cannot import {module_name!r}: {e}") from e
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
+            raise InvalidInputError(f"Importing {module_name!r} failed: {type(e).__name__}: {e}") from e
+    target: Any = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise InvalidInputError(f"{module_name!r} has no attribute {attribute!r}.")
+        target = getattr(target, part)
+    if not callable(target):
+        raise InvalidInputError(f"{spec!r} is not callable (a factory returning (model, args) is expected).")
+    if module_name == "builtins" or getattr(target, "__module__", None) == "builtins":
+        raise InvalidInputError(
+            f"{spec!r} is a Python builtin, not a factory: it cannot return a model.",
+            hint="Name a function of your own that returns (model, args): 'package.module:make' or 'file.py:make'.",
+        )
+    return target
+
+
+def _call_factory(spec: str) -> dict[str, Any]:
+    """Call the factory and normalize its result to model/args/kwargs/dynamic_shapes."""
+    factory = _load_factory(spec)
+    try:
+        result = factory()
+    except SystemExit as e:
+        raise InvalidInputError(
+            f"The factory {spec!r} exited (SystemExit({e.code!r})) instead of returning a model.",
+            hint="A factory must return (model, args) or a dict with 'model'; it must not call sys.exit().",
+        ) from e
+    except KeyboardInterrupt:
+        raise  # Ctrl+C, or the factory's own: either way "interrupted", exit 130, nothing written
+    except BaseException as e:  # an exception class of the factory's own, not derived from Exception
+        raise InvalidInputError(f"The factory {spec!r} raised {type(e).__name__}: {e}") from e
+    keys = ("model", "args", "kwargs", "dynamic_shapes")
+    if isinstance(result, dict):
+        unknown = sorted(set(result) - set(keys))
+        if unknown or "model" not in result:
+            raise InvalidInputError(
+                f"The factory {spec!r} returned a dict with keys {sorted(result)}; expected 'model' and "
+                f"optionally {', '.join(repr(k) for k in keys[1:])}."
+            )
+        values = {key: result.get(key) for key in keys}
+    elif isinstance(result, (tuple, list)) and 2 <= len(result) <= 4:
+        values = dict(zip(keys, result))
+    else:
+        raise InvalidInputError(
+            f"The factory {spec!r} returned {type(result).__name__}; expected (model, args), "
+            "(model, args, kwargs), (model, args, kwargs, dynamic_shapes) or a dict with those keys."
+        )
+    if values.get("args") is None:
+        values["args"] = ()
+    return values
+
+
+def run_export(args: argparse.Namespace) -> int:
+    checkpoint = os.path.isdir(args.factory) or args.task is not None
+    if checkpoint and not args.stream_weights:
+        return _export_checkpoint(args)
+    for option in ("static", "generation", "stream_weights", "dtype"):
+        if getattr(args, option) and not checkpoint:
+            raise InvalidInputError(f"--{option.replace('_', '-')} applies to a checkpoint folder.")
+    from onnx_modular.export import export_modular  # imports torch: only when exporting
+
+    if checkpoint:  # --stream-weights: the checkpoint's model on meta, its weights read from the folder
+        command = importlib.import_module("onnx_modular.hf.command")  # imports transformers
+        command.quiet_progress_bars(getattr(args, "verbose", False))
+        values = command.streamed(args, stderr)
+    else:
+        values = _call_factory(args.factory)
+    started = time.perf_counter()
+    stderr(f"Exporting {args.factory} to {args.output}")
+    try:
+        with _quiet_warnings(args), Progress(sys.stderr, EXPORT_STAGES, output=args.output) as progress:
+            result = export_modular(
+                values["model"],
+                values["args"],
+                args.output,
+                kwargs=values.get("kwargs"),
+                dynamic_shapes=values.get("dynamic_shapes"),
+                weights=values.get("weights"),
+                opset_version=args.opset,
+                dedupe=not args.no_dedupe,
+                verify=not args.no_verify,
+                rtol=args.rtol,
+                atol=args.atol,
+                progress=progress,
+                flat_file=args.flat_file,
+            )
+    except ParityError as e:
+        _report_mismatch(args, e, {"model": e.report} if e.report is not None else {})
+        if args.keep_on_mismatch and e.result is not None:
+            e.result.save(args.output)
+            stderr(f"Kept {args.output} (--keep-on-mismatch) although its outputs differ from PyTorch.")
+        raise
+    stderr(f"  {'total':<11} {time.perf_counter() - started:7.2f}s")
+    tree = result.hierarchy
+    if args.json:
+        print_json(
+            {
+                "path": str(args.output),
+                "ok": True if result.report is None else result.report.ok,
+                "timings": result.timings,
+                "report": None if result.report is None else result.report.to_dict(),
+                "flat_path": None if result.flat_path is None else str(result.flat_path),
+                "flat_report": None if result.flat_report is None else result.flat_report.to_dict(),
+                "tree": tree.to_dict(),
+            }
+        )
+    else:
+        if result.report is not None:
+            stdout(result.blocks if result.blocks is not None else result.report)
+        size = pathlib.Path(args.output).stat().st_size
+        stdout(f"Wrote {args.output} ({size / 1e6:.1f} MB): {result.summary().splitlines()[0]}")
+        if result.flat_path is not None:
+            if result.flat_report is not None:
+                stdout(f"Flat copy: {result.flat_report}")
+            stdout(f"Wrote {result.flat_path} ({result.flat_path.stat().st_size / 1e6:.1f} MB): every call inlined, optimized")
+        _print_tree(args, tree, args.output)
+    return EXIT_OK
+
+
+def _report_mismatch(args: argparse.Namespace, error: ParityError, reports: dict) -> None:
+    if args.json:
+        kept = args.output if args.keep_on_mismatch and error.result is not None else None
+        first = next(iter(reports.values()), None)
+        print_json(
+            {
+                "path": kept,
+                "ok": False,
+                "report": None if first is None else first.to_dict(),
+                "reports": {name: report.to_dict() for name, report in reports.items()},
+            }
+        )
+    else:
+        for report in reports.values():
+            stdout(report)
+
+
+def _print_tree(args: argparse.Namespace, tree, path: str) -> None:
+    stdout(tree.format(max_depth=args.depth or None))
+    if args.depth and tree.height > args.depth:
+        stdout(f"(calls deeper than {args.depth} not shown; see them with: onnx-modular tree {path})")
+
+
+@contextlib.contextmanager
+def _quiet_warnings(args: argparse.Namespace):
+    """Hide torch's and transformers' deprecation notices (they say nothing about the user's model) unless -v."""
+    with warnings.catch_warnings():
+        if not getattr(args, "verbose", False):
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+        yield
+
+
+def _export_checkpoint(args: argparse.Namespace) -> int:
+    """A transformers checkpoint folder (``--task``): see :mod:`onnx_modular.hf.command`."""
+    from onnx_modular.hf import (
+        command,  # imports transformers: a clear error without the [hf] extra
+    )
+
+    started = time.perf_counter()
+    command.quiet_progress_bars(getattr(args, "verbose", False))
+    stderr(f"Exporting {args.factory} to {args.output}")
+    try:
+        with _quiet_warnings(args), Progress(sys.stderr, command.STAGES, output=args.output) as progress:
+            exported, reports = command.run(args, progress.line, progress)
+    except ParityError as e:
+        reports = getattr(e, "reports", None) or ({"model": e.report} if e.report is not None else {})
+        _report_mismatch(args, e, reports)
+        if args.keep_on_mismatch:
+            stderr(f"Kept {args.output} (--keep-on-mismatch) although its outputs differ from PyTorch.")
+        raise
+    stderr(f"  {'total':<11} {time.perf_counter() - started:7.2f}s")
+    output = pathlib.Path(args.output)
+    files = [output] if output.suffix == ".onnx" else [output / f"{name}.onnx" for name in exported.components]
+    if args.json:
+        print_json(
+            {
+                "path": str(output),
+                "ok": all(report.ok for report in reports.values()),
+                "components": {
+                    name: {
+                        "file": str(file),
+                        "report": reports[name].to_dict() if name in reports else None,
+                        "tree": function_tree(load_model_file(file)).to_dict(),
+                    }
+                    for name, file in zip(exported.components, files)
+                },
+            }
+        )
+        return EXIT_OK
+    for name, file in zip(exported.components, files):
+        if name in reports:
+            stdout(reports[name])
+        size = file.stat().st_size + sum(f.stat().st_size for f in file.parent.glob(file.name + ".data"))
+        stdout(f"Wrote {file} ({size / 1e6:.1f} MB)")
+        _print_tree(args, function_tree(load_model_file(file)), str(file))
+    return EXIT_OK
+
+
+# -- tree, inline ------------------------------------------------------------------------
+
+
+def run_tree(args: argparse.Namespace) -> int:
+    model = load_model_file(args.model)
+    tree = function_tree(model)
+    depth = args.depth or None  # 0 = all, as for export --depth
+    if args.json:
+        print_json(tree.filtered(depth, args.class_name).to_dict())
+    else:
+        stdout(tree.format(max_depth=depth, class_filter=args.class_name))
+    return EXIT_OK
+
+
+def run_inline(args: argparse.Namespace) -> int:
+    source = load_model_file(args.model)
+    flat = inline_file(args.model, args.output, only=args.only, optimize=args.optimize, opset_version=args.opset)
+    inlined = len(source.functions) - len(flat.functions)
+    stdout(
+        f"Wrote {args.output}: {len(flat.graph.node)} nodes in the main graph, "
+        f"{len(flat.functions)} local functions left ({inlined} inlined)"
+    )
+    return EXIT_OK
+
+
+# -- verify ------------------------------------------------------------------------------
+
+
+def _parse_dims(items: Sequence[str]) -> dict[str, int]:
+    dims = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            size = int(value)
+        except ValueError:
+            size = -1
+        if not sep or not name or size < 1:
+            raise InvalidInputError(f"--dim expects name=size with size >= 1, got {item!r}.")
+        dims[name] = size
+    return dims
+
+
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from onnx_modular.files.parity import check_file
+
+    tolerance = Tolerance(args.atol, args.rtol)  # refuses NaN, infinite or negative values first
+    model = load_model_file(args.model)
+    dims = _parse_dims(args.dim)
+    if args.inputs:
+        if dims:
+            raise InvalidInputError("--dim sizes random inputs; it cannot be combined with --inputs.")
+        feeds = feeds_from_arrays(model, load_arrays(args.inputs, "--inputs"))
+    else:
+        feeds = random_inputs(model, dims=dims, seed=args.seed)
+    expected = load_arrays(args.expected, "--expected") if args.expected else None
+    report = check_file(args.model, feeds, expected=expected, tolerance=tolerance)
+    if args.json:
+        print_json(
+            {
+                "path": str(args.model),
+                "inputs": {name: {"shape": list(a.shape), "dtype": str(a.dtype)} for name, a in feeds.items()},
+                **report.to_dict(),
+            }
+        )
+    else:
+        shapes = ", ".join(f"{name}{list(a.shape)}" for name, a in feeds.items())
+        stdout(f"inputs: {shapes or '(none)'}" + ("" if args.inputs else f" (random, seed {args.seed})"))
+        stdout(report)
+    if not report.ok:
+        failed = ", ".join(o.name for o in report.outputs if not o.ok)
+        raise Mismatch(f"outputs differ beyond atol={args.atol:g} rtol={args.rtol:g}: {failed}")
+    return EXIT_OK
+
+
+# -- profile -------------------------------------------------------------------------------
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from onnx_modular.files.profile import profile
+
+    outputs = {"json": args.json, "trace": args.trace, "html": args.html}
+    to_stdout = outputs["json"] == "-"
+    for path in outputs.values():
+        if path is not None and path != "-":
+            save.check_destination(path)  # a bad path fails before the model runs
+    dims = _parse_dims(args.dim)
+    if args.inputs and dims:
+        raise InvalidInputError("--dim sizes random inputs; it cannot be combined with --inputs.")
+    report = profile(
+        args.model,
+        args.inputs,
+        runs=args.runs,
+        warmup=args.warmup,
+        execution_provider=args.provider,
+        threads=args.threads,
+        optimization=args.optimization,
+        dims=dims or None,
+        seed=args.seed,
+    )
+    written = report.save(**{kind: None if path == "-" else path for kind, path in outputs.items()})
+    for path in written:  # written first: a reader that stops early (| head) does not lose them
+        stderr(f"Wrote {path}")
+    print(report.to_json() if to_stdout else report.format(max_depth=args.depth or None, top=args.top))
+    return EXIT_OK
+
+
+# -- extract, replace ----------------------------------------------------------------------
+
+
+def _npz_feeds(args: argparse.Namespace) -> dict | None:
+    if not args.inputs:
+        return None
+    return feeds_from_arrays(load_model_file(args.model), load_arrays(args.inputs, "--inputs"))
+
+
+def run_extract(args: argparse.Namespace) -> int:
+    from onnx_modular.files.extract import extract
+
+    if args.inputs and not args.with_data:
+        raise InvalidInputError("--inputs gives the whole model's inputs for the test data: add --with-data.")
+    result = extract(args.model, args.call, args.output, with_data=args.with_data, inputs=_npz_feeds(args))
+    print(f"Wrote {len(result.models)} model(s) into {args.output}")
+    print(result)
+    return EXIT_OK
+
+
+def run_replace(args: argparse.Namespace) -> int:
+    from onnx_modular.files.replace import replace
+
+    print(replace(args.model, args.target, args.block, args.output, inputs=_npz_feeds(args)))
+    return EXIT_OK
+
+
+# -- view --------------------------------------------------------------------------------
+
+
+def run_view(args: argparse.Namespace) -> int:
+    from onnx_modular.files.view import serve
+
+    model = load_model_file(args.model)  # bounded, checked, external-data references included
+    try:
+        import netron
+    except ImportError:
+        raise InvalidInputError("Viewing needs the netron package: pip install netron") from None
+    # netron logs its own "Serving ..." line (configuring the root logger if nobody did); one is enough.
+    logging.getLogger("netron").setLevel(logging.WARNING)
+    # Lifted constants back in their bodies (files/display.py), unless --as-stored.
+    shown = None if args.as_stored else display_bytes(model)
+    note = "" if shown is None else " with its lifted constants shown in their bodies (--as-stored: the file as it is)"
+    with serve(args.model, model, address=(args.host, args.port), browse=not args.no_browser, shown=shown) as (host, port):
+        stderr(f"Netron is serving {args.model}{note} at http://{host}:{port} (Ctrl+C to stop)")
+        while netron.status((host, port)):
+            time.sleep(0.1)
+    return EXIT_OK
+
+
+# -- parser and main -----------------------------------------------------------------------

@@ -1,0 +1,267 @@
+"""The command line's arguments: ``build_parser()``, one subparser per command of
+:mod:`onnx_modular.cli.commands`."""
+
+from __future__ import annotations
+
+import argparse
+
+from onnx_modular.cli import commands as handlers
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for documentation and tests)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="print tracebacks of errors"
+    )
+    parser = argparse.ArgumentParser(
+        prog="onnx-modular",
+        description="Export PyTorch models to ONNX with every module call as a nested local function, "
+        "and inspect, inline, verify or view such files.",
+        epilog="Exit codes: 0 ok, 1 verification failure, 2 usage error or bad input, 3 internal error.",
+        parents=[common],
+    )
+    from onnx_modular import __version__
+
+    parser.add_argument("--version", action="version", version=f"onnx-modular {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    export = commands.add_parser(
+        "export",
+        parents=[common],
+        help="export a model from a factory function or a transformers checkpoint folder",
+        description="Call FACTORY (package.module:function or file.py:function), which returns "
+        "(model, args), (model, args, kwargs), (model, args, kwargs, dynamic_shapes) or a dict with "
+        "those keys, and export the model with export_modular. Or export a transformers checkpoint "
+        "(a folder with config.json and weights, or a model already in the local Hugging Face cache) "
+        "for --task, with sample inputs built for the task, dynamic in batch and sequence; needs "
+        "the [hf] extra. Nothing is downloaded.",
+    )
+    export.add_argument(
+        "factory",
+        metavar="FACTORY|CHECKPOINT",
+        help="package.module:function, path/file.py:function, or a checkpoint folder (with --task)",
+    )
+    export.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="the .onnx file to write; for a checkpoint, a folder instead writes what "
+        "ExportedModel.save_pretrained writes (needed with --generation)",
+    )
+    export.add_argument(
+        "--task",
+        default=None,
+        metavar="TASK",
+        help="what to export a checkpoint for (which head, which sample inputs): feature-extraction, masked-lm, "
+        "causal-lm, causal-lm-with-past, seq2seq-lm, image-classification, or Optimum's name (text-generation, "
+        "text-generation-with-past, fill-mask, text2text-generation); default: inferred from config.architectures",
+    )
+    export.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "float16", "bfloat16"],
+        help="checkpoint: the precision to export in (default: the checkpoint's); a bfloat16 file is checked on its "
+        "float32-widened copy (onnxruntime's CPU provider has no bfloat16 kernels)",
+    )
+    export.add_argument("--static", action="store_true", help="checkpoint: fixed shapes (default: dynamic batch and sequence)")
+    export.add_argument("--generation", action="store_true",
+                        help="checkpoint: export the generation components (prefill, decode) into the -o folder")
+    export.add_argument("--stream-weights", action="store_true", help="checkpoint: never load the weights whole "
+                        "(model on meta, each tensor streamed to <output>.data, verified block by block)")
+    export.add_argument("--keep-on-mismatch", action="store_true", help="write the model even when parity fails (exit code 1)")
+    export.add_argument("--no-verify", action="store_true", help="skip the onnxruntime-vs-PyTorch parity check")
+    export.add_argument("--no-dedupe", action="store_true", help="keep one function per call (no sharing)")
+    export.add_argument("--atol", type=float, default=None, help="absolute tolerance of the check (default: per output dtype)")
+    export.add_argument("--rtol", type=float, default=None, help="relative tolerance of the check (default: per output dtype)")
+    export.add_argument(
+        "--flat-file",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="PATH",
+        help="also write the flat deployment copy (every call inlined, optimized, verified) to PATH "
+        "(default <name>.flat.onnx beside -o), for runtimes without local functions (OpenVINO, TensorRT)",
+    )
+    export.add_argument(
+        "--opset", type=int, default=None, metavar="N", help="ONNX opset of the default domain (17 to 23 and up; default 18)"
+    )
+    export.add_argument(
+        "--depth",
+        type=_positive,
+        default=2,
+        metavar="N",
+        help="depth of the printed tree (default 2; 0 = all); --json always has the whole tree",
+    )
+    export.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    export.set_defaults(run=handlers.run_export)
+
+    tree = commands.add_parser(
+        "tree",
+        parents=[common],
+        help="print the function-call tree of an ONNX file",
+        description="Print the call hierarchy of the local functions of any ONNX file: call path, "
+        "function, domain, calls of that function in the whole model, nodes in its body, and the "
+        "weight elements flowing into the call.",
+    )
+    tree.add_argument("model", help="the .onnx file")
+    tree.add_argument(
+        "--depth", type=_positive, default=None, metavar="N", help="show calls down to depth N (0 = all, the default)"
+    )
+    tree.add_argument(
+        "--class",
+        dest="class_name",
+        default=None,
+        metavar="NAME",
+        help="keep calls whose function or class matches NAME (a glob such as 'GPT2*'), and their ancestors",
+    )
+    tree.add_argument("--json", action="store_true", help="print the tree as JSON")
+    tree.set_defaults(run=handlers.run_tree)
+
+    inline = commands.add_parser(
+        "inline",
+        parents=[common],
+        help="inline local functions (all, or selected ones)",
+        description="Write a copy with local functions inlined by onnx.inliner. The output is written "
+        "atomically: a failure leaves no file behind.",
+    )
+    inline.add_argument("model", help="the .onnx file to read")
+    inline.add_argument("output", help="the .onnx file to write")
+    inline.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="inline only these functions (NAME or DOMAIN:NAME); calls nested in them stay calls",
+    )
+    inline.add_argument(
+        "--optimize",
+        action="store_true",
+        help="then run onnxscript's optimizer on the result, as torch.onnx.export does "
+        "(shares the per-call constants: a flat file for deployment)",
+    )
+    inline.add_argument(
+        "--opset", type=int, default=None, metavar="N", help="convert the copy to this opset, body by body (17 and up)"
+    )
+    inline.set_defaults(run=handlers.run_inline)
+
+    verify = commands.add_parser(
+        "verify",
+        parents=[common],
+        help="compare the model with its inlined copy in onnxruntime",
+        description="Run the model and its inlined copy in onnxruntime on the same inputs (random "
+        "from the declared shapes and types, or --inputs) and compare every output.",
+    )
+    verify.add_argument("model", help="the .onnx file")
+    verify.add_argument("--inputs", default=None, metavar="FILE.npz", help="inputs by name (or arr_0, arr_1, ...)")
+    verify.add_argument(
+        "--expected", default=None, metavar="FILE.npz", help="expected outputs by name; the model must match them too"
+    )
+    verify.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    verify.add_argument(
+        "--dim",
+        action="append",
+        default=[],
+        metavar="NAME=SIZE",
+        help="size (>= 1) of a symbolic dimension in random inputs (default 2); repeatable",
+    )
+    verify.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default 1e-4)")
+    verify.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default 1e-3)")
+    verify.add_argument("--json", action="store_true", help="print the report as JSON")
+    verify.set_defaults(run=handlers.run_verify)
+
+    prof = commands.add_parser(
+        "profile",
+        parents=[common],
+        help="time every module call in onnxruntime (its profiler, on the call tree)",
+        description="Run the model in onnxruntime with its profiler and attribute every kernel to the "
+        "module call it came from (nodes onnxruntime fuses across modules go to the innermost call "
+        "holding all their parts). Prints the call tree with inclusive and self time (sums of the "
+        "kernels' medians over the runs), share and kernels, the slowest calls by self time and the "
+        "time per class. Inputs are random from the declared shapes unless --inputs is given.",
+    )
+    prof.add_argument("model", help="the .onnx file")
+    prof.add_argument("--inputs", default=None, metavar="FILE.npz", help="inputs by name (or arr_0, arr_1, ...)")
+    prof.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    prof.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                      help="size of a symbolic dimension in random inputs (default 2); repeatable")
+    prof.add_argument("--runs", type=int, default=10, metavar="N", help="measured runs (default 10)")
+    prof.add_argument("--warmup", type=int, default=2, metavar="N", help="runs before them, not measured (default 2)")
+    prof.add_argument("--threads", type=int, default=None, metavar="N",
+                      help="onnxruntime intra-op threads (default: onnxruntime's)")
+    prof.add_argument("--provider", default=None, metavar="EP", help="execution provider (default CPU; cuda, ...)")
+    prof.add_argument("--optimization", default="all", choices=["all", "extended", "basic", "disabled"],
+                      help="onnxruntime graph optimization level (default all, as onnxruntime)")
+    prof.add_argument("--depth", type=_positive, default=None, metavar="N", help="show calls down to depth N")
+    prof.add_argument("--top", type=_positive, default=10, metavar="N", help="slowest calls by self time to list (default 10)")
+    prof.add_argument("--json", default=None, metavar="PATH", help="write the profile as JSON ('-': print it instead of the tree)")
+    prof.add_argument("--trace", default=None, metavar="PATH", help="write a Chrome trace (Perfetto, speedscope)")
+    prof.add_argument("--html", default=None, metavar="PATH", help="write a self-contained HTML page with a flame chart")
+    prof.set_defaults(run=handlers.run_profile)
+
+    extract = commands.add_parser(
+        "extract",
+        parents=[common],
+        help="write one module call (or every call of a class) as a model of its own",
+        description="Write the function of a call (a module path such as h.1.attn) or of every call of a "
+        "class (GPT2Block: one model per distinct function) as a model: the body as its graph, the formal "
+        "inputs as inputs, the weights and constants the call receives as initializers. The output "
+        "folder gets one test case per model in ONNX's layout (<case>/model.onnx, test_data_set_<n>/).",
+    )
+    extract.add_argument("model", help="the .onnx file")
+    extract.add_argument("call", help="a module path (h.1.attn) or a class or function name (GPT2Block)")
+    extract.add_argument("-o", "--output", required=True, metavar="OUT", help="a new or empty folder")
+    extract.add_argument(
+        "--with-data",
+        action="store_true",
+        help="also write each call's inputs and outputs from one onnxruntime run of the whole model "
+        "(one data set per call), checked on the extracted model",
+    )
+    extract.add_argument(
+        "--inputs", default=None, metavar="FILE.npz", help="the whole model's inputs for --with-data (default: random, seed 0)"
+    )
+    extract.set_defaults(run=handlers.run_extract)
+
+    replace = commands.add_parser(
+        "replace",
+        parents=[common],
+        help="make a block's graph the body of a class's functions or of one call",
+        description="Replace the body of every function of a class, or of one call path (which then gets "
+        "a function of its own), by the graph of BLOCK (e.g. an extracted model after editing). The "
+        "result is checked, compared with the original in onnxruntime, and written atomically.",
+    )
+    replace.add_argument("model", help="the .onnx file")
+    replace.add_argument("target", help="a class or function name (GPT2Block) or a module path (h.1)")
+    replace.add_argument("block", help="the .onnx file whose graph becomes the body")
+    replace.add_argument("-o", "--output", required=True, metavar="NEW.onnx", help="the file to write")
+    replace.add_argument(
+        "--inputs", default=None, metavar="FILE.npz", help="inputs of the comparison with the original (default: random, seed 0)"
+    )
+    replace.set_defaults(run=handlers.run_replace)
+
+    view = commands.add_parser(
+        "view",
+        parents=[common],
+        help="open the model in Netron (served on localhost)",
+        description="Serve the model with Netron (pip install netron) and open it in a browser. "
+        "In Netron, click the ƒ on a call node to enter its function.",
+    )
+    view.add_argument("model", help="the .onnx file")
+    view.add_argument("--port", type=int, default=8080, help="port to serve on (default 8080)")
+    view.add_argument("--host", default="localhost", help="address to serve on (default localhost)")
+    view.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    view.add_argument(
+        "--as-stored",
+        action="store_true",
+        help="show the file exactly as stored (by default, constants lifted out of the bodies for onnxruntime "
+        "are shown back inside them, which reads like the module code)",
+    )
+    view.set_defaults(run=handlers.run_view)
+    return parser
