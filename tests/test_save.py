@@ -201,6 +201,48 @@ def test_sigterm_during_a_save_cleans_up_like_sigint(tmp_path, sources):
     assert_one_pair(tmp_path)
 
 
+# SIGTERM at each step around the commit (issue 25: one run in 12 left an unreferenced data file
+# beside the old pair). The signal is sent from inside the step, so it lands exactly there.
+TERM_AT = {
+    # before the commit: the staged files are being made durable -> the old pair stays
+    "fsync of the staged files": ("fsync", "lambda fd: True", 1),
+    # inside the commit (signals deferred): the journal, the data file's move, the model's rename
+    "journal written": ("open", "lambda path, *a: os.path.basename(path).startswith(files_save._JOURNAL_PREFIX)", 2),
+    "model renamed": ("replace", "lambda src, dst: os.fspath(dst) == DEST", 2),
+}
+
+
+@pytest.mark.parametrize("step", list(TERM_AT))
+def test_sigterm_around_the_commit_leaves_one_whole_pair(tmp_path, sources, step):
+    dest = tmp_path / "m.onnx"
+    export_here(1, dest)
+    function_name, when, seed = TERM_AT[step]
+    proc = run_child(
+        sources,
+        f"""
+        DEST = {str(dest)!r}
+        original = os.{function_name}
+        sent = []
+        def patched(*args, **kwargs):
+            if not sent and ({when})(*args):
+                sent.append(1)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return original(*args, **kwargs)
+        os.{function_name} = patched
+        try:
+            save(2, DEST)
+            print("saved")
+        except KeyboardInterrupt as e:
+            print("interrupted", type(e).__name__)
+        print("sent", len(sent))
+        """,
+    )
+    assert "sent 1" in proc.stdout, proc.stdout  # the signal was sent at that step
+    assert "interrupted Terminated" in proc.stdout, proc.stdout  # and never lost
+    assert_holds(dest, seed)  # before the commit: the old pair; inside it: the commit finishes first
+    assert_one_pair(tmp_path)  # no stray data file, journal, lock or temp folder
+
+
 def test_sigterm_in_the_cli_exits_143_and_cleans_up(tmp_path):
     dest = tmp_path / "m.onnx"
     factory = tmp_path / "factory_mod.py"
