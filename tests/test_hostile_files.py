@@ -577,3 +577,43 @@ def test_inline_optimize_does_not_fold_declared_giant_constants(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         assert "Unable to allocate" not in done.stderr and "MemoryError" not in done.stderr, done.stderr[-2000:]
         assert (case / "out.onnx").stat().st_size < 10_000
+
+
+# -- issue 25: memory follows what a tool needs, not what the file stores ---------------------
+
+
+def test_tree_holds_a_big_file_once(tmp_path):
+    """``tree`` reads names and shapes only: the weights stored in the file are not parsed, so a
+    file near protobuf's 2 GiB limit is never held twice (it was: bytes plus parsed model)."""
+    size = 160 * 2**20  # 160 MiB of float32 in one initializer, inside the .onnx file
+    weight = onnx.numpy_helper.from_array(np.random.default_rng(0).random(size // 4, dtype=np.float32), "w")
+    node = helper.make_node("Mul", ["x", "w"], ["y"])
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [size // 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [size // 4])], [weight],
+    )
+    path = tmp_path / "big.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    del weight, graph
+    # VmHWM, not ru_maxrss: the latter keeps the parent's peak across fork and exec.
+    code = (
+        "import re\n"
+        "from onnx_modular.cli import main\n"
+        "def peak(): return int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+        "before = peak()\n"
+        f"assert main(['tree', {str(path)!r}]) == 0\n"
+        "print('peak-growth-kib', peak() - before)\n"
+    )
+    proc = __import__("subprocess").run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"{size // 4:,} params" in proc.stdout, proc.stdout
+    growth = int(proc.stdout.split("peak-growth-kib")[1]) * 1024
+    file_size = path.stat().st_size
+    assert growth < 1.3 * file_size, f"tree grew by {growth / file_size:.2f}x the file size"
+    # The structure read without the values is the structure read with them.
+    from onnx_modular.files import function_tree
+
+    with_values = function_tree(load_model_file(path)).to_dict()
+    assert function_tree(load_model_file(path, values=False)).to_dict() == with_values
+    stripped = load_model_file(path, values=False).graph.initializer[0]
+    assert (stripped.name, list(stripped.dims), stripped.data_type, stripped.raw_data) == ("w", [size // 4], 1, b"")

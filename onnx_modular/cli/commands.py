@@ -244,7 +244,7 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
                     name: {
                         "file": str(file),
                         "report": reports[name].to_dict() if name in reports else None,
-                        "tree": function_tree(load_model_file(file)).to_dict(),
+                        "tree": function_tree(load_model_file(file, values=False)).to_dict(),
                     }
                     for name, file in zip(exported.components, files)
                 },
@@ -256,7 +256,7 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
             stdout(reports[name])
         size = file.stat().st_size + sum(f.stat().st_size for f in file.parent.glob(file.name + ".data"))
         stdout(f"Wrote {file} ({size / 1e6:.1f} MB)")
-        _print_tree(args, function_tree(load_model_file(file)), str(file))
+        _print_tree(args, function_tree(load_model_file(file, values=False)), str(file))
     return EXIT_OK
 
 
@@ -264,7 +264,7 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
 
 
 def run_tree(args: argparse.Namespace) -> int:
-    model = load_model_file(args.model)
+    model = load_model_file(args.model, values=False)  # names and shapes: the weights are not parsed
     tree = function_tree(model)
     depth = args.depth or None  # 0 = all, as for export --depth
     if args.json:

@@ -119,6 +119,91 @@ def _scan_model_fields(data: bytes, path: str) -> set[int]:
     )
 
 
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _fields(data, start: int, end: int):
+    """``(number, wire type, field start, payload start, field end)`` of each field in
+    ``data[start:end]``; ``None`` ends the walk early (the parse reports what is wrong)."""
+    position = start
+    while position < end:
+        tag = _read_varint(data, position)
+        if tag is None:
+            return
+        key, after = tag
+        number, wire_type = key >> 3, key & 7
+        if wire_type == _WIRE_VARINT:
+            value = _read_varint(data, after)
+            if value is None:
+                return
+            payload, stop = after, value[1]
+        elif wire_type == _WIRE_LENGTH:
+            length = _read_varint(data, after)
+            if length is None:
+                return
+            payload, stop = length[1], length[1] + length[0]
+        elif wire_type == _WIRE_FIXED64:
+            payload, stop = after, after + 8
+        elif wire_type == _WIRE_FIXED32:
+            payload, stop = after, after + 4
+        else:
+            return
+        if stop > end:
+            return
+        yield number, wire_type, position, payload, stop
+        position = stop
+
+
+#: TensorProto fields that hold values (float_data, int32_data, string_data, int64_data,
+#: raw_data, double_data, uint64_data); name (8), dims and data_type stay.
+_TENSOR_PAYLOADS = frozenset({4, 5, 6, 7, 9, 10, 11})
+_MODEL_GRAPH, _GRAPH_INITIALIZER = 7, 5
+
+
+def _without_initializer_payloads(data) -> bytearray:
+    """The serialized model with the values of the main graph's initializers left out (their
+    names, shapes and types kept), for tools that read only the structure (``tree``).
+
+    A file near 2 GiB is then never held twice: the parsed model is the size of its
+    structure, not of its weights. Works on the wire format, so nothing is parsed first.
+    """
+
+    def length_field(number: int, body: bytes | bytearray) -> bytes:
+        return _varint(number << 3 | _WIRE_LENGTH) + _varint(len(body)) + bytes(body)
+
+    def tensor(start: int, end: int) -> bytearray:
+        out = bytearray()
+        for number, _, first, _, stop in _fields(data, start, end):
+            if number not in _TENSOR_PAYLOADS:
+                out += data[first:stop]
+        return out
+
+    def graph(start: int, end: int) -> bytearray:
+        out = bytearray()
+        for number, wire_type, first, payload, stop in _fields(data, start, end):
+            if number == _GRAPH_INITIALIZER and wire_type == _WIRE_LENGTH:
+                out += length_field(number, tensor(payload, stop))
+            else:
+                out += data[first:stop]
+        return out
+
+    out = bytearray()
+    for number, wire_type, first, payload, stop in _fields(data, 0, len(data)):
+        if number == _MODEL_GRAPH and wire_type == _WIRE_LENGTH:
+            out += length_field(number, graph(payload, stop))
+        else:
+            out += data[first:stop]
+    return out
+
+
 def read_regular_file(file: pathlib.Path, text: str, *, limit: int) -> bytearray:
     """The bytes of a regular file of at most ``limit`` bytes.
 
@@ -274,7 +359,7 @@ _load_external_data = load_external_data  # the parameter of load_model_file sha
 
 
 def load_model_file(
-    path: str | os.PathLike, *, load_external_data: bool = False, check: bool = True
+    path: str | os.PathLike, *, load_external_data: bool = False, check: bool = True, values: bool = True
 ) -> onnx.ModelProto:
     """Load an ONNX file, refusing files that would crash, hang or exhaust memory later.
 
@@ -286,6 +371,9 @@ def load_model_file(
         load_external_data: Also read the weights stored in external data files.
         check: Run :func:`check_model_structure` (recursion, missing functions, huge
             dimensions, nesting depth).
+        values: Keep the values of the main graph's initializers. ``False`` for tools that
+            read only the structure (``tree``): names, shapes and types stay, and the memory
+            used is that of the structure, not of the weights stored in the file.
 
     Returns:
         The model.
@@ -304,6 +392,8 @@ def load_model_file(
     if not data:
         raise InvalidModelFileError(f"{text!r} is empty (0 bytes), not an ONNX model.")
     present = _scan_model_fields(data, text)
+    if not values:
+        data = _without_initializer_payloads(data)
     model = onnx.ModelProto()
     try:
         model.ParseFromString(data)
