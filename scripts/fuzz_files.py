@@ -106,6 +106,10 @@ def serve() -> None:
 
     import onnx_modular.cli  # noqa: F401
 
+    if os.environ.get("FUZZ_FILES_IMPORT_TORCH") == "1":
+        import onnx_modular.export  # noqa: F401 - torch
+        import onnx_modular.hf.command  # noqa: F401 - transformers
+
     gc.freeze()  # children would otherwise copy every inherited page on their first collection
     requests, answers = sys.stdin, sys.stdout
     for line in requests:
@@ -131,13 +135,17 @@ def serve() -> None:
 
 
 class ForkServer:
-    """A ``serve()`` process; restarted if it dies."""
+    """A ``serve()`` process; restarted if it dies. ``torch=True``: it also imports what
+    ``export`` needs (torch, transformers), once, instead of in every child."""
 
-    def __init__(self):
+    def __init__(self, torch: bool = False):
         self.process = None
+        self.torch = torch
 
     def _start(self):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        if self.torch:
+            env["FUZZ_FILES_IMPORT_TORCH"] = "1"
         self.process = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--serve"],
             stdin=subprocess.PIPE,
@@ -720,6 +728,122 @@ def gen_symbolic_dims(rng, case, seeds):
     return _write(case, _model([node], [], inputs, outputs).SerializeToString())
 
 
+# -- checkpoint folders (``export <folder>``) ---------------------------------------------------
+
+#: A valid tiny Llama configuration; each case breaks it (or its weights) in one or two ways.
+_TINY_LLAMA = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 16, "intermediate_size": 32,
+    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64,
+    "max_position_embeddings": 32, "dtype": "float32", "tie_word_embeddings": False,
+}  # fmt: skip
+_SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "vocab_size", "max_position_embeddings")  # fmt: skip
+_ODD_SIZES = (-4, 0, 10**7, 10**9, 10**12, 2**63, 1.5, "8", None, [16], True)
+_ODD_DTYPES = ("float33", "Tensor", 5, ["float16"], "", "torch.float16", "object", "bfloat16")
+#: Written by code in a checkpoint (``auto_map``'s module, a pickled ``pytorch_model.bin``) if it ever ran.
+PWNED = "PWNED-by-checkpoint"
+_EVIL_CODE = f"import pathlib\npathlib.Path(__file__).resolve().parent.parent.parent.joinpath({PWNED!r}).write_text('ran')\n"
+
+
+def _evil_pickle() -> bytes:
+    """A pickle that, when loaded, writes PWNED next to the case folder (the command runs in the
+    case folder): ``torch.load`` without ``weights_only`` would run it."""
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (exec, (f"open('../{PWNED}', 'w').write('ran')",))
+
+    return pickle.dumps({"model.embed_tokens.weight": Evil()})
+
+
+def _weights(config: dict, rng: random.Random) -> dict[str, numpy.ndarray]:
+    h, i, v = 16, 32, 64
+    tensors = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,), "self_attn.q_proj.weight": (h, h),
+             "self_attn.k_proj.weight": (8, h), "self_attn.v_proj.weight": (8, h), "self_attn.o_proj.weight": (h, h),
+             "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}  # fmt: skip
+    tensors.update({f"model.layers.0.{name}": shape for name, shape in layer.items()})
+    return {name: numpy.asarray(numpy.random.default_rng(rng.randrange(2**32)).standard_normal(shape), numpy.float32)
+            for name, shape in tensors.items()}  # fmt: skip
+
+
+def gen_checkpoint(rng, case, seeds):
+    """A checkpoint folder for ``export <folder>`` (with and without ``--stream-weights``): a tiny
+    Llama whose ``config.json`` is broken (not JSON, empty, a list, nested thousands deep, a missing,
+    unknown or non-string ``model_type``, an ``auto_map`` pointing at code in the folder, sizes that
+    are negative, zero, fractional, strings or huge enough to need terabytes, odd dtypes) and/or whose
+    weights lie (shapes that contradict the config, a missing tensor, a safetensors header that is a
+    list or claims gigabytes, negative offsets, an index whose ``weight_map`` is a list or maps to an
+    int, or only a pickled ``pytorch_model.bin`` that runs code when unpickled). The folder must come
+    through unchanged, nothing it holds may run (``PWNED`` appears next to the case), and each
+    command ends in a result or a typed error within its time and memory."""
+    import safetensors.numpy
+
+    folder = case / "ckpt"
+    folder.mkdir()
+    config = dict(_TINY_LLAMA)
+    weights = _weights(config, rng)
+    text, pickled_only, lie = None, False, None
+    for _ in range(rng.choice([1, 1, 2])):
+        how = rng.randrange(12)
+        if how == 0:
+            text = rng.choice(["{not json", "", "[1, 2]", "7", '"llama"', "null", "[" * 40_000 + "]" * 40_000,
+                               '{"a":' * 30_000 + "1" + "}" * 30_000, "\ufeff{}", json.dumps(config)[:-3]])  # fmt: skip
+        elif how == 1:
+            config["model_type"] = rng.choice([None, "no-such-model", 7, ["llama"], "", "llama\x1b[2J"])
+            if config["model_type"] is None:
+                del config["model_type"]
+        elif how == 2:
+            (folder / "evil.py").write_text(_EVIL_CODE)
+            config["auto_map"] = rng.choice([{"AutoConfig": "evil.Config", "AutoModelForCausalLM": "evil.Model"},
+                                             {"AutoModel": "evil.Model"}, ["evil.Model"]])  # fmt: skip
+        elif how in (3, 4):
+            config[rng.choice(_SIZE_KEYS)] = rng.choice(_ODD_SIZES)
+        elif how == 5:
+            config[rng.choice(["dtype", "torch_dtype"])] = rng.choice(_ODD_DTYPES)
+        elif how == 6:  # shapes that contradict the config, or a missing tensor
+            name = rng.choice(sorted(weights))
+            if rng.random() < 0.3:
+                del weights[name]
+            else:
+                weights[name] = numpy.zeros(tuple(d + rng.choice([1, 3]) for d in weights[name].shape) or (2,), numpy.float32)
+        elif how == 7:
+            config["architectures"] = rng.choice([["NoSuchForCausalLM"], "LlamaForCausalLM", [7], []])
+        elif how == 8:
+            pickled_only = True  # only a pickled pytorch_model.bin
+        else:
+            lie = how
+    (folder / "config.json").write_text(text if text is not None else json.dumps(config))
+    if pickled_only:
+        (folder / "pytorch_model.bin").write_bytes(_evil_pickle())
+    elif lie is not None:
+        how = lie
+        safetensors.numpy.save_file(weights, str(folder / "model.safetensors"))
+        data = bytearray((folder / "model.safetensors").read_bytes())
+        length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + length])
+        if how == 9:  # the header lies about offsets or sizes
+            name = rng.choice([k for k in header if k != "__metadata__"])
+            header[name]["data_offsets"] = rng.choice([[-40, 8], [0, 3 * 2**30], [0], [8, 0], "0-8"])
+            new = json.dumps(header).encode()
+        elif how == 10:  # not a dict of entries
+            new = rng.choice([b"[1, 2]", b"5", b'{"a": "x"}', b"[" * 5000 + b"]" * 5000])
+        else:  # a sharded index that lies
+            (folder / "model.safetensors.index.json").write_text(json.dumps(
+                {"weight_map": rng.choice([["model.safetensors"], {k: 7 for k in header}, {k: "../outside.safetensors" for k in header}])}
+            ))  # fmt: skip
+            new = json.dumps(header).encode()
+        data = len(new).to_bytes(8, "little") + new + data[8 + length :]
+        (folder / "model.safetensors").write_bytes(data)
+    else:
+        safetensors.numpy.save_file(weights, str(folder / "model.safetensors"))
+    keep = {str(path.relative_to(case)): _fingerprint(path) for path in sorted(folder.iterdir())}
+    commands = [["export", "ckpt", "-o", "out.onnx"], ["export", "ckpt", "-o", "out2.onnx", "--stream-weights"]]
+    _checks(case, keep=keep, outside=PWNED, commands=commands, torch=True)
+    return "ckpt"
+
+
 GENERATORS: dict[str, tuple[Generator, float]] = {
     # name: (generator, weight)
     "bitflips": (gen_bitflips, 20),
@@ -744,6 +868,8 @@ GENERATORS: dict[str, tuple[Generator, float]] = {
     "npz_inputs": (gen_npz_inputs, 2),
     "destination": (gen_destination, 3),
     "constant_bomb": (gen_constant_bomb, 2),
+    # Runs ``export`` (torch and transformers in the children): only with ``--only checkpoint``.
+    "checkpoint": (gen_checkpoint, 0),
 }
 
 _VERIFY_EXTRAS = [[], [], [], ["--seed", "-1"], ["--rtol", "nan"], ["--atol", "-1"], ["--dim", "batch=0"]]
@@ -751,6 +877,8 @@ _VERIFY_EXTRAS = [[], [], [], ["--seed", "-1"], ["--rtol", "nan"], ["--atol", "-
 
 def commands_for(rng: random.Random, name: str, checks: dict | None = None) -> list[list[str]]:
     checks = checks or {}
+    if "commands" in checks:  # a case with commands of its own (checkpoint folders: export)
+        return checks["commands"]
     verify = ["--inputs", checks["inputs"]] if "inputs" in checks else rng.choice(_VERIFY_EXTRAS)
     return [
         ["tree", name],
@@ -820,12 +948,12 @@ def run_campaign(
     server: ForkServer | None = None,
 ) -> list[dict]:
     """Run ``cases`` cases (3 commands each); returns one record per case."""
-    names = only or list(GENERATORS)
-    weights = [GENERATORS[name][1] for name in names]
+    names = only or [name for name, (_, weight) in GENERATORS.items() if weight]
+    weights = [GENERATORS[name][1] or 1 for name in names]
     records = []
     with contextlib.ExitStack() as stack:
         if server is None:
-            server = ForkServer()
+            server = ForkServer(torch="checkpoint" in names)
             stack.callback(server.close)
         root = workdir or pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fuzz_files-")))
         seeds = make_seeds(root / "seeds")

@@ -121,3 +121,27 @@ def test_shown_names_hold_no_control_or_format_characters(value):
 
     printed = shown(value)
     assert not any(unicodedata.category(c) in _FORMAT for c in printed), repr(printed)
+
+
+# -- issue 25: hostile checkpoint folders through `export <folder>` ------------------------------
+
+
+def test_checkpoint_folders_find_no_new_failure_class(tmp_path):
+    """A fixed-seed sample of the ``checkpoint`` case kind (broken config.json, lying weights,
+    code or pickles in the folder), each exported with and without --stream-weights: a typed
+    error or a verified file, the folder unchanged, nothing from it run. The campaign is
+    ``python scripts/fuzz_files.py --only checkpoint --cases 200 --timeout 120 --memory-mb 4096``."""
+    pytest.importorskip("transformers")
+    server = fuzz_files.ForkServer(torch=True)
+    try:
+        records = fuzz_files.run_campaign(
+            16, seed=3, timeout=240, memory_mb=8192, only=["checkpoint"], workdir=tmp_path, server=server
+        )
+    finally:
+        server.close()
+    assert len(records) == 16 and not any("generator_error" in r for r in records), records
+    assert all(r["kind"] == "checkpoint" and len(r["results"]) == 2 for r in records)
+    assert any(res["exitcode"] == 2 for r in records for res in r["results"])  # the breakage is reported
+    new = fuzz_files.new_failures(records)
+    assert not new, fuzz_files.summary(records)
+    assert not (tmp_path / fuzz_files.PWNED).exists()  # no code from a folder ran

@@ -7,16 +7,21 @@ downloaded: a name that is not a local folder must already be in the Hugging Fac
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import pathlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import transformers
 from transformers.exporters.exporter_dynamo import get_auto_dynamic_shapes
 
-from onnx_modular.errors import InvalidInputError
+from onnx_modular.errors import InvalidInputError, OnnxModularError
 from onnx_modular.hf.meta import (
+    check_checkpoint_config,
     check_checkpoint_folder,
     model_on_meta,
     on_meta,
@@ -98,12 +103,15 @@ def infer_task(source: str | os.PathLike) -> tuple[str, str]:
     Raises:
         InvalidInputError: No config, no architectures, or one whose task is not known.
     """
+    if os.path.lexists(pathlib.Path(source) / "config.json"):
+        check_checkpoint_config(pathlib.Path(source))  # before transformers reads it
     try:
         config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises on a config is bad input
         raise InvalidInputError(
-            f"Cannot read the config of {str(source)!r} to infer the task: {str(e).splitlines()[0]}",
-            hint="Pass --task (see onnx-modular export --help).",
+            f"Cannot read the config of {str(source)!r} to infer the task: {type(e).__name__}: "
+            f"{(str(e).splitlines() or [''])[0]}",
+            hint="Pass --task (see onnx-modular export --help), or fix config.json.",
         ) from e
     architectures = getattr(config, "architectures", None) or []
     for architecture in architectures[:1]:
@@ -124,6 +132,23 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype not in DTYPES:
         raise InvalidInputError(f"Unknown dtype {dtype!r}.", hint=f"Use one of: {', '.join(DTYPES)}.")
     return DTYPES[dtype]
+
+
+@contextlib.contextmanager
+def _transformers_log() -> Iterator[io.StringIO]:
+    """What transformers logs inside the block (its load report names the checkpoint's tensors),
+    kept instead of printed raw: a failure quotes it in its typed error, whose text the CLI
+    escapes like every name that comes from a file."""
+    logger = transformers.utils.logging._get_library_root_logger()
+    text = io.StringIO()
+    handler = logging.StreamHandler(text)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handlers = logger.handlers[:]
+    logger.handlers = [handler]
+    try:
+        yield text
+    finally:
+        logger.handlers = handlers
 
 
 def load_checkpoint(source: str | os.PathLike, task: str, *, dtype: str | torch.dtype | None = None) -> torch.nn.Module:
@@ -162,21 +187,27 @@ def load_checkpoint(source: str | os.PathLike, task: str, *, dtype: str | torch.
             "(onnx_modular never downloads).",
             hint="Download it first (hf download NAME), or pass the folder save_pretrained wrote.",
         ) from e
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise InvalidInputError(f"transformers refuses the config of {str(source)!r}: {str(e).splitlines()[0]}") from e
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises on a config is bad input
+        raise InvalidInputError(
+            f"transformers refuses the config of {str(source)!r}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
+            hint="Fix config.json (save_pretrained writes it).",
+        ) from e
     try:
-        model = auto_class.from_pretrained(
-            source, config=config, local_files_only=True, use_safetensors=True,
-            **({"dtype": dtype} if dtype is not None else {}),
-        )
+        with _transformers_log() as log:
+            model = auto_class.from_pretrained(
+                source, config=config, local_files_only=True, use_safetensors=True,
+                **({"dtype": dtype} if dtype is not None else {}),
+            )
     except ValueError as e:
         raise InvalidInputError(
             f"A {config.model_type!r} model has no {TASKS[task]} for task {task!r}: {str(e).splitlines()[0]}",
             hint=f"Choose a task this architecture supports (tasks: {', '.join(TASKS)}).",
         ) from e
-    except (OSError, RuntimeError, TypeError, KeyError, AttributeError) as e:  # shapes that contradict the config, ...
+    except Exception as e:  # noqa: BLE001 - shapes that contradict the config, sizes transformers cannot build, ...
+        report = "\n".join(line for line in log.getvalue().splitlines() if "MISMATCH" in line or "MISSING" in line)
         raise InvalidInputError(
-            f"Loading the weights of {str(source)!r} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            f"Loading the weights of {str(source)!r} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            + (f"\ntransformers' load report:\n{report}" if report else ""),
             hint="Check that the folder holds the weights save_pretrained wrote (*.safetensors) for this config.",
         ) from e
     return model.eval()
@@ -333,8 +364,13 @@ def meta_checkpoint(
     auto_class = getattr(transformers, TASKS[task])
     try:
         return model_on_meta(source, model_class=auto_class, dtype=_dtype(dtype))
-    except (TypeError, KeyError, AttributeError) as e:
-        raise InvalidInputError(f"transformers cannot build the model of {str(source)!r}: {type(e).__name__}: {e}") from e
+    except OnnxModularError:
+        raise
+    except (TypeError, KeyError, AttributeError, ArithmeticError, IndexError, RuntimeError) as e:
+        raise InvalidInputError(
+            f"transformers cannot build the model of {str(source)!r}: {type(e).__name__}: {e}",
+            hint="Check the sizes in config.json (heads, head_dim, hidden_size) against each other.",
+        ) from e
     except ValueError as e:
         raise InvalidInputError(
             f"This model has no {TASKS[task]} for task {task!r}: {str(e).splitlines()[0]}",

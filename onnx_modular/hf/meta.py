@@ -22,7 +22,7 @@ import torch
 
 from onnx_modular.errors import InvalidInputError
 
-__all__ = ["check_checkpoint_folder", "checkpoint_weights", "model_on_meta", "on_meta", "zero_cache"]
+__all__ = ["check_checkpoint_config", "check_checkpoint_folder", "checkpoint_weights", "model_on_meta", "on_meta", "zero_cache"]
 
 #: Most values a sample cache of zeros may hold (2**28: 1 GiB of float32); real sample caches
 #: (batch 2, 4 positions) hold a few million at most.
@@ -58,14 +58,9 @@ def _estimated_parameters(config: dict) -> int:
     return total
 
 
-def check_checkpoint_folder(folder: pathlib.Path) -> None:
-    """Refuse a checkpoint folder before transformers reads it, with a typed error that names
-    what is wrong: ``config.json`` that is not a JSON object (or is nested, empty, duplicated);
-    a ``model_type`` transformers does not know; ``auto_map`` (code in the folder, which
-    onnx_modular never runs); negative or non-integer sizes; an unknown ``dtype``; no
-    safetensors weights (pickled ``pytorch_model.bin`` is never unpickled); and sizes whose
-    smallest possible model is far larger than the weights in the folder (``hidden_size=10**9``,
-    ``num_hidden_layers=10**7``), which would take minutes or all memory to build.
+def check_checkpoint_config(folder: pathlib.Path) -> dict:
+    """The checkpoint's ``config.json`` as a dict, refused with a typed error before transformers
+    reads it (see :func:`check_checkpoint_folder`, which adds the weights' checks).
 
     Raises:
         InvalidInputError: The first problem found, with what to do.
@@ -111,6 +106,22 @@ def check_checkpoint_folder(folder: pathlib.Path) -> None:
             value = part.get(key)
             if value is not None and value not in _DTYPES:
                 raise InvalidInputError(f"{shown_file} sets {key} to {value!r}; expected one of {', '.join(_DTYPES)}.")
+    return config
+
+
+def check_checkpoint_folder(folder: pathlib.Path) -> None:
+    """Refuse a checkpoint folder before transformers reads it, with a typed error that names
+    what is wrong: ``config.json`` that is not a JSON object (or is nested, empty, duplicated);
+    a ``model_type`` transformers does not know; ``auto_map`` (code in the folder, which
+    onnx_modular never runs); negative or non-integer sizes; an unknown ``dtype``; no
+    safetensors weights (pickled ``pytorch_model.bin`` is never unpickled); and sizes whose
+    smallest possible model is far larger than the weights in the folder (``hidden_size=10**9``,
+    ``num_hidden_layers=10**7``), which would take minutes or all memory to build.
+
+    Raises:
+        InvalidInputError: The first problem found, with what to do.
+    """
+    config = check_checkpoint_config(folder)
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         pickled = sorted(p.name for pattern in _PICKLED for p in folder.glob(pattern))
@@ -119,11 +130,14 @@ def check_checkpoint_folder(folder: pathlib.Path) -> None:
             + (f" (only {', '.join(pickled[:3])}: pickled weights are never unpickled, as loading runs code)." if pickled else "."),
             hint="Convert the weights to safetensors (save_pretrained(..., safe_serialization=True)) in a trusted environment.",
         )
+    from onnx_modular.weights.sources import _folder_entries
+
+    _folder_entries(folder)  # every safetensors header and the shard index as data (WeightsError), before transformers reads one
     stored = sum(p.stat().st_size for p in weights if p.is_file())
     smallest = _estimated_parameters(config) // 2  # bytes, at 4 bits a parameter
     if smallest > 4 * stored + 2**20:
         raise InvalidInputError(
-            f"{shown_file} describes a model of at least {_estimated_parameters(config):.3g} parameters, but the folder "
+            f"{str(folder / 'config.json')!r} describes a model of at least {_estimated_parameters(config):.3g} parameters, but the folder "
             f"holds {stored / 1e6:.1f} MB of weights: the config and the weights do not belong together.",
             hint="Check hidden_size, num_hidden_layers and vocab_size in config.json against the weights.",
         )
