@@ -112,6 +112,24 @@ def test_kv_cache_folder_export_as_optimum_names_it(tmp_path, capsys):
     _assert_decode_step_matches_torch(checkpoint, out / "model.onnx")
 
 
+def test_sliding_window_cache_checkpoint(tmp_path, capsys):
+    """Mistral's cache layers hold a 0-d tensor beside keys and values (no axis to make dynamic):
+    exported, one decoder function, verified with no flags."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, architectures=["MistralForCausalLM"],
+    )
+    transformers.MistralForCausalLM(config).eval().save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "mistral.onnx"
+    assert main(["export", str(tmp_path / "ckpt"), "-o", str(out)]) == 0  # text-generation-with-past, inferred
+    assert "PASS" in capsys.readouterr().out
+    saved = onnx.load(str(out))
+    assert [f.name for f in saved.functions if "DecoderLayer" in f.name] == ["MistralDecoderLayer"]
+    assert all(dims == ["batch_size", 2, "past_sequence_length", 8] for name, dims in _dims(saved).items() if name in CACHE)
+    assert main(["verify", str(out)]) == 0
+
+
 def _assert_decode_step_matches_torch(checkpoint, path, atol=1e-4):
     """A decode step at sizes the export never saw (batch 3, past 5, one new token), onnxruntime
     against PyTorch on the same checkpoint: logits and the grown cache."""
