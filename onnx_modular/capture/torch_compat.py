@@ -43,6 +43,7 @@ __all__ = [
     "library_translations",
     "module_stacks",
     "program_values",
+    "refined_dynamic_shapes",
     "registry",
     "symbolic_expr",
     "torch_dtype_to_ir",
@@ -321,6 +322,18 @@ def _export_non_strict(model, args, kwargs, dynamic_shapes) -> torch.export.Expo
             except torch._dynamo.exc.UserError:
                 raise first from None
 
+
+
+def refined_dynamic_shapes(error: BaseException, dynamic_shapes):
+    """``dynamic_shapes`` with torch's suggested fixes applied when ``error`` is torch.export's
+    constraint violation (``Dim('sequence_length', max=64)`` for BERT's position table); ``None``
+    when it is another error or the fixes cannot be applied."""
+    if not isinstance(error, torch._dynamo.exc.UserError) or "Suggested fixes" not in str(error):
+        return None
+    try:
+        return torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(error.msg, dynamic_shapes)
+    except Exception:  # noqa: BLE001 - the original error says why
+        return None
 
 
 def export_dims(dynamic_shapes):
