@@ -45,6 +45,7 @@ from onnx_modular.capture import (
     reference_run,
     selection,
     strategies,
+    symbols,
     torch_compat,
 )
 from onnx_modular.capture.fx_call_tree import build_call_tree
@@ -187,6 +188,7 @@ def export_modular(
             program = torch_compat.decompose(program, plan.registry)
             for fix in program_fixes:
                 fix(program.graph_module)
+            symbols.share_equal_sizes(program)  # one symbol, one node, per size torch proved equal
         with stages("translate"):
             model_ir = torch_compat.translate(program, plan.registry)
             names = _io_names(model_ir, model, args, kwargs, expected, input_names, output_names)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -15,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from onnx_modular.cli import main  # noqa: E402
 from onnx_modular.errors import InvalidInputError  # noqa: E402
+from onnx_modular.format import metadata  # noqa: E402
 from onnx_modular.hf import checkpoint as hf_checkpoint  # noqa: E402
 
 CACHE = [f"input.past_key_values.layers.{i}.{kind}" for i in range(2) for kind in ("keys", "values")]
@@ -100,6 +102,55 @@ def test_kv_cache_folder_export_as_optimum_names_it(tmp_path, capsys):
     # `verify` sizes the mask as past + sequence by itself: no --dim flags.
     assert main(["verify", str(out / "model.onnx")]) == 0
     assert "PASS" in capsys.readouterr().out
+    # The decoder layers share one function (torch kept one past-length symbol per cache tensor
+    # apart; capture/symbols.py makes them one), and the file decodes as PyTorch does.
+    functions = {f.name: f for f in saved.functions}
+    layers = [name for name in functions if name.startswith("LlamaDecoderLayer")]
+    assert layers == ["LlamaDecoderLayer"], layers
+    calls = {p.key: p.value for p in functions["LlamaDecoderLayer"].metadata_props}
+    assert int(calls[metadata.CALL_COUNT]) == 2
+    _assert_decode_step_matches_torch(checkpoint, out / "model.onnx")
+
+
+def test_sliding_window_cache_checkpoint(tmp_path, capsys):
+    """Mistral's cache layers hold a 0-d tensor beside keys and values (no axis to make dynamic):
+    exported, one decoder function, verified with no flags."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, architectures=["MistralForCausalLM"],
+    )
+    transformers.MistralForCausalLM(config).eval().save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "mistral.onnx"
+    assert main(["export", str(tmp_path / "ckpt"), "-o", str(out)]) == 0  # text-generation-with-past, inferred
+    assert "PASS" in capsys.readouterr().out
+    saved = onnx.load(str(out))
+    assert [f.name for f in saved.functions if "DecoderLayer" in f.name] == ["MistralDecoderLayer"]
+    assert all(dims == ["batch_size", 2, "past_sequence_length", 8] for name, dims in _dims(saved).items() if name in CACHE)
+    assert main(["verify", str(out)]) == 0
+
+
+def _assert_decode_step_matches_torch(checkpoint, path, atol=1e-4):
+    """A decode step at sizes the export never saw (batch 3, past 5, one new token), onnxruntime
+    against PyTorch on the same checkpoint: logits and the grown cache."""
+    import onnxruntime as ort
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    generator = torch.Generator().manual_seed(3)
+    prompt, token = torch.randint(0, 96, (3, 5), generator=generator), torch.randint(0, 96, (3, 1), generator=generator)
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True).past_key_values
+        feed = {"input_ids": token.numpy(), "attention_mask": np.ones((3, 6), np.int64)}
+        for i, layer in enumerate(cache.layers):
+            feed[f"input.past_key_values.layers.{i}.keys"] = layer.keys.numpy()
+            feed[f"input.past_key_values.layers.{i}.values"] = layer.values.numpy()
+        expected = model(token, attention_mask=torch.ones(3, 6, dtype=torch.long), past_key_values=cache, use_cache=True)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
+    np.testing.assert_allclose(got["logits"], expected.logits.numpy(), atol=atol, rtol=0)
+    for i, layer in enumerate(expected.past_key_values.layers):
+        np.testing.assert_allclose(got[f"output.past_key_values.layers.{i}.keys"], layer.keys.numpy(), atol=atol, rtol=0)
+        np.testing.assert_allclose(got[f"output.past_key_values.layers.{i}.values"], layer.values.numpy(), atol=atol, rtol=0)
 
 
 def test_bfloat16_checkpoint_exported_and_verified(tmp_path, capsys):
@@ -134,9 +185,9 @@ def test_float16_streamed_export_passes_block_by_block(tmp_path, capsys):
     assert "Block-by-block parity" in printed and "chained" in printed and "PASS" in printed
     saved = onnx.load(str(out), load_external_data=False)
     assert saved.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
-    # One axis name per meaning in every decoder body (whether the layers share one function
-    # depends on the order torch traced their size computations in: not asserted, see docs/cli.md).
+    # One axis name per meaning in every decoder body, and one body for both layers.
     bodies = [f for f in saved.functions if f.name.startswith("LlamaDecoderLayer")]
+    assert [f.name for f in bodies] == ["LlamaDecoderLayer"]
     symbols = {d.dim_param for f in bodies for v in f.value_info for d in v.type.tensor_type.shape.dim if d.dim_param}
     assert symbols and symbols <= {"batch_size", "sequence_length", "past_sequence_length", "past_sequence_length + sequence_length"}
     assert _dims(saved)["attention_mask"] == ["batch_size", "past_sequence_length + sequence_length"]

@@ -6,6 +6,7 @@
 * :mod:`~onnx_modular.capture.pytree_io`: pytree input/output names and dynamic shapes;
 * :mod:`~onnx_modular.capture.fx_call_tree`: the call tree from the FX program's module stacks;
 * :mod:`~onnx_modular.capture.fx_fixes`: the FX pass run inside torch's decomposition;
+* :mod:`~onnx_modular.capture.symbols`: sizes torch proved equal made one symbol and one FX node;
 * :mod:`~onnx_modular.capture.selection`: the ``modules=`` option;
 * :mod:`~onnx_modular.capture.diagnostics`: which module a torch error came from;
 * :mod:`~onnx_modular.capture.library_hooks`: what model libraries (transformers, filled in by

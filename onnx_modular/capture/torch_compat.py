@@ -43,9 +43,12 @@ __all__ = [
     "library_translations",
     "module_stacks",
     "program_values",
+    "refined_dynamic_shapes",
     "registry",
+    "symbolic_expr",
     "torch_dtype_to_ir",
     "translate",
+    "unify_equal_symbols",
 ]
 
 #: Releases the test suite ran against (``bash scripts/test-torch.sh <version>``).
@@ -321,6 +324,18 @@ def _export_non_strict(model, args, kwargs, dynamic_shapes) -> torch.export.Expo
 
 
 
+def refined_dynamic_shapes(error: BaseException, dynamic_shapes):
+    """``dynamic_shapes`` with torch's suggested fixes applied when ``error`` is torch.export's
+    constraint violation (``Dim('sequence_length', max=64)`` for BERT's position table); ``None``
+    when it is another error or the fixes cannot be applied."""
+    if not isinstance(error, torch._dynamo.exc.UserError) or "Suggested fixes" not in str(error):
+        return None
+    try:
+        return torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(error.msg, dynamic_shapes)
+    except Exception:  # noqa: BLE001 - the original error says why
+        return None
+
+
 def export_dims(dynamic_shapes):
     """``dynamic_shapes`` for ``torch.export``: axis names (strings) become ``Dim.DYNAMIC``, as in
     ``torch.onnx.export``; Dims, hints and the structure stay as given."""
@@ -360,6 +375,85 @@ def _rnn_decompositions(program: torch.export.ExportedProgram):
 
         return _capture_strategies.patch_dynamic_shape_rnn_decompositions(program.range_constraints)
     return contextlib.nullcontext()
+
+
+def unify_equal_symbols(program: torch.export.ExportedProgram) -> dict[str, str]:
+    """Make input symbols that torch proved equal one symbol; returns ``{replaced: kept}``.
+
+    torch.export gives every input axis its own symbol and merges two when it meets their
+    equality (a ``Dim`` shared by several inputs, a ``cat`` of two tensors). When the equality
+    was already implied by an earlier guard (``s70 + s81 == s70 + s85`` from a matmul), torch
+    records the guard but no replacement, and the symbols stay apart: a Llama KV cache traced
+    by transformers' exporter keeps one past-length symbol per layer although its ``Dim`` is
+    shared, so each layer reads "its" length from another input and the layers stop looking
+    alike. Every guard (and deferred runtime assert) that says ``k*a == k*b`` for two input
+    symbols is read back, and the shape environment gets the replacement torch would have made:
+    every fake value of the program then shows the kept symbol (the first in input order).
+    Only equalities torch itself relies on are used, so the program means what it meant.
+    """
+    import sympy
+
+    shape_env, inputs = None, []
+    for node in program.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        for size in getattr(value, "shape", ()):
+            if isinstance(size, torch.SymInt):
+                shape_env = shape_env or size.node.shape_env
+                inputs.extend(s for s in sorted(size.node.expr.free_symbols, key=str) if s not in inputs)
+    if shape_env is None or len(inputs) < 2:
+        return {}
+    order = {symbol: i for i, symbol in enumerate(inputs)}
+    facts = [guard.expr for guard in shape_env.guards]
+    facts += [ra.expr for asserts in shape_env.deferred_runtime_asserts.values() for ra in asserts]
+    # Each equality as "difference == 0", in the symbols torch kept, if it is linear in input symbols.
+    differences = []
+    for fact in facts:
+        if isinstance(fact, sympy.Eq):
+            difference = sympy.expand(shape_env.replace(fact.lhs - fact.rhs))
+            terms = difference.as_coefficients_dict()
+            if len(terms) >= 2 and all(term in order or term == 1 for term in terms):
+                differences.append(difference)
+    kept: dict = {}  # union-find over input symbols; the root is the first in input order
+
+    def root(symbol):
+        while symbol in kept:
+            symbol = kept[symbol]
+        return symbol
+
+    merged = True
+    while merged:  # k*a - k*b == 0 merges a and b; a merge may bring another difference to that form
+        merged, remaining = False, []
+        for difference in differences:
+            if kept:
+                difference = sympy.expand(difference.xreplace({s: root(s) for s in difference.free_symbols}))
+            terms = difference.as_coefficients_dict()
+            if len(terms) == 2 and 1 not in terms and sum(terms.values()) == 0:
+                first, second = sorted(terms, key=order.__getitem__)
+                kept[second], merged = first, True
+            elif len(difference.free_symbols) > 1:
+                remaining.append(difference)
+        differences = remaining
+    replaced = {}
+    for symbol in inputs:
+        target = root(symbol)
+        if target == symbol:
+            continue
+        shape_env._set_replacement(symbol, target, "onnx_modular: proven equal to an input symbol")
+        if shape_env.replace(symbol) != target:
+            continue  # torch refused (incompatible value ranges): left as it is
+        replaced[str(symbol)] = str(target)
+        constraint = program.range_constraints.pop(symbol, None)
+        if constraint is not None and target in program.range_constraints:
+            program.range_constraints[target] = program.range_constraints[target] & constraint
+    return replaced
+
+
+def symbolic_expr(value: object):
+    """The sympy expression of a ``SymInt``/``SymFloat``/``SymBool`` (``s70 + s16``), with the
+    shape environment's replacements applied; ``None`` for anything else."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value.node.expr
+    return None
 
 
 def translate(program: torch.export.ExportedProgram, reg) -> ir.Model:

@@ -289,7 +289,7 @@ def dynamic_shapes(inputs: dict[str, Any]) -> dict[str, Any]:
         elif name == "past_key_values":
             # transformers' own structure for the cache, with only batch and past dynamic.
             shapes[name] = torch.utils._pytree.tree_map(
-                lambda spec: {0: batch, 2: dims[PAST_AXIS]} if len(spec) == 4 else {0: batch},
+                lambda spec: {0: batch, 2: dims[PAST_AXIS]} if len(spec) == 4 else ({0: batch} if spec else None),
                 get_auto_dynamic_shapes(value),
                 is_leaf=lambda spec: isinstance(spec, dict),
             )

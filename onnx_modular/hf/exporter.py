@@ -132,7 +132,19 @@ class ModularOnnxExporter(OnnxExporter):
         # torch.export call; the conversion names the ONNX axes after them.
         traced = dataclasses.replace(config, dynamic_shapes=torch_compat.export_dims(config.dynamic_shapes))
         with conversion.replacing_torch_onnx_export():
-            program, metadata = super().export_program(model, sample_inputs, traced)
+            try:
+                program, metadata = super().export_program(model, sample_inputs, traced)
+            except Exception as error:
+                # torch.export refuses a Dim whose range the model does not support (BERT's
+                # sequence is at most its position table): retry with torch's suggested fixes,
+                # as torch.onnx.export's own capture does.
+                refined = None if conversion.result is not None else torch_compat.refined_dynamic_shapes(
+                    error, traced.dynamic_shapes
+                )
+                if refined is None:
+                    raise
+                traced = dataclasses.replace(traced, dynamic_shapes=refined)
+                program, metadata = super().export_program(model, sample_inputs, traced)
         result = conversion.result
         if result is None or result.model is not program:
             raise InvalidInputError(
