@@ -85,6 +85,7 @@ from onnx import TensorProto, helper
 
 from onnx_modular.cli import main
 from onnx_modular.files import inline_file
+from onnx_modular.files import locks
 from onnx_modular.files import save as _io
 
 
@@ -149,7 +150,7 @@ def test_an_interrupted_commit_is_finished_from_its_journal_only(tmp_path):
     # plus names a planted journal cannot make us delete (not this destination's data names).
     (tmp_path / "m.onnx.0123abcd.data").write_bytes(b"orphan")
     (tmp_path / "precious.txt").write_bytes(b"keep")
-    journal = _io._private_path(dest, _io._JOURNAL_PREFIX)
+    journal = locks.private_path(dest, _io._JOURNAL_PREFIX)
     journal.write_text(json.dumps(["m.onnx.0123abcd.data", "precious.txt", *kept]))
     inline_file(source, dest)
     assert not (tmp_path / "m.onnx.0123abcd.data").exists() and (tmp_path / "precious.txt").exists()
@@ -175,7 +176,7 @@ def test_special_destinations_are_refused_before_any_work(tmp_path):
 @pytest.mark.parametrize("squatter", ["dangling-link", "folder", "fifo"])
 def test_a_lock_name_taken_by_something_else_is_a_typed_error(tmp_path, squatter):
     source = external_pair(tmp_path, "src.onnx", "src.onnx.data")
-    lock = _io._private_path(tmp_path / "m.onnx", _io._LOCK_PREFIX)
+    lock = locks.private_path(tmp_path / "m.onnx", locks.LOCK_PREFIX)
     outside = tmp_path.parent / f"{tmp_path.name}-escaped"
     if squatter == "dangling-link":
         os.symlink(outside, lock)

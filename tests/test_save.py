@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from onnx_modular import InvalidInputError, SaveError, export_modular
-from onnx_modular.files import save
+from onnx_modular.files import locks, save
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDTH = 256  # 256 KiB of weights per model: external data is a real second file
@@ -175,7 +175,7 @@ def test_a_live_owners_temp_folder_is_kept(tmp_path):
     for folder in (live, dead, other):
         folder.mkdir()
         (folder / "partial").write_bytes(b"x")
-    assert save.remove_stale_temp_folders(tmp_path) == [dead.name]
+    assert locks.remove_stale_temp_folders(tmp_path) == [dead.name]
     assert listing(tmp_path) == sorted([live.name, other.name])
 
 

@@ -37,7 +37,7 @@ from onnx_modular.cli.commands import run_export, run_inline, run_verify
 from onnx_modular.cli.output import EXIT_INTERNAL, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, Mismatch, stderr
 from onnx_modular.cli.parser import build_parser
 from onnx_modular.errors import OnnxModularError, ParityError
-from onnx_modular.files import save
+from onnx_modular.files.signals import interrupt_on_sigterm, signals_deferred
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_MISMATCH", "EXIT_USAGE", "EXIT_INTERNAL"]
 
@@ -79,8 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     verbose = getattr(args, "verbose", False)
     try:
-        with save.interrupt_on_sigterm():  # SIGTERM cleans up like Ctrl-C
-            with save.signals_deferred():  # handled once the imports are done: exit 143, no abort
+        with interrupt_on_sigterm():  # SIGTERM cleans up like Ctrl-C
+            with signals_deferred():  # handled once the imports are done: exit 143, no abort
                 _import_what_runs(args)
             return args.run(args)
     except Mismatch as e:

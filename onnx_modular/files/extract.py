@@ -40,7 +40,7 @@ import onnx
 import onnx.numpy_helper
 
 from onnx_modular.errors import InvalidInputError, ParityError, SaveError
-from onnx_modular.files import _calls, runtime, save
+from onnx_modular.files import _calls, locks, runtime, save
 from onnx_modular.files._proto import all_nodes, function_label
 from onnx_modular.files.inputs import feeds_for
 from onnx_modular.files.load import load_model_file
@@ -473,7 +473,7 @@ def extract(
         built.append(_build(model, source, function, sites, formals, captured))
     models: list[ExtractedModel] = []
     parent = folder.parent if str(folder.parent) else pathlib.Path(".")
-    with save.interrupt_on_sigterm(), save._temp_folder(parent) as tmp:
+    with save.interrupt_on_sigterm(), locks.temp_folder(parent) as tmp:
         staged = tmp / "out"
         staged.mkdir()
         taken: set[str] = set()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -36,15 +35,22 @@ import pathlib
 import re
 import secrets
 import shutil
-import signal
 import stat
-import threading
 from collections.abc import Iterator
 
 import onnx
 import onnx_ir as ir
 
 from onnx_modular.errors import InvalidInputError, SaveError
+from onnx_modular.files.locks import (
+    TEMP_PREFIX,
+    destination_lock,
+    open_private_file,
+    private_path,
+    temp_folder,
+)
+from onnx_modular.files.locks import shown_path as _shown
+from onnx_modular.files.signals import interrupt_on_sigterm, signals_deferred
 
 __all__ = [
     "check_destination",
@@ -67,10 +73,6 @@ __all__ = [
 # a 98 M-parameter Llama: 1.37x and 0.76x; docs/benchmarks.md). Below 1 MiB that is under 0.5 ms,
 # and one file is handier.
 EXTERNAL_DATA_THRESHOLD = 1024 * 1024
-# Every temporary folder onnx_modular makes next to a destination starts with this,
-# followed by the owner's pid: ``.onnx_modular-tmp-<pid>-<random>``.
-TEMP_PREFIX = ".onnx_modular-tmp-"
-_LOCK_PREFIX = ".onnx_modular-lock-"
 _JOURNAL_PREFIX = ".onnx_modular-commit-"
 _TOKEN_HEX = 8
 _DATA_SUFFIX_LEN = len(f".{'0' * _TOKEN_HEX}.data")
@@ -146,11 +148,6 @@ def _check_replaceable(path: pathlib.Path, shown: str) -> None:
         )
 
 
-def _shown(path: str | os.PathLike) -> str:
-    """``path`` for a message: undecodable bytes as ``\\xNN``, control characters escaped."""
-    return repr(os.fsencode(path).decode("utf-8", "backslashreplace"))
-
-
 def _initializer_bytes(model: ir.Model) -> int:
     total = 0
     for value in model.graph.initializers.values():
@@ -201,204 +198,6 @@ def _choose_data_name(destination: pathlib.Path) -> str:
     while os.path.lexists(destination.parent / name):
         name = data_name(destination, secrets.token_hex(_TOKEN_HEX // 2))
     return name
-
-
-# -- signals -----------------------------------------------------------------------------
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived; raised like KeyboardInterrupt so that every cleanup runs."""
-
-    signum = signal.SIGTERM
-
-
-def _raise_terminated(signum, frame):
-    raise Terminated()
-
-
-@contextlib.contextmanager
-def interrupt_on_sigterm() -> Iterator[None]:
-    """Within the block, SIGTERM raises :class:`Terminated` (a ``KeyboardInterrupt``).
-
-    Only in the main thread and only when SIGTERM still has its default action (a
-    handler installed by the application is left alone).
-    """
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
-        yield
-        return
-    signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """SIGINT/SIGTERM wait until the block ends (the few renames of a commit).
-
-    Blocking the signals is not enough: a signal caught just before the block runs its
-    Python handler at the next bytecode, inside the block. So the main thread's handlers
-    are swapped for one that records the signal, which is handed to the previous handler
-    once the block is done.
-    """
-    deferred = (signal.SIGINT, signal.SIGTERM)
-    pending: list[int] = []
-    previous_handlers = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in deferred:
-            previous_handlers[signum] = signal.signal(signum, lambda signum, frame: pending.append(signum))
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(deferred))
-    try:
-        yield
-    finally:
-        for signum, handler in previous_handlers.items():
-            signal.signal(signum, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-    for signum in dict.fromkeys(pending):
-        handler = previous_handlers.get(signum)
-        if callable(handler):
-            handler(signum, None)
-        elif handler == signal.SIG_DFL:
-            os.kill(os.getpid(), signum)
-
-
-#: Public name for the CLI: heavy imports (torch, onnxruntime) run with signals deferred, since a
-#: SIGTERM raised inside a C extension's initialisation aborts the process (exit 134).
-signals_deferred = _signals_deferred
-
-
-# -- temporary folders and locks ------------------------------------------------------------
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_temp_folders(folder: pathlib.Path) -> list[str]:
-    """Remove ``TEMP_PREFIX`` folders whose owner is gone (pid not running and no lock held)."""
-    removed = []
-    try:
-        entries = os.listdir(folder)
-    except OSError:
-        return removed
-    for entry in entries:
-        match = re.fullmatch(re.escape(TEMP_PREFIX) + r"(\d+)-\w+", entry)
-        if not match or _pid_alive(int(match.group(1))):
-            continue
-        path = folder / entry
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # a live owner (in another pid namespace) still holds it
-        try:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(entry)
-        finally:
-            os.close(fd)
-    return removed
-
-
-@contextlib.contextmanager
-def _temp_folder(parent: pathlib.Path) -> Iterator[pathlib.Path]:
-    """A private folder in ``parent``, locked by this process for its whole life."""
-    remove_stale_temp_folders(parent)
-    try:
-        tmpdir = parent / f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        os.mkdir(tmpdir, 0o700)
-        fd = os.open(tmpdir, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as e:
-        raise SaveError(
-            f"Cannot write in {_shown(parent)}: {e.strerror or e}", hint="Choose a folder you can write to."
-        ) from e
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield tmpdir
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
-        os.close(fd)
-
-
-def _private_path(destination: pathlib.Path, prefix: str) -> pathlib.Path:
-    digest = hashlib.sha256(os.fsencode(destination.name)).hexdigest()[:16]
-    return destination.parent / f"{prefix}{digest}"
-
-
-def _open_private_file(path: pathlib.Path, *, create: bool) -> int:
-    """Open one of our lock/journal files without following a link: created with
-    ``O_EXCL`` when ``create``; an existing one must be a regular file. ``FileExistsError``
-    and ``FileNotFoundError`` pass through (the caller retries); others are a SaveError."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-    if create:
-        flags |= os.O_CREAT | os.O_EXCL
-    try:
-        fd = os.open(path, flags, 0o600)
-    except (FileExistsError, FileNotFoundError):
-        raise
-    except OSError as e:
-        raise SaveError(
-            f"Cannot use {_shown(path)}, onnx_modular's lock/journal file for this destination: "
-            f"{e.strerror or e} (something else sits at that name: a link, a folder or a special file).",
-            hint="Remove it if no onnx_modular save is running in that folder, then save again.",
-        ) from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise SaveError(
-            f"{_shown(path)}, onnx_modular's lock file for this destination, is not a regular file.",
-            hint="Remove it if no onnx_modular save is running in that folder, then save again.",
-        )
-    return fd
-
-
-@contextlib.contextmanager
-def destination_lock(destination: pathlib.Path) -> Iterator[None]:
-    """An exclusive advisory lock for one destination, held by at most one writer.
-
-    The lock file (``.onnx_modular-lock-<hash>``) is created with ``O_EXCL | O_NOFOLLOW``
-    (an existing one, another writer's, is opened without following links and must be a
-    regular file) and removed on release; a waiter that wakes up on a removed file takes the
-    lock again on the new one.
-    """
-    lock_path = _private_path(destination, _LOCK_PREFIX)
-    while True:
-        try:
-            fd = _open_private_file(lock_path, create=True)
-        except FileExistsError:
-            try:
-                fd = _open_private_file(lock_path, create=False)
-            except FileNotFoundError:
-                continue  # released meanwhile
-        except FileNotFoundError as e:
-            raise SaveError(f"Cannot create a lock file in {_shown(destination.parent)}.") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                same = os.lstat(lock_path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-        except BaseException:
-            os.close(fd)
-            raise
-        if same:
-            break
-        os.close(fd)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(lock_path)
-        os.close(fd)
 
 
 def _fsync(path: pathlib.Path) -> None:
@@ -490,7 +289,7 @@ def atomic_writes(paths: list[str | os.PathLike]) -> Iterator[list[Staging]]:
             hint="Give each file its own path.",
         )
     with interrupt_on_sigterm(), contextlib.ExitStack() as stack:
-        tmpdirs = [stack.enter_context(_temp_folder(_parent(d))) for d in destinations]
+        tmpdirs = [stack.enter_context(temp_folder(_parent(d))) for d in destinations]
         # Locks in one order for every writer: two saves of the same set wait, never deadlock. Each
         # is held from the choice of the data file's name to the move: a concurrent save to the same
         # destination waits, then sees this one's model.
@@ -509,7 +308,7 @@ def atomic_writes(paths: list[str | os.PathLike]) -> Iterator[list[Staging]]:
                 for staged in (staged_data, staging.model_path):
                     if staged.exists():
                         _fsync(staged)
-            with _signals_deferred():
+            with signals_deferred():
                 _commit_all(stagings)
         except OSError as e:
             shown = ", ".join(_shown(d) for d in destinations)
@@ -522,10 +321,10 @@ def _parent(destination: pathlib.Path) -> pathlib.Path:
 
 def _write_journal(destination: pathlib.Path, names: list[str]) -> pathlib.Path:
     """Record the data files a commit creates and retires, before it touches any."""
-    journal = _private_path(destination, _JOURNAL_PREFIX)
+    journal = private_path(destination, _JOURNAL_PREFIX)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(journal)  # a finished one: _finish_interrupted_commit read it
-    fd = _open_private_file(journal, create=True)
+    fd = open_private_file(journal, create=True)
     try:
         os.write(fd, json.dumps(names).encode())
         os.fsync(fd)
@@ -539,7 +338,7 @@ def _finish_interrupted_commit(destination: pathlib.Path) -> None:
     the destination does not refer to (the new data of a model never moved, or the previous
     data of a model that was replaced). Only names the journal lists and that follow this
     destination's data-file naming are removed: nothing the journal cannot prove we made."""
-    journal = _private_path(destination, _JOURNAL_PREFIX)
+    journal = private_path(destination, _JOURNAL_PREFIX)
     if not os.path.lexists(journal):
         return
     from onnx_modular.files.load import read_regular_file
