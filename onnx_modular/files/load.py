@@ -130,34 +130,38 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
+class _Malformed(Exception):
+    """The wire format does not hold together where the values would be cut."""
+
+
 def _fields(data, start: int, end: int):
     """``(number, wire type, field start, payload start, field end)`` of each field in
-    ``data[start:end]``; ``None`` ends the walk early (the parse reports what is wrong)."""
+    ``data[start:end]``; :class:`_Malformed` when a field does not fit."""
     position = start
     while position < end:
         tag = _read_varint(data, position)
         if tag is None:
-            return
+            raise _Malformed
         key, after = tag
         number, wire_type = key >> 3, key & 7
         if wire_type == _WIRE_VARINT:
             value = _read_varint(data, after)
             if value is None:
-                return
+                raise _Malformed
             payload, stop = after, value[1]
         elif wire_type == _WIRE_LENGTH:
             length = _read_varint(data, after)
             if length is None:
-                return
+                raise _Malformed
             payload, stop = length[1], length[1] + length[0]
         elif wire_type == _WIRE_FIXED64:
             payload, stop = after, after + 8
         elif wire_type == _WIRE_FIXED32:
             payload, stop = after, after + 4
         else:
-            return
+            raise _Malformed
         if stop > end:
-            return
+            raise _Malformed
         yield number, wire_type, position, payload, stop
         position = stop
 
@@ -196,11 +200,14 @@ def _without_initializer_payloads(data) -> bytearray:
         return out
 
     out = bytearray()
-    for number, wire_type, first, payload, stop in _fields(data, 0, len(data)):
-        if number == _MODEL_GRAPH and wire_type == _WIRE_LENGTH:
-            out += length_field(number, graph(payload, stop))
-        else:
-            out += data[first:stop]
+    try:
+        for number, wire_type, first, payload, stop in _fields(data, 0, len(data)):
+            if number == _MODEL_GRAPH and wire_type == _WIRE_LENGTH:
+                out += length_field(number, graph(payload, stop))
+            else:
+                out += data[first:stop]
+    except _Malformed:
+        return data  # parsed whole: protobuf reports the damage, nothing is silently dropped
     return out
 
 
