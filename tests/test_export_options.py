@@ -169,3 +169,48 @@ def test_cli_export_progress_in_a_pty_and_in_a_pipe(tmp_path, monkeypatch, capsy
         monkeypatch.undo()
     text = _read_all(master)
     assert "  capture" in text and "  total" in text and "\r\x1b[K" in text
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 7, 3, 4, 8).unbind(2)
+        y = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(2, 7, 32))
+
+
+def test_bfloat16_check_allows_the_file_s_own_rounded_constants(tmp_path):
+    """torch writes SDPA's scale split over q and k as a bfloat16 constant (sqrt(1/sqrt(8)) = 0.5946
+    stored as 0.59375): with outputs of magnitude ~10 (N(0,1) weights) the widened copy differs
+    from PyTorch in float32 by ~3e-2, beyond float32's atol, though the file is right. The widened
+    check's atol follows the outputs' scale at bfloat16's resolution; a wrong file still fails."""
+    from onnx_modular.check.verification import BFLOAT16_RESOLUTION
+
+    torch.manual_seed(0)
+    model = _Attention().eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_()
+    model = model.to(torch.bfloat16)
+    x = torch.randn(2, 7, 32).to(torch.bfloat16)
+    result = export_modular(model, (x,), tmp_path / "attn.onnx")
+    row = result.report.outputs[0]
+    with torch.no_grad():
+        scale = float(model.float()(x.float()).abs().max())
+    model.to(torch.bfloat16)
+    assert row.tolerance.atol == pytest.approx(BFLOAT16_RESOLUTION * scale, rel=1e-6) and row.tolerance.atol > 1e-2
+    assert 1e-4 < row.modular_max_abs < row.tolerance.atol  # beyond float32's atol, within the file's resolution
+    assert "the file's own constants are bfloat16" in result.report.note
+    # A wrong weight still fails: the difference is of the outputs' own order.
+    wrong = export_modular(model, (x,), verify=False)
+    bf16 = [v for v in wrong.model.graph.initializers.values() if v.const_value is not None and v.const_value.dtype.name == "BFLOAT16"]
+    weight = max(bf16, key=lambda v: v.const_value.size)  # the qkv weight
+    import ml_dtypes
+    import onnx_ir as ir
+
+    weight.const_value = ir.tensor((weight.const_value.numpy().astype(np.float32) + 0.5).astype(ml_dtypes.bfloat16))
+    wrong.save(tmp_path / "wrong.onnx")
+    assert not wrong.verify().ok

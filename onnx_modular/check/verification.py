@@ -17,6 +17,8 @@ import pathlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from onnx_modular.check.tensors import (
     copy_inputs,
     flatten_inputs,
@@ -149,6 +151,8 @@ def verify_bfloat16(
     from onnx_modular.files import runtime
     from onnx_modular.passes.widen import WidenFloatPass
 
+    if tolerance is None:
+        tolerance = widened_tolerance(expected)
     try:
         runtime.session(path, execution_provider)
         loads = "onnxruntime loads the bfloat16 file"
@@ -163,9 +167,38 @@ def verify_bfloat16(
     report.reference = "PyTorch float32"
     report.note = (
         "bfloat16 file checked on its float32-widened copy, against PyTorch in float32 on the same "
-        f"bfloat16 weights; {loads}"
+        f"bfloat16 weights (atol {tolerance.atol:.3g}: the file's own constants are bfloat16); {loads}"
     )
     return report
+
+
+#: bfloat16's relative resolution (8 bits of mantissa): a constant the bfloat16 file stores
+#: (an attention scale, an epsilon) may differ from PyTorch's by this much of its value.
+BFLOAT16_RESOLUTION = 2.0**-8
+
+
+def widened_tolerance(expected: Sequence[Any]) -> Tolerance:
+    """The default tolerance of the widened check: float32's, with ``atol`` raised to bfloat16's
+    resolution times the largest expected magnitude.
+
+    The widened copy computes in float32 like the reference, but the constants the bfloat16 file
+    holds were rounded to bfloat16 when torch wrote them (``sqrt(1/sqrt(8))`` = 0.5946 as 0.59375 in
+    a split attention scale): the outputs then differ by about that resolution relative to their
+    scale, not to each element (a logit near 0 beside logits of 10). A wrong weight or op still
+    differs by the outputs' own order of magnitude.
+    """
+    default = default_tolerance("float32")
+    scale = 0.0
+    for value in expected:
+        if hasattr(value, "detach"):  # a torch tensor; integer outputs are compared exactly
+            if not value.is_floating_point():
+                continue
+            value = value.detach().float().cpu().numpy()
+        array = np.asarray(value)
+        if array.size and array.dtype.kind == "f":
+            finite = np.abs(array[np.isfinite(array)])
+            scale = max(scale, float(finite.max()) if finite.size else 0.0)
+    return Tolerance(max(default.atol, BFLOAT16_RESOLUTION * scale), default.rtol)
 
 
 def assert_parity(report: ParityReport, *, result=None) -> None:
