@@ -52,6 +52,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": 16, "expand": 2},
     "whisper": {"max_source_positions": 32, "max_target_positions": 32},
     "swin": {"image_size": 224},  # windows of 7 over a 56 x 56 grid: smaller grids break its masks
+    "esmc": {"num_key_value_heads": 2},  # no grouped-query attention
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one (global, local) pair: 2 layers
 }
 
 BATCH, SEQUENCE = 2, 8
@@ -95,6 +97,8 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[st
     special = _special_ids(values) | inherited_ids
     sub_configs = set(getattr(config, "sub_configs", {}) or {})
     layers = next((values[k] for k in _LAYER_KEYS if isinstance(values.get(k), int)), None)
+    heads = next((values[k] for k in _HEAD_KEYS if isinstance(values.get(k), int)), None)
+    kept = _kept_layers(values, layers)
     out: dict[str, Any] = {}
     for key, value in values.items():
         if key in sub_configs or (isinstance(value, dict) and hasattr(getattr(config, key, None), "to_dict")):
@@ -107,10 +111,17 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[st
         if isinstance(value, int):
             if key in _HIDDEN_KEYS and value > HIDDEN:
                 out[key] = HIDDEN
+            elif key in _LAYER_KEYS and value == layers and kept is not None:
+                out[key] = len(kept)
             elif key in _LAYER_KEYS and value > 2 or key in _HEAD_KEYS and value > 2:
                 out[key] = 2
             elif key in _KV_HEAD_KEYS and value > 1:
-                out[key] = 1
+                # multi-head latent attention (DeepSeek's kv_lora_rank) repeats no key heads: kv == heads
+                out[key] = 2 if value == heads and "kv_lora_rank" in values else 1
+            elif key == "mamba_n_heads" and value > 2:
+                out[key] = 2
+                if isinstance(values.get("mamba_d_head"), int):  # heads x head dim = expand x hidden
+                    out["mamba_d_head"] = (values.get("mamba_expand") or 2) * HIDDEN // 2
             elif key in _FFN_KEYS and value > 2 * HIDDEN:
                 out[key] = 2 * HIDDEN
             elif key in _SMALL_FFN_KEYS and value > HIDDEN:
@@ -144,10 +155,53 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[st
                 out[key] = [min(v, 2) for v in value]
             elif key == "conv_dim":
                 out[key] = [HIDDEN] * len(value)
-        if layers and isinstance(value, (list, tuple)) and len(value) == layers and key not in out and layers > 2:
-            out[key] = list(value)[:2]  # per-layer lists (layer_types, ...) follow the layer count
+        if kept is not None and isinstance(value, (list, tuple)) and len(value) == layers and key not in out:
+            out[key] = [value[i] for i in kept]  # per-layer lists (layer_types, ...) follow the kept layers
+        elif kept is not None and key.startswith("per_layer") and isinstance(value, dict):
+            out[key] = {  # keyed by layer index: the kept layers', renumbered
+                kept.index(int(k)): v for k, v in value.items() if str(k).lstrip("-").isdigit() and int(k) in kept
+            }
+    if values.get("head_dim", 0) is None and heads and "head_dim" not in out:
+        out["head_dim"] = HIDDEN // min(heads, 2)  # None: some models compute hidden // heads, others fail
+    stages = values.get("out_indices")
+    if kept is not None and isinstance(stages, (list, tuple)) and stages and all(isinstance(i, int) for i in stages):
+        # a backbone's outputs: the last len(out_indices) of the kept layers (a DPT neck needs all four)
+        count = len(kept)
+        chosen = list(range(max(1, count - len(stages) + 1), count + 1))
+        for prefix in ("", "_"):  # the constructor takes one or the other
+            out[prefix + "out_indices"] = chosen
+            out[prefix + "out_features"] = [f"stage{i}" for i in chosen]
+        out["stage_names"] = ["stem"] + [f"stage{i}" for i in range(1, count + 1)]
     accepted = _init_parameters(type(config))
-    return {key: value for key, value in out.items() if accepted is None or key in accepted}
+    # per-layer dicts and a backbone's outputs are taken through **kwargs (and a sub-config's
+    # to_dict() hands back the default ones, which these must replace)
+    through = ("per_layer", "out_features", "out_indices")
+    return {key: value for key, value in out.items() if accepted is None or key in accepted or key.startswith(through)}
+
+
+def _kept_layers(values: dict[str, Any], layers: int | None) -> list[int] | None:
+    """Which of the default config's layers the tiny one keeps (None: all): two, or one of each
+    kind in ``layer_types`` (a hybrid model needs an attention layer beside its linear ones), or
+    as many as a backbone has outputs (``out_indices``)."""
+    if not layers or layers <= 2:
+        return None
+    kinds = values.get("layer_types")
+    chosen: list[int] = []
+    if isinstance(kinds, (list, tuple)) and len(kinds) == layers:
+        seen: set = set()
+        for index, kind in enumerate(kinds):
+            if kind not in seen and isinstance(kind, str):
+                seen.add(kind)
+                chosen.append(index)
+    stages = values.get("out_indices")
+    wanted = max(2, len(chosen), len(stages) if isinstance(stages, (list, tuple)) else 0)
+    wanted = min(wanted, layers, 4)
+    for index in range(layers):  # fill up with the first layers
+        if len(chosen) >= wanted:
+            break
+        if index not in chosen:
+            chosen.append(index)
+    return sorted(chosen[:wanted])
 
 
 def _init_parameters(config_class) -> set[str] | None:
@@ -220,9 +274,11 @@ def make_inputs(model, config) -> dict[str, Any]:
     elif main == "input_values":
         inputs["input_values"] = torch.randn(BATCH, 4000, generator=generator)
     else:
-        inputs["input_ids"] = _token_ids(config, (BATCH, SEQUENCE), generator)
+        # a multiple-choice head reads (batch, choices, sequence)
+        shape = (BATCH, 2, SEQUENCE) if type(model).__name__.endswith("ForMultipleChoice") else (BATCH, SEQUENCE)
+        inputs["input_ids"] = _token_ids(config, shape, generator)
         if "attention_mask" in parameters:
-            inputs["attention_mask"] = torch.ones(BATCH, SEQUENCE, dtype=torch.long)
+            inputs["attention_mask"] = torch.ones(*shape, dtype=torch.long)
         image_tokens = [k for k in config.to_dict() if k.startswith(("image_token", "video_token"))]
         vision = getattr(config, "vision_config", None)
         if "pixel_values" in parameters and vision is not None and not image_tokens:  # dual encoders (CLIP)
@@ -242,6 +298,10 @@ def build(model_type: str, class_name: str):
     import transformers
 
     config = tiny_config(model_type)
+    if class_name.endswith("ForSequenceClassification"):  # batch 2 needs a padding token to find each row's last
+        for part in (config, getattr(config, "text_config", None)):
+            if part is not None and getattr(part, "pad_token_id", 0) is None:
+                part.pad_token_id = 0
     torch.manual_seed(0)
     model = getattr(transformers, class_name)._from_config(config).eval()
     inputs = make_inputs(model, config)
@@ -615,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="keep the rows already in the JSON, sweep the rest")
     parser.add_argument("--redo", help="with --resume: sweep again the kept rows whose modular stage is one of these "
                         "(comma-separated, e.g. capture,verify; 'failed' for every row not modular ok)")
+    parser.add_argument("--redo-types", help="with --resume: sweep again the kept rows of these model types (comma-separated)")
     parser.add_argument("--jobs", type=int, default=1, help="architectures swept at once (each in its own children)")
     parser.add_argument("--order", choices=("shuffled", "alphabetical"), default="shuffled",
                         help="shuffled (default): the sample, then base models, then heads, each in a fixed random order")
@@ -652,6 +713,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.redo:
         stages = set(args.redo.split(","))
         rows = [r for r in rows if not ("failed" in stages and not r.modular_ok or r.stage in stages)]
+    if args.redo_types:
+        again = set(args.redo_types.split(","))
+        rows = [r for r in rows if r.model_type not in again]
     done = {r.key for r in rows}
     environment = _environment()
     todo = [row for row in planned if row[1] not in done]

@@ -116,10 +116,12 @@ def test_call_node_metadata(exported):
     for node in call_nodes(result.model):
         assert CALL_METADATA_KEYS <= set(node.metadata_props), node.name
         function = result.model.functions[node.op_identifier()]
-        assert node.metadata_props[metadata.CLASS] == function.metadata_props[metadata.CLASS]
-        assert function.domain == (
-            f"pkg.{node.metadata_props['pkg.onnx_modular.package']}.{node.metadata_props['pkg.onnx_modular.package_version']}"
-        )
+        # the class keys have one home, the function; a call node repeats none of them
+        assert not set(metadata.CLASS_KEYS) & set(node.metadata_props), node.name
+        props = metadata.call_props(node, function)
+        assert props[metadata.CLASS] == function.metadata_props[metadata.CLASS]
+        assert function.domain == f"pkg.{props[metadata.PACKAGE]}.{props[metadata.PACKAGE_VERSION]}"
+        assert props[metadata.MODULE_PATH] == node.metadata_props[metadata.MODULE_PATH]
         assert function.metadata_props[metadata.CLASS].endswith("." + function.name.split("_")[0]) or (
             function.metadata_props[metadata.CLASS].rsplit(".", 1)[-1] in function.name
         )

@@ -55,6 +55,31 @@ def test_tiny_config_shrinks_by_the_rules():
     assert clip.text_config.hidden_size == 32 and clip.vision_config.image_size == 32
 
 
+def test_tiny_config_keeps_what_an_architecture_needs():
+    # a hybrid keeps one layer of each kind (an attention layer beside its linear ones)
+    hybrid = sweep.tiny_config("olmo_hybrid")
+    assert hybrid.num_hidden_layers == len(hybrid.layer_types) == 2
+    assert set(hybrid.layer_types) == {"linear_attention", "full_attention"}
+    # multi-head latent attention keeps as many key heads as query heads
+    deepseek = sweep.tiny_config("deepseek_v3")
+    assert deepseek.num_key_value_heads == deepseek.num_attention_heads == 2
+    # per-layer settings follow the kept layers, renumbered
+    gemma = sweep.tiny_config("gemma4").text_config
+    assert gemma.layer_types == ["sliding_attention", "full_attention"] and len(gemma.per_layer_config) == 2
+    sliding, full = (gemma.per_layer_config[i].to_dict()["head_dim"] for i in range(2))
+    assert sliding == gemma.to_dict()["head_dim"] != full  # the full-attention layer's own head size
+    # a backbone's outputs are stages it has
+    backbone = sweep.tiny_config("depth_anything").backbone_config
+    assert backbone.num_hidden_layers == 4 and backbone.out_features == ["stage1", "stage2", "stage3", "stage4"]
+
+
+def test_heads_get_inputs_of_their_shape():
+    model, inputs, expected = sweep.build("bert", "BertForMultipleChoice")
+    assert inputs["input_ids"].shape == (sweep.BATCH, 2, sweep.SEQUENCE) and expected[0].shape == (sweep.BATCH, 2)
+    model, inputs, expected = sweep.build("qwen2", "Qwen2ForSequenceClassification")  # batch 2 needs a padding id
+    assert model.config.pad_token_id == 0 and expected[0].shape[0] == sweep.BATCH
+
+
 def test_compare_lists_regressions():
     Row = sweep.Row
     old = [Row("llama", "LlamaModel", "base", True, True, True), Row("bert", "BertModel", "base", True, True, True)]

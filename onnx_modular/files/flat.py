@@ -157,7 +157,7 @@ def relocate_calls(model: onnx.ModelProto) -> onnx.ModelProto:
         body.name = f"{function.name}__call{index}"
         taken.add((body.domain, body.name))
         home = metadata.body_module_path(function)
-        carried = {key: value for key, value in metadata.props(call).items() if key in CARRIED_CALL_KEYS}
+        carried = {key: value for key, value in metadata.call_props(call, function).items() if key in CARRIED_CALL_KEYS}
         for node in all_nodes(body.node):
             _relocate_node(node, home, call_segments)
             if (node.domain, node.op_type, node.overload) not in functions:

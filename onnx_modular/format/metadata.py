@@ -46,6 +46,8 @@ __all__ = [
     "FOLDED",
     "INLINED_STACK",
     "CALL_METADATA_KEYS",
+    "CLASS_KEYS",
+    "call_props",
     "call_name",
     "split_call_name",
     "strip_call_index",
@@ -65,9 +67,11 @@ __all__ = [
 
 PREFIX = "pkg.onnx_modular."
 
-# -- keys on functions and call nodes ------------------------------------------------------
-#: Qualified class of the module (``transformers.models.gpt2.modeling_gpt2.GPT2Block``);
-#: on functions and call nodes. Its presence marks a module-call function.
+# -- keys on functions (and call nodes where a call's differ) -------------------------------
+#: Qualified class of the module (``transformers.models.gpt2.modeling_gpt2.GPT2Block``).
+#: Its presence marks a module-call function. This key and the next three are the function's;
+#: a call node repeats one only where its call's value differs (one body shared by two classes
+#: whose computations are identical): read them with :func:`call_props`.
 CLASS = PREFIX + "class"
 #: Top-level package that defines the class (``transformers``).
 PACKAGE = PREFIX + "package"
@@ -123,7 +127,18 @@ FOLDED = "onnx_modular.folded"
 INLINED_STACK = PREFIX + "internal.stack"
 
 #: The keys every call node carries.
-CALL_METADATA_KEYS = frozenset({MODULE_PATH, CALL_INDEX, CLASS, PACKAGE, PACKAGE_VERSION, NAMESPACE})
+CALL_METADATA_KEYS = frozenset({MODULE_PATH, CALL_INDEX, NAMESPACE})
+#: The module's keys, stored on its function (and on a call node only where the call's differ).
+CLASS_KEYS = (CLASS, PACKAGE, PACKAGE_VERSION, SOURCE)
+
+
+def call_props(node, function) -> dict[str, str]:
+    """A call node's metadata with its module's :data:`CLASS_KEYS` filled in from the function
+    it calls: a node's own value wins (earlier files repeat all four on every call node; a call
+    of another class than its shared body's keeps its own)."""
+    merged = {key: value for key, value in props(function).items() if key in CLASS_KEYS} if function is not None else {}
+    merged.update(props(node))
+    return merged
 
 
 # -- call names ----------------------------------------------------------------------------

@@ -113,4 +113,19 @@ class NameFunctionsPass(ir.passes.InPlacePass):
             renamed[function.identifier()] = function
         model.functions.clear()
         model.functions.update(renamed)
+        _drop_repeated_class_keys(model)
         return ir.passes.PassResult(model, modified=bool(renames))
+
+
+def _drop_repeated_class_keys(model: ir.Model) -> None:
+    """The module's class, package, version and source have one home, its function: a call
+    node keeps one only where its call's differs (a body shared by two classes)."""
+    graphs = [model.graph, *(f.graph for f in model.functions.values())]
+    for graph in graphs:
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            function = model.functions.get(node.op_identifier())
+            if function is None or metadata.CLASS not in function.metadata_props:
+                continue
+            for key in metadata.CLASS_KEYS:
+                if key in node.metadata_props and node.metadata_props[key] == function.metadata_props.get(key):
+                    del node.metadata_props[key]

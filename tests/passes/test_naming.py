@@ -72,6 +72,24 @@ def test_doc_string_and_metadata():
     assert norm.doc_string.splitlines()[-2:] == ["names not from forward():", "  unbound_input_0: why"]
 
 
+def test_call_nodes_keep_only_class_keys_that_differ_from_their_function():
+    model, tree = _model()
+    for node in model.graph:  # as OutlineModuleCallsPass writes them: every call's own keys
+        call = {"Linear__call9": tree["enc"], "Linear__call2": tree["dec.0"], "Norm__call4": tree["norm"]}[node.op_type]
+        node.metadata_props.update(call.metadata())
+    odd = list(model.graph)[2]  # dec.1: a subclass whose body is identical (shares dec.0's)
+    odd.metadata_props[metadata.CLASS] = "testpkg.layers.FancyLinear"
+    NameFunctionsPass(tree)(model)
+    for node in model.graph:
+        function = model.functions[node.op_identifier()]
+        kept = set(metadata.CLASS_KEYS) & set(node.metadata_props)
+        assert kept == ({metadata.CLASS} if node is odd else set()), node.name
+        props = metadata.call_props(node, function)
+        assert props[metadata.PACKAGE] == "testpkg" and props[metadata.MODULE_PATH] == node.metadata_props[metadata.MODULE_PATH]
+    assert metadata.call_props(odd, model.functions[odd.op_identifier()])[metadata.CLASS] == "testpkg.layers.FancyLinear"
+    assert metadata.call_props(list(model.graph)[1], model.functions[odd.op_identifier()])[metadata.CLASS] == "testpkg.layers.Linear"
+
+
 def test_long_call_lists_are_shortened():
     keys = [f"h.{i}" for i in range(MAX_LISTED_PATHS + 3)]
     tree = call_tree(*[(key, "Block") for key in keys])
