@@ -95,3 +95,19 @@ def graph_bytes(path) -> int:
         for field in ("raw_data", "float_data", "external_data", "int64_data", "int32_data", "data_location"):
             tensor.ClearField(field)
     return proto.ByteSize()
+
+
+def load_sweep():
+    """``scripts/sweep_transformers.py`` as a module (one instance per test session)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    if "sweep_transformers" in sys.modules:
+        return sys.modules["sweep_transformers"]
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "sweep_transformers.py"
+    spec = importlib.util.spec_from_file_location("sweep_transformers", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sweep_transformers"] = module
+    spec.loader.exec_module(module)
+    return module

@@ -7,27 +7,19 @@ in bounded child processes, is script-only (docs/coverage.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
 import sys
 
+import helpers
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 transformers = pytest.importorskip("transformers")
 
 
-def _sweep():
-    spec = importlib.util.spec_from_file_location("sweep_transformers", ROOT / "scripts" / "sweep_transformers.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("sweep_transformers", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-sweep = _sweep()
+sweep = helpers.load_sweep()
 BASE = {model_type: class_name for model_type, class_name, task in sweep.architectures(heads=False) if model_type in sweep.SAMPLE}
 
 

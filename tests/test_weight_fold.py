@@ -214,3 +214,18 @@ def test_scalar_computed_from_weights_is_folded_with_its_shape(tmp_path):
     assert [list(i.dims) for i in folded] == [[]]
     session = ort.InferenceSession(str(tmp_path / "sn.onnx"), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(session.run(None, {"input": x.numpy()})[0], model(x).detach().numpy(), atol=1e-5)
+
+
+def test_bodies_import_the_domains_of_folded_nodes_moved_into_them():
+    # ZayaModel (transformers): the fold moves a weight-only Unsqueeze into a decoder layer's
+    # body that otherwise only makes calls; that body must import the default domain, or
+    # onnxruntime refuses the file ("No opset registered for domain '' in function ...")
+    model, inputs, _ = helpers.load_sweep().build("zaya", "ZayaModel")
+    result = export_modular(model, (), kwargs=inputs)
+    assert result.report.ok, str(result.report)  # onnxruntime loaded and ran both files
+    moved = 0
+    for function in result.model.functions.values():
+        used = {node.domain for node in function}
+        assert used <= set(function.opset_imports), (function.name, used, dict(function.opset_imports))
+        moved += function.name.startswith("ZayaDecoderLayer") and "" in used
+    assert moved  # the case of the bug is still there: a layer body with a moved default-domain op
