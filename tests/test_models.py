@@ -116,8 +116,9 @@ def test_call_node_metadata(exported):
     for node in call_nodes(result.model):
         assert CALL_METADATA_KEYS <= set(node.metadata_props), node.name
         function = result.model.functions[node.op_identifier()]
-        # the class keys have one home, the function; a call node repeats none of them
-        assert not set(metadata.CLASS_KEYS) & set(node.metadata_props), node.name
+        # class, package and version have one home, the function; the source is on both
+        assert not set(metadata.FUNCTION_ONLY_KEYS) & set(node.metadata_props), node.name
+        assert node.metadata_props.get(metadata.SOURCE) == function.metadata_props.get(metadata.SOURCE)
         props = metadata.call_props(node, function)
         assert props[metadata.CLASS] == function.metadata_props[metadata.CLASS]
         assert function.domain == f"pkg.{props[metadata.PACKAGE]}.{props[metadata.PACKAGE_VERSION]}"

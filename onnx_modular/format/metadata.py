@@ -47,6 +47,7 @@ __all__ = [
     "INLINED_STACK",
     "CALL_METADATA_KEYS",
     "CLASS_KEYS",
+    "FUNCTION_ONLY_KEYS",
     "call_props",
     "call_name",
     "split_call_name",
@@ -67,11 +68,11 @@ __all__ = [
 
 PREFIX = "pkg.onnx_modular."
 
-# -- keys on functions (and call nodes where a call's differ) -------------------------------
+# -- keys on functions (and call nodes) ---------------------------------------------------------
 #: Qualified class of the module (``transformers.models.gpt2.modeling_gpt2.GPT2Block``).
-#: Its presence marks a module-call function. This key and the next three are the function's;
-#: a call node repeats one only where its call's value differs (one body shared by two classes
-#: whose computations are identical): read them with :func:`call_props`.
+#: Its presence marks a module-call function. This key and the next two are the function's; a
+#: call node repeats one only where its call's value differs (one body shared by two classes
+#: whose computations are identical): read them with :func:`call_props`. ``SOURCE`` is on both.
 CLASS = PREFIX + "class"
 #: Top-level package that defines the class (``transformers``).
 PACKAGE = PREFIX + "package"
@@ -126,10 +127,13 @@ FOLDED = "onnx_modular.folded"
 #: :data:`STACK` across onnx_ir's inliner, which copies ``metadata_props`` but not ``meta``.
 INLINED_STACK = PREFIX + "internal.stack"
 
-#: The keys every call node carries.
+#: The keys every call node carries (and ``SOURCE`` where the class has one).
 CALL_METADATA_KEYS = frozenset({MODULE_PATH, CALL_INDEX, NAMESPACE})
-#: The module's keys, stored on its function (and on a call node only where the call's differ).
+#: The module's keys: on its function; a call node keeps ``SOURCE`` (Netron's node panel shows a
+#: node's metadata, and its type and domain already name the class, package and version) and the
+#: others only where its call's differ. :data:`FUNCTION_ONLY_KEYS` are the ones it drops.
 CLASS_KEYS = (CLASS, PACKAGE, PACKAGE_VERSION, SOURCE)
+FUNCTION_ONLY_KEYS = (CLASS, PACKAGE, PACKAGE_VERSION)
 
 
 def call_props(node, function) -> dict[str, str]:

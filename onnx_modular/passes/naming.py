@@ -118,14 +118,16 @@ class NameFunctionsPass(ir.passes.InPlacePass):
 
 
 def _drop_repeated_class_keys(model: ir.Model) -> None:
-    """The module's class, package, version and source have one home, its function: a call
-    node keeps one only where its call's differs (a body shared by two classes)."""
+    """The module's class, package and version have one home, its function (Netron shows them
+    on a call node as its type and domain): a call node keeps one only where its call's differs
+    (a body shared by two classes). The source stays on the node too: Netron's node panel shows
+    a node's metadata, not its function's."""
     graphs = [model.graph, *(f.graph for f in model.functions.values())]
     for graph in graphs:
         for node in ir.traversal.RecursiveGraphIterator(graph):
             function = model.functions.get(node.op_identifier())
             if function is None or metadata.CLASS not in function.metadata_props:
                 continue
-            for key in metadata.CLASS_KEYS:
+            for key in metadata.FUNCTION_ONLY_KEYS:
                 if key in node.metadata_props and node.metadata_props[key] == function.metadata_props.get(key):
                     del node.metadata_props[key]

@@ -82,8 +82,9 @@ def test_call_nodes_keep_only_class_keys_that_differ_from_their_function():
     NameFunctionsPass(tree)(model)
     for node in model.graph:
         function = model.functions[node.op_identifier()]
-        kept = set(metadata.CLASS_KEYS) & set(node.metadata_props)
+        kept = set(metadata.FUNCTION_ONLY_KEYS) & set(node.metadata_props)
         assert kept == ({metadata.CLASS} if node is odd else set()), node.name
+        assert metadata.SOURCE in node.metadata_props  # Netron's node panel shows it
         props = metadata.call_props(node, function)
         assert props[metadata.PACKAGE] == "testpkg" and props[metadata.MODULE_PATH] == node.metadata_props[metadata.MODULE_PATH]
     assert metadata.call_props(odd, model.functions[odd.op_identifier()])[metadata.CLASS] == "testpkg.layers.FancyLinear"
