@@ -159,7 +159,7 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[st
             out[key] = [value[i] for i in kept]  # per-layer lists (layer_types, ...) follow the kept layers
         elif kept is not None and key.startswith("per_layer") and isinstance(value, dict):
             out[key] = {  # keyed by layer index: the kept layers', renumbered
-                kept.index(int(k)): v for k, v in value.items() if str(k).lstrip("-").isdigit() and int(k) in kept
+                kept.index(int(k)): v for k, v in value.items() if str(k).isdigit() and int(k) in kept
             }
     if values.get("head_dim", 0) is None and heads and "head_dim" not in out:
         out["head_dim"] = HIDDEN // min(heads, 2)  # None: some models compute hidden // heads, others fail

@@ -75,7 +75,7 @@ __all__ = [
 EXTERNAL_DATA_THRESHOLD = 1024 * 1024
 
 #: Threads writing the external data: one reads (and transposes) the next weights while another
-#: writes; on 2 cores the 1B model's save went from 8.0 to 5.2 s (``docs/benchmarks.md``).
+#: writes; on 2 cores the 1B model's save went from 9.4-10.8 to 5.3-6.3 s (``docs/benchmarks.md``).
 WRITER_THREADS = 2
 #: Bytes of weights the writer threads hold at once (one tensor above it is written alone).
 WRITER_BYTES_IN_FLIGHT = 256 * 2**20
