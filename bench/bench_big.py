@@ -160,8 +160,8 @@ def child_export(folder: str, out: str, verify: bool) -> None:
 
     from onnx_modular import export_modular
     from onnx_modular.capture import reference_run, torch_compat
-    from onnx_modular.files import save
     from onnx_modular.hf.meta import model_on_meta
+    from onnx_modular.storage import save
 
     parts: dict = {}  # sub-stages, timed by wrapping (this child only)
     _timed(reference_run, "run", "eager run", parts)

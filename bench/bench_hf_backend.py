@@ -17,13 +17,13 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-import _common  # noqa: E402,F401  (quiet logging and warnings)
-import onnxruntime as ort  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from transformers.exporters.auto import get_exporter_class  # noqa: E402
+import _common  # noqa: F401  (quiet logging and warnings)
+import onnxruntime as ort
+import torch
+import transformers
+from transformers.exporters.auto import get_exporter_class
 
-import onnx_modular.hf  # noqa: E402,F401
+import onnx_modular.hf  # noqa: F401
 
 
 def main() -> None:

@@ -14,8 +14,8 @@ Example::
 
 import importlib
 
-__version__ = "0.1.0"
-
+from onnx_modular._version import __version__
+from onnx_modular.check.parity import OutputParity, ParityReport, Tolerance
 from onnx_modular.errors import (
     CaptureError,
     DecompositionError,
@@ -31,7 +31,6 @@ from onnx_modular.errors import (
     TranslationError,
     VerificationError,
 )
-from onnx_modular.files.parity import OutputParity, ParityReport, Tolerance
 from onnx_modular.format.calltree import CallTree, ModuleCall
 
 #: name -> module that defines it, imported on first use (these modules import torch).
@@ -44,8 +43,8 @@ _LAZY = {
     "verify": "onnx_modular.check.verification",
     "VerificationReport": "onnx_modular.check.verification",
     # torch-free, but onnxruntime is imported only when profiling
-    "profile": "onnx_modular.files.profile",
-    "ProfileReport": "onnx_modular.files.profile",
+    "profile": "onnx_modular.profiling.run",
+    "ProfileReport": "onnx_modular.profiling.run",
     "extract": "onnx_modular.files.extract",
     "replace": "onnx_modular.files.replace",
 }

@@ -18,7 +18,7 @@
 
 Data flows forward: each stage takes what the earlier ones returned. The call tree is built
 once (modularize), completed by the passes (functions, no-op calls) and, at the end, by the
-counts of the final in-memory model (:func:`onnx_modular.files.tree.count_from_ir`). An
+counts of the final in-memory model (:func:`onnx_modular.calls.tree.count_from_ir`). An
 unexpected exception in a stage becomes that stage's typed error
 (:func:`onnx_modular.capture.diagnostics.stage_error`), in one place: :class:`_Stages`.
 """
@@ -39,6 +39,7 @@ from typing import Any
 import onnx_ir as ir
 import torch
 
+from onnx_modular.calls.tree import count_from_ir
 from onnx_modular.capture import (
     diagnostics,
     pytree_io,
@@ -46,20 +47,21 @@ from onnx_modular.capture import (
     selection,
     strategies,
     symbols,
+    tensors,
     torch_compat,
 )
 from onnx_modular.capture.fx_call_tree import build_call_tree
 from onnx_modular.capture.selection import ModuleSelector
-from onnx_modular.check import blockwise, tensors, verification
+from onnx_modular.check import blockwise, verification
+from onnx_modular.check.parity import Tolerance
 from onnx_modular.errors import InvalidInputError, OnnxModularError
 from onnx_modular.files import flat as flat_files
-from onnx_modular.files import runtime, save
-from onnx_modular.files.parity import Tolerance
-from onnx_modular.files.tree import count_from_ir
 from onnx_modular.format.calltree import CallTree
 from onnx_modular.passes import pipeline
 from onnx_modular.passes.opset_conversion import check_opset
 from onnx_modular.result import ModularExport, model_file
+from onnx_modular.runtime import sessions as runtime
+from onnx_modular.storage import save
 from onnx_modular.weights import streaming
 from onnx_modular.weights.sources import has_meta_tensors
 
@@ -452,6 +454,6 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _version() -> str:
-    from onnx_modular import __version__
+    from onnx_modular._version import __version__
 
     return __version__

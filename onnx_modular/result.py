@@ -14,11 +14,12 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from onnx_modular.check import tensors, verification
+from onnx_modular.capture import tensors
+from onnx_modular.check import verification
 from onnx_modular.errors import InvalidInputError
-from onnx_modular.files import save
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree
+from onnx_modular.storage import save
 
 __all__ = ["ModularExport"]
 
@@ -62,7 +63,7 @@ class ModularExport:
                 default; ``"cuda"``, ... when this onnxruntime build has it, else
                 :class:`~onnx_modular.errors.ExecutionProviderError`). Sessions are kept per provider.
         """
-        from onnx_modular.files import runtime
+        from onnx_modular.runtime import sessions as runtime
 
         if self._example is not None:  # keyword inputs in the order the export flattened them
             order = list(self._example[1])
@@ -199,9 +200,9 @@ class ModularExport:
         ``result.profile().join(result.localize(model))``.
 
         Returns:
-            A :class:`~onnx_modular.files.profile.ProfileReport`.
+            A :class:`~onnx_modular.profiling.run.ProfileReport`.
         """
-        from onnx_modular.files.profile import profile
+        from onnx_modular.profiling.run import profile
 
         if inputs is None and self._example is not None:
             inputs = [tensors.to_numpy(t) for t in tensors.flatten_inputs(*self._example)]

@@ -76,8 +76,8 @@ def _child(argv: list[str], cwd: str, memory_bytes: int) -> None:
         handle = os.open(name, os.O_RDONLY) if fd == 0 else os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(handle, fd)
         os.close(handle)
-    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the child exits below
-    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", closefd=False)
     with open("/proc/self/statm") as statm:
         limit = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + memory_bytes
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -86,7 +86,7 @@ def _child(argv: list[str], cwd: str, memory_bytes: int) -> None:
         from onnx_modular.cli import main
 
         code = main(argv)
-    except BaseException:  # noqa: BLE001 - what escapes main() is a finding, printed as such
+    except BaseException:
         import traceback
 
         traceback.print_exc()
@@ -104,10 +104,10 @@ def serve() -> None:
     import onnx.inliner  # noqa: F401 - everything the commands import, imported once
     import onnxruntime  # noqa: F401
 
-    import onnx_modular.cli  # noqa: F401
+    import onnx_modular.cli
 
     if os.environ.get("FUZZ_FILES_IMPORT_TORCH") == "1":
-        import onnx_modular.export  # noqa: F401 - torch
+        import onnx_modular.export
         import onnx_modular.hf.command  # noqa: F401 - transformers
 
     gc.freeze()  # children would otherwise copy every inherited page on their first collection
@@ -831,7 +831,7 @@ def gen_checkpoint(rng, case, seeds):
             new = rng.choice([b"[1, 2]", b"5", b'{"a": "x"}', b"[" * 5000 + b"]" * 5000])
         else:  # a sharded index that lies
             (folder / "model.safetensors.index.json").write_text(json.dumps(
-                {"weight_map": rng.choice([["model.safetensors"], {k: 7 for k in header}, {k: "../outside.safetensors" for k in header}])}
+                {"weight_map": rng.choice([["model.safetensors"], dict.fromkeys(header, 7), dict.fromkeys(header, "../outside.safetensors")])}
             ))  # fmt: skip
             new = json.dumps(header).encode()
         data = len(new).to_bytes(8, "little") + new + data[8 + length :]
@@ -957,7 +957,7 @@ def run_campaign(
             stack.callback(server.close)
         root = workdir or pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fuzz_files-")))
         seeds = make_seeds(root / "seeds")
-        log_file = stack.enter_context(open(log, "a")) if log else None  # noqa: SIM115
+        log_file = stack.enter_context(open(log, "a")) if log else None
         for index in range(first, first + cases):
             rng = random.Random(f"{seed}:{index}")
             kind = rng.choices(names, weights)[0]
@@ -965,7 +965,7 @@ def run_campaign(
             case.mkdir()
             try:
                 file_name = GENERATORS[kind][0](rng, case, seeds)
-            except Exception as e:  # noqa: BLE001 - a generator bug must not stop the campaign
+            except Exception as e:
                 record = {"case": index, "kind": kind, "generator_error": repr(e)}
             else:
                 checks = json.loads((case / CHECKS_FILE).read_text()) if (case / CHECKS_FILE).exists() else {}

@@ -423,7 +423,7 @@ def _child(kind: str, model_type: str, class_name: str, memory_bytes: int, conne
         record = _JOBS[kind](model_type, class_name)
     except MemoryError:
         record = {"ok": False, "stage": "memory", "error": "MemoryError: over the memory limit"}
-    except BaseException as e:  # noqa: BLE001 - everything is recorded
+    except BaseException as e:
         record = {"ok": False, "stage": "build", "error": _first_line(e), "trace": traceback.format_exc()[-2000:]}
     try:
         connection.send(record)

@@ -8,4 +8,6 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v a
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
     || echo "warning: Chromium could not be installed; the Netron browser test will be skipped" >&2
 fi
+echo "ruff: checking onnx_modular/ and tests/ (rules in pyproject.toml)"
+python3 -m ruff check onnx_modular tests
 python3 -m pytest -q "$@"

@@ -816,7 +816,7 @@ def test_export_the_kv_cache_demo(tmp_path):
 
 
 def test_long_names_are_shortened_in_the_middle():
-    from onnx_modular.files.parity import fit_name, name_column_width
+    from onnx_modular.check.parity import fit_name, name_column_width
 
     name = "output.past_key_values.self_attention_cache.layers.11.values"
     width = name_column_width([name, "logits"])

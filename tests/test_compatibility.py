@@ -21,13 +21,14 @@ import onnx.reference
 import pytest
 
 from onnx_modular import export_modular
+from onnx_modular.capture.tensors import flatten_inputs
 from onnx_modular.errors import InvalidInputError, SaveError
-from onnx_modular.files import runtime, save
 from onnx_modular.files.flat import inline_model
 from onnx_modular.files.inline import inline_file
-from onnx_modular.passes.function_order import is_callee_first
-from onnx_modular.check.tensors import flatten_inputs
 from onnx_modular.format import metadata
+from onnx_modular.passes.function_order import is_callee_first
+from onnx_modular.runtime import sessions as runtime
+from onnx_modular.storage import save
 
 # ReferenceEvaluator and OpenVINO (f32) against onnxruntime: measured <= 8.4e-7 on these models.
 ATOL, RTOL = 1e-5, 1e-4

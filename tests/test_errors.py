@@ -177,7 +177,7 @@ def test_axis_torch_specialized_is_fixed_with_a_warning(tmp_path):
     model = FixedLength().eval()
     with pytest.warns(SpecializedAxisWarning, match=r"Axis 1 of input 'x'.*specialized it to 8"):
         result = export_modular(model, (torch.randn(3, 8),), tmp_path / "m.onnx", dynamic_shapes={"x": {0: Dim.AUTO, 1: Dim.AUTO}})
-    dims = [d for d in result.model.graph.inputs[0].shape.dims]
+    dims = list(result.model.graph.inputs[0].shape.dims)
     assert isinstance(dims[0], onnx_ir_symbolic()) and dims[1] == 8
     session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     x = torch.randn(5, 8)  # another batch size still runs

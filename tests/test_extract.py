@@ -19,15 +19,16 @@ import onnx.numpy_helper
 import onnx.parser
 import onnxruntime as ort
 import pytest
-
 from models import gpt2
+
 from onnx_modular import export_modular
-from onnx_modular.format import metadata
+from onnx_modular.calls.capture import call_values as capture
 from onnx_modular.cli import main
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.files import function_tree, load_model_file
-from onnx_modular.files.extract import capture, extract
+from onnx_modular.files.extract import extract
 from onnx_modular.files.replace import replace
+from onnx_modular.format import metadata
 
 ATOL, RTOL = 1e-4, 1e-3  # float32 verification tolerance
 MASK = "unbound_input_0.folded"  # the causal mask torch folded to a constant; the block receives it

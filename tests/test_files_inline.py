@@ -14,7 +14,8 @@ from torch import nn
 
 from onnx_modular import export_modular
 from onnx_modular.errors import VerificationError
-from onnx_modular.files import inline_file, runtime
+from onnx_modular.files import inline_file
+from onnx_modular.runtime import sessions as runtime
 
 # A function whose If branch returns a body initializer (what onnxscript's optimizer makes of a
 # branch that computes a constant), called twice.

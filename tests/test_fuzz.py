@@ -46,7 +46,7 @@ from helpers import expanded_calls, top_level_calls
 from hypothesis import HealthCheck, given, note, settings
 
 from onnx_modular import export_modular
-from onnx_modular.check.tensors import flatten_inputs
+from onnx_modular.capture.tensors import flatten_inputs
 from onnx_modular.format import metadata
 
 FUZZ_EXAMPLES = int(os.environ.get("ONNX_MODULAR_FUZZ_EXAMPLES", "15"))

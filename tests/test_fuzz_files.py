@@ -16,7 +16,13 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
+import json
+import struct
+import unicodedata
+
 import fuzz_files
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 
 def test_outcomes_are_classified(tmp_path):
@@ -68,12 +74,7 @@ def test_fifty_cases_find_no_new_failure_class(tmp_path, server):
 
 # -- issue 25: hypothesis over safetensors headers and printed names ----------------------------
 
-import json
-import struct
-import unicodedata
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 _json_scalars = st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats(allow_nan=False) | st.text(max_size=8)
 _json = st.recursive(_json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
@@ -103,7 +104,7 @@ def test_any_safetensors_header_is_read_or_refused_as_data(tmp_path_factory, hea
         source = WeightSource.open(path)
     except WeightsError:
         return
-    for key in source.keys():  # noqa: SIM118 (a WeightSource, not a dict)
+    for key in source.keys():
         tensor = source.read(key)
         dtype, shape = source.spec(key)
         assert tuple(tensor.shape) == shape and tensor.dtype == dtype

@@ -23,12 +23,12 @@ import onnx.numpy_helper
 import pytest
 from onnx import TensorProto, helper
 
+from onnx_modular.check.parity import Tolerance
 from onnx_modular.cli import main
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
-from onnx_modular.files import inputs as file_inputs
 from onnx_modular.files import load_model_file
-from onnx_modular.files.checks import check_expanded_size, expanded_size
-from onnx_modular.files.parity import Tolerance
+from onnx_modular.runtime import inputs as file_inputs
+from onnx_modular.storage.checks import check_expanded_size, expanded_size
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
 import fuzz_files
@@ -465,7 +465,7 @@ def test_references_in_every_tensor_are_checked(tmp_path, where):
 
 def test_hidden_references_inside_the_folder_are_loaded(tmp_path):
     """The same places, pointing at a good file, load through the bounded loader (inline keeps them)."""
-    from onnx_modular.files.load import load_external_data
+    from onnx_modular.storage.load import load_external_data
 
     for where in HIDDEN:
         (tmp_path / "d.bin").write_bytes(np.array([5.0, 6.0, 7.0], dtype=np.float32).tobytes())
@@ -475,7 +475,7 @@ def test_hidden_references_inside_the_folder_are_loaded(tmp_path):
         elif where in ("sparse-values", "constant-sparse-value"):
             (tmp_path / "d.bin").write_bytes(np.array([5.0, 6.0], dtype=np.float32).tobytes())
         load_external_data(model, tmp_path)
-        from onnx_modular.files._proto import all_tensors, uses_external_data
+        from onnx_modular.storage.proto import all_tensors, uses_external_data
 
         assert not uses_external_data(model), where
         assert any(t.raw_data for t in all_tensors(model)), where
@@ -534,7 +534,7 @@ def test_names_are_escaped_in_every_report(tmp_path):
 def test_a_file_is_held_once_while_read(tmp_path):
     import tracemalloc
 
-    from onnx_modular.files.load import read_regular_file
+    from onnx_modular.storage.load import read_regular_file
 
     path = tmp_path / "big.bin"
     path.write_bytes(os.urandom(1 << 20) * 48)  # 48 MiB

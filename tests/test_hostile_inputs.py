@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
+import struct
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ import torch.nn as nn
 
 from onnx_modular import InvalidInputError, ModularizeError, export_modular
 from onnx_modular.cli import main
-from onnx_modular.errors import OnnxModularError
+from onnx_modular.errors import OnnxModularError, WeightsError
+from onnx_modular.weights import WeightSource
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:
@@ -205,11 +208,7 @@ def test_a_model_in_training_mode_comes_back_as_given(tmp_path, fail):
 
 # -- issue 25: safetensors headers are validated as data -------------------------------------
 
-import json
-import struct
 
-from onnx_modular.errors import WeightsError
-from onnx_modular.weights import WeightSource
 
 
 def safetensors_file(path, header, body: bytes = b"\0" * 56, raw: bytes | None = None):

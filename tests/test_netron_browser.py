@@ -111,7 +111,7 @@ def gpt2_file(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def shown_file(gpt2_file, tmp_path_factory) -> pathlib.Path:
     """What ``onnx-modular view`` serves: the file with its lifted constants back in their bodies."""
-    from onnx_modular.files.display import write_display_copy
+    from onnx_modular.storage.display import write_display_copy
 
     copy = tmp_path_factory.mktemp("view") / gpt2_file.name
     assert write_display_copy(gpt2_file, copy)

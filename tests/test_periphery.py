@@ -21,9 +21,9 @@ import torch
 import zoo
 
 from onnx_modular import export_modular, verify
+from onnx_modular.check.parity import REL_FLOOR, max_differences
 from onnx_modular.cli import main
 from onnx_modular.files import function_tree, load_model_file, random_inputs
-from onnx_modular.files.parity import REL_FLOOR, max_differences
 from onnx_modular.format import metadata
 
 
@@ -242,7 +242,7 @@ def test_no_op_calls_are_recorded_and_shown(tmp_path):
 
 def test_localization_chart_shows_tolerance_and_keeps_ticks_inside(tmp_path):
     from onnx_modular.check.localization import LocalizationReport
-    from onnx_modular.files.parity import Parity, Tolerance
+    from onnx_modular.check.parity import Parity, Tolerance
 
     tolerance = Tolerance(1e-4, 1e-3)
     rows = [

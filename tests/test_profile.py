@@ -19,15 +19,14 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn as nn
+from models import gpt2
 
 import onnx_modular
 from onnx_modular import export_modular
 from onnx_modular.cli import main
 from onnx_modular.errors import ExecutionProviderError, InvalidInputError, ProfileError
 from onnx_modular.files import load_model_file
-from onnx_modular.files.attribution import tagged_copy
-
-from models import gpt2
+from onnx_modular.profiling.attribution import tagged_copy
 
 _KERNEL = "_kernel_time"
 
@@ -333,7 +332,7 @@ def test_attribution_rules_on_onnx_text():
     import onnx.parser
 
     from onnx_modular.files import function_tree
-    from onnx_modular.files.attribution import attribute
+    from onnx_modular.profiling.attribution import attribute
 
     model = onnx.parser.parse_model(_TWO_CALLS)
     tree = function_tree(model)

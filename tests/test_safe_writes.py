@@ -3,14 +3,24 @@ replaces an existing file. Disk-full is real: a tiny tmpfs (skipped where mounti
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 
+import numpy as np
+import onnx
+import onnx.numpy_helper
 import pytest
 import torch
 import torch.nn as nn
+from onnx import TensorProto, helper
 
 from onnx_modular import ParityError, SaveError, export_modular
+from onnx_modular.cli import main
+from onnx_modular.files import inline_file
+from onnx_modular.storage import locks
+from onnx_modular.storage import save as _io
 
 
 class Big(nn.Module):
@@ -75,18 +85,8 @@ def test_external_data_export_is_complete(tmp_path):
 
 # -- issue 25: a save replaces only the destination and the data it refers to ---------------
 
-import hashlib
-import json
 
-import numpy as np
-import onnx
-import onnx.numpy_helper
-from onnx import TensorProto, helper
 
-from onnx_modular.cli import main
-from onnx_modular.files import inline_file
-from onnx_modular.files import locks
-from onnx_modular.files import save as _io
 
 
 def external_pair(folder, name: str, location: str, value: float = 1.0):

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from onnx_modular import InvalidInputError, SaveError, export_modular
-from onnx_modular.files import locks, save
+from onnx_modular.storage import locks, save
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDTH = 256  # 256 KiB of weights per model: external data is a real second file
@@ -39,7 +39,7 @@ CHILD = textwrap.dedent(
     package.__path__ = [{package!r}]
     sys.modules["onnx_modular"] = package
     import onnx_ir as ir
-    from onnx_modular.files import save as files_save
+    from onnx_modular.storage import save as files_save
 
     def save(seed, path):
         with files_save.staged_save(ir.load(os.path.join({sources!r}, str(seed), "m.onnx")), path, external_data=True):

@@ -75,7 +75,7 @@ MODELS = {"qwen2": _qwen2, "bart": _bart, "gpt_neox": _gpt_neox, "clip": _clip, 
 DEFAULT = {"qwen2"}
 
 
-@functools.lru_cache(maxsize=None)  # one export per model for this file's tests
+@functools.cache  # one export per model for this file's tests
 def _export(name: str):
     torch.manual_seed(0)
     model, args, kwargs = MODELS[name]()

@@ -24,12 +24,12 @@ __all__ = ["build_call_tree", "module_info", "package_of"]
 _SYNTHETIC_KEY_PREFIX = "_empty_nn_module_stack"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _distributions() -> dict[str, list[str]]:
     return importlib.metadata.packages_distributions()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def package_of(module_name: str) -> tuple[str, str]:
     """(top-level package, installed version) of a Python module name.
 
@@ -50,7 +50,7 @@ def package_of(module_name: str) -> tuple[str, str]:
     return top.strip("_") or top, version.split("+", 1)[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _source_of(cls: type) -> str | None:
     try:
         path = inspect.getsourcefile(cls)

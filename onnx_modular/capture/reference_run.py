@@ -25,9 +25,8 @@ from typing import Any
 
 import torch
 
-from onnx_modular.capture import torch_compat
+from onnx_modular.capture import tensors, torch_compat
 from onnx_modular.capture.call_hooks import call_hooks
-from onnx_modular.check import tensors
 from onnx_modular.passes.signatures import CallSignature, TensorSpec
 
 __all__ = ["kept_as_given", "run", "tensor_specs", "output_specs", "lazy_values"]

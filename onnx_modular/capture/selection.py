@@ -14,7 +14,7 @@ __all__ = ["ModuleSelector", "selector", "selected_calls"]
 
 #: Which module calls become functions: ``None``/``"all"``, a set of classes,
 #: a maximum depth (1 = children of the root), or ``predicate(module_path, module)``.
-ModuleSelector = Union[None, str, int, Iterable[type], Callable[[str, torch.nn.Module], bool]]
+ModuleSelector = Union[None, str, int, Iterable[type], Callable[[str, torch.nn.Module], bool]]  # noqa: UP007 (a runtime alias: | on typing objects needs 3.10's types.UnionType)
 
 
 def selector(modules: ModuleSelector, model: torch.nn.Module) -> Callable[[str, int], bool]:

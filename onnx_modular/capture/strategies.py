@@ -24,7 +24,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes, *
     except Exception as first:
         if not on_meta:
             raise
-        to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v  # noqa: E731
+        to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v
         try:
             return torch_compat.capture(model, *torch.utils._pytree.tree_map(to_meta, (args, kwargs)), dynamic_shapes)
         except Exception:

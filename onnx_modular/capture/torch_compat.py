@@ -233,7 +233,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_sh
             with warnings.catch_warnings(), _quiet("torch.export._draft_export"):
                 warnings.simplefilter("ignore")
                 program = torch.export.draft_export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
-        except Exception:  # noqa: BLE001 - the first error is the one that says why
+        except Exception:
             raise first from None
         if _reads_user_inputs(program):  # a branch on input values: no single program is right
             raise
@@ -332,7 +332,7 @@ def refined_dynamic_shapes(error: BaseException, dynamic_shapes):
         return None
     try:
         return torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(error.msg, dynamic_shapes)
-    except Exception:  # noqa: BLE001 - the original error says why
+    except Exception:
         return None
 
 

@@ -34,18 +34,19 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from onnx_modular.check import tensors
+from onnx_modular.capture import tensors
+from onnx_modular.check import parity
+from onnx_modular.check.parity import Parity, ParityReport, Tolerance
 from onnx_modular.errors import ParityError, VerificationError
-from onnx_modular.files import parity, runtime
-from onnx_modular.files.parity import Parity, ParityReport, Tolerance
 from onnx_modular.format import metadata
+from onnx_modular.runtime import sessions as runtime
 from onnx_modular.weights.streaming import Blocks
 
 __all__ = ["BlockReport", "verify_blocks", "assert_blocks"]
 
 @dataclasses.dataclass
 class BlockReport:
-    """Per-block parity (one :class:`~onnx_modular.files.parity.Parity` row, ``kind="block"``, per
+    """Per-block parity (one :class:`~onnx_modular.check.parity.Parity` row, ``kind="block"``, per
     block call) plus the graph outputs' parity (``outputs``)."""
 
     blocks: list[Parity]
@@ -287,7 +288,7 @@ def verify_blocks(
     """Evaluate the file at ``path`` block by block in onnxruntime and compare with PyTorch.
 
     ``execution_provider``: onnxruntime's provider for every piece (CPU by default), as in
-    :func:`onnx_modular.files.runtime.session`.
+    :func:`onnx_modular.runtime.sessions.session`.
 
     ``blocks`` carries the block paths and PyTorch's outputs of each block call (from
     :func:`onnx_modular.weights.streaming.streamed`); ``expected`` are PyTorch's graph outputs.

@@ -1,13 +1,7 @@
 """Per-module parity: which module call drifts first, and how error grows with depth.
 
-How the ONNX side is observed (see docs/verification.md): a copy of the modular model is
-*instrumented* so that every module call's outputs become extra outputs, all the way up
-to the main graph. Each function body gets extra outputs for the calls it makes (and,
-recursively, for what those calls expose), and every call node gets matching extra
-outputs. A function shared by several calls (deduplication, repeated calls) is
-instrumented once, yet each call site yields its own values, so every call in the
-expanded hierarchy is observed exactly once, with onnxruntime running the real model
-(no inlining, no re-export).
+The ONNX side is observed by :mod:`onnx_modular.calls.capture` (every module call's outputs
+from one onnxruntime run of an instrumented copy of the real model; see docs/verification.md).
 
 The PyTorch side is captured with forward hooks keyed by module path and call index,
 the same keys that name the call nodes (``h.0.attn``, ``shared@1``).
@@ -25,29 +19,29 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-import onnx_ir.passes.common as common_passes
 import torch
 
+from onnx_modular.calls.capture import flatten_probes, instrument
+from onnx_modular.capture import tensors
 from onnx_modular.capture.call_hooks import call_hooks
-from onnx_modular.check import tensors
-from onnx_modular.files import parity, runtime
-from onnx_modular.files.checks import check_expanded_size
-from onnx_modular.files.load import load_model_file
-from onnx_modular.files.parity import Parity, Tolerance, default_tolerance
+from onnx_modular.check import parity
+from onnx_modular.check.parity import Parity, Tolerance, default_tolerance
 from onnx_modular.format import metadata
+from onnx_modular.runtime import sessions as runtime
+from onnx_modular.storage.checks import check_expanded_size
+from onnx_modular.storage.load import load_model_file
 
 __all__ = [
     "LocalizationReport",
     "localize",
     "capture_module_outputs",
-    "instrument",
 ]
 
 
 @dataclasses.dataclass
 class LocalizationReport:
     """Per-module errors in the order the calls finish (children before their parent): one
-    :class:`~onnx_modular.files.parity.Parity` row (``kind="call"``) per module call."""
+    :class:`~onnx_modular.check.parity.Parity` row (``kind="call"``) per module call."""
 
     modules: list[Parity]
     tolerance: Tolerance | None
@@ -179,114 +173,6 @@ def capture_module_outputs(
     return output, captured
 
 
-# -- the ONNX side ----------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Probe:
-    """One call node in a body; its observed values are its outputs then its callee's probes'."""
-
-    node_name: str
-    module_path: str | None
-    function: str
-    num_outputs: int
-    callee_representative: str
-    children: list[_Probe]
-    callee: Any = None  # the function, for its recorded calls without ops
-
-    @property
-    def width(self) -> int:
-        return self.num_outputs + sum(child.width for child in self.children)
-
-
-def _module_functions(model: ir.Model) -> dict[ir.OperatorIdentifier, ir.Function]:
-    return {k: f for k, f in model.functions.items() if metadata.is_module_function(f)}
-
-
-def _representative(function: ir.Function) -> str:
-    return metadata.body_module_path(function) or ""
-
-
-def instrument(model: ir.Model) -> list[_Probe]:
-    """Expose every module call's outputs as graph outputs (in place). Returns the probe tree."""
-    functions = _module_functions(model)
-    default_opset = model.opset_imports.get("", 18)
-    done: dict[ir.OperatorIdentifier, list[_Probe]] = {}
-
-    def instrument_body(container, is_root: bool) -> list[_Probe]:
-        probes: list[_Probe] = []
-        exposed: list[ir.Value] = []
-        for node in list(container):
-            function = functions.get(node.op_identifier())
-            if function is None:
-                continue
-            original = len(node.outputs)
-            if node.op_identifier() not in done:
-                done[node.op_identifier()] = []  # guards against recursion in broken files
-                done[node.op_identifier()] = instrument_function(function)
-            children = done[node.op_identifier()]
-            extra = sum(child.width for child in children)
-            node.resize_outputs(original + extra)
-            for value in node.outputs[original:]:
-                value.name = None
-            probes.append(
-                _Probe(node.name or "", node.metadata_props.get(metadata.MODULE_PATH), function.name, original,
-                       _representative(function), children, function)
-            )
-            exposed.extend(node.outputs)
-        if exposed and not is_root:
-            container.opset_imports.setdefault("", default_opset)
-        for value in exposed:
-            probe_value = ir.Value(name=None, type=value.type, shape=value.shape)
-            container.append(ir.Node("", "Identity", [value], outputs=[probe_value]))
-            container.outputs.append(probe_value)
-        return probes
-
-    def instrument_function(function: ir.Function) -> list[_Probe]:
-        return instrument_body(function, is_root=False)
-
-    probes = instrument_body(model.graph, is_root=True)
-    # Name the new values so that the model is valid and outputs are addressable.
-    common_passes.NameFixPass()(model)
-    return probes
-
-
-def _flatten(
-    probes: list[_Probe],
-    caller: str | None,
-    representative: str,
-    depth: int,
-    out: list,
-    counter: metadata.CallCounter,
-    no_ops: metadata.NoOpCalls,
-    exact: bool = True,
-) -> list:
-    """Expand probes into (call name, path, index, function, depth, slice of values) in completion order.
-
-    Call indices count calls in execution order, the body's recorded calls without ops included.
-    """
-    start = 0
-    starts = []
-    for probe in probes:
-        starts.append(start)
-        start += probe.width
-    for probe, offset in zip(probes, starts):
-        no_ops.before_next()
-        path = metadata.resolve_module_path(probe.node_name, probe.module_path, caller, representative or None)
-        name = counter.name(path, probe.node_name, exact) if probe.module_path is not None else counter(path)
-        index = metadata.split_call_name(name)[1]
-        entry_children: list = []
-        inner = probe.callee_representative or None
-        inner_exact = probe.callee is not None and name == metadata.first_call(probe.callee)
-        _flatten(probe.children, name, probe.callee_representative, depth + 1, entry_children, counter,
-                 metadata.NoOpCalls(probe.callee, name, inner, counter, inner_exact), inner_exact)
-        for child in entry_children:
-            out.append((*child[:5], (offset + probe.num_outputs + child[5][0], offset + probe.num_outputs + child[5][1])))
-        out.append((name, path, index, probe.function, depth, (offset, offset + probe.num_outputs)))
-    no_ops.rest()
-    return out
-
-
 def _compare_call(onnx_values: Sequence[np.ndarray], torch_values: Sequence[torch.Tensor], tolerance: Tolerance | None):
     """Match each ONNX output to the first unused torch output of equal shape; return errors."""
     used: set[int] = set()
@@ -329,7 +215,7 @@ def localize(
         args, kwargs: Inputs (any shape the export allows).
         tolerance: Overrides the per-dtype default tolerance.
         execution_provider: onnxruntime's provider (CPU by default), as in
-            :func:`onnx_modular.files.runtime.session`.
+            :func:`onnx_modular.runtime.sessions.session`.
 
     Example::
 
@@ -351,7 +237,7 @@ def localize(
     original_outputs = len(model.graph.outputs)
     probes = instrument(model)
     counter = metadata.CallCounter()
-    entries = _flatten(probes, None, "", 1, [], counter, metadata.NoOpCalls(model.graph, None, None, counter, True))
+    entries = flatten_probes(probes, None, "", 1, [], counter, metadata.NoOpCalls(model.graph, None, None, counter, True))
 
     feeds = [tensors.to_numpy(t) for t in tensors.flatten_inputs(args, kwargs)]
     if near is None:

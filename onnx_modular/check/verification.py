@@ -1,8 +1,8 @@
 """Verification: onnxruntime (modular and flat) against PyTorch, on a file or an export.
 
-Output parity of a whole file: :func:`onnx_modular.files.parity.check_file` runs the file
-and its inlined flat copy (sessions from :mod:`onnx_modular.files.runtime`) and builds the
-:class:`~onnx_modular.files.parity.ParityReport`; this module adds the PyTorch side (reference
+Output parity of a whole file: :func:`onnx_modular.check.parity.check_file` runs the file
+and its inlined flat copy (sessions from :mod:`onnx_modular.runtime.sessions`) and builds the
+:class:`~onnx_modular.check.parity.ParityReport`; this module adds the PyTorch side (reference
 outputs) and :func:`verify`, the standalone check of a saved file, which also localizes per
 module (:mod:`onnx_modular.check.localization`). Block by block is :mod:`onnx_modular.check.blockwise`. torch is imported only when a PyTorch model or tensors are involved, so
 ``verify(path)`` without a model works where torch cannot be imported.
@@ -19,17 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from onnx_modular.check.tensors import (
+from onnx_modular.capture.tensors import (
     copy_inputs,
     flatten_inputs,
     normalize_inputs,
     to_numpy,
     torch_outputs,
 )
-from onnx_modular.errors import ParityError
-from onnx_modular.files import inputs as file_inputs
-from onnx_modular.files.load import load_model_file
-from onnx_modular.files.parity import (
+from onnx_modular.check.parity import (
     OutputParity,
     ParityReport,
     Tolerance,
@@ -41,6 +38,9 @@ from onnx_modular.files.parity import (
     max_differences,
     name_column_width,
 )
+from onnx_modular.errors import ParityError
+from onnx_modular.runtime import inputs as file_inputs
+from onnx_modular.storage.load import load_model_file
 
 if TYPE_CHECKING:
     import torch
@@ -115,7 +115,7 @@ def float32_reference(model: torch.nn.Module, args: tuple, kwargs: dict) -> tupl
 
     import torch
 
-    widen = lambda value: value.float() if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 else value  # noqa: E731
+    widen = lambda value: value.float() if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 else value
     args32, kwargs32 = torch.utils._pytree.tree_map(widen, copy_inputs(args, kwargs))
     saved = [(t, t.data) for t in itertools.chain(model.parameters(), model.buffers()) if t.dtype == torch.bfloat16]
     try:
@@ -148,8 +148,8 @@ def verify_bfloat16(
 
     import onnx_ir as ir
 
-    from onnx_modular.files import runtime
     from onnx_modular.passes.widen import WidenFloatPass
+    from onnx_modular.runtime import sessions as runtime
 
     if tolerance is None:
         tolerance = widened_tolerance(expected)
@@ -267,7 +267,7 @@ def verify(
         path: The ``.onnx`` file.
         model: The PyTorch model; without it only modular-vs-flat is checked (no torch needed).
         args, kwargs: Inputs. When both are ``None``, inputs are generated from the declared
-            input shapes (:func:`onnx_modular.files.inputs.random_inputs`: masks all ones,
+            input shapes (:func:`onnx_modular.runtime.inputs.random_inputs`: masks all ones,
             integers 0 or 1, valid ids for any vocabulary), once per entry of ``shapes``
             (symbolic dim name -> size, ``"*"`` for the rest); the default runs two shapes (all
             symbolic dims 2, then 3) so dynamic models are exercised at several sizes.

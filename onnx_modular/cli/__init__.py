@@ -37,7 +37,7 @@ from onnx_modular.cli.commands import run_export, run_inline, run_verify
 from onnx_modular.cli.output import EXIT_INTERNAL, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, Mismatch, stderr
 from onnx_modular.cli.parser import build_parser
 from onnx_modular.errors import OnnxModularError, ParityError
-from onnx_modular.files.signals import interrupt_on_sigterm, signals_deferred
+from onnx_modular.storage.signals import interrupt_on_sigterm, signals_deferred
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_MISMATCH", "EXIT_USAGE", "EXIT_INTERNAL"]
 
@@ -56,7 +56,7 @@ def _import_what_runs(args: argparse.Namespace) -> None:
             with contextlib.suppress(ImportError):  # without the [hf] extra, the command says so
                 importlib.import_module("onnx_modular.hf.command")
     elif run is run_verify:
-        importlib.import_module("onnx_modular.files.parity")
+        importlib.import_module("onnx_modular.check.parity")
         importlib.import_module("onnxruntime")
     elif run is run_inline and (args.optimize or args.opset is not None):
         importlib.import_module("onnxscript.optimizer")

@@ -16,21 +16,14 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-
+from onnx_modular.check.parity import Tolerance
+from onnx_modular.cli.output import EXIT_OK, Mismatch, print_json, stderr, stdout
 from onnx_modular.cli.progress import EXPORT_STAGES, Progress
 from onnx_modular.errors import InvalidInputError, ParityError
-from onnx_modular.files import (
-    function_tree,
-    inline_file,
-    load_model_file,
-    random_inputs,
-    save,
-)
-from onnx_modular.files.display import display_bytes
-from onnx_modular.files.inputs import feeds_from_arrays, load_arrays
-from onnx_modular.files.parity import Tolerance
-from onnx_modular.cli.output import EXIT_OK, Mismatch, print_json, stderr, stdout
-
+from onnx_modular.files import function_tree, inline_file, load_model_file, random_inputs
+from onnx_modular.runtime.inputs import feeds_from_arrays, load_arrays
+from onnx_modular.storage import save
+from onnx_modular.storage.display import display_bytes
 
 # -- export ------------------------------------------------------------------------------
 
@@ -305,7 +298,7 @@ def _parse_dims(items: Sequence[str]) -> dict[str, int]:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from onnx_modular.files.parity import check_file
+    from onnx_modular.check.parity import check_file
 
     tolerance = Tolerance(args.atol, args.rtol)  # refuses NaN, infinite or negative values first
     model = load_model_file(args.model)
@@ -340,7 +333,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from onnx_modular.files.profile import profile
+    from onnx_modular.profiling.run import profile
 
     outputs = {"json": args.json, "trace": args.trace, "html": args.html}
     to_stdout = outputs["json"] == "-"

@@ -11,9 +11,7 @@ import math
 import sys
 from typing import Any
 
-
 from onnx_modular.format.text import shown
-
 
 EXIT_OK = 0
 EXIT_MISMATCH = 1

@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 1 verification failure, 2 usage error or bad input, 3 internal error.",
         parents=[common],
     )
-    from onnx_modular import __version__
+    from onnx_modular._version import __version__
 
     parser.add_argument("--version", action="version", version=f"onnx-modular {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")

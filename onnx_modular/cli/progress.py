@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
-from onnx_modular.files import save
+from onnx_modular.storage import save
 
 __all__ = ["Progress", "EXPORT_STAGES"]
 

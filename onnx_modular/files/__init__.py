@@ -1,18 +1,15 @@
-"""Tools for ONNX files with local functions; none of them imports torch.
+"""The file tools: what users do with an ONNX file that has local functions; none imports torch.
 
-- :mod:`~onnx_modular.files.load`: checked loading (a protobuf wire scan, then structure checks);
-- :mod:`~onnx_modular.files.checks`: the structure checks (sizes, missing functions, recursion);
-- :mod:`~onnx_modular.files.tree`: the call tree of a file (:class:`~onnx_modular.format.calltree.CallTree`);
 - :mod:`~onnx_modular.files.inline`: inlining into a copy, written atomically;
-- :mod:`~onnx_modular.files.runtime`: onnxruntime sessions, runs, the flat copy, temporary files;
-- :mod:`~onnx_modular.files.inputs`: declared inputs, valid random feeds, feed checks;
-- :mod:`~onnx_modular.files.parity`: the parity report (modular, flat, reference);
-- :mod:`~onnx_modular.files.profile`: run time per module call (``onnx_modular.profile``), with
-  :mod:`~onnx_modular.files.attribution` (which call each kernel belongs to),
-  :mod:`~onnx_modular.files.profile_report` (the report: times per kernel, call and class) and
-  :mod:`~onnx_modular.files.profile_views` (Chrome trace, HTML flame chart);
+- :mod:`~onnx_modular.files.flat`: the inlined, optimized flat copy, its nodes labelled by module;
 - :mod:`~onnx_modular.files.extract`: one module call (or class) as a model of its own, with ONNX test data;
-- :mod:`~onnx_modular.files.replace`: a block's graph as the body of a call's (or class's) function.
+- :mod:`~onnx_modular.files.replace`: a block's graph as the body of a call's (or class's) function;
+- :mod:`~onnx_modular.files.view`: the file served to Netron locally.
+
+They stand on the rooms below them: :mod:`onnx_modular.storage` (the file in and out),
+:mod:`onnx_modular.calls` (a file's call tree and the capture of its calls' values) and
+:mod:`onnx_modular.check` (onnxruntime runs and parity). The names below are re-exported for
+convenience; each has one home.
 
 Example::
 
@@ -22,12 +19,12 @@ Example::
     print(tree.format(max_depth=2))
 """
 
-from onnx_modular.files.checks import MAX_DIMENSION, MAX_NESTING, check_model_structure
+from onnx_modular.calls.tree import MAX_TREE_CALLS, function_tree
+from onnx_modular.check.parity import OutputParity, ParityReport, Tolerance, check_file
 from onnx_modular.files.inline import inline_file
-from onnx_modular.files.inputs import check_feeds, model_inputs, random_inputs
-from onnx_modular.files.load import load_model_file
-from onnx_modular.files.parity import OutputParity, ParityReport, Tolerance, check_file
-from onnx_modular.files.tree import MAX_TREE_CALLS, function_tree
+from onnx_modular.runtime.inputs import check_feeds, model_inputs, random_inputs
+from onnx_modular.storage.checks import MAX_DIMENSION, MAX_NESTING, check_model_structure
+from onnx_modular.storage.load import load_model_file
 
 __all__ = [
     "MAX_DIMENSION",

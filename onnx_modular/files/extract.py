@@ -21,7 +21,7 @@ The output folder holds one test case per model, in ONNX's layout (what
 
 The data (``with_data=True``) comes from one onnxruntime run of the whole model on copies of
 the functions on each call's chain that also return the call's inputs and outputs
-(:func:`onnx_modular.files._calls.expose`); every data set is checked on the extracted model
+(:func:`onnx_modular.calls.targets.expose`); every data set is checked on the extracted model
 before anything is written. The folder is built in a private temporary folder and moved into
 place whole.
 """
@@ -39,13 +39,16 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
+from onnx_modular.calls import targets as _calls
+from onnx_modular.calls.capture import call_values
+from onnx_modular.check.parity import allclose, default_tolerance, max_differences
 from onnx_modular.errors import InvalidInputError, ParityError, SaveError
-from onnx_modular.files import _calls, locks, runtime, save
-from onnx_modular.files._proto import all_nodes, function_label
-from onnx_modular.files.inputs import feeds_for
-from onnx_modular.files.load import load_model_file
-from onnx_modular.files.parity import allclose, default_tolerance, max_differences
 from onnx_modular.format import metadata
+from onnx_modular.runtime import sessions as runtime
+from onnx_modular.runtime.inputs import feeds_for
+from onnx_modular.storage import locks, save
+from onnx_modular.storage.load import load_model_file
+from onnx_modular.storage.proto import all_nodes, function_label
 
 __all__ = ["extract", "Extraction", "ExtractedModel", "DataSet", "MODEL_FILE", "EXTRACTED_FROM"]
 
@@ -150,40 +153,6 @@ def _formals(model: onnx.ModelProto, function: onnx.FunctionProto, sites: list[m
         else:
             formals.append(_Formal(name, None, None))
     return formals
-
-
-def capture(
-    model: onnx.ModelProto,
-    path: str | os.PathLike,
-    wanted: Mapping[str, list[int]],
-    feeds: Mapping[str, np.ndarray],
-) -> dict[str, tuple[dict[int, np.ndarray], list[np.ndarray]]]:
-    """The values entering (formal indices in ``wanted[call]``) and leaving each call, from one
-    onnxruntime run of the whole model on ``feeds``.
-
-    Runs a copy in which each call's chain of callers has bodies of its own that also return
-    the call's values (the model's other calls keep their shared bodies).
-    """
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    for name in wanted:
-        _calls.specialize(probe, name)
-    taken = _calls.body_names(probe.graph)
-    for function in probe.functions:
-        taken |= _calls.body_names(function)
-    plan = {}
-    for name, indices in wanted.items():
-        call = _calls.find_call(probe, name)
-        values = [call.node.input[i] if i < len(call.node.input) else "" for i in indices] + list(call.node.output)
-        plan[name] = (indices, _calls.expose(probe, call, values, taken))
-    folder = runtime.external_data_folder(path, model)
-    names, arrays = runtime.run(probe.SerializeToString(), feeds, what="model", external_data_folder=folder)
-    by_name = dict(zip(names, arrays))
-    captured = {}
-    for name, (indices, outputs) in plan.items():
-        values = [by_name.get(output) if output else None for output in outputs]
-        captured[name] = (dict(zip(indices, values[: len(indices)])), values[len(indices) :])
-    return captured
 
 
 def _value_info(function: onnx.FunctionProto, name: str) -> onnx.ValueInfoProto | None:
@@ -301,7 +270,7 @@ def _build(
     extracted = onnx.helper.make_model(graph, opset_imports=opsets, functions=functions)
     extracted.ir_version = model.ir_version
     extracted.producer_name = "onnx_modular.extract"
-    from onnx_modular import __version__
+    from onnx_modular._version import __version__
 
     extracted.producer_version = __version__
     props = metadata.props(function)
@@ -464,7 +433,7 @@ def extract(
         wanted = {
             name: [i for i, f in enumerate(formals) if f.is_input] for _, names, formals in cases for name in names
         }
-        captured = capture(model, path, wanted, feeds)
+        captured = call_values(model, path, wanted, feeds)
     elif inputs is not None:
         raise InvalidInputError("inputs= is for the test data: pass with_data=True (--with-data) too.")
     built = []

@@ -32,10 +32,10 @@ from collections.abc import Iterator
 import onnx
 import onnx.inliner
 
-from onnx_modular.files._proto import all_nodes, inline_functions
-from onnx_modular.files import save
-from onnx_modular.format import metadata
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
+from onnx_modular.format import metadata
+from onnx_modular.storage import save
+from onnx_modular.storage.proto import all_nodes, inline_functions
 
 __all__ = [
     "CARRIED_CALL_KEYS",

@@ -10,12 +10,12 @@ from collections.abc import Sequence
 import onnx
 
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
-from onnx_modular.files import save
-from onnx_modular.files._proto import inline_functions, shown, uses_external_data
-from onnx_modular.files.checks import check_expanded_size
 from onnx_modular.files.flat import inline_model
-from onnx_modular.files.load import load_external_data, load_model_file
 from onnx_modular.passes.function_order import sort_functions_proto
+from onnx_modular.storage import save
+from onnx_modular.storage.checks import check_expanded_size
+from onnx_modular.storage.load import load_external_data, load_model_file
+from onnx_modular.storage.proto import inline_functions, shown, uses_external_data
 
 __all__ = ["inline_file"]
 

@@ -4,7 +4,7 @@
 ``block.onnx`` (an extracted model after quantization or hand optimization, from any producer)
 the body of every ``GPT2Block`` function; ``replace(..., "h.1", ...)`` does it for that call
 alone, which then gets a function of its own (and so do the functions of its callers that
-other calls share, :func:`onnx_modular.files._calls.specialize`).
+other calls share, :func:`onnx_modular.calls.targets.specialize`).
 
 The block's inputs must be formal inputs of the function and its outputs the function's
 outputs, by name, element type and rank. Its initializers become formal inputs of the new
@@ -32,14 +32,16 @@ import onnx
 import onnx.numpy_helper
 import onnx.shape_inference
 
+from onnx_modular.calls import targets as _calls
+from onnx_modular.check.parity import max_differences
 from onnx_modular.errors import InvalidInputError
-from onnx_modular.files import _calls, runtime, save
-from onnx_modular.files._proto import FunctionId, all_nodes, function_id, function_label, node_id
-from onnx_modular.files.inputs import feeds_for
-from onnx_modular.files.load import load_model_file
-from onnx_modular.files.parity import max_differences
 from onnx_modular.format import metadata
 from onnx_modular.passes import opset_conversion as opset
+from onnx_modular.runtime import sessions as runtime
+from onnx_modular.runtime.inputs import feeds_for
+from onnx_modular.storage import save
+from onnx_modular.storage.load import load_model_file
+from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, function_label, node_id
 
 __all__ = ["replace", "Replacement"]
 

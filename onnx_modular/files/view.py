@@ -3,7 +3,7 @@
 ``netron.start(path)`` serves every file under the model's folder (a key file beside the
 model included) and reads what it serves with a plain ``open``, so a FIFO in the folder blocks
 a request thread for good. :func:`serve` hands netron a content provider that answers only
-for the model (read once, with the bounded loading of :mod:`onnx_modular.files.load`) and for
+for the model (read once, with the bounded loading of :mod:`onnx_modular.storage.load`) and for
 the external-data files the model refers to (checked by ``check_external_data``, read as
 regular files, bounded by their size); every other path is a 404.
 """
@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import onnx
 
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
-from onnx_modular.files._proto import all_tensors
-from onnx_modular.files.load import check_external_data, read_regular_file
+from onnx_modular.storage.load import check_external_data, read_regular_file
+from onnx_modular.storage.proto import all_tensors
 
 __all__ = ["serve", "served_files"]
 
@@ -77,7 +77,7 @@ def serve(
     """Serve ``path`` with Netron at ``address`` until the block ends; yields ``(host, port)``.
 
     ``shown``: the bytes served as the model instead of the file's (the display copy of
-    :mod:`onnx_modular.files.display`); its external data is still the model's own.
+    :mod:`onnx_modular.storage.display`); its external data is still the model's own.
 
     Request threads are daemons, so Ctrl+C or SIGTERM (a ``KeyboardInterrupt`` in the CLI)
     ends the block, stops the server and the process exits.

@@ -4,6 +4,6 @@
   that resolve a call to its module path;
 * :mod:`~onnx_modular.format.calltree`: :class:`CallTree` / :class:`ModuleCall`, the function tree
   of an export (built from FX in :mod:`onnx_modular.capture.fx_call_tree`, read from a file in
-  :mod:`onnx_modular.files.tree`);
+  :mod:`onnx_modular.calls.tree`);
 * :mod:`~onnx_modular.format.text`: how names and values are shown in messages.
 """

@@ -2,8 +2,8 @@
 
 One type for both sides: ``result.hierarchy`` (built during export from torch's
 ``nn_module_stack``, see :mod:`onnx_modular.capture.fx_call_tree`) and the tree of a saved file
-(:func:`onnx_modular.files.tree.function_tree`). Node, parameter and call counts always
-come from the final ONNX model (:func:`onnx_modular.files.tree.count_from_model`), so the
+(:func:`onnx_modular.calls.tree.function_tree`). Node, parameter and call counts always
+come from the final ONNX model (:func:`onnx_modular.calls.tree.count_from_model`), so the
 same file gives the same numbers both ways. No torch here.
 """
 

@@ -96,7 +96,7 @@ NO_OP_CALLS = PREFIX + "no_op_calls"
 #: function bodies (shapes, scalars; they reach the bodies as formal inputs ``const_...``).
 #: They are not weights: ``onnx-modular tree`` does not count them as parameters.
 LIFTED_CONSTANTS = PREFIX + "lifted_constants"
-#: Nodes of the profiler's private flat copy only (:mod:`onnx_modular.files.attribution`): the
+#: Nodes of the profiler's private flat copy only (:mod:`onnx_modular.profiling.attribution`): the
 #: node's index in the copy's origin table while ``onnx.inliner`` inlines it; removed before the
 #: copy runs, never in a saved file.
 PROFILE_ORIGIN = PREFIX + "profile_origin"

@@ -29,14 +29,14 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
         hint="Install the extra: pip install 'onnx-modular[hf]'.",
     ) from e
 
-from onnx_modular.hf.checkpoint import (  # noqa: E402
+from onnx_modular.hf.checkpoint import (
     TASKS,
     load_checkpoint,
     model_and_inputs,
     sample_inputs,
 )
-from onnx_modular.hf.command import export_checkpoint  # noqa: E402
-from onnx_modular.hf.exporter import (  # noqa: E402
+from onnx_modular.hf.command import export_checkpoint
+from onnx_modular.hf.exporter import (
     EXPORT_FORMAT,
     ModularOnnxConfig,
     ModularOnnxExporter,
@@ -44,8 +44,8 @@ from onnx_modular.hf.exporter import (  # noqa: E402
     modular_result,
     register,
 )
-from onnx_modular.hf.generation import greedy_generate  # noqa: E402
-from onnx_modular.hf.meta import model_on_meta, zero_cache  # noqa: E402
+from onnx_modular.hf.generation import greedy_generate
+from onnx_modular.hf.meta import model_on_meta, zero_cache
 
 __all__ = [
     "EXPORT_FORMAT",

@@ -107,7 +107,7 @@ def infer_task(source: str | os.PathLike) -> tuple[str, str]:
         check_checkpoint_config(pathlib.Path(source))  # before transformers reads it
     try:
         config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - whatever transformers raises on a config is bad input
+    except Exception as e:
         raise InvalidInputError(
             f"Cannot read the config of {str(source)!r} to infer the task: {type(e).__name__}: "
             f"{(str(e).splitlines() or [''])[0]}",
@@ -187,7 +187,7 @@ def load_checkpoint(source: str | os.PathLike, task: str, *, dtype: str | torch.
             "(onnx_modular never downloads).",
             hint="Download it first (hf download NAME), or pass the folder save_pretrained wrote.",
         ) from e
-    except Exception as e:  # noqa: BLE001 - whatever transformers raises on a config is bad input
+    except Exception as e:
         raise InvalidInputError(
             f"transformers refuses the config of {str(source)!r}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
             hint="Fix config.json (save_pretrained writes it).",
@@ -203,7 +203,7 @@ def load_checkpoint(source: str | os.PathLike, task: str, *, dtype: str | torch.
             f"A {config.model_type!r} model has no {TASKS[task]} for task {task!r}: {str(e).splitlines()[0]}",
             hint=f"Choose a task this architecture supports (tasks: {', '.join(TASKS)}).",
         ) from e
-    except Exception as e:  # noqa: BLE001 - shapes that contradict the config, sizes transformers cannot build, ...
+    except Exception as e:
         report = "\n".join(line for line in log.getvalue().splitlines() if "MISMATCH" in line or "MISSING" in line)
         raise InvalidInputError(
             f"Loading the weights of {str(source)!r} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -25,7 +25,6 @@ import transformers
 
 from onnx_modular.check import verification
 from onnx_modular.errors import InvalidInputError, ParityError
-from onnx_modular.files import save
 from onnx_modular.hf.checkpoint import infer_task, model_and_inputs, resolve_task
 from onnx_modular.hf.exporter import (
     ModularOnnxConfig,
@@ -33,6 +32,7 @@ from onnx_modular.hf.exporter import (
     modular_result,
 )
 from onnx_modular.hf.meta import checkpoint_weights
+from onnx_modular.storage import save
 
 __all__ = ["RUNTIME_FILES", "export_checkpoint", "streamed"]
 

@@ -41,7 +41,7 @@ from onnx_modular.capture import torch_compat
 from onnx_modular.check import verification
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.export import ModularExport, ModuleSelector, export_modular
-from onnx_modular.files import save
+from onnx_modular.storage import save
 
 __all__ = [
     "EXPORT_FORMAT",
@@ -112,7 +112,7 @@ class ModularOnnxExporter(OnnxExporter):
 
     export_format = EXPORT_FORMAT
     config_class = ModularOnnxConfig
-    # onnx_modular drives torch's private exporter stages (onnx_modular/torch_compat.py): the
+    # onnx_modular drives torch's private exporter stages (onnx_modular/capture/torch_compat.py): the
     # installed torch when it is one of the tested releases, else the newest tested one.
     tested_versions = {
         "torch": next(

@@ -68,7 +68,7 @@ def check_checkpoint_config(folder: pathlib.Path) -> dict:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     from onnx_modular.errors import InvalidModelFileError
-    from onnx_modular.files.load import read_regular_file
+    from onnx_modular.storage.load import read_regular_file
     from onnx_modular.weights.sources import _parse_json
 
     file = folder / "config.json"
@@ -278,7 +278,7 @@ def checkpoint_weights(folder: str | os.PathLike, model: torch.nn.Module) -> Any
     state = model.state_dict()
     prefix = getattr(model, "base_model_prefix", None)
     renamed: dict[str, str] = {}
-    for key in source.keys():  # noqa: SIM118 (a WeightSource, not a dict)
+    for key in source.keys():
         name, converted = rename_source_key(key, renamings, converters, prefix, state)
         if converted is not None:
             raise InvalidInputError(

@@ -358,7 +358,7 @@ def _transplant(body: ir.Graph | ir.Function, new_graph: ir.Graph) -> None:
                 value.metadata_props.update(old.metadata_props)
 
     outputs = list(body.outputs)
-    body.remove([node for node in body], safe=False)
+    body.remove(list(body), safe=False)
     body.extend(new_nodes)
     for i, (old, new) in enumerate(zip(outputs, new_outputs)):
         if old.producer() is None and old.name in sources:  # an input or weight returned as is

@@ -4,5 +4,5 @@
 :mod:`onnx_modular.weights.sources` are re-exported here.
 """
 
-from onnx_modular.weights.sources import *  # noqa: F401,F403
+from onnx_modular.weights.sources import *  # noqa: F403
 from onnx_modular.weights.sources import __all__  # noqa: F401

@@ -128,7 +128,7 @@ def _read_header(path: pathlib.Path) -> tuple[dict[str, tuple[torch.dtype, tuple
                 raise ValueError(f"its header claims {length} bytes, but the file holds {size - 8} after the length")
             header = _parse_json(os.pread(fd, length, 8))
             if not isinstance(header, dict):
-                raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")  # noqa: TRY004
+                raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
         except (OSError, ValueError, struct.error) as e:
             raise WeightsError(f"{str(path)!r} is not a readable safetensors file: {e}.", hint=_SOURCE_HINT) from e
     finally:
@@ -272,7 +272,7 @@ def _folder_entries(folder: pathlib.Path) -> dict[str, _Entry]:
             document = _parse_json(os.pread(fd, size, 0))
             weight_map = document.get("weight_map") if isinstance(document, dict) else None
             if not isinstance(weight_map, dict):
-                raise ValueError(f"it has no weight_map object (got {type(weight_map).__name__})")  # noqa: TRY004
+                raise ValueError(f"it has no weight_map object (got {type(weight_map).__name__})")
             bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
             if bad is not None:
                 raise ValueError(f"weight_map maps {bad[0]!r} to {bad[1]!r}, not to a shard file name")

@@ -22,7 +22,7 @@ def call_tree(*calls: tuple[str, str]) -> CallTree:
     for key, class_name in calls:
         path, _, index = key.partition("@")
         parent = root
-        for other_key, other in made.items():
+        for other in made.values():
             other_path = other.module_path
             if path.startswith(other_path + ".") and len(other_path) > len(parent.module_path):
                 parent = other

@@ -12,7 +12,7 @@ import pathlib
 
 import onnx
 
-from onnx_modular.files.load import load_model_file
+from onnx_modular.storage.load import load_model_file
 
 __all__ = ["display_bytes", "write_display_copy"]
 

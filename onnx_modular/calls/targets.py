@@ -16,11 +16,11 @@ import json
 
 import onnx
 
-from onnx_modular.format import metadata
+from onnx_modular.calls.tree import function_tree
 from onnx_modular.errors import InvalidInputError
-from onnx_modular.files._proto import FunctionId, all_nodes, function_id, node_id
-from onnx_modular.files.tree import function_tree
+from onnx_modular.format import metadata
 from onnx_modular.passes.signatures import unique_names
+from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, node_id
 
 __all__ = [
     "Target",

@@ -1,8 +1,8 @@
 """The record of a profile: times per kernel, per module call and per class, and its views.
 
-:func:`onnx_modular.files.profile.profile` makes a :class:`ProfileReport`; this module holds
+:func:`onnx_modular.profiling.run.profile` makes a :class:`ProfileReport`; this module holds
 what it returns (numbers, grouping, JSON, the tree text, the trace and the flame chart through
-:mod:`onnx_modular.files.profile_views`), so that the run and the record each have one home.
+:mod:`onnx_modular.profiling.views`), so that the run and the record each have one home.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from onnx_modular.errors import InvalidInputError
-from onnx_modular.files import save as _save
 from onnx_modular.format.calltree import CallTree, ModuleCall
+from onnx_modular.storage import save as _save
 
 __all__ = ["ProfileReport", "CallTime", "KernelTime", "ClassTime"]
 
@@ -31,7 +31,7 @@ class KernelTime:
             name for a node it made, such as ``GPT2Gelu_token_35``).
         op_type: The kernel's operator (onnxruntime's ``op_name``).
         call: Key of the module call it belongs to (``""``: the main graph).
-        kind: ``node``, ``fused`` or ``inserted`` (see :class:`~onnx_modular.files.attribution.Attribution`).
+        kind: ``node``, ``fused`` or ``inserted`` (see :class:`~onnx_modular.profiling.attribution.Attribution`).
         parts: For a fused node, the nodes it replaced.
         crosses: A fused node whose parts lie in more than one module call.
         provider: The execution provider that ran it.
@@ -121,11 +121,11 @@ def _median(values) -> float:
 
 @dataclasses.dataclass
 class ProfileReport:
-    """A run-time profile of one ONNX file on its module-call tree (see :func:`onnx_modular.files.profile.profile`).
+    """A run-time profile of one ONNX file on its module-call tree (see :func:`onnx_modular.profiling.run.profile`).
 
     Attributes:
         path: The profiled file.
-        tree: Its call tree (:func:`~onnx_modular.files.tree.function_tree`).
+        tree: Its call tree (:func:`~onnx_modular.calls.tree.function_tree`).
         times: :class:`CallTime` per call key (the root's key is ``""``).
         kernels: :class:`KernelTime` of every node onnxruntime ran, in execution order.
         run_us: Wall time of each measured run, as onnxruntime's profiler recorded it.
@@ -285,7 +285,7 @@ class ProfileReport:
             max_depth: Show calls down to this depth (1 = calls in the main graph).
             top: How many calls the "slowest by self time" list shows.
         """
-        from onnx_modular.files.profile_views import text
+        from onnx_modular.profiling.views import text
 
         return text(self, max_depth, top=top)
     def __str__(self) -> str:
@@ -377,13 +377,13 @@ class ProfileReport:
     def chrome_trace(self) -> dict[str, Any]:
         """A Chrome trace (Perfetto, speedscope, chrome://tracing): each run, the module calls
         as nested spans, the kernels inside."""
-        from onnx_modular.files.profile_views import chrome_trace
+        from onnx_modular.profiling.views import chrome_trace
 
         return chrome_trace(self)
 
     def html(self) -> str:
         """One self-contained HTML page: a flame chart of the call tree (click to zoom), the tables."""
-        from onnx_modular.files.profile_views import html_page
+        from onnx_modular.profiling.views import html_page
 
         return html_page(self)
 

@@ -21,8 +21,8 @@ import numpy as np
 import onnx
 
 from onnx_modular.errors import ExecutionProviderError, VerificationError
-from onnx_modular.files._proto import inline_functions, uses_external_data
 from onnx_modular.format.text import first_line
+from onnx_modular.storage.proto import inline_functions, uses_external_data
 
 __all__ = [
     "execution_providers",

@@ -12,20 +12,20 @@ import onnx
 import onnx_ir as ir
 
 from onnx_modular.errors import InvalidModelFileError
-from onnx_modular.files._proto import FunctionId, all_nodes, function_id, node_id, numel
-from onnx_modular.files.checks import (
+from onnx_modular.format import metadata
+from onnx_modular.format.calltree import CallTree, ModuleCall
+from onnx_modular.storage.checks import (
     MAX_EXPANDED_CALLS,
     check_model_structure,
     max_expanded_calls,
 )
-from onnx_modular.format import metadata
-from onnx_modular.format.calltree import CallTree, ModuleCall
+from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, node_id, numel
 
 __all__ = ["MAX_TREE_CALLS", "function_tree", "count_from_model", "count_from_ir"]
 
 #: Largest number of calls the expanded tree may hold (a function called from a function
 #: called N times counts N times): the limit onnxruntime and inlining get
-#: (:data:`~onnx_modular.files.checks.MAX_EXPANDED_CALLS`). Guards against exponential expansion
+#: (:data:`~onnx_modular.storage.checks.MAX_EXPANDED_CALLS`). Guards against exponential expansion
 #: of shared bodies, and keeps a printed tree readable (building and printing 20,000 calls
 #: takes about 1.5 s).
 MAX_TREE_CALLS = MAX_EXPANDED_CALLS

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 import onnx
 
 from onnx_modular.errors import InvalidModelFileError
-from onnx_modular.files._proto import (
+from onnx_modular.storage.proto import (
     FunctionId,
     all_nodes,
     function_id,

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from onnx_modular.errors import InvalidInputError
-from onnx_modular.files._proto import numel, shown
+from onnx_modular.storage.proto import numel, shown
 
 __all__ = ["model_inputs", "random_inputs", "check_feeds", "feeds_from_arrays", "feeds_for", "load_arrays", "MAX_ARRAY_BYTES"]
 

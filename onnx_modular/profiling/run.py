@@ -1,13 +1,13 @@
 """Where the time goes, per module call: onnxruntime's profiler on the file's call tree.
 
 ``profile(path)`` runs the file in onnxruntime with its profiler on and attributes every
-kernel event to the module call it came from (:mod:`onnx_modular.files.attribution`: a flat
+kernel event to the module call it came from (:mod:`onnx_modular.profiling.attribution`: a flat
 copy whose node names carry the call, and onnxruntime's optimized graph for the nodes it
 fuses). Per call: inclusive and self time (medians over the measured runs), share of the
 kernel time, kernels; per class: the sum over its calls and the spread between them. Views:
 the call tree with time columns (``str(report)``, ``format(max_depth=)``), JSON, a Chrome
 trace with module calls as nested spans, a self-contained HTML flame chart
-(:mod:`onnx_modular.files.profile_views`). No torch.
+(:mod:`onnx_modular.profiling.views`). No torch.
 
 Example::
 
@@ -29,15 +29,15 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnx_modular.format.calltree import CallTree
+from onnx_modular.calls.tree import function_tree
 from onnx_modular.errors import InvalidInputError, ProfileError, VerificationError
-from onnx_modular.files import runtime
-from onnx_modular.files.attribution import Attribution, attribute, tagged_copy
-from onnx_modular.files.checks import check_expanded_size
-from onnx_modular.files.inputs import feeds_from_arrays, load_arrays, model_inputs, random_inputs
-from onnx_modular.files.load import load_model_file
-from onnx_modular.files.profile_report import CallTime, ClassTime, KernelTime, ProfileReport, _median
-from onnx_modular.files.tree import function_tree
+from onnx_modular.format.calltree import CallTree
+from onnx_modular.profiling.attribution import Attribution, attribute, tagged_copy
+from onnx_modular.profiling.report import CallTime, ClassTime, KernelTime, ProfileReport, _median
+from onnx_modular.runtime import sessions as runtime
+from onnx_modular.runtime.inputs import feeds_from_arrays, load_arrays, model_inputs, random_inputs
+from onnx_modular.storage.checks import check_expanded_size
+from onnx_modular.storage.load import load_model_file
 
 __all__ = ["profile", "ProfileReport", "CallTime", "KernelTime", "ClassTime", "OPTIMIZATION_LEVELS"]
 
@@ -121,7 +121,7 @@ def profile(
     The file runs as a flat copy whose node names carry the call (onnxruntime inlines the
     functions of the file itself the same way and runs the same kernels); onnxruntime's graph
     optimizations stay on, and the nodes it fuses are attributed to the innermost call holding
-    all their parts (:mod:`onnx_modular.files.attribution`). Times are medians over ``runs``
+    all their parts (:mod:`onnx_modular.profiling.attribution`). Times are medians over ``runs``
     runs after ``warmup`` runs. A file without local functions is profiled by op type.
 
     Args:

@@ -1,4 +1,4 @@
-"""Views of a :class:`~onnx_modular.files.profile.ProfileReport`: the terminal view, a Chrome trace, an HTML flame chart.
+"""Views of a :class:`~onnx_modular.profiling.run.ProfileReport`: the terminal view, a Chrome trace, an HTML flame chart.
 
 All are built from data only; names from the file are escaped (JSON in the trace, ``textContent``
 and an escaped ``<pre>`` in the page), and the page loads nothing from the network.
@@ -10,10 +10,10 @@ import html
 import json
 from typing import Any
 
-from onnx_modular.files.parity import fit_name
+from onnx_modular.check.parity import fit_name
 from onnx_modular.format.text import shown
 
-# The report (onnx_modular.files.profile.ProfileReport) is taken as it comes, not imported: its
+# The report (onnx_modular.profiling.run.ProfileReport) is taken as it comes, not imported: its
 # methods call these views, and the package has no import circles (tests/test_layout.py).
 ProfileReport = Any
 
@@ -157,7 +157,7 @@ def chrome_trace(report: ProfileReport) -> dict[str, Any]:
         open_calls: list[tuple[str, float]] = []
         previous_end = offset
 
-        def close(keep: int, at: float) -> None:
+        def close(keep: int, at: float, open_calls: list[tuple[str, float]] = open_calls) -> None:
             while len(open_calls) > keep:
                 key, begun = open_calls.pop()
                 span(key, "module", begun, at - begun, {"class": labels.get(key, "")})

@@ -42,15 +42,15 @@ import onnx
 import onnx_ir as ir
 
 from onnx_modular.errors import InvalidInputError, SaveError
-from onnx_modular.files.locks import (
+from onnx_modular.storage.locks import (
     TEMP_PREFIX,
     destination_lock,
     open_private_file,
     private_path,
     temp_folder,
 )
-from onnx_modular.files.locks import shown_path as _shown
-from onnx_modular.files.signals import interrupt_on_sigterm, signals_deferred
+from onnx_modular.storage.locks import shown_path as _shown
+from onnx_modular.storage.signals import interrupt_on_sigterm, signals_deferred
 
 __all__ = [
     "check_destination",
@@ -220,15 +220,15 @@ def _fsync(path: pathlib.Path) -> None:
 def _references(model_path: pathlib.Path) -> set[str] | None:
     """External-data locations of an existing model file (every tensor it holds), ``set()``
     when there is none, ``None`` when it cannot be told (unreadable, not ONNX, too large)."""
-    from onnx_modular.files._proto import all_tensors
-    from onnx_modular.files.load import read_regular_file
+    from onnx_modular.storage.load import read_regular_file
+    from onnx_modular.storage.proto import all_tensors
 
     try:
         if not os.path.lexists(model_path):
             return set()
         model = onnx.ModelProto()
         model.ParseFromString(read_regular_file(model_path, str(model_path), limit=_LEGACY_SCAN_LIMIT))
-    except Exception:  # noqa: BLE001 - whatever it is, its references are unknown
+    except Exception:
         return None
     locations = set()
     for tensor in all_tensors(model):
@@ -347,11 +347,11 @@ def _finish_interrupted_commit(destination: pathlib.Path) -> None:
     journal = private_path(destination, _JOURNAL_PREFIX)
     if not os.path.lexists(journal):
         return
-    from onnx_modular.files.load import read_regular_file
+    from onnx_modular.storage.load import read_regular_file
 
     try:
         names = json.loads(read_regular_file(journal, str(journal), limit=1 << 16))
-    except Exception:  # noqa: BLE001 - an unreadable journal proves nothing: remove nothing
+    except Exception:
         names = None
     current = _references(destination)
     if isinstance(names, list) and current is not None:

@@ -1,7 +1,7 @@
 """Checked loading of ONNX files: a protobuf wire scan before parsing, then structure checks.
 
 Tells a file that is not ONNX at all from one cut short, and refuses files that would crash,
-hang or exhaust memory later (see :func:`onnx_modular.files.checks.check_model_structure`).
+hang or exhaust memory later (see :func:`onnx_modular.storage.checks.check_model_structure`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import onnx
 from google.protobuf import message as protobuf_message
 
 from onnx_modular.errors import InvalidModelFileError
-from onnx_modular.files._proto import all_tensors, numel, shown, uses_external_data
-from onnx_modular.files.checks import check_model_structure
+from onnx_modular.storage.checks import check_model_structure
+from onnx_modular.storage.proto import all_tensors, numel, shown, uses_external_data
 
 __all__ = ["load_model_file", "load_external_data", "read_regular_file", "check_external_data"]
 
@@ -332,7 +332,7 @@ def check_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, na
 
 
 def load_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, name: str = "the model") -> None:
-    """Read every external tensor of ``model`` (:func:`~onnx_modular.files._proto.all_tensors`:
+    """Read every external tensor of ``model`` (:func:`~onnx_modular.storage.proto.all_tensors`:
     sparse tensors and subgraphs in functions included) into the model, after
     :func:`check_external_data`: each read is bounded by the file's size and opened as a
     regular file inside ``folder``, as the model itself is read.

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from onnx_modular.errors import InvalidInputError, ParityError
-from onnx_modular.files import runtime
-from onnx_modular.files.checks import check_expanded_size
-from onnx_modular.files.inputs import model_inputs
-from onnx_modular.files.load import load_model_file
+from onnx_modular.runtime import sessions as runtime
+from onnx_modular.runtime.inputs import model_inputs
+from onnx_modular.storage.checks import check_expanded_size
+from onnx_modular.storage.load import load_model_file
 
 __all__ = [
     "Tolerance",

@@ -38,10 +38,10 @@ from collections.abc import Iterator, Mapping
 import onnx
 import onnx.inliner
 
+from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree, ModuleCall
-from onnx_modular.errors import InvalidModelFileError
-from onnx_modular.files._proto import all_nodes, function_id, inline_functions, node_id, shown, subgraphs
+from onnx_modular.storage.proto import all_nodes, function_id, inline_functions, node_id, shown, subgraphs
 
 __all__ = ["NodeOrigin", "Attribution", "tagged_copy", "attribute", "innermost_common"]
 

@@ -1,0 +1,11 @@
+"""The module calls of an ONNX file, shared by every file tool, torch-free.
+
+* :mod:`~onnx_modular.calls.tree`: the call tree of a file (:class:`~onnx_modular.format.calltree.CallTree`);
+* :mod:`~onnx_modular.calls.targets`: calls found by path, class or glob; one call given bodies of
+  its own; a call's values exposed as outputs of the main graph;
+* :mod:`~onnx_modular.calls.capture`: every call's outputs (or a few calls' inputs and outputs) from
+  one onnxruntime run of the real model.
+
+``extract``, ``replace``, ``convert``, ``diff``, ``split``, ``modularize`` and ``localize`` use these,
+and nothing else reads a file's calls.
+"""
