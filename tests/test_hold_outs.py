@@ -122,3 +122,30 @@ def test_attention_of_rank_other_than_4_exports_with_parity(tmp_path, mask, rank
     session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     (got,) = session.run(None, {"x": other.numpy()})
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_only_tested_transformers_releases_are_admitted():
+    from onnx_modular.errors import MissingDependencyError
+    from onnx_modular.hf.versions import TESTED, check_transformers_version
+
+    for release in TESTED:
+        check_transformers_version(f"{release}.0")
+        check_transformers_version(f"{release}.3+local")
+    for version in ("5.22.0", "5.25.0", "6.0.0", "4.57.1"):
+        with pytest.raises(MissingDependencyError, match=rf"tested with transformers .*this environment has {version}"):
+            check_transformers_version(version)
+
+
+def test_the_cache_argument_is_read_from_the_forward_signature():
+    from onnx_modular.hf.versions import cache_argument, returned_cache
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs):
+            return {"logits": input_ids, "cache": "new"}
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return {"logits": input_ids, "past_key_values": "old"}
+
+    assert cache_argument(New()) == "cache" and cache_argument(Old()) == "past_key_values"
+    assert returned_cache(New()(1)) == "new" and returned_cache(Old()(1)) == "old"
