@@ -111,3 +111,22 @@ def load_sweep():
     sys.modules["sweep_transformers"] = module
     spec.loader.exec_module(module)
     return module
+
+
+def cache_argument() -> str:
+    """The name transformers' causal LMs take and return their KV cache under in the installed
+    release (``cache`` from 5.24, ``past_key_values`` before), read from the forward signature:
+    the files name the cache's tensors after it (``input.<name>.layers.0.keys``)."""
+    import transformers
+
+    from onnx_modular.hf.versions import cache_argument as from_signature
+
+    return from_signature(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1)))
+
+
+def returned_cache(outputs):
+    """The cache a forward returned, in either release."""
+    from onnx_modular.hf.versions import returned_cache as returned
+
+    return returned(outputs)

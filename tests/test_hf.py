@@ -20,6 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import cache_argument, returned_cache  # noqa: E402
 from transformers.exporters import ExportedModel  # noqa: E402
 from transformers.exporters.auto import get_exporter_class, get_runner_class  # noqa: E402
 
@@ -30,6 +31,8 @@ from onnx_modular.errors import (  # noqa: E402
     MissingDependencyError,
     OnnxModularError,
 )
+
+CACHE_ARG = cache_argument()  # `cache` from transformers 5.24, `past_key_values` before
 
 TORCH_DOMAIN = f"pkg.torch.{torch.__version__.split('+')[0]}"
 TRANSFORMERS_DOMAIN = f"pkg.transformers.{transformers.__version__}"
@@ -175,7 +178,7 @@ def test_generation_components_match_generate(checkpoints, tmp_path):
     assert list(exported.components) == ["prefill", "decode"]
     decode = exported.components["decode"].program
     # The KV cache as transformers names it, in and out.
-    cache = [f"past_key_values.layers.{i}.{kind}" for i in range(2) for kind in ("keys", "values")]
+    cache = [f"{CACHE_ARG}.layers.{i}.{kind}" for i in range(2) for kind in ("keys", "values")]
     assert [v.name for v in decode.graph.inputs][-4:] == [f"input.{name}" for name in cache]
     assert [v.name for v in decode.graph.outputs] == ["logits", *(f"output.{name}" for name in cache)]
     for name, component in exported.components.items():
@@ -224,7 +227,7 @@ def test_cli_causal_lm_with_past(checkpoints, tmp_path, capsys):
     saved = onnx.load(str(out))
     _assert_modular(saved, {"LlamaModel": TRANSFORMERS_DOMAIN, "LlamaDecoderLayer": TRANSFORMERS_DOMAIN})
     names = [v.name for v in saved.graph.input]
-    cache_names = [f"input.past_key_values.layers.{i}.{kind}" for i in range(2) for kind in ("keys", "values")]
+    cache_names = [f"input.{CACHE_ARG}.layers.{i}.{kind}" for i in range(2) for kind in ("keys", "values")]
     assert names == ["input_ids", "attention_mask", *cache_names]
     # Dynamic by default: batch, sequence and past length are symbols.
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in saved.graph.input}
@@ -236,15 +239,15 @@ def test_cli_causal_lm_with_past(checkpoints, tmp_path, capsys):
     generator = torch.Generator().manual_seed(4)
     prefix, ids = torch.randint(0, 96, (3, 6), generator=generator), torch.randint(0, 96, (3, 2), generator=generator)
     with torch.no_grad():
-        cache = model(input_ids=prefix, use_cache=True).past_key_values
+        cache = returned_cache(model(input_ids=prefix, use_cache=True))
         feeds = {"input_ids": ids, "attention_mask": torch.ones(3, 8, dtype=torch.long)}
         for i, layer in enumerate(cache.layers):
             feeds[cache_names[2 * i]] = layer.keys.clone()
             feeds[cache_names[2 * i + 1]] = layer.values.clone()
-        expected = model(input_ids=ids, attention_mask=feeds["attention_mask"], past_key_values=cache)
+        expected = model(input_ids=ids, attention_mask=feeds["attention_mask"], **{CACHE_ARG: cache})
     logits, *caches = _run_file(out, feeds)
     torch.testing.assert_close(torch.from_numpy(logits), expected.logits, atol=ATOL, rtol=1e-3)
-    for i, layer in enumerate(expected.past_key_values.layers):
+    for i, layer in enumerate(returned_cache(expected).layers):
         torch.testing.assert_close(torch.from_numpy(caches[2 * i]), layer.keys, atol=ATOL, rtol=1e-3)
         torch.testing.assert_close(torch.from_numpy(caches[2 * i + 1]), layer.values, atol=ATOL, rtol=1e-3)
     assert caches[1].shape == (3, 2, 8, 8)

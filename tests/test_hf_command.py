@@ -14,12 +14,16 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import cache_argument, returned_cache  # noqa: E402
+
 from onnx_modular.cli import main  # noqa: E402
 from onnx_modular.errors import InvalidInputError  # noqa: E402
 from onnx_modular.format import metadata  # noqa: E402
 from onnx_modular.hf import checkpoint as hf_checkpoint  # noqa: E402
 
-CACHE = [f"input.past_key_values.layers.{i}.{kind}" for i in range(2) for kind in ("keys", "values")]
+CACHE_ARG = cache_argument()  # `cache` from transformers 5.24, `past_key_values` before
+
+CACHE = [f"input.{CACHE_ARG}.layers.{i}.{kind}" for i in range(2) for kind in ("keys", "values")]
 
 
 def _llama(folder, dtype=torch.float32, **save):
@@ -139,18 +143,18 @@ def _assert_decode_step_matches_torch(checkpoint, path, atol=1e-4):
     generator = torch.Generator().manual_seed(3)
     prompt, token = torch.randint(0, 96, (3, 5), generator=generator), torch.randint(0, 96, (3, 1), generator=generator)
     with torch.no_grad():
-        cache = model(prompt, use_cache=True).past_key_values
+        cache = returned_cache(model(prompt, use_cache=True))
         feed = {"input_ids": token.numpy(), "attention_mask": np.ones((3, 6), np.int64)}
         for i, layer in enumerate(cache.layers):
-            feed[f"input.past_key_values.layers.{i}.keys"] = layer.keys.numpy()
-            feed[f"input.past_key_values.layers.{i}.values"] = layer.values.numpy()
-        expected = model(token, attention_mask=torch.ones(3, 6, dtype=torch.long), past_key_values=cache, use_cache=True)
+            feed[f"input.{CACHE_ARG}.layers.{i}.keys"] = layer.keys.numpy()
+            feed[f"input.{CACHE_ARG}.layers.{i}.values"] = layer.values.numpy()
+        expected = model(token, attention_mask=torch.ones(3, 6, dtype=torch.long), **{CACHE_ARG: cache}, use_cache=True)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
     np.testing.assert_allclose(got["logits"], expected.logits.numpy(), atol=atol, rtol=0)
-    for i, layer in enumerate(expected.past_key_values.layers):
-        np.testing.assert_allclose(got[f"output.past_key_values.layers.{i}.keys"], layer.keys.numpy(), atol=atol, rtol=0)
-        np.testing.assert_allclose(got[f"output.past_key_values.layers.{i}.values"], layer.values.numpy(), atol=atol, rtol=0)
+    for i, layer in enumerate(returned_cache(expected).layers):
+        np.testing.assert_allclose(got[f"output.{CACHE_ARG}.layers.{i}.keys"], layer.keys.numpy(), atol=atol, rtol=0)
+        np.testing.assert_allclose(got[f"output.{CACHE_ARG}.layers.{i}.values"], layer.values.numpy(), atol=atol, rtol=0)
 
 
 def test_bfloat16_checkpoint_exported_and_verified(tmp_path, capsys):

@@ -13,14 +13,18 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import cache_argument, returned_cache  # noqa: E402
+
 from onnx_modular.cli import build_parser, main  # noqa: E402
 from onnx_modular.errors import InvalidInputError  # noqa: E402
 from onnx_modular.hf import checkpoint as hf_checkpoint  # noqa: E402
 from onnx_modular.hf import command  # noqa: E402
 from onnx_modular.weights import sources as weights_module  # noqa: E402
 
+CACHE_ARG = cache_argument()  # `cache` from transformers 5.24, `past_key_values` before
+
 ATOL = 1e-4
-CACHE = [f"input.past_key_values.layers.{i}.{kind}" for i in range(2) for kind in ("keys", "values")]
+CACHE = [f"input.{CACHE_ARG}.layers.{i}.{kind}" for i in range(2) for kind in ("keys", "values")]
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +126,14 @@ def test_stream_weights_causal_lm_with_past(folder, tmp_path, spied):
     generator = torch.Generator().manual_seed(4)
     prefix, ids = torch.randint(0, 128, (3, 6), generator=generator), torch.randint(0, 128, (3, 2), generator=generator)
     with torch.no_grad():
-        cache = real(input_ids=prefix, use_cache=True).past_key_values
+        cache = returned_cache(real(input_ids=prefix, use_cache=True))
         feeds = {"input_ids": ids, "attention_mask": torch.ones(3, 8, dtype=torch.long)}
         for i, layer in enumerate(cache.layers):
             feeds[CACHE[2 * i]], feeds[CACHE[2 * i + 1]] = layer.keys.clone(), layer.values.clone()
-        expected = real(input_ids=ids, attention_mask=feeds["attention_mask"], past_key_values=cache)
+        expected = real(input_ids=ids, attention_mask=feeds["attention_mask"], **{CACHE_ARG: cache})
     logits, *caches = _run(out, feeds)
     np.testing.assert_allclose(logits, expected.logits.numpy(), atol=ATOL, rtol=1e-3)
-    for i, layer in enumerate(expected.past_key_values.layers):
+    for i, layer in enumerate(returned_cache(expected).layers):
         np.testing.assert_allclose(caches[2 * i], layer.keys.numpy(), atol=ATOL, rtol=1e-3)
         np.testing.assert_allclose(caches[2 * i + 1], layer.values.numpy(), atol=ATOL, rtol=1e-3)
 
@@ -140,7 +144,7 @@ def test_stream_weights_inputs_need_no_weights(folder):
     parse = build_parser().parse_args
     values = command.streamed(parse(["export", str(folder), "--task", "causal-lm-with-past", "-o", "m.onnx", "--stream-weights"]))
     assert values["weights"] == str(folder) and all(p.is_meta for p in values["model"].parameters())
-    cache = values["kwargs"]["past_key_values"]
+    cache = values["kwargs"][CACHE_ARG]
     assert isinstance(cache, transformers.DynamicCache) and len(cache.layers) == 2
     assert tuple(cache.layers[0].keys.shape) == (hf_checkpoint.BATCH, 2, hf_checkpoint.PAST, 16)
     assert not cache.layers[0].keys.is_meta and not cache.layers[0].keys.any()

@@ -16,11 +16,13 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import expanded_calls
+from helpers import cache_argument, expanded_calls, returned_cache
 
 from onnx_modular import export_modular
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.format import metadata
+
+CACHE_ARG = cache_argument()  # `cache` from transformers 5.24, `past_key_values` before
 
 ATOL = 1e-4
 LAYERS = 2
@@ -44,18 +46,18 @@ def _dims(session_values) -> dict[str, list]:
 @pytest.fixture(scope="module")
 def llama_kv(tmp_path_factory):
     model = _llama_lm()
-    cache = _prefill(model, batch=2, length=3).past_key_values
+    cache = returned_cache(_prefill(model, batch=2, length=3))
     kwargs = dict(
         input_ids=torch.randint(0, 100, (2, 2)),
         attention_mask=torch.ones(2, 5, dtype=torch.long),
-        past_key_values=cache,
+        **{CACHE_ARG: cache},
     )
     Dim = torch.export.Dim
     batch, seq, past = Dim("batch"), Dim("seq"), Dim("past")
     dynamic_shapes = dict(
         input_ids={0: batch, 1: seq},
         attention_mask={0: batch, 1: Dim.AUTO},  # = past + seq, which torch works out itself
-        past_key_values={0: batch, 2: past},  # one spec for every cache tensor
+        **{CACHE_ARG: {0: batch, 2: past}},  # one spec for every cache tensor
     )
     path = tmp_path_factory.mktemp("kv") / "llama_kv.onnx"
     result = export_modular(model, (), path, kwargs=kwargs, dynamic_shapes=dynamic_shapes)
@@ -63,7 +65,7 @@ def llama_kv(tmp_path_factory):
 
 
 def _cache_names(prefix: str) -> list[str]:
-    return [f"{prefix}.past_key_values.layers.{i}.{kind}" for i in range(LAYERS) for kind in ("keys", "values")]
+    return [f"{prefix}.{CACHE_ARG}.layers.{i}.{kind}" for i in range(LAYERS) for kind in ("keys", "values")]
 
 
 def test_cache_inputs_and_outputs_are_named_and_dynamic(llama_kv):
@@ -92,13 +94,13 @@ def test_cache_flows_through_the_layer_functions(llama_kv):
     # each layer reads its past keys/values and returns the grown ones
     assert len(layer.inputs) >= 2 + 2 and len(layer.outputs) == 1 + 2
     root_call = next(node for node in result.model.graph if node.op_type == "LlamaModel")
-    assert [v.name for v in root_call.inputs if "past_key_values" in v.name] == _cache_names("input")
+    assert [v.name for v in root_call.inputs if CACHE_ARG in v.name] == _cache_names("input")
 
 
 def _torch_step(model, ids, mask, cache):
     with torch.no_grad():
-        out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-    return out.logits.numpy(), out.past_key_values
+        out = model(ids, attention_mask=mask, **{CACHE_ARG: cache}, use_cache=True)
+    return out.logits.numpy(), returned_cache(out)
 
 
 def test_prefill_and_greedy_decode_in_onnxruntime_match_torch(llama_kv):
@@ -131,9 +133,9 @@ def test_prefill_and_greedy_decode_in_onnxruntime_match_torch(llama_kv):
         np.testing.assert_allclose(onnx_out["logits"], expected_logits, atol=ATOL, rtol=0)
         for layer in range(LAYERS):
             np.testing.assert_allclose(
-                onnx_out[f"output.past_key_values.layers.{layer}.values"], cache.layers[layer].values.numpy(), atol=ATOL
+                onnx_out[f"output.{CACHE_ARG}.layers.{layer}.values"], cache.layers[layer].values.numpy(), atol=ATOL
             )
-        assert onnx_out["output.past_key_values.layers.0.keys"].shape == (batch, 2, length, 8)
+        assert onnx_out[f"output.{CACHE_ARG}.layers.0.keys"].shape == (batch, 2, length, 8)
         onnx_tokens.append(onnx_out["logits"][:, -1].argmax(-1))
         torch_tokens.append(expected_logits[:, -1].argmax(-1))
         token = torch.from_numpy(onnx_tokens[-1][:, None])
@@ -143,8 +145,8 @@ def test_prefill_and_greedy_decode_in_onnxruntime_match_torch(llama_kv):
 def test_user_cache_is_not_modified(llama_kv):
     """export_modular runs the model on copies: the user's cache keeps its length."""
     model = _llama_lm()
-    cache = _prefill(model, batch=1, length=3).past_key_values
-    kwargs = dict(input_ids=torch.randint(0, 100, (1, 1)), past_key_values=cache)
+    cache = returned_cache(_prefill(model, batch=1, length=3))
+    kwargs = dict(input_ids=torch.randint(0, 100, (1, 1)), **{CACHE_ARG: cache})
     export_modular(model, (), None, kwargs=kwargs)
     assert cache.get_seq_length() == 3
 
@@ -164,16 +166,16 @@ def test_encoder_decoder_cache(tmp_path):
     kwargs = dict(
         encoder_outputs=(first.encoder_last_hidden_state,),
         decoder_input_ids=torch.randint(3, 100, (2, 1)),
-        past_key_values=first.past_key_values,
+        **{CACHE_ARG: returned_cache(first)},
     )
     result = export_modular(model, (), tmp_path / "bart_kv.onnx", kwargs=kwargs)
     assert result.report.ok and result.report.max_abs < ATOL
     names = [v.name for v in result.model.graph.inputs]
     assert names[:2] == ["encoder_outputs.0", "decoder_input_ids"]
     for kind in ("self_attention_cache", "cross_attention_cache"):
-        assert f"input.past_key_values.{kind}.layers.1.values" in names
+        assert f"input.{CACHE_ARG}.{kind}.layers.1.values" in names
     outputs = {v.name: v for v in result.model.graph.outputs}
-    assert outputs["output.past_key_values.self_attention_cache.layers.0.keys"].shape[2] == 4  # 3 + 1
+    assert outputs[f"output.{CACHE_ARG}.self_attention_cache.layers.0.keys"].shape[2] == 4  # 3 + 1
     functions = {f.name: f for f in result.functions}
     assert int(functions["BartDecoderLayer"].metadata_props[metadata.CALL_COUNT]) == 2
 
@@ -222,9 +224,9 @@ def test_default_names_follow_forward(tmp_path):
 
 def test_verify_on_new_inputs_leaves_the_cache_as_given(llama_kv):
     model, result, _ = llama_kv
-    cache = _prefill(model, batch=3, length=5).past_key_values
+    cache = returned_cache(_prefill(model, batch=3, length=5))
     kwargs = dict(
-        input_ids=torch.randint(0, 100, (3, 1)), attention_mask=torch.ones(3, 6, dtype=torch.long), past_key_values=cache
+        input_ids=torch.randint(0, 100, (3, 1)), attention_mask=torch.ones(3, 6, dtype=torch.long), **{CACHE_ARG: cache}
     )
     report = result.verify((), kwargs, model=model)
     assert report.ok, str(report)

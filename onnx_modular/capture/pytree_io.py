@@ -36,9 +36,19 @@ logger = logging.getLogger(__name__)
 _PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
+def _is_namedtuple(value: Any) -> bool:
+    """A ``collections.namedtuple`` / ``typing.NamedTuple`` instance (not registered by type in
+    ``SUPPORTED_NODES``: torch's pytree recognizes them by these attributes)."""
+    return isinstance(value, tuple) and hasattr(type(value), "_fields") and hasattr(type(value), "_make")
+
+
 def _unflattenable(value: Any, path: str, found: list[tuple[str, Any]], depth: int = 0) -> None:
     """Collect ``(path, object)`` for objects in ``value`` that torch's pytree cannot flatten."""
     if isinstance(value, _PLAIN) or depth > 20:
+        return
+    if _is_namedtuple(value):  # torch's pytree flattens every NamedTuple through its generic entry
+        for field in value._fields:
+            _unflattenable(getattr(value, field), f"{path}.{field}", found, depth + 1)
         return
     node = pytree.SUPPORTED_NODES.get(type(value))
     if node is None:
@@ -96,6 +106,9 @@ def _attribute_paths(value: Any, path: str, paths: dict[int, str], depth: int = 
     elif isinstance(value, Mapping):
         for key, item in value.items():
             _attribute_paths(item, f"{path}.{key}", paths, depth + 1, seen)
+    elif _is_namedtuple(value):
+        for key in value._fields:
+            _attribute_paths(getattr(value, key), f"{path}.{key}", paths, depth + 1, seen)
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
             _attribute_paths(item, f"{path}.{index}", paths, depth + 1, seen)
@@ -161,9 +174,11 @@ def input_leaf_names(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[
 
 def output_leaf_names(outputs: Any) -> list[str]:
     """Names of the tensors ``forward`` returned: ``output`` for a lone tensor, ``output.0``
-    for tuple items, the keys of a dict or ``ModelOutput`` (``logits``)."""
+    for tuple items, the keys of a dict or ``ModelOutput`` (``logits``), the fields of a NamedTuple (``y``)."""
     if isinstance(outputs, Mapping):
         return leaf_names(list(outputs.items()))
+    if _is_namedtuple(outputs):
+        return leaf_names([(field, getattr(outputs, field)) for field in outputs._fields])
     return leaf_names([("output", outputs)])
 
 

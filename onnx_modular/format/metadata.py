@@ -149,8 +149,14 @@ def call_props(node, function) -> dict[str, str]:
 
 
 def call_name(path: str, index: int = 0) -> str:
-    """``h.0.attn`` for a first call, ``shared@1`` for the second call of ``shared``."""
-    return f"{path}@{index}" if index else path
+    """``h.0.attn`` for a first call, ``shared@1`` for the second call of ``shared``.
+
+    A path that itself ends in ``@`` and digits (a ``ModuleDict`` key ``"lin@0"``) always carries
+    its index (``lin@0@0``), so that :func:`split_call_name` never reads its end as an index.
+    """
+    if index or split_call_name(path) != (path, 0):
+        return f"{path}@{index}"
+    return path
 
 
 def split_call_name(name: str) -> tuple[str, int]:

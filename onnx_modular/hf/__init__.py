@@ -21,7 +21,7 @@ from __future__ import annotations
 from onnx_modular.errors import MissingDependencyError
 
 try:
-    import transformers  # noqa: F401
+    import transformers
     from transformers.exporters import auto as _auto  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise MissingDependencyError(
@@ -29,14 +29,18 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
         hint="Install the extra: pip install 'onnx-modular[hf]'.",
     ) from e
 
-from onnx_modular.hf.checkpoint import (
+from onnx_modular.hf.versions import check_transformers_version
+
+check_transformers_version(transformers.__version__)  # before the modules that use transformers' API
+
+from onnx_modular.hf.checkpoint import (  # noqa: E402
     TASKS,
     load_checkpoint,
     model_and_inputs,
     sample_inputs,
 )
-from onnx_modular.hf.command import export_checkpoint
-from onnx_modular.hf.exporter import (
+from onnx_modular.hf.command import export_checkpoint  # noqa: E402
+from onnx_modular.hf.exporter import (  # noqa: E402
     EXPORT_FORMAT,
     ModularOnnxConfig,
     ModularOnnxExporter,
@@ -44,8 +48,8 @@ from onnx_modular.hf.exporter import (
     modular_result,
     register,
 )
-from onnx_modular.hf.generation import greedy_generate
-from onnx_modular.hf.meta import model_on_meta, zero_cache
+from onnx_modular.hf.generation import greedy_generate  # noqa: E402
+from onnx_modular.hf.meta import model_on_meta, zero_cache  # noqa: E402
 
 __all__ = [
     "EXPORT_FORMAT",

@@ -27,6 +27,7 @@ from onnx_modular.hf.meta import (
     on_meta,
     zero_cache,
 )
+from onnx_modular.hf.versions import CACHE_ARGUMENTS, cache_argument, returned_cache
 
 __all__ = [
     "TASK_ALIASES",
@@ -246,9 +247,9 @@ def sample_inputs(model: torch.nn.Module, task: str, *, generation: bool = False
             cache = zero_cache(model, BATCH, PAST)
         else:
             with torch.no_grad():
-                cache = model(input_ids=prefix, use_cache=True).past_key_values
+                cache = returned_cache(model(input_ids=prefix, use_cache=True))
         inputs["attention_mask"] = torch.ones(BATCH, PAST + SEQUENCE, dtype=torch.long)
-        inputs["past_key_values"] = cache
+        inputs[cache_argument(model)] = cache
     return inputs
 
 
@@ -272,7 +273,7 @@ def dynamic_shapes(inputs: dict[str, Any]) -> dict[str, Any]:
     """
     dims = {name: torch.export.Dim(name) for name in (BATCH_AXIS, SEQUENCE_AXIS, PAST_AXIS, DECODER_SEQUENCE_AXIS)}
     batch = dims[BATCH_AXIS]
-    with_past = "past_key_values" in inputs
+    with_past = any(name in inputs for name in CACHE_ARGUMENTS)
     shapes: dict[str, Any] = {}
     for name, value in inputs.items():
         if isinstance(value, torch.Tensor):
@@ -286,7 +287,7 @@ def dynamic_shapes(inputs: dict[str, Any]) -> dict[str, Any]:
                 shapes[name] = {0: batch}
             else:
                 shapes[name] = None
-        elif name == "past_key_values":
+        elif name in CACHE_ARGUMENTS:
             # transformers' own structure for the cache, with only batch and past dynamic.
             shapes[name] = torch.utils._pytree.tree_map(
                 lambda spec: {0: batch, 2: dims[PAST_AXIS]} if len(spec) == 4 else ({0: batch} if spec else None),

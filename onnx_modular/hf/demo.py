@@ -69,18 +69,21 @@ def llama_kv() -> dict:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=True,
     )
     model = transformers.LlamaForCausalLM(config).eval()
+    from onnx_modular.hf.versions import cache_argument, returned_cache
+
     with torch.no_grad():
-        cache = model(torch.randint(0, 100, (2, 3)), use_cache=True).past_key_values
+        cache = returned_cache(model(torch.randint(0, 100, (2, 3)), use_cache=True))
+    cache_name = cache_argument(model)  # `cache` in transformers 5.24, `past_key_values` before
     kwargs = {
         "input_ids": torch.randint(0, 100, (2, 2)),  # dynamic sizes need example sizes >= 2
         "attention_mask": torch.ones(2, 5, dtype=torch.long),
-        "past_key_values": cache,
+        cache_name: cache,
     }
     Dim = torch.export.Dim
     batch, seq, past = Dim("batch"), Dim("seq"), Dim("past")
     dynamic_shapes = {
         "input_ids": {0: batch, 1: seq},
         "attention_mask": {0: batch, 1: Dim("total", min=4)},  # past + seq; torch assumes both >= 2
-        "past_key_values": {0: batch, 2: past},
+        cache_name: {0: batch, 2: past},
     }
     return {"model": model, "args": (), "kwargs": kwargs, "dynamic_shapes": dynamic_shapes}

@@ -15,10 +15,11 @@ import torch
 from transformers import DynamicCache
 
 from onnx_modular.errors import InvalidInputError
+from onnx_modular.hf.versions import CACHE_ARGUMENTS, returned_cache
 
 __all__ = ["greedy_generate"]
 
-_KNOWN = {"input_ids", "attention_mask", "position_ids", "cache_position", "past_key_values"}
+_KNOWN = {"input_ids", "attention_mask", "position_ids", "cache_position", *CACHE_ARGUMENTS}
 
 
 def _step_inputs(traced: dict, tokens: torch.Tensor, past_length: int, cache: Any) -> dict[str, Any]:
@@ -29,7 +30,7 @@ def _step_inputs(traced: dict, tokens: torch.Tensor, past_length: int, cache: An
         "attention_mask": torch.ones(batch, past_length + length, dtype=torch.long),
         "position_ids": positions.unsqueeze(0).expand(batch, -1),
         "cache_position": positions,
-        "past_key_values": cache,
+        **dict.fromkeys(CACHE_ARGUMENTS, cache),
     }
     return {name: values[name] for name in traced}
 
@@ -65,7 +66,7 @@ def greedy_generate(exported: Any, input_ids: torch.Tensor, max_new_tokens: int)
         runner = runners[runner_name]
         past_length = tokens.shape[1] - step.shape[1]
         outputs = runner(**_step_inputs(runner.metadata.kwargs, step, past_length, cache))
-        cache = outputs.past_key_values
+        cache = returned_cache(outputs)
         step = outputs.logits[:, -1, :].argmax(dim=-1, keepdim=True).to(tokens.dtype)
         tokens = torch.cat([tokens, step], dim=1)
         runner_name = "decode"
