@@ -602,7 +602,7 @@ def _merge(a: ModuleCall | None, b: ModuleCall | None, parent: CallDiff | None, 
         own = []
     else:
         own = _compare(body_a, body_b, file_a.tensors, file_b.tensors)
-    below = [c.path for c in children if c.change != "same"]
+    below = list(dict.fromkeys(c.path for c in children if c.change != "same"))
     if own or below:
         node.change = "changed"
         node.changed_in = "own" if own else "below"

@@ -149,6 +149,12 @@ def text(report: ModelDiff, max_depth: int | None = None, *, top: int = 10) -> s
 
 # -- HTML --------------------------------------------------------------------------------------
 
+
+def _escape(value: str) -> str:
+    """Names from a file in the page: control characters shown as escapes, then HTML-escaped."""
+    return html.escape("\n".join(shown(line) for line in str(value).split("\n")))
+
+
 _STYLE = (
     "body{font-family:sans-serif;margin:16px;font-size:13px} table{border-collapse:collapse}"
     "td,th{padding:2px 8px;border-bottom:1px solid #eee;white-space:nowrap;text-align:left}"
@@ -170,9 +176,9 @@ def _side(call: CallDiff, which: str) -> tuple[str, str]:
     if side is None:
         return "", ""
     indent = "&nbsp;" * (3 * call.depth)
-    name = html.escape(_name(call))
+    name = _escape(_name(call))
     function = call.function_a if which == "a" else call.function_b
-    return indent + name, html.escape(function or ("no ops" if not side.is_root else ""))
+    return indent + name, _escape(function or ("no ops" if not side.is_root else ""))
 
 
 def html_page(report: ModelDiff) -> str:
@@ -202,7 +208,7 @@ def html_page(report: ModelDiff) -> str:
         classes = _ROW_CLASS[call.verdict] + (" first" if call.first_drift else "")
         cells = [
             f"<td class='tree a side'>{a_name}</td><td class='a'>{a_function}</td>",
-            f"<td class='verdict'>{html.escape(call.verdict)}{' (first drift)' if call.first_drift else ''}</td>",
+            f"<td class='verdict'>{_escape(call.verdict)}{' (first drift)' if call.first_drift else ''}</td>",
             f"<td class='tree b side'>{b_name}</td><td class='b'>{b_function}</td>",
             f"<td class='num'>{number(call.max_abs)}{bar}</td><td class='num'>{number(call.max_rel)}</td>",
             f"<td class='num'>{number(call.growth)}</td>",
@@ -215,20 +221,20 @@ def html_page(report: ModelDiff) -> str:
                     "" if call.time_ratio is None else f"{call.time_ratio:.2f}x",
                 )
             )
-        cells.append(f"<td class='what'>{html.escape('; '.join(call.what))}</td>")
+        cells.append(f"<td class='what'>{_escape('; '.join(call.what))}</td>")
         rows.append(f"<tr class='{classes}'>{''.join(cells)}</tr>")
     ranked = report.ranked(10)
     ranking = "".join(
-        f"<li>{html.escape(call.path)} ({html.escape(call.class_name)}): max abs {number(call.max_abs)}, "
+        f"<li>{_escape(call.path)} ({_escape(call.class_name)}): max abs {number(call.max_abs)}, "
         f"growth {number(call.growth)}{' &mdash; first drift' if call.first_drift else ''}</li>"
         for call in ranked
     )
     title = f"onnx_modular diff: {report.a} vs {report.b}"
-    summary = "<br>".join(html.escape(line) for line in _summary(report))
+    summary = "<br>".join(_escape(line) for line in _summary(report))
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"
-        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>"
-        f"<h2>{html.escape(title)}</h2><p>{summary}</p>"
+        f"<title>{_escape(title)}</title><style>{_STYLE}</style></head><body>"
+        f"<h2>{_escape(title)}</h2><p>{summary}</p>"
         "<p class='legend'>Rows: one module call, matched by module path and class. "
         "<span style='background:#ffe8cc'></span>changed in its own body"
         "<span style='background:#fff6e0'></span>changed below (a call it makes)"
@@ -237,5 +243,5 @@ def html_page(report: ModelDiff) -> str:
         "bold: the first call in execution order whose outputs differ; bar: max abs drift (log scale).</p>"
         f"<table>{head}{''.join(rows)}</table>"
         + (f"<h3>Where the drift is made</h3><p>growth: max abs over the largest drift measured before the call.</p><ol>{ranking}</ol>" if ranked else "")
-        + f"<h3>Terminal view</h3><pre>{html.escape(text(report))}</pre></body></html>"
+        + f"<h3>Terminal view</h3><pre>{_escape(text(report))}</pre></body></html>"
     )
