@@ -23,6 +23,7 @@ from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.files import function_tree, load_model_file
 from onnx_modular.files.diff import tensor_digest
 from onnx_modular.files.extract import extract
+from onnx_modular.files.inline import inline_file
 from onnx_modular.files.replace import replace
 from onnx_modular.format import metadata
 
@@ -165,6 +166,26 @@ def test_added_and_removed_calls_and_escaped_views(files, tmp_path):
     assert {r["change"] for r in records} == {"same", "changed", "added", "removed"}
 
 
+def test_flat_copies_are_compared_by_module_metadata(files, tmp_path):
+    """Files without functions (flat copies, their nodes labelled by module) are compared by module."""
+    inline_file(files / "gpt2.onnx", tmp_path / "flat.onnx")
+    inline_file(files / "edited.onnx", tmp_path / "edited_flat.onnx")
+    same = diff(files / "gpt2.onnx", tmp_path / "flat.onnx")  # a modular file against its flat copy
+    assert same.by_module and not same.differs and same.root.max_abs == 0.0
+    paths = {c.path for c in same.calls()}
+    assert {"h.0", "h.0.mlp", "h.0.mlp.c_fc", "h.1.attn.c_attn", "ln_f"} <= paths  # h.0.mlp has no nodes of its own
+    result = diff(tmp_path / "flat.onnx", tmp_path / "edited_flat.onnx")
+    assert result.by_module and result.note
+    mlp = result["h.1.mlp"]
+    assert (mlp.change, mlp.changed_in) == ("changed", "own") and "nodes added: 1 Mul" in mlp.what
+    assert [c.path for c in result.calls() if c.change != "same"] == ["h.1", "h.1.mlp"]
+    assert result["h.1"].changed_in == "below" and result["h.0.mlp"].change == "same"
+    assert result.root.max_abs > 1e-3 and all(c.max_abs is None for c in result.calls())
+    planted = diff(tmp_path / "flat.onnx", files / "planted.onnx")
+    assert [c.path for c in planted.calls() if c.changed_in == "own"] == [PLANTED]
+    assert "modules: " in planted.format() and "calls' outputs not compared" in planted.format()
+
+
 def _cli(*argv):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -203,7 +224,7 @@ def test_bad_input_is_typed_and_exits_2(files, tmp_path):
         opset_imports=[oh.make_opsetid("", 18)],
     )
     onnx.save(flat, tmp_path / "flat.onnx")
-    with pytest.raises(InvalidInputError, match="no local functions") as error:
+    with pytest.raises(InvalidInputError, match="no local functions, and its nodes carry no module paths") as error:
         diff(files / "gpt2.onnx", tmp_path / "flat.onnx")
     assert error.value.hint
     renamed = onnx.load(files / "gpt2.onnx")

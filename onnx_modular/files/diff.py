@@ -53,8 +53,9 @@ from onnx_modular.calls.capture import call_outputs
 from onnx_modular.calls.tree import function_tree, weight_sources
 from onnx_modular.check.parity import max_differences
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
+from onnx_modular.files.flat import CLASS_HIERARCHY, NAME_SCOPES, inline_model
 from onnx_modular.format import metadata
-from onnx_modular.format.calltree import ModuleCall
+from onnx_modular.format.calltree import CallTree, ModuleCall
 from onnx_modular.format.text import shown
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import check_feeds, feeds_for, model_inputs
@@ -216,6 +217,8 @@ class ModelDiff:
         numerics: Whether the files were run.
         settings: The profile's settings (``profile=True``), else ``None``.
         note: What could not be compared, if anything.
+        by_module: A file had no local functions: modules were compared by the module path on each
+            node (a flat copy's labels), not calls; only the model outputs' drift is measured.
     """
 
     a: str
@@ -227,6 +230,7 @@ class ModelDiff:
     numerics: bool = True
     settings: dict[str, Any] | None = None
     note: str | None = None
+    by_module: bool = False
 
     def calls(self) -> list[CallDiff]:
         """Every call (the main graph excluded), in display order."""
@@ -397,7 +401,11 @@ class _Canon:
             self.weights.append(self.scope[name])
             self.names[name] = token
             return token
-        return "outer:" + name  # a value of an enclosing scope the body does not define (a broken file)
+        # Defined elsewhere: a module's inputs in a flat file (made by other modules' nodes), numbered
+        # in order of first use as a function's formal inputs are.
+        token = f"ext{len(self.names)}"
+        self.names[name] = token
+        return token
 
     def define(self, name: str) -> str:
         token = f"v{self.counter}"
@@ -522,25 +530,73 @@ class _File:
         self.path = str(path)
         self.model = load_model_file(path)  # checked; external data stays on disk
         check_expanded_size(self.model, name=repr(self.path))
-        if not self.model.functions:
-            raise InvalidInputError(
-                f"{self.path!r} has no local functions, so it has no module calls to compare"
-                + (
-                    " (its nodes carry module paths: it is a flat copy)."
-                    if any(metadata.MODULE_PATH in metadata.props(n) for n in self.model.graph.node)
-                    else "."
-                ),
-                hint="Compare modular files (exported with onnx_modular, or any file with local functions); "
-                "for two flat files, compare their outputs with `onnx-modular verify FILE --expected OUT.npz`.",
-            )
         self.tree = function_tree(self.model)
         self.functions = {function_id(f): f for f in self.model.functions}
         self.scopes = weight_sources(self.model)
         self.folder = pathlib.Path(os.path.dirname(os.path.abspath(self.path)))
         self.tensors = _Tensors(self.model, self.folder, repr(self.path))
         self._bodies: dict[str, _Body] = {}
+        self.by_module = False
+
+    def compare_by_module(self) -> None:
+        """Compare by the module each node carries in its metadata (``pkg.onnx_modular.module_path``),
+        as a flat copy is labelled (:func:`onnx_modular.files.flat.inline_model`): one pseudo-call
+        per module path, its own nodes as its body, nested by path. A file with functions is
+        inlined first (a copy, labelled the same way)."""
+        flat = self.model
+        if self.model.functions:
+            flat = onnx.ModelProto()
+            flat.CopyFrom(self.model)
+            flat = inline_model(flat)
+        groups: dict[str, list[onnx.NodeProto]] = {}
+        classes: dict[str, str] = {}
+        order: dict[str, int] = {"": 0}  # module paths in order of first appearance, outer ones first
+        for node in flat.graph.node:
+            props = metadata.props(node)
+            path = props.get(metadata.MODULE_PATH, "")
+            groups.setdefault(path, []).append(node)
+            for outer, outer_class in _enclosing_modules(props, path):
+                order.setdefault(outer, len(order))
+                if outer_class:
+                    classes.setdefault(outer, outer_class)
+            order.setdefault(path, len(order))
+            if path and props.get(metadata.CLASS):
+                classes.setdefault(path, props[metadata.CLASS])
+        if len(groups) <= 1 and "" in groups:
+            raise InvalidInputError(
+                f"{self.path!r} has no local functions, and its nodes carry no module paths "
+                f"({metadata.MODULE_PATH}): there is nothing to match module calls by.",
+                hint="Compare files written by onnx_modular (export_modular, or their flat copies: "
+                "`onnx-modular inline`, export_modular(flat_file=True)); for any two files, compare the "
+                "outputs with `onnx-modular verify FILE --expected OUT.npz`.",
+            )
+        root = ModuleCall(key="", module_path="", node_name=flat.graph.name or "main_graph", num_nodes=len(groups.get("", [])))
+        made = {"": root}
+        for path in sorted(p for p in order if p):  # a prefix sorts before the paths below it
+            parent_path = path
+            while parent_path and (parent_path == path or parent_path not in made):
+                parent_path = parent_path.rpartition(".")[0]
+            parent = made[parent_path]
+            call = ModuleCall(key=path, module_path=path, qualified_class=classes.get(path, ""), parent=parent,
+                              num_nodes=len(groups.get(path, [])), node_name=path)
+            parent.children.append(call)
+            made[path] = call
+        for call in made.values():
+            call.children.sort(key=lambda child: order[child.module_path])
+        self.tree = CallTree(root)
+        opsets = {o.domain: o.version for o in flat.opset_import}
+        weights = {name: name for name in self.tensors.by_name}
+        inputs = [v.name for v in model_inputs(flat)]
+        for path in order:
+            outputs = [v.name for v in flat.graph.output] if not path else []
+            self._bodies[path] = _body(
+                groups.get(path, []), inputs if not path else [], outputs, weights, {}, opsets, self.tensors
+            )
+        self.by_module = True
 
     def body(self, call: ModuleCall) -> _Body | None:
+        if self.by_module:
+            return self._bodies.get(call.module_path)
         if call.is_root:
             key = ""
         elif call.function is None:
@@ -563,6 +619,26 @@ class _File:
                     self.functions, own, self.tensors, function_id(function),
                 )
         return self._bodies[key]
+
+
+def _enclosing_modules(props: Mapping[str, str], path: str) -> list[tuple[str, str]]:
+    """(module path, class) of the modules enclosing a flat node's module, outermost first, from
+    torch's ``name_scopes`` and ``class_hierarchy`` (kept on the nodes of a flat copy): the modules
+    that have no nodes of their own (``h.0.mlp``, whose nodes are all its children's)."""
+    import ast
+
+    try:
+        scopes = ast.literal_eval(props.get(NAME_SCOPES, "[]"))
+        hierarchy = ast.literal_eval(props.get(CLASS_HIERARCHY, "[]"))
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return []
+    if not isinstance(scopes, list) or not isinstance(hierarchy, list) or len(scopes) != len(hierarchy):
+        return []
+    return [
+        (scope, hierarchy[index] if isinstance(hierarchy[index], str) else "")
+        for index, scope in enumerate(scopes[1:-1], 1)
+        if isinstance(scope, str) and path.startswith(scope + ".")
+    ]
 
 
 # -- matching ----------------------------------------------------------------------------------
@@ -675,15 +751,7 @@ def _numerics(root: CallDiff, file_a: _File, file_b: _File, feeds: Mapping[str, 
         file_b.model, feeds, external_data_folder=runtime.external_data_folder(file_b.path, file_b.model),
         what=f"instrumented copy of {file_b.path!r}",
     )
-    names_a, names_b = list(outputs_a), list(outputs_b)
-    if names_a == names_b or set(names_a) != set(names_b):
-        pairs = list(zip(outputs_a.values(), outputs_b.values())) if len(names_a) == len(names_b) else None
-    else:
-        pairs = [(outputs_a[n], outputs_b[n]) for n in names_a]
-    if pairs is None:
-        root.max_abs, root.max_rel = math.inf, math.inf
-    else:
-        root.max_abs, root.max_rel = _drift([x for x, _ in pairs], [y for _, y in pairs])
+    _set_output_drift(root, outputs_a, outputs_b)
     by_path = {call.path: call for call in root.walk() if call.change != "added" and call.change != "removed"}
     values_b = {c.call_name: c for c in calls_b}
     seen = 0.0
@@ -699,6 +767,31 @@ def _numerics(root: CallDiff, file_a: _File, file_b: _File, feeds: Mapping[str, 
         seen = max(seen, node.max_abs)
         if first and node.max_abs:
             node.first_drift, first = True, False
+
+
+def _set_output_drift(root: CallDiff, outputs_a: Mapping[str, np.ndarray], outputs_b: Mapping[str, np.ndarray]) -> None:
+    """The model outputs' drift on the root: matched by name, else by position."""
+    names_a, names_b = list(outputs_a), list(outputs_b)
+    if set(names_a) == set(names_b):
+        pairs = [(outputs_a[n], outputs_b[n]) for n in names_a]
+    elif len(names_a) == len(names_b):
+        pairs = list(zip(outputs_a.values(), outputs_b.values()))
+    else:
+        root.max_abs, root.max_rel = math.inf, math.inf
+        return
+    root.max_abs, root.max_rel = _drift([x for x, _ in pairs], [y for _, y in pairs])
+
+
+def _output_drift(root: CallDiff, file_a: _File, file_b: _File, feeds: Mapping[str, np.ndarray]) -> None:
+    """The model outputs only (files compared by module: no call outputs to capture)."""
+    outputs = []
+    for file in (file_a, file_b):
+        names, values = runtime.run(
+            file.model.SerializeToString(), feeds, what=f"model {file.path!r}",
+            external_data_folder=runtime.external_data_folder(file.path, file.model),
+        )
+        outputs.append(dict(zip(names, values)))
+    _set_output_drift(root, *outputs)
 
 
 def _times(root: CallDiff, file_a: _File, file_b: _File, feeds, runs: int, threads: int | None) -> dict[str, Any]:
@@ -756,12 +849,25 @@ def diff(
         print(result.first_drift.path, [c.path for c in result.ranked(3)])
     """
     file_a, file_b = _File(a), _File(b)
+    note = None
+    if not file_a.model.functions or not file_b.model.functions:
+        for file in (file_a, file_b):
+            file.compare_by_module()
+        note = (
+            "compared by the module path on each node (a file has no local functions): modules, not calls "
+            "(no call index); drift of the model outputs only"
+        )
     root = _merge(file_a.tree.root, file_b.tree.root, None, file_a, file_b)
-    result = ModelDiff(str(a), str(b), root, random_inputs=inputs is None, seed=seed, numerics=numerics)
+    result = ModelDiff(
+        str(a), str(b), root, random_inputs=inputs is None, seed=seed, numerics=numerics, note=note,
+        by_module=note is not None,
+    )
     if numerics or profile:
         feeds = _feeds(file_a, file_b, inputs, seed)
         result.inputs = {name: {"shape": list(x.shape), "dtype": str(x.dtype)} for name, x in feeds.items()}
-        if numerics:
+        if numerics and note is not None:
+            _output_drift(root, file_a, file_b, feeds)
+        elif numerics:
             _numerics(root, file_a, file_b, feeds)
         if profile:
             result.settings = _times(root, file_a, file_b, feeds, runs, threads)

@@ -73,7 +73,7 @@ def _summary(report: ModelDiff) -> list[str]:
         shapes = ", ".join(f"{shown(n)}{v['shape']} {v['dtype']}" for n, v in report.inputs.items())
         lines.append(f"inputs: {shapes or '(none)'}" + (f" (random, seed {report.seed})" if report.random_inputs else ""))
     lines.append(
-        f"calls: {counts['same']} same, {counts['changed']} changed, {counts['changed below']} changed below, "
+        f"{'modules' if report.by_module else 'calls'}: {counts['same']} same, {counts['changed']} changed, {counts['changed below']} changed below, "
         f"{counts['added']} added, {counts['removed']} removed"
     )
     if report.numerics:
@@ -81,7 +81,11 @@ def _summary(report: ModelDiff) -> list[str]:
         first = report.first_drift
         lines.append(
             f"model outputs: max abs {number(root.max_abs) or '?'}, max rel {number(root.max_rel) or '?'}; "
-            + (f"first drift at {shown(first.path)} ({shown(first.class_name)})" if first else "no call's outputs differ")
+            + (
+                f"first drift at {shown(first.path)} ({shown(first.class_name)})" if first
+                else "no call's outputs differ" if any(c.max_abs is not None for c in report.calls())
+                else "calls' outputs not compared"
+            )
         )
     else:
         lines.append("numerics not compared (structure only)")
@@ -171,13 +175,15 @@ _STYLE = (
 _ROW_CLASS = {"same": "same", "changed": "changed", "changed below": "below", "added": "added", "removed": "removed"}
 
 
-def _side(call: CallDiff, which: str) -> tuple[str, str]:
+def _side(call: CallDiff, which: str, by_module: bool) -> tuple[str, str]:
     side = call.a if which == "a" else call.b
     if side is None:
         return "", ""
     indent = "&nbsp;" * (3 * call.depth)
     name = _escape(_name(call))
     function = call.function_a if which == "a" else call.function_b
+    if by_module and not side.is_root:
+        function = f"{side.num_nodes} node{'' if side.num_nodes == 1 else 's'} of its own"
     return indent + name, _escape(function or ("no ops" if not side.is_root else ""))
 
 
@@ -195,8 +201,8 @@ def html_page(report: ModelDiff) -> str:
     )
     rows = []
     for call in report.root.walk():
-        a_name, a_function = _side(call, "a")
-        b_name, b_function = _side(call, "b")
+        a_name, a_function = _side(call, "a", report.by_module)
+        b_name, b_function = _side(call, "b", report.by_module)
         bar = ""
         if call.max_abs and largest > 0:
             if math.isinf(call.max_abs):
