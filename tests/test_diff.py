@@ -202,7 +202,7 @@ def test_cli_exit_codes_json_and_html(files, tmp_path):
     assert code == 1 and "first drift at h.1.mlp" in out and "(random" not in out
     assert "Wrote" in err
     records = json.loads((tmp_path / "d.json").read_text())
-    assert isinstance(records, list) and records[0]["path"] == ""
+    assert isinstance(records, list) and records[0]["path"] == "" and records[0]["growth"] == 1.0  # ln_f's drift
     mlp = next(r for r in records if r["path"] == "h.1.mlp")
     assert {"path", "class", "change", "max_abs", "max_rel", "time_a_ms", "time_b_ms", "time_ratio"} <= set(mlp)
     assert mlp["change"] == "changed" and mlp["class"].endswith("GPT2MLP") and mlp["max_abs"] > 0

@@ -148,7 +148,7 @@ class CallDiff:
         ``drift_in`` bounds what reached the call by everything measured before it, so this is a
         ranking of where drift is made, not a measurement of the call on its exact inputs.
         """
-        if not self.max_abs:
+        if not self.max_abs or self.drift_in is None:
             return None
         return math.inf if not self.drift_in else self.max_abs / self.drift_in
 
@@ -767,6 +767,7 @@ def _numerics(root: CallDiff, file_a: _File, file_b: _File, feeds: Mapping[str, 
         seen = max(seen, node.max_abs)
         if first and node.max_abs:
             node.first_drift, first = True, False
+    root.drift_in = seen  # the model outputs come last
 
 
 def _set_output_drift(root: CallDiff, outputs_a: Mapping[str, np.ndarray], outputs_b: Mapping[str, np.ndarray]) -> None:
