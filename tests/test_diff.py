@@ -52,6 +52,16 @@ def files(tmp_path_factory):
     rounded = onnx.numpy_helper.to_array(weight).astype(np.float16).astype(np.float32)
     weight.CopyFrom(onnx.numpy_helper.from_array(rounded, weight.name))
     onnx.save(planted, folder / "planted.onnx")
+    # A float16 copy: every weight at float16's precision, and a coarser loss planted in one module
+    # (its weight keeps 3 of float16's 10 mantissa bits).
+    half = onnx.load(folder / "gpt2.onnx")
+    for tensor in half.graph.initializer:
+        if tensor.name.endswith((".weight", ".bias")):
+            values = onnx.numpy_helper.to_array(tensor).astype(np.float16)
+            if tensor.name == PLANTED + ".weight":
+                values = (values.view(np.uint16) & np.uint16(0xFF80)).view(np.float16)
+            tensor.CopyFrom(onnx.numpy_helper.from_array(values.astype(np.float32), tensor.name))
+    onnx.save(half, folder / "half.onnx")
     return folder
 
 
@@ -96,12 +106,27 @@ def test_planted_precision_loss_is_ranked_first(files):
     planted = result[PLANTED]
     assert (planted.change, planted.changed_in) == ("changed", "own")
     assert planted.what == [f"weight values: {PLANTED}.weight"]
-    assert result.ranked()[0] is planted and planted.growth == float("inf")
+    assert result.ranked()[0] is planted and planted.added_drift == planted.scaled_drift > 0
     assert result.first_drift is planted
     later = [c for c in result.calls() if c.order is not None and c.order > planted.order and c.max_abs]
     assert len(later) > 5  # the drift travels on; the ranking still names where it was made
     assert max(c.max_abs for c in later) > 0
     assert all(c.max_abs == 0.0 for c in result.calls() if c.order is not None and c.order < planted.order)
+
+
+def test_float16_copy_ranking_names_the_planted_module(files):
+    """Every call of a float16 copy drifts; the calls ranked by the drift they add name the module
+    where more precision was lost, though the drift appears first elsewhere."""
+    result = diff(files / "gpt2.onnx", files / "half.onnx")
+    changed = {c.path for c in result.calls() if c.changed_in == "own"}
+    assert {"wte", "wpe", "h.0.attn.c_attn", PLANTED, "h.1.mlp.c_proj"} <= changed  # LayerNorms: 1s and 0s
+    assert all(c.what[0].startswith("weight values: ") for c in result.calls() if c.changed_in == "own")
+    assert all(c.max_abs > 0 for c in result.calls() if c.max_abs is not None)
+    assert result.first_drift.path == "wte"  # the first call, at float16's precision
+    ranked = result.ranked()
+    assert ranked[0].path == PLANTED
+    assert ranked[0].added_drift > 10 * max(c.added_drift for c in ranked if not c.path.startswith("h.1.attn"))
+    assert "1. " + PLANTED in result.format()
 
 
 def test_external_data_is_hashed_in_place(files, tmp_path):
@@ -202,11 +227,11 @@ def test_cli_exit_codes_json_and_html(files, tmp_path):
     assert code == 1 and "first drift at h.1.mlp" in out and "(random" not in out
     assert "Wrote" in err
     records = json.loads((tmp_path / "d.json").read_text())
-    assert isinstance(records, list) and records[0]["path"] == "" and records[0]["growth"] == 1.0  # ln_f's drift
+    assert isinstance(records, list) and records[0]["path"] == "" and records[0]["added_drift"] == 0.0  # ln_f's
     mlp = next(r for r in records if r["path"] == "h.1.mlp")
     assert {"path", "class", "change", "max_abs", "max_rel", "time_a_ms", "time_b_ms", "time_ratio"} <= set(mlp)
     assert mlp["change"] == "changed" and mlp["class"].endswith("GPT2MLP") and mlp["max_abs"] > 0
-    assert mlp["growth"] == "inf" and mlp["first_drift"] is True
+    assert mlp["added_drift"] == mlp["scaled_drift"] > 0 and mlp["first_drift"] is True
     page = (tmp_path / "d.html").read_text()
     assert page.count("GPT2MLP_2") >= 1 and "A: call" in page and "B: call" in page
     code, out, _ = _cli(files / "gpt2.onnx", files / "planted.onnx", "--json", "-", "--structure-only")

@@ -16,8 +16,8 @@ class, and says for each call:
   declared input types, seed 0) with every call's outputs captured
   (:func:`~onnx_modular.calls.capture.call_outputs`); per call the largest absolute and relative
   difference of its outputs (:func:`~onnx_modular.check.parity.max_differences`), the first call
-  in execution order whose outputs differ, and the calls ranked by how much they grow the drift
-  (:attr:`CallDiff.growth`).
+  in execution order whose outputs differ, and the calls ranked by the drift they add
+  (:attr:`CallDiff.added_drift`).
 * time (``profile=True``): each call's inclusive kernel time in both files
   (:func:`~onnx_modular.profiling.run.profile`) and the ratio.
 
@@ -92,8 +92,11 @@ class CallDiff:
         children: The calls it makes, both files merged, in execution order.
         max_abs, max_rel: Largest difference of its outputs between the files (``None`` when not
             compared: numerics off, a call on one side only, a call without ops).
-        drift_in: The largest ``max_abs`` of the calls that finished before it in execution order
-            (those it makes included): the drift that can have reached it.
+        scaled_drift: ``max_abs`` of each output over the largest magnitude of A's values of that
+            output, the largest over its outputs: drift on one scale for every call (a LayerNorm's
+            output and a logit's compare), robust to values near 0 (which make ``max_rel`` large).
+        drift_before: The largest ``scaled_drift`` of the calls that finished before it in execution
+            order (those it makes included): the drift that can have reached it.
         order: Its place in execution order (calls finish children first), ``None`` if not run.
         time_a_us, time_b_us: Its inclusive kernel time in each file (``profile=True``).
         first_drift: The first call in execution order whose outputs differ.
@@ -110,7 +113,8 @@ class CallDiff:
     parent: CallDiff | None = dataclasses.field(default=None, repr=False)
     max_abs: float | None = None
     max_rel: float | None = None
-    drift_in: float | None = None
+    scaled_drift: float | None = None
+    drift_before: float | None = None
     order: int | None = None
     time_a_us: float | None = None
     time_b_us: float | None = None
@@ -141,16 +145,16 @@ class CallDiff:
         return _label(self.b)
 
     @property
-    def growth(self) -> float | None:
-        """``max_abs / drift_in``: how much the call grows the drift that can have reached it
-        (``inf`` where drift first appears; ``None`` for a call whose outputs do not differ).
+    def added_drift(self) -> float | None:
+        """``scaled_drift - drift_before`` (0 when smaller): the drift the call adds beyond what can
+        have reached it (all of it where drift first appears; ``None`` when not measured).
 
-        ``drift_in`` bounds what reached the call by everything measured before it, so this is a
-        ranking of where drift is made, not a measurement of the call on its exact inputs.
+        ``drift_before`` bounds what reached the call by everything measured before it, so this
+        ranks where drift is made; it is not a measurement of the call on its exact inputs.
         """
-        if not self.max_abs or self.drift_in is None:
+        if self.scaled_drift is None or self.drift_before is None:
             return None
-        return math.inf if not self.drift_in else self.max_abs / self.drift_in
+        return max(self.scaled_drift - self.drift_before, 0.0)
 
     @property
     def time_ratio(self) -> float | None:
@@ -184,8 +188,9 @@ class CallDiff:
             "function_b": self.function_b,
             "max_abs": self.max_abs,
             "max_rel": self.max_rel,
-            "drift_in": self.drift_in,
-            "growth": self.growth,
+            "scaled_drift": self.scaled_drift,
+            "drift_before": self.drift_before,
+            "added_drift": self.added_drift,
             "first_drift": self.first_drift,
             "order": self.order,
             "time_a_ms": None if self.time_a_us is None else self.time_a_us / 1e3,
@@ -260,10 +265,10 @@ class ModelDiff:
         return counts
 
     def ranked(self, count: int | None = None) -> list[CallDiff]:
-        """Calls whose outputs differ, the ones that grow the drift most first (:attr:`CallDiff.growth`),
-        then by ``max_abs``; the call where drift first appears leads."""
+        """Calls whose outputs differ, the ones that add the most drift first (:attr:`CallDiff.added_drift`),
+        then by ``scaled_drift`` and execution order."""
         drifting = [call for call in self.calls() if call.max_abs]
-        drifting.sort(key=lambda call: (-(call.growth or 0.0), -(call.max_abs or 0.0), call.order or 0))
+        drifting.sort(key=lambda call: (-(call.added_drift or 0.0), -(call.scaled_drift or 0.0), call.order or 0))
         return drifting if count is None else drifting[:count]
 
     def records(self) -> list[dict[str, Any]]:
@@ -271,7 +276,7 @@ class ModelDiff:
         return [call.record() for call in self.root.walk()]
 
     def to_json(self, indent: int | None = 2) -> str:
-        """The records as a JSON list (infinite growth as the string ``"inf"``)."""
+        """The records as a JSON list (an infinite difference as the string ``"inf"``)."""
         return json.dumps(_json_safe(self.records()), indent=indent, allow_nan=False)
 
     def format(self, max_depth: int | None = None, *, top: int = 10) -> str:
@@ -732,14 +737,28 @@ def _feeds(file_a: _File, file_b: _File, inputs: Any, seed: int) -> dict[str, np
     return feeds
 
 
-def _drift(outputs_a: list[np.ndarray], outputs_b: list[np.ndarray]) -> tuple[float, float]:
+def _drift(outputs_a: list[np.ndarray], outputs_b: list[np.ndarray]) -> tuple[float, float, float]:
+    """(max abs, max rel, scaled drift) of B's outputs against A's (see :class:`CallDiff`)."""
     if len(outputs_a) != len(outputs_b):
-        return math.inf, math.inf
-    worst_abs, worst_rel = 0.0, 0.0
+        return math.inf, math.inf, math.inf
+    worst_abs, worst_rel, worst_scaled = 0.0, 0.0, 0.0
     for x, y in zip(outputs_a, outputs_b):
-        abs_, rel = max_differences(np.asarray(y), np.asarray(x))
+        x, y = np.asarray(x), np.asarray(y)
+        abs_, rel = max_differences(y, x)
         worst_abs, worst_rel = max(worst_abs, abs_), max(worst_rel, rel)
-    return worst_abs, worst_rel
+        if abs_:
+            scale = _magnitude(x)
+            worst_scaled = max(worst_scaled, abs_ / scale if scale > 0 else math.inf)
+    return worst_abs, worst_rel, worst_scaled
+
+
+def _magnitude(values: np.ndarray) -> float:
+    """The largest finite ``|value|`` (0 for empty, non-numeric or all non-finite values)."""
+    if values.size == 0 or values.dtype.kind not in "biufc":
+        return 0.0
+    magnitude = np.abs(values.astype(np.complex128 if values.dtype.kind == "c" else np.float64))
+    finite = magnitude[np.isfinite(magnitude)]
+    return float(finite.max()) if finite.size else 0.0
 
 
 def _numerics(root: CallDiff, file_a: _File, file_b: _File, feeds: Mapping[str, np.ndarray]) -> None:
@@ -761,13 +780,13 @@ def _numerics(root: CallDiff, file_a: _File, file_b: _File, feeds: Mapping[str, 
         other = values_b.get(values.call_name)
         if node is None or other is None:
             continue
-        node.max_abs, node.max_rel = _drift(values.outputs, other.outputs)
+        node.max_abs, node.max_rel, node.scaled_drift = _drift(values.outputs, other.outputs)
         node.order = order
-        node.drift_in = seen
-        seen = max(seen, node.max_abs)
+        node.drift_before = seen
+        seen = max(seen, node.scaled_drift)
         if first and node.max_abs:
             node.first_drift, first = True, False
-    root.drift_in = seen  # the model outputs come last
+    root.drift_before = seen  # the model outputs come last
 
 
 def _set_output_drift(root: CallDiff, outputs_a: Mapping[str, np.ndarray], outputs_b: Mapping[str, np.ndarray]) -> None:
@@ -778,9 +797,9 @@ def _set_output_drift(root: CallDiff, outputs_a: Mapping[str, np.ndarray], outpu
     elif len(names_a) == len(names_b):
         pairs = list(zip(outputs_a.values(), outputs_b.values()))
     else:
-        root.max_abs, root.max_rel = math.inf, math.inf
+        root.max_abs, root.max_rel, root.scaled_drift = math.inf, math.inf, math.inf
         return
-    root.max_abs, root.max_rel = _drift([x for x, _ in pairs], [y for _, y in pairs])
+    root.max_abs, root.max_rel, root.scaled_drift = _drift([x for x, _ in pairs], [y for _, y in pairs])
 
 
 def _output_drift(root: CallDiff, file_a: _File, file_b: _File, feeds: Mapping[str, np.ndarray]) -> None:

@@ -134,12 +134,16 @@ def text(report: ModelDiff, max_depth: int | None = None, *, top: int = 10) -> s
     lines.append("markers: ~ changed in its own body, ^ changed below (a call it makes), + only in B, - only in A")
     ranked = report.ranked(top)
     if ranked:
-        lines += ["", "Where the drift is made (growth: max abs over the largest drift measured before the call):"]
+        lines += [
+            "",
+            "Where the drift is made (scaled: max abs over the output's largest |value|; "
+            "added: scaled minus the largest scaled drift before the call):",
+        ]
         width = min(max(len(call.path) for call in ranked), 60)
         for rank, call in enumerate(ranked, 1):
             lines.append(
                 f"{rank:>3}. {shown(fit_name(call.path, 60)):<{width}}  {shown(call.class_name):<18} "
-                f"max abs {number(call.max_abs):>7}  growth {number(call.growth):>7}"
+                f"max abs {number(call.max_abs):>7}  scaled {number(call.scaled_drift):>7}  added {number(call.added_drift):>7}"
                 + ("  (first drift)" if call.first_drift else "")
             )
     changed = [call for call in report.root.walk() if call.change != "same"]
@@ -196,7 +200,7 @@ def html_page(report: ModelDiff) -> str:
     smallest = min((c.max_abs for c in report.root.walk() if c.max_abs and math.isfinite(c.max_abs)), default=0.0)
     head = (
         "<tr><th class='side'>A: call</th><th>function</th><th>change</th><th class='side'>B: call</th><th>function</th>"
-        "<th>max abs</th><th>max rel</th><th>growth</th>" + ("<th>A ms</th><th>B ms</th><th>B/A</th>" if timed else "")
+        "<th>max abs</th><th>max rel</th><th>scaled</th><th>added</th>" + ("<th>A ms</th><th>B ms</th><th>B/A</th>" if timed else "")
         + "<th>what differs</th></tr>"
     )
     rows = []
@@ -217,7 +221,7 @@ def html_page(report: ModelDiff) -> str:
             f"<td class='verdict'>{_escape(call.verdict)}{' (first drift)' if call.first_drift else ''}</td>",
             f"<td class='tree b side'>{b_name}</td><td class='b'>{b_function}</td>",
             f"<td class='num'>{number(call.max_abs)}{bar}</td><td class='num'>{number(call.max_rel)}</td>",
-            f"<td class='num'>{number(call.growth)}</td>",
+            f"<td class='num'>{number(call.scaled_drift)}</td><td class='num'>{number(call.added_drift)}</td>",
         ]
         if timed:
             cells.append(
@@ -232,7 +236,8 @@ def html_page(report: ModelDiff) -> str:
     ranked = report.ranked(10)
     ranking = "".join(
         f"<li>{_escape(call.path)} ({_escape(call.class_name)}): max abs {number(call.max_abs)}, "
-        f"growth {number(call.growth)}{' &mdash; first drift' if call.first_drift else ''}</li>"
+        f"scaled {number(call.scaled_drift)}, added {number(call.added_drift)}"
+        f"{' &mdash; first drift' if call.first_drift else ''}</li>"
         for call in ranked
     )
     title = f"onnx_modular diff: {report.a} vs {report.b}"
@@ -248,6 +253,6 @@ def html_page(report: ModelDiff) -> str:
         "<span style='background:#ffe3e3'></span>only in A; "
         "bold: the first call in execution order whose outputs differ; bar: max abs drift (log scale).</p>"
         f"<table>{head}{''.join(rows)}</table>"
-        + (f"<h3>Where the drift is made</h3><p>growth: max abs over the largest drift measured before the call.</p><ol>{ranking}</ol>" if ranked else "")
+        + (f"<h3>Where the drift is made</h3><p>scaled: max abs over the output's largest |value|; added: scaled minus the largest scaled drift measured before the call.</p><ol>{ranking}</ol>" if ranked else "")
         + f"<h3>Terminal view</h3><pre>{_escape(text(report))}</pre></body></html>"
     )
