@@ -166,7 +166,7 @@ def test_profile_times_each_call_in_both(files):
     assert {"h.0", "h.1", "h.0.attn"} <= {c.path for c in timed}
     assert all(c.time_ratio == c.time_b_us / c.time_a_us for c in timed)
     assert result.root.time_a_us >= result["h.0"].time_a_us
-    assert result.settings["runs"] == 2 and result.settings["threads"] == 1
+    assert result.settings["runs"] == 2 and result.settings["rounds"] == 2 and result.settings["threads"] == 1
     assert "B/A" in result.format()
 
 

@@ -814,15 +814,37 @@ def _output_drift(root: CallDiff, file_a: _File, file_b: _File, feeds: Mapping[s
     _set_output_drift(root, *outputs)
 
 
+#: Rounds of ``profile=True``: the files are profiled in turn (A B, B A, A B), so that a change of
+#: the machine's load during the measurement falls on both.
+PROFILE_ROUNDS = 3
+
+
 def _times(root: CallDiff, file_a: _File, file_b: _File, feeds, runs: int, threads: int | None) -> dict[str, Any]:
+    """Each call's inclusive time in both files: the median over :data:`PROFILE_ROUNDS` alternating
+    rounds of :func:`~onnx_modular.profiling.run.profile` (each round's own median over its runs)."""
+    import statistics
+
     from onnx_modular.profiling.run import profile
 
-    reports = [profile(f.path, dict(feeds), runs=runs, threads=threads) for f in (file_a, file_b)]
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise InvalidInputError(f"runs must be an integer >= 1, got {runs!r}.")
+    rounds = min(PROFILE_ROUNDS, runs)
+    per_round = -(-runs // rounds)
+    reports: dict[int, list] = {0: [], 1: []}
+    for index in range(rounds):
+        for side in ((0, 1) if index % 2 == 0 else (1, 0)):
+            file = (file_a, file_b)[side]
+            reports[side].append(profile(file.path, dict(feeds), runs=per_round, threads=threads))
     for call in root.walk():
-        for side, report, attribute in ((call.a, reports[0], "time_a_us"), (call.b, reports[1], "time_b_us")):
-            if side is not None and side.key in report.times:
-                setattr(call, attribute, report.times[side.key].inclusive_us)
-    return {**reports[1].settings, "median_run_ms": [r.median_run_us / 1e3 for r in reports]}
+        for side, attribute in ((0, "time_a_us"), (1, "time_b_us")):
+            module_call = call.a if side == 0 else call.b
+            if module_call is None or module_call.key not in reports[side][0].times:
+                continue
+            setattr(call, attribute, statistics.median(r.times[module_call.key].inclusive_us for r in reports[side]))
+    settings = dict(reports[1][0].settings)
+    settings.update(runs=per_round * rounds, rounds=rounds)
+    settings["median_run_ms"] = [statistics.median(r.median_run_us for r in reports[side]) / 1e3 for side in (0, 1)]
+    return settings
 
 
 # -- the tool ----------------------------------------------------------------------------------
@@ -847,9 +869,9 @@ def diff(
         inputs: The inputs both files run on: an ``.npz`` file or arrays by name; random from A's
             declared input types by default (``seed``; symbolic dims 2, masks all ones).
         numerics: Run both files (every call's outputs captured); ``False``: structure only.
-        profile: Also time every call in both files (onnxruntime's profiler, ``runs`` runs after 2
-            warm-up runs, ``threads`` intra-op threads: one by default, as repeated ratios on a
-            shared machine agree best that way).
+        profile: Also time every call in both files (onnxruntime's profiler, ``runs`` runs in all,
+            in 3 rounds that alternate the files, each after 2 warm-up runs; ``threads`` intra-op
+            threads: one by default, as repeated ratios on a shared machine agree best that way).
         seed: Seed of the random inputs.
 
     Returns:

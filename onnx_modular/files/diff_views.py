@@ -92,7 +92,8 @@ def _summary(report: ModelDiff) -> list[str]:
     if report.settings is not None:
         a_ms, b_ms = report.settings.get("median_run_ms", [None, None])
         lines.append(
-            f"time: {report.settings.get('runs')} runs each, intra-op threads {report.settings.get('threads') or 'default'}; "
+            f"time: {report.settings.get('runs')} runs each in {report.settings.get('rounds')} alternating rounds, "
+            f"intra-op threads {report.settings.get('threads') or 'default'}; "
             f"median profiled run A {a_ms:.3f} ms, B {b_ms:.3f} ms"
         )
     if report.note:
