@@ -146,17 +146,24 @@ def test_external_data_is_hashed_in_place(files, tmp_path):
     assert tensor_digest(tensor, tmp_path) == tensor_digest(inline[tensor.name], files)
 
 
-def test_attribute_change_in_a_shared_body(files, tmp_path):
-    """An attribute changed in GPT2Attention's one body: both of its calls changed, with what."""
+def test_attribute_and_opset_changes_in_shared_bodies(files, tmp_path):
+    """An attribute changed in GPT2Attention's one body, GPT2Block's opset raised: both calls of
+    each changed, with what."""
     model = onnx.load(files / "gpt2.onnx")
     (attention,) = [f for f in model.functions if f.name == "GPT2Attention"]
     (softmax,) = [n for n in attention.node if n.op_type == "Softmax"]
     (axis,) = [a for a in softmax.attribute if a.name == "axis"]
     axis.i = -2
+    (block,) = [f for f in model.functions if f.name == "GPT2Block"]
+    (default,) = [o for o in block.opset_import if o.domain == ""]
+    default.version += 1  # its own nodes (the residual Adds) now read at the next opset
     onnx.save(model, tmp_path / "axis.onnx")
     result = diff(files / "gpt2.onnx", tmp_path / "axis.onnx", numerics=False)
-    assert [c.path for c in result.calls() if c.changed_in == "own"] == ["h.0.attn", "h.1.attn"]
+    own = [c.path for c in result.calls() if c.changed_in == "own"]
+    assert own == ["h.0", "h.0.attn", "h.1", "h.1.attn"]
     assert result["h.0.attn"].what == ["attributes of Softmax"]
+    assert result["h.1"].what == [f"opset ai.onnx {default.version - 1} -> {default.version}",
+                                  "calls below changed: h.1.attn"]
     assert result.root.max_abs is None and result.inputs == {}
 
 
