@@ -15,6 +15,7 @@ import onnx
 import onnx.helper as oh
 import onnx.numpy_helper
 import pytest
+from helpers import DOMAIN_TRANSFORMERS
 from models import gpt2
 
 from onnx_modular import diff, export_modular
@@ -77,6 +78,27 @@ def test_two_exports_of_the_same_model_are_the_same(files):
     assert result.root.max_abs == 0.0
     assert result.first_drift is None and result.ranked() == []
     assert not result.differs
+
+
+def test_another_package_version_with_the_same_bodies_is_the_same(files, tmp_path):
+    """Two exports by two versions of transformers (the domain and version renamed): same, drift 0,
+    the versions said."""
+    model = onnx.load(files / "gpt2.onnx")
+    old, new = DOMAIN_TRANSFORMERS, "pkg.transformers.99.0.0"
+    nodes = [*model.graph.node, *(node for function in model.functions for node in function.node)]
+    opsets = [*model.opset_import, *(opset for function in model.functions for opset in function.opset_import)]
+    for item in [*nodes, *opsets, *model.functions]:
+        item.domain = new if item.domain == old else item.domain
+    for function in model.functions:
+        for entry in function.metadata_props:
+            if entry.key == metadata.PACKAGE_VERSION and function.domain == new:
+                entry.value = "99.0.0"
+    onnx.save(model, tmp_path / "later.onnx")
+    result = diff(files / "gpt2.onnx", tmp_path / "later.onnx")
+    assert not result.differs and result.root.max_abs == 0.0
+    assert result["h.0"].function_b == new + ":GPT2Block" and result["h.0"].function_a == old + ":GPT2Block"
+    assert result.versions() == {"transformers": (old.removeprefix("pkg.transformers."), "99.0.0")}
+    assert "classes from other package versions: transformers" in result.format()
 
 
 def test_edited_mlp_is_changed_its_callers_only_below(files):

@@ -257,6 +257,15 @@ class ModelDiff:
         """Anything differs: a call's structure, a call's outputs or the model's outputs."""
         return any(call.change != "same" or call.max_abs for call in self.root.walk())
 
+    def versions(self) -> dict[str, tuple[str, str]]:
+        """``{package: (version in A, version in B)}`` for the packages whose classes' versions differ
+        between matched calls (two exports by two versions of transformers)."""
+        found: dict[str, tuple[str, str]] = {}
+        for call in self.calls():
+            if call.a is not None and call.b is not None and call.a.version != call.b.version:
+                found.setdefault(call.b.package or call.a.package, (call.a.version, call.b.version))
+        return found
+
     def counts(self) -> dict[str, int]:
         """Calls per verdict (``same``, ``changed``, ``changed below``, ``added``, ``removed``)."""
         counts = dict.fromkeys(("same", "changed", "changed below", "added", "removed"), 0)

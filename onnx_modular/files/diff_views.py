@@ -76,6 +76,12 @@ def _summary(report: ModelDiff) -> list[str]:
         f"{'modules' if report.by_module else 'calls'}: {counts['same']} same, {counts['changed']} changed, {counts['changed below']} changed below, "
         f"{counts['added']} added, {counts['removed']} removed"
     )
+    versions = report.versions()
+    if versions:
+        lines.append(
+            "classes from other package versions: "
+            + ", ".join(f"{shown(package)} {shown(a)} -> {shown(b)}" for package, (a, b) in versions.items())
+        )
     if report.numerics:
         root = report.root
         first = report.first_drift
