@@ -15,6 +15,7 @@ import onnx
 import onnx.helper as oh
 import onnx.numpy_helper
 import pytest
+import torch
 from helpers import DOMAIN_TRANSFORMERS
 from models import gpt2
 
@@ -149,6 +150,26 @@ def test_float16_copy_ranking_names_the_planted_module(files):
     assert ranked[0].path == PLANTED
     assert ranked[0].added_drift > 10 * max(c.added_drift for c in ranked if not c.path.startswith("h.1.attn"))
     assert "1. " + PLANTED in result.format()
+
+
+def test_float_inputs_are_cast_for_a_copy_that_takes_float16(tmp_path):
+    """A copy whose input is float16 (cast back inside) gets the same values cast to float16."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    export_modular(model, (torch.randn(2, 8),), tmp_path / "small.onnx")
+    half = onnx.load(tmp_path / "small.onnx")
+    name = half.graph.input[0].name
+    half.graph.input[0].type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+    for node in half.graph.node:
+        node.input[:] = [name + ".float" if value == name else value for value in node.input]
+    half.graph.node.insert(0, oh.make_node("Cast", [name], [name + ".float"], to=onnx.TensorProto.FLOAT))
+    onnx.save(half, tmp_path / "half_input.onnx")
+    result = diff(tmp_path / "small.onnx", tmp_path / "half_input.onnx")
+    assert result.cast == {name: "float16"} and result.inputs[name]["dtype"] == "float32"
+    assert result.root.changed_in == "own" and result.root.what == ["nodes added: 1 Cast"]
+    assert [c.change for c in result.calls()] == ["same"] * 3
+    assert result.first_drift.path == "0" and 0 < result["0"].max_abs < 1e-2  # float16's rounding of x
+    assert f"cast for B: {name} to float16" in result.format()
 
 
 def test_external_data_is_hashed_in_place(files, tmp_path):

@@ -222,6 +222,8 @@ class ModelDiff:
         numerics: Whether the files were run.
         settings: The profile's settings (``profile=True``), else ``None``.
         note: What could not be compared, if anything.
+        cast: The inputs B declares with another floating-point type, and that type: B got the same
+            values cast to it (a float32 file and its float16 copy).
         by_module: A file had no local functions: modules were compared by the module path on each
             node (a flat copy's labels), not calls; only the model outputs' drift is measured.
     """
@@ -236,6 +238,7 @@ class ModelDiff:
     settings: dict[str, Any] | None = None
     note: str | None = None
     by_module: bool = False
+    cast: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def calls(self) -> list[CallDiff]:
         """Every call (the main graph excluded), in display order."""
@@ -705,8 +708,17 @@ def _merge(a: ModuleCall | None, b: ModuleCall | None, parent: CallDiff | None, 
 # -- numerics and time -------------------------------------------------------------------------
 
 
-def _check_inputs(file_a: _File, file_b: _File) -> None:
-    """The two files take the same inputs (names, element types, ranks, fixed dims), or say which not."""
+#: Element types between which the same input values are cast (a float32 file and its float16 copy).
+_FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
+
+
+def _check_inputs(file_a: _File, file_b: _File) -> dict[str, int]:
+    """The two files take the same inputs (names, ranks, fixed dims, element types), or say which not.
+
+    Returns:
+        The inputs whose floating-point type differs (a float32 file and its float16 copy), with
+        B's type: B is fed the same values cast to it.
+    """
     inputs_a = {v.name: v for v in model_inputs(file_a.model)}
     inputs_b = {v.name: v for v in model_inputs(file_b.model)}
     only_a, only_b = [n for n in inputs_a if n not in inputs_b], [n for n in inputs_b if n not in inputs_a]
@@ -717,33 +729,42 @@ def _check_inputs(file_a: _File, file_b: _File) -> None:
             hint="diff runs both files on the same inputs; compare files of one model with the same signature.",
         )
 
-    def described(value: onnx.ValueInfoProto) -> tuple[str, list]:
+    def described(value: onnx.ValueInfoProto) -> tuple[int, str, list]:
         tensor = value.type.tensor_type
         elem = onnx.TensorProto.DataType.Name(tensor.elem_type).lower() if tensor.elem_type else "?"
         dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tensor.shape.dim]
-        return elem, dims
+        return tensor.elem_type, elem, dims
 
+    cast: dict[str, int] = {}
     for name, value in inputs_a.items():
-        (elem_a, dims_a), (elem_b, dims_b) = described(value), described(inputs_b[name])
+        (type_a, elem_a, dims_a), (type_b, elem_b, dims_b) = described(value), described(inputs_b[name])
         fixed_differ = len(dims_a) != len(dims_b) or any(
             isinstance(x, int) and isinstance(y, int) and x != y for x, y in zip(dims_a, dims_b)
         )
-        if elem_a != elem_b or fixed_differ:
+        if type_a != type_b and type_a in _FLOATS and type_b in _FLOATS and not fixed_differ:
+            cast[name] = type_b
+        elif type_a != type_b or fixed_differ:
             raise InvalidInputError(
                 f"The input {shown(name)!r} differs between the two files: {elem_a}{dims_a} in {file_a.path!r}, "
                 f"{elem_b}{dims_b} in {file_b.path!r}.",
-                hint="diff runs both files on the same inputs; an input's element type and rank must agree.",
+                hint="diff runs both files on the same inputs; an input's rank, fixed dims and element type must "
+                "agree (floating-point types may differ: B gets the same values cast to its type).",
             )
+    return cast
 
 
-def _feeds(file_a: _File, file_b: _File, inputs: Any, seed: int) -> dict[str, np.ndarray]:
-    _check_inputs(file_a, file_b)
+def _feeds(file_a: _File, file_b: _File, inputs: Any, seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A's feeds and B's: the same values, cast where B declares another floating-point type."""
+    cast = _check_inputs(file_a, file_b)
     feeds = feeds_for(file_a.model, inputs, seed=seed)
+    feeds_b = dict(feeds)
+    for name, elem_type in cast.items():
+        feeds_b[name] = feeds[name].astype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
     try:
-        check_feeds(file_b.model, feeds)
+        check_feeds(file_b.model, feeds_b)
     except InvalidInputError as e:
         raise InvalidInputError(f"{file_b.path!r}: {str(e).splitlines()[0].removeprefix('[input] ')}") from e
-    return feeds
+    return feeds, feeds_b
 
 
 def _drift(outputs_a: list[np.ndarray], outputs_b: list[np.ndarray]) -> tuple[float, float, float]:
@@ -770,13 +791,13 @@ def _magnitude(values: np.ndarray) -> float:
     return float(finite.max()) if finite.size else 0.0
 
 
-def _numerics(root: CallDiff, file_a: _File, file_b: _File, feeds: Mapping[str, np.ndarray]) -> None:
+def _numerics(root: CallDiff, file_a: _File, file_b: _File, feeds: Mapping[str, np.ndarray], feeds_b) -> None:
     outputs_a, calls_a = call_outputs(
         file_a.model, feeds, external_data_folder=runtime.external_data_folder(file_a.path, file_a.model),
         what=f"instrumented copy of {file_a.path!r}",
     )
     outputs_b, calls_b = call_outputs(
-        file_b.model, feeds, external_data_folder=runtime.external_data_folder(file_b.path, file_b.model),
+        file_b.model, feeds_b, external_data_folder=runtime.external_data_folder(file_b.path, file_b.model),
         what=f"instrumented copy of {file_b.path!r}",
     )
     _set_output_drift(root, outputs_a, outputs_b)
@@ -811,12 +832,12 @@ def _set_output_drift(root: CallDiff, outputs_a: Mapping[str, np.ndarray], outpu
     root.max_abs, root.max_rel, root.scaled_drift = _drift([x for x, _ in pairs], [y for _, y in pairs])
 
 
-def _output_drift(root: CallDiff, file_a: _File, file_b: _File, feeds: Mapping[str, np.ndarray]) -> None:
+def _output_drift(root: CallDiff, file_a: _File, file_b: _File, feeds: Mapping[str, np.ndarray], feeds_b) -> None:
     """The model outputs only (files compared by module: no call outputs to capture)."""
     outputs = []
-    for file in (file_a, file_b):
+    for file, file_feeds in ((file_a, feeds), (file_b, feeds_b)):
         names, values = runtime.run(
-            file.model.SerializeToString(), feeds, what=f"model {file.path!r}",
+            file.model.SerializeToString(), file_feeds, what=f"model {file.path!r}",
             external_data_folder=runtime.external_data_folder(file.path, file.model),
         )
         outputs.append(dict(zip(names, values)))
@@ -828,7 +849,7 @@ def _output_drift(root: CallDiff, file_a: _File, file_b: _File, feeds: Mapping[s
 PROFILE_ROUNDS = 3
 
 
-def _times(root: CallDiff, file_a: _File, file_b: _File, feeds, runs: int, threads: int | None) -> dict[str, Any]:
+def _times(root: CallDiff, file_a: _File, file_b: _File, feeds, feeds_b, runs: int, threads: int | None) -> dict[str, Any]:
     """Each call's inclusive time in both files: the median over :data:`PROFILE_ROUNDS` alternating
     rounds of :func:`~onnx_modular.profiling.run.profile` (each round's own median over its runs)."""
     import statistics
@@ -843,7 +864,7 @@ def _times(root: CallDiff, file_a: _File, file_b: _File, feeds, runs: int, threa
     for index in range(rounds):
         for side in ((0, 1) if index % 2 == 0 else (1, 0)):
             file = (file_a, file_b)[side]
-            reports[side].append(profile(file.path, dict(feeds), runs=per_round, threads=threads))
+            reports[side].append(profile(file.path, dict((feeds, feeds_b)[side]), runs=per_round, threads=threads))
     for call in root.walk():
         for side, attribute in ((0, "time_a_us"), (1, "time_b_us")):
             module_call = call.a if side == 0 else call.b
@@ -890,8 +911,9 @@ def diff(
     Raises:
         InvalidModelFileError: A file cannot be read (missing, not ONNX, truncated, external data
             missing or outside its folder).
-        InvalidInputError: A file without local functions; files whose inputs differ (which input,
-            and how); given inputs that do not fit.
+        InvalidInputError: A file without local functions or module paths on its nodes; files whose
+            inputs differ (which input, and how; floating-point types may differ: B gets the same
+            values cast to its type); given inputs that do not fit.
         VerificationError: onnxruntime cannot run a file.
 
     Example::
@@ -914,12 +936,13 @@ def diff(
         by_module=note is not None,
     )
     if numerics or profile:
-        feeds = _feeds(file_a, file_b, inputs, seed)
+        feeds, feeds_b = _feeds(file_a, file_b, inputs, seed)
         result.inputs = {name: {"shape": list(x.shape), "dtype": str(x.dtype)} for name, x in feeds.items()}
+        result.cast = {name: str(x.dtype) for name, x in feeds_b.items() if x.dtype != feeds[name].dtype}
         if numerics and note is not None:
-            _output_drift(root, file_a, file_b, feeds)
+            _output_drift(root, file_a, file_b, feeds, feeds_b)
         elif numerics:
-            _numerics(root, file_a, file_b, feeds)
+            _numerics(root, file_a, file_b, feeds, feeds_b)
         if profile:
-            result.settings = _times(root, file_a, file_b, feeds, runs, threads)
+            result.settings = _times(root, file_a, file_b, feeds, feeds_b, runs, threads)
     return result

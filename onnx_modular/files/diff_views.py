@@ -72,6 +72,8 @@ def _summary(report: ModelDiff) -> list[str]:
     if report.inputs:
         shapes = ", ".join(f"{shown(n)}{v['shape']} {v['dtype']}" for n, v in report.inputs.items())
         lines.append(f"inputs: {shapes or '(none)'}" + (f" (random, seed {report.seed})" if report.random_inputs else ""))
+        if report.cast:
+            lines.append("cast for B: " + ", ".join(f"{shown(n)} to {dtype}" for n, dtype in report.cast.items()))
     lines.append(
         f"{'modules' if report.by_module else 'calls'}: {counts['same']} same, {counts['changed']} changed, {counts['changed below']} changed below, "
         f"{counts['added']} added, {counts['removed']} removed"
