@@ -133,7 +133,6 @@ def test_planted_precision_loss_is_ranked_first(files):
     assert result.first_drift is planted
     later = [c for c in result.calls() if c.order is not None and c.order > planted.order and c.max_abs]
     assert len(later) > 5  # the drift travels on; the ranking still names where it was made
-    assert max(c.max_abs for c in later) > 0
     assert all(c.max_abs == 0.0 for c in result.calls() if c.order is not None and c.order < planted.order)
 
 
