@@ -336,11 +336,20 @@ class _Tensors:
         self.folder = folder
         self.name = name
         self._digests: dict[str, str] = {}
+        self._held: dict[int, tuple[onnx.TensorProto, str]] = {}  # the tensor kept: its id stays its own
 
     def digest(self, initializer: str) -> str:
         if initializer not in self._digests:
             self._digests[initializer] = tensor_digest(self.by_name[initializer], self.folder, self.name)
         return self._digests[initializer]
+
+    def of(self, tensor: onnx.TensorProto) -> str:
+        """The digest of a tensor held by a node (a ``Constant``'s value), once per tensor: a body
+        shared by many calls is read once per call."""
+        key = id(tensor)
+        if key not in self._held:
+            self._held[key] = (tensor, tensor_digest(tensor, self.folder, self.name))
+        return self._held[key][1]
 
     def kind(self, initializer: str) -> str:
         tensor = self.by_name[initializer]
@@ -475,7 +484,7 @@ def _attribute(attribute: onnx.AttributeProto, canon: _Canon, functions, tensors
         return (attribute.name, "graphs", tuple(_subgraph(g, canon, functions, tensors, used_domains) for g in graphs))
     if attribute.HasField("t") or attribute.tensors:
         values = [attribute.t] if attribute.HasField("t") else list(attribute.tensors)
-        return (attribute.name, "tensors", tuple(tensor_digest(t, tensors.folder, tensors.name) for t in values))
+        return (attribute.name, "tensors", tuple(tensors.of(t) for t in values))
     if attribute.HasField("sparse_tensor") or attribute.sparse_tensors:
         values = [attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else list(attribute.sparse_tensors)
         return (attribute.name, "sparse", tuple(hashlib.sha256(v.SerializeToString()).hexdigest() for v in values))
@@ -490,7 +499,7 @@ def _subgraph(graph: onnx.GraphProto, canon: _Canon, functions, tensors: _Tensor
     for index, value in enumerate(graph.input):
         canon.names[value.name] = f"sub_in{index}:{canon.counter}"
     for tensor in graph.initializer:
-        canon.names[tensor.name] = "const:" + tensor_digest(tensor, tensors.folder, tensors.name)
+        canon.names[tensor.name] = "const:" + tensors.of(tensor)
     entries = tuple(_node(node, canon, functions, tensors, used_domains)[1] for node in graph.node)
     return entries + (("return", tuple(canon.ref(value.name) for value in graph.output)),)
 
