@@ -64,7 +64,7 @@ from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.load import load_model_file
 from onnx_modular.storage.proto import FunctionId, function_id, function_label, is_standard_domain, node_id
 
-__all__ = ["diff", "ModelDiff", "CallDiff", "CHANGES"]
+__all__ = ["diff", "ModelDiff", "CallDiff", "CHANGES", "tensor_digest"]
 
 #: The structural verdicts of a call.
 CHANGES = ("same", "changed", "added", "removed")
