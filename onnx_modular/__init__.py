@@ -47,6 +47,8 @@ _LAZY = {
     "ProfileReport": "onnx_modular.profiling.run",
     "extract": "onnx_modular.files.extract",
     "replace": "onnx_modular.files.replace",
+    "diff": "onnx_modular.files.diff",
+    "ModelDiff": "onnx_modular.files.diff",
 }
 
 
@@ -77,6 +79,8 @@ __all__ = [
     "VerificationReport",
     "extract",
     "replace",
+    "diff",
+    "ModelDiff",
     "localize",
     "LocalizationReport",
     "profile",

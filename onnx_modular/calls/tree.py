@@ -21,7 +21,7 @@ from onnx_modular.storage.checks import (
 )
 from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, node_id, numel
 
-__all__ = ["MAX_TREE_CALLS", "function_tree", "count_from_model", "count_from_ir"]
+__all__ = ["MAX_TREE_CALLS", "function_tree", "weight_sources", "count_from_model", "count_from_ir"]
 
 #: Largest number of calls the expanded tree may hold (a function called from a function
 #: called N times counts N times): the limit onnxruntime and inlining get
@@ -156,6 +156,29 @@ def function_tree(model: onnx.ModelProto, *, max_calls: int | None = None) -> Ca
             formal: scope[actual] for formal, actual in zip(function.input, node.input) if actual in scope
         }
     return CallTree(root)
+
+
+def weight_sources(model: onnx.ModelProto) -> dict[str, dict[str, str]]:
+    """Per call name, the formal inputs of the call's body that receive a main-graph initializer
+    (``{formal: initializer}``), followed through its callers' formal inputs, as the tree counts
+    parameters; ``""`` (the main graph) maps each initializer to itself.
+
+    A body shared by ``h.0`` and ``h.1`` gives each call its own weights: what ``diff`` hashes
+    to tell two calls of one function apart. Values computed on the way are not weights.
+    """
+    produced = {name for node in all_nodes(model.graph.node) for name in node.output}
+    names = [tensor.name for tensor in model.graph.initializer]
+    names += [sparse.values.name for sparse in model.graph.sparse_initializer]
+    top = {name: name for name in names if name not in produced}
+    sources: dict[str, dict[str, str]] = {"": top}
+    scopes: dict[int, dict[str, str]] = {}
+    for call in metadata.expanded_calls(model, module_calls_only=False):
+        scope = top if call.caller is None else scopes[id(call.caller)]
+        scopes[id(call)] = {
+            formal: scope[actual] for formal, actual in zip(call.function.input, call.node.input) if actual in scope
+        }
+        sources[call.call_name] = scopes[id(call)]
+    return sources
 
 
 def count_from_model(tree: CallTree, model: onnx.ModelProto) -> None:

@@ -10,8 +10,10 @@ Subcommands::
     onnx-modular view m.onnx [--port P]                    # Netron on localhost
     onnx-modular extract m.onnx h.1.attn -o OUT [--with-data]  # one call (or class) as its own model
     onnx-modular replace m.onnx GPT2Block block.onnx -o new.onnx  # a block as the body of a call / class
+    onnx-modular diff a.onnx b.onnx [--profile] [--html P]  # two files compared call by call (exit 1: differ)
 
-Exit codes: 0 success; 1 verification failure (outputs differ beyond tolerance);
+Exit codes: 0 success; 1 verification failure (outputs differ beyond tolerance), or ``diff``
+found a difference;
 2 usage error or bad input (unreadable model, bad factory, export failure, ...);
 3 internal error (a bug: the traceback is printed). Errors of onnx_modular print
 ``error: ...`` on stderr with the module involved and the ``What to do:`` hint;
@@ -33,7 +35,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from onnx_modular.cli.commands import run_export, run_inline, run_verify
+from onnx_modular.cli.commands import run_diff, run_export, run_inline, run_verify
 from onnx_modular.cli.output import EXIT_INTERNAL, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, Mismatch, stderr
 from onnx_modular.cli.parser import build_parser
 from onnx_modular.errors import OnnxModularError, ParityError
@@ -55,7 +57,7 @@ def _import_what_runs(args: argparse.Namespace) -> None:
         if os.path.isdir(args.factory) or args.task is not None:
             with contextlib.suppress(ImportError):  # without the [hf] extra, the command says so
                 importlib.import_module("onnx_modular.hf.command")
-    elif run is run_verify:
+    elif run is run_verify or (run is run_diff and not args.structure_only):
         importlib.import_module("onnx_modular.check.parity")
         importlib.import_module("onnxruntime")
     elif run is run_inline and (args.optimize or args.opset is not None):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from onnx_modular.check.parity import Tolerance
-from onnx_modular.cli.output import EXIT_OK, Mismatch, print_json, stderr, stdout
+from onnx_modular.cli.output import EXIT_MISMATCH, EXIT_OK, Mismatch, print_json, stderr, stdout
 from onnx_modular.cli.progress import EXPORT_STAGES, Progress
 from onnx_modular.errors import InvalidInputError, ParityError
 from onnx_modular.files import function_tree, inline_file, load_model_file, random_inputs
@@ -386,6 +386,37 @@ def run_replace(args: argparse.Namespace) -> int:
 
     print(replace(args.model, args.target, args.block, args.output, inputs=_npz_feeds(args)))
     return EXIT_OK
+
+
+# -- diff --------------------------------------------------------------------------------
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    from onnx_modular.files.diff import diff
+
+    outputs = {"json": None if args.json == "-" else args.json, "html": args.html}
+    for path in outputs.values():
+        if path is not None:
+            save.check_destination(path)  # a bad path fails before the models run
+    if args.structure_only and (args.inputs or args.profile):
+        raise InvalidInputError("--structure-only runs nothing: it cannot be combined with --inputs or --profile.")
+    result = diff(
+        args.a,
+        args.b,
+        inputs=args.inputs,
+        numerics=not args.structure_only,
+        profile=args.profile,
+        runs=args.runs,
+        threads=args.threads,
+        seed=args.seed,
+    )
+    for path in result.save(**outputs):  # written first: a reader that stops early (| head) does not lose them
+        stderr(f"Wrote {path}")
+    if args.json == "-":
+        print(result.to_json())
+    else:
+        stdout(result.format(max_depth=args.depth or None, top=args.top))
+    return EXIT_MISMATCH if result.differs else EXIT_OK
 
 
 # -- view --------------------------------------------------------------------------------

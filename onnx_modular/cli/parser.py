@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="onnx-modular",
         description="Export PyTorch models to ONNX with every module call as a nested local function, "
         "and inspect, inline, verify or view such files.",
-        epilog="Exit codes: 0 ok, 1 verification failure, 2 usage error or bad input, 3 internal error.",
+        epilog="Exit codes: 0 ok, 1 verification failure (or diff: the files differ), 2 usage error or bad input, "
+        "3 internal error.",
         parents=[common],
     )
     from onnx_modular._version import __version__
@@ -245,6 +246,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--inputs", default=None, metavar="FILE.npz", help="inputs of the comparison with the original (default: random, seed 0)"
     )
     replace.set_defaults(run=handlers.run_replace)
+
+    compare = commands.add_parser(
+        "diff",
+        parents=[common],
+        help="compare two files module call by module call: structure, drift, time",
+        description="Match the module calls of A and B by module path and class and say for each whether "
+        "its structure is the same, changed (in its own body, or only below it) or only in one file; run "
+        "both files on the same inputs (random from the declared types unless --inputs) and give each "
+        "call's largest difference between them, the first call whose outputs differ and the calls that "
+        "grow the drift most; with --profile, each call's time in both and the ratio. Exit code 0 when "
+        "nothing differs, 1 when something does (as diff), 2 for bad input.",
+    )
+    compare.add_argument("a", metavar="A", help="the reference .onnx file")
+    compare.add_argument("b", metavar="B", help="the .onnx file compared with it")
+    compare.add_argument("--inputs", default=None, metavar="FILE.npz", help="inputs by name (or arr_0, arr_1, ...)")
+    compare.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    compare.add_argument("--structure-only", action="store_true", help="compare the structure only (run nothing)")
+    compare.add_argument("--profile", action="store_true", help="also time every call in both files")
+    compare.add_argument("--runs", type=int, default=10, metavar="N", help="measured runs of --profile (default 10)")
+    compare.add_argument("--threads", type=int, default=1, metavar="N",
+                         help="onnxruntime intra-op threads of --profile (default 1: ratios repeat best)")
+    compare.add_argument("--depth", type=_positive, default=None, metavar="N", help="show calls down to depth N")
+    compare.add_argument("--top", type=_positive, default=10, metavar="N",
+                         help="calls listed where the drift is made (default 10)")
+    compare.add_argument("--json", default=None, metavar="PATH",
+                         help="write the call records as JSON ('-': print them instead of the tree)")
+    compare.add_argument("--html", default=None, metavar="PATH", help="write a self-contained HTML page (the trees side by side)")
+    compare.set_defaults(run=handlers.run_diff)
 
     view = commands.add_parser(
         "view",
