@@ -21,7 +21,7 @@ from onnx_modular.storage.checks import (
 )
 from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, node_id, numel
 
-__all__ = ["MAX_TREE_CALLS", "function_tree", "count_from_model", "count_from_ir"]
+__all__ = ["MAX_TREE_CALLS", "function_tree", "call_weights", "count_from_model", "count_from_ir"]
 
 #: Largest number of calls the expanded tree may hold (a function called from a function
 #: called N times counts N times): the limit onnxruntime and inlining get
@@ -156,6 +156,22 @@ def function_tree(model: onnx.ModelProto, *, max_calls: int | None = None) -> Ca
             formal: scope[actual] for formal, actual in zip(function.input, node.input) if actual in scope
         }
     return CallTree(root)
+
+
+def call_weights(model: onnx.ModelProto) -> dict[str, set[str]]:
+    """The main-graph initializers that reach each call (by call name), followed through the
+    formal inputs of its callers: what the call's ``parameters`` in :func:`function_tree` count,
+    by name (a caller's set holds its callees')."""
+    top = {tensor.name: tensor.name for tensor in model.graph.initializer}
+    scopes: dict[int, dict[str, str]] = {}
+    weights: dict[str, set[str]] = {}
+    for call in metadata.expanded_calls(model, module_calls_only=False):
+        scope = top if call.caller is None else scopes[id(call.caller)]
+        weights[call.call_name] = {scope[name] for name in call.node.input if name in scope}
+        scopes[id(call)] = {
+            formal: scope[actual] for formal, actual in zip(call.function.input, call.node.input) if actual in scope
+        }
+    return weights
 
 
 def count_from_model(tree: CallTree, model: onnx.ModelProto) -> None:
