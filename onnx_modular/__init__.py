@@ -47,6 +47,8 @@ _LAZY = {
     "ProfileReport": "onnx_modular.profiling.run",
     "extract": "onnx_modular.files.extract",
     "replace": "onnx_modular.files.replace",
+    "split": "onnx_modular.files.split",
+    "run_stages": "onnx_modular.files.split",
 }
 
 
@@ -77,6 +79,8 @@ __all__ = [
     "VerificationReport",
     "extract",
     "replace",
+    "split",
+    "run_stages",
     "localize",
     "LocalizationReport",
     "profile",

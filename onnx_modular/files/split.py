@@ -13,9 +13,10 @@ only, so its calls (``model.embed_tokens``, ``model.layers.0``, ...) become call
 graph; their functions stay functions. ``at=`` names the first call of each new stage (calls of
 one graph: the graph they share is opened); ``stages=N`` picks the graph and the cuts that
 balance the stored weight bytes (or the time each call takes in ``profile``, ``balance="time"``):
-along the heaviest call's chain, the shallowest graph whose best cut is within
-:data:`SHALLOW_PREFERENCE` of the best of all (an encoder-decoder is cut between the two, not
-inside the decoder for a slightly better balance).
+the main graph, then the graph with its heaviest call opened, and so on: the first graph
+whose best cut is within :data:`SHALLOW_PREFERENCE` of the best of them (an encoder-decoder is
+cut between the two, not inside the decoder for a slightly better balance; a decoder LM is
+cut between its layers).
 
 Every node of the cut graph belongs to the stage of the call it follows (nodes before the first
 call to the first stage); a node that reads only weights and constants is copied into each
@@ -44,7 +45,7 @@ import dataclasses
 import json
 import os
 import pathlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -277,24 +278,23 @@ class _Level:
     costs: list[float]
 
 
-def _levels(model: onnx.ModelProto, cost_of) -> list[_Level]:
-    """The main graph, then the graph with the heaviest call opened, and so on while it has calls."""
+def _levels(model: onnx.ModelProto, cost_of) -> Iterator[_Level]:
+    """The main graph, then that graph with its heaviest call opened, and so on while the
+    heaviest call has calls of its own."""
     children: dict[str | None, list[metadata.ExpandedCall]] = {}
     for call in metadata.expanded_calls(model):
         children.setdefault(call.caller.call_name if call.caller is not None else None, []).append(call)
-    levels = []
     sequence = [c.call_name for c in children.get(None, []) if _at_top(c)]
     opened: list[str] = []
     while sequence:
-        levels.append(_Level(list(opened), list(sequence), [cost_of(name) for name in sequence]))
+        yield _Level(list(opened), list(sequence), [cost_of(name) for name in sequence])
         heaviest = max(sequence, key=cost_of)
         inner = [c.call_name for c in children.get(heaviest, []) if _at_top(c)]
         if not inner:
-            break
+            return
         at = sequence.index(heaviest)
         sequence = sequence[:at] + inner + sequence[at + 1 :]
         opened.append(heaviest)
-    return levels
 
 
 def _at_top(call: metadata.ExpandedCall) -> bool:
@@ -329,15 +329,29 @@ def _partition(costs: Sequence[float], parts: int) -> tuple[float, list[int]]:
 
 
 def _plan_stages(model: onnx.ModelProto, stages: int, cost_of) -> tuple[list[str], list[str]]:
-    """(opened calls, first call of each stage after the first) for ``stages=N``."""
-    levels = _levels(model, cost_of)
-    feasible = [(level, *_partition(level.costs, stages)) for level in levels if len(level.calls) >= stages]
+    """(opened calls, first call of each stage after the first) for ``stages=N``.
+
+    The first graph whose heaviest stage is within :data:`SHALLOW_PREFERENCE` of the best over
+    all graphs. No graph beats an even share (the total over N), so the walk stops at the
+    first graph within that factor of it.
+    """
+    feasible: list[tuple[_Level, float, list[int]]] = []
+    last = None
+    for level in _levels(model, cost_of):
+        last = level
+        if len(level.calls) < stages:
+            continue
+        worst, starts = _partition(level.costs, stages)
+        feasible.append((level, worst, starts))
+        if worst <= SHALLOW_PREFERENCE * sum(level.costs) / stages:
+            break
     if not feasible:
-        most = max((len(level.calls) for level in levels), default=0)
+        most = len(last.calls) if last is not None else 0
+        shown_calls = ", ".join(last.calls[:6]) + (", ..." if most > 6 else "") if last is not None else "none"
         raise InvalidInputError(
             f"{stages} stages need {stages} module calls in one graph; the graphs that can be cut here hold "
-            f"{most} at most ({', '.join(levels[-1].calls) if levels else 'no calls'}).",
-            hint=f"Ask for {most} stages or fewer, or name the cuts with --at (`onnx-modular tree` lists the calls).",
+            f"{most} at most ({shown_calls}).",
+            hint=f"Ask for {max(most, 2)} stages or fewer, or name the cuts with --at (`onnx-modular tree` lists the calls).",
         )
     smallest = min(worst for _, worst, _ in feasible)
     level, _, starts = next(item for item in feasible if item[1] <= smallest * SHALLOW_PREFERENCE)
@@ -662,12 +676,14 @@ def _serve_stage_calls(stage: onnx.ModelProto) -> None:
 
 
 def _write_stage(built: onnx.ModelProto, folder: pathlib.Path, destination: pathlib.Path, source_folder: str) -> pathlib.Path:
-    """Write one stage with onnx_ir (external weights copied tensor by tensor into its own data file)."""
+    """Write one stage with onnx_ir: weights stored externally in the source are copied tensor by
+    tensor into the stage's own data file (``model.onnx.data``); others as the size decides."""
     folder.mkdir()
     as_ir = ir.serde.deserialize_model(built)
     ir.external_data.set_base_dir(as_ir.graph, source_folder)
     staging = save.Staging(folder, destination)
-    return save.write_checked(as_ir, staging)
+    external = any(onnx.external_data_helper.uses_external_data(t) for t in built.graph.initializer)
+    return save.write_checked(as_ir, staging, external_data=True if external else None)
 
 
 def _check_stage(path: pathlib.Path, k: int, feeds, expected: Mapping[str, np.ndarray]) -> dict[str, float]:
