@@ -196,6 +196,18 @@ def test_llama_balanced_by_time_cuts_between_layers(llama, tmp_path):
     assert all(cost > 0 for cost in result.stage_costs)
 
 
+def test_llama_cut_at_named_layers(llama, tmp_path):
+    path, _, _ = llama
+    result = onnx_modular.split(path, tmp_path / "three", at=["model.layers.3", "model.layers.1"], inputs=_llama_feeds(seed=0))
+    assert result.balance == "at" and result.opened == ["model"]
+    assert [s.calls[0] for s in result.stages] == ["model.embed_tokens", "model.layers.1", "model.layers.3"]
+    differences = _chained_vs_whole(path, tmp_path / "three", _llama_feeds(seed=8, seq=1, past=6))
+    assert all(d <= ATOL for d in differences.values()), differences
+    with pytest.raises(InvalidInputError, match="inside the call model.layers.1"):
+        onnx_modular.split(path, tmp_path / "bad", at=["model.layers.2", "model.layers.1.mlp"])
+    assert not (tmp_path / "bad").exists()
+
+
 # -- T5: encoder | decoder -----------------------------------------------------------------
 
 
