@@ -288,7 +288,7 @@ def test_cli_split(t5_file, tmp_path):
     with contextlib.redirect_stdout(printed):
         code = main(["split", str(t5_file), "--at", "decoder", "-o", str(tmp_path / "cli")])
     assert code == 0
-    assert "2 stages cut in the main graph" in printed.getvalue()
+    assert "2 stages cut between the calls of the main graph (at)" in printed.getvalue()
     assert (tmp_path / "cli" / "manifest.json").is_file()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as errors:
         code = main(["split", str(t5_file), "--at", "decodr", "-o", str(tmp_path / "bad")])

@@ -131,14 +131,14 @@ class Split:
 
     def __str__(self) -> str:
         unit = "us" if self.balance == "time" else "bytes"
-        where = f"the body of {', then '.join(self.opened)}" if self.opened else "the main graph"
-        lines = [f"{self.source}: {len(self.stages)} stages cut in {where} ({self.balance})"]
+        where = "the main graph" + (f" with {', '.join(self.opened)} opened" if self.opened else "")
+        lines = [f"{self.source}: {len(self.stages)} stages cut between the calls of {where} ({self.balance})"]
         for stage, cost in zip(self.stages, self.stage_costs):
             calls = stage.calls[0] if len(stage.calls) == 1 else f"{stage.calls[0]} .. {stage.calls[-1]}"
             worst = max(stage.max_abs.values(), default=0.0)
             lines.append(
-                f"  stage_{stage.index}: {len(stage.calls)} calls ({calls}), {len(stage.inputs)} inputs, "
-                f"{len(stage.outputs)} outputs, weights {stage.weight_bytes:,} bytes"
+                f"  stage_{stage.index}: {_count(len(stage.calls), 'call')} ({calls}), {_count(len(stage.inputs), 'input')}, "
+                f"{_count(len(stage.outputs), 'output')}, weights {stage.weight_bytes:,} bytes"
                 + (f", {cost:,.0f} {unit}" if self.balance == "time" else "")
                 + f"; test data max abs difference {worst:.3g}"
             )
@@ -148,6 +148,10 @@ class Split:
             lines.append(f"  {name}: stored in stages {', '.join(map(str, where_stored))}")
         lines.append(f"Manifest: {self.manifest}")
         return "\n".join(lines)
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
 # -- the graph to cut ----------------------------------------------------------------------
