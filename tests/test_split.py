@@ -294,3 +294,33 @@ def test_cli_split(t5_file, tmp_path):
         code = main(["split", str(t5_file), "--at", "decodr", "-o", str(tmp_path / "bad")])
     assert code == 2 and "closest names" in errors.getvalue()
     assert not (tmp_path / "bad").exists()
+
+
+def test_partition_is_the_best_linear_partition():
+    import itertools
+
+    from onnx_modular.files.split import _partition
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        costs = [float(c) for c in rng.integers(0, 100, rng.integers(3, 9))]
+        parts = int(rng.integers(2, len(costs) + 1))
+        worst, starts = _partition(costs, parts)
+        best = min(
+            max(sum(costs[a:b]) for a, b in zip((0, *cut), (*cut, len(costs))))
+            for cut in itertools.combinations(range(1, len(costs)), parts - 1)
+        )
+        assert worst == best
+        assert len(starts) == parts - 1 and starts == sorted(set(starts)) and 0 < starts[0]
+        bounds = (0, *starts, len(costs))
+        assert max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])) == worst
+
+
+def test_run_stages_refuses_a_manifest_that_leaves_its_folder(tmp_path):
+    (tmp_path / "manifest.json").write_text(
+        json.dumps({"stages": [{"file": "../elsewhere/model.onnx", "inputs": {}, "outputs": []}], "outputs": {}})
+    )
+    with pytest.raises(InvalidInputError, match="outside the folder"):
+        onnx_modular.run_stages(tmp_path, {})
+    with pytest.raises(InvalidInputError, match="no manifest.json"):
+        onnx_modular.run_stages(tmp_path / "missing", {})
