@@ -237,6 +237,19 @@ def test_t5_cut_between_encoder_and_decoder(t5_file, tmp_path):
     assert "decoder.embed_tokens.weight: stored in stages 0, 1" in str(named)
 
 
+def test_without_data_the_model_is_not_run(t5_file, tmp_path):
+    result = onnx_modular.split(t5_file, tmp_path / "nodata", stages=2, with_data=False)
+    assert [s.calls for s in result.stages] == [["encoder"], ["decoder"]]
+    assert all(s.max_abs == {} for s in result.stages) and "no test data" in str(result)
+    assert not list((tmp_path / "nodata").glob("stage_*/test_data_set_*"))
+    feeds = random_inputs(load_model_file(t5_file), seed=5)
+    differences = _chained_vs_whole(t5_file, tmp_path / "nodata", feeds)
+    assert all(d <= ATOL for d in differences.values()), differences
+    with pytest.raises(InvalidInputError, match="no-data"):
+        onnx_modular.split(t5_file, tmp_path / "bad", stages=2, with_data=False, balance="time")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_run_stages_takes_a_provider_per_stage(t5_file, tmp_path):
     onnx_modular.split(t5_file, tmp_path / "s", at="decoder")
     feeds = random_inputs(load_model_file(t5_file), seed=4)

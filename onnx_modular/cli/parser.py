@@ -253,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     split.add_argument(
         "--inputs", default=None, metavar="FILE.npz", help="the whole model's inputs for the test data (default: random, seed 0)"
     )
+    split.add_argument(
+        "--no-data", action="store_true",
+        help="no test data and no check of the stages: the whole model is not run (for a model onnxruntime cannot hold)",
+    )
     split.set_defaults(run=handlers.run_split)
 
     replace = commands.add_parser(

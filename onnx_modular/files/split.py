@@ -140,7 +140,7 @@ class Split:
                 f"  stage_{stage.index}: {_count(len(stage.calls), 'call')} ({calls}), {_count(len(stage.inputs), 'input')}, "
                 f"{_count(len(stage.outputs), 'output')}, weights {stage.weight_bytes:,} bytes"
                 + (f", {cost:,.0f} {unit}" if self.balance == "time" else "")
-                + f"; test data max abs difference {worst:.3g}"
+                + (f"; test data max abs difference {worst:.3g}" if stage.max_abs else "; no test data")
             )
         total = sum(stage.weight_bytes for stage in self.stages)
         lines.append(f"Weights: {total:,} bytes in the stages, {self.weight_bytes:,} in the source.")
@@ -596,7 +596,11 @@ def _value_info(name: str, types: Mapping[str, onnx.ValueInfoProto], array: np.n
             typed.name = name
             return typed
     if array is None:
-        return onnx.ValueInfoProto(name=name)
+        raise InvalidInputError(
+            f"onnx's shape inference gives no type for {shown(name)!r}, a value crossing a cut, and without the "
+            "test-data run there is nothing else to take it from.",
+            hint="Split with the test data (drop --no-data / with_data=False), or cut elsewhere.",
+        )
     elem = onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
     return onnx.helper.make_tensor_value_info(name, elem, [None] * array.ndim)  # rank known, sizes free
 
@@ -734,6 +738,7 @@ def split(
     at: str | Sequence[str] | None = None,
     balance: str = "bytes",
     inputs: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
+    with_data: bool = True,
 ) -> Split:
     """Cut a modular file into stages at module boundaries and write them with a manifest.
 
@@ -747,6 +752,8 @@ def split(
             :func:`onnx_modular.profile`, on the same inputs), for ``stages``.
         inputs: The whole model's inputs for the run that makes the test data (an ``.npz`` or
             arrays by name); random from the declared shapes (seed 0) by default.
+        with_data: ``False`` skips that run (for a model onnxruntime cannot hold in memory): no
+            test data, no check of the stages; types come from onnx's shape inference.
 
     Returns:
         What was written (:class:`Split`; ``str()`` is a report).
@@ -774,7 +781,12 @@ def split(
             f"{source!r} has no local functions: there are no module boundaries to cut at.",
             hint="Export the model with onnx_modular.export_modular first.",
         )
-    feeds = feeds_for(model, inputs)
+    if not with_data and inputs is not None:
+        raise InvalidInputError("inputs= are for the test-data run, which with_data=False (--no-data) skips.")
+    if not with_data and balance == "time":
+        raise InvalidInputError("balance='time' runs the model to profile it; with_data=False (--no-data) is for "
+                                "models that are not run.", hint="Balance by bytes, or keep the test data.")
+    feeds = feeds_for(model, inputs) if with_data else {}
     sizes = _weight_sizes(model)
     weights = call_weights(model)
     times: dict[str, float] = {}
@@ -797,18 +809,7 @@ def split(
         model = _open_call(model, name)
     cuts = _assign(model, cut_calls)
     count = len(cuts)
-    # One run of the whole (opened) model with every crossing value as an output.
-    crossing = [n for cut in cuts for n in cut.outputs]
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    present = {v.name for v in probe.graph.output}
-    probe.graph.output.extend(onnx.ValueInfoProto(name=n) for n in dict.fromkeys(crossing) if n not in present)
-    names, arrays = runtime.run(
-        probe.SerializeToString(), feeds, what="model", external_data_folder=runtime.external_data_folder(path, model)
-    )
-    del probe
-    values = dict(zip(names, arrays))
-    values.update(feeds)
+    values = _run_whole(model, path, cuts, feeds) if with_data else {}
     types = _types(model)
     positions = _call_positions(model, cuts)
     built = [
@@ -841,10 +842,12 @@ def split(
         for k, (cut, stage_model) in enumerate(zip(cuts, built)):
             stage_folder = staged / f"stage_{k}"
             model_path = _write_stage(stage_model, stage_folder, folder / f"stage_{k}" / MODEL_FILE, source_folder)
-            stage_feeds = {n: values[n] for n in cut.inputs}
-            expected = {n: values[n] for n in cut.outputs}
-            differences = _check_stage(model_path, k, stage_feeds, expected)
-            write_data_set(stage_folder / "test_data_set_0", stage_feeds, expected)
+            differences = {}
+            if with_data:
+                stage_feeds = {n: values[n] for n in cut.inputs}
+                expected = {n: values[n] for n in cut.outputs}
+                differences = _check_stage(model_path, k, stage_feeds, expected)
+                write_data_set(stage_folder / "test_data_set_0", stage_feeds, expected)
             written.append(
                 Stage(
                     k, folder / f"stage_{k}" / MODEL_FILE, cut.calls, manifest_stages[k]["inputs"], list(cut.outputs),
@@ -858,6 +861,21 @@ def split(
             raise SaveError(f"Moving the stages into {str(folder)!r} failed: {e}", hint="Check free disk space and permissions.") from e
     costs = [sum(cost_of(name) for name in cut.calls) for cut in cuts]
     return Split(source, folder, written, opened, balance if at is None else "at", costs, shared, sum(sizes.values()))
+
+
+def _run_whole(model: onnx.ModelProto, path, cuts: list[_Cut], feeds) -> dict[str, np.ndarray]:
+    """One run of the whole (opened) model with every crossing value as an extra output."""
+    crossing = [n for cut in cuts for n in cut.outputs]
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    present = {v.name for v in probe.graph.output}
+    probe.graph.output.extend(onnx.ValueInfoProto(name=n) for n in dict.fromkeys(crossing) if n not in present)
+    names, arrays = runtime.run(
+        probe.SerializeToString(), feeds, what="model", external_data_folder=runtime.external_data_folder(path, model)
+    )
+    values = dict(zip(names, arrays))
+    values.update(feeds)
+    return values
 
 
 def _call_positions(model: onnx.ModelProto, cuts: list[_Cut]) -> list[tuple[int, int | None]]:
