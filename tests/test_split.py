@@ -337,3 +337,62 @@ def test_run_stages_refuses_a_manifest_that_leaves_its_folder(tmp_path):
         onnx_modular.run_stages(tmp_path, {})
     with pytest.raises(InvalidInputError, match="no manifest.json"):
         onnx_modular.run_stages(tmp_path / "missing", {})
+
+
+# -- files of other tools, from ONNX text (no torch, no onnx_modular metadata) -------------
+
+CHAIN = """
+<ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>
+chain (float[2, 3] x, bool c) => (float[2, 3] y) {
+    a = pkg.test.Noise (x)
+    b = pkg.test.Scale (a)
+    d = pkg.test.Scale (b)
+    y = If (c) <then_branch = g1 () => (float[2, 3] t) { t = pkg.test.Scale (d) },
+                else_branch = g2 () => (float[2, 3] e) { e = Identity (d) }>
+}
+<domain: "pkg.test", opset_import: ["" : 18]>
+Noise (x) => (y) {
+    r = RandomUniformLike (x)
+    y = Add (x, r)
+}
+<domain: "pkg.test", opset_import: ["" : 18]>
+Scale (x) => (y) {
+    two = Constant <value = float {2.0}> ()
+    y = Mul (x, two)
+}
+"""
+
+
+@pytest.fixture
+def chain(tmp_path):
+    model = onnx.parser.parse_model(CHAIN)
+    for node, name in zip(model.graph.node, ("noise", "first", "second", "branch")):
+        node.name = name
+    model.graph.node[3].attribute[0].g.node[0].name = "inner"
+    path = tmp_path / "chain.onnx"
+    onnx.save(model, path)
+    return path
+
+
+def test_a_stage_that_does_not_reproduce_the_run_writes_nothing(chain, tmp_path):
+    from onnx_modular.errors import ParityError
+
+    feeds = {"x": np.ones((2, 3), np.float32), "c": np.array(True)}
+    with pytest.raises(ParityError, match="Stage 0 does not reproduce"):  # random numbers differ on every run
+        onnx_modular.split(chain, tmp_path / "out", at=["first"], inputs=feeds)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chain.onnx"]  # no folder, no temporary folder
+    # without the run, the same cut is written; the second stage holds the branch and its call
+    result = onnx_modular.split(chain, tmp_path / "out", at=["second"], with_data=False)
+    assert [s.calls for s in result.stages] == [["noise", "first"], ["second"]]
+    stage_1 = onnx.load(str(result.stages[1].path))
+    assert [n.op_type for n in stage_1.graph.node] == ["Scale", "If"] and [f.name for f in stage_1.functions] == ["Scale"]
+    assert list(result.stages[1].inputs.items()) == [("b", "stage_0/b"), ("c", "c")]
+    chained = onnx_modular.run_stages(tmp_path / "out", feeds)
+    b = sessions.run(str(result.stages[0].path), {"x": feeds["x"]})[1][0]
+    np.testing.assert_array_equal(chained["y"], b * 4)
+
+
+def test_a_call_inside_control_flow_cannot_be_a_cut(chain, tmp_path):
+    with pytest.raises(InvalidInputError, match="inside an If/Loop/Scan body"):
+        onnx_modular.split(chain, tmp_path / "out", at=["inner"], with_data=False)
+    assert not (tmp_path / "out").exists()

@@ -286,14 +286,14 @@ def _levels(model: onnx.ModelProto, cost_of) -> Iterator[_Level]:
     """The main graph, then that graph with its heaviest call opened, and so on while the
     heaviest call has calls of its own."""
     children: dict[str | None, list[metadata.ExpandedCall]] = {}
-    for call in metadata.expanded_calls(model):
+    for call in metadata.expanded_calls(model, module_calls_only=False):
         children.setdefault(call.caller.call_name if call.caller is not None else None, []).append(call)
-    sequence = [c.call_name for c in children.get(None, []) if _at_top(c)]
+    sequence = [c.call_name for c in children.get(None, []) if _at_top(c, model)]
     opened: list[str] = []
     while sequence:
         yield _Level(list(opened), list(sequence), [cost_of(name) for name in sequence])
         heaviest = max(sequence, key=cost_of)
-        inner = [c.call_name for c in children.get(heaviest, []) if _at_top(c)]
+        inner = [c.call_name for c in children.get(heaviest, []) if _at_top(c, model)]
         if not inner:
             return
         at = sequence.index(heaviest)
@@ -301,10 +301,10 @@ def _levels(model: onnx.ModelProto, cost_of) -> Iterator[_Level]:
         opened.append(heaviest)
 
 
-def _at_top(call: metadata.ExpandedCall) -> bool:
+def _at_top(call: metadata.ExpandedCall, model: onnx.ModelProto) -> bool:
     """A call node at the top of its body (not inside an If/Loop/Scan subgraph)."""
-    body = call.caller.function.node if call.caller is not None else None
-    return body is None or any(node is call.node for node in body)
+    body = call.caller.function.node if call.caller is not None else model.graph.node
+    return any(node is call.node for node in body)
 
 
 def _partition(costs: Sequence[float], parts: int) -> tuple[float, list[int]]:
@@ -390,7 +390,7 @@ def _plan_at(model: onnx.ModelProto, at: Sequence[str]) -> tuple[list[str], list
                 module_path=call.call_name,
                 hint=f"Cut at {outer.call_name} itself, or name only calls of one graph (siblings in `onnx-modular tree`).",
             )
-        if not _at_top(call) or not all(_at_top(c) for c in callers):
+        if not _at_top(call, model) or not all(_at_top(c, model) for c in callers):
             raise InvalidInputError(
                 f"The call {call.call_name} sits inside an If/Loop/Scan body: its graph is not a sequence of calls "
                 "at the top of the model.",
@@ -437,16 +437,14 @@ def _assign(model: onnx.ModelProto, cut_calls: list[str]) -> list[_Cut]:
     """Every node of the (opened) main graph in the stage of the call it follows."""
     graph = model.graph
     functions = {function_id(f): f for f in model.functions}
-    call_names = [c.call_name for c in metadata.expanded_calls(model) if c.caller is None]
-    top_calls = [(i, n) for i, n in enumerate(graph.node) if _is_module_call(n, functions)]
-    names_by_node = {}
-    depth_one = iter(call_names)
-    for i, node in enumerate(graph.node):
-        for inner in all_nodes([node]):
-            if _is_module_call(inner, functions):
-                name = next(depth_one)
-                if inner is node:
-                    names_by_node[i] = name
+    nodes = list(graph.node)  # held: protobuf keeps one wrapper per message while one is alive
+    index_of = {id(node): i for i, node in enumerate(nodes)}
+    names_by_node = {
+        index_of[id(c.node)]: c.call_name
+        for c in metadata.expanded_calls(model, module_calls_only=False)
+        if c.caller is None and id(c.node) in index_of
+    }
+    top_calls = sorted(names_by_node)
     starts = []
     for name in cut_calls:
         found = [i for i, n in names_by_node.items() if n == name]
@@ -454,7 +452,7 @@ def _assign(model: onnx.ModelProto, cut_calls: list[str]) -> list[_Cut]:
             raise InvalidInputError(f"The call {name} is not a call of the graph being cut.", module_path=name)
         starts.append(found[0])
     starts.sort()
-    if starts and starts[0] <= top_calls[0][0]:
+    if starts and starts[0] <= top_calls[0]:
         raise InvalidInputError(
             f"A cut at {names_by_node[starts[0]]}, the first call of the graph, leaves the first stage without a call.",
             module_path=names_by_node[starts[0]],
@@ -466,9 +464,7 @@ def _assign(model: onnx.ModelProto, cut_calls: list[str]) -> list[_Cut]:
     constant: set[int] = set()
     constant_values = set(initializers)
     for i, node in enumerate(graph.node):
-        if node.domain in ("", "ai.onnx") and all(n in constant_values for n in _used(node)) and not _is_module_call(
-            node, functions
-        ):
+        if node.domain in ("", "ai.onnx") and all(n in constant_values for n in _used(node)) and node_id(node) not in functions:
             constant.add(i)
             constant_values.update(node.output)
     bounds = [0, *starts, len(graph.node)]
