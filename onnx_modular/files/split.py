@@ -58,7 +58,7 @@ from onnx_modular.check.parity import allclose, default_tolerance, max_differenc
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError, ParityError, SaveError
 from onnx_modular.files.extract import check_output_folder, write_data_set
 from onnx_modular.format import metadata
-from onnx_modular.format.text import shown
+from onnx_modular.format.text import first_line, shown
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import locks, save
@@ -203,7 +203,14 @@ def _open_call(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     body_nodes = list(body.node)
     body_calls = sum(1 for n in all_nodes(body_nodes) if _is_module_call(n, functions))
     merged = _merged_no_ops(model.graph, body, calls_before, body_calls)
-    opened = onnx.inliner.inline_selected_functions(model, [(body.domain, body.name)])
+    try:
+        opened = onnx.inliner.inline_selected_functions(model, [(body.domain, body.name)])
+    except Exception as e:  # onnx.inliner raises its own exception types
+        raise InvalidModelFileError(
+            f"onnx.inliner cannot open the call {name}: {first_line(e)}",
+            module_path=name,
+            hint="Cut in the main graph (--at with calls of the main graph), and report the model.",
+        ) from e
     new_nodes = opened.graph.node
     block = new_nodes[position : position + len(body_nodes)]
     if len(new_nodes) != len(model.graph.node) - 1 + len(body_nodes) or any(
