@@ -49,6 +49,8 @@ _LAZY = {
     "replace": "onnx_modular.files.replace",
     "diff": "onnx_modular.files.diff",
     "ModelDiff": "onnx_modular.files.diff",
+    "split": "onnx_modular.files.split",
+    "run_stages": "onnx_modular.files.split",
 }
 
 
@@ -81,6 +83,8 @@ __all__ = [
     "replace",
     "diff",
     "ModelDiff",
+    "split",
+    "run_stages",
     "localize",
     "LocalizationReport",
     "profile",

@@ -21,7 +21,7 @@ from onnx_modular.storage.checks import (
 )
 from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, node_id, numel
 
-__all__ = ["MAX_TREE_CALLS", "function_tree", "weight_sources", "count_from_model", "count_from_ir"]
+__all__ = ["MAX_TREE_CALLS", "function_tree", "weight_sources", "call_weights", "count_from_model", "count_from_ir"]
 
 #: Largest number of calls the expanded tree may hold (a function called from a function
 #: called N times counts N times): the limit onnxruntime and inlining get
@@ -179,6 +179,13 @@ def weight_sources(model: onnx.ModelProto) -> dict[str, dict[str, str]]:
         }
         sources[call.call_name] = scopes[id(call)]
     return sources
+
+
+def call_weights(model: onnx.ModelProto) -> dict[str, set[str]]:
+    """The main-graph initializers that reach each call (by call name), followed through the
+    formal inputs of its callers: what the call's ``parameters`` in :func:`function_tree` count,
+    by name (a caller's set holds its callees'). :func:`weight_sources` without the formals."""
+    return {name: set(sources.values()) for name, sources in weight_sources(model).items() if name}
 
 
 def count_from_model(tree: CallTree, model: onnx.ModelProto) -> None:

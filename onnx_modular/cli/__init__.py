@@ -11,6 +11,7 @@ Subcommands::
     onnx-modular extract m.onnx h.1.attn -o OUT [--with-data]  # one call (or class) as its own model
     onnx-modular replace m.onnx GPT2Block block.onnx -o new.onnx  # a block as the body of a call / class
     onnx-modular diff a.onnx b.onnx [--profile] [--html P]  # two files compared call by call (exit 1: differ)
+    onnx-modular split m.onnx --stages 2 -o DIR [--balance time]  # stages cut at module boundaries (or --at PATH ...)
 
 Exit codes: 0 success; 1 verification failure (outputs differ beyond tolerance), or ``diff``
 found a difference;

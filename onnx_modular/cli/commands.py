@@ -381,6 +381,17 @@ def run_extract(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def run_split(args: argparse.Namespace) -> int:
+    from onnx_modular.files.split import split
+
+    result = split(
+        args.model, args.output, stages=args.stages, at=args.at, balance=args.balance, inputs=_npz_feeds(args),
+        with_data=not args.no_data,
+    )
+    print(result)
+    return EXIT_OK
+
+
 def run_replace(args: argparse.Namespace) -> int:
     from onnx_modular.files.replace import replace
 

@@ -230,6 +230,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     extract.set_defaults(run=handlers.run_extract)
 
+    split = commands.add_parser(
+        "split",
+        parents=[common],
+        help="cut a model into stages at module boundaries, with a manifest that chains them",
+        description="Cut a modular file between consecutive module calls of one graph (opening the calls above "
+        "it: between decoder layers, between an encoder and a decoder). Every tensor crossing a cut becomes an "
+        "output of one stage and an input of the next; each stage keeps its functions and only its own weights. "
+        "DIR gets manifest.json and stage_<k>/model.onnx with the stage's inputs and outputs from one onnxruntime "
+        "run as ONNX test data (test_data_set_0/), each checked on its stage. All stages or nothing is written.",
+    )
+    split.add_argument("model", help="the .onnx file")
+    cuts = split.add_mutually_exclusive_group(required=True)
+    cuts.add_argument("--stages", type=_positive, metavar="N", help="how many stages (the cuts balance --balance)")
+    cuts.add_argument(
+        "--at", nargs="+", metavar="PATH", help="the first call of each new stage (call paths of one graph: model.layers.2)"
+    )
+    split.add_argument("-o", "--output", required=True, metavar="DIR", help="a new or empty folder")
+    split.add_argument(
+        "--balance", choices=["bytes", "time"], default="bytes",
+        help="what --stages balances: stored weight bytes (default) or each call's time in `profile`",
+    )
+    split.add_argument(
+        "--inputs", default=None, metavar="FILE.npz", help="the whole model's inputs for the test data (default: random, seed 0)"
+    )
+    split.add_argument(
+        "--no-data", action="store_true",
+        help="no test data and no check of the stages: the whole model is not run (for a model onnxruntime cannot hold)",
+    )
+    split.set_defaults(run=handlers.run_split)
+
     replace = commands.add_parser(
         "replace",
         parents=[common],

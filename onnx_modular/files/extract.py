@@ -50,7 +50,7 @@ from onnx_modular.storage import locks, save
 from onnx_modular.storage.load import load_model_file
 from onnx_modular.storage.proto import all_nodes, function_label
 
-__all__ = ["extract", "Extraction", "ExtractedModel", "DataSet", "MODEL_FILE", "EXTRACTED_FROM"]
+__all__ = ["extract", "write_data_set", "check_output_folder", "Extraction", "ExtractedModel", "DataSet", "MODEL_FILE", "EXTRACTED_FROM"]
 
 #: The model file of a test case (ONNX's test-case layout).
 MODEL_FILE = "model.onnx"
@@ -318,6 +318,17 @@ def _build(
     return extracted
 
 
+def write_data_set(folder: pathlib.Path, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> pathlib.Path:
+    """One ONNX test data set: ``folder/input_<i>.pb`` and ``output_<i>.pb`` (TensorProtos named
+    after the model's inputs and outputs, in the model's order), as ``onnx_test_runner`` reads them."""
+    folder.mkdir()
+    for prefix, arrays in (("input", inputs), ("output", outputs)):
+        for i, (name, array) in enumerate(arrays.items()):
+            tensor = onnx.numpy_helper.from_array(np.asarray(array), name)
+            (folder / f"{prefix}_{i}.pb").write_bytes(tensor.SerializeToString())
+    return folder
+
+
 def _write_case(
     extracted: onnx.ModelProto,
     folder: pathlib.Path,
@@ -370,12 +381,7 @@ def _write_case(
                     hint="Nothing was written. A body with random ops differs on every run; otherwise check the file "
                     "with `onnx-modular verify`, and report it with the model.",
                 )
-        data = folder / f"test_data_set_{k}"
-        data.mkdir()
-        for i, n in enumerate(input_names):
-            (data / f"input_{i}.pb").write_bytes(onnx.numpy_helper.from_array(feeds[n], n).SerializeToString())
-        for i, (n, array) in enumerate(zip(output_names, outputs)):
-            (data / f"output_{i}.pb").write_bytes(onnx.numpy_helper.from_array(np.asarray(array), n).SerializeToString())
+        data = write_data_set(folder / f"test_data_set_{k}", feeds, dict(zip(output_names, outputs)))
         results.append((name, data, differences))
     return results
 

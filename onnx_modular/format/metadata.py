@@ -38,6 +38,9 @@ __all__ = [
     "PROFILE_ORIGIN",
     "NAMESPACE",
     "EXTRACTED_FROM",
+    "SPLIT_FROM",
+    "SPLIT_STAGE",
+    "SPLIT_OPENED",
     "CALLS",
     "STACK",
     "GLOBAL_NAME",
@@ -102,6 +105,11 @@ LIFTED_CONSTANTS = PREFIX + "lifted_constants"
 PROFILE_ORIGIN = PREFIX + "profile_origin"
 #: The model of one extracted call (``onnx-modular extract``): the file it was extracted from.
 EXTRACTED_FROM = PREFIX + "extracted_from"
+#: A stage of a split model (``onnx-modular split``): the file it was cut from, ``"<k>/<stages>"``,
+#: and the calls opened to reach the graph that was cut (JSON list, outermost first).
+SPLIT_FROM = PREFIX + "split_from"
+SPLIT_STAGE = PREFIX + "split_stage"
+SPLIT_OPENED = PREFIX + "split_opened"
 #: torch's ``path: class/...`` chain (not ours; kept on every node).
 NAMESPACE = "namespace"
 
