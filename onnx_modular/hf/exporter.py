@@ -37,7 +37,7 @@ from transformers.exporters.utils import (
     apply_patches,
 )
 
-from onnx_modular.capture import torch_compat
+from onnx_modular.capture import strategies, torch_compat
 from onnx_modular.check import verification
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.export import ModularExport, ModuleSelector, export_modular
@@ -131,20 +131,10 @@ class ModularOnnxExporter(OnnxExporter):
         # Axis names (strings, as torch.onnx.export takes them) are Dim.DYNAMIC for transformers'
         # torch.export call; the conversion names the ONNX axes after them.
         traced = dataclasses.replace(config, dynamic_shapes=torch_compat.export_dims(config.dynamic_shapes))
-        with conversion.replacing_torch_onnx_export():
-            try:
-                program, metadata = super().export_program(model, sample_inputs, traced)
-            except Exception as error:
-                # torch.export refuses a Dim whose range the model does not support (BERT's
-                # sequence is at most its position table): retry with torch's suggested fixes,
-                # as torch.onnx.export's own capture does.
-                refined = None if conversion.result is not None else torch_compat.refined_dynamic_shapes(
-                    error, traced.dynamic_shapes
-                )
-                if refined is None:
-                    raise
-                traced = dataclasses.replace(traced, dynamic_shapes=refined)
-                program, metadata = super().export_program(model, sample_inputs, traced)
+        # transformers' torch.export call runs through the capture strategies of export_modular
+        # (capture/strategies.py): BERT's Dim("seq") gets torch's suggested max, as in torch.onnx.export.
+        with conversion.capturing_with_strategies(), conversion.replacing_torch_onnx_export():
+            program, metadata = super().export_program(model, sample_inputs, traced)
         result = conversion.result
         if result is None or result.model is not program:
             raise InvalidInputError(
@@ -152,6 +142,7 @@ class ModularOnnxExporter(OnnxExporter):
                 "modular conversion could not take its place.",
                 hint="This transformers version is not supported by onnx_modular.hf; use transformers 5.23.",
             )
+        result.capture_strategy = conversion.capture.strategy if conversion.capture is not None else None
         program.meta[_RESULT_KEY] = result
         if config.verify:
             result.report = result.verify(rtol=config.rtol, atol=config.atol, flat=config.verify_flat)
@@ -179,7 +170,34 @@ class _ModularConversion:
         self.config = config
         self.output_flags = output_flags
         self.result: ModularExport | None = None
+        self.capture: strategies.Capture | None = None
+        self._capturing = False
         self._thread = threading.get_ident()
+
+    @contextlib.contextmanager
+    def capturing_with_strategies(self) -> Iterator[None]:
+        """transformers' first ``torch.export.export`` call, on this thread, runs through
+        :func:`onnx_modular.capture.strategies.capture` with the options transformers gave
+        (``strict``, ``prefer_deferred_runtime_asserts_over_guards``); the strategies' own calls and
+        any other call are torch's as usual."""
+        original = torch.export.export
+
+        @functools.wraps(original)
+        def export(mod, args=(), kwargs=None, *, dynamic_shapes=None, **options):
+            if self.capture is not None or self._capturing or threading.get_ident() != self._thread:
+                return original(mod, args, kwargs, dynamic_shapes=dynamic_shapes, **options)
+            self._capturing = True
+            try:
+                self.capture = strategies.capture(mod, args, kwargs, dynamic_shapes, options=options)
+            finally:
+                self._capturing = False
+            return self.capture.program
+
+        torch.export.export = export
+        try:
+            yield
+        finally:
+            torch.export.export = original
 
     @contextlib.contextmanager
     def replacing_torch_onnx_export(self) -> Iterator[None]:
