@@ -374,11 +374,10 @@ def test_later_strategies_run_only_where_they_can_help():
         strategies.capture(_TwoLinear(), (torch.zeros(2, 4),), None, None, strategies=later)
     assert [name for name, _ in caught.value.attempts] == ["plain"]
     guard = RuntimeError("Could not guard on data-dependent expression Eq(u0, 1)")
-    call = strategies.CaptureCall(_TwoLinear(), (), {})
     failed = [strategies.Attempt(plain, error=guard)]
-    assert strategies.DraftExport().applies(call, failed) == hasattr(torch.export, "draft_export")
-    assert not strategies.SizeOblivious().applies(call, failed)
-    assert not strategies.SuggestedFixes().applies(call, failed)
+    assert strategies.DraftExport().applies(failed) == hasattr(torch.export, "draft_export")
+    assert not strategies.SizeOblivious().applies(failed)
+    assert not strategies.SuggestedFixes().applies(failed)
 
 
 def test_torch_export_wins_on_a_plain_model():
@@ -419,5 +418,5 @@ def test_on_meta_runs_its_strategy_on_meta_inputs():
     violation = strategies.Attempt(strategies.TorchExport(), error=torch._dynamo.exc.UserError(
         torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION, "Constraints violated"))
     meta = strategies.OnMeta(strategies.SizeOblivious())
-    assert strategies.SizeOblivious().applies(call, [violation])
-    assert not meta.applies(call, [violation])
+    assert strategies.SizeOblivious().applies([violation])
+    assert not meta.applies([violation])

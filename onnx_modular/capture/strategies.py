@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ __all__ = [
     "SuggestedFixes",
     "TorchExport",
     "capture",
+    "first_success",
     "strategies_for",
 ]
 
@@ -118,7 +119,7 @@ class Capture:
     program: torch.export.ExportedProgram
     strategy: str
     attempts: list[Attempt]
-    dynamic_shapes: Any = None  # what the program was captured with (refined by suggested fixes)
+    dynamic_shapes: Any = None  # the shapes suggested fixes refined; None: the call's own
 
 
 class CaptureStrategy:
@@ -128,7 +129,7 @@ class CaptureStrategy:
 
     name = "capture"
 
-    def applies(self, call: CaptureCall, failures: Sequence[Attempt]) -> bool:
+    def applies(self, failures: Sequence[Attempt]) -> bool:
         """Whether this strategy can help after ``failures`` (the attempts that failed so far)."""
         return True
 
@@ -165,7 +166,7 @@ class SizeOblivious(CaptureStrategy):
 
     name = "size-oblivious"
 
-    def applies(self, call, failures):
+    def applies(self, failures):
         return any(torch_compat.constraint_violation(f.error) for f in failures)
 
     def export(self, call, dynamic_shapes=None):
@@ -180,7 +181,7 @@ class SuggestedFixes(CaptureStrategy):
 
     name = "suggested-fixes"
 
-    def applies(self, call, failures):
+    def applies(self, failures):
         return any(diagnostics.suggested_fixes(f.error) for f in failures)
 
     def _capture(self, call, failures):
@@ -209,7 +210,7 @@ class DraftExport(CaptureStrategy):
 
     name = "draft_export"
 
-    def applies(self, call, failures):
+    def applies(self, failures):
         return hasattr(torch.export, "draft_export") and any(torch_compat.data_dependent(f.error) for f in failures)
 
     def export(self, call, dynamic_shapes=None):
@@ -250,8 +251,8 @@ class OnMeta(CaptureStrategy):
         self.inner = inner
         self.name = f"meta:{inner.name}"
 
-    def applies(self, call, failures):
-        return self.inner.applies(call.on_meta(), [f for f in failures if isinstance(f.strategy, OnMeta)])
+    def applies(self, failures):
+        return self.inner.applies([f for f in failures if isinstance(f.strategy, OnMeta)])
 
     def export(self, call, dynamic_shapes=None):
         return self.inner.export(call.on_meta(), dynamic_shapes)
@@ -294,15 +295,30 @@ def capture(
     when all fail; its cause is the first strategy's error.
     """
     call = CaptureCall(model, tuple(args), dict(kwargs or {}), torch_compat.export_dims(dynamic_shapes), dict(options or {}))
+    chosen = strategies_for(on_meta=on_meta) if strategies is None else strategies
+    return first_success(chosen, lambda strategy, failures: strategy(call, failures), model)
+
+
+def first_success(
+    strategies: Sequence[CaptureStrategy],
+    attempt: Callable[[CaptureStrategy, list[Attempt]], Attempt],
+    model: torch.nn.Module,
+) -> Capture:
+    """The loop of :func:`capture`: ``attempt(strategy, failures)`` for each strategy that
+    :meth:`~CaptureStrategy.applies` (the first always runs), until one gives a program.
+
+    ``attempt`` runs the strategy; :func:`capture` calls it on its :class:`CaptureCall`, and
+    transformers' exporter (:mod:`onnx_modular.hf.exporter`) runs its whole ``export_program`` per
+    strategy, so that each attempt traces the model once, as transformers expects.
+    """
     attempts: list[Attempt] = []
-    for strategy in strategies_for(on_meta=on_meta) if strategies is None else strategies:
-        if attempts and not strategy.applies(call, attempts):
+    for strategy in strategies:
+        if attempts and not strategy.applies(attempts):
             continue
-        attempt = strategy(call, attempts)
-        attempts.append(attempt)
-        if attempt.ok:
-            shapes = call.dynamic_shapes if attempt.dynamic_shapes is None else attempt.dynamic_shapes
-            return Capture(attempt.program, attempt.name, attempts, shapes)
+        result = attempt(strategy, attempts)
+        attempts.append(result)
+        if result.ok:
+            return Capture(result.program, result.name, attempts, result.dynamic_shapes)
     raise diagnostics.capture_error([(a.name, a.error) for a in attempts], model) from attempts[0].error
 
 

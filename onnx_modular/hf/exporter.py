@@ -131,10 +131,23 @@ class ModularOnnxExporter(OnnxExporter):
         # Axis names (strings, as torch.onnx.export takes them) are Dim.DYNAMIC for transformers'
         # torch.export call; the conversion names the ONNX axes after them.
         traced = dataclasses.replace(config, dynamic_shapes=torch_compat.export_dims(config.dynamic_shapes))
-        # transformers' torch.export call runs through the capture strategies of export_modular
-        # (capture/strategies.py): BERT's Dim("seq") gets torch's suggested max, as in torch.onnx.export.
-        with conversion.capturing_with_strategies(), conversion.replacing_torch_onnx_export():
-            program, metadata = super().export_program(model, sample_inputs, traced)
+        # transformers' torch.export call is made by the capture strategies of export_modular
+        # (capture/strategies.py; BERT's Dim("seq") gets torch's suggested max, as in torch.onnx.export),
+        # one strategy per run of transformers' export_program: each run traces the model once, and
+        # transformers reads the input and output names from that trace.
+        outputs = []
+
+        def attempt(strategy: strategies.CaptureStrategy, failures: list[strategies.Attempt]) -> strategies.Attempt:
+            with conversion.capturing_with(strategy, failures), conversion.replacing_torch_onnx_export():
+                try:
+                    outputs.append(super(ModularOnnxExporter, self).export_program(model, sample_inputs, traced))
+                except Exception:
+                    if conversion.attempt is None or conversion.attempt.ok:
+                        raise  # not the capture: transformers' preparation or the conversion failed
+            return conversion.attempt
+
+        captured = strategies.first_success(strategies.STRATEGIES, attempt, model)
+        program, metadata = outputs[-1]
         result = conversion.result
         if result is None or result.model is not program:
             raise InvalidInputError(
@@ -142,7 +155,7 @@ class ModularOnnxExporter(OnnxExporter):
                 "modular conversion could not take its place.",
                 hint="This transformers version is not supported by onnx_modular.hf; use transformers 5.23.",
             )
-        result.capture_strategy = conversion.capture.strategy if conversion.capture is not None else None
+        result.capture_strategy = captured.strategy
         program.meta[_RESULT_KEY] = result
         if config.verify:
             result.report = result.verify(rtol=config.rtol, atol=config.atol, flat=config.verify_flat)
@@ -170,28 +183,33 @@ class _ModularConversion:
         self.config = config
         self.output_flags = output_flags
         self.result: ModularExport | None = None
-        self.capture: strategies.Capture | None = None
+        self.attempt: strategies.Attempt | None = None
         self._capturing = False
         self._thread = threading.get_ident()
 
     @contextlib.contextmanager
-    def capturing_with_strategies(self) -> Iterator[None]:
-        """transformers' first ``torch.export.export`` call, on this thread, runs through
-        :func:`onnx_modular.capture.strategies.capture` with the options transformers gave
-        (``strict``, ``prefer_deferred_runtime_asserts_over_guards``); the strategies' own calls and
-        any other call are torch's as usual."""
+    def capturing_with(self, strategy: strategies.CaptureStrategy, failures: list[strategies.Attempt]) -> Iterator[None]:
+        """transformers' first ``torch.export.export`` call, on this thread, is made by ``strategy``
+        with the options transformers gave (``strict``, ``prefer_deferred_runtime_asserts_over_guards``);
+        its :class:`~onnx_modular.capture.strategies.Attempt` is kept in :attr:`attempt`, and a failure
+        is raised again to stop transformers' run. The strategy's own calls and any other call are
+        torch's as usual."""
         original = torch.export.export
+        self.attempt = None
 
         @functools.wraps(original)
         def export(mod, args=(), kwargs=None, *, dynamic_shapes=None, **options):
-            if self.capture is not None or self._capturing or threading.get_ident() != self._thread:
+            if self.attempt is not None or self._capturing or threading.get_ident() != self._thread:
                 return original(mod, args, kwargs, dynamic_shapes=dynamic_shapes, **options)
+            call = strategies.CaptureCall(mod, tuple(args), dict(kwargs or {}), dynamic_shapes, options)
             self._capturing = True
             try:
-                self.capture = strategies.capture(mod, args, kwargs, dynamic_shapes, options=options)
+                self.attempt = strategy(call, failures)
             finally:
                 self._capturing = False
-            return self.capture.program
+            if not self.attempt.ok:
+                raise self.attempt.error
+            return self.attempt.program
 
         torch.export.export = export
         try:
