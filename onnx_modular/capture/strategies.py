@@ -24,9 +24,9 @@ meta:<strategy>    a model on ``meta`` (``weights=``): each strategy again with 
 
 A capture that works without the later strategies is kept as it was (some bounded ``Dim`` s only
 pass without ``backed_size_oblivious``). A program captured beforehand (``exported_program=``)
-skips this module; transformers' exporter (:mod:`onnx_modular.hf.exporter`) runs its own
-``torch.export.export`` call through :func:`capture`. Everything on torch's private API is in
-:mod:`~onnx_modular.capture.torch_compat`.
+skips this module; transformers' exporter (:mod:`onnx_modular.hf.exporter`) has each strategy make
+its own ``torch.export.export`` call (:func:`first_success`). Everything on torch's private API is
+in :mod:`~onnx_modular.capture.torch_compat`.
 """
 
 from __future__ import annotations
@@ -76,11 +76,10 @@ class CaptureCall:
     dynamic_shapes: Any = None
     options: dict = dataclasses.field(default_factory=dict)
 
-    def export(self, dynamic_shapes: Any = None, *, inputs: tuple[tuple, dict] | None = None) -> torch.export.ExportedProgram:
+    def export(self, dynamic_shapes: Any = None) -> torch.export.ExportedProgram:
         """``torch.export.export`` with this call's options (``dynamic_shapes`` replaced when given)."""
-        args, kwargs = inputs if inputs is not None else (self.args, self.kwargs)
         shapes = self.dynamic_shapes if dynamic_shapes is None else dynamic_shapes
-        return torch.export.export(self.model, args, kwargs, dynamic_shapes=shapes, **self.options)
+        return torch.export.export(self.model, self.args, self.kwargs, dynamic_shapes=shapes, **self.options)
 
     def on_meta(self) -> CaptureCall:
         """The same call with every example tensor on the ``meta`` device."""
