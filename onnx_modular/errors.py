@@ -57,9 +57,19 @@ class InvalidInputError(OnnxModularError, TypeError):
 
 
 class CaptureError(OnnxModularError):
-    """torch.export could not capture the model."""
+    """torch.export could not capture the model.
+
+    Attributes:
+        attempts: ``[(strategy, exception), ...]``: each capture strategy tried and why it failed
+            (``torch.export``, ``size-oblivious``, ``suggested-fixes``, ...; see
+            :mod:`onnx_modular.capture.strategies`), empty when the model failed before capture.
+    """
 
     stage = "capture"
+
+    def __init__(self, message: str, *, module_path: str | None = None, hint: str | None = None, attempts=()):
+        self.attempts = list(attempts)
+        super().__init__(message, module_path=module_path, hint=hint)
 
 
 class DecompositionError(OnnxModularError):

@@ -2,7 +2,8 @@
 
     nn.Module + example inputs
       capture      eager reference run, calls recorded (capture/reference_run.py)
-                   + torch.export, non-strict (capture/strategies.py)        -> ExportedProgram
+                   + capture strategies, torch.export non-strict first
+                     (capture/strategies.py; the winner: result.capture_strategy) -> ExportedProgram
       decompose    torch's ONNX decompositions + FX fixes                   -> decomposed program
       translate    torch's FX -> ONNX translator, then passes/pipeline.translated_passes
                    (axis names, weights, input/output names, one opset)     -> flat onnx_ir.Model
@@ -50,7 +51,7 @@ from onnx_modular.capture import (
     tensors,
     torch_compat,
 )
-from onnx_modular.capture.fx_call_tree import build_call_tree
+from onnx_modular.capture.fx_call_tree import build_call_tree, module_stacks
 from onnx_modular.capture.selection import ModuleSelector
 from onnx_modular.check import blockwise, verification
 from onnx_modular.check.parity import Tolerance
@@ -183,9 +184,13 @@ def export_modular(
             expected, signatures, eager_calls = reference_run.run(model, *tensors.copy_inputs(args, kwargs))
         with stages("capture"):
             dynamic_shapes = _check_io(model, args, kwargs, expected, dynamic_shapes)
-            program = exported_program or strategies.capture(
-                model, args, kwargs, dynamic_shapes, on_meta=stream is not None and has_meta_tensors(model)
-            )
+            if exported_program is None:
+                captured = strategies.capture(
+                    model, args, kwargs, dynamic_shapes, on_meta=stream is not None and has_meta_tensors(model)
+                )
+                program, capture_strategy = captured.program, captured.strategy
+            else:
+                program, capture_strategy = exported_program, None
         with stages("decompose"):
             program = torch_compat.decompose(program, plan.registry)
             for fix in program_fixes:
@@ -211,7 +216,8 @@ def export_modular(
             pipeline.run(passes, model_ir)
             model_ir.producer_name, model_ir.producer_version = "onnx_modular", _version()
         result = ModularExport(
-            model=model_ir, hierarchy=tree, timings=stages.timings, exported_program=program, _example=(args, kwargs),
+            model=model_ir, hierarchy=tree, timings=stages.timings, exported_program=program,
+            capture_strategy=capture_strategy, _example=(args, kwargs),
             _reference=(tensors.flatten_inputs(args, kwargs), tensors.flatten_outputs(expected)),
         )
         if stream is None and verification.uses_bfloat16(model_ir):  # the reference of its float32-widened check
@@ -371,7 +377,7 @@ def _modularize(model_ir: ir.Model, model, program, plan: _Plan, eager_calls, si
     signatures = {eager_key[key]: signature for key, signature in signatures.items() if key in eager_key}
     loaders = plan.stream.loaders() if plan.stream else None
     passes = pipeline.modularize_passes(
-        stacks=torch_compat.module_stacks(model_ir),
+        stacks=module_stacks(model_ir),
         selected=selection.selected_calls(tree, plan.select),
         tree=tree,
         signatures=signatures,

@@ -37,6 +37,10 @@ class ModularExport:
         path: Where the model was written (``None`` if not saved yet).
         flat_path: Where the flat deployment copy was written (``export_modular(flat_file=...)``).
         flat_report: That copy's parity report against PyTorch (onnxruntime).
+        capture_strategy: The capture strategy that gave the program (``"torch.export"``,
+            ``"size-oblivious"``, ``"suggested-fixes"``, ``"draft_export"``, ``"meta:..."``; see
+            :mod:`onnx_modular.capture.strategies`); ``None`` when the program was given
+            (``exported_program=``).
     """
 
     model: ir.Model
@@ -47,6 +51,7 @@ class ModularExport:
     path: pathlib.Path | None = None
     flat_path: pathlib.Path | None = None
     flat_report: verification.ParityReport | None = None
+    capture_strategy: str | None = None
     exported_program: torch.export.ExportedProgram | None = dataclasses.field(default=None, repr=False)
     _reference: tuple[list[torch.Tensor], list[torch.Tensor]] | None = dataclasses.field(default=None, repr=False)
     _example: tuple[tuple, dict] | None = dataclasses.field(default=None, repr=False)

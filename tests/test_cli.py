@@ -257,6 +257,7 @@ def test_export_prints_each_stage_then_report_and_tree(exported):
     assert summary["ok"] is True
     assert summary["report"]["ok"] is True
     assert set(summary["timings"]) == set(STAGES)
+    assert summary["capture_strategy"] == "torch.export"  # the first capture strategy worked
     block = find_call(summary["tree"], "GPT2Block")
     assert block["calls"] == 2 and block["name"] == "h.0"
 

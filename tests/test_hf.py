@@ -205,6 +205,25 @@ def test_generation_components_match_generate(checkpoints, tmp_path):
     assert torch.equal(hf.greedy_generate(loaded, ids, new_tokens), expected)
 
 
+def test_exporter_captures_through_the_capture_strategies(checkpoints):
+    """transformers' torch.export call runs through onnx_modular's capture strategies: BERT's
+    ``Dim("seq")`` without ``max`` takes torch's suggested bound (its 64 positions)."""
+    model = _model(checkpoints["bert"], "masked-lm")
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(6))
+    seq = torch.export.Dim("seq")
+    config = hf.ModularOnnxConfig(dynamic_shapes={"input_ids": {1: seq}, "attention_mask": {1: seq}})
+    exported = hf.ModularOnnxExporter().export(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, config)
+    result = hf.modular_result(exported)
+    assert result.capture_strategy == "suggested-fixes" and result.report.ok
+    assert list(exported.program.graph.inputs[0].shape) == [2, "seq"]
+    other = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = model(input_ids=other, attention_mask=torch.ones_like(other)).logits
+    torch.testing.assert_close(
+        exported(input_ids=other, attention_mask=torch.ones_like(other)).logits, expected, atol=ATOL, rtol=1e-3
+    )
+
+
 def test_config_rejects_fusions_and_quantizer():
     with pytest.raises(InvalidInputError, match="ort_fusions"):
         hf.ModularOnnxConfig(ort_fusions="cpu")

@@ -2,7 +2,8 @@
 its class: complex values through shape ops (Llama-4-style rotary), a runtime check captured as
 ``aten._is_all_true`` (LLaVA's image-token count), and a data-dependent guard on a value of the
 weights (a padding size kept as a tensor buffer, EnCodec-style), captured by
-``torch.export.draft_export``; a guard on input values still fails the capture. Parity (onnxruntime
+``torch.export.draft_export``; a guard on input values still fails the capture; BERT's sequence axis
+without ``max`` takes torch's suggested bound (issue 37). Parity (onnxruntime
 vs PyTorch, float32 atol 1e-4 / rtol 1e-3) is asserted inside export_modular and again here."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from onnx_modular import export_modular
-from onnx_modular.capture.torch_compat import DataDependentCaptureWarning
+from onnx_modular.capture.strategies import DataDependentCaptureWarning
 
 
 class ComplexRotary(nn.Module):
@@ -90,6 +91,7 @@ def test_data_dependent_guard_is_captured_by_draft_export(tmp_path):
     with pytest.warns(DataDependentCaptureWarning, match="draft_export"):
         result = export_modular(model, (x,), tmp_path / "m.onnx")
     assert result.report.ok and [f.name for f in result.functions] == ["Conv1d"]
+    assert result.capture_strategy == "draft_export"
     np.testing.assert_allclose(_run(tmp_path / "m.onnx", {"x": x.numpy()}), model(x).detach().numpy(), atol=1e-5)
 
 
@@ -110,5 +112,34 @@ def test_data_dependent_guard_on_inputs_still_fails_the_capture():
     from onnx_modular.errors import CaptureError
 
     model = BranchOnInput().eval()
-    with pytest.raises(CaptureError, match=r"(?i)data-dependent"):
+    with pytest.raises(CaptureError, match=r"(?i)data-dependent") as caught:
         export_modular(model, (torch.randn(2, 4), torch.tensor([0, 1])))
+    # draft_export was tried and refused (its program assumes a branch on the input's values)
+    assert [name for name, _ in caught.value.attempts] == ["torch.export", "draft_export"]
+    assert "Capture strategies tried: torch.export" in str(caught.value)
+    assert "computed from the inputs" in str(caught.value.attempts[1][1])
+
+
+def test_bert_sequence_without_max_takes_torch_suggested_bound(tmp_path):
+    """Issue 37, item 3: ``Dim("seq")`` without ``max`` on BERT, which ``torch.onnx.export(dynamo=True)``
+    accepts; torch.export refuses it and suggests ``Dim('seq', max=64)`` (the position table), which
+    the suggested-fixes strategy applies. The axes stay named and dynamic: checked at other sizes."""
+    transformers = pytest.importorskip("transformers")
+    from torch.export import Dim
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=40,
+        max_position_embeddings=64,
+    )
+    model, ids = transformers.BertModel(config).eval(), torch.randint(0, 96, (2, 8))
+    result = export_modular(model, (ids,), tmp_path / "bert.onnx", dynamic_shapes=({0: Dim("batch"), 1: Dim("seq")},))
+    assert result.report.ok and result.capture_strategy == "suggested-fixes"
+    assert {"BertEmbeddings", "BertLayer"} <= {f.name for f in result.functions}
+    session = ort.InferenceSession(str(tmp_path / "bert.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape == ["batch", "seq"]
+    other = torch.randint(0, 96, (3, 13))
+    (hidden, _) = session.run(None, {session.get_inputs()[0].name: other.numpy()})
+    with torch.no_grad():
+        expected = model(other).last_hidden_state
+    np.testing.assert_allclose(hidden, expected.numpy(), atol=1e-4, rtol=1e-3)

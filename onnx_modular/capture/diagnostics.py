@@ -19,7 +19,14 @@ from onnx_modular.errors import (
 )
 from onnx_modular.format.text import first_line
 
-__all__ = ["module_path_from_traceback", "module_path_from_fx_node", "module_path_from_names", "suggested_fixes", "stage_error"]
+__all__ = [
+    "capture_error",
+    "module_path_from_fx_node",
+    "module_path_from_names",
+    "module_path_from_traceback",
+    "stage_error",
+    "suggested_fixes",
+]
 
 
 def _iter_frames(exc: BaseException) -> Iterator[types.FrameType]:
@@ -58,9 +65,10 @@ def module_path_from_fx_node(exc: BaseException) -> str | None:
 
 
 
-def suggested_fixes(exc: BaseException) -> str:
-    """torch.export's own "Suggested fixes" for dynamic shapes (``total = Dim('total', min=4)``)."""
-    text = str(exc)
+def suggested_fixes(exc: BaseException | None) -> str:
+    """torch.export's own "Suggested fixes" for dynamic shapes (``total = Dim('total', min=4)``),
+    as `` torch suggests: ...``; ``""`` when the error has none."""
+    text = str(exc) if exc is not None else ""
     if "Suggested fixes:" not in text:
         return ""
     fixes = [line.strip() for line in text.split("Suggested fixes:", 1)[1].splitlines()]
@@ -88,6 +96,24 @@ def module_path_from_names(exc: BaseException, model: torch.nn.Module) -> str | 
     return max(found, key=len).rpartition(".")[0]
 
 
+def capture_error(attempts: list[tuple[str, BaseException]], model: torch.nn.Module) -> CaptureError:
+    """The one error when every capture strategy failed: the first strategy's error (the capture
+    as asked) with its module and torch's suggestions, then one line per strategy tried."""
+    first = attempts[0][1]
+    what = f"{type(first).__name__}: {first_line(first, cause=True)}"
+    message = f"torch.export could not capture the model: {what}"
+    if len(attempts) > 1:
+        tried = "; ".join(f"{name} ({type(exc).__name__}: {first_line(exc)[:200]})" for name, exc in attempts)
+        message += f"\nCapture strategies tried: {tried}"
+    return CaptureError(
+        message,
+        module_path=module_path_from_traceback(first, model),
+        hint="Make the code traceable by torch.export (see the cause below), "
+        "or check dynamic_shapes against the inputs." + next(filter(None, (suggested_fixes(e) for _, e in attempts)), ""),
+        attempts=attempts,
+    )
+
+
 def stage_error(stage: str, exc: Exception, model: torch.nn.Module) -> OnnxModularError:
     """The typed error for an unexpected exception in one stage of ``export_modular``.
 
@@ -103,12 +129,9 @@ def stage_error(stage: str, exc: Exception, model: torch.nn.Module) -> OnnxModul
             hint="Check that the example inputs have the shapes and dtypes forward() expects.",
         )
     if stage == "capture":
-        return CaptureError(
-            f"torch.export could not capture the model: {what}",
-            module_path=module_path_from_traceback(exc, model),
-            hint="Make the code traceable by torch.export (see the cause below), "
-            "or check dynamic_shapes against the inputs." + suggested_fixes(exc),
-        )
+        error = capture_error([("capture", exc)], model)
+        error.attempts = []  # not a strategy's failure (the inputs, outputs or dynamic_shapes)
+        return error
     if stage == "decompose":
         return DecompositionError(
             f"torch's ONNX decompositions failed: {what}",

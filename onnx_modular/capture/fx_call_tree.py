@@ -13,13 +13,15 @@ import inspect
 import sys
 from typing import Any
 
+import onnx_ir as ir
 import torch
 
+from onnx_modular.capture import torch_compat
 from onnx_modular.errors import ModularizeError
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree, ModuleCall
 
-__all__ = ["build_call_tree", "module_info", "package_of"]
+__all__ = ["build_call_tree", "module_info", "module_stacks", "package_of"]
 
 _SYNTHETIC_KEY_PREFIX = "_empty_nn_module_stack"
 
@@ -183,3 +185,15 @@ def _add_eager_calls(root: ModuleCall, by_key: dict[str, ModuleCall], eager_call
         by_call[(path, index)] = call
     for call in root.walk():
         call.children.sort(key=lambda child: order.get((child.module_path, child.call_index), len(order)))
+
+
+def module_stacks(model: ir.Model) -> dict[ir.Node, tuple[str, ...]]:
+    """Each main-graph node's module-call keys (its FX node's ``nn_module_stack``, outermost first),
+    for :class:`~onnx_modular.passes.module_stacks.AnnotateStacksPass`."""
+    stacks = {}
+    for node in model.graph:
+        fx_node = torch_compat.fx_node_of(node)
+        stack = (fx_node.meta.get("nn_module_stack") or {}) if fx_node is not None else {}
+        if stack:
+            stacks[node] = tuple(stack)
+    return stacks

@@ -56,6 +56,10 @@ def _unflattenable(value: Any, path: str, found: list[tuple[str, Any]], depth: i
             return  # a module passed as input is torch.export's own error to give
         found.append((path, value))
         return
+    if node.flatten_with_keys_fn is not None:  # named as the user wrote it: kwargs.state.0
+        for key, child in node.flatten_with_keys_fn(value)[0]:
+            _unflattenable(child, _key_path(path, (key,)), found, depth + 1)
+        return
     children, _ = node.flatten_fn(value)
     for index, child in enumerate(children):
         _unflattenable(child, f"{path}.{index}", found, depth + 1)
@@ -149,7 +153,10 @@ def leaf_names(named_values: list[tuple[str, Any]]) -> list[str]:
         _attribute_paths(value, prefix, paths)
         for keys, leaf in pytree.tree_flatten_with_path(value)[0]:
             if isinstance(leaf, torch.Tensor):
-                names.append(paths.get(id(leaf)) or _key_path(prefix, keys))
+                name = paths.get(id(leaf))
+                if name is None or name in names:  # one tensor twice (return y, y): its place, not its first path
+                    name = _key_path(prefix, keys)
+                names.append(name)
     return names
 
 

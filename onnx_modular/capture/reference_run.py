@@ -29,7 +29,7 @@ from onnx_modular.capture import tensors, torch_compat
 from onnx_modular.capture.call_hooks import call_hooks
 from onnx_modular.passes.signatures import CallSignature, TensorSpec
 
-__all__ = ["kept_as_given", "run", "tensor_specs", "output_specs", "lazy_values"]
+__all__ = ["kept_as_given", "run", "tensor_specs", "output_specs", "lazy_values", "program_values"]
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ def lazy_values(
 
     Only calls with several inputs (or outputs) of equal dtype and shape ask, so most
     exports never pay for the run. ``loaders`` (weights streamed from a checkpoint): parameters
-    are read as ops use them (:func:`onnx_modular.capture.torch_compat.program_values`).
+    are read as ops use them (:func:`program_values`).
     """
     cache: dict[str, Any] | None = None
 
@@ -197,10 +197,79 @@ def lazy_values(
         nonlocal cache
         if cache is None:
             try:
-                cache = torch_compat.program_values(program, *tensors.copy_inputs(args, kwargs), loaders)
+                cache = program_values(program, *tensors.copy_inputs(args, kwargs), loaders)
             except Exception as e:  # names stay unresolved; the export itself is unaffected
                 logger.info("Could not evaluate the program to resolve equal-shaped inputs: %s", e)
                 cache = {}
         return cache.get(name)
 
     return value_of
+
+
+def program_values(
+    program: torch.export.ExportedProgram, args: tuple, kwargs: dict, loaders: dict | None = None
+) -> dict[str, object]:
+    """Run the (decomposed) program on real inputs; every FX node's result by node name.
+
+    Uses the public ExportedProgram signature and ``torch.fx.Interpreter``. With
+    ``loaders`` (state-dict name -> function returning the tensor), parameters are read
+    when an op uses them and dropped after it, and only values that depend on the user
+    inputs are recorded, so that weights are never all in memory at once.
+    """
+    from torch.export.graph_signature import InputKind
+
+    leaves = iter(torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs))))
+    state = program.state_dict
+    flat = []
+    for spec in program.graph_signature.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            flat.append(next(leaves))
+        elif loaders is not None and spec.target in loaders:
+            flat.append(_Load(loaders[spec.target]))
+        elif spec.target in state:
+            flat.append(state[spec.target])
+        else:
+            flat.append(program.constants[spec.target])
+    values: dict[str, object] = {}
+    user_inputs = {
+        node.name
+        for node, spec in zip(program.graph.find_nodes(op="placeholder"), program.graph_signature.input_specs)
+        if spec.kind == InputKind.USER_INPUT
+    }
+    depends: set[str] = set()
+
+    class _Recorder(torch.fx.Interpreter):
+        def fetch_args_kwargs_from_env(self, n):
+            args_, kwargs_ = super().fetch_args_kwargs_from_env(n)
+            if loaders is None:
+                return args_, kwargs_
+            return torch.utils._pytree.tree_map(lambda v: v() if isinstance(v, _Load) else v, (args_, kwargs_))
+
+        def run_node(self, node):
+            result = super().run_node(node)
+            if loaders is not None:
+                if node.name in user_inputs or any(i.name in depends for i in node.all_input_nodes):
+                    depends.add(node.name)
+                else:
+                    return result  # a function of the weights alone: not recorded
+            if isinstance(result, (tuple, list)):
+                for i, item in enumerate(result):
+                    values[f"{node.name}__{i}"] = item
+            values[node.name] = result
+            return result
+
+    with torch.no_grad():
+        _Recorder(program.graph_module).run(*flat)
+    return values
+
+
+class _Load:
+    """A parameter read only when an op uses it (see :func:`program_values`)."""
+
+    __slots__ = ("load",)
+
+    def __init__(self, load):
+        self.load = load
+
+    def __call__(self):
+        return self.load()

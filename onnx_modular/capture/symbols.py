@@ -1,7 +1,7 @@
 """One symbol per size torch proved equal, and one FX node per size the graph already holds.
 
 :func:`share_equal_sizes` runs on the decomposed program, before translation. It makes input
-symbols that torch proved equal one symbol (:func:`~onnx_modular.capture.torch_compat.unify_equal_symbols`),
+symbols that torch proved equal one symbol (:func:`unify_equal_symbols`),
 then lets each size expression that became the same as one computed before reuse that node:
 
 * the ``sym_size`` nodes that read the past length from layer 0's, 1's and 2's cache tensors
@@ -24,7 +24,7 @@ import torch
 
 from onnx_modular.capture import torch_compat
 
-__all__ = ["share_equal_sizes"]
+__all__ = ["share_equal_sizes", "unify_equal_symbols"]
 
 _SYNTHETIC_KEY_PREFIX = "_empty_nn_module_stack"
 _DATA_DEPENDENT = {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape}
@@ -42,7 +42,7 @@ def share_equal_sizes(program: torch.export.ExportedProgram) -> dict[str, str]:
         share_equal_sizes(program)   # before torch_compat.translate(program, registry)
     """
     before = {node: torch_compat.symbolic_expr(node.meta.get("val")) for node in program.graph.nodes}
-    replaced = torch_compat.unify_equal_symbols(program)
+    replaced = unify_equal_symbols(program)
     if not replaced:
         return replaced
     graph = program.graph
@@ -80,3 +80,65 @@ def _call_keys(node: torch.fx.Node) -> tuple[str, ...]:
     return tuple(
         key for key, (path, _) in stack.items() if path != "" and not key.startswith(_SYNTHETIC_KEY_PREFIX)
     )
+
+
+def unify_equal_symbols(program: torch.export.ExportedProgram) -> dict[str, str]:
+    """Make input symbols that torch proved equal one symbol; returns ``{replaced: kept}``.
+
+    torch.export gives every input axis its own symbol and merges two when it meets their
+    equality (a ``Dim`` shared by several inputs, a ``cat`` of two tensors). When the equality
+    was already implied by an earlier guard (``s70 + s81 == s70 + s85`` from a matmul), torch
+    records the guard but no replacement, and the symbols stay apart: a Llama KV cache traced
+    by transformers' exporter keeps one past-length symbol per layer although its ``Dim`` is
+    shared, so each layer reads "its" length from another input and the layers stop looking
+    alike. Every guard (and deferred runtime assert) that says ``k*a == k*b`` for two input
+    symbols is read back, and the shape environment gets the replacement torch would have made:
+    every fake value of the program then shows the kept symbol (the first in input order).
+    Only equalities torch itself relies on are used, so the program means what it meant.
+    """
+    import sympy
+
+    shape_env, inputs = torch_compat.shape_env_of(program), []
+    for node in program.graph.find_nodes(op="placeholder"):
+        for size in getattr(node.meta.get("val"), "shape", ()):
+            if isinstance(size, torch.SymInt):
+                inputs.extend(s for s in sorted(size.node.expr.free_symbols, key=str) if s not in inputs)
+    if shape_env is None or len(inputs) < 2:
+        return {}
+    order = {symbol: i for i, symbol in enumerate(inputs)}
+    facts = [guard.expr for guard in shape_env.guards]
+    facts += [ra.expr for asserts in shape_env.deferred_runtime_asserts.values() for ra in asserts]
+    # Each equality as "difference == 0", in the symbols torch kept, if it is linear in input symbols.
+    differences = []
+    for fact in facts:
+        if isinstance(fact, sympy.Eq):
+            difference = sympy.expand(shape_env.replace(fact.lhs - fact.rhs))
+            terms = difference.as_coefficients_dict()
+            if len(terms) >= 2 and all(term in order or term == 1 for term in terms):
+                differences.append(difference)
+    kept: dict = {}  # union-find over input symbols; the root is the first in input order
+
+    def root(symbol):
+        while symbol in kept:
+            symbol = kept[symbol]
+        return symbol
+
+    merged = True
+    while merged:  # k*a - k*b == 0 merges a and b; a merge may bring another difference to that form
+        merged, remaining = False, []
+        for difference in differences:
+            if kept:
+                difference = sympy.expand(difference.xreplace({s: root(s) for s in difference.free_symbols}))
+            terms = difference.as_coefficients_dict()
+            if len(terms) == 2 and 1 not in terms and sum(terms.values()) == 0:
+                first, second = sorted(terms, key=order.__getitem__)
+                kept[second], merged = first, True
+            elif len(difference.free_symbols) > 1:
+                remaining.append(difference)
+        differences = remaining
+    replaced = {}
+    for symbol in inputs:
+        target = root(symbol)
+        if target != symbol and torch_compat.replace_symbol(program, symbol, target, "onnx_modular: proven equal to an input symbol"):
+            replaced[str(symbol)] = str(target)
+    return replaced

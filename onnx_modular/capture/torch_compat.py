@@ -9,6 +9,10 @@ again), so onnx_modular drives the two private stages it needs directly:
   between the decomposition and the type-promotion interpreter;
 * ``_core._exported_program_to_onnx_program`` (translate).
 
+It also holds the few private hooks the capture strategies (:mod:`onnx_modular.capture.strategies`)
+and the symbol sharing (:mod:`onnx_modular.capture.symbols`) need: constraint violations,
+``backed_size_oblivious``, torch's suggested fixes, ``draft_export``'s report, the shape environment.
+
 Private API can change in any torch release: ``pyproject.toml`` admits torch
 ``>=2.13,<2.16`` (:data:`ADMITTED_TORCH_VERSIONS`), and where those releases differ this
 module branches on :data:`TORCH_VERSION`. Each registry is built as ``torch.onnx.export``
@@ -31,24 +35,24 @@ __all__ = [
     "ADMITTED_TORCH_VERSIONS",
     "TESTED_TORCH_VERSIONS",
     "TORCH_VERSION",
-    "DataDependentCaptureWarning",
-    "capture",
     "check_torch_version",
+    "constraint_violation",
+    "data_dependent",
+    "draft_export_assumptions",
     "export_dims",
     "decompose",
     "default_opset",
     "dynamic_axis_names",
     "eager_control_flow",
     "fx_node_of",
-    "library_translations",
-    "module_stacks",
-    "program_values",
     "refined_dynamic_shapes",
+    "replace_symbol",
     "registry",
+    "shape_env_of",
+    "size_oblivious",
     "symbolic_expr",
     "torch_dtype_to_ir",
     "translate",
-    "unify_equal_symbols",
 ]
 
 #: Releases the test suite ran against (``bash scripts/test-torch.sh <version>``).
@@ -97,11 +101,13 @@ def registry(opset_version: int | None = None, custom_translation_table: Mapping
     opset (``Attention`` for SDPA at 23), and below 18 torch translates at 18 and converts
     (:class:`~onnx_modular.passes.opset_conversion.ConvertOpsetPass` does that per body). ``custom_translation_table`` entries
     are registered as ``torch.onnx.export`` registers them (they take precedence); ops
-    that torch cannot translate but an imported library can (:func:`library_translations`)
-    are registered last, only where torch has no translation.
+    that torch cannot translate but an imported library can (:func:`onnx_modular.capture.library_hooks.translations`;
+    transformers' in :mod:`onnx_modular.hf.hooks`) are registered last, only where torch has none.
     """
+    from onnx_modular.capture import library_hooks
+
     opset = max(opset_version or default_opset(), default_opset())
-    libraries = tuple(library_translations().items())
+    libraries = tuple(library_hooks.translations().items())
     if not custom_translation_table:
         return _cached_registry(opset, libraries)
     reg = _new_registry(opset)
@@ -137,14 +143,6 @@ def _fill_gaps(reg, libraries: tuple) -> None:
     for torch_op, onnx_op, is_complex in translations.translations():  # ops torchlib lacks
         if not any(decomp.is_complex == is_complex for decomp in reg.get_decomps(torch_op)):
             reg.register_op(torch_op, onnx_op, is_complex=is_complex)
-
-
-def library_translations() -> dict[Callable, Callable]:
-    """Translations that model libraries ship for their own custom ops, when already imported
-    (:func:`onnx_modular.capture.library_hooks.translations`; transformers' in :mod:`onnx_modular.hf.hooks`)."""
-    from onnx_modular.capture import library_hooks
-
-    return library_hooks.translations()
 
 
 def default_opset() -> int:
@@ -187,12 +185,33 @@ def eager_control_flow():
         hop_utils._hop_compile_and_call = original
 
 
-class DataDependentCaptureWarning(UserWarning):
-    """torch.export could not decide a branch on a tensor's value; the program assumes the
-    example inputs' outcome there (``torch.export.draft_export``)."""
+def constraint_violation(error: BaseException | None) -> bool:
+    """Whether ``error`` is torch.export's refusal of the given ``dynamic_shapes`` (a constraint
+    violation, ``torch._dynamo.exc.UserError``), which other settings or torch's fixes may lift."""
+    return isinstance(error, torch._dynamo.exc.UserError)
 
 
-def _data_dependent(error: BaseException) -> bool:
+def size_oblivious():
+    """Sizes 0 and 1 not specialized while capturing (``backed_size_oblivious``), as torch's own
+    capture and decomposition run."""
+    return torch.fx.experimental._config.patch(backed_size_oblivious=True)
+
+
+def refined_dynamic_shapes(error: BaseException | None, dynamic_shapes):
+    """``dynamic_shapes`` with torch's suggested fixes applied when ``error`` is torch.export's
+    constraint violation (``Dim('seq', max=64)`` for BERT's position table); ``None``
+    when it is another error or the fixes cannot be applied."""
+    if not constraint_violation(error) or "Suggested fixes" not in str(error):
+        return None
+    try:
+        return torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(error.msg, dynamic_shapes)
+    except Exception:
+        return None
+
+
+def data_dependent(error: BaseException | None) -> bool:
+    """Whether ``error`` (or an exception it was raised from) is a guard on a data-dependent value
+    (``GuardOnDataDependentSymNode: Eq(u0, 1)``)."""
     from torch.fx.experimental import symbolic_shapes
 
     seen: set[int] = set()
@@ -204,136 +223,12 @@ def _data_dependent(error: BaseException) -> bool:
     return False
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_shapes) -> torch.export.ExportedProgram:
-    """torch.export, non-strict; where that fails on a data-dependent guard, ``draft_export``.
-
-    ``dynamic_shapes`` are taken as ``torch.onnx.export(dynamo=True)`` takes them (axis names as
-    strings become ``Dim.DYNAMIC``); shapes torch.export rejects are retried as torch's own capture
-    does (:func:`_export_non_strict`).
-
-    torch's own exporter tries several strategies in turn (``_capture_strategies``: non-strict,
-    strict, and ``draft_export`` behind a flag that is off by default). A data-dependent guard
-    (``GuardOnDataDependentSymNode: Eq(u0, 1)``: Longformer's and EnCodec's padding sizes kept
-    as tensors) fails non-strict and strict alike, because dynamo meets the same unbacked value;
-    ``draft_export`` instead assumes, at each such guard, what the example inputs give and
-    records it. That program is kept only when every data-dependent value it assumed comes from
-    weights, buffers and constants alone (the same for every input, as a padding size kept in a
-    buffer); a guard on values computed from the inputs (``if x.sum() > 0``) would make the file
-    wrong for other inputs, so the original error is raised. The export warns with the guards
-    assumed (:class:`DataDependentCaptureWarning`). Other failures are raised as they are
-    (docs/design.md, "Capture strategies").
-    """
-    dynamic_shapes = export_dims(dynamic_shapes)
-    try:
-        return _export_non_strict(model, args, kwargs, dynamic_shapes)
-    except Exception as first:
-        if not _data_dependent(first) or not hasattr(torch.export, "draft_export"):
-            raise
-        try:
-            with warnings.catch_warnings(), _quiet("torch.export._draft_export"):
-                warnings.simplefilter("ignore")
-                program = torch.export.draft_export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
-        except Exception:
-            raise first from None
-        if _reads_user_inputs(program):  # a branch on input values: no single program is right
-            raise
+def draft_export_assumptions(program: torch.export.ExportedProgram) -> list[str]:
+    """What a ``draft_export`` program assumed (first line of each failure of its report)."""
     report = getattr(program, "_report", None)
     failures = getattr(report, "failures", None) or []
-    assumed = sorted({_first_line_of(getattr(f, "reason", None) or str(f)) for f in failures})
-    warnings.warn(
-        "torch.export could not trace a branch on tensor values (data-dependent guard); the program "
-        "was captured with torch.export.draft_export, which assumes what the example inputs give there"
-        + (": " + "; ".join(assumed[:4]) if assumed else "")
-        + ". Inputs that take another branch may need another export.",
-        DataDependentCaptureWarning,
-        stacklevel=3,
-    )
-    return program
-
-
-def _reads_user_inputs(program: torch.export.ExportedProgram) -> bool:
-    """Whether a data-dependent value of the program (ops tagged ``data_dependent_output`` or
-    ``dynamic_output_shape``: ``.item()``, ``nonzero``) is computed from a user input, not only
-    from weights, buffers and constants. Only then can the assumed outcome differ between inputs."""
-    data_dependent = {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape}
-    user_inputs = set(program.graph_signature.user_inputs)
-    # where data-dependent values are born: ops tagged so (item, _local_scalar_dense, nonzero, ...)
-    sources = [
-        node
-        for node in program.graph.nodes
-        if node.op == "call_function" and data_dependent & set(getattr(node.target, "tags", ()))
-    ]
-    seen: set = set()
-    stack = list(sources)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "placeholder" and node.name in user_inputs:
-            return True
-        stack.extend(node.all_input_nodes)
-    return False
-
-
-@contextlib.contextmanager
-def _quiet(logger_name: str):
-    """Silence a torch logger (draft_export logs its whole report as a warning)."""
-    log = logging.getLogger(logger_name)
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
-def _first_line_of(text: str) -> str:
-    text = str(text).strip()
-    return text.splitlines()[0][:200] if text else ""
-
-
-def _export_non_strict(model, args, kwargs, dynamic_shapes) -> torch.export.ExportedProgram:
-    """torch.export in non-strict mode. When it rejects the shapes (a constraint violation:
-    ``Dim("seq")`` without the ``min`` the model needs), it captures again as torch's own capture
-    strategy does (``_capture_strategies.TorchExportNonStrictStrategy``): sizes 0 and 1 not
-    specialized (``backed_size_oblivious``), and torch's suggested fixes applied if it still
-    refuses. A capture that works without that strategy is kept as it was (some bounded ``Dim``s
-    only pass without it).
-    """
-
-    def export(shapes):
-        return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
-
-    try:
-        return export(dynamic_shapes)
-    except torch._dynamo.exc.UserError as error:
-        first = error
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-        try:
-            return export(dynamic_shapes)
-        except torch._dynamo.exc.UserError as error:
-            try:
-                refined = torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(error.msg, dynamic_shapes)
-            except Exception:
-                raise first from None
-            try:
-                return export(refined)
-            except torch._dynamo.exc.UserError:
-                raise first from None
-
-
-
-def refined_dynamic_shapes(error: BaseException, dynamic_shapes):
-    """``dynamic_shapes`` with torch's suggested fixes applied when ``error`` is torch.export's
-    constraint violation (``Dim('sequence_length', max=64)`` for BERT's position table); ``None``
-    when it is another error or the fixes cannot be applied."""
-    if not isinstance(error, torch._dynamo.exc.UserError) or "Suggested fixes" not in str(error):
-        return None
-    try:
-        return torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(error.msg, dynamic_shapes)
-    except Exception:
-        return None
+    reasons = (str(getattr(failure, "reason", None) or failure).strip() for failure in failures)
+    return sorted({reason.splitlines()[0][:200] for reason in reasons if reason})
 
 
 def export_dims(dynamic_shapes):
@@ -355,7 +250,7 @@ def decompose(program: torch.export.ExportedProgram, reg) -> torch.export.Export
 
     _, _fx_passes, _ = _exporter()
     with (
-        torch.fx.experimental._config.patch(backed_size_oblivious=True),  # as torch does
+        size_oblivious(),  # as torch does
         _rnn_decompositions(program),
     ):
         program = _fx_passes.decompose_with_registry(program, reg)
@@ -378,75 +273,27 @@ def _rnn_decompositions(program: torch.export.ExportedProgram):
     return contextlib.nullcontext()
 
 
-def unify_equal_symbols(program: torch.export.ExportedProgram) -> dict[str, str]:
-    """Make input symbols that torch proved equal one symbol; returns ``{replaced: kept}``.
+def replace_symbol(program: torch.export.ExportedProgram, symbol, target, reason: str) -> bool:
+    """Make the shape environment replace input ``symbol`` by ``target`` everywhere (as torch does
+    when it meets an equality itself), and merge their range constraints; ``False`` when torch
+    refuses (incompatible value ranges). Used by :func:`onnx_modular.capture.symbols.unify_equal_symbols`."""
+    shape_env = shape_env_of(program)
+    shape_env._set_replacement(symbol, target, reason)
+    if shape_env.replace(symbol) != target:
+        return False
+    constraint = program.range_constraints.pop(symbol, None)
+    if constraint is not None and target in program.range_constraints:
+        program.range_constraints[target] = program.range_constraints[target] & constraint
+    return True
 
-    torch.export gives every input axis its own symbol and merges two when it meets their
-    equality (a ``Dim`` shared by several inputs, a ``cat`` of two tensors). When the equality
-    was already implied by an earlier guard (``s70 + s81 == s70 + s85`` from a matmul), torch
-    records the guard but no replacement, and the symbols stay apart: a Llama KV cache traced
-    by transformers' exporter keeps one past-length symbol per layer although its ``Dim`` is
-    shared, so each layer reads "its" length from another input and the layers stop looking
-    alike. Every guard (and deferred runtime assert) that says ``k*a == k*b`` for two input
-    symbols is read back, and the shape environment gets the replacement torch would have made:
-    every fake value of the program then shows the kept symbol (the first in input order).
-    Only equalities torch itself relies on are used, so the program means what it meant.
-    """
-    import sympy
 
-    shape_env, inputs = None, []
+def shape_env_of(program: torch.export.ExportedProgram):
+    """The shape environment of the program's symbolic input sizes, ``None`` when all are static."""
     for node in program.graph.find_nodes(op="placeholder"):
-        value = node.meta.get("val")
-        for size in getattr(value, "shape", ()):
+        for size in getattr(node.meta.get("val"), "shape", ()):
             if isinstance(size, torch.SymInt):
-                shape_env = shape_env or size.node.shape_env
-                inputs.extend(s for s in sorted(size.node.expr.free_symbols, key=str) if s not in inputs)
-    if shape_env is None or len(inputs) < 2:
-        return {}
-    order = {symbol: i for i, symbol in enumerate(inputs)}
-    facts = [guard.expr for guard in shape_env.guards]
-    facts += [ra.expr for asserts in shape_env.deferred_runtime_asserts.values() for ra in asserts]
-    # Each equality as "difference == 0", in the symbols torch kept, if it is linear in input symbols.
-    differences = []
-    for fact in facts:
-        if isinstance(fact, sympy.Eq):
-            difference = sympy.expand(shape_env.replace(fact.lhs - fact.rhs))
-            terms = difference.as_coefficients_dict()
-            if len(terms) >= 2 and all(term in order or term == 1 for term in terms):
-                differences.append(difference)
-    kept: dict = {}  # union-find over input symbols; the root is the first in input order
-
-    def root(symbol):
-        while symbol in kept:
-            symbol = kept[symbol]
-        return symbol
-
-    merged = True
-    while merged:  # k*a - k*b == 0 merges a and b; a merge may bring another difference to that form
-        merged, remaining = False, []
-        for difference in differences:
-            if kept:
-                difference = sympy.expand(difference.xreplace({s: root(s) for s in difference.free_symbols}))
-            terms = difference.as_coefficients_dict()
-            if len(terms) == 2 and 1 not in terms and sum(terms.values()) == 0:
-                first, second = sorted(terms, key=order.__getitem__)
-                kept[second], merged = first, True
-            elif len(difference.free_symbols) > 1:
-                remaining.append(difference)
-        differences = remaining
-    replaced = {}
-    for symbol in inputs:
-        target = root(symbol)
-        if target == symbol:
-            continue
-        shape_env._set_replacement(symbol, target, "onnx_modular: proven equal to an input symbol")
-        if shape_env.replace(symbol) != target:
-            continue  # torch refused (incompatible value ranges): left as it is
-        replaced[str(symbol)] = str(target)
-        constraint = program.range_constraints.pop(symbol, None)
-        if constraint is not None and target in program.range_constraints:
-            program.range_constraints[target] = program.range_constraints[target] & constraint
-    return replaced
+                return size.node.shape_env
+    return None
 
 
 def symbolic_expr(value: object):
@@ -489,87 +336,6 @@ def dynamic_axis_names(inputs: list[ir.Value], dynamic_shapes) -> dict[str, str]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return dict(_dynamic_shapes.create_rename_mapping(inputs, dynamic_shapes))
-
-
-def module_stacks(model: ir.Model) -> dict[ir.Node, tuple[str, ...]]:
-    """Each main-graph node's module-call keys (its FX node's ``nn_module_stack``, outermost first),
-    for :class:`~onnx_modular.passes.module_stacks.AnnotateStacksPass`."""
-    stacks = {}
-    for node in model.graph:
-        fx_node = fx_node_of(node)
-        stack = (fx_node.meta.get("nn_module_stack") or {}) if fx_node is not None else {}
-        if stack:
-            stacks[node] = tuple(stack)
-    return stacks
-
-
-def program_values(
-    program: torch.export.ExportedProgram, args: tuple, kwargs: dict, loaders: dict | None = None
-) -> dict[str, object]:
-    """Run the (decomposed) program on real inputs; every FX node's result by node name.
-
-    Uses the public ExportedProgram signature and ``torch.fx.Interpreter``. With
-    ``loaders`` (state-dict name -> function returning the tensor), parameters are read
-    when an op uses them and dropped after it, and only values that depend on the user
-    inputs are recorded, so that weights are never all in memory at once.
-    """
-    from torch.export.graph_signature import InputKind
-
-    leaves = iter(torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs))))
-    state = program.state_dict
-    flat = []
-    for spec in program.graph_signature.input_specs:
-        if spec.kind == InputKind.USER_INPUT:
-            flat.append(next(leaves))
-        elif loaders is not None and spec.target in loaders:
-            flat.append(_Load(loaders[spec.target]))
-        elif spec.target in state:
-            flat.append(state[spec.target])
-        else:
-            flat.append(program.constants[spec.target])
-    values: dict[str, object] = {}
-    user_inputs = {
-        node.name
-        for node, spec in zip(program.graph.find_nodes(op="placeholder"), program.graph_signature.input_specs)
-        if spec.kind == InputKind.USER_INPUT
-    }
-    depends: set[str] = set()
-
-    class _Recorder(torch.fx.Interpreter):
-        def fetch_args_kwargs_from_env(self, n):
-            args_, kwargs_ = super().fetch_args_kwargs_from_env(n)
-            if loaders is None:
-                return args_, kwargs_
-            return torch.utils._pytree.tree_map(lambda v: v() if isinstance(v, _Load) else v, (args_, kwargs_))
-
-        def run_node(self, node):
-            result = super().run_node(node)
-            if loaders is not None:
-                if node.name in user_inputs or any(i.name in depends for i in node.all_input_nodes):
-                    depends.add(node.name)
-                else:
-                    return result  # a function of the weights alone: not recorded
-            if isinstance(result, (tuple, list)):
-                for i, item in enumerate(result):
-                    values[f"{node.name}__{i}"] = item
-            values[node.name] = result
-            return result
-
-    with torch.no_grad():
-        _Recorder(program.graph_module).run(*flat)
-    return values
-
-
-class _Load:
-    """A parameter read only when an op uses it (see :func:`program_values`)."""
-
-    __slots__ = ("load",)
-
-    def __init__(self, load):
-        self.load = load
-
-    def __call__(self):
-        return self.load()
 
 
 def fx_node_of(node: ir.Node) -> torch.fx.Node | None:

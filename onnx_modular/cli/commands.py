@@ -155,6 +155,7 @@ def run_export(args: argparse.Namespace) -> int:
                 "path": str(args.output),
                 "ok": True if result.report is None else result.report.ok,
                 "timings": result.timings,
+                "capture_strategy": result.capture_strategy,
                 "report": None if result.report is None else result.report.to_dict(),
                 "flat_path": None if result.flat_path is None else str(result.flat_path),
                 "flat_report": None if result.flat_report is None else result.flat_report.to_dict(),

@@ -37,7 +37,7 @@ from transformers.exporters.utils import (
     apply_patches,
 )
 
-from onnx_modular.capture import torch_compat
+from onnx_modular.capture import strategies, torch_compat
 from onnx_modular.check import verification
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.export import ModularExport, ModuleSelector, export_modular
@@ -131,20 +131,23 @@ class ModularOnnxExporter(OnnxExporter):
         # Axis names (strings, as torch.onnx.export takes them) are Dim.DYNAMIC for transformers'
         # torch.export call; the conversion names the ONNX axes after them.
         traced = dataclasses.replace(config, dynamic_shapes=torch_compat.export_dims(config.dynamic_shapes))
-        with conversion.replacing_torch_onnx_export():
-            try:
-                program, metadata = super().export_program(model, sample_inputs, traced)
-            except Exception as error:
-                # torch.export refuses a Dim whose range the model does not support (BERT's
-                # sequence is at most its position table): retry with torch's suggested fixes,
-                # as torch.onnx.export's own capture does.
-                refined = None if conversion.result is not None else torch_compat.refined_dynamic_shapes(
-                    error, traced.dynamic_shapes
-                )
-                if refined is None:
-                    raise
-                traced = dataclasses.replace(traced, dynamic_shapes=refined)
-                program, metadata = super().export_program(model, sample_inputs, traced)
+        # transformers' torch.export call is made by the capture strategies of export_modular
+        # (capture/strategies.py; BERT's Dim("seq") gets torch's suggested max, as in torch.onnx.export),
+        # one strategy per run of transformers' export_program: each run traces the model once, and
+        # transformers reads the input and output names from that trace.
+        outputs = []
+
+        def attempt(strategy: strategies.CaptureStrategy, failures: list[strategies.Attempt]) -> strategies.Attempt:
+            with conversion.capturing_with(strategy, failures), conversion.replacing_torch_onnx_export():
+                try:
+                    outputs.append(super(ModularOnnxExporter, self).export_program(model, sample_inputs, traced))
+                except Exception:
+                    if conversion.attempt is None or conversion.attempt.ok:
+                        raise  # not the capture: transformers' preparation or the conversion failed
+            return conversion.attempt
+
+        captured = strategies.first_success(strategies.STRATEGIES, attempt, model)
+        program, metadata = outputs[-1]
         result = conversion.result
         if result is None or result.model is not program:
             raise InvalidInputError(
@@ -152,6 +155,7 @@ class ModularOnnxExporter(OnnxExporter):
                 "modular conversion could not take its place.",
                 hint="This transformers version is not supported by onnx_modular.hf; use transformers 5.23.",
             )
+        result.capture_strategy = captured.strategy
         program.meta[_RESULT_KEY] = result
         if config.verify:
             result.report = result.verify(rtol=config.rtol, atol=config.atol, flat=config.verify_flat)
@@ -179,7 +183,39 @@ class _ModularConversion:
         self.config = config
         self.output_flags = output_flags
         self.result: ModularExport | None = None
+        self.attempt: strategies.Attempt | None = None
+        self._capturing = False
         self._thread = threading.get_ident()
+
+    @contextlib.contextmanager
+    def capturing_with(self, strategy: strategies.CaptureStrategy, failures: list[strategies.Attempt]) -> Iterator[None]:
+        """transformers' first ``torch.export.export`` call, on this thread, is made by ``strategy``
+        with the options transformers gave (``strict``, ``prefer_deferred_runtime_asserts_over_guards``);
+        its :class:`~onnx_modular.capture.strategies.Attempt` is kept in :attr:`attempt`, and a failure
+        is raised again to stop transformers' run. The strategy's own calls and any other call are
+        torch's as usual."""
+        original = torch.export.export
+        self.attempt = None
+
+        @functools.wraps(original)
+        def export(mod, args=(), kwargs=None, *, dynamic_shapes=None, **options):
+            if self.attempt is not None or self._capturing or threading.get_ident() != self._thread:
+                return original(mod, args, kwargs, dynamic_shapes=dynamic_shapes, **options)
+            call = strategies.CaptureCall(mod, tuple(args), dict(kwargs or {}), dynamic_shapes, options)
+            self._capturing = True
+            try:
+                self.attempt = strategy(call, failures)
+            finally:
+                self._capturing = False
+            if not self.attempt.ok:
+                raise self.attempt.error
+            return self.attempt.program
+
+        torch.export.export = export
+        try:
+            yield
+        finally:
+            torch.export.export = original
 
     @contextlib.contextmanager
     def replacing_torch_onnx_export(self) -> Iterator[None]:
