@@ -47,6 +47,8 @@ _LAZY = {
     "ProfileReport": "onnx_modular.profiling.run",
     "extract": "onnx_modular.files.extract",
     "replace": "onnx_modular.files.replace",
+    "convert": "onnx_modular.files.convert",
+    "Conversion": "onnx_modular.files.convert",
 }
 
 
@@ -77,6 +79,8 @@ __all__ = [
     "VerificationReport",
     "extract",
     "replace",
+    "convert",
+    "Conversion",
     "localize",
     "LocalizationReport",
     "profile",

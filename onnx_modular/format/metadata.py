@@ -38,6 +38,7 @@ __all__ = [
     "PROFILE_ORIGIN",
     "NAMESPACE",
     "EXTRACTED_FROM",
+    "CONVERTED",
     "CALLS",
     "STACK",
     "GLOBAL_NAME",
@@ -102,6 +103,9 @@ LIFTED_CONSTANTS = PREFIX + "lifted_constants"
 PROFILE_ORIGIN = PREFIX + "profile_origin"
 #: The model of one extracted call (``onnx-modular extract``): the file it was extracted from.
 EXTRACTED_FROM = PREFIX + "extracted_from"
+#: The model written by ``onnx-modular convert``: JSON object of what it did (``dtype``, ``kept``
+#: calls, ``quantize``, ``bits``, ``block_size``, ``excluded`` calls, ``source`` file name).
+CONVERTED = PREFIX + "converted"
 #: torch's ``path: class/...`` chain (not ours; kept on every node).
 NAMESPACE = "namespace"
 
