@@ -204,7 +204,7 @@ class Conversion:
             verdict = "within" if self.max_drift <= self.tolerance else "NOT within"
             lines.append(f"  outputs {verdict} --auto-keep {self.tolerance:g} ({self.max_drift:.3%} of their range)")
         if self.quantize:
-            lines.append(f"  MatMulNBits: {len(self.quantized)}; MatMuls left: {len(self.skipped)}"
+            lines.append(f"  MatMulNBits nodes (in shared bodies): {len(self.quantized)}; weight MatMuls left: {len(self.skipped)}"
                          + (f"; not quantized: {_short_list(self.excluded)}" if self.excluded else ""))
             for call, node, reason in self.skipped[:5]:
                 lines.append(f"    {call} {node}: {reason}")
