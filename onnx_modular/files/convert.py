@@ -933,7 +933,9 @@ def convert(
     kept_calls = _selected(model, keep, "keep")
     excluded_calls = _selected(model, exclude, "exclude")
     feeds = feeds_for(model, inputs, seed=seed)
-    reference, reference_calls = call_outputs(model, feeds, external_data_folder=folder, what="original model")
+    _, reference_calls = call_outputs(model, feeds, external_data_folder=folder, what="original model")
+    names, values = runtime.run(str(source), feeds, what="original model")
+    reference = dict(zip(names, values))
     target = DTYPES.get(dtype) if dtype else None
     bits = QUANTIZE_BITS.get(quantize) if quantize else None
     all_calls = _calls.module_calls(model)
@@ -989,8 +991,11 @@ def convert(
         _runnable(staged, dtype, quantize)
         staged_model = onnx.load(str(staged), load_external_data=False)
         staged_folder = str(staged.parent) if uses_external_data(staged_model) else None
+        # the outputs from the file as users run it (capturing every call can change onnxruntime's fusions)
+        names, values = runtime.run(str(staged), feeds, what="converted model")
+        actual = dict(zip(names, values))
         try:
-            actual, actual_calls = call_outputs(staged_model, feeds, external_data_folder=staged_folder, what="converted model")
+            _, actual_calls = call_outputs(staged_model, feeds, external_data_folder=staged_folder, what="converted model")
         except Exception as e:
             raise VerificationError(f"The converted model does not run in onnxruntime: {str(e).splitlines()[0][:300]}") from e
         output_bytes = sum(p.stat().st_size for p in staged.parent.iterdir() if p.is_file())
