@@ -84,13 +84,18 @@ def main() -> None:
     parser.add_argument("--latency", action="store_true")
     parser.add_argument("--runs", type=int, default=50)
     args = parser.parse_args()
-    from onnxconverter_common import float16
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     model = build(args.layers, args.hidden, args.vocab)
     params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, args.vocab, (1, args.tokens))
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="bench_convert-"))
+    with tempfile.TemporaryDirectory(prefix="bench_convert-") as scratch:
+        run(args, model, params, ids, pathlib.Path(scratch))
+
+
+def run(args, model, params, ids, folder: pathlib.Path) -> None:
+    from onnxconverter_common import float16
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
     files = {}
     for name in ("modular", "flat", "ours_f16", "occ_f16_flat", "occ_f16_modular", "ours_q4", "ort_q4_flat", "ours_q4_acc4", "ort_q4_flat_acc4"):
         (folder / name).mkdir()
@@ -135,7 +140,7 @@ def main() -> None:
         try:
             drift = float(np.abs(logits(files[name], feeds) - reference).max()) / spread
         except Exception as e:  # onnxruntime refuses the file
-            drift = f"does not run: {str(e).splitlines()[0][:80]}"
+            drift = f"does not run: {str(e).splitlines()[0].split('failed:')[-1].strip()[:110]}"
         rows[name] = (seconds, size(files[name]), drift)
     base = size(files["modular"])
     print(f"{'file':<18} {'convert s':>9} {'size MB':>8} {'x f32':>6} {'logits drift (of range)':>24}")
