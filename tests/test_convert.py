@@ -161,6 +161,11 @@ def test_int8_with_float16_and_path_keep(llama, feeds, tmp_path):
     layers = _functions(model, "LlamaDecoderLayer")
     assert len(layers) == 2
     assert sorted(json.dumps(metadata.module_paths(f)) for f in layers) == ['["model.layers.0"]', '["model.layers.1"]']
+    # the kept chain shares its bodies as the export did: k_proj and v_proj of layer 1 one Linear_2 copy
+    paths = [metadata.module_paths(f) for f in _functions(model, "Linear")]
+    assert len(paths) == 8  # 4 bodies for layer 0 and lm_head, 4 for layer 1
+    assert ["model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.v_proj"] in paths
+    assert ["model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"] in paths
     assert "model.layers.1.self_attn.q_proj" in report.kept and "model.layers.0" not in report.kept
     nbits = [n for f in model.functions for n in f.node if n.op_type == "MatMulNBits"]
     assert nbits and all({a.name: a.i for a in n.attribute}["bits"] == 8 for n in nbits)

@@ -209,7 +209,7 @@ class Conversion:
             for call, node, reason in self.skipped[:5]:
                 lines.append(f"    {call} {node}: {reason}")
         if self.split:
-            lines.append(f"  functions split so plans differ: {', '.join(self.split)}")
+            lines.append(f"  calls given bodies of their plan (split from shared ones): {_short_list(self.split, 6)}")
         lines.append("Drift against the original on the same inputs (max abs; % of the output's range):")
         width = name_column_width(self.outputs)
         for name, (max_abs, drift) in self.outputs.items():
@@ -259,6 +259,7 @@ def _split_plans(model: onnx.ModelProto, plan_of: Callable[[metadata.ExpandedCal
     Returns the plan of every function that has calls, and the calls given own bodies.
     """
     split: list[str] = []
+    copies: dict[tuple[FunctionId, _Plan], FunctionId] = {}  # (function, plan) -> the body split off for it
     while True:
         calls = _calls.module_calls(model)
         by_function: dict[FunctionId, dict[_Plan, list[str]]] = collections.defaultdict(lambda: collections.defaultdict(list))
@@ -267,12 +268,33 @@ def _split_plans(model: onnx.ModelProto, plan_of: Callable[[metadata.ExpandedCal
         mixed = next(((fid, plans) for fid, plans in by_function.items() if len(plans) > 1), None)
         if mixed is None:
             return {fid: next(iter(plans)) for fid, plans in by_function.items()}, split
-        _, plans = mixed
-        # the plan of most calls keeps the body; the others' first call gets its own
+        fid, plans = mixed
+        # the plan of most calls keeps the body; the others move to a body split off once per plan
         majority = max(plans, key=lambda plan: len(plans[plan]))
-        name = next(names[0] for plan, names in plans.items() if plan != majority)
-        _calls.specialize(model, name, including_call=True)
+        plan, name = next((plan, names[0]) for plan, names in plans.items() if plan != majority)
+        copy = copies.get((fid, plan))
+        if copy is not None and any(function_id(f) == copy for f in model.functions):
+            _move_call(model, _calls.specialize(model, name), copy)
+        else:
+            copies[(fid, plan)] = function_id(_calls.specialize(model, name, including_call=True).function)
         split.append(name)
+
+
+def _move_call(model: onnx.ModelProto, call: metadata.ExpandedCall, target: FunctionId) -> None:
+    """Let ``call`` (whose callers serve it alone) run ``target``, a copy of its function split off
+    for another call with the same plan: the two share it, as the export shares bodies."""
+    old = call.function
+    copy = next(f for f in model.functions if function_id(f) == target)
+    remaining = [p for p in metadata.module_paths(old) if p != call.call_name]
+    written_for = metadata.body_module_path(old)
+    _calls.set_prop(old, metadata.MODULE_PATHS, json.dumps(remaining))
+    _calls.set_prop(old, metadata.CALL_COUNT, str(len(remaining)))
+    if remaining:  # its nested calls are named after its first call
+        _calls.rebase_body(old, written_for, metadata.strip_call_index(remaining[0]))
+    paths = [*metadata.module_paths(copy), call.call_name]
+    _calls.set_prop(copy, metadata.MODULE_PATHS, json.dumps(paths))
+    _calls.set_prop(copy, metadata.CALL_COUNT, str(len(paths)))
+    call.node.op_type = copy.name
 
 
 # -- walking bodies -------------------------------------------------------------------------
