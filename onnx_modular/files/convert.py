@@ -613,6 +613,7 @@ class _Precision:
             for value in body.input:
                 if declared.get(value.name) == FLOAT:
                     weights.setdefault(value.name, FLOAT)
+        body_outputs = set() if is_root else set(body.output)  # a function's outputs are in its own dtype
         renamed_outputs = {}
         if is_root and low:
             for value in body.output:
@@ -638,6 +639,12 @@ class _Precision:
                 if callee_mode != mode:
                     for index, value in enumerate(node.output):
                         if value and index < len(callee.output) and callee_types.get(callee.output[index]) == FLOAT:
+                            if callee_mode == FLOAT and value not in body_outputs:
+                                # a kept call's float32 result: read like a float32 weight, cast by
+                                # the readers that need it (a graph output stays float32 as it is)
+                                weights[value] = FLOAT
+                                renamed_outputs.pop(value, None)
+                                continue
                             inner = _calls.unique_name(f"{value}_{_SUFFIX[callee_mode]}", taken)
                             node.output[index] = inner
                             self.casts += 1
