@@ -235,3 +235,36 @@ def test_cli(llama, tmp_path, capsys):
     assert "Per call" in capsys.readouterr().out
     assert main(["convert", str(llama), "-o", str(tmp_path / "d.onnx"), "--dtype", "float16", "--keep", "nope.layers"]) == 2
     assert not (tmp_path / "d.onnx").exists()
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """One layer, the embedding tied to lm_head: one initializer read by both."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("tied") / "tied.onnx"
+    export_modular(transformers.LlamaForCausalLM(config).eval(), (torch.randint(0, 256, (1, 8)),), path)
+    return path
+
+
+def test_tied_weight_read_by_converted_and_kept_modules(tied, tmp_path):
+    source = onnx.load(str(tied))
+    assert [t.name for t in source.graph.initializer if t.name.startswith(("lm_head", "model.embed"))] == ["lm_head.weight"]
+    out = tmp_path / "tied16.onnx"
+    report = convert(tied, out, dtype="float16", keep=["lm_head"])
+    model = onnx.load(str(out))
+    # the kept lm_head reads it: it stays float32, and the converted embedding casts it where it reads it
+    assert {t.name: t.data_type for t in model.graph.initializer}["lm_head.weight"] == FLOAT
+    assert report.float32_weights == ["lm_head.weight"]
+    embedding = _functions(model, "Embedding")[0]
+    assert [n.op_type for n in embedding.node] == ["Cast", "Gather"]
+    assert report.outputs["logits"][1] <= 0.02
+    # quantization leaves the tied weight alone and says why
+    quantized = convert(tied, tmp_path / "tied_q4.onnx", quantize="int4")
+    assert [(call, why) for call, _, why in quantized.skipped] == [("lm_head", "its weight is transposed in the body (a weight tied to another use)")]

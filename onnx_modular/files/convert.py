@@ -400,6 +400,9 @@ class _Quantizer:
                 return "its weight is not a 2-D float32 tensor"
             return None if len(_uses(body, name)) == 1 else "its weight is read by other nodes too (shared)"
         if name not in body.input:
+            producer = next((n for n in body.node if name in n.output), None)
+            if producer is not None and producer.op_type == "Transpose" and producer.input[0] in body.input:
+                return "its weight is transposed in the body (a weight tied to another use)"
             return _COMPUTED
         index = list(body.input).index(name)
         sites = list(_call_sites(self.model, function_id(body)))
