@@ -221,9 +221,32 @@ def test_bad_input_is_typed_and_writes_nothing(llama, tmp_path):
         convert(llama, out, dtype="bfloat16")
     flat = tmp_path / "flat.onnx"
     onnx.save(inline_model(onnx.load(str(llama))), str(flat))
-    with pytest.raises(InvalidModelFileError, match="no local functions"):
+    with pytest.raises(InvalidInputError, match="is a flat file"):
         convert(flat, out, dtype="float16")
-    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["flat.onnx"]
+    with pytest.raises(InvalidInputError, match="closest names: lm_head"):
+        convert(flat, out, quantize="int4", exclude=["lm_heads"])
+    bare = onnx.load(str(flat))
+    for node in bare.graph.node:
+        del node.metadata_props[:]
+    onnx.save(bare, str(tmp_path / "bare.onnx"))
+    with pytest.raises(InvalidModelFileError, match="do not name their modules"):
+        convert(tmp_path / "bare.onnx", out, quantize="int4")
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bare.onnx", "flat.onnx"]
+
+
+def test_flat_file_quantized_by_node_metadata(llama, feeds, tmp_path):
+    flat = tmp_path / "flat.onnx"
+    onnx.save(inline_model(onnx.load(str(llama))), str(flat))
+    report = convert(flat, tmp_path / "flat_q4.onnx", quantize="int4", exclude=["lm_head"])
+    model = onnx.load(str(tmp_path / "flat_q4.onnx"))
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == len(report.quantized) == 14 and report.excluded == ["lm_head"]
+    assert all({e.key: e.value for e in n.metadata_props}.get(metadata.MODULE_PATH) for n in nbits)  # labels kept
+    assert {call for call, _ in report.quantized} >= {"model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"}
+    assert [n.op_type for n in model.graph.node if {e.key: e.value for e in n.metadata_props}.get(metadata.MODULE_PATH) == "lm_head"] == ["MatMul"]
+    modular = convert(llama, tmp_path / "modular_q4.onnx", quantize="int4", exclude=["lm_head"])
+    np.testing.assert_allclose(_logits(tmp_path / "flat_q4.onnx", feeds), _logits(tmp_path / "modular_q4.onnx", feeds), atol=1e-4, rtol=1e-4)
+    assert abs(report.outputs["logits"][1] - modular.outputs["logits"][1]) <= 1e-3
 
 
 def test_cli(llama, tmp_path, capsys):

@@ -776,20 +776,113 @@ def _drift(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
     return max_abs, (max_abs / spread if spread > 0 else (0.0 if max_abs == 0 else math.inf))
 
 
-def _load(path: str | os.PathLike) -> onnx.ModelProto:
+def _load(path: str | os.PathLike, dtype: str | None) -> onnx.ModelProto:
+    """The file, checked; a file without functions only for ``quantize``, by its nodes' module metadata."""
     from onnx_modular.storage.load import load_model_file
 
     model = load_model_file(path)  # checked; external data stays external
     if not model.functions:
-        has_paths = any(e.key == metadata.MODULE_PATH for n in model.graph.node for e in n.metadata_props)
-        raise InvalidModelFileError(
-            f"{str(path)!r} has no local functions, so no module bodies to convert"
-            + (" (its nodes name their modules: it is a flat copy)." if has_paths else "."),
-            hint="Convert the modular file written by `onnx-modular export` (before `inline`)"
-            + ("" if has_paths else "; for a file from another exporter use onnxruntime's or onnxconverter-common's tools")
-            + ".",
-        )
+        if not _node_modules(model):
+            raise InvalidModelFileError(
+                f"{str(path)!r} has no local functions and its nodes do not name their modules "
+                f"({metadata.MODULE_PATH}), so no module can be chosen in it.",
+                hint="Convert the modular file written by `onnx-modular export`; for another exporter's file "
+                "use onnxruntime's or onnxconverter-common's tools with node names.",
+            )
+        if dtype is not None:
+            raise InvalidInputError(
+                f"{str(path)!r} is a flat file (no local functions): --dtype converts module bodies, which it has none of.",
+                hint="Convert the modular file (before `onnx-modular inline`); --quantize/--exclude work on a flat "
+                "file by its nodes' module paths.",
+            )
     return model
+
+
+def _node_modules(model: onnx.ModelProto) -> dict[str, tuple[str, str]]:
+    """Node name -> (module path, class) from the nodes' metadata (a flat copy, ``files/flat.py``)."""
+    found = {}
+    for node in model.graph.node:
+        props = {e.key: e.value for e in node.metadata_props}
+        if metadata.MODULE_PATH in props and node.name:
+            found[node.name] = (props[metadata.MODULE_PATH], props.get(metadata.CLASS, "").rsplit(".", 1)[-1])
+    return found
+
+
+def _flat_excluded(model: onnx.ModelProto, names: Sequence[str]) -> list[str]:
+    """The nodes of a flat file whose module (path, a path below it, class or glob) a NAME selects."""
+    import difflib
+    import fnmatch
+
+    modules = _node_modules(model)
+    chosen: list[str] = []
+    for text in names:
+        hits = [
+            node for node, (path, cls) in modules.items()
+            if path == text or path.startswith(text + ".") or fnmatch.fnmatchcase(path, text) or cls == text
+            or (cls and fnmatch.fnmatchcase(cls, text))
+        ]
+        if not hits:
+            known = sorted({p for p, _ in modules.values()} | {c for _, c in modules.values() if c})
+            close = difflib.get_close_matches(text, known, n=5, cutoff=0.5)
+            raise InvalidInputError(
+                f"No node of the flat file belongs to a module or class {text!r}"
+                + (f"; the closest names: {', '.join(close)}." if close else "."),
+                hint="Give a module path (`model.layers.0`) or a class (`LlamaMLP`) as the nodes' metadata names them.",
+            )
+        chosen += [n for n in hits if n not in chosen]
+    return chosen
+
+
+def _convert_flat(
+    source: pathlib.Path, destination: pathlib.Path, model: onnx.ModelProto, *, quantize: str, exclude: Sequence[str],
+    block_size: int, symmetric: bool, accuracy_level: int | None, inputs, seed: int,
+) -> Conversion:
+    """``quantize`` on a flat file: onnxruntime's ``MatMulNBitsQuantizer`` itself, its
+    ``nodes_to_exclude`` found from the nodes' module metadata. The weights are loaded (the
+    quantizer works on a model in memory)."""
+    import onnx_ir as ir
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from onnx_modular.storage.load import load_external_data
+
+    excluded = _flat_excluded(model, exclude)
+    feeds = feeds_for(model, inputs, seed=seed)
+    names, values = runtime.run(str(source), feeds, what="original model")
+    reference = dict(zip(names, values))
+    work = onnx.ModelProto()
+    work.CopyFrom(model)
+    if uses_external_data(work):
+        load_external_data(work, source.parent, name=repr(str(source)))
+    quantizer = MatMulNBitsQuantizer(work, bits=QUANTIZE_BITS[quantize], block_size=block_size, is_symmetric=symmetric,
+                                     accuracy_level=accuracy_level, nodes_to_exclude=excluded)
+    quantizer.process()
+    result = quantizer.model.model
+    originals = {n.name: n for n in model.graph.node if n.name}
+    suffix = f"_Q{QUANTIZE_BITS[quantize]}"
+    made = []
+    for node in result.graph.node:
+        if node.op_type == "MatMulNBits" and node.name.endswith(suffix) and node.name[: -len(suffix)] in originals:
+            original = originals[node.name[: -len(suffix)]]
+            if not node.metadata_props:  # the quantizer's new node keeps the MatMul's module labels
+                node.metadata_props.extend(original.metadata_props)
+            made.append((_node_modules(model).get(original.name, ("<main graph>", ""))[0], node.name))
+    result.metadata_props.add(key=metadata.CONVERTED, value=json.dumps({
+        "source": source.name, "dtype": None, "kept": [], "quantize": quantize, "bits": QUANTIZE_BITS[quantize],
+        "block_size": block_size, "excluded": sorted({_node_modules(model)[n][0] for n in excluded}),
+    }))
+    with save.staged_save(ir.serde.deserialize_model(result), destination, full_check=False) as staged:
+        _runnable(staged, None, quantize)
+        names, values = runtime.run(str(staged), feeds, what="converted model")
+        output_bytes = sum(p.stat().st_size for p in staged.parent.iterdir() if p.is_file())
+    outputs = {name: _drift(value, reference[name]) for name, value in zip(names, values) if name in reference}
+    source_bytes = source.stat().st_size + sum(
+        (source.parent / name).stat().st_size for name in _data_files(model) if (source.parent / name).is_file()
+    )
+    return Conversion(
+        str(source), str(destination), None, quantize, block_size, [], [], None,
+        sorted({_node_modules(model)[n][0] for n in excluded}), made, [], 0, [], 0, [], outputs, [], [],
+        source_bytes, output_bytes,
+    )
 
 
 def _build(
@@ -960,7 +1053,10 @@ def convert(
         raise InvalidInputError(f"block_size must be a power of two >= 16 (MatMulNBits), not {block_size!r}.")
     destination = save.check_destination(output)
     source = pathlib.Path(path)
-    model = _load(source)
+    model = _load(source, dtype)
+    if not model.functions:  # a flat file: quantization by the nodes' module metadata
+        return _convert_flat(source, destination, model, quantize=quantize, exclude=exclude, block_size=block_size,
+                             symmetric=symmetric, accuracy_level=accuracy_level, inputs=inputs, seed=seed)
     folder = runtime.external_data_folder(source, model)
     kept_calls = _selected(model, keep, "keep")
     excluded_calls = _selected(model, exclude, "exclude")
