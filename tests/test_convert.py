@@ -249,9 +249,11 @@ def test_flat_file_quantized_by_node_metadata(llama, feeds, tmp_path):
     assert abs(report.outputs["logits"][1] - modular.outputs["logits"][1]) <= 1e-3
 
 
-def test_cli(llama, tmp_path, capsys):
-    out, report = tmp_path / "c.onnx", tmp_path / "c.json"
-    code = main(["convert", str(llama), "-o", str(out), "--dtype", "float16", "--keep", "LlamaRMSNorm", "--json", str(report)])
+def test_cli(llama, feeds, tmp_path, capsys):
+    out, report, arrays = tmp_path / "c.onnx", tmp_path / "c.json", tmp_path / "x.npz"
+    np.savez(arrays, **feeds)
+    code = main(["convert", str(llama), "-o", str(out), "--dtype", "float16", "--keep", "LlamaRMSNorm", "--json", str(report),
+                 "--inputs", str(arrays)])
     assert code == 0 and out.exists()
     data = json.loads(report.read_text())
     assert data["dtype"] == "float16" and len(data["calls"]) == 31 and data["outputs"]["logits"]["drift"] <= 0.02

@@ -214,6 +214,8 @@ class Conversion:
         width = name_column_width(self.outputs)
         for name, (max_abs, drift) in self.outputs.items():
             lines.append(f"  output {fit_name(name, width):<{width}} {max_abs:10.3g} {drift:8.3%}")
+        if not self.calls:  # a flat file: no module calls to compare
+            return "\n".join(lines)
         lines.append("Per class, worst call:")
         width = name_column_width(c.module_class for c in self.classes)
         for c in self.classes:
