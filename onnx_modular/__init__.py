@@ -51,6 +51,8 @@ _LAZY = {
     "ModelDiff": "onnx_modular.files.diff",
     "split": "onnx_modular.files.split",
     "run_stages": "onnx_modular.files.split",
+    "convert": "onnx_modular.files.convert",
+    "Conversion": "onnx_modular.files.convert",
 }
 
 
@@ -85,6 +87,8 @@ __all__ = [
     "ModelDiff",
     "split",
     "run_stages",
+    "convert",
+    "Conversion",
     "localize",
     "LocalizationReport",
     "profile",

@@ -431,6 +431,26 @@ def run_diff(args: argparse.Namespace) -> int:
     return EXIT_MISMATCH if result.differs else EXIT_OK
 
 
+# -- convert -----------------------------------------------------------------------------
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from onnx_modular.files.convert import convert
+
+    result = convert(
+        args.model, args.output, dtype=args.dtype, keep=args.keep, quantize=args.quantize, exclude=args.exclude,
+        block_size=args.block_size, symmetric=args.symmetric, accuracy_level=args.accuracy_level,
+        auto_keep=args.auto_keep, inputs=args.inputs,
+    )
+    if args.json == "-":
+        print_json(result.to_dict())
+        return EXIT_OK
+    if args.json:
+        save.write_text(args.json, result.to_json())
+    stdout(str(result))
+    return EXIT_OK
+
+
 # -- view --------------------------------------------------------------------------------
 
 

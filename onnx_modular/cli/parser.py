@@ -305,6 +305,33 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--html", default=None, metavar="PATH", help="write a self-contained HTML page (the trees side by side)")
     compare.set_defaults(run=handlers.run_diff)
 
+    conv = commands.add_parser(
+        "convert",
+        parents=[common],
+        help="convert chosen modules to float16/bfloat16 and/or quantize their MatMul weights (int4/int8)",
+        description="Convert the function bodies of a modular file: --dtype runs every module in float16 "
+        "(or bfloat16) except --keep NAME; --quantize turns the MatMul weights of every module but --exclude "
+        "NAME into onnxruntime's MatMulNBits (packed by onnxruntime's own quantizer). A NAME is a class "
+        "(LlamaRMSNorm), a module path (model.layers.0) or a glob. The result is run in onnxruntime against "
+        "the original on the same inputs, and the drift of every module call and class is reported.",
+    )
+    conv.add_argument("model", help="the modular .onnx file")
+    conv.add_argument("-o", "--output", required=True, metavar="NEW.onnx", help="the file to write")
+    conv.add_argument("--dtype", choices=["float16", "bfloat16"], default=None, help="the precision of the converted modules")
+    conv.add_argument("--keep", nargs="+", action="extend", default=[], metavar="NAME", help="modules left in float32 (with what they call)")
+    conv.add_argument("--quantize", choices=["int4", "int8"], default=None, help="weight-only quantization of MatMul weights")
+    conv.add_argument("--exclude", nargs="+", action="extend", default=[], metavar="NAME", help="modules left unquantized (with what they call)")
+    conv.add_argument("--block-size", type=int, default=32, metavar="N", help="quantization block size (power of two >= 16; default 32)")
+    conv.add_argument("--symmetric", action="store_true", help="symmetric quantization (no zero points)")
+    conv.add_argument("--accuracy-level", type=int, default=None, metavar="L", help="MatMulNBits accuracy_level (4: int8 compute on CPU)")
+    conv.add_argument(
+        "--auto-keep", type=float, default=None, metavar="TOL",
+        help="keep the classes that move the outputs most in float32 until every output's drift (max abs difference / range) is <= TOL",
+    )
+    conv.add_argument("--inputs", default=None, metavar="FILE.npz", help="inputs of the comparison (default: random, seed 0)")
+    conv.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-': print it instead)")
+    conv.set_defaults(run=handlers.run_convert)
+
     view = commands.add_parser(
         "view",
         parents=[common],

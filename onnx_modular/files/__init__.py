@@ -5,6 +5,7 @@
 - :mod:`~onnx_modular.files.extract`: one module call (or class) as a model of its own, with ONNX test data;
 - :mod:`~onnx_modular.files.replace`: a block's graph as the body of a call's (or class's) function;
 - :mod:`~onnx_modular.files.split`: the model cut into stages at module boundaries, a manifest, ``run_stages``;
+- :mod:`~onnx_modular.files.convert`: precision (float16, bfloat16) and int4/int8 weights chosen per module;
 - :mod:`~onnx_modular.files.view`: the file served to Netron locally.
 
 They stand on the rooms below them: :mod:`onnx_modular.storage` (the file in and out),

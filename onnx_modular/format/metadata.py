@@ -41,6 +41,7 @@ __all__ = [
     "SPLIT_FROM",
     "SPLIT_STAGE",
     "SPLIT_OPENED",
+    "CONVERTED",
     "CALLS",
     "STACK",
     "GLOBAL_NAME",
@@ -110,6 +111,9 @@ EXTRACTED_FROM = PREFIX + "extracted_from"
 SPLIT_FROM = PREFIX + "split_from"
 SPLIT_STAGE = PREFIX + "split_stage"
 SPLIT_OPENED = PREFIX + "split_opened"
+#: The model written by ``onnx-modular convert``: JSON object of what it did (``dtype``, ``kept``
+#: calls, ``quantize``, ``bits``, ``block_size``, ``excluded`` calls, ``source`` file name).
+CONVERTED = PREFIX + "converted"
 #: torch's ``path: class/...`` chain (not ours; kept on every node).
 NAMESPACE = "namespace"
 

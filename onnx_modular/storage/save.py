@@ -461,7 +461,9 @@ def _restore(entry: _Moved) -> None:
 
 
 @contextlib.contextmanager
-def staged_save(model: ir.Model, path: str | os.PathLike, *, external_data: bool | None = None) -> Iterator[pathlib.Path]:
+def staged_save(
+    model: ir.Model, path: str | os.PathLike, *, external_data: bool | None = None, full_check: bool = True
+) -> Iterator[pathlib.Path]:
     """Write ``model`` to a temporary path, yield it for checks, then move it into place.
 
     If the body of the ``with`` raises, nothing is moved and the temporary files
@@ -473,14 +475,20 @@ def staged_save(model: ir.Model, path: str | os.PathLike, *, external_data: bool
             run_checks(staged)      # raising here leaves "m.onnx" untouched
     """
     with atomic_write(path) as staging:
-        yield write_checked(model, staging, external_data=external_data)
+        yield write_checked(model, staging, external_data=external_data, full_check=full_check)
 
 
-def write_checked(model: ir.Model, staging: Staging, *, external_data: bool | None = None) -> pathlib.Path:
+def write_checked(
+    model: ir.Model, staging: Staging, *, external_data: bool | None = None, full_check: bool = True
+) -> pathlib.Path:
     """Write ``model`` (functions callee-first) where ``staging`` says, check it with
     ``onnx.checker(full_check=True)``, and return the staged path.
 
     ``external_data``: ``None`` decides by size (:data:`EXTERNAL_DATA_THRESHOLD`).
+    ``full_check=False``: the checker without strict type inference, for files with onnxruntime's
+    contrib ops (``com.microsoft``), which onnx has no schemas for: their outputs have no inferred
+    type, and strict inference refuses every op reading them. The caller runs the file in
+    onnxruntime instead.
     """
     from onnx_modular.passes.function_order import SortFunctionsPass
 
@@ -495,7 +503,7 @@ def write_checked(model: ir.Model, staging: Staging, *, external_data: bool | No
     except OSError as e:
         raise SaveError(f"Writing {_shown(destination)} failed: {e}", hint="Check free disk space and permissions.") from e
     try:
-        onnx.checker.check_model(str(staged), full_check=True)
+        onnx.checker.check_model(str(staged), full_check=full_check)
     except Exception as e:
         raise SaveError(
             f"The ONNX checker rejected the model: {e}",
