@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import inspect
 import logging
 import os
 import pathlib
@@ -284,31 +283,7 @@ def _check_inputs(model: Any, args: Any, kwargs: dict | None) -> tuple[tuple, di
             f"export_modular needs a torch.nn.Module, got {type(model).__name__}.",
             hint="Pass the model object itself (not a function, ExportedProgram or ScriptModule).",
         )
-    if args is None:
-        args = ()
-    if isinstance(args, torch.Tensor):
-        args = (args,)
-    elif isinstance(args, list):
-        args = tuple(args)
-    elif not isinstance(args, tuple):
-        raise InvalidInputError(
-            f"args must be a tuple of positional inputs (or one tensor), not {type(args).__name__}.",
-            hint="Pass args=(x,) for one input; keyword inputs go in kwargs={...}.",
-        )
-    if kwargs is not None and not isinstance(kwargs, Mapping):
-        raise InvalidInputError(
-            f"kwargs must be a dict of keyword inputs, not {type(kwargs).__name__}.", hint="Pass kwargs={'name': x}."
-        )
-    kwargs = dict(kwargs or {})
-    try:
-        inspect.signature(model.forward).bind(*args, **kwargs)
-    except TypeError as e:
-        raise InvalidInputError(
-            f"The example inputs do not match {type(model).__name__}.forward{inspect.signature(model.forward)}: {e}",
-            module_path="",
-            hint="Pass args as a tuple of positional inputs and kwargs as a dict.",
-        ) from None
-    return args, kwargs
+    return tensors.normalize_inputs(args, kwargs, model)
 
 
 # -- stages -------------------------------------------------------------------------------------

@@ -136,7 +136,7 @@ class ModularExport:
             elif model is None:
                 raise InvalidInputError("Pass model=... to compute PyTorch outputs for new inputs.")
             else:
-                reference = verification.float32_reference(model, *tensors.normalize_inputs(args, kwargs))
+                reference = verification.float32_reference(model, *tensors.normalize_inputs(args, kwargs, model))
             with model_file(self) as path:
                 return verification.verify_bfloat16(
                     path, *reference, flat=flat, tolerance=tolerance, execution_provider=execution_provider
@@ -148,7 +148,7 @@ class ModularExport:
         else:
             if model is None:
                 raise InvalidInputError("Pass model=... to compute PyTorch outputs for new inputs.")
-            args, kwargs = tensors.normalize_inputs(args, kwargs)
+            args, kwargs = tensors.normalize_inputs(args, kwargs, model)
             inputs = tensors.flatten_inputs(args, kwargs)
             expected = tensors.torch_outputs(model, args, kwargs)
         with model_file(self) as path:
@@ -176,7 +176,7 @@ class ModularExport:
 
         if args is None and kwargs is None:
             args, kwargs = self._example or ((), {})
-        args, kwargs = tensors.normalize_inputs(args, kwargs)
+        args, kwargs = tensors.normalize_inputs(args, kwargs, model)
         with model_file(self) as path:
             return localize(
                 path, model, args, kwargs, tolerance=verification.tolerance(rtol, atol),

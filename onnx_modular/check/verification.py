@@ -37,6 +37,7 @@ from onnx_modular.check.parity import (
     fit_name,
     max_differences,
     name_column_width,
+    user_tolerance,
 )
 from onnx_modular.errors import ParityError
 from onnx_modular.runtime import inputs as file_inputs
@@ -66,11 +67,8 @@ __all__ = [
 ]
 
 
-def tolerance(rtol: float | None, atol: float | None) -> Tolerance | None:
-    """The user's tolerance, or ``None`` for the per-dtype defaults (a missing half takes the float32 default)."""
-    if rtol is None and atol is None:
-        return None
-    return Tolerance(atol=atol if atol is not None else 1e-4, rtol=rtol if rtol is not None else 1e-3)
+#: The user's tolerance or ``None`` for the per-dtype defaults (:func:`~onnx_modular.check.parity.user_tolerance`).
+tolerance = user_tolerance
 
 
 def verify_file(
@@ -210,7 +208,9 @@ def assert_parity(report: ParityReport, *, result=None) -> None:
         return "-" if value is None else f"{value:.3e}"
 
     lines = [
-        f"{o.name}: max abs {fmt(o.modular_max_abs)} (flat {fmt(o.flat_max_abs)}), "
+        f"{o.name}: shape mismatch: {o.shape_mismatch}"
+        if o.shape_mismatch
+        else f"{o.name}: max abs {fmt(o.modular_max_abs)} (flat {fmt(o.flat_max_abs)}), "
         f"tolerance atol={o.tolerance.atol:g} rtol={o.tolerance.rtol:g}"
         for o in report.failures()
     ]
@@ -289,7 +289,7 @@ def verify(
     proto = load_model_file(path)
     runs: list[tuple[list, tuple, dict]] = []
     if args is not None or kwargs is not None:
-        args, kwargs = normalize_inputs(args, kwargs)
+        args, kwargs = normalize_inputs(args, kwargs, model)
         runs.append((flatten_inputs(args, kwargs), args, kwargs))
     else:
         symbolic = any(

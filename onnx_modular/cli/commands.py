@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from onnx_modular.check.parity import Tolerance
+from onnx_modular.check.parity import user_tolerance
 from onnx_modular.cli.output import EXIT_OK, Mismatch, print_json, stderr, stdout
 from onnx_modular.cli.progress import EXPORT_STAGES, Progress
 from onnx_modular.errors import InvalidInputError, ParityError
@@ -300,7 +300,8 @@ def _parse_dims(items: Sequence[str]) -> dict[str, int]:
 def run_verify(args: argparse.Namespace) -> int:
     from onnx_modular.check.parity import check_file
 
-    tolerance = Tolerance(args.atol, args.rtol)  # refuses NaN, infinite or negative values first
+    # None: per output dtype, as the export's check; NaN, infinite or negative values are refused first
+    tolerance = user_tolerance(args.rtol, args.atol)
     model = load_model_file(args.model)
     dims = _parse_dims(args.dim)
     if args.inputs:
@@ -324,8 +325,10 @@ def run_verify(args: argparse.Namespace) -> int:
         stdout(f"inputs: {shapes or '(none)'}" + ("" if args.inputs else f" (random, seed {args.seed})"))
         stdout(report)
     if not report.ok:
-        failed = ", ".join(o.name for o in report.outputs if not o.ok)
-        raise Mismatch(f"outputs differ beyond atol={args.atol:g} rtol={args.rtol:g}: {failed}")
+        failed = ", ".join(
+            f"{o.name} (atol={o.tolerance.atol:g} rtol={o.tolerance.rtol:g})" for o in report.outputs if not o.ok
+        )
+        raise Mismatch(f"outputs differ beyond tolerance: {failed}")
     return EXIT_OK
 
 
