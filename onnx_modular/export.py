@@ -51,8 +51,9 @@ from onnx_modular.capture import (
 )
 from onnx_modular.capture.fx_call_tree import build_call_tree
 from onnx_modular.capture.selection import ModuleSelector
-from onnx_modular.check import blockwise, verification
-from onnx_modular.check.parity import Tolerance
+from onnx_modular.check import verification
+from onnx_modular.check.dispatch import assert_verified, verify_export
+from onnx_modular.check.parity import Tolerance, user_tolerance
 from onnx_modular.errors import InvalidInputError, OnnxModularError
 from onnx_modular.files import flat as flat_files
 from onnx_modular.format.calltree import CallTree
@@ -274,7 +275,7 @@ class _Plan:
         if model.training:
             logger.warning("Exporting a model in training mode; call model.eval() first for inference graphs.")
         return cls(args, kwargs, stream, select, target_opset, translated_opset, registry, external_data,
-                   execution_provider, verification.tolerance(rtol, atol), flat_path)
+                   execution_provider, user_tolerance(rtol, atol), flat_path)
 
 
 def _check_inputs(model: Any, args: Any, kwargs: dict | None) -> tuple[tuple, dict]:
@@ -364,32 +365,13 @@ def _save_and_verify(result: ModularExport, f, plan: _Plan, stages: _Stages, *, 
         if not verify:
             return
         with stages("verify"):
-            inputs, expected = result._reference
-            if plan.stream is not None and plan.stream.blockwise:
-                result.blocks = blockwise.verify_blocks(
-                    path, inputs, expected, plan.stream.blocks, tolerance=plan.tolerance,
-                    execution_provider=plan.execution_provider,
-                )
-                result.report = result.blocks.outputs
-                blockwise.assert_blocks(result.blocks, result=result)
-            elif result._reference_float32 is not None:  # no bfloat16 kernels in onnxruntime's CPU provider
-                result.report = verification.verify_bfloat16(
-                    path, *result._reference_float32, flat=flat, tolerance=plan.tolerance,
-                    execution_provider=plan.execution_provider,
-                )
-            else:
-                result.report = verification.verify_file(
-                    path, inputs, expected, flat=flat, tolerance=plan.tolerance,
-                    execution_provider=plan.execution_provider,
-                )
-            if staged_flat is not None:  # the deployment copy, against PyTorch as well
-                result.flat_report = verification.verify_file(
-                    staged_flat, inputs, expected, flat=False, tolerance=plan.tolerance,
-                    execution_provider=plan.execution_provider,
-                )
-        verification.assert_parity(result.report, result=result)
-        if result.flat_report is not None:
-            verification.assert_parity(result.flat_report, result=result)
+            verify_export(
+                result, path, flat=flat, flat_copy=staged_flat, tolerance=plan.tolerance,
+                execution_provider=plan.execution_provider,
+                blocks=plan.stream.blocks if plan.stream is not None and plan.stream.blockwise else None,
+                check=False,
+            )
+        assert_verified(result)  # after the stage: progress shows the verify stage, then the error
 
     if f is not None:
         with stages("save", report=False):

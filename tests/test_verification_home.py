@@ -178,3 +178,37 @@ def test_cli_verify_uses_the_per_dtype_defaults(tmp_path, dtype, ok):
     code, out, _ = _run_cli("verify", path, "--inputs", tmp_path / "in.npz", "--expected", tmp_path / "expected.npz",
                             "--atol", "1e-5")
     assert code == 1 and "1e-05/1e-03" in out  # the user's atol, float32's default rtol
+
+
+# -- one entry: check.verify_export ----------------------------------------------------------------
+
+
+def test_verify_export_is_the_one_entry(two_inputs, tmp_path):
+    from onnx_modular import check
+    from onnx_modular.check.dispatch import verify_export
+
+    model, x, y, result = two_inputs
+    assert check.verify_export is verify_export
+    report = verify_export(result, record=False)  # the stored reference, in-memory model
+    assert report.ok and report.outputs[0].flat_max_abs is not None
+    path = result.save(tmp_path / "two.onnx", flat_file=True)
+    assert result.flat_report is not None and result.flat_report.ok
+    assert result.flat_report.outputs[0].flat_max_abs is None  # the flat copy itself, not re-inlined
+    assert path.exists() and (tmp_path / "two.flat.onnx").exists()
+    # New inputs through the same entry, with the same normalizer and tolerance defaults.
+    new = verify_export(result, args=[x + 1, y], model=model, flat=False, record=False)
+    assert new.ok and new.outputs[0].flat_max_abs is None and new.outputs[0].tolerance == default_tolerance("float32")
+
+
+def test_verify_export_widens_a_bfloat16_export(tmp_path):
+    from onnx_modular.check.dispatch import verify_export
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 4)).to(torch.bfloat16).eval()
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    result = export_modular(model, (x,), tmp_path / "bf16.onnx", flat_file=True)
+    assert result.report.reference == "PyTorch float32" and result.report.ok
+    assert result.flat_report.reference == "PyTorch float32" and result.flat_report.ok  # the flat copy widened too
+    again = result.verify([x * 2], model=model)
+    assert again.reference == "PyTorch float32" and again.ok
+    assert verify_export(result, record=False).note.startswith("bfloat16 file checked on its float32-widened copy")

@@ -40,6 +40,7 @@ from onnx_modular.check.parity import (
     user_tolerance,
 )
 from onnx_modular.errors import ParityError
+from onnx_modular.format.text import first_line
 from onnx_modular.runtime import inputs as file_inputs
 from onnx_modular.storage.load import load_model_file
 
@@ -142,12 +143,11 @@ def verify_bfloat16(
     bfloat16-rounded weights (:func:`float32_reference`), with float32 tolerances. The report's
     ``note`` says so, and whether onnxruntime loads the bfloat16 file itself.
     """
-    import tempfile
-
     import onnx_ir as ir
 
     from onnx_modular.passes.widen import WidenFloatPass
     from onnx_modular.runtime import sessions as runtime
+    from onnx_modular.storage.locks import scratch_folder
 
     if tolerance is None:
         tolerance = widened_tolerance(expected)
@@ -155,11 +155,11 @@ def verify_bfloat16(
         runtime.session(path, execution_provider)
         loads = "onnxruntime loads the bfloat16 file"
     except Exception as e:  # onnxruntime's CPU provider: no bfloat16 MatMul, Add, ...
-        loads = f"onnxruntime does not load the bfloat16 file ({str(e).strip().splitlines()[0][:160]})"
-    with tempfile.TemporaryDirectory(prefix="onnx_modular-bf16-") as folder:
+        loads = f"onnxruntime does not load the bfloat16 file ({first_line(e)[:160]})"
+    with scratch_folder("bf16") as folder:
         widened = ir.load(path)
         WidenFloatPass()(widened)
-        copy_path = pathlib.Path(folder) / "float32.onnx"
+        copy_path = folder / "float32.onnx"
         ir.save(widened, copy_path, external_data="float32.onnx.data")
         report = verify_file(copy_path, inputs, expected, flat=flat, tolerance=tolerance, execution_provider=execution_provider)
     report.reference = "PyTorch float32"

@@ -24,6 +24,8 @@ from typing import Any
 import transformers
 
 from onnx_modular.check import verification
+from onnx_modular.check.dispatch import verify_export
+from onnx_modular.check.parity import user_tolerance
 from onnx_modular.errors import InvalidInputError, ParityError
 from onnx_modular.hf.checkpoint import infer_task, model_and_inputs, resolve_task
 from onnx_modular.hf.exporter import (
@@ -112,7 +114,7 @@ def export_checkpoint(
     # Before any work: the file's folder, or the output folder (or its parent), must exist and be writable.
     save.check_destination(output / "export.json" if output.is_dir() else output)
     stage = progress.stage if progress is not None else _logged_stage(log)
-    tolerance = verification.tolerance(rtol, atol)  # refuses NaN, infinite or negative values first
+    tolerance = user_tolerance(rtol, atol)  # refuses NaN, infinite or negative values first
     with stage("load") as detail:
         model, inputs, shapes = model_and_inputs(source, task, static=static, generation=generation, dtype=dtype)
         detail.append(f"({type(model).__name__}, {str(next(model.parameters()).dtype).replace('torch.', '')})")
@@ -132,10 +134,10 @@ def export_checkpoint(
         with stage("verify"):
             for name in exported.components:
                 result = modular_result(exported, name)
-                result.report = reports[name] = result.verify(rtol=rtol, atol=atol)
                 try:
-                    verification.assert_parity(result.report, result=result)
+                    reports[name] = verify_export(result, tolerance=tolerance)
                 except ParityError as e:
+                    reports[name] = result.report
                     failure = failure or e
     for name, component in exported.components.items():  # export.json says what was done
         component.metadata.export_config.update(

@@ -22,7 +22,6 @@ import json
 import numbers
 import os
 import pathlib
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_from_arrays, load_arrays, model_inputs, random_inputs
 from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.load import load_model_file
+from onnx_modular.storage.locks import scratch_folder
 
 __all__ = ["profile", "ProfileReport", "CallTime", "KernelTime", "ClassTime", "OPTIMIZATION_LEVELS"]
 
@@ -168,8 +168,7 @@ def profile(
             hint="Save the model with external data (export_modular(..., external_data=True)).",
         ) from e
     data_folder = runtime.external_data_folder(path, model)
-    with tempfile.TemporaryDirectory(prefix="onnx_modular-profile-") as folder:
-        folder = pathlib.Path(folder)
+    with scratch_folder("profile") as folder:
         session = _session(
             serialized, folder, execution_provider, threads=threads, optimization=optimization, data_folder=data_folder
         )
