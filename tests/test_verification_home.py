@@ -212,3 +212,38 @@ def test_verify_export_widens_a_bfloat16_export(tmp_path):
     again = result.verify([x * 2], model=model)
     assert again.reference == "PyTorch float32" and again.ok
     assert verify_export(result, record=False).note.startswith("bfloat16 file checked on its float32-widened copy")
+
+
+# -- one flat-plus-optimize recipe -----------------------------------------------------------------
+
+
+def test_flat_file_copy_has_the_fold_size_guard_of_inline_optimize(tmp_path):
+    """The flat copy of ``flat_file=`` / ``result.save(flat_file=...)`` (``files.flat.flat_model``)
+    runs the same recipe as ``inline --optimize``: a constant declared at 1024**3 floats is not
+    folded (onnxscript would evaluate it first), so 3 GiB of address space are enough."""
+    import subprocess
+    import sys
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    shape = helper.make_tensor("s", TensorProto.INT64, [3], [1024, 1024, 1024])
+    nodes = [
+        helper.make_node("Constant", [], ["s"], value=shape),
+        helper.make_node("ConstantOfShape", ["s"], ["big"], value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])),
+        helper.make_node("ReduceSum", ["big"], ["total"], keepdims=0),
+        helper.make_node("Add", ["x", "total"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "bomb", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "bomb.onnx")
+    code = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30));"
+        "from onnx_modular.files.flat import flat_model; m = flat_model('bomb.onnx');"
+        "print(sorted({n.op_type for n in m.graph}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ConstantOfShape" in done.stdout  # left to run time, not folded

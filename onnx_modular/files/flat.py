@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import math
 import os
 import pathlib
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ __all__ = [
     "NAME_SCOPES",
     "flat_file_path",
     "inline_model",
+    "optimize_flat",
     "relocate_calls",
     "staged_with_flat",
 ]
@@ -182,11 +184,47 @@ def inline_model(model: onnx.ModelProto, *, optimize: bool = False) -> onnx.Mode
     copy to keep it). Raises what ``onnx.inliner`` raises.
     """
     flat = inline_functions(relocate_calls(model))
-    if optimize:
-        import onnxscript.optimizer
+    return optimize_flat(flat) if optimize else flat
 
-        flat = onnxscript.optimizer.optimize(flat)
-    return flat
+
+# Ops whose output size comes from an input's values, not its size: a 150-byte file can ask
+# ConstantOfShape or Expand for 1024**3 elements.
+_GROWING_OPS = frozenset(
+    {"ConstantOfShape", "Expand", "Tile", "Range", "Resize", "Upsample", "Pad", "OneHot", "CenterCropPad", "Col2Im"}
+)
+
+
+def _fold_only_small_outputs(node) -> bool | None:
+    """onnxscript's constant folder evaluates a node and only then checks its output's size:
+    refuse to fold, before evaluation, a node whose output (after shape inference) is larger than
+    the folder's own output limit, or of unknown size when its op can grow. ``None``: the
+    folder's default rules."""
+    from onnxscript.optimizer import constant_folding
+
+    limit = constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT
+
+    for output in node.outputs:
+        shape = output.shape
+        if shape is None or not shape.is_static():
+            if node.op_type in _GROWING_OPS:
+                return False
+            continue
+        if math.prod(int(d) for d in shape) > limit:
+            return False
+    return None
+
+
+def optimize_flat(flat: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxscript's full optimizer on a flat graph, the one ``torch.onnx.export`` runs (constant
+    folding, common subexpressions, constants lifted to initializers, equal initializers merged),
+    with the fold-size guard (:func:`_fold_only_small_outputs`): the one recipe of
+    ``export_modular(flat_file=...)``, ``result.save(flat_file=...)`` and ``onnx-modular inline --optimize``."""
+    import onnx_ir as ir
+    import onnxscript.optimizer
+
+    optimized = ir.serde.deserialize_model(flat)
+    onnxscript.optimizer.optimize_ir(optimized, should_fold=_fold_only_small_outputs)
+    return ir.serde.serialize_model(optimized)
 
 
 # -- the deployment copy written beside a modular file (export_modular(flat_file=...)) ----------
