@@ -54,7 +54,7 @@ from onnx_modular.capture.selection import ModuleSelector
 from onnx_modular.check import verification
 from onnx_modular.check.dispatch import assert_verified, verify_export
 from onnx_modular.check.parity import Tolerance, user_tolerance
-from onnx_modular.errors import InvalidInputError, OnnxModularError
+from onnx_modular.errors import EXPORT_STAGES, InvalidInputError, OnnxModularError
 from onnx_modular.files import flat as flat_files
 from onnx_modular.format.calltree import CallTree
 from onnx_modular.passes import pipeline
@@ -301,6 +301,7 @@ class _Stages:
 
     @contextlib.contextmanager
     def __call__(self, stage: str, failure: str | None = None, *, report: bool = True) -> Iterator[None]:
+        assert stage in EXPORT_STAGES, stage  # one home of stage names: onnx_modular.errors
         start = time.perf_counter()
         try:
             yield

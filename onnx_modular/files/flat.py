@@ -35,6 +35,7 @@ import onnx.inliner
 
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.format import metadata
+from onnx_modular.format.text import first_line, shown
 from onnx_modular.storage import save
 from onnx_modular.storage.proto import all_nodes, inline_functions
 
@@ -53,9 +54,9 @@ __all__ = [
 #: ``flat_file=True`` writes ``<stem>.flat.onnx`` beside ``<stem>.onnx``.
 FLAT_SUFFIX = ".flat.onnx"
 
-#: torch's per-node lists that follow the ``namespace`` segments one to one.
-NAME_SCOPES = "pkg.torch.onnx.name_scopes"
-CLASS_HIERARCHY = "pkg.torch.onnx.class_hierarchy"
+#: torch's per-node lists that follow the ``namespace`` segments one to one (keys of format/metadata.py).
+NAME_SCOPES = metadata.NAME_SCOPES
+CLASS_HIERARCHY = metadata.CLASS_HIERARCHY
 #: The call node's keys carried onto the nodes of its body in a flat copy (innermost call wins).
 CARRIED_CALL_KEYS = (metadata.MODULE_PATH, metadata.CLASS, metadata.PACKAGE, metadata.PACKAGE_VERSION, metadata.SOURCE)
 
@@ -276,7 +277,7 @@ def flat_model(path: str | os.PathLike):
     try:
         flat = inline_model(model, optimize=True)
     except (onnx.checker.ValidationError, RuntimeError) as e:
-        raise InvalidModelFileError(f"onnx.inliner cannot inline the model: {str(e).strip()[:400]}") from e
+        raise InvalidModelFileError(f"onnx.inliner cannot inline the model: {shown(first_line(e))}") from e
     return ir.from_proto(flat)
 
 

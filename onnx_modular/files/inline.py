@@ -10,6 +10,7 @@ import onnx
 
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.files.flat import inline_model, optimize_flat
+from onnx_modular.format.text import first_line
 from onnx_modular.passes.function_order import sort_functions_proto
 from onnx_modular.storage import save
 from onnx_modular.storage.checks import check_expanded_size
@@ -92,7 +93,7 @@ def inline_file(
         else:  # each inlined node labelled with its own call (files/flat.py)
             flat = inline_model(model)
     except (onnx.checker.ValidationError, RuntimeError) as e:
-        raise InvalidModelFileError(f"onnx.inliner cannot inline {str(source)!r}: {shown(str(e).strip()[:400])}") from e
+        raise InvalidModelFileError(f"onnx.inliner cannot inline {str(source)!r}: {shown(first_line(e))}") from e
     if optimize:  # the one flat-plus-optimize recipe, as export_modular(flat_file=...) writes
         flat = optimize_flat(flat)
     if opset_version is not None:

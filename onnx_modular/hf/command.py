@@ -26,7 +26,7 @@ import transformers
 from onnx_modular.check import verification
 from onnx_modular.check.dispatch import verify_export
 from onnx_modular.check.parity import user_tolerance
-from onnx_modular.errors import InvalidInputError, ParityError
+from onnx_modular.errors import CHECKPOINT_STAGES, InvalidInputError, ParityError
 from onnx_modular.hf.checkpoint import infer_task, model_and_inputs, resolve_task
 from onnx_modular.hf.exporter import (
     ModularOnnxConfig,
@@ -40,7 +40,7 @@ __all__ = ["RUNTIME_FILES", "export_checkpoint", "streamed"]
 
 
 #: The stages of a checkpoint export, in order (the live progress line names the one under way).
-STAGES = ("load", "export", "verify", "save")
+STAGES = CHECKPOINT_STAGES
 
 #: Files of a checkpoint folder that a runtime needs beside the model (tokenizer, generation
 #: settings, processors), copied into an output folder when present.
