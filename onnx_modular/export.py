@@ -11,10 +11,11 @@
       optimize     pipeline.optimize_passes: onnxscript's optimizer per body (inline=False),
                    no-op calls recorded, opset conversion (below 18), weight fold
       save         functions callee-first, atomic write + onnx.checker(full_check=True)
-                   (files/save.py); with flat_file=, the flat deployment copy beside it
+                   (storage/save.py); with flat_file=, the flat deployment copy beside it
                    (files/flat.py), both written or neither
-      verify       onnxruntime (modular, flat) vs PyTorch (check/verification.py), or block by
-                   block for streamed weights (check/blockwise.py), inside the staged save
+      verify       check.verify_export (check/dispatch.py): onnxruntime (modular, flat, the flat
+                   copy) vs PyTorch, float32-widened for bfloat16, or block by block for streamed
+                   weights, inside the staged save
 
 Data flows forward: each stage takes what the earlier ones returned. The call tree is built
 once (modularize), completed by the passes (functions, no-op calls) and, at the end, by the
@@ -139,7 +140,7 @@ def export_modular(
             onnxruntime instead). See :mod:`onnx_modular.weights.sources` and ``docs/user-guide.md``.
         max_block_bytes: With ``weights=``, the most weight bytes loaded at once in PyTorch
             and onnxruntime (default: a quarter of the weights, see ``streaming.choose_blocks``).
-        rtol: Relative tolerance (default per output dtype, see ``verification.default_tolerance``).
+        rtol: Relative tolerance (default per output dtype, see ``check.parity.default_tolerance``).
         atol: Absolute tolerance (default per output dtype).
         progress: Called as ``progress(stage, seconds)`` after each stage.
         exported_program: A ``torch.export`` program already captured from ``model`` on these

@@ -404,7 +404,7 @@ def run_view(args: argparse.Namespace) -> int:
         raise InvalidInputError("Viewing needs the netron package: pip install netron") from None
     # netron logs its own "Serving ..." line (configuring the root logger if nobody did); one is enough.
     logging.getLogger("netron").setLevel(logging.WARNING)
-    # Lifted constants back in their bodies (files/display.py), unless --as-stored.
+    # Lifted constants back in their bodies (storage/display.py), unless --as-stored.
     shown = None if args.as_stored else display_bytes(model)
     note = "" if shown is None else " with its lifted constants shown in their bodies (--as-stored: the file as it is)"
     with serve(args.model, model, address=(args.host, args.port), browse=not args.no_browser, shown=shown) as (host, port):

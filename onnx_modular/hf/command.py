@@ -87,7 +87,7 @@ def export_checkpoint(
     and ``atol`` override the per-dtype tolerances of the check. A folder output also gets the
     checkpoint's tokenizer files and ``generation_config.json`` (:data:`RUNTIME_FILES`), and its
     ``export.json`` records the check that was made. ``progress``: a
-    :class:`~onnx_modular._cli_progress.Progress` (stage lines and the live line), else ``log``
+    :class:`~onnx_modular.cli.progress.Progress` (stage lines and the live line), else ``log``
     gets one line per stage.
 
     Raises:

@@ -121,7 +121,7 @@ def optimize_passes(*, tree: CallTree, opset: int, target_opset: int, optimize: 
         # imports again after the fold: it moves weight-only nodes into callers, which may not have
         # imported their domain yet (a decoder layer that only made calls got an Unsqueeze: ZayaModel)
         *([FoldWeightsPass(), StripConstantMetadataPass(), RemoveUnusedPass(), AddOpsetImportsPass(opset)] if optimize else []),
-        SortFunctionsPass(),  # callee-first in memory too (every save sorts again: files/save.py)
+        SortFunctionsPass(),  # callee-first in memory too (every save sorts again: storage/save.py)
     ]
 
 
