@@ -326,7 +326,9 @@ def run_verify(args: argparse.Namespace) -> int:
         stdout(report)
     if not report.ok:
         failed = ", ".join(
-            f"{o.name} (atol={o.tolerance.atol:g} rtol={o.tolerance.rtol:g})" for o in report.outputs if not o.ok
+            f"{o.name} (shape mismatch)" if o.shape_mismatch else f"{o.name} (atol={o.tolerance.atol:g} rtol={o.tolerance.rtol:g})"
+            for o in report.outputs
+            if not o.ok
         )
         raise Mismatch(f"outputs differ beyond tolerance: {failed}")
     return EXIT_OK
