@@ -8,6 +8,8 @@ chained as ``__cause__``.
 from __future__ import annotations
 
 __all__ = [
+    "EXPORT_STAGES",
+    "CHECKPOINT_STAGES",
     "OnnxModularError",
     "InvalidInputError",
     "CaptureError",
@@ -26,6 +28,15 @@ __all__ = [
     "UnexpectedWeightError",
     "WeightShapeError",
 ]
+
+#: The one home of stage names. ``export_modular``'s stages, in the order they end (``verify``
+#: ends inside ``save``): its ``result.timings`` keys, the CLI's progress lines, and the
+#: ``stage`` of the typed error an unexpected exception in one becomes
+#: (:func:`onnx_modular.capture.diagnostics.stage_error`; ``"run"`` is the eager run of ``capture``).
+EXPORT_STAGES = ("capture", "decompose", "translate", "modularize", "optimize", "verify", "save")
+
+#: The stages of a checkpoint export (``onnx-modular export <checkpoint folder>``), in order.
+CHECKPOINT_STAGES = ("load", "export", "verify", "save")
 
 
 class OnnxModularError(Exception):

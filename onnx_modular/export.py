@@ -12,10 +12,11 @@
       optimize     pipeline.optimize_passes: onnxscript's optimizer per body (inline=False),
                    no-op calls recorded, opset conversion (below 18), weight fold
       save         functions callee-first, atomic write + onnx.checker(full_check=True)
-                   (files/save.py); with flat_file=, the flat deployment copy beside it
+                   (storage/save.py); with flat_file=, the flat deployment copy beside it
                    (files/flat.py), both written or neither
-      verify       onnxruntime (modular, flat) vs PyTorch (check/verification.py), or block by
-                   block for streamed weights (check/blockwise.py), inside the staged save
+      verify       check.verify_export (check/dispatch.py): onnxruntime (modular, flat, the flat
+                   copy) vs PyTorch, float32-widened for bfloat16, or block by block for streamed
+                   weights, inside the staged save
 
 Data flows forward: each stage takes what the earlier ones returned. The call tree is built
 once (modularize), completed by the passes (functions, no-op calls) and, at the end, by the
@@ -29,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import inspect
 import logging
 import os
 import pathlib
@@ -53,9 +53,10 @@ from onnx_modular.capture import (
 )
 from onnx_modular.capture.fx_call_tree import build_call_tree, module_stacks
 from onnx_modular.capture.selection import ModuleSelector
-from onnx_modular.check import blockwise, verification
-from onnx_modular.check.parity import Tolerance
-from onnx_modular.errors import InvalidInputError, OnnxModularError
+from onnx_modular.check import verification
+from onnx_modular.check.dispatch import assert_verified, verify_export
+from onnx_modular.check.parity import Tolerance, user_tolerance
+from onnx_modular.errors import EXPORT_STAGES, InvalidInputError, OnnxModularError
 from onnx_modular.files import flat as flat_files
 from onnx_modular.format.calltree import CallTree
 from onnx_modular.passes import pipeline
@@ -140,7 +141,7 @@ def export_modular(
             onnxruntime instead). See :mod:`onnx_modular.weights.sources` and ``docs/user-guide.md``.
         max_block_bytes: With ``weights=``, the most weight bytes loaded at once in PyTorch
             and onnxruntime (default: a quarter of the weights, see ``streaming.choose_blocks``).
-        rtol: Relative tolerance (default per output dtype, see ``verification.default_tolerance``).
+        rtol: Relative tolerance (default per output dtype, see ``check.parity.default_tolerance``).
         atol: Absolute tolerance (default per output dtype).
         progress: Called as ``progress(stage, seconds)`` after each stage.
         exported_program: A ``torch.export`` program already captured from ``model`` on these
@@ -281,7 +282,7 @@ class _Plan:
         if model.training:
             logger.warning("Exporting a model in training mode; call model.eval() first for inference graphs.")
         return cls(args, kwargs, stream, select, target_opset, translated_opset, registry, external_data,
-                   execution_provider, verification.tolerance(rtol, atol), flat_path)
+                   execution_provider, user_tolerance(rtol, atol), flat_path)
 
 
 def _check_inputs(model: Any, args: Any, kwargs: dict | None) -> tuple[tuple, dict]:
@@ -290,31 +291,7 @@ def _check_inputs(model: Any, args: Any, kwargs: dict | None) -> tuple[tuple, di
             f"export_modular needs a torch.nn.Module, got {type(model).__name__}.",
             hint="Pass the model object itself (not a function, ExportedProgram or ScriptModule).",
         )
-    if args is None:
-        args = ()
-    if isinstance(args, torch.Tensor):
-        args = (args,)
-    elif isinstance(args, list):
-        args = tuple(args)
-    elif not isinstance(args, tuple):
-        raise InvalidInputError(
-            f"args must be a tuple of positional inputs (or one tensor), not {type(args).__name__}.",
-            hint="Pass args=(x,) for one input; keyword inputs go in kwargs={...}.",
-        )
-    if kwargs is not None and not isinstance(kwargs, Mapping):
-        raise InvalidInputError(
-            f"kwargs must be a dict of keyword inputs, not {type(kwargs).__name__}.", hint="Pass kwargs={'name': x}."
-        )
-    kwargs = dict(kwargs or {})
-    try:
-        inspect.signature(model.forward).bind(*args, **kwargs)
-    except TypeError as e:
-        raise InvalidInputError(
-            f"The example inputs do not match {type(model).__name__}.forward{inspect.signature(model.forward)}: {e}",
-            module_path="",
-            hint="Pass args as a tuple of positional inputs and kwargs as a dict.",
-        ) from None
-    return args, kwargs
+    return tensors.normalize_inputs(args, kwargs, model)
 
 
 # -- stages -------------------------------------------------------------------------------------
@@ -331,6 +308,7 @@ class _Stages:
 
     @contextlib.contextmanager
     def __call__(self, stage: str, failure: str | None = None, *, report: bool = True) -> Iterator[None]:
+        assert stage in EXPORT_STAGES, stage  # one home of stage names: onnx_modular.errors
         start = time.perf_counter()
         try:
             yield
@@ -395,32 +373,13 @@ def _save_and_verify(result: ModularExport, f, plan: _Plan, stages: _Stages, *, 
         if not verify:
             return
         with stages("verify"):
-            inputs, expected = result._reference
-            if plan.stream is not None and plan.stream.blockwise:
-                result.blocks = blockwise.verify_blocks(
-                    path, inputs, expected, plan.stream.blocks, tolerance=plan.tolerance,
-                    execution_provider=plan.execution_provider,
-                )
-                result.report = result.blocks.outputs
-                blockwise.assert_blocks(result.blocks, result=result)
-            elif result._reference_float32 is not None:  # no bfloat16 kernels in onnxruntime's CPU provider
-                result.report = verification.verify_bfloat16(
-                    path, *result._reference_float32, flat=flat, tolerance=plan.tolerance,
-                    execution_provider=plan.execution_provider,
-                )
-            else:
-                result.report = verification.verify_file(
-                    path, inputs, expected, flat=flat, tolerance=plan.tolerance,
-                    execution_provider=plan.execution_provider,
-                )
-            if staged_flat is not None:  # the deployment copy, against PyTorch as well
-                result.flat_report = verification.verify_file(
-                    staged_flat, inputs, expected, flat=False, tolerance=plan.tolerance,
-                    execution_provider=plan.execution_provider,
-                )
-        verification.assert_parity(result.report, result=result)
-        if result.flat_report is not None:
-            verification.assert_parity(result.flat_report, result=result)
+            verify_export(
+                result, path, flat=flat, flat_copy=staged_flat, tolerance=plan.tolerance,
+                execution_provider=plan.execution_provider,
+                blocks=plan.stream.blocks if plan.stream is not None and plan.stream.blockwise else None,
+                check=False,
+            )
+        assert_verified(result)  # after the stage: progress shows the verify stage, then the error
 
     if f is not None:
         with stages("save", report=False):

@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import os
 import pathlib
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 
 from onnx_modular.capture import tensors
 from onnx_modular.check import verification
-from onnx_modular.errors import InvalidInputError
+from onnx_modular.check.dispatch import verify_export
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree
 from onnx_modular.storage import save
@@ -108,10 +107,8 @@ class ModularExport:
 
         flat_path = flat.flat_file_path(path, flat_file)
         with flat.staged_with_flat(self.model, path, flat_path, external_data=external_data) as (_, staged_flat):
-            if staged_flat is not None and self._reference is not None:
-                inputs, expected = self._reference
-                self.flat_report = verification.verify_file(staged_flat, inputs, expected, flat=False)
-                verification.assert_parity(self.flat_report, result=self)
+            if staged_flat is not None and self._reference is not None:  # the modular file was checked by the export
+                verify_export(self, modular=False, flat_copy=staged_flat)
         self.path, self.flat_path = pathlib.Path(path), flat_path or self.flat_path
         return self.path
 
@@ -132,34 +129,10 @@ class ModularExport:
         need the PyTorch ``model`` to compute the reference. ``execution_provider``: as for
         calling the result (CPU by default).
         """
-        tolerance = verification.tolerance(rtol, atol)
-        if verification.uses_bfloat16(self.model):  # checked on a float32-widened copy
-            if args is None and kwargs is None:
-                if self._reference_float32 is None:
-                    raise InvalidInputError("No float32 reference is stored for this bfloat16 export; pass args and model.")
-                reference = self._reference_float32
-            elif model is None:
-                raise InvalidInputError("Pass model=... to compute PyTorch outputs for new inputs.")
-            else:
-                reference = verification.float32_reference(model, *tensors.normalize_inputs(args, kwargs))
-            with model_file(self) as path:
-                return verification.verify_bfloat16(
-                    path, *reference, flat=flat, tolerance=tolerance, execution_provider=execution_provider
-                )
-        if args is None and kwargs is None:
-            if self._reference is None:
-                raise InvalidInputError("No reference outputs are stored; pass args and model.")
-            inputs, expected = self._reference
-        else:
-            if model is None:
-                raise InvalidInputError("Pass model=... to compute PyTorch outputs for new inputs.")
-            args, kwargs = tensors.normalize_inputs(args, kwargs)
-            inputs = tensors.flatten_inputs(args, kwargs)
-            expected = tensors.torch_outputs(model, args, kwargs)
-        with model_file(self) as path:
-            return verification.verify_file(
-                path, inputs, expected, flat=flat, tolerance=tolerance, execution_provider=execution_provider
-            )
+        return verify_export(
+            self, args=args, kwargs=kwargs, model=model, flat=flat, tolerance=verification.tolerance(rtol, atol),
+            execution_provider=execution_provider, record=False, check=False,
+        )
 
     def localize(
         self,
@@ -181,7 +154,7 @@ class ModularExport:
 
         if args is None and kwargs is None:
             args, kwargs = self._example or ((), {})
-        args, kwargs = tensors.normalize_inputs(args, kwargs)
+        args, kwargs = tensors.normalize_inputs(args, kwargs, model)
         with model_file(self) as path:
             return localize(
                 path, model, args, kwargs, tolerance=verification.tolerance(rtol, atol),
@@ -235,8 +208,5 @@ def model_file(result: ModularExport) -> Iterator[pathlib.Path]:
     if result.path is not None and result.path.exists():
         yield result.path
         return
-    with tempfile.TemporaryDirectory(prefix="onnx_modular-") as tmp:
-        path = pathlib.Path(tmp) / "model.onnx"
-        ir.save(result.model, path, external_data="model.onnx.data" if save.wants_external_data(result.model, None) else None)
+    with save.scratch_model_file(result.model) as path:
         yield path
-

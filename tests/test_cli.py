@@ -551,7 +551,7 @@ def test_verify_exits_1_when_modular_and_inlined_differ(tmp_path):
     assert code == 1
     report = json.loads(out)
     assert report["ok"] is False and report["inputs"]["X"]["shape"] == [3, 4]
-    assert "error: outputs differ beyond atol=0.0001 rtol=0.001: Y" in err
+    assert "error: outputs differ beyond tolerance: Y (atol=0.0001 rtol=0.001)" in err
 
 
 def test_verify_against_expected_outputs(gpt2, tmp_path):
@@ -582,7 +582,7 @@ def test_verify_against_expected_outputs(gpt2, tmp_path):
     assert code == 1
     (result,) = json.loads(out)["outputs"]
     assert result["modular_vs_flat_max_abs"] == 0.0 and result["modular_max_abs"] > 0.01 and result["ok"] is False
-    assert f"outputs differ beyond atol=0.0001 rtol=0.001: {output_name}" in err
+    assert f"outputs differ beyond tolerance: {output_name} (atol=0.0001 rtol=0.001)" in err
 
 
 @pytest.mark.parametrize(

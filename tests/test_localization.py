@@ -68,7 +68,7 @@ def test_correct_model_has_no_fault(gpt2_file):
 
 
 def test_localize_and_verify_run_on_the_execution_provider_given(gpt2_file):
-    """One session path (files/runtime.py): the provider reaches localization's and verify's sessions."""
+    """One session path (runtime/sessions.py): the provider reaches localization's and verify's sessions."""
     model, args, path, _ = gpt2_file
     with pytest.raises(ExecutionProviderError, match="no-such-provider"):
         localize(path, model, args, execution_provider="no-such-provider")

@@ -217,7 +217,7 @@ def test_cli_prints_the_hint_and_traceback_on_request(tmp_path):
             code = main(["export", f"{factory}:make", "-o", str(tmp_path / "m.onnx")] + (["-v"] if verbose else []))
         text = err.getvalue()
         assert code == 2
-        assert "error: [input] The example inputs do not match Linear.forward" in text
+        assert "error: [input] The inputs do not match Linear.forward" in text
         assert "What to do: Pass args as a tuple" in text
         assert ("Traceback (most recent call last)" in text) is verbose
     assert not (tmp_path / "m.onnx").exists()

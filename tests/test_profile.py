@@ -1,4 +1,4 @@
-"""Run-time profile on the call tree (onnx_modular.profile, files/profile.py, files/attribution.py).
+"""Run-time profile on the call tree (onnx_modular.profile, profiling/run.py, profiling/attribution.py).
 
 Structure only, no timed assertions: every kernel is attributed to a call of the tree, the calls'
 self times add up to the profiler's kernel total, a planted cost is ranked first, identical calls

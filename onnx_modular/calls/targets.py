@@ -3,7 +3,7 @@ functions, follow a call's arguments back to the main graph, expose a call's val
 
 Shared by :mod:`onnx_modular.files.extract` and :mod:`onnx_modular.files.replace`. Works on
 ``onnx`` protos in place; the callers work on a copy of the file's model. Calls are the
-:class:`~onnx_modular.metadata.ExpandedCall` entries of :func:`~onnx_modular.metadata.expanded_calls`
+:class:`~onnx_modular.format.metadata.ExpandedCall` entries of :func:`~onnx_modular.format.metadata.expanded_calls`
 (one per call, shared bodies expanded), so a call name here is the one ``onnx-modular tree`` shows.
 """
 
@@ -157,7 +157,7 @@ def rebase_call_paths(nodes, old: str | None, new: str) -> None:
     """Rewrite the ``module_path`` of the call nodes of a body written for ``old`` to ``new``.
 
     A body names its nested calls relative to the call it was written for
-    (:func:`~onnx_modular.metadata.resolve_module_path`); a body that now serves another call
+    (:func:`~onnx_modular.format.metadata.resolve_module_path`); a body that now serves another call
     (its own copy, an extracted model, a block put back) records that call's paths.
     """
     if old is None or old == new:

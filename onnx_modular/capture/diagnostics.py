@@ -160,9 +160,10 @@ def stage_error(stage: str, exc: Exception, model: torch.nn.Module) -> OnnxModul
             module_path=path,
             hint="Export with verify=False to keep the file, check it with `onnx-modular verify`, and report the model.",
         )
+    in_pass = f" in {exc.pass_name}" if getattr(exc, "pass_name", None) else ""  # passes/pipeline.run
     if stage == "optimize":
         return ModularizeError(
-            f"Optimizing the function bodies failed: {type(exc).__name__}: {exc}",
+            f"Optimizing the function bodies failed{in_pass}: {type(exc).__name__}: {exc}",
             hint="Pass optimize=False to export without onnxscript's optimizer.",
         )
-    return ModularizeError(f"Building the function hierarchy failed: {type(exc).__name__}: {exc}")
+    return ModularizeError(f"Building the function hierarchy failed{in_pass}: {type(exc).__name__}: {exc}")

@@ -7,10 +7,13 @@ torch is imported inside each function, so that importing this module (and
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from onnx_modular.errors import InvalidInputError
+from onnx_modular.format.text import first_line
 
 if TYPE_CHECKING:
     import torch
@@ -26,21 +29,110 @@ __all__ = [
 ]
 
 
-def normalize_inputs(args: Any, kwargs: dict | None) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` as a tuple and a dict: ``None`` is no positional input, a lone value one."""
+def normalize_inputs(args: Any, kwargs: Any, model: Any = None) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` as a tuple and a dict, by the one rule of every entry point
+    (``export_modular``, ``result.verify``, ``localize``, ``onnx_modular.verify``).
+
+    ``args``: a tuple or a list of positional inputs, one tensor, or ``None`` (no positional
+    input). ``kwargs``: a mapping or ``None``. With ``model``, the inputs are bound to its
+    ``forward`` signature first, so that a missing or extra input is named here rather than
+    raised as a bare ``TypeError`` from inside ``forward()``.
+
+    Raises:
+        InvalidInputError: another kind of ``args`` or ``kwargs``, or inputs ``forward`` does not take.
+    """
+    import inspect
+
+    import torch
+
     if args is None:
         args = ()
-    elif not isinstance(args, tuple):
+    elif isinstance(args, torch.Tensor):
         args = (args,)
-    return args, dict(kwargs or {})
+    elif isinstance(args, list):
+        args = tuple(args)
+    elif not isinstance(args, tuple):
+        raise InvalidInputError(
+            f"args must be a tuple of positional inputs (or one tensor), not {type(args).__name__}.",
+            hint="Pass args=(x,) for one input; keyword inputs go in kwargs={...}.",
+        )
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise InvalidInputError(
+            f"kwargs must be a dict of keyword inputs, not {type(kwargs).__name__}.", hint="Pass kwargs={'name': x}."
+        )
+    kwargs = dict(kwargs or {})
+    if model is not None:
+        try:
+            signature = inspect.signature(model.forward)
+        except (TypeError, ValueError):  # a builtin forward: nothing to bind against
+            return args, kwargs
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise InvalidInputError(
+                f"The inputs do not match {type(model).__name__}.forward{signature}: {e}",
+                module_path="",
+                hint="Pass args as a tuple (or list) of positional inputs and kwargs as a dict.",
+            ) from None
+    return args, kwargs
 
 
 def copy_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Deep copies of the inputs, for runs that may change them (a KV cache grows in place)."""
-    try:
-        return copy.deepcopy(tuple(args)), copy.deepcopy(dict(kwargs))
-    except Exception:  # inputs that cannot be copied are used as they are
-        return tuple(args), dict(kwargs)
+    """Deep copies of the inputs, for runs that may change them (a KV cache grows in place).
+
+    The caller's objects are never handed to a run. A tensor that is part of an autograd graph
+    (a cache built by a forward outside ``torch.no_grad()``) cannot be deep-copied by
+    ``copy.deepcopy``; it is copied detached (the checks compute values, not gradients).
+
+    Raises:
+        InvalidInputError: an input cannot be copied; it names the input and the reason.
+    """
+    memo: dict[int, Any] = {}
+    keep_alive = []  # ids in the memo stay valid while the originals live
+    for tensor in _reachable_tensors((args, kwargs)):
+        if tensor.requires_grad and not tensor.is_leaf:
+            memo[id(tensor)] = tensor.detach().clone()
+            keep_alive.append(tensor)
+    copied = []
+    for name, value in [*((f"args[{i}]", a) for i, a in enumerate(args)), *dict(kwargs).items()]:
+        try:
+            copied.append(copy.deepcopy(value, memo))
+        except Exception as e:
+            raise InvalidInputError(
+                f"The input `{name}` ({type(value).__qualname__}) cannot be copied: {type(e).__name__}: "
+                f"{first_line(e)}. The model runs on copies so that your objects stay as given.",
+                module_path="",
+                hint="Pass inputs copy.deepcopy can copy (tensors, lists, dicts, transformers caches).",
+            ) from e
+    del keep_alive
+    return tuple(copied[: len(args)]), dict(zip(kwargs, copied[len(args) :]))
+
+
+def _reachable_tensors(value: Any, seen: set | None = None, depth: int = 0) -> list[torch.Tensor]:
+    """Tensors inside ``value``: through mappings, sequences, sets and objects' attributes
+    (``__dict__`` and ``__slots__``), each object visited once."""
+    import torch
+
+    seen = set() if seen is None else seen
+    if depth > 50 or id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None), type)):
+        return []
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        children = [*value.keys(), *value.values()]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        children = list(value)
+    else:
+        children = list(getattr(value, "__dict__", {}).values())
+        for cls in type(value).__mro__:
+            for slot in getattr(cls, "__slots__", ()):
+                if isinstance(slot, str) and hasattr(value, slot):
+                    children.append(getattr(value, slot))
+    found = []
+    for child in children:
+        found += _reachable_tensors(child, seen, depth + 1)
+    return found
 
 
 def torch_outputs(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[torch.Tensor]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-import uuid
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,6 +39,7 @@ from onnx_modular.check.parity import Parity, ParityReport, Tolerance
 from onnx_modular.errors import ParityError, VerificationError
 from onnx_modular.format import metadata
 from onnx_modular.runtime import sessions as runtime
+from onnx_modular.storage.locks import scratch_file
 from onnx_modular.weights.streaming import Blocks
 
 __all__ = ["BlockReport", "verify_blocks", "assert_blocks"]
@@ -258,16 +258,14 @@ class _Evaluator:
             opset_imports=dict(self.model.opset_imports), name="block",
         )
         piece = ir.Model(graph, ir_version=self.model.ir_version, functions=list(self.model.functions.values()))
-        path = self.workdir / f".block-{uuid.uuid4().hex[:8]}.onnx"
         runs = [[feeds[i.name] for i in inputs]]
         runs += [[variant.get(value, feeds[i.name]) for value, i in zip(sources, inputs)] for variant in variants]
-        try:
-            ir.save(piece, path)  # external initializers keep pointing into the file's data
+        # next to the model: external initializers keep pointing into the file's data
+        with scratch_file(self.workdir / "model.onnx", "block.onnx") as path:
+            ir.save(piece, path)
             session = runtime.session(path, self.execution_provider, prepacking=False)
             results = [runtime.run(session, inputs, what="block of the model")[1] for inputs in runs]
             return results if variants else results[0]
-        finally:
-            path.unlink(missing_ok=True)
 
 
 def _copy_attr(attr: ir.Attr) -> ir.Attr:

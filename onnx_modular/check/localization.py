@@ -222,7 +222,7 @@ def localize(
         report = localize("gpt2.onnx", model, (input_ids,))
         print(report.first_failure)   # None, or the first module call beyond tolerance
     """
-    args, kwargs = tensors.normalize_inputs(args, kwargs)
+    args, kwargs = tensors.normalize_inputs(args, kwargs, torch_model)
     if isinstance(onnx_model, ir.Model):
         model = ir.serde.deserialize_model(ir.serde.serialize_model(onnx_model))
         near = None

@@ -33,6 +33,7 @@ from onnx_modular.storage.load import load_model_file
 __all__ = [
     "Tolerance",
     "default_tolerance",
+    "user_tolerance",
     "REL_FLOOR",
     "max_differences",
     "allclose",
@@ -76,9 +77,25 @@ _DEFAULT_TOLERANCES = {
 
 
 def default_tolerance(dtype: Any) -> Tolerance:
-    """Defaults per dtype (a numpy or torch dtype, or its name); integers and bools match exactly."""
+    """Defaults per dtype (a numpy or torch dtype, a numpy scalar type, or its name); integers and
+    bools match exactly. The one table of default tolerances: every check reads it."""
+    if isinstance(dtype, type) and issubclass(dtype, np.generic):  # np.float16, not np.dtype("float16")
+        dtype = np.dtype(dtype)
     name = str(dtype).replace("torch.", "")
     return _DEFAULT_TOLERANCES.get(name, Tolerance(0.0, 0.0))
+
+
+def user_tolerance(rtol: float | None, atol: float | None) -> Tolerance | None:
+    """The user's ``rtol``/``atol``, or ``None`` for the per-dtype defaults of :func:`default_tolerance`.
+
+    A missing half takes float32's default. Every entry point (``export_modular``,
+    ``result.verify``, ``onnx_modular.verify``, ``onnx-modular export`` / ``verify``) reads the
+    user's values through here. NaN, infinite or negative values are refused (:class:`Tolerance`).
+    """
+    if rtol is None and atol is None:
+        return None
+    default = default_tolerance("float32")
+    return Tolerance(atol=default.atol if atol is None else atol, rtol=default.rtol if rtol is None else rtol)
 
 
 #: Relative errors divide by ``|reference| + REL_FLOOR``, as torch's ONNX verifier does, so a
@@ -145,6 +162,9 @@ class Parity:
             model's upstream values).
         chained_max_abs: A block's difference when fed the ONNX model's upstream values (drift
             included); ``modular_max_abs`` is the block's own, on PyTorch's inputs.
+        shape_mismatch: When onnxruntime's shape differs from the reference's (``shape``), what
+            each side gave (``"onnxruntime [1, 2, 6, 8] vs PyTorch [1, 2, 4, 8]"``); the
+            differences of that side are then ``None`` (not comparable), not infinite.
     """
 
     name: str
@@ -167,6 +187,7 @@ class Parity:
     weight_bytes: int = 0
     inputs_from_torch: int = 0
     chained_max_abs: float | None = None
+    shape_mismatch: str | None = None
 
     @property
     def max_abs(self) -> float:
@@ -268,6 +289,12 @@ class ParityReport:
         lines = [title] + ([self.note] if self.note else []) + [header, "-" * len(header)]
         for o in self.outputs:
             tolerance = f"{o.tolerance.atol:.0e}/{o.tolerance.rtol:.0e}"
+            if o.shape_mismatch:
+                lines.append(
+                    f"{fit_name(o.name, width):<{width}} {str(list(o.shape))[:18]:<18} {o.dtype:<9} "
+                    f"shape mismatch: {o.shape_mismatch}  {'yes' if o.ok else 'NO'}"
+                )
+                continue
             lines.append(
                 f"{fit_name(o.name, width):<{width}} {str(list(o.shape))[:18]:<18} {o.dtype:<9} {fmt(o.modular_max_abs):>11} "
                 f"{fmt(o.modular_max_rel):>9} {fmt(o.flat_max_abs):>9} {fmt(o.flat_max_rel):>9} "
@@ -315,17 +342,30 @@ def compare_outputs(
         dtype = str(np.asarray(expected).dtype if expected is not None else value.dtype)
         tol = tolerance or default_tolerance(dtype)
         row = OutputParity(name=name, shape=tuple(value.shape), dtype=dtype, tolerance=tol)
+        flat_value = None if flat is None else np.asarray(flat[index])
+        mismatches = []
         if expected is not None:
             row.shape = tuple(np.shape(expected))
-            row.modular_max_abs, row.modular_max_rel = max_differences(value, expected)
+            for what, actual in (("onnxruntime", value), ("flat copy", flat_value)):
+                if actual is not None and actual.shape != row.shape:
+                    mismatches.append(f"{what} {list(actual.shape)}")
+            if value.shape == row.shape:
+                row.modular_max_abs, row.modular_max_rel = max_differences(value, expected)
             row.ok = allclose(value, expected, tol)
-        if flat is not None:
-            row.modular_vs_flat_max_abs, row.modular_vs_flat_max_rel = max_differences(value, flat[index])
+        if flat_value is not None:
+            if flat_value.shape == value.shape:
+                row.modular_vs_flat_max_abs, row.modular_vs_flat_max_rel = max_differences(value, flat_value)
+            elif expected is None:
+                mismatches.append(f"onnxruntime {list(value.shape)} vs flat copy {list(flat_value.shape)}")
             if expected is not None:
-                row.flat_max_abs, row.flat_max_rel = max_differences(flat[index], expected)
-                row.ok = row.ok and allclose(flat[index], expected, tol)
+                if flat_value.shape == row.shape:
+                    row.flat_max_abs, row.flat_max_rel = max_differences(flat_value, expected)
+                row.ok = row.ok and allclose(flat_value, expected, tol)
             else:
-                row.ok = allclose(value, flat[index], tol)
+                row.ok = allclose(value, flat_value, tol)
+        if mismatches:
+            against = f" vs {reference_name} {list(row.shape)}" if expected is not None else ""
+            row.shape_mismatch = ", ".join(mismatches) + against
         rows.append(row)
     return ParityReport(rows, reference=reference_name if reference is not None else None, shapes=dict(shapes or {}))
 

@@ -37,8 +37,10 @@ from onnx_modular.check.parity import (
     fit_name,
     max_differences,
     name_column_width,
+    user_tolerance,
 )
 from onnx_modular.errors import ParityError
+from onnx_modular.format.text import first_line
 from onnx_modular.runtime import inputs as file_inputs
 from onnx_modular.storage.load import load_model_file
 
@@ -66,11 +68,8 @@ __all__ = [
 ]
 
 
-def tolerance(rtol: float | None, atol: float | None) -> Tolerance | None:
-    """The user's tolerance, or ``None`` for the per-dtype defaults (a missing half takes the float32 default)."""
-    if rtol is None and atol is None:
-        return None
-    return Tolerance(atol=atol if atol is not None else 1e-4, rtol=rtol if rtol is not None else 1e-3)
+#: The user's tolerance or ``None`` for the per-dtype defaults (:func:`~onnx_modular.check.parity.user_tolerance`).
+tolerance = user_tolerance
 
 
 def verify_file(
@@ -144,12 +143,11 @@ def verify_bfloat16(
     bfloat16-rounded weights (:func:`float32_reference`), with float32 tolerances. The report's
     ``note`` says so, and whether onnxruntime loads the bfloat16 file itself.
     """
-    import tempfile
-
     import onnx_ir as ir
 
     from onnx_modular.passes.widen import WidenFloatPass
     from onnx_modular.runtime import sessions as runtime
+    from onnx_modular.storage.locks import scratch_folder
 
     if tolerance is None:
         tolerance = widened_tolerance(expected)
@@ -157,11 +155,11 @@ def verify_bfloat16(
         runtime.session(path, execution_provider)
         loads = "onnxruntime loads the bfloat16 file"
     except Exception as e:  # onnxruntime's CPU provider: no bfloat16 MatMul, Add, ...
-        loads = f"onnxruntime does not load the bfloat16 file ({str(e).strip().splitlines()[0][:160]})"
-    with tempfile.TemporaryDirectory(prefix="onnx_modular-bf16-") as folder:
+        loads = f"onnxruntime does not load the bfloat16 file ({first_line(e)[:160]})"
+    with scratch_folder("bf16") as folder:
         widened = ir.load(path)
         WidenFloatPass()(widened)
-        copy_path = pathlib.Path(folder) / "float32.onnx"
+        copy_path = folder / "float32.onnx"
         ir.save(widened, copy_path, external_data="float32.onnx.data")
         report = verify_file(copy_path, inputs, expected, flat=flat, tolerance=tolerance, execution_provider=execution_provider)
     report.reference = "PyTorch float32"
@@ -210,7 +208,9 @@ def assert_parity(report: ParityReport, *, result=None) -> None:
         return "-" if value is None else f"{value:.3e}"
 
     lines = [
-        f"{o.name}: max abs {fmt(o.modular_max_abs)} (flat {fmt(o.flat_max_abs)}), "
+        f"{o.name}: shape mismatch: {o.shape_mismatch}"
+        if o.shape_mismatch
+        else f"{o.name}: max abs {fmt(o.modular_max_abs)} (flat {fmt(o.flat_max_abs)}), "
         f"tolerance atol={o.tolerance.atol:g} rtol={o.tolerance.rtol:g}"
         for o in report.failures()
     ]
@@ -289,7 +289,7 @@ def verify(
     proto = load_model_file(path)
     runs: list[tuple[list, tuple, dict]] = []
     if args is not None or kwargs is not None:
-        args, kwargs = normalize_inputs(args, kwargs)
+        args, kwargs = normalize_inputs(args, kwargs, model)
         runs.append((flatten_inputs(args, kwargs), args, kwargs))
     else:
         symbolic = any(

@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from onnx_modular.check.parity import Tolerance
+from onnx_modular.check.parity import user_tolerance
 from onnx_modular.cli.output import EXIT_MISMATCH, EXIT_OK, Mismatch, print_json, stderr, stdout
 from onnx_modular.cli.progress import EXPORT_STAGES, Progress
 from onnx_modular.errors import InvalidInputError, ParityError
@@ -301,7 +301,8 @@ def _parse_dims(items: Sequence[str]) -> dict[str, int]:
 def run_verify(args: argparse.Namespace) -> int:
     from onnx_modular.check.parity import check_file
 
-    tolerance = Tolerance(args.atol, args.rtol)  # refuses NaN, infinite or negative values first
+    # None: per output dtype, as the export's check; NaN, infinite or negative values are refused first
+    tolerance = user_tolerance(args.rtol, args.atol)
     model = load_model_file(args.model)
     dims = _parse_dims(args.dim)
     if args.inputs:
@@ -325,8 +326,12 @@ def run_verify(args: argparse.Namespace) -> int:
         stdout(f"inputs: {shapes or '(none)'}" + ("" if args.inputs else f" (random, seed {args.seed})"))
         stdout(report)
     if not report.ok:
-        failed = ", ".join(o.name for o in report.outputs if not o.ok)
-        raise Mismatch(f"outputs differ beyond atol={args.atol:g} rtol={args.rtol:g}: {failed}")
+        failed = ", ".join(
+            f"{o.name} (shape mismatch)" if o.shape_mismatch else f"{o.name} (atol={o.tolerance.atol:g} rtol={o.tolerance.rtol:g})"
+            for o in report.outputs
+            if not o.ok
+        )
+        raise Mismatch(f"outputs differ beyond tolerance: {failed}")
     return EXIT_OK
 
 
@@ -464,7 +469,7 @@ def run_view(args: argparse.Namespace) -> int:
         raise InvalidInputError("Viewing needs the netron package: pip install netron") from None
     # netron logs its own "Serving ..." line (configuring the root logger if nobody did); one is enough.
     logging.getLogger("netron").setLevel(logging.WARNING)
-    # Lifted constants back in their bodies (files/display.py), unless --as-stored.
+    # Lifted constants back in their bodies (storage/display.py), unless --as-stored.
     shown = None if args.as_stored else display_bytes(model)
     note = "" if shown is None else " with its lifted constants shown in their bodies (--as-stored: the file as it is)"
     with serve(args.model, model, address=(args.host, args.port), browse=not args.no_browser, shown=shown) as (host, port):

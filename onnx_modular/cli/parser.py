@@ -173,8 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=SIZE",
         help="size (>= 1) of a symbolic dimension in random inputs (default 2); repeatable",
     )
-    verify.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default 1e-4)")
-    verify.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default 1e-3)")
+    verify.add_argument(
+        "--atol", type=float, default=None, help="absolute tolerance (default: per output dtype, float32 1e-4)"
+    )
+    verify.add_argument(
+        "--rtol", type=float, default=None, help="relative tolerance (default: per output dtype, float32 1e-3)"
+    )
     verify.add_argument("--json", action="store_true", help="print the report as JSON")
     verify.set_defaults(run=handlers.run_verify)
 

@@ -19,12 +19,11 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
+from onnx_modular.errors import EXPORT_STAGES
 from onnx_modular.storage import save
 
 __all__ = ["Progress", "EXPORT_STAGES"]
 
-#: ``export_modular``'s stages in the order they end (``verify`` ends inside ``save``).
-EXPORT_STAGES = ("capture", "decompose", "translate", "modularize", "optimize", "verify", "save")
 
 _SPINNER = "|/-\\"
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import math
 import os
 import pathlib
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ import onnx.inliner
 
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.format import metadata
+from onnx_modular.format.text import first_line, shown
 from onnx_modular.storage import save
 from onnx_modular.storage.proto import all_nodes, inline_functions
 
@@ -44,6 +46,7 @@ __all__ = [
     "NAME_SCOPES",
     "flat_file_path",
     "inline_model",
+    "optimize_flat",
     "relocate_calls",
     "staged_with_flat",
 ]
@@ -51,9 +54,9 @@ __all__ = [
 #: ``flat_file=True`` writes ``<stem>.flat.onnx`` beside ``<stem>.onnx``.
 FLAT_SUFFIX = ".flat.onnx"
 
-#: torch's per-node lists that follow the ``namespace`` segments one to one.
-NAME_SCOPES = "pkg.torch.onnx.name_scopes"
-CLASS_HIERARCHY = "pkg.torch.onnx.class_hierarchy"
+#: torch's per-node lists that follow the ``namespace`` segments one to one (keys of format/metadata.py).
+NAME_SCOPES = metadata.NAME_SCOPES
+CLASS_HIERARCHY = metadata.CLASS_HIERARCHY
 #: The call node's keys carried onto the nodes of its body in a flat copy (innermost call wins).
 CARRIED_CALL_KEYS = (metadata.MODULE_PATH, metadata.CLASS, metadata.PACKAGE, metadata.PACKAGE_VERSION, metadata.SOURCE)
 
@@ -182,11 +185,47 @@ def inline_model(model: onnx.ModelProto, *, optimize: bool = False) -> onnx.Mode
     copy to keep it). Raises what ``onnx.inliner`` raises.
     """
     flat = inline_functions(relocate_calls(model))
-    if optimize:
-        import onnxscript.optimizer
+    return optimize_flat(flat) if optimize else flat
 
-        flat = onnxscript.optimizer.optimize(flat)
-    return flat
+
+# Ops whose output size comes from an input's values, not its size: a 150-byte file can ask
+# ConstantOfShape or Expand for 1024**3 elements.
+_GROWING_OPS = frozenset(
+    {"ConstantOfShape", "Expand", "Tile", "Range", "Resize", "Upsample", "Pad", "OneHot", "CenterCropPad", "Col2Im"}
+)
+
+
+def _fold_only_small_outputs(node) -> bool | None:
+    """onnxscript's constant folder evaluates a node and only then checks its output's size:
+    refuse to fold, before evaluation, a node whose output (after shape inference) is larger than
+    the folder's own output limit, or of unknown size when its op can grow. ``None``: the
+    folder's default rules."""
+    from onnxscript.optimizer import constant_folding
+
+    limit = constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT
+
+    for output in node.outputs:
+        shape = output.shape
+        if shape is None or not shape.is_static():
+            if node.op_type in _GROWING_OPS:
+                return False
+            continue
+        if math.prod(int(d) for d in shape) > limit:
+            return False
+    return None
+
+
+def optimize_flat(flat: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxscript's full optimizer on a flat graph, the one ``torch.onnx.export`` runs (constant
+    folding, common subexpressions, constants lifted to initializers, equal initializers merged),
+    with the fold-size guard (:func:`_fold_only_small_outputs`): the one recipe of
+    ``export_modular(flat_file=...)``, ``result.save(flat_file=...)`` and ``onnx-modular inline --optimize``."""
+    import onnx_ir as ir
+    import onnxscript.optimizer
+
+    optimized = ir.serde.deserialize_model(flat)
+    onnxscript.optimizer.optimize_ir(optimized, should_fold=_fold_only_small_outputs)
+    return ir.serde.serialize_model(optimized)
 
 
 # -- the deployment copy written beside a modular file (export_modular(flat_file=...)) ----------
@@ -238,7 +277,7 @@ def flat_model(path: str | os.PathLike):
     try:
         flat = inline_model(model, optimize=True)
     except (onnx.checker.ValidationError, RuntimeError) as e:
-        raise InvalidModelFileError(f"onnx.inliner cannot inline the model: {str(e).strip()[:400]}") from e
+        raise InvalidModelFileError(f"onnx.inliner cannot inline the model: {shown(first_line(e))}") from e
     return ir.from_proto(flat)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import pathlib
 from collections.abc import Sequence
@@ -10,7 +9,8 @@ from collections.abc import Sequence
 import onnx
 
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
-from onnx_modular.files.flat import inline_model
+from onnx_modular.files.flat import inline_model, optimize_flat
+from onnx_modular.format.text import first_line
 from onnx_modular.passes.function_order import sort_functions_proto
 from onnx_modular.storage import save
 from onnx_modular.storage.checks import check_expanded_size
@@ -36,33 +36,6 @@ def _resolve_function_ids(model: onnx.ModelProto, selectors: Sequence[str]) -> l
             )
         resolved += [m for m in matches if m not in resolved]
     return resolved
-
-
-# Ops whose output size comes from an input's values, not its size: a 150-byte file can ask
-# ConstantOfShape or Expand for 1024**3 elements.
-_GROWING_OPS = frozenset(
-    {"ConstantOfShape", "Expand", "Tile", "Range", "Resize", "Upsample", "Pad", "OneHot", "CenterCropPad", "Col2Im"}
-)
-
-
-def _fold_only_small_outputs(node) -> bool | None:
-    """onnxscript's constant folder evaluates a node and only then checks its output's size:
-    refuse to fold, before evaluation, a node whose output (after shape inference) is larger than
-    the folder's own output limit, or of unknown size when its op can grow. ``None``: the
-    folder's default rules."""
-    from onnxscript.optimizer._constant_folding import (
-        DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
-    )
-
-    for output in node.outputs:
-        shape = output.shape
-        if shape is None or not shape.is_static():
-            if node.op_type in _GROWING_OPS:
-                return False
-            continue
-        if math.prod(int(d) for d in shape) > DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT:
-            return False
-    return None
 
 
 def inline_file(
@@ -120,13 +93,9 @@ def inline_file(
         else:  # each inlined node labelled with its own call (files/flat.py)
             flat = inline_model(model)
     except (onnx.checker.ValidationError, RuntimeError) as e:
-        raise InvalidModelFileError(f"onnx.inliner cannot inline {str(source)!r}: {shown(str(e).strip()[:400])}") from e
-    if optimize:
-        import onnxscript.optimizer
-
-        optimized = ir.serde.deserialize_model(flat)
-        onnxscript.optimizer.optimize_ir(optimized, should_fold=_fold_only_small_outputs)
-        flat = ir.serde.serialize_model(optimized)
+        raise InvalidModelFileError(f"onnx.inliner cannot inline {str(source)!r}: {shown(first_line(e))}") from e
+    if optimize:  # the one flat-plus-optimize recipe, as export_modular(flat_file=...) writes
+        flat = optimize_flat(flat)
     if opset_version is not None:
         converted = ir.from_proto(flat)
         opset.ConvertOpsetPass(opset_version)(converted)

@@ -37,6 +37,10 @@ __all__ = [
     "LIFTED_CONSTANTS",
     "PROFILE_ORIGIN",
     "NAMESPACE",
+    "NAME_SCOPES",
+    "CLASS_HIERARCHY",
+    "CONVERTED_DOMAIN",
+    "function_domain",
     "EXTRACTED_FROM",
     "SPLIT_FROM",
     "SPLIT_STAGE",
@@ -116,6 +120,19 @@ SPLIT_OPENED = PREFIX + "split_opened"
 CONVERTED = PREFIX + "converted"
 #: torch's ``path: class/...`` chain (not ours; kept on every node).
 NAMESPACE = "namespace"
+#: torch's per-node lists that follow the :data:`NAMESPACE` segments one to one (not ours; a flat
+#: copy rebases them with the namespace: :mod:`onnx_modular.files.flat`).
+NAME_SCOPES = "pkg.torch.onnx.name_scopes"
+CLASS_HIERARCHY = "pkg.torch.onnx.class_hierarchy"
+#: A domain of the opset conversion's own (``passes/opset_conversion.py``): Split and Pad already
+#: in their opset-13 form pass onnx's converter under it; never in a saved file.
+CONVERTED_DOMAIN = PREFIX + "converted"
+
+
+def function_domain(package: str, version: str) -> str:
+    """The domain of a module's function: ``pkg.<package>.<version>`` (``pkg.transformers.5.23.0``)."""
+    return f"pkg.{package}.{version}"
+
 
 #: ``meta`` key (in memory only, never saved) of an ``onnx_ir.Function``: the
 #: :class:`~onnx_modular.format.calltree.ModuleCall` objects it serves.

@@ -20,6 +20,7 @@ import transformers
 from transformers.exporters.exporter_dynamo import get_auto_dynamic_shapes
 
 from onnx_modular.errors import InvalidInputError, OnnxModularError
+from onnx_modular.format.text import first_line
 from onnx_modular.hf.meta import (
     check_checkpoint_config,
     check_checkpoint_folder,
@@ -111,7 +112,7 @@ def infer_task(source: str | os.PathLike) -> tuple[str, str]:
     except Exception as e:
         raise InvalidInputError(
             f"Cannot read the config of {str(source)!r} to infer the task: {type(e).__name__}: "
-            f"{(str(e).splitlines() or [''])[0]}",
+            f"{first_line(e)}",
             hint="Pass --task (see onnx-modular export --help), or fix config.json.",
         ) from e
     architectures = getattr(config, "architectures", None) or []
@@ -190,7 +191,7 @@ def load_checkpoint(source: str | os.PathLike, task: str, *, dtype: str | torch.
         ) from e
     except Exception as e:
         raise InvalidInputError(
-            f"transformers refuses the config of {str(source)!r}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
+            f"transformers refuses the config of {str(source)!r}: {type(e).__name__}: {first_line(e)}",
             hint="Fix config.json (save_pretrained writes it).",
         ) from e
     try:
@@ -201,13 +202,13 @@ def load_checkpoint(source: str | os.PathLike, task: str, *, dtype: str | torch.
             )
     except ValueError as e:
         raise InvalidInputError(
-            f"A {config.model_type!r} model has no {TASKS[task]} for task {task!r}: {str(e).splitlines()[0]}",
+            f"A {config.model_type!r} model has no {TASKS[task]} for task {task!r}: {first_line(e)}",
             hint=f"Choose a task this architecture supports (tasks: {', '.join(TASKS)}).",
         ) from e
     except Exception as e:
         report = "\n".join(line for line in log.getvalue().splitlines() if "MISMATCH" in line or "MISSING" in line)
         raise InvalidInputError(
-            f"Loading the weights of {str(source)!r} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            f"Loading the weights of {str(source)!r} failed: {type(e).__name__}: {first_line(e)}"
             + (f"\ntransformers' load report:\n{report}" if report else ""),
             hint="Check that the folder holds the weights save_pretrained wrote (*.safetensors) for this config.",
         ) from e
@@ -374,6 +375,6 @@ def meta_checkpoint(
         ) from e
     except ValueError as e:
         raise InvalidInputError(
-            f"This model has no {TASKS[task]} for task {task!r}: {str(e).splitlines()[0]}",
+            f"This model has no {TASKS[task]} for task {task!r}: {first_line(e)}",
             hint=f"Choose a task this architecture supports (tasks: {', '.join(TASKS)}).",
         ) from e

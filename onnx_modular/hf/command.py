@@ -24,7 +24,9 @@ from typing import Any
 import transformers
 
 from onnx_modular.check import verification
-from onnx_modular.errors import InvalidInputError, ParityError
+from onnx_modular.check.dispatch import verify_export
+from onnx_modular.check.parity import user_tolerance
+from onnx_modular.errors import CHECKPOINT_STAGES, InvalidInputError, ParityError
 from onnx_modular.hf.checkpoint import infer_task, model_and_inputs, resolve_task
 from onnx_modular.hf.exporter import (
     ModularOnnxConfig,
@@ -38,7 +40,7 @@ __all__ = ["RUNTIME_FILES", "export_checkpoint", "streamed"]
 
 
 #: The stages of a checkpoint export, in order (the live progress line names the one under way).
-STAGES = ("load", "export", "verify", "save")
+STAGES = CHECKPOINT_STAGES
 
 #: Files of a checkpoint folder that a runtime needs beside the model (tokenizer, generation
 #: settings, processors), copied into an output folder when present.
@@ -85,7 +87,7 @@ def export_checkpoint(
     and ``atol`` override the per-dtype tolerances of the check. A folder output also gets the
     checkpoint's tokenizer files and ``generation_config.json`` (:data:`RUNTIME_FILES`), and its
     ``export.json`` records the check that was made. ``progress``: a
-    :class:`~onnx_modular._cli_progress.Progress` (stage lines and the live line), else ``log``
+    :class:`~onnx_modular.cli.progress.Progress` (stage lines and the live line), else ``log``
     gets one line per stage.
 
     Raises:
@@ -112,7 +114,7 @@ def export_checkpoint(
     # Before any work: the file's folder, or the output folder (or its parent), must exist and be writable.
     save.check_destination(output / "export.json" if output.is_dir() else output)
     stage = progress.stage if progress is not None else _logged_stage(log)
-    tolerance = verification.tolerance(rtol, atol)  # refuses NaN, infinite or negative values first
+    tolerance = user_tolerance(rtol, atol)  # refuses NaN, infinite or negative values first
     with stage("load") as detail:
         model, inputs, shapes = model_and_inputs(source, task, static=static, generation=generation, dtype=dtype)
         detail.append(f"({type(model).__name__}, {str(next(model.parameters()).dtype).replace('torch.', '')})")
@@ -132,10 +134,10 @@ def export_checkpoint(
         with stage("verify"):
             for name in exported.components:
                 result = modular_result(exported, name)
-                result.report = reports[name] = result.verify(rtol=rtol, atol=atol)
                 try:
-                    verification.assert_parity(result.report, result=result)
+                    reports[name] = verify_export(result, tolerance=tolerance)
                 except ParityError as e:
+                    reports[name] = result.report
                     failure = failure or e
     for name, component in exported.components.items():  # export.json says what was done
         component.metadata.export_config.update(

@@ -38,7 +38,8 @@ from transformers.exporters.utils import (
 )
 
 from onnx_modular.capture import strategies, torch_compat
-from onnx_modular.check import verification
+from onnx_modular.check.dispatch import verify_export
+from onnx_modular.check.parity import user_tolerance
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.export import ModularExport, ModuleSelector, export_modular
 from onnx_modular.storage import save
@@ -158,8 +159,7 @@ class ModularOnnxExporter(OnnxExporter):
         result.capture_strategy = captured.strategy
         program.meta[_RESULT_KEY] = result
         if config.verify:
-            result.report = result.verify(rtol=config.rtol, atol=config.atol, flat=config.verify_flat)
-            verification.assert_parity(result.report, result=result)
+            verify_export(result, flat=config.verify_flat, tolerance=user_tolerance(config.rtol, config.atol))
         return program, metadata
 
     @classmethod

@@ -93,7 +93,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         self.call_tree = call_tree
         self.signatures = signatures or {}
         self.value_of = value_of
-        self.domain_of = domain_of or (lambda call: f"pkg.{call.package}.{call.version}")
+        self.domain_of = domain_of or (lambda call: metadata.function_domain(call.package, call.version))
         self._serial = 0
 
     def requires(self, model: ir.Model) -> None:
@@ -218,7 +218,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         )
         namespace = _call_namespace(members[0], call)
         if namespace:
-            call_node.metadata_props["namespace"] = namespace
+            call_node.metadata_props[metadata.NAMESPACE] = namespace
         for inner_value, outer_value, name in zip(outputs, call_node.outputs, output_names):
             # The caller's value keeps the (graph-unique) name; the body's is the formal output.
             inner_value.meta[metadata.SOURCE_NAME] = outer_value.meta[metadata.SOURCE_NAME] = source_name(inner_value)
@@ -389,7 +389,7 @@ def _node_name(call: ModuleCall) -> str:
 
 def _call_namespace(member: ir.Node, call: ModuleCall) -> str | None:
     """The ``namespace`` of a call node: the member's namespace cut after this call."""
-    namespace = member.metadata_props.get("namespace")
+    namespace = member.metadata_props.get(metadata.NAMESPACE)
     if not namespace:
         return None
     segments = namespace.split("/")

@@ -25,6 +25,7 @@ import onnx.version_converter
 import onnx_ir as ir
 
 from onnx_modular.errors import InvalidInputError
+from onnx_modular.format import metadata
 from onnx_modular.passes._functions import bodies
 from onnx_modular.passes.default_opset import SetDefaultOpsetPass
 
@@ -186,7 +187,7 @@ def _constant_as_tensor(node: onnx.NodeProto) -> None:
 
 # onnx's converter has no 18 -> 17 adapter for Split and Pad; their opset-13 forms are done here,
 # and the nodes pass through the converter under this domain (custom domains are left alone).
-_DONE_DOMAIN = "pkg.onnx_modular.converted"
+_DONE_DOMAIN = metadata.CONVERTED_DOMAIN
 
 
 def _split_pad_to_13(body: ir.Graph | ir.Function, what: str) -> bool:

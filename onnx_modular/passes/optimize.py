@@ -22,8 +22,8 @@ class OptimizeFunctionsPass(ir.passes.InPlacePass):
     block would read another block's weights; ``LiftConstantsToInitializersPass``
     turns folded constants into initializers that then look like parameters.
 
-    Runs fold + rewrite + unused removal up to ``iterations`` times, until the node count
-    stops changing.
+    Runs fold + rewrite + unused removal as onnxscript's ``optimize_ir`` does: one onnx_ir
+    ``PassManager`` of ``iterations`` steps that stops early once a step changes nothing.
 
     Example::
 
@@ -35,19 +35,24 @@ class OptimizeFunctionsPass(ir.passes.InPlacePass):
         self.iterations = iterations
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        import onnxscript.optimizer
-        import onnxscript.rewriter
+        import onnx_ir.passes.common as common_passes
+        from onnxscript import rewriter
+        from onnxscript.optimizer import constant_folding
 
-        start = _node_count(model)
-        for _ in range(self.iterations):
-            before = _node_count(model)
-            onnxscript.optimizer.fold_constants(model)
-            onnxscript.rewriter.rewrite(model)
-            RemoveUnusedPass()(model)
-            if _node_count(model) == before:
-                break
-        return ir.passes.PassResult(model, modified=_node_count(model) != start)
-
-
-def _node_count(model: ir.Model) -> int:
-    return len(model.graph) + sum(len(function) for function in model.functions.values())
+        steps = ir.passes.PassManager(
+            [
+                constant_folding.FoldConstantsPass(  # as onnxscript.optimizer.fold_constants(model)
+                    shape_inference=False,
+                    input_size_limit=constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
+                    output_size_limit=constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
+                ),
+                rewriter.RewritePass(rewriter._DEFAULT_REWRITE_RULES),  # as onnxscript.rewriter.rewrite(model)
+                common_passes.RemoveUnusedNodesPass(),
+                common_passes.RemoveUnusedFunctionsPass(),
+                common_passes.RemoveUnusedOpsetsPass(),
+                RemoveUnusedPass(),
+            ],
+            steps=self.iterations,
+            early_stop=True,
+        )
+        return ir.passes.PassResult(model, modified=steps(model).modified)

@@ -121,7 +121,7 @@ def optimize_passes(*, tree: CallTree, opset: int, target_opset: int, optimize: 
         # imports again after the fold: it moves weight-only nodes into callers, which may not have
         # imported their domain yet (a decoder layer that only made calls got an Unsqueeze: ZayaModel)
         *([FoldWeightsPass(), StripConstantMetadataPass(), RemoveUnusedPass(), AddOpsetImportsPass(opset)] if optimize else []),
-        SortFunctionsPass(),  # callee-first in memory too (every save sorts again: files/save.py)
+        SortFunctionsPass(),  # callee-first in memory too (every save sorts again: storage/save.py)
     ]
 
 
@@ -130,14 +130,33 @@ def run(passes: Sequence[ir.passes.PassBase], model: ir.Model) -> ir.passes.Pass
 
     onnx_ir wraps what a pass raises in ``PassError``s (one per level); the pass's own
     exception is raised instead, so that a typed error (an opset the converter cannot
-    reach, a weight the checkpoint lacks) reaches the caller as itself.
+    reach, a weight the checkpoint lacks) reaches the caller as itself. It names the pass
+    that failed: ``error.pass_name`` (``"ConvertOpsetPass"``) and a note in its traceback;
+    the export's stage error (:func:`onnx_modular.capture.diagnostics.stage_error`) says it.
     """
+    passes = list(passes)
     try:
-        return ir.passes.PassManager(list(passes))(model)
+        return ir.passes.PassManager(passes)(model)
     except _WRAPPERS as e:
         cause: BaseException = e
         while isinstance(cause, _WRAPPERS) and cause.__cause__ is not None:
             cause = cause.__cause__
+        name = _failing_pass(e, passes)
+        if name is not None and not hasattr(cause, "pass_name"):
+            cause.pass_name = name
+            cause.add_note(f"(in the {name} pass of onnx_modular.passes)")
         if cause is e:
             raise
         raise cause from cause.__cause__
+
+
+def _failing_pass(error: BaseException, passes: Sequence[ir.passes.PassBase]) -> str | None:
+    """The class name of the pass that raised ``error``: onnx_ir's innermost ``PassError`` quotes it
+    (``An error occurred when running the '<pass>' pass ...``)."""
+    quoted = {f"'{item}' pass": type(item).__name__ for item in passes}
+    name = None
+    while error is not None:
+        message = str(error) if isinstance(error, _WRAPPERS) else ""
+        name = next((n for text, n in quoted.items() if text in message), name)
+        error = error.__cause__
+    return name

@@ -41,6 +41,7 @@ import onnx.inliner
 from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree, ModuleCall
+from onnx_modular.format.text import first_line
 from onnx_modular.storage.proto import all_nodes, function_id, inline_functions, node_id, shown, subgraphs
 
 __all__ = ["NodeOrigin", "Attribution", "tagged_copy", "attribute", "innermost_common"]
@@ -155,7 +156,7 @@ def tagged_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, Node
         flat = inline_functions(copy)
     except (onnx.checker.ValidationError, RuntimeError) as e:
         raise InvalidModelFileError(
-            f"onnx.inliner cannot inline the model: {shown(str(e).strip()[:400])}",
+            f"onnx.inliner cannot inline the model: {shown(first_line(e))}",
             hint="Check the file with `onnx-modular tree` and `onnx-modular verify`.",
         ) from e
     by_name: dict[str, NodeOrigin] = {}

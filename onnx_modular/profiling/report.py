@@ -254,7 +254,7 @@ class ProfileReport:
         drift = {}
         for module in modules:
             row = module if isinstance(module, Mapping) else module.to_dict()
-            # a call's row (files.parity.Parity) is named by its call name
+            # a call's row (check.parity.Parity) is named by its call name
             drift[row.get("call_name", row.get("name"))] = {key: row.get(key) for key in ("max_abs", "max_rel", "ok")}
         return dataclasses.replace(self, drift=drift)
 

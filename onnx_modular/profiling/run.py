@@ -22,7 +22,6 @@ import json
 import numbers
 import os
 import pathlib
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,12 +31,14 @@ import onnx
 from onnx_modular.calls.tree import function_tree
 from onnx_modular.errors import InvalidInputError, ProfileError, VerificationError
 from onnx_modular.format.calltree import CallTree
+from onnx_modular.format.text import first_line
 from onnx_modular.profiling.attribution import Attribution, attribute, tagged_copy
 from onnx_modular.profiling.report import CallTime, ClassTime, KernelTime, ProfileReport, _median
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_from_arrays, load_arrays, model_inputs, random_inputs
 from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.load import load_model_file
+from onnx_modular.storage.locks import scratch_folder
 
 __all__ = ["profile", "ProfileReport", "CallTime", "KernelTime", "ClassTime", "OPTIMIZATION_LEVELS"]
 
@@ -101,7 +102,7 @@ def _session(serialized: bytes, folder: pathlib.Path, providers_name: str | None
             serialized, providers_name, external_data_folder=data_folder, configure=configure
         )
     except VerificationError as e:
-        raise ProfileError(str(e).split("\n", 1)[0].removeprefix("[verify] "), hint=e.hint) from e
+        raise ProfileError(first_line(e).removeprefix("[verify] "), hint=e.hint) from e
 
 
 def profile(
@@ -164,12 +165,11 @@ def profile(
         serialized = copy.SerializeToString()
     except ValueError as e:
         raise ProfileError(
-            f"The inlined copy of {str(path)!r} exceeds protobuf's 2 GiB limit: {runtime.first_line(e)}",
+            f"The inlined copy of {str(path)!r} exceeds protobuf's 2 GiB limit: {first_line(e)}",
             hint="Save the model with external data (export_modular(..., external_data=True)).",
         ) from e
     data_folder = runtime.external_data_folder(path, model)
-    with tempfile.TemporaryDirectory(prefix="onnx_modular-profile-") as folder:
-        folder = pathlib.Path(folder)
+    with scratch_folder("profile") as folder:
         session = _session(
             serialized, folder, execution_provider, threads=threads, optimization=optimization, data_folder=data_folder
         )
@@ -178,7 +178,7 @@ def profile(
                 runtime.run(session, feeds, what="model")
             except VerificationError as e:
                 session.end_profiling()
-                raise ProfileError(str(e).split("\n", 1)[0].removeprefix("[verify] "), hint=e.hint) from e
+                raise ProfileError(first_line(e).removeprefix("[verify] "), hint=e.hint) from e
         events = json.loads(pathlib.Path(session.end_profiling()).read_text(encoding="utf-8"))
         optimized = onnx.load(str(folder / "optimized.onnx"), load_external_data=False)
     del session

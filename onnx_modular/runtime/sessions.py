@@ -4,17 +4,14 @@ Copies of a file made for onnxruntime (the inlined flat copy, an instrumented co
 handed over in memory, with the file's folder as the place of their external data
 (``external_data_folder``: onnxruntime's ``session.model_external_initializers_file_folder_path``),
 so nothing is written next to the user's model. An in-memory model that must be written
-goes into a private temporary folder (:func:`scratch_file`), removed afterwards whatever happens.
+goes into a private temporary folder (:func:`~onnx_modular.storage.locks.scratch_file`, the
+one home of temporary files), removed afterwards whatever happens.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import pathlib
-import tempfile
-import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,6 +19,7 @@ import onnx
 
 from onnx_modular.errors import ExecutionProviderError, VerificationError
 from onnx_modular.format.text import first_line
+from onnx_modular.storage.locks import scratch_file
 from onnx_modular.storage.proto import inline_functions, uses_external_data
 
 __all__ = [
@@ -161,28 +159,6 @@ def run(
         ) from e
     return [o.name for o in sess.get_outputs()], outputs
 
-
-
-@contextlib.contextmanager
-def scratch_file(near: str | os.PathLike | None, name: str = "model.onnx") -> Iterator[pathlib.Path]:
-    """A hidden, unique file name next to ``near`` (in a private temp folder when ``None``), removed on exit.
-
-    Next to the source, a copy reads the same external-data files (onnxruntime resolves them
-    relative to the model and refuses paths that leave its folder).
-    """
-    if near is None:
-        with tempfile.TemporaryDirectory(prefix="onnx_modular-") as folder:
-            yield pathlib.Path(folder) / name
-        return
-    near = pathlib.Path(near)
-    path = near.parent / f".{near.stem}.{uuid.uuid4().hex[:12]}.{name}"
-    try:
-        yield path
-    finally:
-        try:
-            path.unlink(missing_ok=True)
-        except OSError:
-            pass
 
 
 def flat_copy(path: str | os.PathLike, model: onnx.ModelProto | None = None) -> bytes:

@@ -1,6 +1,10 @@
-"""The files a save keeps next to its destination: its private temporary folder (removed
-once its owner is gone, even after ``kill -9``) and the advisory lock that serializes saves to
-one destination. Lock and journal files are opened without following links (``O_NOFOLLOW``)."""
+"""Every temporary file onnx_modular makes, and the locks of a save.
+
+Next to a destination: a save's private temporary folder (:func:`temp_folder`, removed once its
+owner is gone, even after ``kill -9``), a hidden scratch file (:func:`scratch_file` with
+``near``) and the advisory lock that serializes saves to one destination. Elsewhere: a private
+folder in the system's temporary folder (:func:`scratch_folder`), removed on exit whatever
+happens. Lock and journal files are opened without following links (``O_NOFOLLOW``)."""
 
 from __future__ import annotations
 
@@ -13,16 +17,31 @@ import re
 import secrets
 import shutil
 import stat
+import tempfile
 from collections.abc import Iterator
 
 from onnx_modular.errors import SaveError
 
-__all__ = ["TEMP_PREFIX", "LOCK_PREFIX", "shown_path", "remove_stale_temp_folders", "temp_folder", "destination_lock", "private_path", "open_private_file"]
+__all__ = [
+    "TEMP_PREFIX",
+    "LOCK_PREFIX",
+    "SCRATCH_PREFIX",
+    "shown_path",
+    "remove_stale_temp_folders",
+    "temp_folder",
+    "scratch_folder",
+    "scratch_file",
+    "destination_lock",
+    "private_path",
+    "open_private_file",
+]
 
 #: Every temporary folder onnx_modular makes next to a destination starts with this,
 #: followed by the owner's pid: ``.onnx_modular-tmp-<pid>-<random>``.
 TEMP_PREFIX = ".onnx_modular-tmp-"
 LOCK_PREFIX = ".onnx_modular-lock-"
+#: Private folders in the system's temporary folder (``tempfile``): ``onnx_modular-<purpose>-<random>``.
+SCRATCH_PREFIX = "onnx_modular-"
 
 
 def shown_path(path: str | os.PathLike) -> str:
@@ -87,6 +106,35 @@ def temp_folder(parent: pathlib.Path) -> Iterator[pathlib.Path]:
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
         os.close(fd)
+
+
+@contextlib.contextmanager
+def scratch_folder(purpose: str = "") -> Iterator[pathlib.Path]:
+    """A private folder (mode 0700) in the system's temporary folder, removed on exit: where an
+    in-memory model is written for onnxruntime, a profile trace, a widened copy."""
+    prefix = f"{SCRATCH_PREFIX}{purpose}-" if purpose else SCRATCH_PREFIX
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        yield pathlib.Path(folder)
+
+
+@contextlib.contextmanager
+def scratch_file(near: str | os.PathLike | None, name: str = "model.onnx") -> Iterator[pathlib.Path]:
+    """A hidden, unique file name next to ``near`` (in a :func:`scratch_folder` when ``None``), removed on exit.
+
+    Next to the source, a copy reads the same external-data files (onnxruntime resolves them
+    relative to the model and refuses paths that leave its folder).
+    """
+    if near is None:
+        with scratch_folder() as folder:
+            yield folder / name
+        return
+    near = pathlib.Path(near)
+    path = near.parent / f".{near.stem}.{secrets.token_hex(6)}.{name}"
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
 
 
 def private_path(destination: pathlib.Path, prefix: str) -> pathlib.Path:

@@ -47,6 +47,7 @@ from onnx_modular.storage.locks import (
     destination_lock,
     open_private_file,
     private_path,
+    scratch_folder,
     temp_folder,
 )
 from onnx_modular.storage.locks import shown_path as _shown
@@ -458,6 +459,17 @@ def _restore(entry: _Moved) -> None:
     with contextlib.suppress(OSError):
         _finish_interrupted_commit(destination)
         _fsync(_parent(destination))
+
+
+@contextlib.contextmanager
+def scratch_model_file(model: ir.Model, purpose: str = "") -> Iterator[pathlib.Path]:
+    """``model`` written to a private temporary folder (:func:`~onnx_modular.storage.locks.scratch_folder`)
+    for the duration, its weights in ``model.onnx.data`` when they are large: an in-memory export
+    run by onnxruntime, checked or profiled."""
+    with scratch_folder(purpose) as folder:
+        path = folder / "model.onnx"
+        ir.save(model, path, external_data="model.onnx.data" if wants_external_data(model, None) else None)
+        yield path
 
 
 @contextlib.contextmanager

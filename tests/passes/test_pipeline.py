@@ -8,6 +8,7 @@ from pass_helpers import call_tree
 
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.passes import pipeline
+from onnx_modular.passes.function_order import SortFunctionsPass
 from onnx_modular.passes.opset_conversion import ConvertOpsetPass
 
 
@@ -46,3 +47,37 @@ def test_a_typed_error_of_a_pass_is_raised_as_itself():
     """)
     with pytest.raises(InvalidInputError, match="possible opsets"):
         pipeline.run([ConvertOpsetPass(3)], model)
+
+
+class _BrokenPass(ir.passes.InPlacePass):
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        raise KeyError("no such value")
+
+
+def test_errors_name_the_failing_pass():
+    model = ir.from_onnx_text("""
+        <ir_version: 10, opset_import: ["" : 18]>
+        main (float[2] x) => (float[2] y) { y = Relu(x) }
+    """)
+    with pytest.raises(KeyError) as error:  # the pass's own exception, as itself
+        pipeline.run([SortFunctionsPass(), _BrokenPass()], model)
+    assert error.value.pass_name == "_BrokenPass"
+    assert any("_BrokenPass" in note for note in error.value.__notes__)
+    with pytest.raises(InvalidInputError) as typed:
+        pipeline.run([SortFunctionsPass(), ConvertOpsetPass(3)], model)
+    assert typed.value.pass_name == "ConvertOpsetPass"
+
+
+def test_the_stage_error_says_which_pass_failed():
+    torch = pytest.importorskip("torch")  # skipped in the torch-free run of the pass tests
+    from onnx_modular.capture.diagnostics import stage_error
+
+    model = ir.from_onnx_text("""
+        <ir_version: 10, opset_import: ["" : 18]>
+        main (float[2] x) => (float[2] y) { y = Relu(x) }
+    """)
+    with pytest.raises(KeyError) as error:
+        pipeline.run([_BrokenPass()], model)
+    for stage in ("optimize", "modularize"):
+        message = str(stage_error(stage, error.value, torch.nn.Identity()))
+        assert "failed in _BrokenPass: KeyError" in message
