@@ -52,8 +52,8 @@ __all__ = [
 FLAT_SUFFIX = ".flat.onnx"
 
 #: torch's per-node lists that follow the ``namespace`` segments one to one.
-NAME_SCOPES = "pkg.torch.onnx.name_scopes"
-CLASS_HIERARCHY = "pkg.torch.onnx.class_hierarchy"
+NAME_SCOPES = metadata.TORCH_NAME_SCOPES
+CLASS_HIERARCHY = metadata.TORCH_CLASS_HIERARCHY
 #: The call node's keys carried onto the nodes of its body in a flat copy (innermost call wins).
 CARRIED_CALL_KEYS = (metadata.MODULE_PATH, metadata.CLASS, metadata.PACKAGE, metadata.PACKAGE_VERSION, metadata.SOURCE)
 

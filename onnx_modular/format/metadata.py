@@ -38,6 +38,10 @@ __all__ = [
     "PROFILE_ORIGIN",
     "NAMESPACE",
     "EXTRACTED_FROM",
+    "MODULARIZED_FROM",
+    "TORCH_NAME_SCOPES",
+    "TORCH_CLASS_HIERARCHY",
+    "UNKNOWN_PACKAGE",
     "CALLS",
     "STACK",
     "GLOBAL_NAME",
@@ -104,6 +108,16 @@ PROFILE_ORIGIN = PREFIX + "profile_origin"
 EXTRACTED_FROM = PREFIX + "extracted_from"
 #: torch's ``path: class/...`` chain (not ours; kept on every node).
 NAMESPACE = "namespace"
+#: Model metadata written by ``modularize``: where the call tree of a flat file came from
+#: (``torch name_scopes``, ``namespace`` or ``scope names``).
+MODULARIZED_FROM = PREFIX + "modularized_from"
+#: torch's dynamo exporter's per-node lists (Python list reprs): the module paths a node ran
+#: under, root (``""``) first and the FX node's name last, and their classes (the op last).
+TORCH_NAME_SCOPES = "pkg.torch.onnx.name_scopes"
+TORCH_CLASS_HIERARCHY = "pkg.torch.onnx.class_hierarchy"
+#: The package (and version) of a module whose class a file does not tell: its domain is
+#: ``pkg.unknown``; a known class of an unknown version gets ``pkg.<package>`` and this version.
+UNKNOWN_PACKAGE = "unknown"
 
 #: ``meta`` key (in memory only, never saved) of an ``onnx_ir.Function``: the
 #: :class:`~onnx_modular.format.calltree.ModuleCall` objects it serves.
