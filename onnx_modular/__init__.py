@@ -47,6 +47,8 @@ _LAZY = {
     "ProfileReport": "onnx_modular.profiling.run",
     "extract": "onnx_modular.files.extract",
     "replace": "onnx_modular.files.replace",
+    "modularize": "onnx_modular.files.modularize",
+    "ModularizeReport": "onnx_modular.files.modularize",
 }
 
 
@@ -77,6 +79,8 @@ __all__ = [
     "VerificationReport",
     "extract",
     "replace",
+    "modularize",
+    "ModularizeReport",
     "localize",
     "LocalizationReport",
     "profile",

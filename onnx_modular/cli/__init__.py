@@ -10,6 +10,7 @@ Subcommands::
     onnx-modular view m.onnx [--port P]                    # Netron on localhost
     onnx-modular extract m.onnx h.1.attn -o OUT [--with-data]  # one call (or class) as its own model
     onnx-modular replace m.onnx GPT2Block block.onnx -o new.onnx  # a block as the body of a call / class
+    onnx-modular modularize flat.onnx -o m.onnx [--depth D] [--classes NAME ...]  # hierarchy of a flat file
 
 Exit codes: 0 success; 1 verification failure (outputs differ beyond tolerance);
 2 usage error or bad input (unreadable model, bad factory, export failure, ...);

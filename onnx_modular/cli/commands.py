@@ -388,6 +388,16 @@ def run_replace(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def run_modularize(args: argparse.Namespace) -> int:
+    from onnx_modular.files.modularize import modularize
+
+    if args.depth is not None and args.classes:
+        raise InvalidInputError("--depth and --classes both choose the calls to outline: give one of them.")
+    modules = args.depth if args.depth is not None else (args.classes or "all")
+    print(modularize(args.model, args.output, dedupe=not args.no_dedupe, modules=modules, inputs=_npz_feeds(args)))
+    return EXIT_OK
+
+
 # -- view --------------------------------------------------------------------------------
 
 

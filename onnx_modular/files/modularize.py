@@ -88,6 +88,8 @@ class ModularizeReport:
         nodes_in_parent: Nodes that stayed in the main graph.
         unscoped: Of those, the nodes that carried no scope at all (an optimizer's constants,
             names that are not scopes); the others belong to the root module.
+        unscoped_total: Nodes of the flat file without a scope; those between the nodes of one
+            call (reading from it and feeding it) went into it, as export places such nodes.
         parity: The modular file against the flat one in onnxruntime.
     """
 
@@ -101,6 +103,7 @@ class ModularizeReport:
     nodes_in_calls: int
     nodes_in_parent: int
     unscoped: int
+    unscoped_total: int
     parity: ParityReport | None
 
     def __str__(self) -> str:
@@ -110,6 +113,9 @@ class ModularizeReport:
             f"nodes: {self.nodes} in the flat file, {self.nodes_in_calls} went into calls, "
             f"{self.nodes_in_parent} stayed in the main graph ({self.unscoped} of them for lack of a scope)",
         ]
+        if self.unscoped_total > self.unscoped:
+            moved = self.unscoped_total - self.unscoped
+            lines.append(f"{moved} node{'s' if moved != 1 else ''} without a scope went into the call whose nodes surround them")
         if self.parity is not None:
             lines.append(str(self.parity))
         if self.path is not None:
@@ -381,6 +387,7 @@ def modularize(
         nodes_in_calls=max(nodes - len(stayed), 0),
         nodes_in_parent=len(stayed),
         unscoped=sum(1 for node in stayed if node in unscoped_nodes),
+        unscoped_total=len(unscoped_nodes),
         parity=parity,
     )
 
