@@ -109,6 +109,11 @@ def test_gpt2_from_torch_metadata(gpt2_flat, gpt2_modular):
     assert tree.max_depth >= 3 and report.max_depth == tree.max_depth
     assert {c.call_name for c in tree.walk() if c.function} >= {"transformer", "lm_head", "transformer.h.1.attn.c_attn"}
     assert metadata.props(model)[metadata.MODULARIZED_FROM] == "torch name_scopes"
+    # torch's integer/boolean constants are listed as ours are (not weights); folded weights are not
+    lifted = metadata.lifted_constants(model)
+    assert lifted and not {name for name in lifted if name.endswith((".weight", ".bias"))}
+    assert tree.find("transformer.h.0.mlp.act").parameters == 0
+    assert tree.find("lm_head").parameters == 32 * 64
     assert report.nodes_in_calls + report.nodes_in_parent == report.nodes
     assert report.nodes_in_calls > 0.9 * report.nodes and report.parity.ok
     assert_same_outputs(gpt2_flat, out)
@@ -271,7 +276,7 @@ def test_bad_options(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["llama", "bert"])
+@pytest.mark.parametrize("model_type", ["llama", "bert", "vit"])
 def test_sample_tree_matches_export_modular(model_type, tmp_path):
     from onnx_modular import export_modular, extract, profile
 

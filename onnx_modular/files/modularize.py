@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
+import math
 import os
 import pathlib
 import re
@@ -108,19 +110,23 @@ class ModularizeReport:
 
     def __str__(self) -> str:
         lines = [
-            f"call tree from {self.source}: {self.calls} module calls, {self.functions} functions, "
+            f"call tree from {self.source}: {_count(self.calls, 'module call')}, {_count(self.functions, 'function')}, "
             f"nested {self.max_depth} deep",
             f"nodes: {self.nodes} in the flat file, {self.nodes_in_calls} went into calls, "
             f"{self.nodes_in_parent} stayed in the main graph ({self.unscoped} of them for lack of a scope)",
         ]
         if self.unscoped_total > self.unscoped:
             moved = self.unscoped_total - self.unscoped
-            lines.append(f"{moved} node{'s' if moved != 1 else ''} without a scope went into the call whose nodes surround them")
+            lines.append(f"{_count(moved, 'node')} without a scope went into the call whose nodes surround them")
         if self.parity is not None:
             lines.append(str(self.parity))
         if self.path is not None:
             lines.append(f"wrote {shown(str(self.path))}")
         return "\n".join(lines)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 # -- reading the scopes ------------------------------------------------------------------------
@@ -283,6 +289,33 @@ def _selected(tree: CallTree, modules: str | int | Iterable[str] | None) -> set[
     return {call.key for call in tree.walk() if not call.is_root and call.selected}
 
 
+#: Names exporters give the constants they store as initializers: torch's translator ``val_<n>``
+#: and ``<node>/<input>``, TorchScript ``onnx::MatMul_<n>`` and ``/model/Constant_output_0``.
+_CONSTANT_NAME = re.compile(r"^val_\d+$|/|::")
+
+
+def _constants(model: ir.Model, tree: CallTree) -> list[str]:
+    """The initializers that are an exporter's constants, not a module's weights.
+
+    Listed in :data:`~onnx_modular.format.metadata.LIFTED_CONSTANTS` as our exports list theirs:
+    ``tree`` does not count them as parameters, ``view`` shows them inside the bodies. A weight is
+    named ``<module path>.<attribute>`` (the state dict's name); an integer, boolean or scalar
+    tensor named by the exporter's own patterns, not under a module path, is a constant.
+    """
+    paths = {call.module_path for call in tree.walk() if call.module_path}
+    constants = []
+    for name, value in model.graph.initializers.items():
+        if name.rpartition(".")[0] in paths or not _CONSTANT_NAME.search(name):
+            continue
+        # An optimizer's fold of weights is named like a constant (torch's ``val_308``, the
+        # transposed tied ``lm_head.weight``): float tensors count as weights, scalars do not.
+        size = math.prod(value.shape.numpy()) if value.shape is not None and value.shape.is_static() else None
+        if value.dtype is not None and value.dtype.is_floating_point() and (size is None or size > 1):
+            continue
+        constants.append(name)
+    return constants
+
+
 def _domain(call: ModuleCall) -> str:
     if call.version and call.version != metadata.UNKNOWN_PACKAGE:
         return f"pkg.{call.package}.{call.version}"
@@ -368,6 +401,9 @@ def modularize(
             hint="Sort the graph topologically (onnx_ir's TopologicalSortPass) and try again.",
         ) from e
     model.metadata_props[metadata.MODULARIZED_FROM] = source
+    constants = _constants(model, tree)
+    if constants:
+        model.metadata_props[metadata.LIFTED_CONSTANTS] = json.dumps(constants)
     functions = {call.function for call in tree.walk() if call.function is not None}
     stayed = [node for node in model.graph if node.op_identifier() not in model.functions]
     count_from_ir(tree, model)
