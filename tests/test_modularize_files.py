@@ -263,6 +263,18 @@ def test_namespace_only(tmp_path):
     assert metadata.props(model.functions[0])[metadata.PACKAGE] == "mylib"
 
 
+def test_cli_options(tmp_path):
+    path = _text_model(["/a/Add", "/a/b/Mul", "/a/Add_1"], tmp_path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["modularize", str(path), "-o", str(tmp_path / "m.onnx"), "--no-verify", "--depth", "1"]) == 0
+        assert main(["modularize", str(path), "-o", str(tmp_path / "x.onnx"), "--depth", "1", "--classes", "a"]) == 2
+    assert "Parity" not in out.getvalue() and "1 module call, 1 function" in out.getvalue()
+    assert [f.name for f in load_model_file(tmp_path / "m.onnx").functions] == ["a"]
+    assert not (tmp_path / "x.onnx").exists()
+    assert_same_outputs(path, tmp_path / "m.onnx")
+
+
 def test_bad_options(tmp_path):
     path = _text_model(["/a/Add", "/a/Mul", "/a/Add_1"], tmp_path)
     with pytest.raises(InvalidInputError, match="depth"):
