@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import warnings
 
 import helpers
 import numpy as np
@@ -187,6 +188,57 @@ def test_scope_names_share_a_block_function(gpt2_flat, tmp_path):
     assert len(set(ln)) == 1 and len(ln) == 4
     assert metadata.props(next(f for f in model.functions if f.name == "h"))[metadata.CLASS] == ""
     assert_same_outputs(named, tmp_path / "m.onnx")
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act = torch.nn.Linear(8, 8), torch.nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.fc(x)) + x
+
+
+class _Inner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Block(), _Block()])
+        self.seq = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.seq(x)
+
+
+class _Scoped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model, self.head = _Inner(), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.model(x))
+
+
+def test_torchscript_export(tmp_path):
+    """torch's TorchScript exporter (``dynamo=False``) names nodes ``/model/layers.0/fc/Gemm`` and
+    ``/model/seq/seq.0/Gemm`` (an item of a called Sequential): the module paths come back, and the
+    layers share one body although the file declares no intermediate shapes."""
+    torch.manual_seed(0)
+    model = _Scoped().eval()
+    path = tmp_path / "ts.onnx"
+    with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter is deprecated
+        torch.onnx.export(model, (torch.randn(2, 8),), str(path), dynamo=False, input_names=["x"])
+    assert "/model/seq/seq.0/Gemm" in {n.name for n in onnx.load(str(path)).graph.node}
+    report = modularize(path, tmp_path / "m.onnx")
+    assert report.source == "scope names"
+    tree = function_tree(load_model_file(tmp_path / "m.onnx"))
+    called = {name for name, module in model.named_modules() if name and not isinstance(module, torch.nn.ModuleList)}
+    assert {c.call_name for c in tree.walk() if c.function} == called
+    layers = [c.function for c in tree.walk() if c.module_path in ("model.layers.0", "model.layers.1")]
+    assert layers[0] == layers[1] == ("pkg.unknown", "layers")
+    assert_same_outputs(path, tmp_path / "m.onnx")
 
 
 def test_names_that_only_look_like_scopes_are_placed_by_the_data_flow(gpt2_flat, tmp_path):

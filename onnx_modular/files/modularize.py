@@ -45,6 +45,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
 
 from onnx_modular.calls.tree import count_from_ir
 from onnx_modular.check.parity import ParityReport, Tolerance, compare_outputs
@@ -170,17 +171,31 @@ def _namespace_scopes(node: ir.Node) -> Scopes | None:
     return tuple(scopes)
 
 
-def _name_scopes(node: ir.Node) -> Scopes | None:
-    """From a TorchScript node name ``/model/layers.0/self_attn/q_proj/MatMul``: module paths only."""
+def _name_scopes(node: ir.Node, weights: frozenset[str] = frozenset()) -> Scopes | None:
+    """From a TorchScript node name ``/model/layers.0/self_attn/q_proj/MatMul``: module paths only.
+
+    Each part is the module's name in its owner, an item of a container prefixed by the
+    container's name: ``/model/layers.0`` (a ModuleList, not called itself) is
+    ``model.layers.0``, and ``/model/seq/seq.0`` (a called Sequential, a scope of its own) is
+    ``model.seq.0``. Where both readings are possible, the one that names weights of the file
+    (``model.seq.0.weight``) wins, else the container's.
+    """
     name = node.name or ""
     if not name.startswith("/"):
         return None
     parts = name.split("/")[1:-1]  # the last part names the op
-    if not parts or not parts[-1] or not all(part and all(_ATTRIBUTE.match(a) for a in part.split(".")) for part in parts):
+    if not parts or not all(part and all(_ATTRIBUTE.match(a) for a in part.split(".")) for part in parts):
         return None if name.count("/") > 1 else ()  # ``/MatMul``: a node of the root
-    scopes, path = [], ""
+    scopes: list[tuple[str, str]] = []
+    path = ""
     for part in parts:
-        path = f"{path}.{part}" if path else part
+        nested = f"{path}.{part}" if path else part
+        head = part.split(".", 1)[0]
+        if "." in part and (path == head or path.endswith("." + head)):
+            item = path[: len(path) - len(head)] + part  # an item of the enclosing container
+            if not any(w.startswith(nested + ".") for w in weights) or any(w.startswith(item + ".") for w in weights):
+                nested = item
+        path = nested
         scopes.append((path, ""))
     return tuple(scopes)
 
@@ -202,8 +217,9 @@ def file_stacks(model: ir.Model) -> tuple[str, dict[ir.Node, Scopes | None]]:
             hint="Run `onnx-modular tree` on it; to start again from a flat copy, run `onnx-modular inline` first.",
         )
     nodes = list(model.graph)
+    weights = frozenset(model.graph.initializers)
     for source, reader in _READERS.items():
-        stacks = {node: reader(node) for node in nodes}
+        stacks = {node: reader(node, weights) if reader is _name_scopes else reader(node) for node in nodes}
         # A source counts when it places some node under a module, not only under the root.
         if any(stack for stack in stacks.values()):
             return source, stacks
@@ -393,6 +409,10 @@ def modularize(
     passes = pipeline.modularize_passes(
         stacks=keys, selected=selected, tree=tree, signatures={}, dedupe=dedupe, domain_of=_domain
     )
+    # Types and shapes of the values the file leaves undeclared (TorchScript exports declare few):
+    # dedupe compares the bodies' input and output shapes, and an unknown one differs from any.
+    # onnx_ir runs onnx's inference without the initializers' values; a failure leaves the model as it is.
+    passes.insert(0, common_passes.ShapeInferencePass(strict_mode=False))
     try:
         pipeline.run(passes, model)
     except ir.passes.PreconditionError as e:
