@@ -239,6 +239,10 @@ def test_torchscript_export(tmp_path):
     layers = [c.function for c in tree.walk() if c.module_path in ("model.layers.0", "model.layers.1")]
     assert layers[0] == layers[1] == ("pkg.unknown", "layers")
     assert_same_outputs(path, tmp_path / "m.onnx")
+    from onnx_modular import extract, profile
+
+    assert called <= set(profile(tmp_path / "m.onnx", runs=1, warmup=0).times)
+    assert extract(tmp_path / "m.onnx", "model.layers.1", tmp_path / "x", with_data=True).models[0].data_sets
 
 
 def test_names_that_only_look_like_scopes_are_placed_by_the_data_flow(gpt2_flat, tmp_path):
