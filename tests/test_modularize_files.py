@@ -135,6 +135,7 @@ def test_weights_stay_external_and_the_flat_file_untouched(gpt2_flat, gpt2_modul
 
 def test_depth_and_classes_choose_the_calls(gpt2_flat, tmp_path):
     report = modularize(gpt2_flat, tmp_path / "d2.onnx", modules=2)
+    assert not report.absorbed
     tree = function_tree(load_model_file(tmp_path / "d2.onnx"))
     assert tree.max_depth == 2 and {c.function[1] for c in tree.walk() if c.function} == {"GPT2Model", "GPT2Block", "Embedding", "Embedding_2", "LayerNorm", "Linear"}
     assert report.parity.ok
@@ -295,6 +296,7 @@ def test_interleaved_scopes_are_made_convex(tmp_path):
     model = load_model_file(tmp_path / "m.onnx")
     assert [f.name for f in model.functions] == ["a"] and len(model.functions[0].node) == 3
     assert report.parity.ok and report.nodes_in_calls == 3
+    assert report.absorbed == ["b"] and "its nodes inside another call" in str(report) and "b" in str(report)
     assert_same_outputs(path, tmp_path / "m.onnx")
 
 

@@ -108,6 +108,7 @@ class ModularizeReport:
     unscoped: int
     unscoped_total: int
     parity: ParityReport | None
+    absorbed: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [
@@ -119,6 +120,12 @@ class ModularizeReport:
         if self.unscoped_total > self.unscoped:
             moved = self.unscoped_total - self.unscoped
             lines.append(f"{_count(moved, 'node')} without a scope went into the call whose nodes surround them")
+        if self.absorbed:
+            lines.append(
+                f"{_count(len(self.absorbed), 'call')} without a function of its own, its nodes inside another call "
+                f"(interleaved scopes, or a module called twice): {', '.join(shown(p) for p in self.absorbed[:8])}"
+                + (" ..." if len(self.absorbed) > 8 else "")
+            )
         if self.parity is not None:
             lines.append(str(self.parity))
         if self.path is not None:
@@ -425,6 +432,7 @@ def modularize(
     if constants:
         model.metadata_props[metadata.LIFTED_CONSTANTS] = json.dumps(constants)
     functions = {call.function for call in tree.walk() if call.function is not None}
+    scoped = {key for stack in keys.values() for key in stack}  # the calls that had nodes
     stayed = [node for node in model.graph if node.op_identifier() not in model.functions]
     count_from_ir(tree, model)
 
@@ -444,6 +452,7 @@ def modularize(
         nodes_in_parent=len(stayed),
         unscoped=sum(1 for node in stayed if node in unscoped_nodes),
         unscoped_total=len(unscoped_nodes),
+        absorbed=[call.call_name for call in tree.walk() if call.key in scoped and call.selected and call.function is None],
         parity=parity,
     )
 
