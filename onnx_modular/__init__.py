@@ -53,6 +53,8 @@ _LAZY = {
     "run_stages": "onnx_modular.files.split",
     "convert": "onnx_modular.files.convert",
     "Conversion": "onnx_modular.files.convert",
+    "modularize": "onnx_modular.files.modularize",
+    "ModularizeReport": "onnx_modular.files.modularize",
 }
 
 
@@ -89,6 +91,8 @@ __all__ = [
     "run_stages",
     "convert",
     "Conversion",
+    "modularize",
+    "ModularizeReport",
     "localize",
     "LocalizationReport",
     "profile",

@@ -617,11 +617,13 @@ def test_verify_positional_npz_and_bad_options(gpt2, tmp_path, input_ids):
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_FILE_MESSAGES))
-@pytest.mark.parametrize("command", ["tree", "inline", "verify", "view"])
+@pytest.mark.parametrize("command", ["tree", "inline", "verify", "view", "modularize"])
 def test_bad_files_are_refused_with_a_clear_message(bad_files, tmp_path, command, kind):
     argv = [command, bad_files[kind]]
     if command == "inline":
         argv.append(tmp_path / "flat.onnx")
+    if command == "modularize":
+        argv += ["-o", tmp_path / "flat.onnx"]
     if command == "view":
         argv.append("--no-browser")
     code, out, err = run_cli(*argv)

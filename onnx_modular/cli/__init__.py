@@ -12,6 +12,7 @@ Subcommands::
     onnx-modular replace m.onnx GPT2Block block.onnx -o new.onnx  # a block as the body of a call / class
     onnx-modular diff a.onnx b.onnx [--profile] [--html P]  # two files compared call by call (exit 1: differ)
     onnx-modular split m.onnx --stages 2 -o DIR [--balance time]  # stages cut at module boundaries (or --at PATH ...)
+    onnx-modular modularize flat.onnx -o m.onnx [--depth D] [--classes NAME ...]  # hierarchy of a flat file
 
 Exit codes: 0 success; 1 verification failure (outputs differ beyond tolerance), or ``diff``
 found a difference;

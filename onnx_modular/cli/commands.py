@@ -456,6 +456,23 @@ def run_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- modularize --------------------------------------------------------------------------
+
+
+def run_modularize(args: argparse.Namespace) -> int:
+    from onnx_modular.files.modularize import modularize
+
+    if args.depth is not None and args.classes:
+        raise InvalidInputError("--depth and --classes both choose the calls to outline: give one of them.")
+    modules = args.depth if args.depth is not None else (args.classes or "all")
+    if args.inputs and args.no_verify:
+        raise InvalidInputError("--inputs are the inputs of the comparison with the flat file: drop --no-verify.")
+    print(modularize(
+        args.model, args.output, dedupe=not args.no_dedupe, modules=modules, inputs=_npz_feeds(args), verify=not args.no_verify
+    ))
+    return EXIT_OK
+
+
 # -- view --------------------------------------------------------------------------------
 
 

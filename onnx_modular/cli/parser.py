@@ -336,6 +336,29 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-': print it instead)")
     conv.set_defaults(run=handlers.run_convert)
 
+    modular = commands.add_parser(
+        "modularize",
+        parents=[common],
+        help="rebuild the module hierarchy of a flat ONNX file (torch's exporters, Optimum)",
+        description="Rebuild the module calls of a flat ONNX file from what it carries: torch's "
+        "pkg.torch.onnx.name_scopes and class_hierarchy (dynamo exporter), the namespace chain, or "
+        "TorchScript scope names (/model/layers.0/self_attn/MatMul). Identical calls share one function. "
+        "The result is compared with the flat file in onnxruntime (atol 1e-6) and written atomically.",
+    )
+    modular.add_argument("model", help="the flat .onnx file")
+    modular.add_argument("-o", "--output", required=True, metavar="M.onnx", help="the modular file to write")
+    modular.add_argument("--depth", type=_positive, default=None, metavar="D",
+                         help="outline calls down to depth D only (1: the root's children)")
+    modular.add_argument("--classes", nargs="+", default=None, metavar="NAME",
+                         help="outline only calls of these classes (names or globs: GPT2Block '*Attention')")
+    modular.add_argument("--no-dedupe", action="store_true", help="one function per call, even for identical calls")
+    modular.add_argument("--no-verify", action="store_true",
+                         help="skip the comparison with the flat file (it runs both files in onnxruntime)")
+    modular.add_argument(
+        "--inputs", default=None, metavar="FILE.npz", help="inputs of the comparison with the flat file (default: random, seed 0)"
+    )
+    modular.set_defaults(run=handlers.run_modularize)
+
     view = commands.add_parser(
         "view",
         parents=[common],

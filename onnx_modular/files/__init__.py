@@ -6,7 +6,9 @@
 - :mod:`~onnx_modular.files.replace`: a block's graph as the body of a call's (or class's) function;
 - :mod:`~onnx_modular.files.split`: the model cut into stages at module boundaries, a manifest, ``run_stages``;
 - :mod:`~onnx_modular.files.convert`: precision (float16, bfloat16) and int4/int8 weights chosen per module;
-- :mod:`~onnx_modular.files.view`: the file served to Netron locally.
+- :mod:`~onnx_modular.files.view`: the file served to Netron locally;
+- :mod:`~onnx_modular.files.modularize`: the module hierarchy of a flat file (torch's exporters,
+  Optimum) rebuilt from its scopes with the export's passes.
 
 They stand on the rooms below them: :mod:`onnx_modular.storage` (the file in and out),
 :mod:`onnx_modular.calls` (a file's call tree and the capture of its calls' values) and

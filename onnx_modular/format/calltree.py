@@ -46,6 +46,8 @@ class ModuleCall:
         node_name: The ONNX node name of the call (relative inside a shared body: ``attn``);
             the graph name for the root.
         selected: False when the ``modules`` option kept this call inline in its parent.
+        name_hint: The function's name where the class is unknown (a flat file named by
+            scope only: ``modularize`` names bodies after the module path's pattern).
     """
 
     key: str
@@ -64,11 +66,14 @@ class ModuleCall:
     call_count: int = 1
     node_name: str = ""
     selected: bool = True
+    name_hint: str = ""
 
     @property
     def class_name(self) -> str:
         if self.qualified_class:
             return self.qualified_class.rsplit(".", 1)[-1]
+        if self.name_hint:
+            return self.name_hint
         return self.function[1] if self.function else ""
 
     @property
@@ -118,6 +123,8 @@ class ModuleCall:
         candidates = [self.function[1] if self.function else ""]
         if self.qualified_class:
             candidates += [self.qualified_class, self.class_name]
+        elif self.name_hint:
+            candidates.append(self.name_hint)
         return any(fnmatch.fnmatchcase(candidate, class_filter) for candidate in candidates if candidate)
 
     def _row(self) -> dict[str, Any]:

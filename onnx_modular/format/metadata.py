@@ -46,6 +46,8 @@ __all__ = [
     "SPLIT_STAGE",
     "SPLIT_OPENED",
     "CONVERTED",
+    "MODULARIZED_FROM",
+    "UNKNOWN_PACKAGE",
     "CALLS",
     "STACK",
     "GLOBAL_NAME",
@@ -120,8 +122,10 @@ SPLIT_OPENED = PREFIX + "split_opened"
 CONVERTED = PREFIX + "converted"
 #: torch's ``path: class/...`` chain (not ours; kept on every node).
 NAMESPACE = "namespace"
-#: torch's per-node lists that follow the :data:`NAMESPACE` segments one to one (not ours; a flat
-#: copy rebases them with the namespace: :mod:`onnx_modular.files.flat`).
+#: torch's dynamo exporter's per-node lists (Python list reprs) that follow the :data:`NAMESPACE`
+#: segments one to one: the module paths a node ran under, root (``""``) first and the FX node's
+#: name last, and their classes (the op last). Not ours: a flat copy rebases them with the
+#: namespace (:mod:`onnx_modular.files.flat`), ``modularize`` rebuilds calls from them.
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 CLASS_HIERARCHY = "pkg.torch.onnx.class_hierarchy"
 #: A domain of the opset conversion's own (``passes/opset_conversion.py``): Split and Pad already
@@ -133,6 +137,12 @@ def function_domain(package: str, version: str) -> str:
     """The domain of a module's function: ``pkg.<package>.<version>`` (``pkg.transformers.5.23.0``)."""
     return f"pkg.{package}.{version}"
 
+#: Model metadata written by ``modularize``: where the call tree of a flat file came from
+#: (``torch name_scopes``, ``namespace`` or ``scope names``).
+MODULARIZED_FROM = PREFIX + "modularized_from"
+#: The package (and version) of a module whose class a file does not tell: its domain is
+#: ``pkg.unknown``; a known class of an unknown version gets ``pkg.<package>`` and this version.
+UNKNOWN_PACKAGE = "unknown"
 
 #: ``meta`` key (in memory only, never saved) of an ``onnx_ir.Function``: the
 #: :class:`~onnx_modular.format.calltree.ModuleCall` objects it serves.

@@ -136,6 +136,10 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         alive = list(range(len(position)))  # sorted positions of the nodes still in the container
         for key, members in groups.items():
             call = self.call_tree[key]
+            # An earlier group may have absorbed some members (_make_convex): they are its now.
+            members = [node for node in members if node.graph is container and _key_at(node, depth) == key]
+            if not members:
+                continue
             try:
                 members, contiguous = _make_convex(container, members, key, depth, position, alive)
                 first_position = position[members[0]]
@@ -397,6 +401,11 @@ def _call_namespace(member: ir.Node, call: ModuleCall) -> str | None:
         if segment.startswith(f"{call.module_path}: "):
             return "/".join(segments[: i + 1])
     return None
+
+
+def _key_at(node: ir.Node, depth: int) -> str | None:
+    stack = node.meta.get(metadata.STACK, ())
+    return stack[depth] if len(stack) > depth else None
 
 
 def _make_convex(

@@ -50,7 +50,7 @@ from onnx_modular.passes.standard_ops import FuseStandardOpsPass
 from onnx_modular.passes.static_shapes import FoldStaticShapesPass
 
 if TYPE_CHECKING:
-    from onnx_modular.format.calltree import CallTree
+    from onnx_modular.format.calltree import CallTree, ModuleCall
     from onnx_modular.passes.signatures import CallSignature
 
 __all__ = ["translated_passes", "modularize_passes", "optimize_passes", "run"]
@@ -89,13 +89,17 @@ def modularize_passes(
     signatures: Mapping[str, CallSignature],
     value_of: Callable[[str], Any] | None = None,
     dedupe: bool = True,
+    domain_of: Callable[[ModuleCall], str] | None = None,
 ) -> list[ir.passes.PassBase]:
-    """Flat model -> nested module-call functions, shared where identical, named."""
+    """Flat model -> nested module-call functions, shared where identical, named.
+
+    ``domain_of``: a call's function domain (default ``pkg.<package>.<version>``).
+    """
     return [
         AnnotateStacksPass(stacks, selected),
         InlineHelperFunctionsPass(),
         RemoveUnusedPass(),
-        OutlineModuleCallsPass(tree, signatures, value_of=value_of),
+        OutlineModuleCallsPass(tree, signatures, value_of=value_of, domain_of=domain_of),
         *([DeduplicateFunctionsPass()] if dedupe else []),
         NameFunctionsPass(tree),
     ]

@@ -241,6 +241,23 @@ def test_interleaved_node_is_absorbed_to_stay_acyclic():
     check(model)
 
 
+def test_call_absorbed_entirely_by_another_gets_no_function():
+    """``n``'s only node runs between two nodes of ``m``, reading from and feeding it: ``m``
+    absorbs it, and ``n`` (whose group was computed before) is left without nodes, not an error.
+    Flat files of other exporters (``modularize``) place scopes like this."""
+    model = ir.from_onnx_text("""
+        <ir_version: 10, opset_import: ["" : 18]>
+        main (float[2] x) => (float[2] y) { a = Relu(x)  b = Neg(a)  y = Add(a, b) }
+    """)
+    set_stacks(model, {"a": ("m",), "b": ("n",), "y": ("m",)})
+    tree = call_tree(("m", "M"), ("n", "N"))
+    functions = outline(model, tree)
+    assert list(functions) == ["m"] and [node.op_type for node in functions["m"]] == ["Relu", "Neg", "Add"]
+    assert tree["n"].function is None
+    check(model)
+    np.testing.assert_allclose(run(model, x=np.array([1, -1], np.float32))[0], [0, 0])
+
+
 def test_requires_known_calls_and_sorted_graph():
     model = _linear_in_block()
     with pytest.raises(ir.passes.PreconditionError, match="block.fc"):
