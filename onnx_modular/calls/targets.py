@@ -20,6 +20,7 @@ from onnx_modular.calls.tree import function_tree
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.format import metadata
 from onnx_modular.passes.signatures import unique_names
+from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, node_id
 
 __all__ = [
@@ -62,7 +63,12 @@ class Target:
 
 
 def module_calls(model: onnx.ModelProto) -> dict[str, metadata.ExpandedCall]:
-    """Every call of a local function by call name, in execution order (torch's helpers included)."""
+    """Every call of a local function by call name, in execution order (torch's helpers included).
+
+    A file whose calls expand past the limits of :func:`~onnx_modular.storage.checks.check_expanded_size`
+    (a call bomb) is refused before the walk, which would otherwise take exponential time and memory.
+    """
+    check_expanded_size(model)
     return {call.call_name: call for call in metadata.expanded_calls(model, module_calls_only=False)}
 
 

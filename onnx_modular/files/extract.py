@@ -47,6 +47,7 @@ from onnx_modular.format import metadata
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import locks, save
+from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.load import load_model_file
 from onnx_modular.storage.proto import all_nodes, function_label
 
@@ -419,6 +420,7 @@ def extract(
     folder = check_output_folder(out)
     source = str(path)
     model = load_model_file(path)
+    check_expanded_size(model, name=repr(source))  # a call bomb is refused at once, as tree and verify refuse it
     target = _calls.resolve_target(model, call)
     calls = _calls.module_calls(model)
     functions = {(f.domain, f.name, f.overload): f for f in model.functions}

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -40,7 +41,8 @@ from onnx_modular.passes import opset_conversion as opset
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import save
-from onnx_modular.storage.load import load_model_file
+from onnx_modular.storage.checks import check_expanded_size
+from onnx_modular.storage.load import load_external_data, load_model_file
 from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, function_label, node_id
 
 __all__ = ["replace", "Replacement"]
@@ -429,8 +431,14 @@ def replace(
 
     destination = save.check_destination(out)
     text = str(block)
-    model = load_model_file(path, load_external_data=True)
-    edited = load_model_file(block, load_external_data=True)
+    model = load_model_file(path)
+    edited = load_model_file(block)
+    # Both are expanded by onnxruntime (the check of the result): a call bomb is refused before any work,
+    # as tree and verify refuse it; then only the bytes each tensor references are read.
+    check_expanded_size(model, name=repr(str(path)))
+    check_expanded_size(edited, name=repr(text))
+    load_external_data(model, pathlib.Path(path).parent, name=repr(str(path)))
+    load_external_data(edited, pathlib.Path(block).parent, name=repr(text))
     edited = _check_opsets(edited, model, text)
     nodes = _sorted_nodes(edited.graph, text)
     selected = _calls.resolve_target(model, target)

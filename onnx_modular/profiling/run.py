@@ -76,9 +76,19 @@ def _feeds(model: onnx.ModelProto, inputs: Any, dims: Mapping[str, int] | None, 
     )
 
 
-def _count(value: Any, name: str, minimum: int) -> int:
+#: Most intra-op threads a profile asks onnxruntime for: far past any gain, and well below the
+#: counts that crash it (``--threads 100000`` ends in a segmentation fault while creating them).
+MAX_THREADS = 1024
+
+
+def _count(value: Any, name: str, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise InvalidInputError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+    if maximum is not None and value > maximum:
+        raise InvalidInputError(
+            f"{name} must be at most {maximum}, got {value!r}.",
+            hint=f"This machine has {os.cpu_count()} cores; more threads than cores only wait on each other.",
+        )
     return int(value)
 
 
@@ -151,7 +161,7 @@ def profile(
     runs = _count(runs, "runs", 1)
     warmup = _count(warmup, "warmup", 0)
     if threads is not None:
-        threads = _count(threads, "threads", 1)
+        threads = _count(threads, "threads", 1, MAX_THREADS)
     if optimization not in OPTIMIZATION_LEVELS:
         raise InvalidInputError(f"optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {optimization!r}.")
     providers = runtime.execution_providers(execution_provider)  # an unknown provider fails first

@@ -6,6 +6,7 @@ hang or exhaust memory later (see :func:`onnx_modular.storage.checks.check_model
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import stat
@@ -18,7 +19,7 @@ from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.storage.checks import check_model_structure
 from onnx_modular.storage.proto import all_tensors, numel, shown, uses_external_data
 
-__all__ = ["load_model_file", "load_external_data", "read_regular_file", "check_external_data"]
+__all__ = ["load_model_file", "load_external_data", "read_regular_file", "check_external_data", "data_file_in_use", "open_regular_file"]
 
 #: Protobuf cannot parse a message of 2 GiB or more.
 _PROTOBUF_LIMIT = 2**31
@@ -277,6 +278,21 @@ def _nonnegative(value: str | None, what: str, where: str) -> int | None:
     return number
 
 
+#: ``(st_dev, st_ino)`` of every external-data file a model checked in this process refers to: a
+#: save never removes one of these as "the previous model's data" (the source of ``inline``, or a
+#: model sharing the data file, would lose its weights).
+_DATA_FILES_IN_USE: set[tuple[int, int]] = set()
+
+
+def data_file_in_use(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is an external-data file of a model this process read (see :func:`check_external_data`)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    return (info.st_dev, info.st_ino) in _DATA_FILES_IN_USE
+
+
 def check_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, name: str = "the model") -> None:
     """Check every external-data reference of ``model`` before anything reads it.
 
@@ -316,6 +332,7 @@ def check_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, na
             if not stat.S_ISREG(info.st_mode):
                 raise InvalidModelFileError(f"{where} refers to external data {shown(location)!r}, which is not a regular file.")
             sizes[location] = info.st_size
+            _DATA_FILES_IN_USE.add((info.st_dev, info.st_ino))
         size = sizes[location]
         offset = _nonnegative(fields.get("offset"), "offset", where) or 0
         length = _nonnegative(fields.get("length"), "length", where)
@@ -342,24 +359,58 @@ def load_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, nam
     """
     check_external_data(model, folder, name=name)
     root = pathlib.Path(os.path.realpath(folder))
-    contents: dict[str, memoryview] = {}
-    for tensor in all_tensors(model):
-        if not onnx.external_data_helper.uses_external_data(tensor):
-            continue
-        fields = _external_fields(tensor)
-        location = fields["location"]
-        if location not in contents:
-            data = read_regular_file(root / location, f"{shown(location)} (external data of {name})", limit=2**62)
-            contents[location] = memoryview(data)
-        data = contents[location]
-        offset = int(fields.get("offset") or 0)
-        length = fields.get("length")
-        end = len(data) if length is None else offset + int(length)
-        if end > len(data):
-            raise InvalidModelFileError(f"{name}: the external data {shown(location)!r} changed while being read.")
-        tensor.raw_data = bytes(data[offset:end])
-        del tensor.external_data[:]
-        tensor.data_location = onnx.TensorProto.DEFAULT
+    with contextlib.ExitStack() as stack:
+        files: dict[str, int] = {}
+        for tensor in all_tensors(model):
+            if not onnx.external_data_helper.uses_external_data(tensor):
+                continue
+            fields = _external_fields(tensor)
+            location = fields["location"]
+            if location not in files:
+                files[location] = stack.enter_context(open_regular_file(root / location, f"{shown(location)} (external data of {name})"))
+            fd = files[location]
+            size = os.fstat(fd).st_size
+            offset = int(fields.get("offset") or 0)
+            length = fields.get("length")
+            end = size if length is None else offset + int(length)
+            if end > size:
+                raise InvalidModelFileError(f"{name}: the external data {shown(location)!r} changed while being read.")
+            tensor.raw_data = _read_range(fd, offset, end - offset, location, name)
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+
+
+@contextlib.contextmanager
+def open_regular_file(file: pathlib.Path, text: str):
+    """A read descriptor of a regular file (a FIFO or a device is refused without blocking)."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise InvalidModelFileError(f"{text} cannot be read: {e.strerror or e}.") from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidModelFileError(f"{text} is not a regular file.")
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _read_range(fd: int, offset: int, length: int, location: str, name: str) -> bytes:
+    """Bytes ``offset`` to ``offset + length`` of an open file: only what a tensor references is
+    read (a 32-byte weight at the start of a sparse 20 GiB file costs 32 bytes, not 20 GiB)."""
+    buffer = bytearray(length)
+    view, filled = memoryview(buffer), 0
+    try:
+        while filled < length:
+            count = os.preadv(fd, [view[filled : filled + (1 << 24)]], offset + filled)
+            if not count:
+                raise InvalidModelFileError(f"{name}: the external data {shown(location)!r} changed while being read.")
+            filled += count
+    except OSError as e:
+        raise InvalidModelFileError(f"{name}: the external data {shown(location)!r} cannot be read: {e.strerror or e}.") from e
+    finally:
+        view.release()
+    return bytes(buffer)
 
 
 _load_external_data = load_external_data  # the parameter of load_model_file shadows the name
