@@ -29,6 +29,7 @@ place whole.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -125,10 +126,17 @@ def check_output_folder(out: str | os.PathLike) -> pathlib.Path:
     return folder
 
 
+#: Longest folder name made from a call or function name: room for a ``_<n>`` suffix under the
+#: file systems' 255-byte NAME_MAX (a longer name is cut and ends with a hash of the whole).
+_CASE_NAME_MAX = 200
+
+
 def _case_name(text: str, taken: set[str]) -> str:
     name = re.sub(r"[^A-Za-z0-9._@-]", "_", text) or "call"
     if name.startswith("."):
         name = "_" + name
+    if len(name) > _CASE_NAME_MAX:
+        name = name[: _CASE_NAME_MAX - 9] + "~" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
     return _calls.unique_name(name, taken)
 
 

@@ -94,6 +94,17 @@ def _fits(want: tuple[int, int | None] | None, got: tuple[int, int | None] | Non
     return want[0] == got[0] and (want[1] is None or got[1] is None or want[1] == got[1])
 
 
+def _lying_dim(want: onnx.ValueInfoProto, got: onnx.ValueInfoProto) -> tuple[int, int, int] | None:
+    """(axis, the function's size, the block's size) of the first fixed dimension the block declares
+    otherwise than the function, where both fix it; None when none differs."""
+    if _type(want) is None or _type(got) is None or _type(want)[1] != _type(got)[1]:
+        return None
+    for axis, (a, b) in enumerate(zip(want.type.tensor_type.shape.dim, got.type.tensor_type.shape.dim)):
+        if a.HasField("dim_value") and b.HasField("dim_value") and a.dim_value != b.dim_value:
+            return axis, a.dim_value, b.dim_value
+    return None
+
+
 def _type_text(kind: tuple[int, int | None]) -> str:
     elem = onnx.TensorProto.DataType.Name(kind[0]) if kind[0] in onnx.TensorProto.DataType.values() else kind[0]
     return f"{elem}, rank {kind[1] if kind[1] is not None else '?'}"
@@ -198,6 +209,15 @@ def _check_signature(graph: onnx.GraphProto, function: onnx.FunctionProto, text:
             raise mismatch(f"its input {value.name!r} is {_type_text(got)}; {label} takes {_type_text(want)}")
         inputs.append(value.name)
     outputs = [value.name for value in graph.output]
+    computed = {name for node in graph.node for name in node.output if name} | {v.name for v in graph.input} | initializers
+    for name in outputs:
+        if name not in computed:
+            raise mismatch(f"no node computes its output {name!r}")
+    for value in [*graph.input, *graph.output]:
+        if value.name in declared:
+            lying = _lying_dim(declared[value.name], value)
+            if lying is not None:
+                raise mismatch(f"{value.name!r} declares dimension {lying[0]} as {lying[2]}; {label} has {lying[1]}")
     if len(outputs) != len(function.output):
         raise mismatch(f"it has {len(outputs)} outputs ({', '.join(outputs)}); {label} has {len(function.output)}")
     for value, name in zip(graph.output, function.output):

@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterable, Mapping
 
 import onnx
+import onnx.defs
 import onnx.numpy_helper
 
 from onnx_modular.errors import InvalidModelFileError
@@ -335,6 +336,7 @@ def check_expanded_size(model: onnx.ModelProto, *, name: str = "the model") -> t
         InvalidModelFileError: Saying the expanded size, the limit and how to raise it.
     """
     _check_loop_trips(model, name)
+    _check_known_opsets(model, name)
     nodes, calls = expanded_size(model)
     for what, count, variable, default in (
         ("nodes", nodes, _NODES_VARIABLE, MAX_EXPANDED_NODES),
@@ -416,3 +418,15 @@ def _check_loop_trips(model: onnx.ModelProto, name: str) -> None:
             "nothing can stop it earlier; running it would not end in reasonable time or memory. If the model is "
             f"genuine, raise the limit with the environment variable {_TRIPS_VARIABLE}={trips}."
         )
+
+
+def _check_known_opsets(model: onnx.ModelProto, name: str) -> None:
+    """Refuse a standard-domain opset newer than this onnx knows: onnx's inliner and checker, and
+    onnxruntime, would each fail their own way (a file claiming opset 2**63-1 is no model)."""
+    known = onnx.defs.onnx_opset_version()
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx") and opset.version > known:
+            raise InvalidModelFileError(
+                f"{name} imports the ONNX opset {opset.version}; the installed onnx knows opsets up to {known}.",
+                hint="Convert the model to a known opset, or upgrade onnx and onnxruntime if this one is genuine.",
+            )
