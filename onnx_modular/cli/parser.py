@@ -15,13 +15,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port from 0 to 65535 (0: any free port), got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
     common = argparse.ArgumentParser(add_help=False)
@@ -261,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         "In Netron, click the ƒ on a call node to enter its function.",
     )
     view.add_argument("model", help="the .onnx file")
-    view.add_argument("--port", type=_port, default=8080, help="port to serve on (default 8080)")
+    view.add_argument("--port", type=int, default=8080, help="port to serve on (default 8080; 0: any free port)")
     view.add_argument("--host", default="localhost", help="address to serve on (default localhost)")
     view.add_argument("--no-browser", action="store_true", help="do not open a browser")
     view.add_argument(

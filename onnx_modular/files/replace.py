@@ -457,8 +457,8 @@ def replace(
     # as tree and verify refuse it; then only the bytes each tensor references are read.
     check_expanded_size(model, name=repr(str(path)))
     check_expanded_size(edited, name=repr(text))
-    load_external_data(model, pathlib.Path(path).parent, name=repr(str(path)))
-    load_external_data(edited, pathlib.Path(block).parent, name=repr(text))
+    load_external_data(model, pathlib.Path(path).parent, name=repr(str(path)), model_path=path)
+    load_external_data(edited, pathlib.Path(block).parent, name=repr(text), model_path=block)
     edited = _check_opsets(edited, model, text)
     nodes = _sorted_nodes(edited.graph, text)
     selected = _calls.resolve_target(model, target)

@@ -64,7 +64,7 @@ def served_files(path: str | os.PathLike, model: onnx.ModelProto) -> dict[str, p
     """``{name in the URL: file}`` of what the viewer may read: the model and each
     external-data location it refers to (checked: inside the folder, regular files)."""
     file = pathlib.Path(path)
-    check_external_data(model, file.parent, name=repr(str(path)))
+    check_external_data(model, file.parent, name=repr(str(path)), model_path=file)
     files = {file.name: file}
     for tensor in all_tensors(model):
         if onnx.external_data_helper.uses_external_data(tensor):

@@ -278,22 +278,31 @@ def _nonnegative(value: str | None, what: str, where: str) -> int | None:
     return number
 
 
-#: ``(st_dev, st_ino)`` of every external-data file a model checked in this process refers to: a
-#: save never removes one of these as "the previous model's data" (the source of ``inline``, or a
-#: model sharing the data file, would lose its weights).
-_DATA_FILES_IN_USE: set[tuple[int, int]] = set()
+#: ``(st_dev, st_ino)`` of every external-data file a model checked in this process refers to, with
+#: the model files that refer to it (``None``: a model not read from a file). A save never removes
+#: one of these as "the previous model's data" while another of those models is still there (the
+#: source of ``inline`` sharing its data-file name with the destination would lose its weights).
+_DATA_FILES_IN_USE: dict[tuple[int, int], set[str | None]] = {}
 
 
-def data_file_in_use(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is an external-data file of a model this process read (see :func:`check_external_data`)."""
+def data_file_in_use(path: str | os.PathLike, *, replaced: str | os.PathLike | None = None) -> bool:
+    """Whether ``path`` is an external-data file of a model this process read (see
+    :func:`check_external_data`) other than ``replaced`` (the model file a save replaces) that is
+    still there."""
     try:
         info = os.stat(path)
     except OSError:
         return False
-    return (info.st_dev, info.st_ino) in _DATA_FILES_IN_USE
+    replaced = os.path.realpath(replaced) if replaced is not None else None
+    for model in _DATA_FILES_IN_USE.get((info.st_dev, info.st_ino), ()):
+        if model is None or (model != replaced and os.path.lexists(model)):
+            return True
+    return False
 
 
-def check_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, name: str = "the model") -> None:
+def check_external_data(
+    model: onnx.ModelProto, folder: str | os.PathLike, *, name: str = "the model", model_path: str | os.PathLike | None = None
+) -> None:
     """Check every external-data reference of ``model`` before anything reads it.
 
     Each ``location`` must be a relative path that stays inside ``folder`` (the model's
@@ -332,7 +341,9 @@ def check_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, na
             if not stat.S_ISREG(info.st_mode):
                 raise InvalidModelFileError(f"{where} refers to external data {shown(location)!r}, which is not a regular file.")
             sizes[location] = info.st_size
-            _DATA_FILES_IN_USE.add((info.st_dev, info.st_ino))
+            _DATA_FILES_IN_USE.setdefault((info.st_dev, info.st_ino), set()).add(
+                os.path.realpath(model_path) if model_path is not None else None
+            )
         size = sizes[location]
         offset = _nonnegative(fields.get("offset"), "offset", where) or 0
         length = _nonnegative(fields.get("length"), "length", where)
@@ -348,7 +359,9 @@ def check_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, na
             )
 
 
-def load_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, name: str = "the model") -> None:
+def load_external_data(
+    model: onnx.ModelProto, folder: str | os.PathLike, *, name: str = "the model", model_path: str | os.PathLike | None = None
+) -> None:
     """Read every external tensor of ``model`` (:func:`~onnx_modular.storage.proto.all_tensors`:
     sparse tensors and subgraphs in functions included) into the model, after
     :func:`check_external_data`: each read is bounded by the file's size and opened as a
@@ -357,7 +370,7 @@ def load_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, nam
     Raises:
         InvalidModelFileError: A reference the check refuses, or a file changed since.
     """
-    check_external_data(model, folder, name=name)
+    check_external_data(model, folder, name=name, model_path=model_path)
     root = pathlib.Path(os.path.realpath(folder))
     with contextlib.ExitStack() as stack:
         files: dict[str, int] = {}
@@ -469,8 +482,8 @@ def load_model_file(
         )
     if check:
         check_model_structure(model, name=repr(text))
-        check_external_data(model, file.parent, name=repr(text))
+        check_external_data(model, file.parent, name=repr(text), model_path=file)
     if load_external_data and uses_external_data(model):
-        _load_external_data(model, file.parent, name=repr(text))
+        _load_external_data(model, file.parent, name=repr(text), model_path=file)
     return model
 

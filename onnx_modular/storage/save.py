@@ -345,12 +345,13 @@ def _existing_mode(destination: pathlib.Path) -> int | None:
     return stat.S_IMODE(info.st_mode) if stat.S_ISREG(info.st_mode) else None
 
 
-def _removable(path: pathlib.Path) -> bool:
-    """A previous data file may be removed: a regular file (not a link) that no model this process read refers to."""
+def _removable(path: pathlib.Path, destination: pathlib.Path) -> bool:
+    """A previous data file of ``destination`` may be removed: a regular file (not a link) that no
+    other model this process read refers to (:func:`~onnx_modular.storage.load.data_file_in_use`)."""
     from onnx_modular.storage.load import data_file_in_use
 
     try:
-        return stat.S_ISREG(os.lstat(path).st_mode) and not data_file_in_use(path)
+        return stat.S_ISREG(os.lstat(path).st_mode) and not data_file_in_use(path, replaced=destination)
     except OSError:
         return False
 
@@ -393,7 +394,7 @@ def _finish_interrupted_commit(destination: pathlib.Path) -> None:
         for name in names:
             if isinstance(name, str) and name not in current and own.fullmatch(name):
                 with contextlib.suppress(OSError):
-                    if _removable(destination.parent / name):
+                    if _removable(destination.parent / name, destination):
                         os.unlink(destination.parent / name)
     with contextlib.suppress(OSError):
         os.unlink(journal)
@@ -473,7 +474,7 @@ def _retire(entry: _Moved) -> None:
     parent = _parent(entry.staging.destination)
     for name in entry.retired:
         with contextlib.suppress(OSError):
-            if _removable(parent / name):
+            if _removable(parent / name, entry.staging.destination):
                 os.unlink(parent / name)
     if entry.journal is not None:
         with contextlib.suppress(OSError):
