@@ -189,7 +189,7 @@ def profile(
             except VerificationError as e:
                 session.end_profiling()
                 raise ProfileError(str(e).split("\n", 1)[0].removeprefix("[verify] "), hint=e.hint) from e
-        events = json.loads(pathlib.Path(session.end_profiling()).read_text(encoding="utf-8"))
+        events = read_events(pathlib.Path(session.end_profiling()))
         optimized = onnx.load(str(folder / "optimized.onnx"), load_external_data=False)
     del session
     attribution = attribute(copy, origins, optimized, tree)
@@ -205,6 +205,24 @@ def profile(
     if not model.functions:
         note = f"{os.path.basename(str(path))} has no local functions: the time is shown by op type."
     return _build(str(path), tree, events, attribution, warmup, runs, settings, note)
+
+
+_EVENT_ARGS = ("op_name", "provider")
+
+
+def _slim_event(item: dict) -> dict:
+    """One profiler event with only what :func:`_build` reads (the shapes, thread statistics and
+    parameters onnxruntime records per kernel are dropped as the JSON is parsed)."""
+    if "cat" in item and "ts" in item:
+        args = item.get("args")
+        args = {key: args[key] for key in _EVENT_ARGS if key in args} if isinstance(args, dict) else {}
+        return {"cat": item["cat"], "name": item.get("name", ""), "ts": item["ts"], "dur": item.get("dur", 0), "args": args}
+    return item
+
+
+def read_events(path: pathlib.Path) -> list[dict]:
+    """onnxruntime's profile (a JSON list of events), each event slimmed while parsed (:func:`_slim_event`)."""
+    return json.loads(path.read_text(encoding="utf-8"), object_hook=_slim_event)
 
 
 def _build(path, tree: CallTree, events, attribution: Mapping[str, Attribution], warmup, runs, settings, note):
