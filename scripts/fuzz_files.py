@@ -738,8 +738,8 @@ _TINY_LLAMA = {
     "max_position_embeddings": 32, "dtype": "float32", "tie_word_embeddings": False,
 }  # fmt: skip
 _SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "vocab_size", "max_position_embeddings")  # fmt: skip
-_ODD_SIZES = (-4, 0, 10**7, 10**9, 10**12, 2**63, 1.5, "8", None, [16], True)
+              "vocab_size", "max_position_embeddings", "head_dim")  # fmt: skip
+_ODD_SIZES = (-4, 0, 10**7, 10**9, 10**12, 2**63, 1.5, "8", None, [16], True, 5 * 10**8)
 _ODD_DTYPES = ("float33", "Tensor", 5, ["float16"], "", "torch.float16", "object", "bfloat16")
 #: Written by code in a checkpoint (``auto_map``'s module, a pickled ``pytorch_model.bin``) if it ever ran.
 PWNED = "PWNED-by-checkpoint"
