@@ -893,6 +893,27 @@ def loop_model(trips: int, condition: bool = False) -> onnx.ModelProto:
     return model
 
 
+def chain_of_calls(calls: int) -> onnx.ModelProto:
+    """``calls`` calls of one function ``Blk`` in a row in the main graph (a class of many calls)."""
+    model = block_model()
+    domain = model.graph.node[0].domain
+    del model.graph.node[:]
+    current = "x"
+    for index in range(calls):
+        output = "y" if index == calls - 1 else f"t{index}"
+        model.graph.node.append(helper.make_node("Blk", [current, "w"], [output], domain=domain, name=f"/blk{index}"))
+        current = output
+    return model
+
+
+def gen_many_calls(rng, case, seeds):
+    """``extract --with-data`` of a class of 500 to 2,000 calls: linear in the calls (it was
+    quadratic: 2,000 calls 75 s), within the timeout."""
+    _write(case, chain_of_calls(rng.choice([500, 1000, 2000])).SerializeToString())
+    _checks(case, commands=[["extract", "m.onnx", "Blk", "-o", "ex", "--with-data"]], must_succeed=[0])
+    return "m.onnx"
+
+
 def gen_report_neighbour(rng, case, seeds):
     """``profile --json/--html`` to a path where a model sits whose data file another model
     (``victim.onnx``) shares: the report replaces the file named, the victim keeps its data."""
@@ -1145,6 +1166,7 @@ GENERATORS: dict[str, tuple[Generator, float]] = {
     "odd_numbers": (gen_odd_numbers, 2),
     "sparse_external": (gen_sparse_external, 2),
     "report_destination": (gen_report_destination, 2),
+    "many_calls": (gen_many_calls, 1),
     # Run ``export`` (torch and transformers in the children): only with ``--only checkpoint output_folder``.
     "checkpoint": (gen_checkpoint, 0),
     "output_folder": (gen_output_folder, 0),

@@ -153,8 +153,9 @@ class _Formal:
 
 def _formals(model: onnx.ModelProto, function: onnx.FunctionProto, sites: list[metadata.ExpandedCall]) -> list[_Formal]:
     formals = []
+    main_names = _calls.main_graph_names(model)  # once, not per call
     for index, name in enumerate(function.input):
-        sources = [_calls.initializer_source(model, site, index) for site in sites]
+        sources = [_calls.initializer_source(model, site, index, main_names=main_names) for site in sites]
         if all(s is not None for s in sources) and len(set(sources)) == 1:
             formals.append(_Formal(name, sources[0], None))
         elif all(s is not None for s in sources):
