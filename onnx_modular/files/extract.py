@@ -45,6 +45,7 @@ from onnx_modular.calls.capture import call_values
 from onnx_modular.check.parity import allclose, default_tolerance, max_differences
 from onnx_modular.errors import InvalidInputError, ParityError, SaveError
 from onnx_modular.format import metadata
+from onnx_modular.format.text import shown
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import locks, save
@@ -129,6 +130,10 @@ def check_output_folder(out: str | os.PathLike) -> pathlib.Path:
 #: Longest folder name made from a call or function name: room for a ``_<n>`` suffix under the
 #: file systems' 255-byte NAME_MAX (a longer name is cut and ends with a hash of the whole).
 _CASE_NAME_MAX = 200
+
+
+#: Largest value written as one test-data file: a ``TensorProto`` is a protobuf message, 2 GiB at most.
+MAX_RECORDED_BYTES = 2**31 - 2**16
 
 
 def _case_name(text: str, taken: set[str]) -> str:
@@ -379,6 +384,14 @@ def _write_case(
                     module_path=name,
                     hint="Nothing was written. A body with random ops differs on every run; otherwise check the file "
                     "with `onnx-modular verify`, and report it with the model.",
+                )
+        for n, array in [*feeds.items(), *zip(output_names, outputs)]:
+            if np.asarray(array).nbytes > MAX_RECORDED_BYTES:
+                raise SaveError(
+                    f"The value {shown(n)!r} of the call {shown(name)} holds {np.asarray(array).nbytes / 2**30:.2f} GiB; a test "
+                    "data file (one TensorProto, as onnx's test runners read it) cannot exceed protobuf's 2 GiB limit.",
+                    module_path=name,
+                    hint="Nothing was written. Extract without --with-data, or record smaller inputs (--inputs).",
                 )
         data = folder / f"test_data_set_{k}"
         data.mkdir()
