@@ -44,6 +44,7 @@ import re
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -737,8 +738,8 @@ _TINY_LLAMA = {
     "max_position_embeddings": 32, "dtype": "float32", "tie_word_embeddings": False,
 }  # fmt: skip
 _SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "vocab_size", "max_position_embeddings")  # fmt: skip
-_ODD_SIZES = (-4, 0, 10**7, 10**9, 10**12, 2**63, 1.5, "8", None, [16], True)
+              "vocab_size", "max_position_embeddings", "head_dim")  # fmt: skip
+_ODD_SIZES = (-4, 0, 10**7, 10**9, 10**12, 2**63, 1.5, "8", None, [16], True, 5 * 10**8)
 _ODD_DTYPES = ("float33", "Tensor", 5, ["float16"], "", "torch.float16", "object", "bfloat16")
 #: Written by code in a checkpoint (``auto_map``'s module, a pickled ``pytorch_model.bin``) if it ever ran.
 PWNED = "PWNED-by-checkpoint"
@@ -844,6 +845,292 @@ def gen_checkpoint(rng, case, seeds):
     return "ckpt"
 
 
+# -- issue 38: the new surfaces (profile, extract, replace, the flat copy, the output folder, view) --
+
+_BLOCK = "pkg.fuzz.block"
+
+
+def block_model(function_name: str = "Blk", call_name: str = "/blk", weight: str = "w") -> onnx.ModelProto:
+    """One call of ``function_name`` (``b = a + w``) on a 2x3 input; ``w`` a 2x3 initializer."""
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(_BLOCK, 1)]
+    body = helper.make_function(_BLOCK, function_name, ["a", "w"], ["b"], [helper.make_node("Add", ["a", "w"], ["b"])], opsets[:1])
+    call = helper.make_node(function_name, ["x", weight], ["y"], domain=_BLOCK, name=call_name)
+    value = numpy.arange(6, dtype=numpy.float32).reshape(2, 3)
+    graph = helper.make_graph(
+        [call], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [onnx.numpy_helper.from_array(value, weight)],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=opsets, functions=[body])
+    model.ir_version = 10
+    return model
+
+
+def save_external(model: onnx.ModelProto, path: pathlib.Path, location: str) -> None:
+    """``model`` at ``path`` with every initializer in the data file ``location`` (beside it)."""
+    onnx.save(model, str(path), save_as_external_data=True, location=location, size_threshold=0)
+
+
+def loop_model(trips: int, condition: bool = False) -> onnx.ModelProto:
+    """A ``Loop`` of ``trips`` iterations adding 1 to the input (``condition``: a run-time condition)."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c2"]), helper.make_node("Add", ["v", "one"], ["v2"])], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("c2", TensorProto.BOOL, []), helper.make_tensor_value_info("v2", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])],
+    )  # fmt: skip
+    nodes = [helper.make_node("Loop", ["M", "go" if condition else "", "x"], ["y"], body=body, name="loop")]
+    if condition:
+        nodes.insert(0, helper.make_node("Greater", ["s", "zero"], ["go"]))
+        nodes.insert(0, helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor("M", TensorProto.INT64, [], [trips]), helper.make_tensor("zero", TensorProto.FLOAT, [], [1e9])],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    return model
+
+
+def chain_of_calls(calls: int) -> onnx.ModelProto:
+    """``calls`` calls of one function ``Blk`` in a row in the main graph (a class of many calls)."""
+    model = block_model()
+    domain = model.graph.node[0].domain
+    del model.graph.node[:]
+    current = "x"
+    for index in range(calls):
+        output = "y" if index == calls - 1 else f"t{index}"
+        model.graph.node.append(helper.make_node("Blk", [current, "w"], [output], domain=domain, name=f"/blk{index}"))
+        current = output
+    return model
+
+
+def gen_many_calls(rng, case, seeds):
+    """``extract --with-data`` of a class of 500 to 2,000 calls: linear in the calls (it was
+    quadratic: 2,000 calls 75 s), within the timeout."""
+    _write(case, chain_of_calls(rng.choice([500, 1000, 2000])).SerializeToString())
+    _checks(case, commands=[["extract", "m.onnx", "Blk", "-o", "ex", "--with-data"]], must_succeed=[0])
+    return "m.onnx"
+
+
+def gen_report_neighbour(rng, case, seeds):
+    """``profile --json/--html`` to a path where a model sits whose data file another model
+    (``victim.onnx``) shares: the report replaces the file named, the victim keeps its data."""
+    kind = rng.choice(["json", "html"])
+    report = f"r.{kind}"
+    save_external(block_model(), case / "victim.onnx", f"{report}.data")
+    shutil.copy(case / "victim.onnx", case / report)
+    _write(case, block_model().SerializeToString())
+    keep = {name: _fingerprint(case / name) for name in ("victim.onnx", f"{report}.data")}
+    commands = [["profile", "m.onnx", f"--{kind}", report, "--runs", "1", "--warmup", "0"], ["verify", "victim.onnx"]]
+    _checks(case, keep=keep, commands=commands, must_succeed=[1])
+    return "m.onnx"
+
+
+def gen_own_data_name(rng, case, seeds):
+    """``inline`` (or ``--flat-file``'s save) to a destination whose data-file name is the source's
+    own, with an existing 0600 destination sharing it: the source still loads, the mode is kept."""
+    destination = rng.choice(["out.onnx", "m.onnx"])
+    save_external(block_model(), case / "m.onnx", f"{destination}.data")
+    if destination != "m.onnx":
+        shutil.copy(case / "m.onnx", case / destination)
+    os.chmod(case / destination, 0o600)
+    commands = [["inline", "m.onnx", destination], ["verify", "m.onnx"], ["verify", destination]]
+    _checks(case, commands=commands, must_succeed=[0, 1, 2], modes={destination: 0o600})
+    return "m.onnx"
+
+
+def gen_surface_bomb(rng, case, seeds):
+    """A call bomb given to ``extract``, ``replace`` and ``view``: refused at once, as ``tree`` refuses it."""
+    model = bomb(depth=rng.choice([20, 24, 32]), fanout=2, via_if=rng.random() < 0.3)
+    _write(case, model.SerializeToString())
+    block = helper.make_graph([helper.make_node("Relu", ["a"], ["b"])], "blk", [helper.make_tensor_value_info("a", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("b", TensorProto.FLOAT, None)])  # fmt: skip
+    block_file = helper.make_model(block, opset_imports=[helper.make_opsetid("", 18)])
+    block_file.ir_version = 10
+    _write(case, block_file.SerializeToString(), "block.onnx")
+    target = rng.choice(["f0", "f1", "f*"])
+    commands = [["extract", "m.onnx", target, "-o", "ex", *(["--with-data"] if rng.random() < 0.5 else [])],
+                ["replace", "m.onnx", target, "block.onnx", "-o", "r.onnx"], ["view", "m.onnx", "--port", "0", "--no-browser"]]  # fmt: skip
+    _checks(case, commands=commands)
+    return "m.onnx"
+
+
+def gen_loop_trips(rng, case, seeds):
+    """A ``Loop`` whose constant trip count nothing can cut short (2**62, 10**5 steps), or one with a
+    run-time condition: ``verify`` and ``profile`` refuse it up front or finish within bounds."""
+    trips = rng.choice([2**62, 2**40, 10**5, 100])
+    _write(case, loop_model(trips, condition=rng.random() < 0.25).SerializeToString())
+    _checks(case, commands=[["verify", "m.onnx"], ["profile", "m.onnx", "--runs", "1", "--warmup", "0"]])
+    return "m.onnx"
+
+
+def gen_long_names(rng, case, seeds):
+    """Function and call names past NAME_MAX (255 bytes) for ``extract``'s folder names."""
+    function = "F" * rng.choice([250, 256, 300, 1000]) + rng.choice(["", "é" * 100, "/../x"])
+    call = "/" + "c" * rng.choice([10, 300])
+    _write(case, block_model(function, call).SerializeToString())
+    target = rng.choice([function, call.lstrip("/")])
+    _checks(case, commands=[["extract", "m.onnx", target, "-o", "ex", *(["--with-data"] if rng.random() < 0.5 else [])], ["tree", "m.onnx"]])
+    return "m.onnx"
+
+
+def gen_replace_lies(rng, case, seeds):
+    """Replacement blocks that lie: an output no node computes, dims that contradict the function's
+    declared ones, an output count that differs, a cycle, a wrong element type."""
+    model = block_model()
+    function = model.functions[0]
+    function.value_info.extend([helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in ("a", "w", "b")])
+    _write(case, model.SerializeToString())
+    how = rng.randrange(5)
+    shape = [7, 9] if how == 1 else [2, 3]
+    elem = TensorProto.INT64 if how == 4 else TensorProto.FLOAT
+    nodes = {0: [helper.make_node("Relu", ["a"], ["t"])], 3: [helper.make_node("Add", ["a", "b"], ["b"])]}.get(how, [helper.make_node("Sub", ["a", "w"], ["b"])])
+    outputs = [helper.make_tensor_value_info("b", elem, shape)] + ([helper.make_tensor_value_info("a", TensorProto.FLOAT, shape)] if how == 2 else [])
+    graph = helper.make_graph(nodes, "blk", [helper.make_tensor_value_info("a", elem, shape), helper.make_tensor_value_info("w", elem, shape)], outputs)
+    block = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    block.ir_version = 10
+    _write(case, block.SerializeToString(), "block.onnx")
+    _checks(case, commands=[["replace", "m.onnx", "Blk", "block.onnx", "-o", "r.onnx"]])
+    return "m.onnx"
+
+
+def gen_tool_escapes(rng, case, seeds):
+    """Call paths, function and output names with ESC, BEL, U+202E and zero-width characters, printed
+    by ``extract``, ``replace`` and ``profile``: they reach the terminal escaped."""
+    bad = rng.choice(_TERMINAL + ["a\u200bb", "\x07bell"])
+    model = block_model("Blk" + bad, "/blk" + bad)
+    model.graph.output[0].name = model.graph.node[0].output[0] = "y" + bad
+    _write(case, model.SerializeToString())
+    block = helper.make_graph([helper.make_node("Sub", ["a", "w"], ["b"])], "blk",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in ("a", "w")],
+                              [helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 3])])  # fmt: skip
+    block_file = helper.make_model(block, opset_imports=[helper.make_opsetid("", 18)])
+    block_file.ir_version = 10
+    _write(case, block_file.SerializeToString(), "block.onnx")
+    target = "Blk" + bad
+    commands = [["extract", "m.onnx", target, "-o", "ex", "--with-data"], ["replace", "m.onnx", target, "block.onnx", "-o", "r.onnx"],
+                ["profile", "m.onnx", "--runs", "1", "--warmup", "0"]]  # fmt: skip
+    _checks(case, commands=commands)
+    return "m.onnx"
+
+
+def gen_odd_numbers(rng, case, seeds):
+    """Numbers that lie: ``profile --threads`` far past any machine, an opset of 2**63-1, ``view``
+    ports outside 0-65535."""
+    model = block_model()
+    if rng.random() < 0.5:
+        model.opset_import[0].version = rng.choice([2**63 - 1, 2**31, 10_000])
+    _write(case, model.SerializeToString())
+    threads = str(rng.choice([100_000, 2**31, 2**63, 0, -1]))
+    port = str(rng.choice([-1, 70_000, 65_536, 2**40]))
+    commands = [["profile", "m.onnx", "--threads", threads, "--runs", "1"], ["profile", "m.onnx", "--runs", "1", "--warmup", "0"],
+                ["view", "m.onnx", "--port", port, "--no-browser"], ["verify", "m.onnx"]]  # fmt: skip
+    _checks(case, commands=commands)
+    return "m.onnx"
+
+
+def gen_sparse_external(rng, case, seeds):
+    """A 32-byte weight at the start of a sparse external-data file of 20 GiB: every tool reads the
+    bytes the tensor references, not the file (the memory limit catches a whole read)."""
+    model = block_model()
+    save_external(model, case / "m.onnx", "m.onnx.data")
+    with open(case / "m.onnx.data", "r+b") as data:
+        data.truncate(rng.choice([20, 8, 3]) * 2**30)
+    block = helper.make_graph([helper.make_node("Sub", ["a", "w"], ["b"])], "blk",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in ("a", "w")],
+                              [helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 3])])  # fmt: skip
+    block_file = helper.make_model(block, opset_imports=[helper.make_opsetid("", 18)])
+    block_file.ir_version = 10
+    _write(case, block_file.SerializeToString(), "block.onnx")
+    commands = [["inline", "m.onnx", "out.onnx"], ["replace", "m.onnx", "Blk", "block.onnx", "-o", "r.onnx"],
+                ["extract", "m.onnx", "Blk", "-o", "ex", "--with-data"], ["verify", "m.onnx"]]  # fmt: skip
+    _checks(case, commands=commands, must_succeed=[0, 1, 2, 3])
+    return "m.onnx"
+
+
+def gen_report_destination(rng, case, seeds):
+    """Reports (``profile --json/--html``) to a link to a file elsewhere, a dangling link, a FIFO, a
+    link to a FIFO, or an existing private (0600) file: links are replaced, never followed, FIFOs
+    refused without blocking, modes kept."""
+    (case / "elsewhere").mkdir()
+    (case / "elsewhere" / "target").write_text("not yours")
+    _write(case, block_model().SerializeToString())
+    report = rng.choice(["r.json", "r.html"])
+    how = rng.randrange(5)
+    checks: dict = {"keep": {"elsewhere/target": _fingerprint(case / "elsewhere" / "target")}}
+    if how == 0:
+        os.symlink("elsewhere/target", case / report)
+    elif how == 1:
+        os.symlink("elsewhere/new", case / report)
+        checks["absent"] = ["elsewhere/new"]
+    elif how == 2:
+        os.mkfifo(case / report)
+        checks["keep"][report] = "fifo"
+    elif how == 3:
+        os.mkfifo(case / "elsewhere" / "pipe")
+        os.symlink("elsewhere/pipe", case / report)
+    else:
+        (case / report).write_text("old report")
+        os.chmod(case / report, 0o600)
+        checks["modes"] = {report: 0o600}
+    checks["commands"] = [["profile", "m.onnx", f"--{report.split('.')[1]}", report, "--runs", "1", "--warmup", "0"]]
+    _checks(case, **checks)
+    return "m.onnx"
+
+
+def gen_output_folder(rng, case, seeds):
+    """``export ckpt -o out`` (a tiny Llama checkpoint) into a folder holding another model's
+    ``model.onnx.data``, entries that are links (to a file elsewhere, dangling), a FIFO, a private
+    (0600) tokenizer file; or a checkpoint whose ``config.json`` / tokenizer links out of it.
+    Nothing outside ``out`` may change or appear, the other model's data stays, modes are kept."""
+    import safetensors.numpy
+
+    folder, out, elsewhere = case / "ckpt", case / "out", case / "elsewhere"
+    for path in (folder, out, elsewhere):
+        path.mkdir()
+    (elsewhere / "target").write_text(json.dumps(_TINY_LLAMA))
+    (folder / "config.json").write_text(json.dumps(_TINY_LLAMA))
+    safetensors.numpy.save_file(_weights(_TINY_LLAMA, rng), str(folder / "model.safetensors"))
+    (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}))
+    os.chmod(folder / "tokenizer.json", 0o600)
+    save_external(block_model(), out / "other.onnx", "model.onnx.data")
+    checks: dict = {"keep": {}, "absent": [], "modes": {}}
+    for _ in range(rng.choice([1, 2, 3])):
+        how = rng.randrange(6)
+        if how == 0:
+            with contextlib.suppress(FileExistsError):
+                os.symlink("../elsewhere/target", out / rng.choice(["config.json", "export.json", "model.onnx", "generation_config.json"]))
+        elif how == 1:
+            with contextlib.suppress(FileExistsError):
+                os.symlink("../elsewhere/new", out / rng.choice(["export.json", "tokenizer.json", "model.onnx.data"]))
+            checks["absent"].append("elsewhere/new")
+        elif how == 2:
+            with contextlib.suppress(FileExistsError):
+                os.mkfifo(out / rng.choice(["export.json", "tokenizer.json"]))
+        elif how == 3:
+            (folder / "config.json").unlink()
+            os.symlink("../elsewhere/target", folder / "config.json")
+        elif how == 4:
+            (folder / "tokenizer.json").unlink()
+            os.symlink("../elsewhere/target", folder / "tokenizer.json")
+        else:
+            with contextlib.suppress(FileExistsError):
+                (out / "tokenizer.json").write_text("{}")
+                os.chmod(out / "tokenizer.json", 0o640)
+                checks["modes"]["out/tokenizer.json"] = 0o600  # the copy of a private file stays private
+    for path in [*elsewhere.iterdir(), *(p for p in out.iterdir() if p.name != "tokenizer.json" or p.is_fifo())]:
+        if path.name in ("target", "other.onnx", "model.onnx.data") or path.is_fifo():
+            checks["keep"][str(path.relative_to(case))] = _fingerprint(path)
+    checks["keep"]["out/model.onnx.data"] = _fingerprint(out / "model.onnx.data")
+    checks["commands"] = [["export", "ckpt", "-o", "out", "--no-verify"], ["verify", "out/other.onnx"]]
+    checks["must_succeed"] = [1]
+    checks["torch"] = True
+    _checks(case, **checks)
+    return "ckpt"
+
+
 GENERATORS: dict[str, tuple[Generator, float]] = {
     # name: (generator, weight)
     "bitflips": (gen_bitflips, 20),
@@ -868,8 +1155,21 @@ GENERATORS: dict[str, tuple[Generator, float]] = {
     "npz_inputs": (gen_npz_inputs, 2),
     "destination": (gen_destination, 3),
     "constant_bomb": (gen_constant_bomb, 2),
-    # Runs ``export`` (torch and transformers in the children): only with ``--only checkpoint``.
+    # issue 38: the new surfaces
+    "report_neighbour": (gen_report_neighbour, 2),
+    "own_data_name": (gen_own_data_name, 2),
+    "surface_bomb": (gen_surface_bomb, 2),
+    "loop_trips": (gen_loop_trips, 2),
+    "long_names": (gen_long_names, 2),
+    "replace_lies": (gen_replace_lies, 2),
+    "tool_escapes": (gen_tool_escapes, 2),
+    "odd_numbers": (gen_odd_numbers, 2),
+    "sparse_external": (gen_sparse_external, 2),
+    "report_destination": (gen_report_destination, 2),
+    "many_calls": (gen_many_calls, 1),
+    # Run ``export`` (torch and transformers in the children): only with ``--only checkpoint output_folder``.
     "checkpoint": (gen_checkpoint, 0),
+    "output_folder": (gen_output_folder, 0),
 }
 
 _VERIFY_EXTRAS = [[], [], [], ["--seed", "-1"], ["--rtol", "nan"], ["--atol", "-1"], ["--dim", "batch=0"]]
@@ -891,6 +1191,13 @@ def check_promises(case: pathlib.Path, checks: dict, results: list[dict]) -> Non
     """Files a case's generator said must survive (``keep``) or must not appear (``outside``,
     next to the case folder): a difference marks the last command ``data-loss``."""
     changed = [path for path, before in checks.get("keep", {}).items() if _fingerprint(case / path) != before]
+    changed += [path for path in checks.get("absent", []) if os.path.lexists(case / path)]
+    for path, mode in checks.get("modes", {}).items():
+        if os.path.isfile(case / path) and stat.S_IMODE(os.stat(case / path).st_mode) != mode:
+            changed.append(f"{path} mode {oct(stat.S_IMODE(os.stat(case / path).st_mode))}, was {oct(mode)}")
+    for index in checks.get("must_succeed", []):
+        if index < len(results) and results[index]["outcome"] == "ok" and results[index]["exitcode"] != 0:
+            results[index].update(outcome="data-loss", exception="a file the command needs was lost or damaged")
     outside = checks.get("outside")
     if outside and os.path.lexists(case.parent / outside):
         changed.append("../" + outside)
@@ -953,7 +1260,7 @@ def run_campaign(
     records = []
     with contextlib.ExitStack() as stack:
         if server is None:
-            server = ForkServer(torch="checkpoint" in names)
+            server = ForkServer(torch=bool({"checkpoint", "output_folder"} & set(names)))
             stack.callback(server.close)
         root = workdir or pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fuzz_files-")))
         seeds = make_seeds(root / "seeds")

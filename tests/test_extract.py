@@ -347,7 +347,8 @@ def test_a_class_with_several_functions(exported, tmp_path):
     assert [m.path.parent.name for m in result.models] == ["Conv1D", "Conv1D_2", "Conv1D_3", "Conv1D_4"]
     assert [m.call_names for m in result.models][2] == ["h.0.mlp.c_fc", "h.1.mlp.c_fc"]
     assert all(len(m.data_sets) == 2 and max(d.max_abs["output"] for d in m.data_sets) <= ATOL for m in result.models)
-    with pytest.raises(InvalidInputError, match="the model is not valid"):
+    # the block's fixed dims contradict Conv1D_2's declared ones: refused before anything is built
+    with pytest.raises(InvalidInputError, match=r"does not fit Conv1D_2: 'weight' declares dimension 1 as 192"):
         replace(path, "Conv1D", result.models[0].path, tmp_path / "new.onnx")
     assert not (tmp_path / "new.onnx").exists()
     same = replace(path, "Conv1D_3", result.models[2].path, tmp_path / "new.onnx")

@@ -19,7 +19,7 @@ import onnx
 from onnx_modular.calls.tree import function_tree
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.format import metadata
-from onnx_modular.passes.signatures import unique_names
+from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, node_id
 
 __all__ = [
@@ -62,7 +62,12 @@ class Target:
 
 
 def module_calls(model: onnx.ModelProto) -> dict[str, metadata.ExpandedCall]:
-    """Every call of a local function by call name, in execution order (torch's helpers included)."""
+    """Every call of a local function by call name, in execution order (torch's helpers included).
+
+    A file whose calls expand past the limits of :func:`~onnx_modular.storage.checks.check_expanded_size`
+    (a call bomb) is refused before the walk, which would otherwise take exponential time and memory.
+    """
+    check_expanded_size(model)
     return {call.call_name: call for call in metadata.expanded_calls(model, module_calls_only=False)}
 
 
@@ -139,7 +144,9 @@ def body_names(body: onnx.GraphProto | onnx.FunctionProto) -> set[str]:
 def unique_name(name: str, taken: set[str]) -> str:
     """``name``, or ``name_1``, ``name_2``, ... not in ``taken`` (the exporter's value naming,
     :func:`~onnx_modular.passes.signatures.unique_names`); the result is added to ``taken``."""
-    (candidate,) = unique_names([name], taken)
+    candidate, suffix = name, 1
+    while candidate in taken:  # as unique_names, without copying ``taken`` (a call per probe was quadratic)
+        candidate, suffix = f"{name}_{suffix}", suffix + 1
     taken.add(candidate)
     return candidate
 
@@ -231,11 +238,18 @@ def specialize(model: onnx.ModelProto, name: str, *, including_call: bool = Fals
         shared.node.op_type = copy.name  # the node sits in a body this call owns already
 
 
-def initializer_source(model: onnx.ModelProto, call: metadata.ExpandedCall, index: int) -> str | None:
+def main_graph_names(model: onnx.ModelProto) -> tuple[set[str], set[str]]:
+    """(the main graph's initializer names, the names its nodes compute)."""
+    return {tensor.name for tensor in model.graph.initializer}, {name for node in model.graph.node for name in node.output}
+
+
+def initializer_source(
+    model: onnx.ModelProto, call: metadata.ExpandedCall, index: int, *, main_names: tuple[set[str], set[str]] | None = None
+) -> str | None:
     """The main-graph initializer that reaches formal input ``index`` of ``call``, followed through
-    the formal inputs of its callers; ``None`` for a value computed on the way (or not passed)."""
-    initializers = {tensor.name for tensor in model.graph.initializer}
-    produced = {name for node in model.graph.node for name in node.output}
+    the formal inputs of its callers; ``None`` for a value computed on the way (or not passed).
+    ``main_names``: :func:`main_graph_names` of ``model``, when asked for many calls (computed once)."""
+    initializers, produced = main_names if main_names is not None else main_graph_names(model)
     while True:
         if index >= len(call.node.input) or not call.node.input[index]:
             return None

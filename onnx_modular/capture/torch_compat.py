@@ -114,6 +114,11 @@ def registry(opset_version: int | None = None, custom_translation_table: Mapping
     for torch_op, onnx_op in custom_translation_table.items():
         if isinstance(onnx_op, (list, tuple)):  # as torch.onnx.export
             raise TypeError("The value in custom_translation_table should be a single callable, not a sequence")
+        # register_op keys anything hashable: {1: 2} would be accepted and the export written without it.
+        if not isinstance(torch_op, torch._ops.OpOverload | torch._ops.OpOverloadPacket) and not callable(torch_op):
+            raise TypeError(f"the key {torch_op!r} is not a torch op (e.g. torch.ops.aten.add.Tensor)")
+        if not callable(onnx_op):
+            raise TypeError(f"the value for {torch_op!r} is {type(onnx_op).__name__}, not an onnxscript function")
         reg.register_op(torch_op, onnx_op, is_complex=False)
     _fill_gaps(reg, libraries)
     return reg

@@ -90,10 +90,12 @@ class LocalizationReport:
         return "\n".join(lines)
 
     def save_html(self, path: str | os.PathLike) -> pathlib.Path:
-        """A self-contained HTML page with a bar chart of error per module (log scale)."""
-        path = pathlib.Path(path)
-        path.write_text(_html_page(self), encoding="utf-8")
-        return path
+        """A self-contained HTML page with a bar chart of error per module (log scale), written as
+        every report is (:func:`~onnx_modular.storage.save.write_text`: atomically, a link replaced
+        rather than followed, a FIFO or a device refused, an existing file's mode kept)."""
+        from onnx_modular.storage.save import write_text
+
+        return write_text(path, _html_page(self))
 
 
 def _html_page(report: LocalizationReport) -> str:

@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
-import logging
 import os
 import pathlib
 import sys
@@ -23,6 +22,7 @@ from onnx_modular.errors import InvalidInputError, ParityError
 from onnx_modular.files import function_tree, inline_file, load_model_file, random_inputs
 from onnx_modular.runtime.inputs import feeds_from_arrays, load_arrays
 from onnx_modular.storage import save
+from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.display import display_bytes
 
 # -- export ------------------------------------------------------------------------------
@@ -363,7 +363,10 @@ def run_profile(args: argparse.Namespace) -> int:
     written = report.save(**{kind: None if path == "-" else path for kind, path in outputs.items()})
     for path in written:  # written first: a reader that stops early (| head) does not lose them
         stderr(f"Wrote {path}")
-    print(report.to_json() if to_stdout else report.format(max_depth=args.depth or None, top=args.top))
+    if to_stdout:
+        print(report.to_json())  # JSON escapes every control character itself
+    else:
+        stdout(report.format(max_depth=args.depth or None, top=args.top))  # call paths from the file: escaped
     return EXIT_OK
 
 
@@ -382,8 +385,8 @@ def run_extract(args: argparse.Namespace) -> int:
     if args.inputs and not args.with_data:
         raise InvalidInputError("--inputs gives the whole model's inputs for the test data: add --with-data.")
     result = extract(args.model, args.call, args.output, with_data=args.with_data, inputs=_npz_feeds(args))
-    print(f"Wrote {len(result.models)} model(s) into {args.output}")
-    print(result)
+    stdout(f"Wrote {len(result.models)} model(s) into {args.output}")
+    stdout(result)  # call paths and output names come from the file: escaped
     return EXIT_OK
 
 
@@ -401,7 +404,7 @@ def run_split(args: argparse.Namespace) -> int:
 def run_replace(args: argparse.Namespace) -> int:
     from onnx_modular.files.replace import replace
 
-    print(replace(args.model, args.target, args.block, args.output, inputs=_npz_feeds(args)))
+    stdout(replace(args.model, args.target, args.block, args.output, inputs=_npz_feeds(args)))  # names escaped
     return EXIT_OK
 
 
@@ -480,18 +483,17 @@ def run_view(args: argparse.Namespace) -> int:
     from onnx_modular.files.view import serve
 
     model = load_model_file(args.model)  # bounded, checked, external-data references included
+    check_expanded_size(model, name=repr(args.model))  # what tree refuses is not served either
     try:
-        import netron
+        import netron  # noqa: F401 - its static files are served
     except ImportError:
         raise InvalidInputError("Viewing needs the netron package: pip install netron") from None
-    # netron logs its own "Serving ..." line (configuring the root logger if nobody did); one is enough.
-    logging.getLogger("netron").setLevel(logging.WARNING)
     # Lifted constants back in their bodies (storage/display.py), unless --as-stored.
     shown = None if args.as_stored else display_bytes(model)
     note = "" if shown is None else " with its lifted constants shown in their bodies (--as-stored: the file as it is)"
     with serve(args.model, model, address=(args.host, args.port), browse=not args.no_browser, shown=shown) as (host, port):
         stderr(f"Netron is serving {args.model}{note} at http://{host}:{port} (Ctrl+C to stop)")
-        while netron.status((host, port)):
+        while True:
             time.sleep(0.1)
     return EXIT_OK
 

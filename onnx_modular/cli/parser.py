@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
         "In Netron, click the ƒ on a call node to enter its function.",
     )
     view.add_argument("model", help="the .onnx file")
-    view.add_argument("--port", type=int, default=8080, help="port to serve on (default 8080)")
+    view.add_argument("--port", type=int, default=8080, help="port to serve on (default 8080; 0: any free port)")
     view.add_argument("--host", default="localhost", help="address to serve on (default localhost)")
     view.add_argument("--no-browser", action="store_true", help="do not open a browser")
     view.add_argument(

@@ -29,6 +29,7 @@ place whole.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -44,9 +45,11 @@ from onnx_modular.calls.capture import call_values
 from onnx_modular.check.parity import allclose, default_tolerance, max_differences
 from onnx_modular.errors import InvalidInputError, ParityError, SaveError
 from onnx_modular.format import metadata
+from onnx_modular.format.text import shown
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import locks, save
+from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.load import load_model_file
 from onnx_modular.storage.proto import all_nodes, function_label
 
@@ -124,10 +127,21 @@ def check_output_folder(out: str | os.PathLike) -> pathlib.Path:
     return folder
 
 
+#: Longest folder name made from a call or function name: room for a ``_<n>`` suffix under the
+#: file systems' 255-byte NAME_MAX (a longer name is cut and ends with a hash of the whole).
+_CASE_NAME_MAX = 200
+
+
+#: Largest value written as one test-data file: a ``TensorProto`` is a protobuf message, 2 GiB at most.
+MAX_RECORDED_BYTES = 2**31 - 2**16
+
+
 def _case_name(text: str, taken: set[str]) -> str:
     name = re.sub(r"[^A-Za-z0-9._@-]", "_", text) or "call"
     if name.startswith("."):
         name = "_" + name
+    if len(name) > _CASE_NAME_MAX:
+        name = name[: _CASE_NAME_MAX - 9] + "~" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
     return _calls.unique_name(name, taken)
 
 
@@ -144,8 +158,9 @@ class _Formal:
 
 def _formals(model: onnx.ModelProto, function: onnx.FunctionProto, sites: list[metadata.ExpandedCall]) -> list[_Formal]:
     formals = []
+    main_names = _calls.main_graph_names(model)  # once, not per call
     for index, name in enumerate(function.input):
-        sources = [_calls.initializer_source(model, site, index) for site in sites]
+        sources = [_calls.initializer_source(model, site, index, main_names=main_names) for site in sites]
         if all(s is not None for s in sources) and len(set(sources)) == 1:
             formals.append(_Formal(name, sources[0], None))
         elif all(s is not None for s in sources):
@@ -381,7 +396,15 @@ def _write_case(
                     hint="Nothing was written. A body with random ops differs on every run; otherwise check the file "
                     "with `onnx-modular verify`, and report it with the model.",
                 )
-        data = write_data_set(folder / f"test_data_set_{k}", feeds, dict(zip(output_names, outputs)))
+        for n, array in [*feeds.items(), *zip(output_names, outputs)]:
+            if np.asarray(array).nbytes > MAX_RECORDED_BYTES:
+                raise SaveError(
+                    f"The value {shown(n)!r} of the call {shown(name)} holds {np.asarray(array).nbytes / 2**30:.2f} GiB; a test "
+                    "data file (one TensorProto, as onnx's test runners read it) cannot exceed protobuf's 2 GiB limit.",
+                    module_path=name,
+                    hint="Nothing was written. Extract without --with-data, or record smaller inputs (--inputs).",
+                )
+        data = write_data_set(folder / f"test_data_set_{k}", {n: feeds[n] for n in input_names}, dict(zip(output_names, outputs)))
         results.append((name, data, differences))
     return results
 
@@ -425,6 +448,7 @@ def extract(
     folder = check_output_folder(out)
     source = str(path)
     model = load_model_file(path)
+    check_expanded_size(model, name=repr(source))  # a call bomb is refused at once, as tree and verify refuse it
     target = _calls.resolve_target(model, call)
     calls = _calls.module_calls(model)
     functions = {(f.domain, f.name, f.overload): f for f in model.functions}

@@ -86,7 +86,7 @@ def inline_file(
     check_expanded_size(model, name=repr(str(source)))  # before onnx.inliner expands anything
     external = uses_external_data(model)
     if external:
-        load_external_data(model, pathlib.Path(source).parent, name=repr(str(source)))
+        load_external_data(model, pathlib.Path(source).parent, name=repr(str(source)), model_path=source)
     try:
         if only:
             flat = inline_functions(model, _resolve_function_ids(model, only))

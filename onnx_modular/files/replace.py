@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -40,7 +41,8 @@ from onnx_modular.passes import opset_conversion as opset
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import save
-from onnx_modular.storage.load import load_model_file
+from onnx_modular.storage.checks import check_expanded_size
+from onnx_modular.storage.load import load_external_data, load_model_file
 from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, function_label, node_id
 
 __all__ = ["replace", "Replacement"]
@@ -90,6 +92,17 @@ def _fits(want: tuple[int, int | None] | None, got: tuple[int, int | None] | Non
     if want is None or got is None:
         return True
     return want[0] == got[0] and (want[1] is None or got[1] is None or want[1] == got[1])
+
+
+def _lying_dim(want: onnx.ValueInfoProto, got: onnx.ValueInfoProto) -> tuple[int, int, int] | None:
+    """(axis, the function's size, the block's size) of the first fixed dimension the block declares
+    otherwise than the function, where both fix it; None when none differs."""
+    if _type(want) is None or _type(got) is None or _type(want)[1] != _type(got)[1]:
+        return None
+    for axis, (a, b) in enumerate(zip(want.type.tensor_type.shape.dim, got.type.tensor_type.shape.dim)):
+        if a.HasField("dim_value") and b.HasField("dim_value") and a.dim_value != b.dim_value:
+            return axis, a.dim_value, b.dim_value
+    return None
 
 
 def _type_text(kind: tuple[int, int | None]) -> str:
@@ -196,6 +209,15 @@ def _check_signature(graph: onnx.GraphProto, function: onnx.FunctionProto, text:
             raise mismatch(f"its input {value.name!r} is {_type_text(got)}; {label} takes {_type_text(want)}")
         inputs.append(value.name)
     outputs = [value.name for value in graph.output]
+    computed = {name for node in graph.node for name in node.output if name} | {v.name for v in graph.input} | initializers
+    for name in outputs:
+        if name not in computed:
+            raise mismatch(f"no node computes its output {name!r}")
+    for value in [*graph.input, *graph.output]:
+        if value.name in declared:
+            lying = _lying_dim(declared[value.name], value)
+            if lying is not None:
+                raise mismatch(f"{value.name!r} declares dimension {lying[0]} as {lying[2]}; {label} has {lying[1]}")
     if len(outputs) != len(function.output):
         raise mismatch(f"it has {len(outputs)} outputs ({', '.join(outputs)}); {label} has {len(function.output)}")
     for value, name in zip(graph.output, function.output):
@@ -429,8 +451,14 @@ def replace(
 
     destination = save.check_destination(out)
     text = str(block)
-    model = load_model_file(path, load_external_data=True)
-    edited = load_model_file(block, load_external_data=True)
+    model = load_model_file(path)
+    edited = load_model_file(block)
+    # Both are expanded by onnxruntime (the check of the result): a call bomb is refused before any work,
+    # as tree and verify refuse it; then only the bytes each tensor references are read.
+    check_expanded_size(model, name=repr(str(path)))
+    check_expanded_size(edited, name=repr(text))
+    load_external_data(model, pathlib.Path(path).parent, name=repr(str(path)), model_path=path)
+    load_external_data(edited, pathlib.Path(block).parent, name=repr(text), model_path=block)
     edited = _check_opsets(edited, model, text)
     nodes = _sorted_nodes(edited.graph, text)
     selected = _calls.resolve_target(model, target)

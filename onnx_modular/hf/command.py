@@ -17,6 +17,7 @@ import contextlib
 import os
 import pathlib
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +35,7 @@ from onnx_modular.hf.exporter import (
     modular_result,
 )
 from onnx_modular.hf.meta import checkpoint_weights
-from onnx_modular.storage import save
+from onnx_modular.storage import locks, save
 
 __all__ = ["RUNTIME_FILES", "export_checkpoint", "streamed"]
 
@@ -113,6 +114,7 @@ def export_checkpoint(
         raise InvalidInputError(f"{str(output)!r} is a file; the export of a checkpoint to a folder needs a folder.")
     # Before any work: the file's folder, or the output folder (or its parent), must exist and be writable.
     save.check_destination(output / "export.json" if output.is_dir() else output)
+    check_checkpoint_links(source)
     stage = progress.stage if progress is not None else _logged_stage(log)
     tolerance = user_tolerance(rtol, atol)  # refuses NaN, infinite or negative values first
     with stage("load") as detail:
@@ -155,8 +157,7 @@ def export_checkpoint(
         if single_file:
             modular_result(exported).save(output, flat_file=flat_file)
         else:
-            exported.save_pretrained(output)
-            _copy_runtime_files(source, output)
+            _save_folder(exported, source, output)
     if failure is not None:
         raise failure
     return exported, reports
@@ -173,30 +174,74 @@ def _logged_stage(log: Callable[[str], None]):
     return stage
 
 
-def _copy_runtime_files(source: str, output: pathlib.Path) -> list[str]:
-    """Copy :data:`RUNTIME_FILES` of the checkpoint folder ``source`` into ``output`` (each atomically,
-    regular files only); what ``save_pretrained`` wrote itself (``generation_config.json``) is kept."""
+def _save_folder(exported: Any, source: str, output: pathlib.Path) -> list[str]:
+    """``save_pretrained`` into a private folder beside ``output``, the runtime files of the checkpoint
+    copied there, then every file moved into ``output`` by :func:`~onnx_modular.storage.save.publish_folder`
+    (one commit: all or nothing, no other model's data overwritten, links in ``output`` replaced, not
+    followed, modes kept)."""
+    parent = output.parent if str(output.parent) else pathlib.Path(".")
+    with locks.temp_folder(parent) as tmpdir:
+        staged = tmpdir / "out"
+        exported.save_pretrained(staged)
+        modes = _copy_runtime_files(source, staged)
+        return save.publish_folder(staged, output, modes=modes)
+
+
+def check_checkpoint_links(source: str | os.PathLike) -> None:
+    """Refuse a checkpoint folder whose ``config.json``, weights or runtime files are links out of it:
+    their content would be read (and copied into the output) from wherever they point. The Hub
+    cache's own links (``snapshots/<revision>/<file>`` to ``../../blobs/<hash>``) are followed."""
     folder = pathlib.Path(source)
-    copied = []
+    if not folder.is_dir():
+        return
+    root = pathlib.Path(os.path.realpath(folder))
+    allowed = [root]
+    if root.parent.name == "snapshots":
+        allowed.append(root.parent.parent / "blobs")
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if not entry.is_symlink():
+                continue
+            target = pathlib.Path(os.path.realpath(entry.path))
+            if not any(target == place or place in target.parents for place in allowed):
+                raise InvalidInputError(
+                    f"{str(folder / entry.name)!r} is a link to a file outside the checkpoint folder; refusing to read it.",
+                    hint="Copy the file into the folder (cp -L) if it belongs to this checkpoint.",
+                )
+
+
+def _copy_runtime_files(source: str, staged: pathlib.Path) -> dict[str, int]:
+    """Copy :data:`RUNTIME_FILES` of the checkpoint folder ``source`` into the staged folder (regular
+    files only, read without following a link or blocking on a FIFO); what ``save_pretrained`` wrote
+    itself (``generation_config.json``) is kept. Returns ``{name: the source's permission bits}``
+    (a private tokenizer file stays private in the output)."""
+    folder = pathlib.Path(source)
+    copied: dict[str, int] = {}
     if not folder.is_dir():
         return copied
     for name in RUNTIME_FILES:
-        file = folder / name
-        if (output / name).exists() or file.is_symlink() or not file.is_file():
+        if os.path.lexists(staged / name):
             continue
-        staged = output / f".{name}.{os.getpid()}.tmp"
         try:
-            shutil.copyfile(file, staged)
-            os.replace(staged, output / name)
+            fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue  # absent, a link or unreadable: not copied
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                continue
+            with open(staged / name, "xb") as out, open(fd, "rb", closefd=False) as src:
+                shutil.copyfileobj(src, out, 1 << 20)
         finally:
-            staged.unlink(missing_ok=True)
-        copied.append(name)
+            os.close(fd)
+        copied[name] = stat.S_IMODE(info.st_mode)
     return copied
 
 
 def streamed(args: argparse.Namespace, log: Callable[[str], None] = lambda text: None) -> dict[str, Any]:
     """``--stream-weights``: what the CLI gives ``export_modular`` (``model`` on meta, ``kwargs``,
     ``dynamic_shapes``, ``weights`` = the folder) to export one .onnx file."""
+    check_checkpoint_links(args.factory)
     task = _task(args, log)
     model, inputs, shapes = model_and_inputs(
         args.factory, task, static=args.static, generation=args.generation, stream_weights=True, dtype=args.dtype

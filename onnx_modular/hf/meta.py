@@ -55,6 +55,11 @@ def _estimated_parameters(config: dict) -> int:
         depth = max((part[k] for k in _DEPTHS if type(part.get(k)) is int), default=0)
         vocab = part.get("vocab_size") if type(part.get("vocab_size")) is int else 0
         total += vocab * width + depth * width * width
+        # An explicit head_dim: every layer projects the width to heads x head_dim (the query), whatever
+        # the width says (head_dim=5e8 asked gigabytes of the rotary tables before this bound).
+        heads = part.get("num_attention_heads") if type(part.get("num_attention_heads")) is int else 1
+        head_dim = part.get("head_dim") if type(part.get("head_dim")) is int else 0
+        total += max(depth, 1 if head_dim else 0) * width * heads * head_dim
     return total
 
 

@@ -77,9 +77,19 @@ def _feeds(model: onnx.ModelProto, inputs: Any, dims: Mapping[str, int] | None, 
     )
 
 
-def _count(value: Any, name: str, minimum: int) -> int:
+#: Most intra-op threads a profile asks onnxruntime for: far past any gain, and well below the
+#: counts that crash it (``--threads 100000`` ends in a segmentation fault while creating them).
+MAX_THREADS = 1024
+
+
+def _count(value: Any, name: str, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise InvalidInputError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+    if maximum is not None and value > maximum:
+        raise InvalidInputError(
+            f"{name} must be at most {maximum}, got {value!r}.",
+            hint=f"This machine has {os.cpu_count()} cores; more threads than cores only wait on each other.",
+        )
     return int(value)
 
 
@@ -152,7 +162,7 @@ def profile(
     runs = _count(runs, "runs", 1)
     warmup = _count(warmup, "warmup", 0)
     if threads is not None:
-        threads = _count(threads, "threads", 1)
+        threads = _count(threads, "threads", 1, MAX_THREADS)
     if optimization not in OPTIMIZATION_LEVELS:
         raise InvalidInputError(f"optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {optimization!r}.")
     providers = runtime.execution_providers(execution_provider)  # an unknown provider fails first
@@ -179,7 +189,7 @@ def profile(
             except VerificationError as e:
                 session.end_profiling()
                 raise ProfileError(first_line(e).removeprefix("[verify] "), hint=e.hint) from e
-        events = json.loads(pathlib.Path(session.end_profiling()).read_text(encoding="utf-8"))
+        events = read_events(pathlib.Path(session.end_profiling()))
         optimized = onnx.load(str(folder / "optimized.onnx"), load_external_data=False)
     del session
     attribution = attribute(copy, origins, optimized, tree)
@@ -195,6 +205,24 @@ def profile(
     if not model.functions:
         note = f"{os.path.basename(str(path))} has no local functions: the time is shown by op type."
     return _build(str(path), tree, events, attribution, warmup, runs, settings, note)
+
+
+_EVENT_ARGS = ("op_name", "provider")
+
+
+def _slim_event(item: dict) -> dict:
+    """One profiler event with only what :func:`_build` reads (the shapes, thread statistics and
+    parameters onnxruntime records per kernel are dropped as the JSON is parsed)."""
+    if "cat" in item and "ts" in item:
+        args = item.get("args")
+        args = {key: args[key] for key in _EVENT_ARGS if key in args} if isinstance(args, dict) else {}
+        return {"cat": item["cat"], "name": item.get("name", ""), "ts": item["ts"], "dur": item.get("dur", 0), "args": args}
+    return item
+
+
+def read_events(path: pathlib.Path) -> list[dict]:
+    """onnxruntime's profile (a JSON list of events), each event slimmed while parsed (:func:`_slim_event`)."""
+    return json.loads(path.read_text(encoding="utf-8"), object_hook=_slim_event)
 
 
 def _build(path, tree: CallTree, events, attribution: Mapping[str, Attribution], warmup, runs, settings, note):

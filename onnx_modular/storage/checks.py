@@ -6,6 +6,8 @@ import os
 from collections.abc import Iterable, Mapping
 
 import onnx
+import onnx.defs
+import onnx.numpy_helper
 
 from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.storage.proto import (
@@ -27,6 +29,7 @@ __all__ = [
     "check_model_structure",
     "expanded_size",
     "check_expanded_size",
+    "MAX_LOOP_TRIPS",
 ]
 
 #: Larger declared dimensions are refused: no real tensor has 2**40 elements along one axis,
@@ -46,6 +49,12 @@ MAX_EXPANDED_NODES = 2_000_000
 #: of the calls (measured: 16,384 calls 2.3 s, 32,768 calls 17 s); real models make a few
 #: thousand (a 48-layer transformer about 700). ``ONNX_MODULAR_MAX_EXPANDED_CALLS`` raises it.
 MAX_EXPANDED_CALLS = 20_000
+#: Most iterations of a ``Loop`` whose trip count is a constant and whose condition cannot stop it
+#: (absent, or a constant ``true`` passed through): onnxruntime runs it to the end, holding every
+#: scan output (a ``Loop`` of 10**5 steps took 3.5 GB; 2**62 steps never end).
+#: ``ONNX_MODULAR_MAX_LOOP_TRIPS`` raises it.
+MAX_LOOP_TRIPS = 2**14
+_TRIPS_VARIABLE = "ONNX_MODULAR_MAX_LOOP_TRIPS"
 _NODES_VARIABLE = "ONNX_MODULAR_MAX_EXPANDED_NODES"
 _CALLS_VARIABLE = "ONNX_MODULAR_MAX_EXPANDED_CALLS"
 
@@ -326,6 +335,8 @@ def check_expanded_size(model: onnx.ModelProto, *, name: str = "the model") -> t
     Raises:
         InvalidModelFileError: Saying the expanded size, the limit and how to raise it.
     """
+    _check_loop_trips(model, name)
+    _check_known_opsets(model, name)
     nodes, calls = expanded_size(model)
     for what, count, variable, default in (
         ("nodes", nodes, _NODES_VARIABLE, MAX_EXPANDED_NODES),
@@ -340,3 +351,82 @@ def check_expanded_size(model: onnx.ModelProto, *, name: str = "the model") -> t
                 f"the environment variable {variable}={count}."
             )
     return nodes, calls
+
+
+def _constant_values(model: onnx.ModelProto) -> dict[str, onnx.TensorProto | int | bool]:
+    """Every constant a node may read, by name: initializers and ``Constant`` outputs, in any graph."""
+    values: dict[str, onnx.TensorProto | int | bool] = {}
+    graphs = [model.graph]
+    while graphs:
+        graph = graphs.pop()
+        for tensor in graph.initializer:
+            values[tensor.name] = tensor
+        for node in graph.node:
+            graphs.extend(subgraphs(node))
+    for node in all_nodes([*model.graph.node, *(n for f in model.functions for n in f.node)]):
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
+            for attribute in node.attribute:
+                if attribute.name == "value":
+                    values[node.output[0]] = attribute.t
+                elif attribute.name == "value_int":
+                    values[node.output[0]] = attribute.i
+    return values
+
+
+def _scalar(value: onnx.TensorProto | int | bool | None) -> int | None:
+    if value is None or isinstance(value, (int, bool)):
+        return value
+    if value.data_location == onnx.TensorProto.EXTERNAL or len(value.dims) > 1 or any(d != 1 for d in value.dims):
+        return None
+    try:
+        array = onnx.numpy_helper.to_array(value)
+    except Exception:
+        return None
+    return int(array.reshape(-1)[0]) if array.size == 1 else None
+
+
+def _check_loop_trips(model: onnx.ModelProto, name: str) -> None:
+    """Refuse a ``Loop`` that would run more than :data:`MAX_LOOP_TRIPS` iterations whatever its
+    inputs: a constant trip count, and a condition that cannot end it (absent or constant true at
+    entry, passed through unchanged or set to a constant true by the body)."""
+    nodes = [n for n in all_nodes([*model.graph.node, *(n for f in model.functions for n in f.node)]) if n.op_type == "Loop"]
+    if not nodes:
+        return
+    limit = _limit(_TRIPS_VARIABLE, MAX_LOOP_TRIPS)
+    constants = _constant_values(model)
+    for node in nodes:
+        trips = _scalar(constants.get(node.input[0])) if len(node.input) > 0 and node.input[0] else None
+        if trips is None or trips <= limit:
+            continue
+        start = node.input[1] if len(node.input) > 1 else ""
+        if start and _scalar(constants.get(start)) != 1:
+            continue  # a condition computed at run time may stop it
+        body = next((a.g for a in node.attribute if a.name == "body"), None)
+        if body is None or len(body.output) < 1:
+            continue
+        condition_in = body.input[1].name if len(body.input) > 1 else None
+        condition_out = body.output[0].name
+        inner = {n.output[0]: n for n in body.node if n.output}
+        producer = inner.get(condition_out)
+        while producer is not None and producer.op_type == "Identity" and producer.input:
+            condition_out = producer.input[0]
+            producer = inner.get(condition_out)
+        if condition_out != condition_in and _scalar(constants.get(condition_out)) != 1:
+            continue
+        raise InvalidModelFileError(
+            f"{name}: the Loop {shown(node.name)!r} runs {trips} iterations (more than the limit of {limit}) and "
+            "nothing can stop it earlier; running it would not end in reasonable time or memory. If the model is "
+            f"genuine, raise the limit with the environment variable {_TRIPS_VARIABLE}={trips}."
+        )
+
+
+def _check_known_opsets(model: onnx.ModelProto, name: str) -> None:
+    """Refuse a standard-domain opset newer than this onnx knows: onnx's inliner and checker, and
+    onnxruntime, would each fail their own way (a file claiming opset 2**63-1 is no model)."""
+    known = onnx.defs.onnx_opset_version()
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx") and opset.version > known:
+            raise InvalidModelFileError(
+                f"{name} imports the ONNX opset {opset.version}; the installed onnx knows opsets up to {known}.",
+                hint="Convert the model to a known opset, or upgrade onnx and onnxruntime if this one is genuine.",
+            )

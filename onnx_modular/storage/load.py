@@ -6,6 +6,7 @@ hang or exhaust memory later (see :func:`onnx_modular.storage.checks.check_model
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import stat
@@ -18,7 +19,7 @@ from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.storage.checks import check_model_structure
 from onnx_modular.storage.proto import all_tensors, numel, shown, uses_external_data
 
-__all__ = ["load_model_file", "load_external_data", "read_regular_file", "check_external_data"]
+__all__ = ["load_model_file", "load_external_data", "read_regular_file", "check_external_data", "data_file_in_use", "open_regular_file"]
 
 #: Protobuf cannot parse a message of 2 GiB or more.
 _PROTOBUF_LIMIT = 2**31
@@ -277,7 +278,31 @@ def _nonnegative(value: str | None, what: str, where: str) -> int | None:
     return number
 
 
-def check_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, name: str = "the model") -> None:
+#: ``(st_dev, st_ino)`` of every external-data file a model checked in this process refers to, with
+#: the model files that refer to it (``None``: a model not read from a file). A save never removes
+#: one of these as "the previous model's data" while another of those models is still there (the
+#: source of ``inline`` sharing its data-file name with the destination would lose its weights).
+_DATA_FILES_IN_USE: dict[tuple[int, int], set[str | None]] = {}
+
+
+def data_file_in_use(path: str | os.PathLike, *, replaced: str | os.PathLike | None = None) -> bool:
+    """Whether ``path`` is an external-data file of a model this process read (see
+    :func:`check_external_data`) other than ``replaced`` (the model file a save replaces) that is
+    still there."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    replaced = os.path.realpath(replaced) if replaced is not None else None
+    for model in _DATA_FILES_IN_USE.get((info.st_dev, info.st_ino), ()):
+        if model is None or (model != replaced and os.path.lexists(model)):
+            return True
+    return False
+
+
+def check_external_data(
+    model: onnx.ModelProto, folder: str | os.PathLike, *, name: str = "the model", model_path: str | os.PathLike | None = None
+) -> None:
     """Check every external-data reference of ``model`` before anything reads it.
 
     Each ``location`` must be a relative path that stays inside ``folder`` (the model's
@@ -316,6 +341,9 @@ def check_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, na
             if not stat.S_ISREG(info.st_mode):
                 raise InvalidModelFileError(f"{where} refers to external data {shown(location)!r}, which is not a regular file.")
             sizes[location] = info.st_size
+            _DATA_FILES_IN_USE.setdefault((info.st_dev, info.st_ino), set()).add(
+                os.path.realpath(model_path) if model_path is not None else None
+            )
         size = sizes[location]
         offset = _nonnegative(fields.get("offset"), "offset", where) or 0
         length = _nonnegative(fields.get("length"), "length", where)
@@ -331,7 +359,9 @@ def check_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, na
             )
 
 
-def load_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, name: str = "the model") -> None:
+def load_external_data(
+    model: onnx.ModelProto, folder: str | os.PathLike, *, name: str = "the model", model_path: str | os.PathLike | None = None
+) -> None:
     """Read every external tensor of ``model`` (:func:`~onnx_modular.storage.proto.all_tensors`:
     sparse tensors and subgraphs in functions included) into the model, after
     :func:`check_external_data`: each read is bounded by the file's size and opened as a
@@ -340,26 +370,60 @@ def load_external_data(model: onnx.ModelProto, folder: str | os.PathLike, *, nam
     Raises:
         InvalidModelFileError: A reference the check refuses, or a file changed since.
     """
-    check_external_data(model, folder, name=name)
+    check_external_data(model, folder, name=name, model_path=model_path)
     root = pathlib.Path(os.path.realpath(folder))
-    contents: dict[str, memoryview] = {}
-    for tensor in all_tensors(model):
-        if not onnx.external_data_helper.uses_external_data(tensor):
-            continue
-        fields = _external_fields(tensor)
-        location = fields["location"]
-        if location not in contents:
-            data = read_regular_file(root / location, f"{shown(location)} (external data of {name})", limit=2**62)
-            contents[location] = memoryview(data)
-        data = contents[location]
-        offset = int(fields.get("offset") or 0)
-        length = fields.get("length")
-        end = len(data) if length is None else offset + int(length)
-        if end > len(data):
-            raise InvalidModelFileError(f"{name}: the external data {shown(location)!r} changed while being read.")
-        tensor.raw_data = bytes(data[offset:end])
-        del tensor.external_data[:]
-        tensor.data_location = onnx.TensorProto.DEFAULT
+    with contextlib.ExitStack() as stack:
+        files: dict[str, int] = {}
+        for tensor in all_tensors(model):
+            if not onnx.external_data_helper.uses_external_data(tensor):
+                continue
+            fields = _external_fields(tensor)
+            location = fields["location"]
+            if location not in files:
+                files[location] = stack.enter_context(open_regular_file(root / location, f"{shown(location)} (external data of {name})"))
+            fd = files[location]
+            size = os.fstat(fd).st_size
+            offset = int(fields.get("offset") or 0)
+            length = fields.get("length")
+            end = size if length is None else offset + int(length)
+            if end > size:
+                raise InvalidModelFileError(f"{name}: the external data {shown(location)!r} changed while being read.")
+            tensor.raw_data = _read_range(fd, offset, end - offset, location, name)
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+
+
+@contextlib.contextmanager
+def open_regular_file(file: pathlib.Path, text: str):
+    """A read descriptor of a regular file (a FIFO or a device is refused without blocking)."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise InvalidModelFileError(f"{text} cannot be read: {e.strerror or e}.") from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidModelFileError(f"{text} is not a regular file.")
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _read_range(fd: int, offset: int, length: int, location: str, name: str) -> bytes:
+    """Bytes ``offset`` to ``offset + length`` of an open file: only what a tensor references is
+    read (a 32-byte weight at the start of a sparse 20 GiB file costs 32 bytes, not 20 GiB)."""
+    buffer = bytearray(length)
+    view, filled = memoryview(buffer), 0
+    try:
+        while filled < length:
+            count = os.preadv(fd, [view[filled : filled + (1 << 24)]], offset + filled)
+            if not count:
+                raise InvalidModelFileError(f"{name}: the external data {shown(location)!r} changed while being read.")
+            filled += count
+    except OSError as e:
+        raise InvalidModelFileError(f"{name}: the external data {shown(location)!r} cannot be read: {e.strerror or e}.") from e
+    finally:
+        view.release()
+    return bytes(buffer)
 
 
 _load_external_data = load_external_data  # the parameter of load_model_file shadows the name
@@ -418,8 +482,8 @@ def load_model_file(
         )
     if check:
         check_model_structure(model, name=repr(text))
-        check_external_data(model, file.parent, name=repr(text))
+        check_external_data(model, file.parent, name=repr(text), model_path=file)
     if load_external_data and uses_external_data(model):
-        _load_external_data(model, file.parent, name=repr(text))
+        _load_external_data(model, file.parent, name=repr(text), model_path=file)
     return model
 

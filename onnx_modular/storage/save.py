@@ -65,6 +65,7 @@ __all__ = [
     "TEMP_PREFIX",
     "data_name",
     "referenced_data",
+    "publish_folder",
 ]
 
 # Above this many bytes of weights, store them in external data, as torch.onnx.export does for
@@ -255,6 +256,12 @@ class Staging:
         self.destination = destination
         self.model_path = tmpdir / _safe_stem(destination.name, _name_max(tmpdir) - _NAME_ROOM)
         self.data_location = _choose_data_name(destination)
+        #: Whether the commit removes the data files of the model it replaces. A report (a text
+        #: file) replaces the file named and nothing else, whatever that file was.
+        self.retires_previous_data = True
+        #: Permission bits the file may have at most (a copy of a private file stays private),
+        #: whatever the mode of the file it replaces.
+        self.max_mode: int | None = None
 
 
 @contextlib.contextmanager
@@ -309,9 +316,17 @@ def atomic_writes(paths: list[str | os.PathLike]) -> Iterator[list[Staging]]:
         try:
             for staging in stagings:
                 staged_data = staging.model_path.parent / staging.data_location
-                if staged_data.exists() and staging.model_path.exists():
-                    # onnx's external-data writer creates the data file 0600: give it the model's permissions.
-                    os.chmod(staged_data, stat.S_IMODE(staging.model_path.stat().st_mode))
+                if staging.model_path.exists():
+                    # A file written over an existing one keeps its permissions (a private 0600 model stays
+                    # private); onnx's external-data writer creates the data file 0600: it gets the model's.
+                    mode = _existing_mode(staging.destination)
+                    if mode is None:
+                        mode = stat.S_IMODE(staging.model_path.stat().st_mode)
+                    if staging.max_mode is not None:
+                        mode &= staging.max_mode
+                    os.chmod(staging.model_path, mode)
+                    if staged_data.exists():
+                        os.chmod(staged_data, stat.S_IMODE(staging.model_path.stat().st_mode))
                 for staged in (staged_data, staging.model_path):
                     if staged.exists():
                         _fsync(staged)
@@ -320,6 +335,26 @@ def atomic_writes(paths: list[str | os.PathLike]) -> Iterator[list[Staging]]:
         except OSError as e:
             shown = ", ".join(_shown(d) for d in destinations)
             raise SaveError(f"Moving the file into {shown} failed: {e}") from e
+
+
+def _existing_mode(destination: pathlib.Path) -> int | None:
+    """The permission bits of the regular file at ``destination`` (through a link), None when there is none."""
+    try:
+        info = os.stat(destination)
+    except OSError:
+        return None
+    return stat.S_IMODE(info.st_mode) if stat.S_ISREG(info.st_mode) else None
+
+
+def _removable(path: pathlib.Path, destination: pathlib.Path) -> bool:
+    """A previous data file of ``destination`` may be removed: a regular file (not a link) that no
+    other model this process read refers to (:func:`~onnx_modular.storage.load.data_file_in_use`)."""
+    from onnx_modular.storage.load import data_file_in_use
+
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode) and not data_file_in_use(path, replaced=destination)
+    except OSError:
+        return False
 
 
 def _parent(destination: pathlib.Path) -> pathlib.Path:
@@ -360,7 +395,7 @@ def _finish_interrupted_commit(destination: pathlib.Path) -> None:
         for name in names:
             if isinstance(name, str) and name not in current and own.fullmatch(name):
                 with contextlib.suppress(OSError):
-                    if stat.S_ISREG(os.lstat(destination.parent / name).st_mode):
+                    if _removable(destination.parent / name, destination):
                         os.unlink(destination.parent / name)
     with contextlib.suppress(OSError):
         os.unlink(journal)
@@ -415,7 +450,7 @@ def _move_in(staging: Staging, *, keep_previous: bool) -> _Moved:
     if not staged_data.exists():
         staged_data = None
     _check_replaceable(destination, _shown(destination))  # it may have changed since the check
-    previous = _references(destination) or set()
+    previous = (_references(destination) or set()) if staging.retires_previous_data else set()
     own = _data_pattern(destination)
     retired = sorted(name for name in previous if name != staging.data_location and own.fullmatch(name))
     created = [staging.data_location] if staged_data is not None else []
@@ -440,7 +475,7 @@ def _retire(entry: _Moved) -> None:
     parent = _parent(entry.staging.destination)
     for name in entry.retired:
         with contextlib.suppress(OSError):
-            if stat.S_ISREG(os.lstat(parent / name).st_mode):
+            if _removable(parent / name, entry.staging.destination):
                 os.unlink(parent / name)
     if entry.journal is not None:
         with contextlib.suppress(OSError):
@@ -529,9 +564,85 @@ def write_text(path: str | os.PathLike, text: str) -> pathlib.Path:
     private folder next to ``path``, then moved into place; a failure leaves ``path`` as it was.
     """
     with atomic_write(path) as staging:
+        staging.retires_previous_data = False
         try:
             staging.model_path.write_text(text, encoding="utf-8")
         except OSError as e:
             raise SaveError(f"Writing {_shown(staging.destination)} failed: {e}", hint="Check free disk space and permissions.") from e
         destination = staging.destination
     return destination
+
+
+# -- folders ------------------------------------------------------------------------------
+
+
+def _link_or_copy(source: pathlib.Path, target: pathlib.Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
+def _restage_model(source: pathlib.Path, staging: Staging) -> None:
+    """Stage the model file ``source`` (written by another writer, its external data beside it) at
+    ``staging``: its one data file linked (not copied) under ``staging.data_location``, the
+    references rewritten to that name. The weights are never read."""
+    from onnx_modular.storage.proto import all_tensors
+
+    model = onnx.load(str(source), load_external_data=False)
+    locations = set()
+    for tensor in all_tensors(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    locations.add(entry.value)
+                    entry.value = staging.data_location
+    if len(locations) > 1:
+        raise SaveError(f"{_shown(source.name)} refers to {len(locations)} external-data files; one is expected.")
+    for location in locations:
+        data = source.parent / location
+        if os.path.isabs(location) or data.parent != source.parent or not stat.S_ISREG(os.lstat(data).st_mode):
+            raise SaveError(f"{_shown(source.name)} refers to external data {_shown(location)} outside its folder.")
+        _link_or_copy(data, staging.model_path.parent / staging.data_location)
+    with open(staging.model_path, "wb") as file:
+        file.write(model.SerializeToString())
+
+
+def publish_folder(staged: pathlib.Path, output: pathlib.Path, *, modes: dict[str, int] | None = None) -> list[str]:
+    """Move the files of a folder written aside (``staged``: ``save_pretrained`` into a private
+    folder) into ``output``, through this module's commit, so a folder export has the guarantees
+    of a file save: all files move or none (a failed move restores the ones already moved; SIGINT
+    and SIGTERM wait for the moves), a model's external data goes to a name no other file has (an
+    existing ``model.onnx.data`` of another model is never overwritten) and the previous data is
+    retired by the journal, entries of ``output`` that are links are replaced, never followed, a
+    FIFO or device there is refused, and a file written over another keeps that file's mode.
+    ``modes``: the most permission bits a file may get (a copy of a private tokenizer file).
+
+    Returns the names written, in order.
+    """
+    if os.path.lexists(output) and not output.is_dir():
+        raise SaveError(f"The output folder {_shown(output)} is not a folder.", hint="Give a folder path.")
+    output.mkdir(exist_ok=True)
+    names = sorted(os.listdir(staged))
+    data_files = {name for model in names if model.endswith(".onnx") for name in referenced_data(staged / model)}
+    names = [name for name in names if name not in data_files]
+    for name in names:
+        if not stat.S_ISREG(os.lstat(staged / name).st_mode):
+            raise SaveError(f"The export wrote {_shown(name)}, which is not a file; onnx_modular writes files only.")
+    with atomic_writes([output / name for name in names]) as stagings:
+        for name, staging in zip(names, stagings):
+            if name.endswith(".onnx"):
+                _restage_model(staged / name, staging)
+            else:
+                staging.retires_previous_data = False
+                _link_or_copy(staged / name, staging.model_path)
+                staging.max_mode = (modes or {}).get(name)
+    # transformers' from_pretrained (and the Hub) expect <name>.data: a model whose previous data held
+    # that name got a name of its own; that name is free now, so the model moves to it (linked, not copied).
+    for name in names:
+        destination = output / name
+        if name.endswith(".onnx") and referenced_data(destination) not in ({data_name(destination, None)}, set()):
+            if not os.path.lexists(output / data_name(destination, None)):
+                with atomic_write(destination) as staging:
+                    _restage_model(destination, staging)
+    return names
