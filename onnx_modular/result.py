@@ -92,20 +92,29 @@ class ModularExport:
         *,
         external_data: bool | None = None,
         flat_file: bool | str | os.PathLike | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
     ) -> pathlib.Path:
         """Write the model atomically (checked with onnx.checker, full_check=True).
 
         ``flat_file``: also write the flat deployment copy (as ``export_modular(flat_file=...)``:
         ``True`` for ``<stem>.flat.onnx`` beside ``path``); verified against the export's PyTorch
-        outputs when they are stored (``self.flat_report``), both files written or neither.
+        outputs when they are stored (``self.flat_report``; a bfloat16 copy on its float32-widened
+        copy; ``rtol``/``atol`` override the per-dtype tolerance), both files written or neither.
         """
         from onnx_modular.files import flat
 
         flat_path = flat.flat_file_path(path, flat_file)
+        tolerance = verification.tolerance(rtol, atol)
         with flat.staged_with_flat(self.model, path, flat_path, external_data=external_data) as (_, staged_flat):
-            if staged_flat is not None and self._reference is not None:
+            if staged_flat is not None and self._reference_float32 is not None:  # no bfloat16 kernels in onnxruntime
+                self.flat_report = verification.verify_bfloat16(
+                    staged_flat, *self._reference_float32, flat=False, tolerance=tolerance
+                )
+                verification.assert_parity(self.flat_report, result=self)
+            elif staged_flat is not None and self._reference is not None:
                 inputs, expected = self._reference
-                self.flat_report = verification.verify_file(staged_flat, inputs, expected, flat=False)
+                self.flat_report = verification.verify_file(staged_flat, inputs, expected, flat=False, tolerance=tolerance)
                 verification.assert_parity(self.flat_report, result=self)
         self.path, self.flat_path = pathlib.Path(path), flat_path or self.flat_path
         return self.path

@@ -24,6 +24,7 @@ from onnx_modular.files import function_tree, inline_file, load_model_file, rand
 from onnx_modular.runtime.inputs import feeds_from_arrays, load_arrays
 from onnx_modular.storage import save
 from onnx_modular.storage.display import display_bytes
+from onnx_modular.storage.load import stored_bytes
 
 # -- export ------------------------------------------------------------------------------
 
@@ -164,14 +165,19 @@ def run_export(args: argparse.Namespace) -> int:
     else:
         if result.report is not None:
             stdout(result.blocks if result.blocks is not None else result.report)
-        size = pathlib.Path(args.output).stat().st_size
+        size = stored_bytes(args.output)  # the .data file included
         stdout(f"Wrote {args.output} ({size / 1e6:.1f} MB): {result.summary().splitlines()[0]}")
         if result.flat_path is not None:
-            if result.flat_report is not None:
-                stdout(f"Flat copy: {result.flat_report}")
-            stdout(f"Wrote {result.flat_path} ({result.flat_path.stat().st_size / 1e6:.1f} MB): every call inlined, optimized")
+            _print_flat(result.flat_path, result.flat_report)
         _print_tree(args, tree, args.output)
     return EXIT_OK
+
+
+def _print_flat(path: pathlib.Path, report) -> None:
+    """The flat copy's parity report and its "Wrote" line (``--flat-file``)."""
+    if report is not None:
+        stdout(f"Flat copy: {report}")
+    stdout(f"Wrote {path} ({stored_bytes(path) / 1e6:.1f} MB): every call inlined, optimized")
 
 
 def _report_mismatch(args: argparse.Namespace, error: ParityError, reports: dict) -> None:
@@ -212,6 +218,7 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
     from onnx_modular.hf import (
         command,  # imports transformers: a clear error without the [hf] extra
     )
+    from onnx_modular.hf.exporter import modular_result
 
     started = time.perf_counter()
     command.quiet_progress_bars(getattr(args, "verbose", False))
@@ -228,11 +235,14 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
     stderr(f"  {'total':<11} {time.perf_counter() - started:7.2f}s")
     output = pathlib.Path(args.output)
     files = [output] if output.suffix == ".onnx" else [output / f"{name}.onnx" for name in exported.components]
+    flat = modular_result(exported) if output.suffix == ".onnx" and args.flat_file else None
     if args.json:
         print_json(
             {
                 "path": str(output),
                 "ok": all(report.ok for report in reports.values()),
+                "flat_path": None if flat is None or flat.flat_path is None else str(flat.flat_path),
+                "flat_report": None if flat is None or flat.flat_report is None else flat.flat_report.to_dict(),
                 "components": {
                     name: {
                         "file": str(file),
@@ -247,8 +257,9 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
     for name, file in zip(exported.components, files):
         if name in reports:
             stdout(reports[name])
-        size = file.stat().st_size + sum(f.stat().st_size for f in file.parent.glob(file.name + ".data"))
-        stdout(f"Wrote {file} ({size / 1e6:.1f} MB)")
+        stdout(f"Wrote {file} ({stored_bytes(file) / 1e6:.1f} MB)")
+        if flat is not None and flat.flat_path is not None:
+            _print_flat(flat.flat_path, flat.flat_report)
         _print_tree(args, function_tree(load_model_file(file, values=False)), str(file))
     return EXIT_OK
 

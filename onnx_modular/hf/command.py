@@ -151,7 +151,7 @@ def export_checkpoint(
         raise failure
     with stage("save"):
         if single_file:
-            modular_result(exported).save(output, flat_file=flat_file)
+            modular_result(exported).save(output, flat_file=flat_file, rtol=rtol, atol=atol)
         else:
             exported.save_pretrained(output)
             _copy_runtime_files(source, output)

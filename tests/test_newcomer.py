@@ -1,0 +1,105 @@
+"""What a newcomer trips on (issue 37): the guide's recipes as written, and what the command line
+prints and writes on each path."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from onnx_modular import export_modular  # noqa: E402
+from onnx_modular.cli import main  # noqa: E402
+from onnx_modular.hf.meta import model_on_meta  # noqa: E402
+from onnx_modular.passes.widen import WidenFloatPass  # noqa: E402
+
+LLAMA = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=128, max_position_embeddings=64,
+)
+
+
+@pytest.fixture(scope="module")
+def bf16_folder(tmp_path_factory):
+    """A tiny random Llama saved in bfloat16 (the usual format of big checkpoints), in two shards."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama_bf16")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).to(torch.bfloat16).eval()
+    model.save_pretrained(path, max_shard_size="100KB")
+    return path
+
+
+def _widened_outputs(path, feeds):
+    """Run a bfloat16 file in onnxruntime widened to float32 (its CPU provider has no bfloat16 kernels)."""
+    model = ir.load(path)
+    WidenFloatPass()(model)
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def _float32_on_bf16_weights(folder):
+    return transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).float().eval()
+
+
+def test_streamed_bfloat16_guide_snippet(bf16_folder, tmp_path):
+    """The guide's `model_on_meta` + `weights=` snippet on a bfloat16 checkpoint: exported, checked block
+    by block on float32-widened pieces, the file's weights stay bfloat16 in its external data."""
+    model = model_on_meta(bf16_folder)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "llama.onnx"
+    result = export_modular(model, (ids,), path, kwargs={"use_cache": False}, weights=str(bf16_folder))
+    assert result.blocks.ok and result.report.ok
+    assert result.report.reference == "PyTorch float32" and "float32-widened" in result.report.note
+    assert all(p.is_meta for p in model.parameters())  # the weights were streamed, never loaded whole
+    saved = onnx.load(str(path), load_external_data=False)
+    weights = [t for t in saved.graph.initializer if t.data_type == onnx.TensorProto.BFLOAT16]
+    big = [t for t in weights if np.prod(t.dims) >= 1024]
+    assert big and all(t.data_location == onnx.TensorProto.EXTERNAL for t in big)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama.onnx", "llama.onnx.data"]  # no piece left behind
+    (logits,) = _widened_outputs(path, {"input_ids": ids.numpy()})
+    with torch.no_grad():
+        expected = _float32_on_bf16_weights(bf16_folder)(input_ids=ids, use_cache=False).logits
+    np.testing.assert_allclose(logits, expected.numpy(), atol=5e-3, rtol=1e-3)
+
+
+def test_streamed_bfloat16_cli(bf16_folder, tmp_path, capsys):
+    """`export <bf16 checkpoint> --stream-weights` (the task inferred: causal-lm-with-past) exports and
+    verifies, where it failed after the whole capture with `Numpy_type 256`."""
+    out = tmp_path / "m.onnx"
+    assert main(["export", str(bf16_folder), "--stream-weights", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Block-by-block parity" in printed and "float32-widened" in printed and "PASS" in printed
+    data = out.with_name("m.onnx.data").stat().st_size
+    assert data > 150_000  # 90k bfloat16 weights
+    assert f"Wrote {out} ({(out.stat().st_size + data) / 1e6:.1f} MB)" in printed  # the .data file counted
+
+
+@pytest.fixture(scope="module")
+def f32_folder(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama_f32")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval().save_pretrained(path)
+    return path
+
+
+def test_checkpoint_flat_file_is_reported(f32_folder, tmp_path, capsys):
+    """`--flat-file` on the checkpoint path prints the flat copy's parity and its "Wrote" line, and
+    `--json` has `flat_path` and `flat_report` (docs/cli.md promises them)."""
+    out = tmp_path / "m.onnx"
+    assert main(["export", str(f32_folder), "--task", "causal-lm", "-o", str(out), "--flat-file"]) == 0
+    printed = capsys.readouterr().out
+    flat = tmp_path / "m.flat.onnx"
+    assert flat.is_file()
+    assert "Flat copy: Parity against PyTorch" in printed
+    assert f"Wrote {flat} (" in printed and "every call inlined, optimized" in printed
+    out2 = tmp_path / "j.onnx"
+    assert main(["export", str(f32_folder), "--task", "causal-lm", "-o", str(out2), "--flat-file", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["flat_path"] == str(tmp_path / "j.flat.onnx") and report["flat_report"]["ok"] is True
+    assert [o["name"] for o in report["flat_report"]["outputs"]] == ["logits"]
