@@ -151,7 +151,7 @@ def export_modular(
             ... when this onnxruntime build has it, else ``ExecutionProviderError`` before exporting).
         flat_file: Also write the deployment copy: every call inlined and onnxscript's optimizer
             run (as ``onnx-modular inline --optimize``), for runtimes that do not read local
-            functions (OpenVINO, TensorRT; ``docs/compatibility.md``). ``True`` writes
+            functions (OpenVINO; ``docs/compatibility.md``). ``True`` writes
             ``<stem>.flat.onnx`` beside ``f``, or give a path. It is verified against PyTorch like
             the modular file (``result.flat_report``), and the two files are written together or
             not at all. Its nodes keep torch's ``namespace`` per call (Model Explorer's layers).

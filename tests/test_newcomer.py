@@ -103,3 +103,40 @@ def test_checkpoint_flat_file_is_reported(f32_folder, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["flat_path"] == str(tmp_path / "j.flat.onnx") and report["flat_report"]["ok"] is True
     assert [o["name"] for o in report["flat_report"]["outputs"]] == ["logits"]
+
+
+@pytest.fixture(scope="module")
+def whisper_folder(tmp_path_factory):
+    config = transformers.WhisperConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=100, num_mel_bins=8, max_source_positions=16,
+        max_target_positions=16, pad_token_id=1, bos_token_id=2, eos_token_id=3, decoder_start_token_id=2,
+    )
+    path = tmp_path_factory.mktemp("whisper")
+    transformers.WhisperForConditionalGeneration(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("task", [None, "feature-extraction", "seq2seq-lm"])
+def test_unsupported_task_names_what_fits(whisper_folder, tmp_path, capsys, task):
+    """Whisper: its inferred task (seq2seq-lm) and feature-extraction (WhisperModel takes
+    input_features) are refused before loading (exit 2, no traceback), naming the tasks that do fit."""
+    options = [] if task is None else ["--task", task]
+    assert main(["export", str(whisper_folder), *options, "-o", str(tmp_path / "w.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "internal error" not in err
+    assert "cannot be exported for task" in err
+    assert "--task causal-lm (WhisperForCausalLM)" in err and "feature-extraction (" not in err
+    if task == "feature-extraction":
+        assert "WhisperModel.forward takes input_features, where the checkpoint export makes input_ids" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_supported_tasks_of_configs():
+    from onnx_modular.hf.checkpoint import supported_tasks
+
+    llama = supported_tasks(transformers.LlamaConfig(**LLAMA))
+    assert llama == {"feature-extraction": "LlamaModel", "causal-lm": "LlamaForCausalLM",
+                     "causal-lm-with-past": "LlamaForCausalLM"}
+    assert set(supported_tasks(transformers.BertConfig())) == {"feature-extraction", "masked-lm", "causal-lm", "causal-lm-with-past"}
+    assert set(supported_tasks(transformers.ViTConfig())) == {"feature-extraction", "image-classification"}
