@@ -140,3 +140,43 @@ def test_supported_tasks_of_configs():
                      "causal-lm-with-past": "LlamaForCausalLM"}
     assert set(supported_tasks(transformers.BertConfig())) == {"feature-extraction", "masked-lm", "causal-lm", "causal-lm-with-past"}
     assert set(supported_tasks(transformers.ViTConfig())) == {"feature-extraction", "image-classification"}
+
+
+def test_optimum_dtype_spelling_and_recorded_tolerance(f32_folder, tmp_path, capsys):
+    """`--dtype fp16` (Optimum's spelling) exports in float16; export.json records the tolerance the
+    check used (float16's default), not null."""
+    out = tmp_path / "out"
+    assert main(["export", str(f32_folder), "--task", "causal-lm", "--dtype", "fp16", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "PASS" in printed
+    saved = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    assert saved.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    manifest = json.loads((out / "export.json").read_text())["components"]["model"]["metadata"]["export_config"]
+    from onnx_modular.check.parity import default_tolerance
+
+    expected = default_tolerance("float16")
+    assert (manifest["atol"], manifest["rtol"]) == (expected.atol, expected.rtol)
+    assert f"{expected.atol:.0e}/{expected.rtol:.0e}" in printed
+
+
+def test_hub_id_says_download_first(tmp_path, capsys):
+    assert main(["export", "openai-community/gpt2", "-o", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "neither a checkpoint folder nor a factory" in err and "never downloads" in err
+    assert "hf download openai-community/gpt2 --local-dir gpt2" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_parity_failure_names_keep_on_mismatch():
+    """The command line's parity hint gives its options, not Python advice (`error.result.save`)."""
+    import argparse
+
+    from onnx_modular.cli import _for_the_command_line
+    from onnx_modular.errors import ParityError
+
+    error = ParityError("onnxruntime results differ from PyTorch", hint="Inspect error.report; error.result.save(path)")
+    text = _for_the_command_line(error, argparse.Namespace(keep_on_mismatch=False))
+    assert "--keep-on-mismatch" in text and "error.result" not in text and "--atol/--rtol" in text
+    kept = _for_the_command_line(error, argparse.Namespace(keep_on_mismatch=True))
+    assert "was kept" in kept and "error.result" not in kept
+    assert "error.result" in _for_the_command_line(error, argparse.Namespace())  # other commands: as raised

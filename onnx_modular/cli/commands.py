@@ -32,6 +32,13 @@ from onnx_modular.storage.load import stored_bytes
 def _load_factory(spec: str):
     """``package.module:factory`` or ``path/to/file.py:factory`` -> the callable."""
     module_name, sep, attribute = spec.rpartition(":")
+    if not sep and not _importable(spec):  # `export gpt2`, `export org/name`: a Hub id, or a missing folder
+        raise InvalidInputError(
+            f"{spec!r} is neither a checkpoint folder nor a factory ('package.module:function').",
+            hint=f"onnx_modular never downloads: if {spec!r} is a Hub model, download it first "
+            f"(hf download {spec} --local-dir {spec.rstrip('/').rsplit('/', 1)[-1]}) and pass that folder; "
+            "a model already in the local Hugging Face cache exports by its id with --task.",
+        )
     if not sep or not module_name or not attribute:
         raise InvalidInputError(f"Expected 'package.module:factory', got {spec!r}.")
     if module_name.endswith(".py"):
@@ -71,6 +78,14 @@ def _load_factory(spec: str):
             hint="Name a function of your own that returns (model, args): 'package.module:make' or 'file.py:make'.",
         )
     return target
+
+
+def _importable(name: str) -> bool:
+    """Whether ``name``'s top-level package can be imported (``pkg.module`` given without ``:function``)."""
+    try:
+        return importlib.util.find_spec(name.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _call_factory(spec: str) -> dict[str, Any]:

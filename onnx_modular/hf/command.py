@@ -138,11 +138,12 @@ def export_checkpoint(
                 except ParityError as e:
                     failure = failure or e
     for name, component in exported.components.items():  # export.json says what was done
+        used = _tolerance_used(reports.get(name), tolerance)
         component.metadata.export_config.update(
             verify=name in reports,
             verified=bool(name in reports and reports[name].ok),
-            rtol=None if tolerance is None else tolerance.rtol,
-            atol=None if tolerance is None else tolerance.atol,
+            rtol=None if used is None else used.rtol,
+            atol=None if used is None else used.atol,
             task=task,
         )
     if failure is not None:
@@ -158,6 +159,17 @@ def export_checkpoint(
     if failure is not None:
         raise failure
     return exported, reports
+
+
+def _tolerance_used(report: verification.ParityReport | None, given: verification.Tolerance | None):
+    """The tolerance the check applied: the user's, else the loosest per-dtype default of the
+    report's outputs (``None`` when nothing was checked)."""
+    if given is not None or report is None:
+        return given
+    used = [output.tolerance for output in report.outputs if output.tolerance is not None]
+    if not used:
+        return None
+    return verification.Tolerance(atol=max(t.atol for t in used), rtol=max(t.rtol for t in used))
 
 
 def _logged_stage(log: Callable[[str], None]):
