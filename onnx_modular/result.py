@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import torch
@@ -73,6 +74,7 @@ class ModularExport:
             with model_file(self) as path:
                 self._sessions[key] = runtime.session(path, execution_provider)
         inputs = [tensors.to_numpy(t) for t in tensors.flatten_inputs(args, kwargs)]
+        _check_call_inputs(self._sessions[key].get_inputs(), inputs)
         _, outputs = runtime.run(self._sessions[key], inputs)
         return [tensors.to_torch(array) for array in outputs]
 
@@ -244,3 +246,21 @@ def model_file(result: ModularExport) -> Iterator[pathlib.Path]:
         ir.save(result.model, path, external_data="model.onnx.data" if save.wants_external_data(result.model, None) else None)
         yield path
 
+
+def _check_call_inputs(declared: list, inputs: list[np.ndarray]) -> None:
+    """``result(*args)``'s inputs against the session's (count, rank, fixed sizes), as an
+    :class:`InvalidInputError` naming the input, where onnxruntime's own text would be raw."""
+    if len(inputs) != len(declared):
+        raise InvalidInputError(
+            f"The model takes {len(declared)} input tensors ({', '.join(d.name for d in declared)}), "
+            f"{len(inputs)} were given.",
+            hint="Call the result with the inputs of the export (forward()'s arguments).",
+        )
+    for value, array in zip(declared, inputs):
+        dims = list(value.shape)
+        if len(dims) != array.ndim or any(isinstance(d, int) and d != n for d, n in zip(dims, array.shape)):
+            raise InvalidInputError(
+                f"Input {value.name!r} has shape {list(array.shape)} but the model declares {dims} "
+                "(names are dynamic axes, numbers fixed sizes).",
+                hint="Give the input at a declared shape, or export with dynamic_shapes for the axes that vary.",
+            )

@@ -180,3 +180,18 @@ def test_cli_parity_failure_names_keep_on_mismatch():
     kept = _for_the_command_line(error, argparse.Namespace(keep_on_mismatch=True))
     assert "was kept" in kept and "error.result" not in kept
     assert "error.result" in _for_the_command_line(error, argparse.Namespace())  # other commands: as raised
+
+
+def test_result_call_at_a_wrong_shape_is_an_input_error(tmp_path):
+    """`result(x)` at a shape the (static) export does not take: an InvalidInputError naming the
+    input ([input], as verify says it), not onnxruntime's raw text."""
+    from onnx_modular.errors import InvalidInputError
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU()).eval()
+    x = torch.randn(2, 8)
+    result = export_modular(model, (x,), tmp_path / "m.onnx")
+    np.testing.assert_allclose(result(x)[0].numpy(), model(x).detach().numpy(), atol=1e-5)
+    with pytest.raises(InvalidInputError, match=r"\[input\] Input 'input' has shape \[3, 5\] but the model declares \[2, 8\]"):
+        result(torch.randn(3, 5))
+    with pytest.raises(InvalidInputError, match="takes 1 input tensors"):
+        result(x, x)
