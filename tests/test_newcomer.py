@@ -195,3 +195,39 @@ def test_result_call_at_a_wrong_shape_is_an_input_error(tmp_path):
         result(torch.randn(3, 5))
     with pytest.raises(InvalidInputError, match="takes 1 input tensors"):
         result(x, x)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+def test_exported_file_holds_no_absolute_path_of_this_machine(tmp_path):
+    """`pkg.onnx_modular.source` and torch's stack traces are stored relative to the import root
+    (site-packages, the project folder): the exporting machine's folders do not ship with the model."""
+    import os
+    import pathlib
+
+    model = torch.nn.Sequential(_Block(), _Block()).eval()
+    path = tmp_path / "m.onnx"
+    export_modular(model, (torch.randn(2, 4),), path, flat_file=True)
+    site_packages = str(pathlib.Path(torch.__file__).parents[1])
+    here = os.path.dirname(os.path.abspath(__file__))
+    for file in (path, tmp_path / "m.flat.onnx"):
+        saved = onnx.load(str(file), load_external_data=False)
+        values = [p.value for p in saved.metadata_props]
+        for owner in (*saved.functions, saved.graph):
+            values += [p.value for p in getattr(owner, "metadata_props", [])]
+            values += [p.value for node in owner.node for p in node.metadata_props]
+        assert not [v for v in values if site_packages in v or here in v], file
+        traces = [v for v in values if v.startswith("File ") or 'File "' in v]
+        assert traces and any('File "torch/nn/modules/linear.py"' in v for v in traces)
+    saved = onnx.load(str(path), load_external_data=False)
+    sources = {p.value for f in saved.functions for p in f.metadata_props if p.key == "pkg.onnx_modular.source"}
+    sources |= {p.value for n in saved.graph.node for p in n.metadata_props if p.key == "pkg.onnx_modular.source"}
+    assert any(s.startswith("test_newcomer.py:") for s in sources), sources
+    assert any(s.startswith("torch/nn/modules/linear.py:") for s in sources), sources
