@@ -231,3 +231,27 @@ def test_exported_file_holds_no_absolute_path_of_this_machine(tmp_path):
     sources |= {p.value for n in saved.graph.node for p in n.metadata_props if p.key == "pkg.onnx_modular.source"}
     assert any(s.startswith("test_newcomer.py:") for s in sources), sources
     assert any(s.startswith("torch/nn/modules/linear.py:") for s in sources), sources
+
+
+def test_generation_components_get_optimum_axis_names():
+    """`--generation` goes through transformers' exporter with every axis Dim.AUTO (torch's `s44`):
+    each component's axes are renamed as the single-file path names them."""
+    from onnx_modular.hf.checkpoint import generation_axis_names
+    from onnx_modular.passes.dynamic_axes import RenameDynamicAxesPass
+
+    def value(name, dtype, dims):
+        return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(dims))
+
+    keys = value("input.past_key_values.layers.0.keys", ir.DataType.FLOAT, ["s44", 2, "s31", 16])
+    inputs = [value("input_ids", ir.DataType.INT64, ["s44", 1]),
+              value("attention_mask", ir.DataType.INT64, ["s44", "s70"]), keys]
+    node = ir.node("Identity", [keys], outputs=[value("output.past_key_values.layers.0.keys", ir.DataType.FLOAT,
+                                                      ["s44", 2, "s31 + 1", 16])])
+    model = ir.Model(ir.Graph(inputs, node.outputs, nodes=[node], opset_imports={"": 18}), ir_version=10)
+    assert generation_axis_names(model) == {
+        "s44": "batch_size", "s70": "past_sequence_length + sequence_length", "s31": "past_sequence_length",
+    }
+    RenameDynamicAxesPass(generation_axis_names(model))(model)
+    dims = [str(d) for v in (*model.graph.inputs, *model.graph.outputs) for d in v.shape]
+    assert not [d for d in dims if d.startswith("s") and d[1:2].isdigit()]
+    assert [str(d) for d in model.graph.outputs[0].shape] == ["batch_size", "2", "past_sequence_length + 1", "16"]

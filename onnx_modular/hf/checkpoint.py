@@ -40,6 +40,7 @@ __all__ = [
     "GENERATION_TASKS",
     "TASKS",
     "dynamic_shapes",
+    "generation_axis_names",
     "load_checkpoint",
     "meta_checkpoint",
     "model_and_inputs",
@@ -338,6 +339,35 @@ BATCH_AXIS, SEQUENCE_AXIS, PAST_AXIS = "batch_size", "sequence_length", "past_se
 DECODER_SEQUENCE_AXIS = "decoder_sequence_length"
 #: The mask of a step after a prefill covers the past and the new tokens.
 TOTAL_AXIS = f"{PAST_AXIS} + {SEQUENCE_AXIS}"
+
+
+#: Axes of the generation components' inputs, by input name (a cache tensor: ``past_key_values``
+#: in its name), named as :func:`dynamic_shapes` names them.
+_GENERATION_AXES: dict[str, dict[int, str]] = {
+    "input_ids": {0: BATCH_AXIS, 1: SEQUENCE_AXIS},
+    "position_ids": {0: BATCH_AXIS, 1: SEQUENCE_AXIS},
+    "cache_position": {0: SEQUENCE_AXIS},
+    "attention_mask": {0: BATCH_AXIS, 1: TOTAL_AXIS},
+    "past_key_values": {0: BATCH_AXIS, 2: PAST_AXIS},
+}
+
+
+def generation_axis_names(model: Any) -> dict[str, str]:
+    """``{torch symbol: Optimum's name}`` for a generation component (an ``onnx_ir.Model``), from its
+    inputs: ``--generation`` exports through transformers' exporter with every axis ``Dim.AUTO``, so
+    torch names them ``s44``, ``s70``; the single-file path names them from its ``Dim``s. The first
+    input naming a symbol wins (the prefill's mask shares the ids' sequence symbol)."""
+    names: dict[str, str] = {}
+    for value in model.graph.inputs:
+        axes = next((a for key, a in _GENERATION_AXES.items() if key in value.name), None)
+        if axes is None or value.shape is None:
+            continue
+        for axis, name in axes.items():
+            dim = value.shape[axis] if axis < len(value.shape) else None
+            symbol = getattr(dim, "value", None)
+            if isinstance(symbol, str) and symbol not in names and name not in names.values():
+                names[symbol] = name
+    return names
 
 
 def dynamic_shapes(inputs: dict[str, Any]) -> dict[str, Any]:

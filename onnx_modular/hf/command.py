@@ -25,13 +25,14 @@ import transformers
 
 from onnx_modular.check import verification
 from onnx_modular.errors import InvalidInputError, ParityError
-from onnx_modular.hf.checkpoint import infer_task, model_and_inputs, resolve_task
+from onnx_modular.hf.checkpoint import generation_axis_names, infer_task, model_and_inputs, resolve_task
 from onnx_modular.hf.exporter import (
     ModularOnnxConfig,
     ModularOnnxExporter,
     modular_result,
 )
 from onnx_modular.hf.meta import checkpoint_weights
+from onnx_modular.passes.dynamic_axes import RenameDynamicAxesPass
 from onnx_modular.storage import save
 
 __all__ = ["RUNTIME_FILES", "export_checkpoint", "streamed"]
@@ -123,6 +124,9 @@ def export_checkpoint(
     with stage("export") as detail:
         if generation:
             exported = exporter.export_for_generation(model, inputs, config)
+            for name in exported.components:  # Optimum's axis names, as the single-file path writes them
+                component = modular_result(exported, name).model
+                RenameDynamicAxesPass(generation_axis_names(component))(component)
         else:
             exported = exporter.export(model, inputs, config)
         detail.append(f"({', '.join(exported.components)})")
