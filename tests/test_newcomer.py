@@ -255,3 +255,19 @@ def test_generation_components_get_optimum_axis_names():
     dims = [str(d) for v in (*model.graph.inputs, *model.graph.outputs) for d in v.shape]
     assert not [d for d in dims if d.startswith("s") and d[1:2].isdigit()]
     assert [str(d) for d in model.graph.outputs[0].shape] == ["batch_size", "2", "past_sequence_length + 1", "16"]
+
+
+def test_relative_column_leaves_out_values_the_absolute_tolerance_judges():
+    """A float16 output near 0 (1e-4, off by 3e-3) passes on atol: its row no longer shows a relative
+    error of 30 beside PASS; a real relative error (on a value above atol) is still shown."""
+    from onnx_modular.check.parity import compare_outputs, default_tolerance
+
+    expected = np.array([1e-4, 1.0, -2.0], dtype=np.float16)
+    actual = np.array([3.1e-3, 1.001, -2.0], dtype=np.float16)
+    report = compare_outputs(["logits"], [actual], None, [expected])
+    (row,) = report.outputs
+    assert row.ok and default_tolerance("float16").atol > 1e-4
+    assert row.modular_max_abs == pytest.approx(3e-3, rel=0.05)
+    assert row.modular_max_rel < 1e-2  # 1.001 vs 1.0 in float16, not 3e-3 / 1e-4
+    far = compare_outputs(["logits"], [np.array([1.0, 1.5], np.float32)], None, [np.array([1.0, 1.0], np.float32)])
+    assert far.outputs[0].modular_max_rel == pytest.approx(0.5, rel=1e-3) and not far.outputs[0].ok
