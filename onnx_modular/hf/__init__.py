@@ -34,6 +34,7 @@ from onnx_modular.hf.checkpoint import (
     load_checkpoint,
     model_and_inputs,
     sample_inputs,
+    supported_tasks,
 )
 from onnx_modular.hf.command import export_checkpoint
 from onnx_modular.hf.exporter import (
@@ -61,6 +62,7 @@ __all__ = [
     "modular_result",
     "register",
     "sample_inputs",
+    "supported_tasks",
     "zero_cache",
 ]
 
