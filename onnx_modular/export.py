@@ -153,7 +153,7 @@ def export_modular(
             ... when this onnxruntime build has it, else ``ExecutionProviderError`` before exporting).
         flat_file: Also write the deployment copy: every call inlined and onnxscript's optimizer
             run (as ``onnx-modular inline --optimize``), for runtimes that do not read local
-            functions (OpenVINO, TensorRT; ``docs/compatibility.md``). ``True`` writes
+            functions (OpenVINO; ``docs/compatibility.md``). ``True`` writes
             ``<stem>.flat.onnx`` beside ``f``, or give a path. It is verified against PyTorch like
             the modular file (``result.flat_report``), and the two files are written together or
             not at all. Its nodes keep torch's ``namespace`` per call (Model Explorer's layers).
@@ -373,6 +373,11 @@ def _save_and_verify(result: ModularExport, f, plan: _Plan, stages: _Stages, *, 
         if not verify:
             return
         with stages("verify"):
+            if plan.stream is not None and verification.uses_bfloat16(result.model):
+                # onnxruntime's CPU provider has no bfloat16 kernels: the file is checked widened to
+                # float32, against PyTorch in float32 on the same weights, streamed once more.
+                with plan.stream.eager(widen=True):
+                    result._reference_float32 = verification.float32_reference(stages.model, *result._example)
             verify_export(
                 result, path, flat=flat, flat_copy=staged_flat, tolerance=plan.tolerance,
                 execution_provider=plan.execution_provider,

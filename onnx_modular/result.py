@@ -9,6 +9,7 @@ import pathlib
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import torch
@@ -16,6 +17,7 @@ import torch
 from onnx_modular.capture import tensors
 from onnx_modular.check import verification
 from onnx_modular.check.dispatch import verify_export
+from onnx_modular.errors import InvalidInputError
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree
 from onnx_modular.storage import save
@@ -77,6 +79,7 @@ class ModularExport:
             with model_file(self) as path:
                 self._sessions[key] = runtime.session(path, execution_provider)
         inputs = [tensors.to_numpy(t) for t in tensors.flatten_inputs(args, kwargs)]
+        _check_call_inputs(self._sessions[key].get_inputs(), inputs)
         _, outputs = runtime.run(self._sessions[key], inputs)
         return [tensors.to_torch(array) for array in outputs]
 
@@ -96,19 +99,23 @@ class ModularExport:
         *,
         external_data: bool | None = None,
         flat_file: bool | str | os.PathLike | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
     ) -> pathlib.Path:
         """Write the model atomically (checked with onnx.checker, full_check=True).
 
         ``flat_file``: also write the flat deployment copy (as ``export_modular(flat_file=...)``:
         ``True`` for ``<stem>.flat.onnx`` beside ``path``); verified against the export's PyTorch
-        outputs when they are stored (``self.flat_report``), both files written or neither.
+        outputs when they are stored (``self.flat_report``; a bfloat16 copy on its float32-widened
+        copy; ``rtol``/``atol`` override the per-dtype tolerance), both files written or neither.
         """
         from onnx_modular.files import flat
 
         flat_path = flat.flat_file_path(path, flat_file)
+        tolerance = verification.tolerance(rtol, atol)
         with flat.staged_with_flat(self.model, path, flat_path, external_data=external_data) as (_, staged_flat):
             if staged_flat is not None and self._reference is not None:  # the modular file was checked by the export
-                verify_export(self, modular=False, flat_copy=staged_flat)
+                verify_export(self, modular=False, flat_copy=staged_flat, tolerance=tolerance)
         self.path, self.flat_path = pathlib.Path(path), flat_path or self.flat_path
         return self.path
 
@@ -210,3 +217,22 @@ def model_file(result: ModularExport) -> Iterator[pathlib.Path]:
         return
     with save.scratch_model_file(result.model) as path:
         yield path
+
+
+def _check_call_inputs(declared: list, inputs: list[np.ndarray]) -> None:
+    """``result(*args)``'s inputs against the session's (count, rank, fixed sizes), as an
+    :class:`InvalidInputError` naming the input, where onnxruntime's own text would be raw."""
+    if len(inputs) != len(declared):
+        raise InvalidInputError(
+            f"The model takes {len(declared)} input tensors ({', '.join(d.name for d in declared)}), "
+            f"{len(inputs)} were given.",
+            hint="Call the result with the inputs of the export (forward()'s arguments).",
+        )
+    for value, array in zip(declared, inputs):
+        dims = list(value.shape)
+        if len(dims) != array.ndim or any(isinstance(d, int) and d != n for d, n in zip(dims, array.shape)):
+            raise InvalidInputError(
+                f"Input {value.name!r} has shape {list(array.shape)} but the model declares {dims} "
+                "(names are dynamic axes, numbers fixed sizes).",
+                hint="Give the input at a declared shape, or export with dynamic_shapes for the axes that vary.",
+            )

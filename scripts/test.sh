@@ -3,11 +3,13 @@
 # and runs the default test suite. Extra arguments go to pytest (e.g. --runslow).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh test
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  echo "test: installing Debian's chromium and chromium-driver (about 290 MB) for the Netron browser test"
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
     || echo "warning: Chromium could not be installed; the Netron browser test will be skipped" >&2
 fi
 echo "ruff: checking onnx_modular/ and tests/ (rules in pyproject.toml)"
 python3 -m ruff check onnx_modular tests
+echo "test: running the test suite (pytest -q $*)"
 python3 -m pytest -q "$@"

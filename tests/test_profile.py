@@ -26,6 +26,7 @@ from onnx_modular import export_modular
 from onnx_modular.cli import main
 from onnx_modular.errors import ExecutionProviderError, InvalidInputError, ProfileError
 from onnx_modular.files import load_model_file
+from onnx_modular.format import metadata as file_metadata
 from onnx_modular.profiling.attribution import tagged_copy
 
 _KERNEL = "_kernel_time"
@@ -369,3 +370,33 @@ def test_attribution_rules_on_onnx_text():
     assert (result["Identity_1"].kind, result["Identity_1"].call) == ("inserted", "")  # fused (main graph) and second/neg
     assert (result["Identity_2"].kind, result["Identity_2"].call) == ("inserted", "")
     assert result["second/neg"].call == "second"
+
+
+def test_flat_copy_is_attributed_by_its_module_path_metadata(tmp_path, capsys):
+    """The flat copy (`flat_file=True`) has no functions, but each node records its module call
+    (`pkg.onnx_modular.module_path`): the profile attributes by it, shows no call that ran no op
+    (GPT-2's Dropout in eval), and prints the op-type view its note promises."""
+    model, args, _ = gpt2(n_layer=2, d=32)
+    path = tmp_path / "g.onnx"
+    result = export_modular(model, args, path, flat_file=True)
+    flat = result.flat_path
+    flat_model = load_model_file(flat, values=False)
+    assert not flat_model.functions
+    # the optimizer folded some lifted constants away: the list names only those still there
+    lifted = file_metadata.lifted_constants(flat_model)
+    assert lifted and lifted <= {tensor.name for tensor in flat_model.graph.initializer}
+    report = onnx_modular.profile(flat, runs=2, warmup=1, threads=1)
+    keys = {call.key for call in report.tree.walk()}
+    assert {"h.0", "h.0.attn", "h.1.mlp", "h.1.attn.c_attn", "wte", "ln_f"} <= keys
+    assert not any("drop" in key for key in keys)  # no phantom call: its module ran no op
+    assert report.tree.find("h.0.attn").class_name == "GPT2Attention"
+    assert report.tree.find("h.1").parent is report.tree.root
+    kernels = {call: sum(1 for k in report.kernels if k.call == call) for call in keys}
+    assert all(kernels[f"h.{i}.attn.c_attn"] >= 1 for i in (0, 1))  # each block's Linear is its own
+    assert all(k.call in keys for k in report.kernels)
+    assert report.times["h.0"].inclusive_us > 0 and report.times["h.1"].inclusive_us > 0
+    assert report.times[""].self_us < report.total_us / 2  # most time is under a module call
+    assert "pkg.onnx_modular.module_path" in report.note
+    assert main(["profile", str(flat), "--runs", "2", "--warmup", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "Per op type:" in printed and "Per class" in printed and "GPT2Block" in printed

@@ -21,7 +21,16 @@ from onnx_modular.storage.checks import (
 )
 from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, node_id, numel
 
-__all__ = ["MAX_TREE_CALLS", "function_tree", "weight_sources", "call_weights", "count_from_model", "count_from_ir"]
+__all__ = [
+    "MAX_TREE_CALLS",
+    "function_tree",
+    "module_path_tree",
+    "node_call",
+    "weight_sources",
+    "call_weights",
+    "count_from_model",
+    "count_from_ir",
+]
 
 #: Largest number of calls the expanded tree may hold (a function called from a function
 #: called N times counts N times): the limit onnxruntime and inlining get
@@ -232,3 +241,63 @@ def count_from_ir(tree: CallTree, model: ir.Model) -> None:
         for value, tensor in originals.items():
             value.const_value = tensor
     count_from_model(tree, proto)
+
+
+def node_call(node: onnx.NodeProto) -> str | None:
+    """The call a node of a flat file came from, by its ``pkg.onnx_modular.module_path`` and
+    ``call_index`` metadata (``h.0.attn``, ``shared@1``); ``None`` when it carries none."""
+    props = {entry.key: entry.value for entry in node.metadata_props}
+    path = props.get(metadata.MODULE_PATH)
+    if path is None:
+        return None
+    index = props.get(metadata.CALL_INDEX, "0")
+    return metadata.call_name(path, int(index) if index.isdigit() else 0)
+
+
+def _namespace_classes(namespace: str) -> dict[str, str]:
+    """torch's ``namespace`` (``: GPT2Model/h.1: GPT2Block/h.1.attn: GPT2Attention/...``) -> {path: class}."""
+    classes = {}
+    for scope in namespace.split("/"):
+        path, sep, cls = scope.partition(": ")
+        if sep:
+            classes[path] = cls
+    return classes
+
+
+def module_path_tree(model: onnx.ModelProto) -> CallTree | None:
+    """The call tree a flat file's nodes record (the flat copy, ``inline``): one call per distinct
+    :func:`node_call` of the main graph's nodes, in the order the nodes come, nested as torch's
+    ``namespace`` of the node nests them (a module with no node of its own, ``h.0`` around
+    ``h.0.attn``, is added with its class from there; without a namespace, under the longest
+    path prefix already seen). ``None`` when no node carries a module path. Module calls that
+    ran no op are not in it: nothing in the graph ran for them."""
+    root = ModuleCall(key="", module_path="", node_name=model.graph.name or "main_graph")
+    made: dict[str, ModuleCall] = {"": root}
+
+    def add(key: str, parent: ModuleCall, qualified_class: str) -> ModuleCall:
+        path, index = metadata.split_call_name(key)
+        call = ModuleCall(key, path, index, qualified_class, parent=parent, call_count=1)
+        parent.children.append(call)
+        made[key] = call
+        return call
+
+    for node in all_nodes(model.graph.node):
+        key = node_call(node)
+        if key is None:
+            root.num_nodes += 1
+            continue
+        if key not in made:
+            props = {entry.key: entry.value for entry in node.metadata_props}
+            scopes = _namespace_classes(props.get(metadata.NAMESPACE, ""))
+            path = metadata.split_call_name(key)[0]
+            if scopes:
+                ancestors = [scope for scope in scopes if scope and path.startswith(scope + ".")]
+            else:
+                parts = path.split(".")
+                ancestors = [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in made]
+            parent = root
+            for scope in ancestors:
+                parent = made.get(scope) or add(scope, parent, scopes.get(scope, ""))
+            add(key, parent, props.get(metadata.CLASS, "") or scopes.get(path, ""))
+        made[key].num_nodes += 1
+    return CallTree(root) if len(made) > 1 else None

@@ -59,7 +59,7 @@ def _source_of(cls: type) -> str | None:
         line = inspect.getsourcelines(cls)[1]
     except (TypeError, OSError):
         return None
-    return f"{path}:{line}" if path else None
+    return f"{metadata.source_path(path)}:{line}" if path else None
 
 
 def module_info(module: torch.nn.Module | None, qualified_class: str) -> tuple[str, str, str, str | None]:

@@ -21,6 +21,13 @@ computed before it, it carries the chain on to the graph outputs, which are comp
 PyTorch's as in a whole-model check (``ParityReport``, the per-dtype tolerance): the
 end-to-end judgement. Inputs that cannot be matched to a recorded tensor by name, shape and
 dtype (sizes, masks the parent computed) keep the ONNX model's values.
+
+A bfloat16 file (onnxruntime's CPU provider has no bfloat16 kernels) is checked as the
+in-memory path checks it (:func:`onnx_modular.check.verification.verify_bfloat16`): every piece
+is widened to float32 (:class:`~onnx_modular.passes.widen.WidenFloatPass`; one block's weights
+at a time, read from the file's data and widened exactly) and compared with PyTorch run in
+float32 on the same bfloat16 weights (``Stream.eager(widen=True)``), at
+:func:`~onnx_modular.check.verification.widened_tolerance`.
 """
 
 from __future__ import annotations
@@ -36,8 +43,10 @@ import torch
 from onnx_modular.capture import tensors
 from onnx_modular.check import parity
 from onnx_modular.check.parity import Parity, ParityReport, Tolerance
+from onnx_modular.check.verification import uses_bfloat16, widened_tolerance
 from onnx_modular.errors import ParityError, VerificationError
 from onnx_modular.format import metadata
+from onnx_modular.passes.widen import WidenFloatPass
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.storage.locks import scratch_file
 from onnx_modular.weights.streaming import Blocks
@@ -82,9 +91,10 @@ class BlockReport:
 class _Evaluator:
     def __init__(
         self, model: ir.Model, blocks: Blocks, workdir: pathlib.Path, tolerance: Tolerance | None,
-        execution_provider: str | None = None,
+        execution_provider: str | None = None, widen: bool = False,
     ):
         self.model = model
+        self.widen = widen  # a bfloat16 file: each piece runs widened to float32
         self.execution_provider = execution_provider
         self.blocks = blocks
         self.workdir = workdir
@@ -203,7 +213,9 @@ class _Evaluator:
             reference = tensors.to_numpy(tensor)
             abs_error, rel_error = parity.max_differences(array, reference)
             worst, worst_rel = max(worst, abs_error), max(worst_rel, rel_error)
-            used = self.tolerance or parity.default_tolerance(tensor.dtype)
+            used = self.tolerance or (
+                widened_tolerance([tensor]) if self.widen else parity.default_tolerance(tensor.dtype)
+            )
             ok = ok and parity.allclose(array, reference, used)
         return Parity(
             metadata.call_name(path, index), kind="block", module_path=path, call_index=index,
@@ -219,13 +231,18 @@ class _Evaluator:
         """
         mapping: dict[ir.Value, ir.Value] = {}
         inputs, initializers, feeds, sources = [], [], {}, []
+        widened = False
         for node in nodes:
             for value in node.inputs:
                 if value is None or value in mapping or any(value in n.outputs for n in nodes):
                     continue
                 source = env.get(value)
                 if isinstance(source, ir.Value):  # an initializer of the file
-                    copy = ir.Value(name=f"w{len(mapping)}", type=source.type, shape=source.shape, const_value=source.const_value)
+                    tensor, kind = source.const_value, source.type
+                    if self.widen and tensor is not None and tensor.dtype == ir.DataType.BFLOAT16:
+                        tensor = ir.tensor(tensor.numpy().astype(np.float32), name=tensor.name)  # exact
+                        kind, widened = ir.TensorType(ir.DataType.FLOAT), True
+                    copy = ir.Value(name=f"w{len(mapping)}", type=kind, shape=source.shape, const_value=tensor)
                     initializers.append(copy)
                 elif source is not None:
                     array = np.asarray(source)
@@ -262,10 +279,16 @@ class _Evaluator:
         runs += [[variant.get(value, feeds[i.name]) for value, i in zip(sources, inputs)] for variant in variants]
         # next to the model: external initializers keep pointing into the file's data
         with scratch_file(self.workdir / "model.onnx", "block.onnx") as path:
-            ir.save(piece, path)
-            session = runtime.session(path, self.execution_provider, prepacking=False)
-            results = [runtime.run(session, inputs, what="block of the model")[1] for inputs in runs]
-            return results if variants else results[0]
+            try:
+                if widened:  # the widened weights go to the piece's own data, removed with it
+                    ir.save(piece, path, external_data=f"{path.name}.data")
+                else:
+                    ir.save(piece, path)
+                session = runtime.session(path, self.execution_provider, prepacking=False)
+                results = [runtime.run(session, inputs, what="block of the model")[1] for inputs in runs]
+                return results if variants else results[0]
+            finally:
+                path.with_name(f"{path.name}.data").unlink(missing_ok=True)
 
 
 def _copy_attr(attr: ir.Attr) -> ir.Attr:
@@ -293,6 +316,11 @@ def verify_blocks(
     """
     path = pathlib.Path(path)
     model = ir.load(path)  # initializers stay in the external data until a block reads them
+    widen = uses_bfloat16(model)
+    if widen:  # types, casts and constants; the weights are widened piece by piece
+        WidenFloatPass(initializers=False)(model)
+        if tolerance is None:
+            tolerance_of_outputs = widened_tolerance(expected)
     env: dict[ir.Value, object] = {}
     if len(model.graph.inputs) != len(inputs):
         raise VerificationError(f"The model has {len(model.graph.inputs)} inputs but {len(inputs)} tensors were given.")
@@ -301,7 +329,7 @@ def verify_blocks(
     for value in model.graph.initializers.values():
         env[value] = value
     # Pieces are written next to the model, so that their external-data paths resolve.
-    evaluator = _Evaluator(model, blocks, path.parent, tolerance, execution_provider)
+    evaluator = _Evaluator(model, blocks, path.parent, tolerance, execution_provider, widen=widen)
     evaluator.run(list(model.graph), env, model.graph.outputs)
     outputs = []
     for value in model.graph.outputs:
@@ -309,8 +337,16 @@ def verify_blocks(
         outputs.append(source.const_value.numpy() if isinstance(source, ir.Value) else source)
     names = [v.name for v in model.graph.outputs]
     report = parity.compare_outputs(
-        names, outputs, None, [tensors.to_numpy(t) for t in expected], tolerance=tolerance
+        names, outputs, None, [tensors.to_numpy(t) for t in expected],
+        tolerance=tolerance_of_outputs if widen and tolerance is None else tolerance,
     )
+    if widen:
+        used = tolerance or tolerance_of_outputs
+        report.reference = "PyTorch float32"
+        report.note = (
+            "bfloat16 file checked block by block on float32-widened pieces, against PyTorch in float32 on the "
+            f"same bfloat16 weights (atol {used.atol:.3g}: the file's own constants are bfloat16)"
+        )
     return BlockReport(evaluator.report, report)
 
 

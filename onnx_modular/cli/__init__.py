@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         # The whole message: what failed, the module involved, and "What to do:"; names from
         # the file cannot drive the terminal.
-        stderr(f"error: {e}")
+        stderr(f"error: {_for_the_command_line(e, args)}")
         return EXIT_MISMATCH if isinstance(e, ParityError) else EXIT_USAGE
     except KeyboardInterrupt as e:
         stderr("interrupted")
@@ -109,3 +109,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         stderr("error: internal error (the traceback above); please report it with the command and the model.")
         return EXIT_INTERNAL
+
+
+def _for_the_command_line(error: OnnxModularError, args: argparse.Namespace) -> str:
+    """The error's text, its Python advice (``error.result.save(path)``) on a parity failure of
+    ``export`` replaced by the options that do the same."""
+    text = str(error)
+    if isinstance(error, ParityError) and error.hint and hasattr(args, "keep_on_mismatch"):
+        advice = (
+            "The file was kept for inspection (onnx-modular verify FILE; onnx-modular tree FILE)."
+            if args.keep_on_mismatch
+            else "Rerun with --keep-on-mismatch to write the file anyway (exit code 1) and inspect it "
+            "(onnx-modular verify FILE)."
+        )
+        text = text.replace(
+            f"What to do: {error.hint}",
+            f"What to do: {advice} If the drift is expected (e.g. float16), loosen --atol/--rtol.",
+        )
+    return text

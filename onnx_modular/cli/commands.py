@@ -24,6 +24,7 @@ from onnx_modular.runtime.inputs import feeds_from_arrays, load_arrays
 from onnx_modular.storage import save
 from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.display import display_bytes
+from onnx_modular.storage.load import stored_bytes
 
 # -- export ------------------------------------------------------------------------------
 
@@ -31,6 +32,13 @@ from onnx_modular.storage.display import display_bytes
 def _load_factory(spec: str):
     """``package.module:factory`` or ``path/to/file.py:factory`` -> the callable."""
     module_name, sep, attribute = spec.rpartition(":")
+    if not sep and not _importable(spec):  # `export gpt2`, `export org/name`: a Hub id, or a missing folder
+        raise InvalidInputError(
+            f"{spec!r} is neither a checkpoint folder nor a factory ('package.module:function').",
+            hint=f"onnx_modular never downloads: if {spec!r} is a Hub model, download it first "
+            f"(hf download {spec} --local-dir {spec.rstrip('/').rsplit('/', 1)[-1]}) and pass that folder; "
+            "a model already in the local Hugging Face cache exports by its id with --task.",
+        )
     if not sep or not module_name or not attribute:
         raise InvalidInputError(f"Expected 'package.module:factory', got {spec!r}.")
     if module_name.endswith(".py"):
@@ -70,6 +78,14 @@ def _load_factory(spec: str):
             hint="Name a function of your own that returns (model, args): 'package.module:make' or 'file.py:make'.",
         )
     return target
+
+
+def _importable(name: str) -> bool:
+    """Whether ``name``'s top-level package can be imported (``pkg.module`` given without ``:function``)."""
+    try:
+        return importlib.util.find_spec(name.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _call_factory(spec: str) -> dict[str, Any]:
@@ -165,14 +181,19 @@ def run_export(args: argparse.Namespace) -> int:
     else:
         if result.report is not None:
             stdout(result.blocks if result.blocks is not None else result.report)
-        size = pathlib.Path(args.output).stat().st_size
+        size = stored_bytes(args.output)  # the .data file included
         stdout(f"Wrote {args.output} ({size / 1e6:.1f} MB): {result.summary().splitlines()[0]}")
         if result.flat_path is not None:
-            if result.flat_report is not None:
-                stdout(f"Flat copy: {result.flat_report}")
-            stdout(f"Wrote {result.flat_path} ({result.flat_path.stat().st_size / 1e6:.1f} MB): every call inlined, optimized")
+            _print_flat(result.flat_path, result.flat_report)
         _print_tree(args, tree, args.output)
     return EXIT_OK
+
+
+def _print_flat(path: pathlib.Path, report) -> None:
+    """The flat copy's parity report and its "Wrote" line (``--flat-file``)."""
+    if report is not None:
+        stdout(f"Flat copy: {report}")
+    stdout(f"Wrote {path} ({stored_bytes(path) / 1e6:.1f} MB): every call inlined, optimized")
 
 
 def _report_mismatch(args: argparse.Namespace, error: ParityError, reports: dict) -> None:
@@ -213,6 +234,7 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
     from onnx_modular.hf import (
         command,  # imports transformers: a clear error without the [hf] extra
     )
+    from onnx_modular.hf.exporter import modular_result
 
     started = time.perf_counter()
     command.quiet_progress_bars(getattr(args, "verbose", False))
@@ -229,11 +251,14 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
     stderr(f"  {'total':<11} {time.perf_counter() - started:7.2f}s")
     output = pathlib.Path(args.output)
     files = [output] if output.suffix == ".onnx" else [output / f"{name}.onnx" for name in exported.components]
+    flat = modular_result(exported) if output.suffix == ".onnx" and args.flat_file else None
     if args.json:
         print_json(
             {
                 "path": str(output),
                 "ok": all(report.ok for report in reports.values()),
+                "flat_path": None if flat is None or flat.flat_path is None else str(flat.flat_path),
+                "flat_report": None if flat is None or flat.flat_report is None else flat.flat_report.to_dict(),
                 "components": {
                     name: {
                         "file": str(file),
@@ -248,8 +273,9 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
     for name, file in zip(exported.components, files):
         if name in reports:
             stdout(reports[name])
-        size = file.stat().st_size + sum(f.stat().st_size for f in file.parent.glob(file.name + ".data"))
-        stdout(f"Wrote {file} ({size / 1e6:.1f} MB)")
+        stdout(f"Wrote {file} ({stored_bytes(file) / 1e6:.1f} MB)")
+        if flat is not None and flat.flat_path is not None:
+            _print_flat(flat.flat_path, flat.flat_report)
         _print_tree(args, function_tree(load_model_file(file, values=False)), str(file))
     return EXIT_OK
 

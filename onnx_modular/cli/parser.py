@@ -42,13 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(model, args), (model, args, kwargs), (model, args, kwargs, dynamic_shapes) or a dict with "
         "those keys, and export the model with export_modular. Or export a transformers checkpoint "
         "(a folder with config.json and weights, or a model already in the local Hugging Face cache) "
-        "for --task, with sample inputs built for the task, dynamic in batch and sequence; needs "
-        "the [hf] extra. Nothing is downloaded.",
+        "for a task (--task, else inferred from config.architectures), with sample inputs built for the task, "
+        "dynamic in batch and sequence; needs the [hf] extra. Nothing is downloaded.",
     )
     export.add_argument(
         "factory",
         metavar="FACTORY|CHECKPOINT",
-        help="package.module:function, path/file.py:function, or a checkpoint folder (with --task)",
+        help="package.module:function, path/file.py:function, or a checkpoint folder",
     )
     export.add_argument(
         "-o",
@@ -68,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--dtype",
         default=None,
-        choices=["float32", "float16", "bfloat16"],
-        help="checkpoint: the precision to export in (default: the checkpoint's); a bfloat16 file is checked on its "
-        "float32-widened copy (onnxruntime's CPU provider has no bfloat16 kernels)",
+        choices=["float32", "float16", "bfloat16", "fp32", "fp16", "bf16"],
+        help="checkpoint: the precision to export in (default: the checkpoint's; fp32, fp16, bf16 as Optimum "
+        "spells them); a bfloat16 file is checked on its float32-widened copy (onnxruntime's CPU provider has no "
+        "bfloat16 kernels)",
     )
     export.add_argument("--static", action="store_true", help="checkpoint: fixed shapes (default: dynamic batch and sequence)")
     export.add_argument("--generation", action="store_true",
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PATH",
         help="also write the flat deployment copy (every call inlined, optimized, verified) to PATH "
-        "(default <name>.flat.onnx beside -o), for runtimes without local functions (OpenVINO, TensorRT)",
+        "(default <name>.flat.onnx beside -o), for runtimes without local functions (OpenVINO; docs/compatibility.md)",
     )
     export.add_argument(
         "--opset", type=int, default=None, metavar="N", help="ONNX opset of the default domain (17 to 23 and up; default 18)"

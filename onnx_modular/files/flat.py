@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import json
 import math
 import os
 import pathlib
@@ -225,7 +226,23 @@ def optimize_flat(flat: onnx.ModelProto) -> onnx.ModelProto:
 
     optimized = ir.serde.deserialize_model(flat)
     onnxscript.optimizer.optimize_ir(optimized, should_fold=_fold_only_small_outputs)
-    return ir.serde.serialize_model(optimized)
+    result = ir.serde.serialize_model(optimized)
+    _keep_present_lifted_constants(result)
+    return result
+
+
+def _keep_present_lifted_constants(model: onnx.ModelProto) -> None:
+    """The optimizer folds and merges initializers: the list of lifted constants keeps only
+    those still in the graph (the key goes when none is left), so that it names no ghost."""
+    lifted = metadata.lifted_constants(model)
+    if not lifted and not any(entry.key == metadata.LIFTED_CONSTANTS for entry in model.metadata_props):
+        return
+    present = sorted(lifted & {tensor.name for tensor in model.graph.initializer})
+    kept = [entry for entry in model.metadata_props if entry.key != metadata.LIFTED_CONSTANTS]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    if present:
+        model.metadata_props.add(key=metadata.LIFTED_CONSTANTS, value=json.dumps(present))
 
 
 # -- the deployment copy written beside a modular file (export_modular(flat_file=...)) ----------

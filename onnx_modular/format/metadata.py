@@ -35,6 +35,8 @@ __all__ = [
     "CALL_COUNT",
     "NO_OP_CALLS",
     "LIFTED_CONSTANTS",
+    "TORCH_STACK_TRACE",
+    "source_path",
     "PROFILE_ORIGIN",
     "NAMESPACE",
     "NAME_SCOPES",
@@ -106,6 +108,9 @@ NO_OP_CALLS = PREFIX + "no_op_calls"
 #: function bodies (shapes, scalars; they reach the bodies as formal inputs ``const_...``).
 #: They are not weights: ``onnx-modular tree`` does not count them as parameters.
 LIFTED_CONSTANTS = PREFIX + "lifted_constants"
+#: torch's per-node Python stack (``File "...", line N, in forward``); its paths are stored
+#: relative to their import root (:func:`source_path`).
+TORCH_STACK_TRACE = "pkg.torch.onnx.stack_trace"
 #: Nodes of the profiler's private flat copy only (:mod:`onnx_modular.profiling.attribution`): the
 #: node's index in the copy's origin table while ``onnx.inliner`` inlines it; removed before the
 #: copy runs, never in a saved file.
@@ -485,3 +490,23 @@ def expanded_calls(
         inner_exact = name == first_call(function)
         inner_no_ops = NoOpCalls(function, name, inner_path, counter, inner_exact)
         stack.append((iter(function.node), call, depth + 1, inner_path, inner_no_ops, True, inner_exact))
+
+
+def source_path(path: str) -> str:
+    """``path`` as a file stores it (``pkg.onnx_modular.source``, torch's stack traces): relative
+    to the import root that holds it, the longest ``sys.path`` entry it lies under
+    (``transformers/models/gpt2/modeling_gpt2.py`` from site-packages, ``mymodels/net.py`` from
+    the project folder), else its file name: never the exporting machine's absolute folders
+    (a user's home folder name shipped with their model)."""
+    import os
+    import sys
+
+    if not path or not os.path.isabs(path):
+        return path
+    absolute = os.path.normpath(path)
+    best = ""
+    for entry in sys.path:
+        root = os.path.normpath(os.path.abspath(entry or os.getcwd()))
+        if absolute.startswith(root.rstrip(os.sep) + os.sep) and len(root) > len(best):
+            best = root
+    return os.path.relpath(absolute, best).replace(os.sep, "/") if best else os.path.basename(absolute)

@@ -38,6 +38,7 @@ from onnx_modular.hf.checkpoint import (  # noqa: E402
     load_checkpoint,
     model_and_inputs,
     sample_inputs,
+    supported_tasks,
 )
 from onnx_modular.hf.command import export_checkpoint  # noqa: E402
 from onnx_modular.hf.exporter import (  # noqa: E402
@@ -65,6 +66,7 @@ __all__ = [
     "modular_result",
     "register",
     "sample_inputs",
+    "supported_tasks",
     "zero_cache",
 ]
 

@@ -8,6 +8,7 @@ downloaded: a name that is not a local folder must already be in the Hugging Fac
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import os
@@ -33,11 +34,15 @@ from onnx_modular.hf.versions import CACHE_ARGUMENTS, cache_argument, returned_c
 __all__ = [
     "TASK_ALIASES",
     "DTYPES",
+    "DTYPE_ALIASES",
     "resolve_task",
     "infer_task",
+    "supported_tasks",
+    "check_supported",
     "GENERATION_TASKS",
     "TASKS",
     "dynamic_shapes",
+    "generation_axis_names",
     "load_checkpoint",
     "meta_checkpoint",
     "model_and_inputs",
@@ -56,6 +61,9 @@ TASKS: dict[str, str] = {
 
 #: ``--dtype`` names -> torch dtypes (as Optimum's ``--dtype``): the precision the model is exported in.
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+#: Optimum's spellings of :data:`DTYPES` (``optimum-cli export onnx --dtype fp16``) -> ours.
+DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 #: Optimum's task names (``optimum-cli export onnx --task``) -> ours.
 TASK_ALIASES: dict[str, str] = {
@@ -83,6 +91,72 @@ GENERATION_TASKS = ("causal-lm", "causal-lm-with-past", "seq2seq-lm")
 BATCH, SEQUENCE, PAST, DECODER_SEQUENCE = 2, 7, 4, 5
 
 _SEQUENCE_INPUTS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
+
+
+def _model_class(config: Any, task: str) -> type | None:
+    """The class :data:`TASKS`' auto class builds for ``config`` (``None``: that auto class has none)."""
+    try:
+        return getattr(transformers, TASKS[task])._model_mapping[type(config)]
+    except (KeyError, ValueError, AttributeError):
+        return None
+
+
+def _input_of(task: str, config: Any) -> str:
+    """The input :func:`sample_inputs` makes for ``task``: token ids, or an image's pixel values."""
+    if task == "image-classification" or (task == "feature-extraction" and not hasattr(config, "vocab_size")):
+        return "pixel_values"
+    return "input_ids"
+
+
+def supported_tasks(config: Any) -> dict[str, str]:
+    """``{task: model class name}``: the tasks of :data:`TASKS` that ``config`` exports for: the task's
+    auto class has a model for it, whose ``forward`` takes the input :func:`sample_inputs` makes
+    (token ids or pixel values; Whisper's ``input_features`` are not made) and, with the cache,
+    ``past_key_values``."""
+    tasks = {}
+    for task in TASKS:
+        model_class = _model_class(config, task)
+        if model_class is None:
+            continue
+        parameters = inspect.signature(model_class.forward).parameters
+        if _input_of(task, config) in parameters and (task != "causal-lm-with-past" or "past_key_values" in parameters):
+            tasks[task] = model_class.__name__
+    return tasks
+
+
+def check_supported(config: Any, task: str, source: str | os.PathLike) -> None:
+    """Refuse, before any loading, a task the checkpoint's model cannot be exported for, naming
+    the tasks it can (or saying that none fits, and how to export it from Python)."""
+    supported = supported_tasks(config)
+    if task in supported:
+        return
+    model_type = getattr(config, "model_type", type(config).__name__)
+    architecture = next(iter(getattr(config, "architectures", None) or []), model_type)
+    model_class = _model_class(config, task)
+    if model_class is None:
+        why = f"transformers has no {TASKS[task]} for {model_type!r} models"
+    else:
+        parameters = [p for p in inspect.signature(model_class.forward).parameters if p != "self"]
+        needed = _input_of(task, config)
+        why = (
+            f"{model_class.__name__}.forward takes no past_key_values"
+            if needed in parameters
+            else f"{model_class.__name__}.forward takes {parameters[0] if parameters else 'no input'}, "
+            f"where the checkpoint export makes {needed}"
+        )
+    if supported:
+        hint = (
+            "Use --task " + " or --task ".join(f"{name} ({cls})" for name, cls in supported.items())
+            + f"; to export {architecture} itself, use Python with inputs you build (export_modular(model, args, "
+            "'m.onnx', kwargs=...), or a factory: onnx-modular export my_model.py:make -o m.onnx)."
+        )
+    else:
+        hint = (
+            f"No task of the checkpoint export fits {architecture} (tasks: {', '.join(TASKS)}). Export it from "
+            "Python with inputs you build: export_modular(model, args, 'm.onnx', kwargs=...), or from a factory "
+            "returning (model, args, kwargs): onnx-modular export my_model.py:make -o m.onnx."
+        )
+    raise InvalidInputError(f"{str(source)!r} ({architecture}) cannot be exported for task {task!r}: {why}.", hint=hint)
 
 
 def _check_task(task: str) -> None:
@@ -121,18 +195,25 @@ def infer_task(source: str | os.PathLike) -> tuple[str, str]:
             if isinstance(architecture, str) and architecture.endswith(suffix):
                 if task == "seq2seq-lm" and not getattr(config, "is_encoder_decoder", False):
                     break
+                check_supported(config, task, source)  # Whisper's seq2seq-lm: say what fits instead
                 return task, architecture
+    supported = supported_tasks(config)
     raise InvalidInputError(
         f"Cannot infer the task of {str(source)!r} from config.architectures ({architectures or 'none'}).",
-        hint=f"Pass --task: one of {', '.join(TASKS)}.",
+        hint=f"Pass --task: one of {', '.join(supported)} (what this model supports)." if supported
+        else f"No task of the checkpoint export ({', '.join(TASKS)}) fits this model: export it from Python "
+        "with inputs you build (export_modular, or a factory: onnx-modular export my_model.py:make -o m.onnx).",
     )
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype not in DTYPES:
-        raise InvalidInputError(f"Unknown dtype {dtype!r}.", hint=f"Use one of: {', '.join(DTYPES)}.")
+        raise InvalidInputError(
+            f"Unknown dtype {dtype!r}.", hint=f"Use one of: {', '.join(DTYPES)} (or Optimum's {', '.join(DTYPE_ALIASES)})."
+        )
     return DTYPES[dtype]
 
 
@@ -194,6 +275,7 @@ def load_checkpoint(source: str | os.PathLike, task: str, *, dtype: str | torch.
             f"transformers refuses the config of {str(source)!r}: {type(e).__name__}: {first_line(e)}",
             hint="Fix config.json (save_pretrained writes it).",
         ) from e
+    check_supported(config, task, source)
     try:
         with _transformers_log() as log:
             model = auto_class.from_pretrained(
@@ -259,6 +341,35 @@ BATCH_AXIS, SEQUENCE_AXIS, PAST_AXIS = "batch_size", "sequence_length", "past_se
 DECODER_SEQUENCE_AXIS = "decoder_sequence_length"
 #: The mask of a step after a prefill covers the past and the new tokens.
 TOTAL_AXIS = f"{PAST_AXIS} + {SEQUENCE_AXIS}"
+
+
+#: Axes of the generation components' inputs, by input name (a cache tensor: ``past_key_values``
+#: in its name), named as :func:`dynamic_shapes` names them.
+_GENERATION_AXES: dict[str, dict[int, str]] = {
+    "input_ids": {0: BATCH_AXIS, 1: SEQUENCE_AXIS},
+    "position_ids": {0: BATCH_AXIS, 1: SEQUENCE_AXIS},
+    "cache_position": {0: SEQUENCE_AXIS},
+    "attention_mask": {0: BATCH_AXIS, 1: TOTAL_AXIS},
+    "past_key_values": {0: BATCH_AXIS, 2: PAST_AXIS},
+}
+
+
+def generation_axis_names(model: Any) -> dict[str, str]:
+    """``{torch symbol: Optimum's name}`` for a generation component (an ``onnx_ir.Model``), from its
+    inputs: ``--generation`` exports through transformers' exporter with every axis ``Dim.AUTO``, so
+    torch names them ``s44``, ``s70``; the single-file path names them from its ``Dim``s. The first
+    input naming a symbol wins (the prefill's mask shares the ids' sequence symbol)."""
+    names: dict[str, str] = {}
+    for value in model.graph.inputs:
+        axes = next((a for key, a in _GENERATION_AXES.items() if key in value.name), None)
+        if axes is None or value.shape is None:
+            continue
+        for axis, name in axes.items():
+            dim = value.shape[axis] if axis < len(value.shape) else None
+            symbol = getattr(dim, "value", None)
+            if isinstance(symbol, str) and symbol not in names and name not in names.values():
+                names[symbol] = name
+    return names
 
 
 def dynamic_shapes(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -363,6 +474,12 @@ def meta_checkpoint(
             f"{str(source)!r} has no config.json.", hint="Give a folder written by save_pretrained (config.json and *.safetensors)."
         )
     check_checkpoint_folder(pathlib.Path(source))
+    try:
+        config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    except Exception:
+        config = None  # an unreadable config is model_on_meta's to report
+    if config is not None:
+        check_supported(config, task, source)
     auto_class = getattr(transformers, TASKS[task])
     try:
         return model_on_meta(source, model_class=auto_class, dtype=_dtype(dtype))

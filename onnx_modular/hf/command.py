@@ -28,13 +28,14 @@ from onnx_modular.check import verification
 from onnx_modular.check.dispatch import verify_export
 from onnx_modular.check.parity import user_tolerance
 from onnx_modular.errors import CHECKPOINT_STAGES, InvalidInputError, ParityError
-from onnx_modular.hf.checkpoint import infer_task, model_and_inputs, resolve_task
+from onnx_modular.hf.checkpoint import generation_axis_names, infer_task, model_and_inputs, resolve_task
 from onnx_modular.hf.exporter import (
     ModularOnnxConfig,
     ModularOnnxExporter,
     modular_result,
 )
 from onnx_modular.hf.meta import checkpoint_weights
+from onnx_modular.passes.dynamic_axes import RenameDynamicAxesPass
 from onnx_modular.storage import locks, save
 
 __all__ = ["RUNTIME_FILES", "export_checkpoint", "streamed"]
@@ -127,6 +128,9 @@ def export_checkpoint(
     with stage("export") as detail:
         if generation:
             exported = exporter.export_for_generation(model, inputs, config)
+            for name in exported.components:  # Optimum's axis names, as the single-file path writes them
+                component = modular_result(exported, name).model
+                RenameDynamicAxesPass(generation_axis_names(component))(component)
         else:
             exported = exporter.export(model, inputs, config)
         detail.append(f"({', '.join(exported.components)})")
@@ -142,11 +146,12 @@ def export_checkpoint(
                     reports[name] = result.report
                     failure = failure or e
     for name, component in exported.components.items():  # export.json says what was done
+        used = _tolerance_used(reports.get(name), tolerance)
         component.metadata.export_config.update(
             verify=name in reports,
             verified=bool(name in reports and reports[name].ok),
-            rtol=None if tolerance is None else tolerance.rtol,
-            atol=None if tolerance is None else tolerance.atol,
+            rtol=None if used is None else used.rtol,
+            atol=None if used is None else used.atol,
             task=task,
         )
     if failure is not None:
@@ -155,12 +160,23 @@ def export_checkpoint(
         raise failure
     with stage("save"):
         if single_file:
-            modular_result(exported).save(output, flat_file=flat_file)
+            modular_result(exported).save(output, flat_file=flat_file, rtol=rtol, atol=atol)
         else:
             _save_folder(exported, source, output)
     if failure is not None:
         raise failure
     return exported, reports
+
+
+def _tolerance_used(report: verification.ParityReport | None, given: verification.Tolerance | None):
+    """The tolerance the check applied: the user's, else the loosest per-dtype default of the
+    report's outputs (``None`` when nothing was checked)."""
+    if given is not None or report is None:
+        return given
+    used = [output.tolerance for output in report.outputs if output.tolerance is not None]
+    if not used:
+        return None
+    return verification.Tolerance(atol=max(t.atol for t in used), rtol=max(t.rtol for t in used))
 
 
 def _logged_stage(log: Callable[[str], None]):

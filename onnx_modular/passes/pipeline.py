@@ -44,6 +44,7 @@ from onnx_modular.passes.no_op_calls import RecordNoOpCallsPass
 from onnx_modular.passes.opset_conversion import ConvertOpsetPass
 from onnx_modular.passes.opset_imports import AddOpsetImportsPass
 from onnx_modular.passes.optimize import OptimizeFunctionsPass
+from onnx_modular.passes.relative_paths import RelativeStackTracesPass
 from onnx_modular.passes.remove_unused import RemoveUnusedPass
 from onnx_modular.passes.specialized_dims import FixSpecializedDimsPass
 from onnx_modular.passes.standard_ops import FuseStandardOpsPass
@@ -125,6 +126,7 @@ def optimize_passes(*, tree: CallTree, opset: int, target_opset: int, optimize: 
         # imports again after the fold: it moves weight-only nodes into callers, which may not have
         # imported their domain yet (a decoder layer that only made calls got an Unsqueeze: ZayaModel)
         *([FoldWeightsPass(), StripConstantMetadataPass(), RemoveUnusedPass(), AddOpsetImportsPass(opset)] if optimize else []),
+        RelativeStackTracesPass(),  # no absolute folder of the exporting machine in the file
         SortFunctionsPass(),  # callee-first in memory too (every save sorts again: storage/save.py)
     ]
 

@@ -7,7 +7,7 @@ input as a symbolic dim, named by its value (``"8"``). onnxruntime then accepts 
 and fails deep inside the graph (``Reshape``, ``Split``), or computes wrong numbers (torch's
 flat file, issue 21). Declared as the fixed dim it is, a wrong input is rejected at the boundary
 with onnxruntime's shape error. :func:`fix_specialized_dims` (and the pass with ``warn=True``, as the pipeline runs it) also
-warns, naming each input and axis.
+warns, once, naming each input and axis.
 """
 
 from __future__ import annotations
@@ -77,18 +77,29 @@ class FixSpecializedDimsPass(ir.passes.InPlacePass):
 
 
 def _warn(specialized: list[tuple[str, int, int]]) -> None:
-    for name, axis, size in specialized:
-        warnings.warn(
+    """One warning for all the specialized axes (a decoder's cache has four per layer), attributed to
+    onnx_modular rather than to the line of onnx_ir's pass runner that ran the pass."""
+    if not specialized:
+        return
+    if len(specialized) == 1:
+        (name, axis, size), = specialized
+        text = (
             f"Axis {axis} of input {name!r} was asked to be dynamic, but torch.export specialized it to {size} "
             f"(the model only traces for that size): the file declares it as the fixed size {size}, so "
-            "onnxruntime rejects other sizes at the input.",
-            SpecializedAxisWarning,
-            stacklevel=4,
+            "onnxruntime rejects other sizes at the input."
         )
+    else:
+        axes = ", ".join(f"axis {axis} of {name!r} to {size}" for name, axis, size in specialized)
+        text = (
+            f"{len(specialized)} axes asked to be dynamic were specialized by torch.export (the model only traces "
+            f"for those sizes): {axes}. The file declares them as fixed sizes, so onnxruntime rejects other sizes "
+            "at those inputs."
+        )
+    warnings.warn_explicit(text, SpecializedAxisWarning, "onnx_modular", 0, module="onnx_modular")
 
 
 def fix_specialized_dims(model: ir.Model) -> list[tuple[str, int, int]]:
-    """Run :class:`FixSpecializedDimsPass` and warn once per specialized input axis."""
+    """Run :class:`FixSpecializedDimsPass` and warn once, naming every specialized input axis."""
     fix = FixSpecializedDimsPass(warn=True)
     fix(model)
     return fix.specialized

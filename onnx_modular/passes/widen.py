@@ -25,21 +25,27 @@ class WidenFloatPass(ir.passes.InPlacePass):
         WidenFloatPass()(model)   # bfloat16 -> float32
     """
 
-    def __init__(self, source: ir.DataType = ir.DataType.BFLOAT16, target: ir.DataType = ir.DataType.FLOAT):
+    def __init__(
+        self, source: ir.DataType = ir.DataType.BFLOAT16, target: ir.DataType = ir.DataType.FLOAT,
+        *, initializers: bool = True,
+    ):
         super().__init__()
         self.source = source
         self.target = target
+        #: ``False``: the graph's initializers (values and types) are left as they are, unread: the
+        #: block-wise check widens one block's weights at a time (:mod:`onnx_modular.check.blockwise`).
+        self.initializers = initializers
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
-        for value in model.graph.initializers.values():
+        for value in model.graph.initializers.values() if self.initializers else ():
             tensor = value.const_value
             if tensor is not None and tensor.dtype == self.source:
                 value.const_value = ir.tensor(tensor.numpy().astype(self.target.numpy()), name=tensor.name)
                 modified = True
         for graph in (model.graph, *model.functions.values()):
             values = list(graph.inputs) + list(graph.outputs)
-            if isinstance(graph, ir.Graph):
+            if isinstance(graph, ir.Graph) and self.initializers:
                 values += list(graph.initializers.values())
             for node in ir.traversal.RecursiveGraphIterator(graph):
                 values += list(node.outputs)

@@ -33,7 +33,7 @@ saves and gives every node of it a call:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import onnx
 import onnx.inliner
@@ -101,10 +101,14 @@ def _call_nodes_in_order(nodes, local: Mapping) -> Iterator[onnx.NodeProto]:
             stack.append(iter(graph.node))
 
 
-def tagged_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, NodeOrigin]]:
+def tagged_copy(
+    model: onnx.ModelProto, main_calls: Callable[[onnx.NodeProto], str | None] | None = None
+) -> tuple[onnx.ModelProto, dict[str, NodeOrigin]]:
     """A flat copy of ``model`` whose node names say which call each node comes from.
 
-    Weights are not read: external-data references stay as they are.
+    Weights are not read: external-data references stay as they are. ``main_calls``: the call of
+    a main-graph node (``None``: the main graph's own), for a flat file whose nodes record the
+    module they came from (:func:`onnx_modular.calls.tree.node_call`).
 
     Returns:
         (the inlined copy, origin of each of its nodes by node name). Names are
@@ -120,15 +124,16 @@ def tagged_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, Node
     del copy.functions[:]
     origins: list[NodeOrigin] = []
 
-    def tag(nodes, call: str) -> None:
+    def tag(nodes, call: str, calls=None) -> None:
         for node in all_nodes(nodes):
             if node_id(node) in local:
                 continue
+            origin = NodeOrigin((calls(node) if calls else None) or call, node.name, _op_label(node))
             entry = node.metadata_props.add()
             entry.key, entry.value = _TAG, str(len(origins))
-            origins.append(NodeOrigin(call, node.name, _op_label(node)))
+            origins.append(origin)
 
-    tag(copy.graph.node, "")  # before its call nodes point at the private copies
+    tag(copy.graph.node, "", main_calls)  # before its call nodes point at the private copies
     used = {f.name for f in model.functions}
     # Per body (the main graph, or a call's private copy): its call nodes still to be assigned.
     pending: dict[int | None, Iterator[onnx.NodeProto]] = {None: _call_nodes_in_order(copy.graph.node, local)}

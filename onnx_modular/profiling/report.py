@@ -190,7 +190,7 @@ class ProfileReport:
 
         groups: dict[str, list[CallTime]] = {}
         for item in self.calls():
-            if item.call.function is not None:  # calls without ops have no time
+            if item.call.function is not None or item.kernels:  # calls without ops have no time (a flat file's have kernels)
                 groups.setdefault(group_of(item.call), []).append(item)
         result = []
         total = self.total_us or 1.0

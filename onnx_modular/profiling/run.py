@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnx_modular.calls.tree import function_tree
+from onnx_modular.calls.tree import function_tree, module_path_tree, node_call
 from onnx_modular.errors import InvalidInputError, ProfileError, VerificationError
+from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree
 from onnx_modular.format.text import first_line
 from onnx_modular.profiling.attribution import Attribution, attribute, tagged_copy
@@ -169,8 +170,11 @@ def profile(
     model = load_model_file(path)
     check_expanded_size(model, name=repr(str(path)))
     feeds = _feeds(model, inputs, dims, seed)
-    tree = function_tree(model)
-    copy, origins = tagged_copy(model)
+    # A flat file (our flat copy, `inline`): its nodes record their module call, and the calls
+    # recorded in the file's metadata without ops (a Dropout in eval) did not run.
+    by_path = None if model.functions else module_path_tree(model)
+    tree = by_path or function_tree(model)
+    copy, origins = tagged_copy(model, node_call if by_path else None)
     try:
         serialized = copy.SerializeToString()
     except ValueError as e:
@@ -199,10 +203,16 @@ def profile(
         "providers": providers,
         "threads": threads,
         "optimization": optimization,
+        "local_functions": len(model.functions),
         "inputs": {name: {"shape": list(array.shape), "dtype": str(array.dtype)} for name, array in feeds.items()},
     }
     note = None
-    if not model.functions:
+    if by_path:
+        note = (
+            f"{os.path.basename(str(path))} has no local functions: kernels are attributed by their nodes' "
+            f"{metadata.MODULE_PATH} (a flat copy); the time is shown by op type too."
+        )
+    elif not model.functions:
         note = f"{os.path.basename(str(path))} has no local functions: the time is shown by op type."
     return _build(str(path), tree, events, attribution, warmup, runs, settings, note)
 

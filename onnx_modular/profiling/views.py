@@ -51,7 +51,9 @@ def text(report: ProfileReport, max_depth: int | None = None, *, top: int = 10) 
             marked = True
         row = [
             prefix + name,
-            item.label if call.function is not None or call.is_root else f"{call.class_name} ({call._status()})",
+            # a call of a flat file has no function but nodes (and kernels) of its own
+            item.label if call.function is not None or call.is_root or call.num_nodes or item.kernels
+            else f"{call.class_name} ({call._status()})",
             f"{item.inclusive_us / 1e3:.3f}",
             f"{item.self_us / 1e3:.3f}",
             f"{100 * item.share:.1f}%",
@@ -100,7 +102,7 @@ def text(report: ProfileReport, max_depth: int | None = None, *, top: int = 10) 
                 ]
             )
         lines += _columns(table)
-    else:
+    if not calls or settings.get("local_functions") == 0:  # a flat file: by op type as well
         lines += ["", "Per op type:"]
         table = [["op type", "kernels", "time ms", "share"]]
         for op_type, count, median_us, share in report.by_op_type():

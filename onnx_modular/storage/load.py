@@ -19,7 +19,15 @@ from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.storage.checks import check_model_structure
 from onnx_modular.storage.proto import all_tensors, numel, shown, uses_external_data
 
-__all__ = ["load_model_file", "load_external_data", "read_regular_file", "check_external_data", "data_file_in_use", "open_regular_file"]
+__all__ = [
+    "load_model_file",
+    "load_external_data",
+    "read_regular_file",
+    "check_external_data",
+    "data_file_in_use",
+    "open_regular_file",
+    "stored_bytes",
+]
 
 #: Protobuf cannot parse a message of 2 GiB or more.
 _PROTOBUF_LIMIT = 2**31
@@ -487,3 +495,23 @@ def load_model_file(
         _load_external_data(model, file.parent, name=repr(text), model_path=file)
     return model
 
+
+
+def stored_bytes(path: str | os.PathLike, model: onnx.ModelProto | None = None) -> int:
+    """The bytes the model at ``path`` takes on disk: the ``.onnx`` file and every external-data
+    file its initializers name (each once), whatever their names (``<name>.data`` or
+    ``<name>.<8 hex>.data``). ``model``: the file already loaded (``values=False`` is enough)."""
+    file = pathlib.Path(path)
+    if model is None:
+        model = load_model_file(file, values=False)
+    locations = {
+        _external_fields(tensor).get("location")
+        for tensor in model.graph.initializer
+        if tensor.data_location == onnx.TensorProto.EXTERNAL
+    }
+    total = file.stat().st_size
+    for location in sorted(name for name in locations if name):
+        data = file.parent / location
+        if data.is_file():
+            total += data.stat().st_size
+    return total

@@ -505,10 +505,12 @@ def _slots(
 
 @contextlib.contextmanager
 def materialized(
-    model: torch.nn.Module, plan: WeightPlan, prefixes: Iterable[str] | None = None, *, recurse: bool = True
+    model: torch.nn.Module, plan: WeightPlan, prefixes: Iterable[str] | None = None, *, recurse: bool = True,
+    widen: bool = False,
 ) -> Iterator[int]:
     """Give the tensors of the modules under ``prefixes`` (``None``: all) their values
-    (with ``recurse=False``, only the tensors those modules own directly).
+    (with ``recurse=False``, only the tensors those modules own directly; with ``widen``,
+    bfloat16 values as float32, exactly: the reference of a bfloat16 file's widened check).
 
     Each tensor the plan covers is read from the source (a tied tensor once) and set on
     its module; on exit the original (meta) tensors are put back and the values dropped.
@@ -523,6 +525,8 @@ def materialized(
             key = plan.keys[name]
             if key not in loaded:
                 loaded[key] = plan.load(name)
+                if widen and loaded[key].dtype == torch.bfloat16:
+                    loaded[key] = loaded[key].float()
             table = module._parameters if is_parameter else module._buffers
             original = table[attr]
             restore.append((module, attr, is_parameter, original))

@@ -145,17 +145,18 @@ def _named_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[st
 
 
 @contextlib.contextmanager
-def streamed(model: torch.nn.Module, plan: WeightPlan, blocks: Blocks) -> Iterator[Blocks]:
+def streamed(model: torch.nn.Module, plan: WeightPlan, blocks: Blocks, *, widen: bool = False) -> Iterator[Blocks]:
     """Within the ``with``, calling ``model`` loads each block's weights just for its call.
 
     Tensors of modules outside every block are loaded for the whole ``with``. The outputs
     of each block call are recorded in ``blocks.outputs`` (copies, by path and call index).
+    ``widen``: bfloat16 weights are loaded as float32 (the reference of the widened check).
     """
     stacks: dict[str, list[contextlib.ExitStack]] = {}
 
     def load(path: str, index: int, module, args, kwargs) -> None:
         stack = contextlib.ExitStack()
-        stack.enter_context(materialized(model, plan, [path]))
+        stack.enter_context(materialized(model, plan, [path], widen=widen))
         stacks.setdefault(path, []).append(stack)
         blocks.inputs[(path, index)] = _named_inputs(module, args, kwargs)
 
@@ -168,7 +169,7 @@ def streamed(model: torch.nn.Module, plan: WeightPlan, blocks: Blocks) -> Iterat
     try:
         with (
             call_hooks(model, load, unload, paths=blocks.paths, outermost=True),
-            materialized(model, plan, _resident_prefixes(model, blocks), recurse=False),
+            materialized(model, plan, _resident_prefixes(model, blocks), recurse=False, widen=widen),
         ):
             yield blocks
     finally:
@@ -198,9 +199,10 @@ class Stream:
         self.blocks = choose_blocks(model, self.plan, max_block_bytes)
         self.blockwise = verify == "blocks" or (verify is True and has_meta_tensors(model))
 
-    def eager(self):
-        """Context for the eager reference run: each block loaded just for its call."""
-        return streamed(self.model, self.plan, self.blocks)
+    def eager(self, *, widen: bool = False):
+        """Context for the eager reference run: each block loaded just for its call (``widen``:
+        bfloat16 weights as float32, for the reference of a bfloat16 file's widened check)."""
+        return streamed(self.model, self.plan, self.blocks, widen=widen)
 
     def loaders(self) -> dict:
         """State-dict name -> function reading that tensor (for ``program_values``)."""

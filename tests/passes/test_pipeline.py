@@ -22,10 +22,13 @@ def test_optimize_list_runs_unused_removal_only_after_passes_that_leave_garbage(
     assert on == [
         "RemoveUnusedPass", "FoldStaticShapesPass", "OptimizeFunctionsPass", "FuseStandardOpsPass", "RecordNoOpCallsPass", "RemoveUnusedPass",
         "AddOpsetImportsPass", "ConvertOpsetPass", "FoldWeightsPass", "StripConstantMetadataPass", "RemoveUnusedPass",
-        "AddOpsetImportsPass", "SortFunctionsPass",
+        "AddOpsetImportsPass", "RelativeStackTracesPass", "SortFunctionsPass",
     ]
     off = _names(pipeline.optimize_passes(tree=tree, opset=18, target_opset=18, optimize=False))
-    assert off == ["RecordNoOpCallsPass", "RemoveUnusedPass", "AddOpsetImportsPass", "ConvertOpsetPass", "SortFunctionsPass"]
+    assert off == [
+        "RecordNoOpCallsPass", "RemoveUnusedPass", "AddOpsetImportsPass", "ConvertOpsetPass", "RelativeStackTracesPass",
+        "SortFunctionsPass",
+    ]
 
 
 def test_modularize_and_translated_lists():

@@ -48,3 +48,17 @@ def test_named_dims_are_left_alone():
         warnings.simplefilter("error")
         assert fix_specialized_dims(model) == []
     assert model.graph.inputs[0].shape == ir.Shape([ir.SymbolicDim("batch"), ir.SymbolicDim("seq")])
+
+
+def test_several_axes_give_one_warning():
+    """A decoder's cache (heads, head_dim of each tensor): one warning naming every axis, attributed
+    to onnx_modular, not eight blocks pointing at onnx_ir's pass runner."""
+    model = ir.from_onnx_text(TEXT)
+    model.graph.inputs[0].shape = ir.Shape([ir.SymbolicDim("2"), ir.SymbolicDim("8")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fix_specialized_dims(model) == [("x", 0, 2), ("x", 1, 8)]
+    ours = [w for w in caught if issubclass(w.category, SpecializedAxisWarning)]
+    assert len(ours) == 1 and ours[0].filename == "onnx_modular"
+    assert "2 axes asked to be dynamic" in str(ours[0].message)
+    assert "axis 0 of 'x' to 2, axis 1 of 'x' to 8" in str(ours[0].message)
