@@ -158,6 +158,34 @@ def test_profile_and_extract_work_on_the_result(gpt2_modular, tmp_path):
     assert len(extraction.models) == 1 and extraction.models[0].call_names == ["transformer.h.0", "transformer.h.1"]
 
 
+def test_diff_works_on_the_result(gpt2_flat, gpt2_modular, tmp_path):
+    """Two modularizations of one flat file compare `same` call by call with drift 0; a weight of
+    one block changed in the flat file before modularizing shows up in that block's call."""
+    from onnx_modular import diff
+
+    _, out = gpt2_modular
+    again = tmp_path / "again.onnx"
+    modularize(gpt2_flat, again)
+    same = diff(out, again)
+    assert not same.differs and all(c.change == "same" for c in same.root.walk())
+    compared = [c for c in same.calls() if c.max_abs is not None]
+    assert len(compared) > 10 and all(c.max_abs == 0.0 for c in compared)
+
+    folder = tmp_path / "edited"
+    folder.mkdir()
+    flat = onnx.load(str(gpt2_flat))  # weights read: the test model is tiny
+    weight = next(t for t in flat.graph.initializer if "h.1.mlp.c_fc.weight" in t.name)
+    array = onnx.numpy_helper.to_array(weight).copy()
+    array[0, 0] += 1.0
+    weight.CopyFrom(onnx.numpy_helper.from_array(array, weight.name))
+    onnx.save(flat, str(folder / "flat.onnx"), save_as_external_data=True, location="flat.onnx.data")
+    modularize(folder / "flat.onnx", folder / "m.onnx")
+    changed = diff(out, folder / "m.onnx")
+    assert changed.differs
+    assert changed["transformer.h.1.mlp"].change == "changed" and changed["transformer.h.0"].change == "same"
+    assert changed.first_drift is not None and changed.first_drift.path.startswith("transformer.h.1")
+
+
 def test_cli(gpt2_flat, tmp_path):
     out = tmp_path / "cli.onnx"
     stdout = io.StringIO()
