@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from onnx_modular.check.parity import fit_name
+from onnx_modular.format import calltree
 from onnx_modular.format.text import shown
 
 # The report (onnx_modular.files.diff.ModelDiff) is taken as it comes, not imported: its methods
@@ -38,23 +39,9 @@ def number(value: float | None) -> str:
 
 
 def drawn(root: CallDiff, max_depth: int | None = None) -> Iterator[tuple[CallDiff, str]]:
-    """(call, its tree-drawing prefix) in display order, down to ``max_depth`` (as ``CallTree.drawn``)."""
-    stack = [(root, "", "", 0)]
-    while stack:
-        node, label_prefix, child_prefix, depth = stack.pop()
-        yield node, label_prefix
-        if max_depth is not None and depth >= max_depth:
-            continue
-        for index in reversed(range(len(node.children))):
-            last = index == len(node.children) - 1
-            stack.append(
-                (
-                    node.children[index],
-                    child_prefix + ("└─ " if last else "├─ "),
-                    child_prefix + ("   " if last else "│  "),
-                    depth + 1,
-                )
-            )
+    """(call, its tree-drawing prefix) in display order, down to ``max_depth`` (the drawing of
+    :func:`onnx_modular.format.calltree.drawn`)."""
+    return calltree.drawn(root, max_depth)
 
 
 def _name(call: CallDiff) -> str:

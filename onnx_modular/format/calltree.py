@@ -18,7 +18,7 @@ from typing import Any
 from onnx_modular.format import metadata
 from onnx_modular.format.text import shown
 
-__all__ = ["ModuleCall", "CallTree"]
+__all__ = ["ModuleCall", "CallTree", "drawn"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -252,22 +252,7 @@ class CallTree:
         The one drawing of the tree: :meth:`format` and the profile's view (``onnx-modular profile``)
         put their columns after it.
         """
-        stack: list[tuple[ModuleCall, str, str, int]] = [(self.root, "", "", 0)]
-        while stack:
-            node, label_prefix, child_prefix, depth = stack.pop()
-            yield node, label_prefix
-            if max_depth is not None and depth >= max_depth:
-                continue
-            for index in reversed(range(len(node.children))):
-                last = index == len(node.children) - 1
-                stack.append(
-                    (
-                        node.children[index],
-                        child_prefix + ("└─ " if last else "├─ "),
-                        child_prefix + ("   " if last else "│  "),
-                        depth + 1,
-                    )
-                )
+        yield from drawn(self.root, max_depth)
 
     def format(self, max_depth: int | None = None, class_filter: str | None = None) -> str:
         """A readable tree, one call per line: call name, function, domain, calls, nodes, parameters.
@@ -326,3 +311,25 @@ class CallTree:
     def __repr__(self) -> str:
         count = sum(1 for _ in self.walk()) - 1
         return f"CallTree(root={self.root.class_name or self.root.node_name}, calls={count})"
+
+
+def drawn(root: Any, max_depth: int | None = None) -> Iterator[tuple[Any, str]]:
+    """(node, its tree-drawing prefix such as ``│  ├─ ``) in display order, down to ``max_depth``,
+    for any tree whose nodes have ``children`` (module calls, a diff's merged calls): the one
+    drawing of a call tree in the terminal."""
+    stack: list[tuple[Any, str, str, int]] = [(root, "", "", 0)]
+    while stack:
+        node, label_prefix, child_prefix, depth = stack.pop()
+        yield node, label_prefix
+        if max_depth is not None and depth >= max_depth:
+            continue
+        for index in reversed(range(len(node.children))):
+            last = index == len(node.children) - 1
+            stack.append(
+                (
+                    node.children[index],
+                    child_prefix + ("└─ " if last else "├─ "),
+                    child_prefix + ("   " if last else "│  "),
+                    depth + 1,
+                )
+            )
