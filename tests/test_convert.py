@@ -293,3 +293,16 @@ def test_tied_weight_read_by_converted_and_kept_modules(tied, tmp_path):
     # quantization leaves the tied weight alone and says why
     quantized = convert(tied, tmp_path / "tied_q4.onnx", quantize="int4")
     assert [(call, why) for call, _, why in quantized.skipped] == [("lm_head", "its weight is transposed in the body (a weight tied to another use)")]
+
+
+def test_without_verification_the_same_file_is_written_and_nothing_runs(llama, half, feeds, tmp_path):
+    """verify=False (--no-verify, for files onnxruntime cannot hold): the same conversion, no drift
+    report, and the file runs as the verified one does; auto_keep needs the measurement."""
+    _, verified = half
+    out = tmp_path / "f16.onnx"
+    report = convert(llama, out, dtype="float16", keep=["LlamaRMSNorm"], verify=False)
+    assert report.outputs == {} and report.calls == []
+    np.testing.assert_array_equal(_logits(out, feeds), _logits(verified, feeds))
+    with pytest.raises(InvalidInputError, match="needs verify"):
+        convert(llama, tmp_path / "x.onnx", dtype="float16", auto_keep=0.01, verify=False)
+    assert not (tmp_path / "x.onnx").exists()

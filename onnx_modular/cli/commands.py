@@ -474,7 +474,7 @@ def run_convert(args: argparse.Namespace) -> int:
     result = convert(
         args.model, args.output, dtype=args.dtype, keep=args.keep, quantize=args.quantize, exclude=args.exclude,
         block_size=args.block_size, symmetric=args.symmetric, accuracy_level=args.accuracy_level,
-        auto_keep=args.auto_keep, inputs=args.inputs,
+        auto_keep=args.auto_keep, inputs=args.inputs, verify=not args.no_verify,
     )
     if args.json == "-":
         print_json(result.to_dict())

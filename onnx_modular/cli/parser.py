@@ -335,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("--inputs", default=None, metavar="FILE.npz", help="inputs of the comparison (default: random, seed 0)")
     conv.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-': print it instead)")
+    conv.add_argument("--no-verify", action="store_true",
+                      help="run nothing in onnxruntime (no drift report): for files larger than memory")
     conv.set_defaults(run=handlers.run_convert)
 
     modular = commands.add_parser(

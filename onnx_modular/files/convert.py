@@ -954,7 +954,9 @@ def _build(
         def compute(source=source, to=to, original=original, name=name):
             array = source() if source is not None else original.numpy()
             if to is not None:
-                array = _clip_for(to, array)
+                array = _clip_for(to, array)  # a new array: the source's mapped pages can go
+                if source is None and isinstance(original, ir.ExternalTensor):
+                    original.release()  # one tensor at a time: the file is not mapped whole by the end
             return ir.Tensor(array, name=name)
 
         if source is not None:
@@ -1005,6 +1007,7 @@ def convert(
     symmetric: bool = False,
     accuracy_level: int | None = None,
     auto_keep: float | None = None,
+    verify: bool = True,
     inputs: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
     seed: int = 0,
 ) -> Conversion:
@@ -1020,6 +1023,10 @@ def convert(
             ``MatMulNBits`` (onnxruntime's packing, ``block_size``, ``symmetric``,
             ``accuracy_level`` as in ``MatMulNBitsQuantizer``).
         exclude: NAMEs whose MatMuls stay as they are, with everything they call.
+        verify: Run the original and the converted file in onnxruntime on the same inputs for the
+            drift report (default). ``False`` for a file onnxruntime cannot hold in memory: the
+            conversion then reads and writes one tensor at a time, the file is checked with
+            ``onnx.checker`` only, and the report has no drift.
         auto_keep: A tolerance: convert, then keep classes in float32, the most harmful first
             (ranked by the drift of the outputs when that class alone is converted), until every
             output's drift (max abs difference over its range) is at most this.
@@ -1053,6 +1060,8 @@ def convert(
         raise InvalidInputError(f"auto_keep must be a tolerance > 0 with dtype, not {auto_keep!r}.", hint="--dtype float16 --auto-keep 0.02")
     if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
         raise InvalidInputError(f"block_size must be a power of two >= 16 (MatMulNBits), not {block_size!r}.")
+    if auto_keep is not None and not verify:
+        raise InvalidInputError("auto_keep ranks modules by the drift it measures: it needs verify.", hint="Drop --no-verify.")
     destination = save.check_destination(output)
     source = pathlib.Path(path)
     model = _load(source, dtype)
@@ -1062,10 +1071,13 @@ def convert(
     folder = runtime.external_data_folder(source, model)
     kept_calls = _selected(model, keep, "keep")
     excluded_calls = _selected(model, exclude, "exclude")
-    feeds = feeds_for(model, inputs, seed=seed)
-    _, reference_calls = call_outputs(model, feeds, external_data_folder=folder, what="original model")
-    names, values = runtime.run(str(source), feeds, what="original model")
-    reference = dict(zip(names, values))
+    reference: dict[str, np.ndarray] = {}
+    reference_calls: list = []
+    if verify:
+        feeds = feeds_for(model, inputs, seed=seed)
+        _, reference_calls = call_outputs(model, feeds, external_data_folder=folder, what="original model")
+        names, values = runtime.run(str(source), feeds, what="original model")
+        reference = dict(zip(names, values))
     target = DTYPES.get(dtype) if dtype else None
     bits = QUANTIZE_BITS.get(quantize) if quantize else None
     all_calls = _calls.module_calls(model)
@@ -1117,17 +1129,20 @@ def convert(
     kept = {c.call_name for c in all_calls.values() if _under(c, kept_calls)} | own
     result, facts = build(own, {"auto_kept": [n for n, _ in auto_kept]} if auto_keep is not None else None)
     # onnx has no schema for MatMulNBits: no strict type inference; onnxruntime opens and runs it below
+    actual: dict[str, np.ndarray] = {}
+    actual_calls: list = []
     with save.staged_save(result, destination, full_check=quantize is None) as staged:
-        _runnable(staged, dtype, quantize)
-        staged_model = onnx.load(str(staged), load_external_data=False)
-        staged_folder = str(staged.parent) if uses_external_data(staged_model) else None
-        # the outputs from the file as users run it (capturing every call can change onnxruntime's fusions)
-        names, values = runtime.run(str(staged), feeds, what="converted model")
-        actual = dict(zip(names, values))
-        try:
-            _, actual_calls = call_outputs(staged_model, feeds, external_data_folder=staged_folder, what="converted model")
-        except Exception as e:
-            raise VerificationError(f"The converted model does not run in onnxruntime: {str(e).splitlines()[0][:300]}") from e
+        if verify:
+            _runnable(staged, dtype, quantize)
+            staged_model = onnx.load(str(staged), load_external_data=False)
+            staged_folder = str(staged.parent) if uses_external_data(staged_model) else None
+            # the outputs from the file as users run it (capturing every call can change onnxruntime's fusions)
+            names, values = runtime.run(str(staged), feeds, what="converted model")
+            actual = dict(zip(names, values))
+            try:
+                _, actual_calls = call_outputs(staged_model, feeds, external_data_folder=staged_folder, what="converted model")
+            except Exception as e:
+                raise VerificationError(f"The converted model does not run in onnxruntime: {str(e).splitlines()[0][:300]}") from e
         output_bytes = sum(p.stat().st_size for p in staged.parent.iterdir() if p.is_file())
     source_bytes = source.stat().st_size + sum(
         (source.parent / name).stat().st_size for name in _data_files(model) if (source.parent / name).is_file()
