@@ -1117,11 +1117,13 @@ def gen_output_folder(rng, case, seeds):
         elif how == 4:
             (folder / "tokenizer.json").unlink()
             os.symlink("../elsewhere/target", folder / "tokenizer.json")
-        else:
+        elif not os.path.lexists(out / "tokenizer.json"):  # a link placed above is not written through
             with contextlib.suppress(FileExistsError):
                 (out / "tokenizer.json").write_text("{}")
                 os.chmod(out / "tokenizer.json", 0o640)
-                checks["modes"]["out/tokenizer.json"] = 0o600  # the copy of a private file stays private
+                # written over: the copy of a private (0600) file stays private; a refused export
+                # leaves the file as it was, its 0640 included
+                checks["private_copies"] = {"out/tokenizer.json": (_fingerprint(out / "tokenizer.json"), 0o640)}
     for path in [*elsewhere.iterdir(), *(p for p in out.iterdir() if p.name != "tokenizer.json" or p.is_fifo())]:
         if path.name in ("target", "other.onnx", "model.onnx.data") or path.is_fifo():
             checks["keep"][str(path.relative_to(case))] = _fingerprint(path)
@@ -1197,6 +1199,12 @@ def check_promises(case: pathlib.Path, checks: dict, results: list[dict]) -> Non
     for path, mode in checks.get("modes", {}).items():
         if os.path.isfile(case / path) and stat.S_IMODE(os.stat(case / path).st_mode) != mode:
             changed.append(f"{path} mode {oct(stat.S_IMODE(os.stat(case / path).st_mode))}, was {oct(mode)}")
+    for path, (before, mode_before) in checks.get("private_copies", {}).items():
+        if os.path.isfile(case / path):
+            mode = stat.S_IMODE(os.stat(case / path).st_mode)
+            untouched = _fingerprint(case / path) == before
+            if (untouched and mode != mode_before) or (not untouched and mode & 0o077):
+                changed.append(f"{path} mode {oct(mode)} ({'untouched, was ' + oct(mode_before) if untouched else 'a copy of a 0600 file'})")
     for index in checks.get("must_succeed", []):
         if index < len(results) and results[index]["outcome"] == "ok" and results[index]["exitcode"] != 0:
             results[index].update(outcome="data-loss", exception="a file the command needs was lost or damaged")
