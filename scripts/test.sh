@@ -11,5 +11,13 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v a
 fi
 echo "ruff: checking onnx_modular/ and tests/ (rules in pyproject.toml)"
 python3 -m ruff check onnx_modular tests
-echo "test: running the test suite (pytest -q $*)"
-python3 -m pytest -q "$@"
+# One worker per core, at most 4 (each holds a torch and its models: about 2-3 GB), each test file
+# on one worker (module-scoped fixtures are built once); TEST_WORKERS=0 runs in this process.
+workers="${TEST_WORKERS:-$(python3 -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
+if [ "${workers}" -gt 1 ]; then
+  parallel=(-n "${workers}" --dist loadfile)
+else
+  parallel=()
+fi
+echo "test: running the test suite (pytest -q ${parallel[*]} $*)"
+python3 -m pytest -q "${parallel[@]}" "$@"

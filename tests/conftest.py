@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 import pytest
+
+# Under pytest-xdist (scripts/test.sh runs one worker per core) each worker computes on one thread:
+# torch's capture is Python-bound, and two workers each spinning a core-wide thread pool only
+# thrash. Set before the test modules import torch; tests that time nothing are unaffected.
+if os.environ.get("PYTEST_XDIST_WORKER") and "torch" not in sys.modules:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 

@@ -395,7 +395,9 @@ def test_flat_copy_is_attributed_by_its_module_path_metadata(tmp_path, capsys):
     assert all(kernels[f"h.{i}.attn.c_attn"] >= 1 for i in (0, 1))  # each block's Linear is its own
     assert all(k.call in keys for k in report.kernels)
     assert report.times["h.0"].inclusive_us > 0 and report.times["h.1"].inclusive_us > 0
-    assert report.times[""].self_us < report.total_us / 2  # most time is under a module call
+    # most kernels run under a module call (counted, not timed: one preempted kernel on a loaded
+    # machine can hold most of a 4 ms run)
+    assert kernels.get("", 0) < len(report.kernels) / 2, kernels
     assert "pkg.onnx_modular.module_path" in report.note
     assert main(["profile", str(flat), "--runs", "2", "--warmup", "1"]) == 0
     printed = capsys.readouterr().out

@@ -178,8 +178,16 @@ class _Stack(torch.nn.Module):
         return x
 
 
-def test_save_reads_one_tensor_at_a_time(tmp_path):
-    """While the file is written, each weight is read once and released before the next."""
+def test_save_reads_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """While the file is written, each weight is read once and released when written.
+
+    The writer's threads hold at most ``WRITER_BYTES_IN_FLIGHT`` bytes of weights at once, and a
+    tensor above that budget alone: with the budget below every tensor's size, only one weight is
+    ever alive, whatever the threads' timing (with the default budget two small ones may be).
+    """
+    from onnx_modular.storage import save as storage_save
+
+    monkeypatch.setattr(storage_save, "WRITER_BYTES_IN_FLIGHT", 1)
     torch.manual_seed(0)
     real = _Stack(32, 6).eval()
     alive, peak, reads, phase = [0], [0], {}, {"save": False}

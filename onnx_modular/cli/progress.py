@@ -145,12 +145,15 @@ class Progress:
         return total
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        # drawn at once, then every ``interval``: a stage that ends sooner still showed its line
+        while True:
             with self._lock:
                 text = self.status()
                 self.stream.write("\r\033[K" + text)
                 self.stream.flush()
                 self._drawn = True
+            if self._stop.wait(self.interval):
+                return
 
     def _erase(self) -> None:
         if self._drawn:
