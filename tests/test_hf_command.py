@@ -196,3 +196,56 @@ def test_float16_streamed_export_passes_block_by_block(tmp_path, capsys):
     assert symbols and symbols <= {"batch_size", "sequence_length", "past_sequence_length", "past_sequence_length + sequence_length"}
     assert _dims(saved)["attention_mask"] == ["batch_size", "past_sequence_length + sequence_length"]
     assert main(["verify", str(out)]) == 0
+
+
+def test_optimum_io_names_decode_as_optimum_feeds_them(tmp_path, capsys):
+    """``--io-names optimum``: the cache inputs and outputs are ``past_key_values.N.key`` and
+    ``present.N.key`` whatever transformers release exported them (5.24 calls its argument
+    ``cache``), and the file decodes as Optimum's ``ORTModelForCausalLM`` drives it: an empty past
+    at the prompt, then each step's ``present.*`` fed back as ``past_key_values.*``, giving
+    ``model.generate``'s greedy tokens."""
+    import onnxruntime as ort
+
+    checkpoint = _llama(tmp_path / "ckpt")
+    path = tmp_path / "m.onnx"
+    assert main(["export", str(checkpoint), "--task", "text-generation-with-past", "-o", str(path), "--io-names", "optimum"]) == 0
+    printed = capsys.readouterr().out
+    assert "present.0.key" in printed and "PASS" in printed  # the report names the file's outputs
+    saved = onnx.load(str(path), load_external_data=False)
+    layers = range(2)
+    past = [f"past_key_values.{i}.{kind}" for i in layers for kind in ("key", "value")]
+    present = [f"present.{i}.{kind}" for i in layers for kind in ("key", "value")]
+    assert [v.name for v in saved.graph.input] == ["input_ids", "attention_mask", *past]
+    assert [v.name for v in saved.graph.output] == ["logits", *present]
+    dims = _dims(saved)
+    assert all(dims[name] == ["batch_size", 2, "past_sequence_length", 8] for name in past)
+    assert all(dims[name] == ["batch_size", 2, "past_sequence_length + sequence_length", 8] for name in present)
+
+    model = transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    prompt = torch.tensor([[5, 17, 33, 2], [9, 41, 7, 63]])
+    with torch.no_grad():
+        expected = model.generate(prompt, do_sample=False, max_new_tokens=6, min_new_tokens=6, eos_token_id=None, pad_token_id=0)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    tokens = prompt.numpy()
+    cache = {name: np.zeros((2, 2, 0, 8), np.float32) for name in past}  # Optimum's first step: no past
+    step = tokens
+    for _ in range(6):
+        length = cache[past[0]].shape[2] + step.shape[1]
+        outputs = dict(zip([o.name for o in saved.graph.output], session.run(None, {
+            "input_ids": step, "attention_mask": np.ones((2, length), np.int64), **cache,
+        })))
+        cache = {name: outputs[name.replace("past_key_values", "present")] for name in past}
+        step = outputs["logits"][:, -1:].argmax(-1)
+        tokens = np.concatenate([tokens, step], axis=1)
+    np.testing.assert_array_equal(tokens, expected.numpy())
+
+    # Optimum's names are for one file of a with-past decoder: other uses are refused before any work.
+    assert main(["export", str(checkpoint), "--task", "causal-lm-with-past", "-o", str(tmp_path / "out"), "--io-names", "optimum"]) == 2
+    assert "ExportedModel" in capsys.readouterr().err and not (tmp_path / "out" / "model.onnx").exists()
+    assert main(["export", str(checkpoint), "--task", "causal-lm", "-o", str(tmp_path / "nc.onnx"), "--io-names", "optimum"]) == 2
+    assert "past_key_values.N.key" in capsys.readouterr().err and not (tmp_path / "nc.onnx").exists()
+    assert main(["export", str(checkpoint), "--task", "causal-lm-with-past", "-o", str(tmp_path / "s.onnx"),
+                 "--io-names", "optimum", "--stream-weights"]) == 2
+    assert "--stream-weights" in capsys.readouterr().err
+    with pytest.raises(InvalidInputError, match="decoder"):
+        hf_checkpoint.optimum_io_names(["input.past_key_values.self_attention_cache.layers.0.keys", "logits"])

@@ -10,6 +10,7 @@ import models
 import numpy as np
 import pytest
 import torch
+from helpers import cache_argument
 
 from onnx_modular import export_modular
 from onnx_modular.capture import tensors
@@ -89,15 +90,16 @@ def test_guide_kv_cache_recipe_passes_and_leaves_the_cache_alone(llama_with_grad
     keys_before = cache.layers[0].keys.detach().clone()
     Dim = torch.export.Dim
     batch, seq, past = Dim("batch"), Dim("seq"), Dim("past")
+    argument = cache_argument()  # the guide's recipe: `cache` from transformers 5.24, `past_key_values` before
     result = export_modular(
         model, (), kwargs=dict(input_ids=torch.randint(0, 100, (1, 2)), attention_mask=torch.ones(1, 6, dtype=torch.long),
-                               past_key_values=cache),
+                               **{argument: cache}),
         dynamic_shapes=dict(input_ids={0: batch, 1: seq}, attention_mask={0: batch, 1: Dim.AUTO},
-                            past_key_values={0: batch, 2: past}),
+                            **{argument: {0: batch, 2: past}}),
     )
     assert result.report.ok, str(result.report)
     shapes = {o.name: o.shape for o in result.report.outputs}
-    assert shapes["output.past_key_values.layers.0.keys"] == (1, 2, 6, 8)
+    assert shapes[f"output.{argument}.layers.0.keys"] == (1, 2, 6, 8)
     assert cache.get_seq_length() == 4
     torch.testing.assert_close(cache.layers[0].keys.detach(), keys_before, rtol=0, atol=0)
 

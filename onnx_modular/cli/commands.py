@@ -130,6 +130,13 @@ def run_export(args: argparse.Namespace) -> int:
     for option in ("static", "generation", "stream_weights", "dtype"):
         if getattr(args, option) and not checkpoint:
             raise InvalidInputError(f"--{option.replace('_', '-')} applies to a checkpoint folder.")
+    if getattr(args, "io_names", "transformers") != "transformers":
+        raise InvalidInputError(
+            "--io-names optimum applies to a checkpoint exported in memory"
+            + (" (not with --stream-weights)." if checkpoint else "."),
+            hint="Export without --stream-weights, or name the inputs and outputs yourself: "
+            "export_modular(..., input_names=[...], output_names=[...]).",
+        )
     from onnx_modular.export import export_modular  # imports torch: only when exporting
 
     if checkpoint:  # --stream-weights: the checkpoint's model on meta, its weights read from the folder

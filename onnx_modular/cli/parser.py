@@ -76,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--static", action="store_true", help="checkpoint: fixed shapes (default: dynamic batch and sequence)")
     export.add_argument("--generation", action="store_true",
                         help="checkpoint: export the generation components (prefill, decode) into the -o folder")
+    export.add_argument(
+        "--io-names",
+        default="transformers",
+        choices=["transformers", "optimum"],
+        help="checkpoint, one .onnx file of causal-lm-with-past: the cache inputs' and outputs' names; transformers "
+        "(input.past_key_values.layers.0.keys, what ExportedModel binds; default) or optimum (past_key_values.0.key "
+        "in, present.0.key out, on every transformers release: what Optimum's ORTModelForCausalLM feeds)",
+    )
     export.add_argument("--stream-weights", action="store_true", help="checkpoint: never load the weights whole "
                         "(model on meta, each tensor streamed to <output>.data, verified block by block)")
     export.add_argument("--keep-on-mismatch", action="store_true", help="write the model even when parity fails (exit code 1)")

@@ -13,7 +13,8 @@ import io
 import logging
 import os
 import pathlib
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -43,6 +44,8 @@ __all__ = [
     "TASKS",
     "dynamic_shapes",
     "generation_axis_names",
+    "IO_NAMINGS",
+    "optimum_io_names",
     "load_checkpoint",
     "meta_checkpoint",
     "model_and_inputs",
@@ -112,14 +115,15 @@ def supported_tasks(config: Any) -> dict[str, str]:
     """``{task: model class name}``: the tasks of :data:`TASKS` that ``config`` exports for: the task's
     auto class has a model for it, whose ``forward`` takes the input :func:`sample_inputs` makes
     (token ids or pixel values; Whisper's ``input_features`` are not made) and, with the cache,
-    ``past_key_values``."""
+    the cache argument (``past_key_values``; ``cache`` from transformers 5.24)."""
     tasks = {}
     for task in TASKS:
         model_class = _model_class(config, task)
         if model_class is None:
             continue
         parameters = inspect.signature(model_class.forward).parameters
-        if _input_of(task, config) in parameters and (task != "causal-lm-with-past" or "past_key_values" in parameters):
+        takes_cache = any(name in parameters for name in CACHE_ARGUMENTS)  # `cache` from transformers 5.24
+        if _input_of(task, config) in parameters and (task != "causal-lm-with-past" or takes_cache):
             tasks[task] = model_class.__name__
     return tasks
 
@@ -139,7 +143,7 @@ def check_supported(config: Any, task: str, source: str | os.PathLike) -> None:
         parameters = [p for p in inspect.signature(model_class.forward).parameters if p != "self"]
         needed = _input_of(task, config)
         why = (
-            f"{model_class.__name__}.forward takes no past_key_values"
+            f"{model_class.__name__}.forward takes no cache ({' or '.join(CACHE_ARGUMENTS)})"
             if needed in parameters
             else f"{model_class.__name__}.forward takes {parameters[0] if parameters else 'no input'}, "
             f"where the checkpoint export makes {needed}"
@@ -343,14 +347,15 @@ DECODER_SEQUENCE_AXIS = "decoder_sequence_length"
 TOTAL_AXIS = f"{PAST_AXIS} + {SEQUENCE_AXIS}"
 
 
-#: Axes of the generation components' inputs, by input name (a cache tensor: ``past_key_values``
-#: in its name), named as :func:`dynamic_shapes` names them.
+#: Axes of the generation components' inputs, by a part of the input name, named as
+#: :func:`dynamic_shapes` names them.
 _GENERATION_AXES: dict[str, dict[int, str]] = {
     "input_ids": {0: BATCH_AXIS, 1: SEQUENCE_AXIS},
     "position_ids": {0: BATCH_AXIS, 1: SEQUENCE_AXIS},
     "cache_position": {0: SEQUENCE_AXIS},
     "attention_mask": {0: BATCH_AXIS, 1: TOTAL_AXIS},
-    "past_key_values": {0: BATCH_AXIS, 2: PAST_AXIS},
+    # a cache tensor, by the cache argument's name (``past_key_values``; ``cache`` from 5.24)
+    **{f"{argument}.": {0: BATCH_AXIS, 2: PAST_AXIS} for argument in CACHE_ARGUMENTS},
 }
 
 
@@ -370,6 +375,48 @@ def generation_axis_names(model: Any) -> dict[str, str]:
             if isinstance(symbol, str) and symbol not in names and name not in names.values():
                 names[symbol] = name
     return names
+
+
+#: The graph input and output names a file can be given (``--io-names``): transformers'
+#: exporter's (``input.past_key_values.layers.0.keys``, in transformers 5.24
+#: ``input.cache.layers.0.keys``, which ``ExportedModel`` binds by), or Optimum's
+#: (``past_key_values.0.key`` in, ``present.0.key`` out: what ``ORTModelForCausalLM`` and
+#: onnxruntime-genai feed and read), the same on every transformers release.
+IO_NAMINGS = ("transformers", "optimum")
+
+_CACHE_LEAF = re.compile(
+    r"^(?P<side>input|output)\.(?:" + "|".join(CACHE_ARGUMENTS) + r")\.layers\.(?P<layer>\d+)\.(?P<kind>keys|values)$"
+)
+
+
+def optimum_io_names(names: Iterable[str]) -> dict[str, str]:
+    """``{name: Optimum's name}`` for the cache inputs and outputs among ``names`` (the graph's
+    input and output names of a decoder exported with its cache): ``input.<cache>.layers.N.keys``
+    becomes ``past_key_values.N.key``, ``output.<cache>.layers.N.values`` ``present.N.value``.
+    Other names (``input_ids``, ``attention_mask``, ``logits``) are Optimum's already.
+
+    Raises:
+        InvalidInputError: No cache tensor among ``names`` (Optimum's names are those of a
+            with-past decoder), or a cache of another layout (an encoder-decoder's two caches).
+    """
+    names = list(names)
+    renamed: dict[str, str] = {}
+    for name in names:
+        match = _CACHE_LEAF.match(name)
+        if match:
+            prefix = "past_key_values" if match["side"] == "input" else "present"
+            renamed[name] = f"{prefix}.{match['layer']}.{match['kind'][:-1]}"
+    cache_leaves = tuple(f"{side}.{a}." for side in ("input", "output") for a in CACHE_ARGUMENTS)
+    others = [n for n in names if n not in renamed and n.startswith(cache_leaves)]
+    if not renamed or others:
+        raise InvalidInputError(
+            "Optimum's input and output names (past_key_values.N.key, present.N.key) are those of a decoder "
+            f"with its cache; this file's are {names[:6]}{' ...' if len(names) > 6 else ''}.",
+            hint="Use --io-names optimum with --task causal-lm-with-past (text-generation-with-past) of a decoder-only model.",
+        )
+    if len(set(renamed.values()) | (set(names) - set(renamed))) != len(names):
+        raise InvalidInputError(f"Optimum's names would give two graph values one name: {sorted(renamed.values())}.")
+    return renamed
 
 
 def dynamic_shapes(inputs: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,14 @@ from onnx_modular.check import verification
 from onnx_modular.check.dispatch import verify_export
 from onnx_modular.check.parity import user_tolerance
 from onnx_modular.errors import CHECKPOINT_STAGES, InvalidInputError, ParityError
-from onnx_modular.hf.checkpoint import generation_axis_names, infer_task, model_and_inputs, resolve_task
+from onnx_modular.hf.checkpoint import (
+    IO_NAMINGS,
+    generation_axis_names,
+    infer_task,
+    model_and_inputs,
+    optimum_io_names,
+    resolve_task,
+)
 from onnx_modular.hf.exporter import (
     ModularOnnxConfig,
     ModularOnnxExporter,
@@ -79,6 +86,7 @@ def export_checkpoint(
     dtype: str | None = None,
     rtol: float | None = None,
     atol: float | None = None,
+    io_names: str = "transformers",
     log: Callable[[str], None] = lambda text: None,
     progress: Any = None,
 ) -> tuple[Any, dict[str, verification.ParityReport]]:
@@ -111,6 +119,20 @@ def export_checkpoint(
             "--flat-file writes the flat copy beside one .onnx file; a folder export writes several.",
             hint="Give a file (-o model.onnx), or run `onnx-modular inline --optimize` on a file of the folder.",
         )
+    if io_names not in IO_NAMINGS:
+        raise InvalidInputError(f"io_names={io_names!r}: expected one of {', '.join(IO_NAMINGS)}.")
+    if io_names == "optimum" and task != "causal-lm-with-past":
+        raise InvalidInputError(
+            f"Optimum's input and output names (past_key_values.N.key, present.N.key) are those of a decoder with its "
+            f"cache; task {task!r} has no cache.",
+            hint="Use --task causal-lm-with-past (text-generation-with-past), or drop --io-names optimum.",
+        )
+    if io_names == "optimum" and not single_file:
+        raise InvalidInputError(
+            "Optimum's input and output names are for one .onnx file: a folder is loaded by ExportedModel.from_pretrained, "
+            "which binds inputs by transformers' names.",
+            hint="Give a file (-o model.onnx), or drop --io-names optimum.",
+        )
     if output.is_file() and not single_file:
         raise InvalidInputError(f"{str(output)!r} is a file; the export of a checkpoint to a folder needs a folder.")
     # Before any work: the file's folder, or the output folder (or its parent), must exist and be writable.
@@ -133,6 +155,8 @@ def export_checkpoint(
                 RenameDynamicAxesPass(generation_axis_names(component))(component)
         else:
             exported = exporter.export(model, inputs, config)
+            if io_names == "optimum":  # before the check: its report names the file's outputs
+                _rename_io(modular_result(exported).model, optimum_io_names)
         detail.append(f"({', '.join(exported.components)})")
     reports: dict[str, verification.ParityReport] = {}
     failure: ParityError | None = None
@@ -166,6 +190,15 @@ def export_checkpoint(
     if failure is not None:
         raise failure
     return exported, reports
+
+
+def _rename_io(model: Any, naming: Callable[[list[str]], dict[str, str]]) -> None:
+    """Rename the graph inputs and outputs of an ``onnx_ir.Model`` by ``naming(names)``."""
+    values = [*model.graph.inputs, *model.graph.outputs]
+    renamed = naming([value.name for value in values])
+    for value in values:
+        if value.name in renamed:
+            value.name = renamed[value.name]
 
 
 def _tolerance_used(report: verification.ParityReport | None, given: verification.Tolerance | None):
@@ -312,6 +345,7 @@ def run(
         dtype=args.dtype,
         rtol=args.rtol,
         atol=args.atol,
+        io_names=getattr(args, "io_names", None) or "transformers",
         log=log,
         progress=progress,
     )
