@@ -379,7 +379,8 @@ def test_decode_reads_the_weights_it_shares_from_prefill_data(tmp_path):
 
 
 def test_all_shared_leaves_decode_without_a_data_file(tmp_path):
-    """When every tensor of decode is one of prefill's (the usual case), decode has no data file."""
+    """When every tensor of decode is one of prefill's (the usual case), decode has no data file of
+    its own, or only its smallest tensor there with ``keep_data_file``."""
     from onnx_modular.storage import save
     from onnx_modular.storage.shared_data import share_external_data
 
@@ -388,9 +389,18 @@ def test_all_shared_leaves_decode_without_a_data_file(tmp_path):
     staged = tmp_path / "staged"
     _save_components(staged, {"prefill.onnx": _component(weights, 3.0), "decode.onnx": _component(weights, 3.0)})
     expected = _run(staged / "decode.onnx")
+    kept = tmp_path / "kept"
+    shutil.copytree(staged, kept)
     share_external_data(staged, ["prefill.onnx", "decode.onnx"])
     assert not (staged / "decode.onnx.data").exists()
     save.publish_folder(staged, tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["decode.onnx", "prefill.onnx", "prefill.onnx.data"]
     assert set(_locations(tmp_path / "out" / "decode.onnx").values()) == {"prefill.onnx.data"}
     np.testing.assert_array_equal(_run(tmp_path / "out" / "decode.onnx"), expected)
+
+    # keep_data_file (transformers' from_pretrained wants decode.onnx.data): the smallest tensor stays there.
+    share_external_data(kept, ["prefill.onnx", "decode.onnx"], keep_data_file=True)
+    locations = _locations(kept / "decode.onnx")
+    assert locations == {"w": "prefill.onnx.data", "b": "prefill.onnx.data", "scale": "decode.onnx.data"}
+    assert (kept / "decode.onnx.data").stat().st_size == 4  # the float32 scalar
+    np.testing.assert_array_equal(_run(kept / "decode.onnx"), expected)

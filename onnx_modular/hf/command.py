@@ -204,7 +204,8 @@ def _save_folder(exported: Any, source: str, output: pathlib.Path) -> list[str]:
         exported.save_pretrained(staged)
         if len(exported.components) > 1:  # prefill and decode: one copy of the weights they share
             manifest = json.loads((staged / "export.json").read_text(encoding="utf-8"))
-            share_external_data(staged, [manifest["components"][name]["file"] for name in exported.components])
+            files = [manifest["components"][name]["file"] for name in exported.components]
+            share_external_data(staged, files, keep_data_file=True)  # from_pretrained needs each <file>.data
         modes = _copy_runtime_files(source, staged)
         return save.publish_folder(staged, output, modes=modes)
 

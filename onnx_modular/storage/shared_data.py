@@ -88,18 +88,20 @@ def _copy(file, offset: int, length: int, target) -> None:
         left -= len(piece)
 
 
-def share_external_data(folder: str | os.PathLike, models: list[str]) -> SharedData:
+def share_external_data(folder: str | os.PathLike, models: list[str], *, keep_data_file: bool = False) -> SharedData:
     """Point each model of ``models`` (file names in ``folder``, in order) at the bytes an earlier
     model already stores, and keep only the others in its own data file.
 
     The first model is left as it is. For every later one, each external tensor whose content
     (length and SHA-256 of its bytes) equals one an earlier model stores gets that model's
     ``location``, ``offset`` and ``length``; the others are copied, densely packed, into a new data
-    file that replaces the model's own (or the model's data file is removed when every tensor is
-    shared). Tensors stored inside the ``.onnx`` file are left where they are.
+    file that replaces the model's own (``<model>.data``), which is removed when every tensor is
+    shared, unless ``keep_data_file``: then the smallest tensor stays in it (transformers'
+    ``ExportedModel.from_pretrained`` requires each component's ``<file>.data``). Tensors stored
+    inside the ``.onnx`` file are left where they are.
 
     Raises:
-        SaveError: A model refers to data outside ``folder`` or to a missing file.
+        SaveError: A model refers to data outside ``folder`` or past the end of a file.
     """
     folder = pathlib.Path(folder)
     stored: dict[str, tuple[str, int, int]] = {}  # content -> (location, offset, length) of its first copy
@@ -107,52 +109,56 @@ def share_external_data(folder: str | os.PathLike, models: list[str]) -> SharedD
     for index, name in enumerate(models):
         path = folder / name
         model = onnx.load(str(path), load_external_data=False)
-        tensors = [t for t in all_tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL]
-        old_files = set()
-        handles: dict[str, object] = {}
-        new_name = f".{secrets.token_hex(8)}.data"  # the model's own data, renamed once complete
         own_location = f"{name}.data"
-        offset_out, shared_count, shared_bytes = 0, 0, 0
+        handles: dict[str, object] = {}
         try:
+            found = []  # (tensor, location, offset, length, content)
+            for tensor in all_tensors(model):
+                if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                    continue
+                location, offset, length = _reference(tensor)
+                if os.path.isabs(location) or pathlib.Path(location).name != location:
+                    raise SaveError(f"{shown(name)} refers to external data {shown(location)} outside its folder.")
+                if location not in handles:
+                    handles[location] = open(folder / location, "rb")
+                if length is None:
+                    length = _byte_size(tensor)
+                found.append((tensor, location, offset, length, _digest(handles[location], offset, length)))
+            if index == 0:
+                for _, location, offset, length, content in found:
+                    stored.setdefault(content, (location, offset, length))
+                continue
+            shared = [item for item in found if item[4] in stored]
+            if keep_data_file and found and len(shared) == len(found):
+                smallest = min(shared, key=lambda item: item[3])
+                shared = [item for item in shared if item is not smallest]
+            shared_ids = {id(item) for item in shared}
+            old_files = {item[1] for item in found}
+            new_name = f".{secrets.token_hex(8)}.data"  # the model's own data, renamed once complete
+            offset_out = 0
             with open(folder / new_name, "wb") as target:
-                for tensor in tensors:
-                    location, offset, length = _reference(tensor)
-                    if os.path.isabs(location) or pathlib.Path(location).name != location:
-                        raise SaveError(f"{shown(name)} refers to external data {shown(location)} outside its folder.")
-                    if location not in handles:
-                        handles[location] = open(folder / location, "rb")
-                    if length is None:
-                        length = _byte_size(tensor)
-                    file = handles[location]
-                    content = _digest(file, offset, length)
-                    if index == 0:
-                        stored.setdefault(content, (location, offset, length))
-                        continue
-                    old_files.add(location)
-                    if content in stored:
+                for item in found:
+                    tensor, location, offset, length, content = item
+                    if id(item) in shared_ids:
                         _point(tensor, *stored[content])
-                        shared_count, shared_bytes = shared_count + 1, shared_bytes + length
                         continue
-                    _copy(file, offset, length, target)
+                    _copy(handles[location], offset, length, target)
                     _point(tensor, own_location, offset_out, length)
-                    stored[content] = (own_location, offset_out, length)
+                    stored.setdefault(content, (own_location, offset_out, length))
                     offset_out += length
         finally:
             for handle in handles.values():
                 handle.close()
-        if index == 0:
-            os.unlink(folder / new_name)
-            continue
-        for location in old_files - {own_location}:  # data files only this model used (none after save_pretrained)
-            if not any(location == place for place, _, _ in stored.values()):
-                os.unlink(folder / location)
+        still_read = {place for place, _, _ in stored.values()}
+        for location in old_files - {own_location} - still_read:  # data files only this model read
+            os.unlink(folder / location)
         if offset_out:
             os.replace(folder / new_name, folder / own_location)
         else:
             os.unlink(folder / new_name)
-            if own_location in old_files and not any(own_location == place for place, _, _ in stored.values()):
+            if (folder / own_location).exists() and own_location not in still_read:
                 os.unlink(folder / own_location)
         with open(path, "wb") as file:
             file.write(model.SerializeToString())
-        result.shared[name] = (shared_count, shared_bytes)
+        result.shared[name] = (len(shared), sum(item[3] for item in shared))
     return result
