@@ -324,9 +324,11 @@ def test_cli_tasks_dynamic(checkpoints, tmp_path, checkpoint, task, functions):
 
 
 @pytest.mark.slow
-def test_cli_generation_folder(checkpoints, tmp_path):
+def test_cli_generation_folder(checkpoints, tmp_path, capsys):
     out = tmp_path / "gen"
     assert main(["export", str(checkpoints["llama"]), "--task", "causal-lm", "--generation", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "of weights are read from prefill.onnx.data, stored once)" in printed, printed
     assert {"prefill.onnx", "decode.onnx", "export.json", "config.json"} <= set(os.listdir(out))
     for name in ("prefill", "decode"):
         saved = onnx.load(str(out / f"{name}.onnx"))
