@@ -404,3 +404,12 @@ def test_all_shared_leaves_decode_without_a_data_file(tmp_path):
     assert locations == {"w": "prefill.onnx.data", "b": "prefill.onnx.data", "scale": "decode.onnx.data"}
     assert (kept / "decode.onnx.data").stat().st_size == 4  # the float32 scalar
     np.testing.assert_array_equal(_run(kept / "decode.onnx"), expected)
+
+    # Published over the folder whose decode had no data file, then again: every data file ends under
+    # its conventional name (from_pretrained looks for decode.onnx.data), nothing stale is left.
+    for _ in range(2):
+        save.publish_folder(kept, tmp_path / "out")
+        names = sorted(p.name for p in (tmp_path / "out").iterdir())
+        assert names == ["decode.onnx", "decode.onnx.data", "prefill.onnx", "prefill.onnx.data"], names
+        assert _locations(tmp_path / "out" / "decode.onnx")["scale"] == "decode.onnx.data"
+        np.testing.assert_array_equal(_run(tmp_path / "out" / "decode.onnx"), expected)

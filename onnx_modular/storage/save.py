@@ -651,14 +651,19 @@ def _data_owners(folder: pathlib.Path, models: list[str]) -> dict[str, str]:
     return owners
 
 
-def _publish_models(source: pathlib.Path, output: pathlib.Path, models: list[str], others: list[str], modes) -> None:
+def _publish_models(
+    source: pathlib.Path, output: pathlib.Path, models: list[str], others: list[str], modes, everyone: list[str]
+) -> None:
     """One commit of ``models`` (and the plain files ``others``) from ``source`` into ``output``:
     each model's own data file linked under the name its staging chose, and every reference to it
-    from another model of the set rewritten to that name."""
-    owners = _data_owners(source, models)
+    from another model of the set rewritten to that name. ``everyone``: all the models of the folder
+    (a data file of one outside the set keeps its name)."""
+    owners = _data_owners(source, everyone)
     with atomic_writes([output / name for name in models + others]) as stagings:
         by_name = dict(zip(models + others, stagings))
-        new_names = {location: by_name[model].data_location for location, model in owners.items()}
+        new_names = {
+            location: by_name[model].data_location if model in models else location for location, model in owners.items()
+        }
         for name in models:
             staging = by_name[name]
             shared = {loc: new for loc, new in new_names.items() if owners[loc] != name}
@@ -698,7 +703,7 @@ def publish_folder(staged: pathlib.Path, output: pathlib.Path, *, modes: dict[st
         if not stat.S_ISREG(os.lstat(staged / name).st_mode):
             raise SaveError(f"The export wrote {_shown(name)}, which is not a file; onnx_modular writes files only.")
     models = [name for name in names if name.endswith(".onnx")]
-    _publish_models(staged, output, models, [name for name in names if name not in models], modes)
+    _publish_models(staged, output, models, [name for name in names if name not in models], modes, models)
     # transformers' from_pretrained (and the Hub) expect <name>.data: a model whose previous data held
     # that name got a name of its own; that name is free now, so the model moves to it (linked, not copied),
     # with the models that read its data. A model of the set that moves with them may in turn get a name
@@ -713,5 +718,5 @@ def publish_folder(staged: pathlib.Path, output: pathlib.Path, *, modes: dict[st
             break
         owned = {location for name in moving for location in _own_data(output, name)}
         readers = [name for name in models if name not in moving and referenced_data(output / name) & owned]
-        _publish_models(output, output, moving + readers, [], None)
+        _publish_models(output, output, moving + readers, [], None, models)
     return names
