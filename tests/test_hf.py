@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -323,15 +324,26 @@ def test_cli_tasks_dynamic(checkpoints, tmp_path, checkpoint, task, functions):
 
 
 @pytest.mark.slow
-def test_cli_generation_folder(checkpoints, tmp_path):
+def test_cli_generation_folder(checkpoints, tmp_path, capsys):
     out = tmp_path / "gen"
     assert main(["export", str(checkpoints["llama"]), "--task", "causal-lm", "--generation", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "of weights are read from prefill.onnx.data, stored once)" in printed, printed
     assert {"prefill.onnx", "decode.onnx", "export.json", "config.json"} <= set(os.listdir(out))
     for name in ("prefill", "decode"):
         saved = onnx.load(str(out / f"{name}.onnx"))
         _assert_modular(saved, {"LlamaDecoderLayer": TRANSFORMERS_DOMAIN})
         params = {d.dim_param for v in (*saved.graph.input, *saved.graph.output) for d in v.type.tensor_type.shape.dim}
         assert "batch_size" in params and not [p for p in params if re.fullmatch(r"s\d+", p)], params  # Optimum's names
+        ort.InferenceSession(str(out / f"{name}.onnx"), providers=["CPUExecutionProvider"])  # each component alone
+    # One copy of the weights: decode reads every tensor it shares with prefill from prefill.onnx.data.
+    decode = onnx.load(str(out / "decode.onnx"), load_external_data=False)
+    locations = {
+        {e.key: e.value for e in t.external_data}["location"]
+        for t in decode.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+    }
+    assert locations == {"prefill.onnx.data", "decode.onnx.data"}, locations  # from_pretrained needs the latter
+    assert (out / "decode.onnx.data").stat().st_size * 10 < (out / "prefill.onnx.data").stat().st_size  # what differs
     model = _model(checkpoints["llama"], "causal-lm")
     ids = torch.randint(0, 96, (2, 4), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():

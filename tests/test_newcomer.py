@@ -4,6 +4,7 @@ prints and writes on each path."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import onnx
@@ -242,19 +243,31 @@ def test_generation_components_get_optimum_axis_names():
     def value(name, dtype, dims):
         return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(dims))
 
-    keys = value("input.past_key_values.layers.0.keys", ir.DataType.FLOAT, ["s44", 2, "s31", 16])
-    inputs = [value("input_ids", ir.DataType.INT64, ["s44", 1]),
-              value("attention_mask", ir.DataType.INT64, ["s44", "s70"]), keys]
-    node = ir.node("Identity", [keys], outputs=[value("output.past_key_values.layers.0.keys", ir.DataType.FLOAT,
-                                                      ["s44", 2, "s31 + 1", 16])])
-    model = ir.Model(ir.Graph(inputs, node.outputs, nodes=[node], opset_imports={"": 18}), ir_version=10)
-    assert generation_axis_names(model) == {
-        "s44": "batch_size", "s70": "past_sequence_length + sequence_length", "s31": "past_sequence_length",
-    }
-    RenameDynamicAxesPass(generation_axis_names(model))(model)
-    dims = [str(d) for v in (*model.graph.inputs, *model.graph.outputs) for d in v.shape]
-    assert not [d for d in dims if d.startswith("s") and d[1:2].isdigit()]
-    assert [str(d) for d in model.graph.outputs[0].shape] == ["batch_size", "2", "past_sequence_length + 1", "16"]
+    for cache in ("past_key_values", "cache"):  # the cache's name in transformers 5.23, and 5.24
+        keys = value(f"input.{cache}.layers.0.keys", ir.DataType.FLOAT, ["s44", 2, "s31", 16])
+        inputs = [value("input_ids", ir.DataType.INT64, ["s44", 1]),
+                  value("attention_mask", ir.DataType.INT64, ["s44", "s70"]), keys]
+        node = ir.node("Identity", [keys], outputs=[value(f"output.{cache}.layers.0.keys", ir.DataType.FLOAT,
+                                                          ["s44", 2, "s31 + 1", 16])])
+        model = ir.Model(ir.Graph(inputs, node.outputs, nodes=[node], opset_imports={"": 18}), ir_version=10)
+        assert generation_axis_names(model) == {
+            "s44": "batch_size", "s70": "past_sequence_length + sequence_length", "s31": "past_sequence_length",
+        }
+        RenameDynamicAxesPass(generation_axis_names(model))(model)
+        dims = [str(d) for v in (*model.graph.inputs, *model.graph.outputs) for d in v.shape]
+        assert not [d for d in dims if d.startswith("s") and d[1:2].isdigit()]
+        assert [str(d) for d in model.graph.outputs[0].shape] == ["batch_size", "2", "past_sequence_length + 1", "16"]
+
+
+def test_causal_lm_with_past_is_supported_whatever_the_cache_is_called():
+    """transformers 5.24 renamed forward's `past_key_values` to `cache`: the checkpoint command refused
+    every decoder for `causal-lm-with-past` there (the task it infers for `*ForCausalLM`), saying
+    "LlamaForCausalLM.forward takes no past_key_values" (README set-up installs 5.24). Under 5.23 this
+    passes either way; `bash scripts/test-transformers.sh 5.24.0` runs it where it failed."""
+    from onnx_modular.hf.checkpoint import supported_tasks
+
+    tasks = supported_tasks(transformers.LlamaConfig(**LLAMA))
+    assert tasks["causal-lm-with-past"] == "LlamaForCausalLM"
 
 
 def test_relative_column_leaves_out_values_the_absolute_tolerance_judges():
@@ -271,3 +284,132 @@ def test_relative_column_leaves_out_values_the_absolute_tolerance_judges():
     assert row.modular_max_rel < 1e-2  # 1.001 vs 1.0 in float16, not 3e-3 / 1e-4
     far = compare_outputs(["logits"], [np.array([1.0, 1.5], np.float32)], None, [np.array([1.0, 1.0], np.float32)])
     assert far.outputs[0].modular_max_rel == pytest.approx(0.5, rel=1e-3) and not far.outputs[0].ok
+
+
+# -- one weights file for the generation components (item 5) --------------------------------------
+
+
+def _component(weights: dict[str, np.ndarray], scale: float) -> onnx.ModelProto:
+    """A small model ``y = (x @ w0 + b) * scale`` whose initializers are ``weights`` (names chosen by
+    the caller: equal bytes under other names must still be shared)."""
+    from onnx import helper
+
+    names = list(weights)
+    nodes = [
+        helper.make_node("MatMul", ["x", names[0]], ["h"]),
+        helper.make_node("Add", ["h", names[1]], ["a"]),
+        helper.make_node("Mul", ["a", "scale"], ["y"]),
+    ]
+    inits = [onnx.numpy_helper.from_array(value, name) for name, value in weights.items()]
+    inits.append(onnx.numpy_helper.from_array(np.array(scale, np.float32), "scale"))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 16])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 16])], inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _save_components(folder, models: dict[str, onnx.ModelProto]) -> None:
+    folder.mkdir(exist_ok=True)
+    for name, model in models.items():  # as transformers' OnnxExporter.save_program: <name>.onnx.data each
+        _save_external(model, folder / name, f"{name}.data")
+
+
+def _save_external(model: onnx.ModelProto, path, location: str) -> None:
+    copy = onnx.ModelProto.FromString(model.SerializeToString())  # onnx.save moves the values out of the proto
+    onnx.save(copy, str(path), save_as_external_data=True, location=location, size_threshold=0)
+
+
+def _run(path) -> np.ndarray:
+    x = np.arange(32, dtype=np.float32).reshape(2, 16) / 32
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def _locations(path) -> dict[str, str]:
+    model = onnx.load(str(path), load_external_data=False)
+    return {
+        t.name: {e.key: e.value for e in t.external_data}["location"]
+        for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+    }
+
+
+def test_decode_reads_the_weights_it_shares_from_prefill_data(tmp_path):
+    """Item 5: `--generation` stored the weights twice. The decode component now reads every tensor
+    whose bytes equal one of prefill's (matched by content, whatever its name) from prefill.onnx.data;
+    only the others stay in decode.onnx.data. Each file still runs alone in onnxruntime, a second
+    export over the folder keeps it whole, and a later save of prefill.onnx alone keeps the data
+    decode reads."""
+    from onnx_modular.storage import save
+    from onnx_modular.storage.shared_data import share_external_data
+
+    rng = np.random.default_rng(0)
+    w, b = rng.standard_normal((16, 16)).astype(np.float32), rng.standard_normal(16).astype(np.float32)
+    own = rng.standard_normal(16).astype(np.float32)
+    prefill = _component({"model.w": w, "model.b": b}, 1.0)
+    decode = _component({"w_renamed": w, "bias_of_decode": own}, 2.0)  # w shared under another name, b not
+    staged = tmp_path / "staged"
+    _save_components(staged, {"prefill.onnx": prefill, "decode.onnx": decode})
+    expected = {name: _run(staged / name) for name in ("prefill.onnx", "decode.onnx")}
+    before = sum(f.stat().st_size for f in staged.iterdir())
+
+    shared = share_external_data(staged, ["prefill.onnx", "decode.onnx"])
+    assert shared.shared == {"decode.onnx": (1, w.nbytes)}
+    assert _locations(staged / "decode.onnx") == {
+        "w_renamed": "prefill.onnx.data", "bias_of_decode": "decode.onnx.data", "scale": "decode.onnx.data",
+    }
+    assert before - sum(f.stat().st_size for f in staged.iterdir()) >= w.nbytes - 64  # (protobuf: a few bytes more)
+
+    out = tmp_path / "out"
+    for _ in range(2):  # a first export, then one over the folder it wrote (data names taken by the first)
+        save.publish_folder(staged, out)
+        assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "decode.onnx.data", "prefill.onnx", "prefill.onnx.data"]
+        assert _locations(out / "decode.onnx")["w_renamed"] == "prefill.onnx.data"
+        assert _locations(out / "decode.onnx")["bias_of_decode"] == "decode.onnx.data"
+        for name, values in expected.items():
+            np.testing.assert_array_equal(_run(out / name), values)  # each file alone, bit for bit
+    shutil.rmtree(staged)  # (the staged folder's hard links are what onnx's checker would refuse)
+    for name in expected:
+        onnx.checker.check_model(str(out / name), full_check=True)
+
+    # prefill.onnx saved alone (another tool writing over it): the data decode reads is kept.
+    with save.atomic_write(out / "prefill.onnx") as staging:
+        _save_external(prefill, staging.model_path, staging.data_location)
+    assert _locations(out / "prefill.onnx")["model.w"] != "prefill.onnx.data"
+    np.testing.assert_array_equal(_run(out / "decode.onnx"), expected["decode.onnx"])
+
+
+def test_all_shared_leaves_decode_without_a_data_file(tmp_path):
+    """When every tensor of decode is one of prefill's (the usual case), decode has no data file of
+    its own, or only its smallest tensor there with ``keep_data_file``."""
+    from onnx_modular.storage import save
+    from onnx_modular.storage.shared_data import share_external_data
+
+    rng = np.random.default_rng(1)
+    weights = {"w": rng.standard_normal((16, 16)).astype(np.float32), "b": rng.standard_normal(16).astype(np.float32)}
+    staged = tmp_path / "staged"
+    _save_components(staged, {"prefill.onnx": _component(weights, 3.0), "decode.onnx": _component(weights, 3.0)})
+    expected = _run(staged / "decode.onnx")
+    kept = tmp_path / "kept"
+    shutil.copytree(staged, kept)
+    share_external_data(staged, ["prefill.onnx", "decode.onnx"])
+    assert not (staged / "decode.onnx.data").exists()
+    save.publish_folder(staged, tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["decode.onnx", "prefill.onnx", "prefill.onnx.data"]
+    assert set(_locations(tmp_path / "out" / "decode.onnx").values()) == {"prefill.onnx.data"}
+    np.testing.assert_array_equal(_run(tmp_path / "out" / "decode.onnx"), expected)
+
+    # keep_data_file (transformers' from_pretrained wants decode.onnx.data): the smallest tensor stays there.
+    share_external_data(kept, ["prefill.onnx", "decode.onnx"], keep_data_file=True)
+    locations = _locations(kept / "decode.onnx")
+    assert locations == {"w": "prefill.onnx.data", "b": "prefill.onnx.data", "scale": "decode.onnx.data"}
+    assert (kept / "decode.onnx.data").stat().st_size == 4  # the float32 scalar
+    np.testing.assert_array_equal(_run(kept / "decode.onnx"), expected)
+
+    # Published over the folder whose decode had no data file, then again: every data file ends under
+    # its conventional name (from_pretrained looks for decode.onnx.data), nothing stale is left.
+    for _ in range(2):
+        save.publish_folder(kept, tmp_path / "out")
+        names = sorted(p.name for p in (tmp_path / "out").iterdir())
+        assert names == ["decode.onnx", "decode.onnx.data", "prefill.onnx", "prefill.onnx.data"], names
+        assert _locations(tmp_path / "out" / "decode.onnx")["scale"] == "decode.onnx.data"
+        np.testing.assert_array_equal(_run(tmp_path / "out" / "decode.onnx"), expected)

@@ -277,10 +277,21 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
             }
         )
         return EXIT_OK
+    written: set[str] = set()  # data files already counted: decode reads prefill's (one copy of shared weights)
     for name, file in zip(exported.components, files):
         if name in reports:
             stdout(reports[name])
-        stdout(f"Wrote {file} ({stored_bytes(file) / 1e6:.1f} MB)")
+        data = save.referenced_data(file)
+        shared = sorted(data & written)
+        if shared:
+            shared_bytes = sum((file.parent / location).stat().st_size for location in shared)
+            stdout(
+                f"Wrote {file} ({(stored_bytes(file) - shared_bytes) / 1e6:.1f} MB; its other "
+                f"{shared_bytes / 1e6:.1f} MB of weights are read from {', '.join(shared)}, stored once)"
+            )
+        else:
+            stdout(f"Wrote {file} ({stored_bytes(file) / 1e6:.1f} MB)")
+        written |= data
         if flat is not None and flat.flat_path is not None:
             _print_flat(flat.flat_path, flat.flat_report)
         _print_tree(args, function_tree(load_model_file(file, values=False)), str(file))

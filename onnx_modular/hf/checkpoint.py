@@ -115,14 +115,14 @@ def supported_tasks(config: Any) -> dict[str, str]:
     """``{task: model class name}``: the tasks of :data:`TASKS` that ``config`` exports for: the task's
     auto class has a model for it, whose ``forward`` takes the input :func:`sample_inputs` makes
     (token ids or pixel values; Whisper's ``input_features`` are not made) and, with the cache,
-    the cache argument (``past_key_values``; ``cache`` from transformers 5.24)."""
+    a cache (``past_key_values``, or ``cache`` since transformers 5.24)."""
     tasks = {}
     for task in TASKS:
         model_class = _model_class(config, task)
         if model_class is None:
             continue
         parameters = inspect.signature(model_class.forward).parameters
-        takes_cache = any(name in parameters for name in CACHE_ARGUMENTS)  # `cache` from transformers 5.24
+        takes_cache = any(name in parameters for name in CACHE_ARGUMENTS)  # `cache` since transformers 5.24
         if _input_of(task, config) in parameters and (task != "causal-lm-with-past" or takes_cache):
             tasks[task] = model_class.__name__
     return tasks
@@ -143,7 +143,7 @@ def check_supported(config: Any, task: str, source: str | os.PathLike) -> None:
         parameters = [p for p in inspect.signature(model_class.forward).parameters if p != "self"]
         needed = _input_of(task, config)
         why = (
-            f"{model_class.__name__}.forward takes no cache ({' or '.join(CACHE_ARGUMENTS)})"
+            f"{model_class.__name__}.forward takes no KV cache ({' or '.join(CACHE_ARGUMENTS)})"
             if needed in parameters
             else f"{model_class.__name__}.forward takes {parameters[0] if parameters else 'no input'}, "
             f"where the checkpoint export makes {needed}"
@@ -347,15 +347,15 @@ DECODER_SEQUENCE_AXIS = "decoder_sequence_length"
 TOTAL_AXIS = f"{PAST_AXIS} + {SEQUENCE_AXIS}"
 
 
-#: Axes of the generation components' inputs, by a part of the input name, named as
-#: :func:`dynamic_shapes` names them.
+#: Axes of the generation components' inputs, by input name (a cache tensor: ``past_key_values``
+#: in its name), named as :func:`dynamic_shapes` names them.
 _GENERATION_AXES: dict[str, dict[int, str]] = {
     "input_ids": {0: BATCH_AXIS, 1: SEQUENCE_AXIS},
     "position_ids": {0: BATCH_AXIS, 1: SEQUENCE_AXIS},
     "cache_position": {0: SEQUENCE_AXIS},
     "attention_mask": {0: BATCH_AXIS, 1: TOTAL_AXIS},
-    # a cache tensor, by the cache argument's name (``past_key_values``; ``cache`` from 5.24)
-    **{f"{argument}.": {0: BATCH_AXIS, 2: PAST_AXIS} for argument in CACHE_ARGUMENTS},
+    "past_key_values": {0: BATCH_AXIS, 2: PAST_AXIS},
+    "cache.layers.": {0: BATCH_AXIS, 2: PAST_AXIS},  # transformers 5.24: input.cache.layers.0.keys
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import pathlib
 import shutil
@@ -44,6 +45,7 @@ from onnx_modular.hf.exporter import (
 from onnx_modular.hf.meta import checkpoint_weights
 from onnx_modular.passes.dynamic_axes import RenameDynamicAxesPass
 from onnx_modular.storage import locks, save
+from onnx_modular.storage.shared_data import share_external_data
 
 __all__ = ["RUNTIME_FILES", "export_checkpoint", "streamed"]
 
@@ -224,14 +226,19 @@ def _logged_stage(log: Callable[[str], None]):
 
 
 def _save_folder(exported: Any, source: str, output: pathlib.Path) -> list[str]:
-    """``save_pretrained`` into a private folder beside ``output``, the runtime files of the checkpoint
-    copied there, then every file moved into ``output`` by :func:`~onnx_modular.storage.save.publish_folder`
+    """``save_pretrained`` into a private folder beside ``output``, the components' shared weights
+    stored once (``decode.onnx`` reads the tensors it has in common with ``prefill.onnx`` from
+    ``prefill.onnx.data``), the runtime files of the checkpoint copied there, then every file moved into ``output`` by :func:`~onnx_modular.storage.save.publish_folder`
     (one commit: all or nothing, no other model's data overwritten, links in ``output`` replaced, not
     followed, modes kept)."""
     parent = output.parent if str(output.parent) else pathlib.Path(".")
     with locks.temp_folder(parent) as tmpdir:
         staged = tmpdir / "out"
         exported.save_pretrained(staged)
+        if len(exported.components) > 1:  # prefill and decode: one copy of the weights they share
+            manifest = json.loads((staged / "export.json").read_text(encoding="utf-8"))
+            files = [manifest["components"][name]["file"] for name in exported.components]
+            share_external_data(staged, files, keep_data_file=True)  # from_pretrained needs each <file>.data
         modes = _copy_runtime_files(source, staged)
         return save.publish_folder(staged, output, modes=modes)
 
