@@ -54,6 +54,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "swin": {"image_size": 224},  # windows of 7 over a 56 x 56 grid: smaller grids break its masks
     "esmc": {"num_key_value_heads": 2},  # no grouped-query attention
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one (global, local) pair: 2 layers
+    "diffllama": {"num_key_value_heads": 2},
+    "esm": {"pad_token_id": 1},  # left to the checkpoint (None); positions count from the padding id  # differential attention splits the key heads in two
+    # the default config leaves the layer kinds to the checkpoint (None), the model indexes them
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
 }
 
 BATCH, SEQUENCE = 2, 8
@@ -75,7 +79,14 @@ _FFN_KEYS = {
 }
 _SMALL_FFN_KEYS = {"moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"}
 _EXPERT_KEYS = {"num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"}
-_TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"}
+_TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k"}
+#: expert groups (DeepSeek-style routing: experts // groups per group, topk_group of them chosen)
+_GROUP_KEYS = {"n_group", "num_expert_group", "num_group"}
+_TOPK_GROUP_KEYS = {"topk_group"}
+#: widths tied to a hidden size by name: shrunk with it when they equal one of the tree's hidden sizes
+_WIDTH_SUFFIXES = ("hidden_size", "_dim", "embedding_size")
+#: layer indices into a (vision) tower: kept within the tiny tower's layers
+_LAYER_INDEX_KEYS = {"vision_feature_layer", "vision_feature_layers", "feature_layer", "feature_layers", "select_layer"}
 _HEAD_DIM_KEYS = {"head_dim", "attention_head_dim", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"}
 _RANK_KEYS = {"kv_lora_rank", "q_lora_rank"}
 
@@ -90,23 +101,74 @@ def _special_ids(values: dict[str, Any]) -> set[int]:
     return found
 
 
-def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[str, Any]:
+def _widths(values: dict[str, Any]) -> set[int]:
+    """The hidden sizes (over :data:`HIDDEN`) anywhere in a config's dict, sub-configs included."""
+    found = set()
+    for key, value in values.items():
+        if isinstance(value, dict):
+            found |= _widths(value)
+        elif key in _HIDDEN_KEYS and isinstance(value, int) and not isinstance(value, bool) and value > HIDDEN:
+            found.add(value)
+    return found
+
+
+def _fit_sections(sections: list[int], total: int) -> list[int]:
+    """``sections`` scaled to sum to ``total`` (largest remainders; each at least 1 when it can):
+    rotary sections (``mrope_section``) of a shrunk head, embedding factors of a shrunk width."""
+    whole = sum(sections)
+    exact = [v * total / whole for v in sections]
+    fitted = [max(1, int(x)) if total >= len(sections) else int(x) for x in exact]
+    order = sorted(range(len(sections)), key=lambda i: exact[i] - int(exact[i]), reverse=True)
+    index = 0
+    while sum(fitted) != total and index < 4 * len(sections):
+        i = order[index % len(order)]
+        step = 1 if sum(fitted) < total else -1
+        if fitted[i] + step >= (1 if total >= len(sections) else 0):
+            fitted[i] += step
+        index += 1
+    return fitted
+
+
+def _rope_shrunk(value: Any, head_dim: int) -> Any:
+    """A rope dict (or one per layer kind) with ``mrope_section`` refitted to half the head."""
+    if not isinstance(value, dict):
+        return value
+    out = {k: _rope_shrunk(v, head_dim) if isinstance(v, dict) else v for k, v in value.items()}
+    sections = value.get("mrope_section")
+    if isinstance(sections, (list, tuple)) and sections and all(isinstance(v, int) for v in sections):
+        if sum(sections) != head_dim // 2:
+            out["mrope_section"] = _fit_sections(list(sections), head_dim // 2)
+    return out
+
+
+def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset(), widths: frozenset[int] | None = None) -> dict[str, Any]:
     """Constructor arguments that shrink ``config`` (the rules; sub-configs recursively, keeping
-    the vocabulary above the token ids of the enclosing config, LLaVA's image token)."""
+    the vocabulary above the token ids of the enclosing config, LLaVA's image token, and shrinking
+    widths tied to any hidden size of the tree, a projector's ``out_hidden_size``)."""
     values = config.to_dict()
+    widths = frozenset(_widths(values)) if widths is None else widths
     special = _special_ids(values) | inherited_ids
     sub_configs = set(getattr(config, "sub_configs", {}) or {})
     layers = next((values[k] for k in _LAYER_KEYS if isinstance(values.get(k), int)), None)
     heads = next((values[k] for k in _HEAD_KEYS if isinstance(values.get(k), int)), None)
     kept = _kept_layers(values, layers)
+    followed: set[str] = set()
     out: dict[str, Any] = {}
     for key, value in values.items():
         if key in sub_configs or (isinstance(value, dict) and hasattr(getattr(config, key, None), "to_dict")):
             sub = getattr(config, key, None)
             if sub is not None and hasattr(sub, "to_dict"):
-                out[key] = {**sub.to_dict(), **_shrunk(sub, frozenset(special))}
+                out[key] = {**sub.to_dict(), **_shrunk(sub, frozenset(special), widths)}
             continue
-        if isinstance(value, bool) or value is None:
+        if isinstance(value, bool):
+            continue
+        if value is None:
+            if key == "vocab_size":  # left to the checkpoint (ESM): any tiny vocabulary
+                out[key] = max(512, max(special, default=0) + 1)
+            elif key in _KV_HEAD_KEYS and heads:  # left unset, and a layer divides by it (Nemotron)
+                out[key] = 1
+            elif key == "default_language" and values.get("languages"):  # X-MOD's adapters need a language
+                out[key] = values["languages"][0]
             continue
         if isinstance(value, int):
             if key in _HIDDEN_KEYS and value > HIDDEN:
@@ -130,6 +192,14 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[st
                 out[key] = 4
             elif key in _TOPK_KEYS and value > 2:
                 out[key] = 2
+            elif key in _GROUP_KEYS and value > 1:  # 4 experts: one group holds them all
+                out[key] = 1
+            elif key in _TOPK_GROUP_KEYS and value > 1:
+                out[key] = 1
+            elif key == "rotary_dim" and value > 8:  # partial rotary within a 16-wide head (GPT-J)
+                out[key] = 8
+            elif key == "num_queries" and value > 16:  # a detector's top-k over the few tokens of a tiny image
+                out[key] = 16
             elif key in _HEAD_DIM_KEYS and value > 16:
                 out[key] = 16
             elif key in _RANK_KEYS and value > HIDDEN:
@@ -142,10 +212,16 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[st
                 out[key] = max(512, max(special, default=0) + 1)
             elif key in ("num_conv_pos_embeddings",) and value > 16:
                 out[key] = 16
+            elif key == "num_groups" and value > 2 and "hidden_sizes" in values:  # group norms over 8-channel stages (BiT)
+                out[key] = 2
             elif key in ("num_conv_pos_embedding_groups",) and value > 2:
                 out[key] = 2
             elif key == "max_source_positions" and value > 64:
                 out[key] = 64
+            elif key.endswith(_WIDTH_SUFFIXES) and value in widths and not key.endswith("head_dim") and key not in _HEAD_DIM_KEYS:
+                out[key] = HIDDEN  # tied to a hidden size by the architecture (a projector's output, a condition)
+            elif key in _LAYER_INDEX_KEYS:
+                out[key] = _layer_index(value)
         elif isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             if key in ("hidden_sizes", "dims", "embed_dims", "neck_hidden_sizes"):
                 out[key] = [min(v, 8 * 2**i) for i, v in enumerate(value)]
@@ -155,14 +231,36 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[st
                 out[key] = [min(v, 2) for v in value]
             elif key == "conv_dim":
                 out[key] = [HIDDEN] * len(value)
+            elif key in _LAYER_INDEX_KEYS:
+                out[key] = _layer_index(value)
+            elif sum(value) in widths and key.endswith("_dim"):  # factors of a width (Reformer's axial embeddings)
+                out[key] = _fit_sections(list(value), HIDDEN)
         if kept is not None and isinstance(value, (list, tuple)) and len(value) == layers and key not in out:
             out[key] = [value[i] for i in kept]  # per-layer lists (layer_types, ...) follow the kept layers
+            followed.add(key)
         elif kept is not None and key.startswith("per_layer") and isinstance(value, dict):
             out[key] = {  # keyed by layer index: the kept layers', renumbered
                 kept.index(int(k)): v for k, v in value.items() if str(k).isdigit() and int(k) in kept
             }
+    if followed:  # one entry per layer: a rule's list (depths, hidden_sizes) follows the kept layers as the others do
+        for key, value in list(out.items()):
+            if key not in followed and isinstance(value, list) and len(value) == layers and isinstance(values.get(key), (list, tuple)):
+                out[key] = [value[i] for i in kept]
     if values.get("head_dim", 0) is None and heads and "head_dim" not in out:
         out["head_dim"] = HIDDEN // min(heads, 2)  # None: some models compute hidden // heads, others fail
+    for key in ("rope_parameters", "rope_scaling"):  # multimodal rotary sections split half the head
+        if isinstance(values.get(key), dict):
+            head_dim = out.get("head_dim") or values.get("head_dim")
+            if not isinstance(head_dim, int) or head_dim > 16:
+                head_dim = (out.get("hidden_size") or values.get("hidden_size") or HIDDEN) // max(1, min(heads or 2, 2))
+            rope = _rope_shrunk(values[key], head_dim)
+            # multimodal rotary (Qwen2-VL): the model falls back to sections for a full-size head when the
+            # config has none; its config class says so by exempting them from rope validation
+            exempt = getattr(type(config), "ignore_keys_at_rope_validation", None) or ()
+            if "mrope_section" in exempt and "rope_type" in rope and "mrope_section" not in rope:
+                rope["mrope_section"] = _fit_sections([16, 24, 24], head_dim // 2)
+            if rope != values[key]:
+                out[key] = rope
     stages = values.get("out_indices")
     if kept is not None and isinstance(stages, (list, tuple)) and stages and all(isinstance(i, int) for i in stages):
         # a backbone's outputs: the last len(out_indices) of the kept layers (a DPT neck needs all four)
@@ -177,6 +275,24 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[st
     # to_dict() hands back the default ones, which these must replace)
     through = ("per_layer", "out_features", "out_indices")
     return {key: value for key, value in out.items() if accepted is None or key in accepted or key.startswith(through)}
+
+
+def _layer_index(value: Any) -> Any:
+    """Layer indices (LLaVA's ``vision_feature_layer``, one or a list) within the tiny tower: a
+    negative index stays (it counts from the end), one past the two kept layers becomes the last
+    ones, distinct as before."""
+    if isinstance(value, bool) or not isinstance(value, (int, list, tuple)):
+        return value
+    many = isinstance(value, (list, tuple))
+    items = list(value) if many else [value]
+    if not all(isinstance(v, int) for v in items):
+        return value
+    fitted = []
+    for v in items:
+        if v >= 2 or v < -2:  # 2 layers kept: indices 0, 1 or -1, -2
+            v = -1 - len([f for f in fitted if f < 0])
+        fitted.append(max(v, -2))
+    return fitted if many else fitted[0]
 
 
 def _kept_layers(values: dict[str, Any], layers: int | None) -> list[int] | None:
@@ -220,7 +336,26 @@ def tiny_config(model_type: str):
 
     default = AutoConfig.for_model(model_type)
     kwargs = {**_shrunk(default), **OVERRIDES.get(model_type, {})}
-    return AutoConfig.for_model(model_type, **kwargs)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    channels = _backbone_channels(config)
+    if channels and isinstance(getattr(config, "encoder_in_channels", None), (list, tuple)):
+        if len(config.encoder_in_channels) == len(channels) and list(config.encoder_in_channels) != channels:
+            # a detector's encoder reads the backbone's stages: its input channels are theirs (RT-DETR)
+            config = AutoConfig.for_model(model_type, **{**kwargs, "encoder_in_channels": channels})
+    return config
+
+
+def _backbone_channels(config) -> list[int] | None:
+    """The channels of the stages a backbone sub-config hands on (``out_indices`` over its
+    ``hidden_sizes``, stage 0 the stem), or None."""
+    backbone = getattr(config, "backbone_config", None)
+    sizes = getattr(backbone, "hidden_sizes", None)
+    stages = getattr(backbone, "out_indices", None)
+    if not isinstance(sizes, (list, tuple)) or not isinstance(stages, (list, tuple)) or not stages:
+        return None
+    stem = getattr(backbone, "embedding_size", None) or sizes[0]
+    sizes = [stem, *sizes]
+    return [sizes[i] for i in stages] if all(isinstance(i, int) and -len(sizes) <= i < len(sizes) for i in stages) else None
 
 
 def _forward_parameters(model) -> set[str]:
@@ -292,18 +427,37 @@ def make_inputs(model, config) -> dict[str, Any]:
     return inputs
 
 
+def config_for_class(config: Any, model_class) -> Any:
+    """The part of ``config`` a class is built from: a text or vision tower of a composite model
+    (``MllamaTextModel`` under ``mllama``) takes the sub-config of its ``config_class``."""
+    wanted = getattr(model_class, "config_class", None)
+    if wanted is None or isinstance(config, wanted):
+        return config
+    pending = [config]
+    while pending:
+        part = pending.pop(0)
+        for name in getattr(part, "sub_configs", {}) or {}:
+            sub = getattr(part, name, None)
+            if isinstance(sub, wanted):
+                return sub
+            if sub is not None and hasattr(sub, "sub_configs"):
+                pending.append(sub)
+    return config
+
+
 def build(model_type: str, class_name: str):
     """(model, inputs, expected outputs as a list of tensors) with random weights, seed 0."""
     import torch
     import transformers
 
-    config = tiny_config(model_type)
+    model_class = getattr(transformers, class_name)
+    config = config_for_class(tiny_config(model_type), model_class)
     if class_name.endswith("ForSequenceClassification"):  # batch 2 needs a padding token to find each row's last
         for part in (config, getattr(config, "text_config", None)):
             if part is not None and getattr(part, "pad_token_id", 0) is None:
                 part.pad_token_id = 0
     torch.manual_seed(0)
-    model = getattr(transformers, class_name)._from_config(config).eval()
+    model = model_class._from_config(config).eval()
     inputs = make_inputs(model, config)
     with torch.no_grad():
         expected = model(**inputs)
