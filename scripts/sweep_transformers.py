@@ -212,6 +212,10 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset(), widths: fr
                 out[key] = max(512, max(special, default=0) + 1)
             elif key in ("num_conv_pos_embeddings",) and value > 16:
                 out[key] = 16
+            elif key == "num_heads" and value > 2 and "spatial_merge_size" in values:  # a Qwen-VL vision tower's rotary needs 16-wide heads
+                out[key] = 2
+            elif key == "mm_tokens_per_image" and value > 4:  # pooled from the 4 x 4 patches of a 32-pixel image
+                out[key] = 4
             elif key == "num_groups" and value > 2 and "hidden_sizes" in values:  # group norms over 8-channel stages (BiT)
                 out[key] = 2
             elif key in ("num_conv_pos_embedding_groups",) and value > 2:
@@ -242,6 +246,12 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset(), widths: fr
             out[key] = {  # keyed by layer index: the kept layers', renumbered
                 kept.index(int(k)): v for k, v in value.items() if str(k).isdigit() and int(k) in kept
             }
+    pinpoints = values.get("image_grid_pinpoints")
+    vision = values.get("vision_config") if isinstance(values.get("vision_config"), dict) else {}
+    if isinstance(pinpoints, list) and isinstance(vision.get("image_size"), int) and vision["image_size"] > 32:
+        # LLaVA-NeXT's tilings are multiples of the tower's image size: the tiny tower's
+        scale = vision["image_size"]
+        out["image_grid_pinpoints"] = [[v * 32 // scale for v in pair] for pair in pinpoints]
     if followed:  # one entry per layer: a rule's list (depths, hidden_sizes) follows the kept layers as the others do
         for key, value in list(out.items()):
             if key not in followed and isinstance(value, list) and len(value) == layers and isinstance(values.get(key), (list, tuple)):
@@ -397,7 +407,11 @@ def make_inputs(model, config) -> dict[str, Any]:
         vision = getattr(config, "vision_config", None) or config
         height, width = _image_size(vision)
         channels = getattr(vision, "num_channels", 3) or 3
-        inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
+        frames = getattr(vision, "num_frames", None) or getattr(config, "num_frames", None)
+        if isinstance(frames, int) and frames > 0:  # a video model reads (batch, frames, channels, height, width)
+            inputs["pixel_values"] = torch.randn(BATCH, frames, channels, height, width, generator=generator)
+        else:
+            inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
     elif main == "input_features":
         bins = getattr(config, "num_mel_bins", None) or getattr(config, "feature_size", None) or 80
         if getattr(config, "max_source_positions", None) and getattr(config, "model_type", "") in ("whisper",):
@@ -407,7 +421,9 @@ def make_inputs(model, config) -> dict[str, Any]:
             shape = (BATCH, frames, bins) if "speech_to_text" in config.model_type else (BATCH, bins, frames)
             inputs["input_features"] = torch.randn(*shape, generator=generator)
     elif main == "input_values":
-        inputs["input_values"] = torch.randn(BATCH, 4000, generator=generator)
+        # an x-vector head's time-delay layers need more frames than a quarter second gives
+        samples = 16000 if getattr(config, "tdnn_kernel", None) else 4000
+        inputs["input_values"] = torch.randn(BATCH, samples, generator=generator)
     else:
         # a multiple-choice head reads (batch, choices, sequence)
         shape = (BATCH, 2, SEQUENCE) if type(model).__name__.endswith("ForMultipleChoice") else (BATCH, SEQUENCE)
@@ -420,11 +436,107 @@ def make_inputs(model, config) -> dict[str, Any]:
             height, width = _image_size(vision)
             channels = getattr(vision, "num_channels", 3) or 3
             inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
+        elif "pixel_values" in parameters and vision is not None and shape == (BATCH, SEQUENCE):
+            inputs.update(image_inputs(model, config, inputs["input_ids"], generator))
     if "use_cache" in parameters:  # no cache object in the outputs: torch.export needs its pytree registered
         inputs["use_cache"] = False
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
-        inputs["decoder_input_ids"] = _token_ids(config, (BATCH, 4), generator)
+        if type(model).__name__.endswith("ForSequenceClassification") and "input_ids" in inputs:
+            # BART-style heads classify at each row's last end-of-sequence token, read from the decoder's
+            # states over the same tokens: one EOS per row, the decoder input made from input_ids
+            eos = getattr(config, "eos_token_id", None)
+            if isinstance(eos, int):
+                inputs["input_ids"][:, -1] = eos
+        else:
+            inputs["decoder_input_ids"] = _token_ids(config, (BATCH, 4), generator)
     return inputs
+
+
+def _image_token(config) -> int | None:
+    for key in ("image_token_id", "image_token_index"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _pixel_inputs(model, config, generator) -> dict[str, Any]:
+    """One image per row as the model's processor gives it: flattened patches with their
+    ``image_grid_thw`` (Qwen2-VL), tiles with ``image_sizes`` (LLaVA-NeXT), or a batch of images."""
+    import torch
+
+    parameters = _forward_parameters(model)
+    vision = config.vision_config
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", None) or 3
+    if "image_grid_thw" in parameters:
+        patch = getattr(vision, "patch_size", None) or 14
+        temporal = getattr(vision, "temporal_patch_size", None) or 1
+        merge = getattr(vision, "spatial_merge_size", None) or 1
+        side = 2 * merge  # a grid of 2 x 2 merged tokens
+        grid = torch.tensor([[1, side, side]] * BATCH)
+        pixels = torch.randn(BATCH * side * side, channels * temporal * patch * patch, generator=generator)
+        return {"pixel_values": pixels, "image_grid_thw": grid}
+    height, width = _image_size(vision)
+    pinpoints = getattr(config, "image_grid_pinpoints", None)
+    if "image_sizes" in parameters and pinpoints:
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        tiles = image_size_to_num_patches((height, width), pinpoints, height)
+        pixels = torch.randn(BATCH, tiles, channels, height, width, generator=generator)
+        return {"pixel_values": pixels, "image_sizes": torch.tensor([[height, width]] * BATCH)}
+    return {"pixel_values": torch.randn(BATCH, channels, height, width, generator=generator)}
+
+
+def _feature_count(model, pixels: dict[str, Any]) -> int | None:
+    """How many token embeddings the model makes of the images (what its processor counts to
+    put that many image tokens in the text): from its own ``get_image_features``."""
+    import torch
+
+    get = getattr(model, "get_image_features", None)
+    if get is None:
+        return None
+    with torch.no_grad():
+        out = get(**pixels)
+    if hasattr(out, "pooler_output") and out.pooler_output is not None:
+        out = out.pooler_output
+    elif hasattr(out, "last_hidden_state"):
+        out = out.last_hidden_state
+    parts = list(out) if isinstance(out, (list, tuple)) else [out]
+    if not parts or not all(isinstance(p, torch.Tensor) for p in parts):
+        return None
+    return sum(p.numel() // p.shape[-1] for p in parts)
+
+
+def image_inputs(model, config, input_ids, generator) -> dict[str, Any]:
+    """Images for a vision-language model that takes ``pixel_values`` and marks images with an
+    image token in its text: the pixels its processor would give, and the text rewritten to hold as
+    many image tokens as the model makes features (between the vision start and end tokens where
+    the config has them). Nothing when the model does not say how many (text only, as before)."""
+    import torch
+
+    token = _image_token(config)
+    if token is None:
+        return {}
+    pixels = _pixel_inputs(model, config, generator)
+    try:
+        count = _feature_count(model, pixels)
+    except Exception:
+        return {}
+    if not count or count % BATCH:
+        return {}
+    per_row = count // BATCH
+    start = getattr(config, "vision_start_token_id", None) or getattr(config, "image_start_token_id", None)
+    end = getattr(config, "vision_end_token_id", None) or getattr(config, "image_end_token_id", None)
+    image = [start] if isinstance(start, int) else []
+    image += [token] * per_row + ([end] if isinstance(end, int) else [])
+    ids = torch.cat([input_ids[:, :1], torch.tensor([image] * BATCH), input_ids[:, 1:]], dim=1)
+    out = {"input_ids": ids, **pixels}
+    parameters = _forward_parameters(model)
+    if "attention_mask" in parameters:
+        out["attention_mask"] = torch.ones_like(ids)
+    if "mm_token_type_ids" in parameters:  # 1 marks image tokens for multimodal rotary positions
+        out["mm_token_type_ids"] = (ids == token).to(torch.int32)
+    return out
 
 
 def config_for_class(config: Any, model_class) -> Any:
@@ -486,6 +598,7 @@ def _job_modular(model_type: str, class_name: str) -> dict[str, Any]:
     model, inputs, _ = build(model_type, class_name)
     record["built"] = True
     record["build_seconds"] = time.perf_counter() - start
+    record["inputs"] = input_names(inputs)
     try:
         result = export_modular(model, (), kwargs=inputs)
     except Exception as e:
@@ -498,6 +611,11 @@ def _job_modular(model_type: str, class_name: str) -> dict[str, Any]:
         max_abs=_max_abs(result.report),
     )
     return record
+
+
+def input_names(inputs: dict[str, Any]) -> str:
+    """The tensor inputs fed, comma-separated (which modalities a row was tested with)."""
+    return ",".join(name for name, value in inputs.items() if hasattr(value, "shape"))
 
 
 def _report_of(error) -> float | None:
@@ -519,6 +637,7 @@ def _job_flat(model_type: str, class_name: str) -> dict[str, Any]:
     model, inputs, expected = build(model_type, class_name)
     record["built"] = True
     record["build_seconds"] = time.perf_counter() - start
+    record["inputs"] = input_names(inputs)
     try:
         program = torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False)
     except Exception as e:
@@ -673,6 +792,8 @@ class Row:
     stage: str | None = None
     error: str | None = None
     seconds: float = 0.0
+    inputs: str | None = None  # the tensor inputs fed (input_ids,pixel_values,image_grid_thw: text and images)
+    note: str | None = None  # why a row fails where both exporters fail: a torch limit, a missing package
 
     @property
     def key(self) -> str:
@@ -696,7 +817,36 @@ def sweep_one(model_type: str, class_name: str, task: str, timeout: float, memor
     if not row.modular_ok:
         row.stage, row.error = modular.get("stage"), modular.get("error")
     row.seconds = round(flat.get("seconds", 0) + modular.get("seconds", 0), 1)
+    row.inputs = modular.get("inputs") or flat.get("inputs")
+    row.note = classify(row)
     return row
+
+
+#: (what the error says, the note): why neither exporter, or no build, gets through
+_NOTES = (
+    (("requires the timm library", "requires the PIL library", "TimmWrapper", "TimmBackbone"),
+     "needs timm, which needs torchvision: no torchvision wheel imports beside the CPU torch 2.13 here (a hard limit of this environment)"),
+    (("requires the detectron2 library", "requires the natten library", "requires the torchaudio library"),
+     "needs a package not installable here (detectron2, natten or torchaudio)"),
+    (("GuardOnDataDependentSymNode", "data-dependent", "Could not guard on data-dependent", "Could not extract specialized integer",
+      "unbacked", "u0", "_is_all_true"),
+     "torch limit: a data-dependent guard (control flow or a shape on input values) that torch.export cannot trace"),
+    (("No ONNX function found", "DispatchError", "no decomposition", "not implemented for", "Unsupported FX nodes"),
+     "torch limit: an operator torch's ONNX translation has no function or decomposition for"),
+    (("complex", "Complex"), "torch limit: complex tensors, which the ONNX translation does not take"),
+)
+
+
+def classify(row: Row) -> str | None:
+    """A short note for a row that fails where both exporters fail, or that cannot be built,
+    when the error names a known cause (a torch limit, a package missing here); else None."""
+    if row.modular_ok or row.flat_ok:
+        return None
+    text = " ".join(filter(None, (row.error, row.flat_error)))
+    for needles, note in _NOTES:
+        if any(needle in text for needle in needles):
+            return note
+    return None
 
 
 def _environment() -> dict[str, str]:
@@ -771,8 +921,8 @@ def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, s
         "",
         "## Every architecture",
         "",
-        "| model type | class | task | built | flat | modular | functions | depth | max abs (modular) | max abs (flat) | failing stage | first error line | s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model type | class | task | built | flat | modular | functions | depth | max abs (modular) | max abs (flat) | failing stage | first error line | inputs | note | s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         stage = r.stage or (f"flat: {r.flat_stage}" if r.flat_stage else "")
@@ -780,7 +930,7 @@ def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, s
         lines.append(
             f"| {r.model_type} | {r.class_name} | {r.task} | {_cell(r.built)} | {_cell(r.flat_ok)} | {_cell(r.modular_ok)} | "
             f"{_cell(r.functions)} | {_cell(r.depth)} | {_cell(r.max_abs)} | {_cell(r.flat_max_abs)} | {_cell(stage)} | "
-            f"{_cell((error or '')[:160])} | {r.seconds:.0f} |"
+            f"{_cell((error or '')[:160])} | {_cell(r.inputs)} | {_cell(r.note or classify(r))} | {r.seconds:.0f} |"
         )
     tmp = path.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + "\n")
@@ -795,8 +945,12 @@ def write_json(path: pathlib.Path, rows: list[Row], environment: dict[str, str],
 
 
 def read_rows(path: pathlib.Path) -> list[Row]:
+    """The rows of a JSON report; a row swept before notes existed gets its note now."""
     data = json.loads(path.read_text())
-    return [Row(**row) for row in data["rows"]]
+    rows = [Row(**row) for row in data["rows"]]
+    for row in rows:
+        row.note = row.note or classify(row)
+    return rows
 
 
 def regressions(old: list[Row], new: list[Row]) -> list[str]:
@@ -830,6 +984,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redo", help="with --resume: sweep again the kept rows whose modular stage is one of these "
                         "(comma-separated, e.g. capture,verify; 'failed' for every row not modular ok)")
     parser.add_argument("--redo-types", help="with --resume: sweep again the kept rows of these model types (comma-separated)")
+    parser.add_argument("--redo-classes", help="with --resume: sweep again the kept rows of these classes (comma-separated)")
     parser.add_argument("--jobs", type=int, default=1, help="architectures swept at once (each in its own children)")
     parser.add_argument("--order", choices=("shuffled", "alphabetical"), default="shuffled",
                         help="shuffled (default): the sample, then base models, then heads, each in a fixed random order")
@@ -838,7 +993,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.render:
         data = json.loads(pathlib.Path(args.render).read_text())
-        rows = [Row(**row) for row in data["rows"]]
+        rows = read_rows(pathlib.Path(args.render))
         write_markdown(pathlib.Path(args.output), rows, data["environment"], data["planned"], args.notes)
         return 0
 
@@ -870,6 +1025,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.redo_types:
         again = set(args.redo_types.split(","))
         rows = [r for r in rows if r.model_type not in again]
+    if args.redo_classes:
+        again = set(args.redo_classes.split(","))
+        rows = [r for r in rows if r.class_name not in again]
     done = {r.key for r in rows}
     environment = _environment()
     todo = [row for row in planned if row[1] not in done]
