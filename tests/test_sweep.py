@@ -203,3 +203,34 @@ def test_notes_name_the_limit_where_both_exporters_fail():
     assert "torchvision" in sweep.classify(timm)
     assert sweep.classify(Row("llama", "LlamaModel", "base", True, True, True)) is None
     assert sweep.classify(Row("y", "Y", "base", True, True, False, error="ParityError: drift")) is None  # flat passes: ours to fix
+
+
+def test_towers_time_series_codebooks_and_stacked_features():
+    # a Qwen-VL-style vision tower: flattened patches and their grid, as its processor gives them
+    _, inputs, _ = sweep.build("qwen2_5_vl_vision", "Qwen2_5_VisionTransformerPretrainedModel")
+    assert inputs["hidden_states"].shape[0] == int(inputs["grid_thw"].prod(dim=1).sum()) and inputs["grid_thw"].shape == (sweep.BATCH, 3)
+    model, inputs, _ = sweep.build("patchtst", "PatchTSTModel")  # (batch, context, channels)
+    assert inputs["past_values"].shape == (sweep.BATCH, model.config.context_length, model.config.num_input_channels)
+    model, inputs, _ = sweep.build("musicgen", "MusicgenForCausalLM")  # one row per codebook
+    assert inputs["input_ids"].shape == (sweep.BATCH * model.config.num_codebooks, sweep.SEQUENCE)
+    model, inputs, _ = sweep.build("wav2vec2-bert", "Wav2Vec2BertModel")  # two frames stacked per row
+    assert inputs["input_features"].shape[-1] == model.config.feature_projection_input_dim
+    # per-layer key heads follow the tiny head count: all stay all, grouped become one
+    assert set(sweep.tiny_config("sapiens2").num_key_value_heads_per_layer) == {1, 2}
+
+
+def test_audio_language_rows_get_audio_and_their_tokens():
+    assert sweep.tiny_config("voxtral").audio_token_id == 5  # left unset by the default config
+    model, inputs, _ = sweep.build("voxtral", "VoxtralForConditionalGeneration")
+    audio = model.config.audio_config
+    assert inputs["input_features"].shape == (sweep.BATCH, audio.num_mel_bins, 2 * audio.max_source_positions)
+    tokens = (inputs["input_ids"] == model.config.audio_token_id).sum(dim=1)
+    with torch_no_grad():
+        features = model.get_audio_features(input_features=inputs["input_features"]).pooler_output
+    assert (tokens == features.shape[0] // sweep.BATCH).all() and int(tokens[0]) > 0
+
+
+def torch_no_grad():
+    import torch
+
+    return torch.no_grad()
