@@ -243,6 +243,8 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset(), widths: fr
                 out[key] = [HIDDEN] * len(value)
             elif key in _LAYER_INDEX_KEYS:
                 out[key] = _layer_index(value)
+            elif key.endswith("_channels") and all(v in widths for v in value):  # a detector's decoder reads the encoder's width
+                out[key] = [HIDDEN] * len(value)
             elif "key_value_heads" in key and heads:  # per layer: all heads stay all (2), grouped ones become 1
                 out[key] = [2 if v == heads else 1 for v in value]
             elif sum(value) in widths and key.endswith("_dim"):  # factors of a width (Reformer's axial embeddings)
@@ -433,7 +435,8 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         else:
             inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
     elif main == "input_features":
-        bins = getattr(config, "num_mel_bins", None) or getattr(config, "feature_size", None) or 80
+        bins = next((getattr(part, key) for part in (config, getattr(config, "encoder_config", None), getattr(config, "audio_config", None))
+                     for key in ("num_mel_bins", "feature_size") if isinstance(getattr(part, key, None), int)), 80)  # an ASR model's encoder's
         stacked = getattr(config, "feature_projection_input_dim", None)  # w2v-BERT stacks frames: (batch, frames, 2 x bins)
         whisper_style = getattr(config, "num_mel_bins", None) and "speech_to_text" not in config.model_type
         if getattr(config, "max_source_positions", None) and whisper_style:  # reads exactly 2 x positions frames
@@ -660,6 +663,12 @@ def build(model_type: str, class_name: str):
             expected = model(**inputs)
         except Exception:
             text = make_inputs(model, config, images=False)
+            features = inputs.get("input_features")
+            if text.keys() == inputs.keys() and getattr(features, "dim", lambda: 0)() == 3:
+                # log-mel features come (batch, bins, frames) from Whisper's extractor and (batch, frames,
+                # bins) from others (Parakeet's): the other layout
+                inputs = {**inputs, "input_features": features.transpose(1, 2).contiguous()}
+                return model, inputs, _tensors(model(**inputs))
             if text.keys() == inputs.keys():
                 raise
             # the images the sweep makes do not fit this model's processor: its text path, as before

@@ -166,6 +166,15 @@ def test_a_detector_reads_the_channels_its_backbone_gives():
     backbone = config.backbone_config
     stages = [backbone.embedding_size, *backbone.hidden_sizes]
     assert list(config.encoder_in_channels) == [stages[i] for i in backbone.out_indices]
+    assert set(config.decoder_in_channels) == {config.encoder_hidden_dim} == {sweep.HIDDEN}  # the encoder's width
+
+
+def test_log_mel_features_in_the_layout_the_model_reads():
+    # Whisper's extractor gives (batch, bins, frames); Parakeet's encoder reads (batch, frames, bins)
+    model, inputs, _ = sweep.build("whisper", "WhisperModel")
+    assert inputs["input_features"].shape[1] == model.config.num_mel_bins
+    model, inputs, _ = sweep.build("parakeet_encoder", "ParakeetEncoder")
+    assert inputs["input_features"].shape[-1] == model.config.num_mel_bins
 
 
 def test_vision_language_rows_get_images_and_their_tokens():
