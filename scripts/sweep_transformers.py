@@ -161,6 +161,11 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset(), widths: fr
     for key, value in values.items():
         if key in sub_configs or (isinstance(value, dict) and hasattr(getattr(config, key, None), "to_dict")):
             sub = getattr(config, key, None)
+            if getattr(sub, "model_type", None) == "timm_backbone" and str(getattr(sub, "backbone", "")).startswith("resnet"):
+                # timm needs torchvision, which does not import here: transformers' own ResNet, same stages
+                from transformers import ResNetConfig
+
+                sub = ResNetConfig(out_indices=list(getattr(sub, "out_indices", None) or [1, 2, 3, 4]))
             if sub is not None and hasattr(sub, "to_dict"):
                 out[key] = {**sub.to_dict(), **_shrunk(sub, frozenset(special), widths)}
             continue

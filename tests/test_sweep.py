@@ -243,3 +243,10 @@ def torch_no_grad():
     import torch
 
     return torch.no_grad()
+
+
+def test_timm_backbones_become_transformers_resnets():
+    # timm needs torchvision, which does not import beside the CPU torch here
+    config = sweep.tiny_config("detr")
+    assert config.backbone_config.model_type == "resnet" and list(config.backbone_config.out_indices) == [1, 2, 3, 4]
+    assert max(config.backbone_config.hidden_sizes) <= 64
