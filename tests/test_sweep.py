@@ -212,6 +212,8 @@ def test_notes_name_the_limit_where_both_exporters_fail():
     assert "torchvision" in sweep.classify(timm)
     assert sweep.classify(Row("llama", "LlamaModel", "base", True, True, True)) is None
     assert sweep.classify(Row("y", "Y", "base", True, True, False, error="ParityError: drift")) is None  # flat passes: ours to fix
+    both = Row("z", "Z", "base", True, False, False, stage="verify", error="ParityError: drift", flat_stage="verify", flat_error="max abs difference 0.4")
+    assert "differ from PyTorch" in sweep.classify(both)
 
 
 def test_towers_time_series_codebooks_and_stacked_features():
