@@ -13,7 +13,10 @@ memory-bounded child process. Writes ``docs/coverage.md`` (totals first) and a J
 Each architecture gets a configuration shrunk from its default one by the rules of
 :func:`tiny_config` (hidden sizes, layers, heads, experts, vocabulary, image and audio sizes),
 with per-architecture :data:`OVERRIDES`, random weights (seed 0) and inputs from
-:func:`make_inputs` (token ids, pixels, audio features by the model's main input). The children
+:func:`make_inputs` (token ids, pixels, audio features, patches with their grid, past values by
+the model's forward; a vision- or audio-language model also gets images or audio as its processor
+would give them, with as many image or audio tokens in its text as it makes features). Each row
+records the inputs fed and, where both exporters fail, a note naming the cause (:func:`classify`). The children
 are forked from this process after torch and transformers are imported (no import cost per
 child); each has a time limit (``--timeout``) and an address-space limit (``--memory-gb``).
 Nothing is downloaded.
@@ -54,6 +57,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "swin": {"image_size": 224},  # windows of 7 over a 56 x 56 grid: smaller grids break its masks
     "esmc": {"num_key_value_heads": 2},  # no grouped-query attention
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one (global, local) pair: 2 layers
+    "diffllama": {"num_key_value_heads": 2},
+    "esm": {"pad_token_id": 1},  # left to the checkpoint (None); positions count from the padding id  # differential attention splits the key heads in two
+    # the default config leaves the layer kinds to the checkpoint (None), the model indexes them
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
 }
 
 BATCH, SEQUENCE = 2, 8
@@ -68,16 +75,27 @@ _LAYER_KEYS = {
     "num_encoder_layers", "num_decoder_layers", "num_text_layers", "num_vision_layers",
 }
 _HEAD_KEYS = {"num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads"}
-_KV_HEAD_KEYS = {"num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"}
+_KV_HEAD_KEYS = {"num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num", "num_key_value_attention_heads"}
 _FFN_KEYS = {
     "intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff", "ffn_hidden_size",
     "decoder_intermediate_size", "encoder_intermediate_size",
 }
 _SMALL_FFN_KEYS = {"moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"}
 _EXPERT_KEYS = {"num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"}
-_TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"}
+_TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k"}
+#: expert groups (DeepSeek-style routing: experts // groups per group, topk_group of them chosen)
+_GROUP_KEYS = {"n_group", "num_expert_group", "num_group"}
+_TOPK_GROUP_KEYS = {"topk_group"}
+#: widths tied to a hidden size by name: shrunk with it when they equal one of the tree's hidden sizes
+_WIDTH_SUFFIXES = ("hidden_size", "_dim", "embedding_size")
+#: layer indices into a (vision) tower: kept within the tiny tower's layers
+_LAYER_INDEX_KEYS = {"vision_feature_layer", "vision_feature_layers", "feature_layer", "feature_layers", "select_layer"}
 _HEAD_DIM_KEYS = {"head_dim", "attention_head_dim", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"}
 _RANK_KEYS = {"kv_lora_rank", "q_lora_rank"}
+
+
+#: ids given to a multimodal token a default config leaves unset (kept out of the random text)
+_FREE_TOKEN_ID = {"audio_token_id": 5, "image_token_id": 6, "video_token_id": 7}
 
 
 def _special_ids(values: dict[str, Any]) -> set[int]:
@@ -90,23 +108,81 @@ def _special_ids(values: dict[str, Any]) -> set[int]:
     return found
 
 
-def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[str, Any]:
+def _widths(values: dict[str, Any]) -> set[int]:
+    """The hidden sizes (over :data:`HIDDEN`) anywhere in a config's dict, sub-configs included."""
+    found = set()
+    for key, value in values.items():
+        if isinstance(value, dict):
+            found |= _widths(value)
+        elif key in _HIDDEN_KEYS and isinstance(value, int) and not isinstance(value, bool) and value > HIDDEN:
+            found.add(value)
+    return found
+
+
+def _fit_sections(sections: list[int], total: int) -> list[int]:
+    """``sections`` scaled to sum to ``total`` (largest remainders; each at least 1 when it can):
+    rotary sections (``mrope_section``) of a shrunk head, embedding factors of a shrunk width."""
+    whole = sum(sections)
+    exact = [v * total / whole for v in sections]
+    fitted = [max(1, int(x)) if total >= len(sections) else int(x) for x in exact]
+    order = sorted(range(len(sections)), key=lambda i: exact[i] - int(exact[i]), reverse=True)
+    index = 0
+    while sum(fitted) != total and index < 4 * len(sections):
+        i = order[index % len(order)]
+        step = 1 if sum(fitted) < total else -1
+        if fitted[i] + step >= (1 if total >= len(sections) else 0):
+            fitted[i] += step
+        index += 1
+    return fitted
+
+
+def _rope_shrunk(value: Any, head_dim: int) -> Any:
+    """A rope dict (or one per layer kind) with ``mrope_section`` refitted to half the head."""
+    if not isinstance(value, dict):
+        return value
+    out = {k: _rope_shrunk(v, head_dim) if isinstance(v, dict) else v for k, v in value.items()}
+    sections = value.get("mrope_section")
+    if isinstance(sections, (list, tuple)) and sections and all(isinstance(v, int) for v in sections):
+        if sum(sections) != head_dim // 2:
+            out["mrope_section"] = _fit_sections(list(sections), head_dim // 2)
+    return out
+
+
+def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset(), widths: frozenset[int] | None = None) -> dict[str, Any]:
     """Constructor arguments that shrink ``config`` (the rules; sub-configs recursively, keeping
-    the vocabulary above the token ids of the enclosing config, LLaVA's image token)."""
+    the vocabulary above the token ids of the enclosing config, LLaVA's image token, and shrinking
+    widths tied to any hidden size of the tree, a projector's ``out_hidden_size``)."""
     values = config.to_dict()
+    widths = frozenset(_widths(values)) if widths is None else widths
     special = _special_ids(values) | inherited_ids
     sub_configs = set(getattr(config, "sub_configs", {}) or {})
     layers = next((values[k] for k in _LAYER_KEYS if isinstance(values.get(k), int)), None)
     heads = next((values[k] for k in _HEAD_KEYS if isinstance(values.get(k), int)), None)
     kept = _kept_layers(values, layers)
+    followed: set[str] = set()
     out: dict[str, Any] = {}
     for key, value in values.items():
         if key in sub_configs or (isinstance(value, dict) and hasattr(getattr(config, key, None), "to_dict")):
             sub = getattr(config, key, None)
+            if getattr(sub, "model_type", None) == "timm_backbone" and str(getattr(sub, "backbone", "")).startswith("resnet"):
+                # timm needs torchvision, which does not import here: transformers' own ResNet, same stages
+                from transformers import ResNetConfig
+
+                sub = ResNetConfig(out_indices=list(getattr(sub, "out_indices", None) or [1, 2, 3, 4]))
             if sub is not None and hasattr(sub, "to_dict"):
-                out[key] = {**sub.to_dict(), **_shrunk(sub, frozenset(special))}
+                out[key] = {**sub.to_dict(), **_shrunk(sub, frozenset(special), widths)}
             continue
-        if isinstance(value, bool) or value is None:
+        if isinstance(value, bool):
+            continue
+        if value is None:
+            if key == "vocab_size":  # left to the checkpoint (ESM): any tiny vocabulary
+                out[key] = max(512, max(special, default=0) + 1)
+            elif key in _KV_HEAD_KEYS and heads:  # left unset, and a layer divides by it (Nemotron)
+                out[key] = 1
+            elif key in ("audio_token_id", "image_token_id", "video_token_id"):  # left to the checkpoint (Voxtral's audio)
+                out[key] = _FREE_TOKEN_ID[key]
+            elif key == "default_language" and values.get("languages"):  # X-MOD's adapters need a language
+                out[key] = values["languages"][0]
             continue
         if isinstance(value, int):
             if key in _HIDDEN_KEYS and value > HIDDEN:
@@ -130,6 +206,14 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[st
                 out[key] = 4
             elif key in _TOPK_KEYS and value > 2:
                 out[key] = 2
+            elif key in _GROUP_KEYS and value > 1:  # 4 experts: one group holds them all
+                out[key] = 1
+            elif key in _TOPK_GROUP_KEYS and value > 1:
+                out[key] = 1
+            elif key == "rotary_dim" and value > 8:  # partial rotary within a 16-wide head (GPT-J)
+                out[key] = 8
+            elif key == "num_queries" and value > 16:  # a detector's top-k over the few tokens of a tiny image
+                out[key] = 16
             elif key in _HEAD_DIM_KEYS and value > 16:
                 out[key] = 16
             elif key in _RANK_KEYS and value > HIDDEN:
@@ -142,10 +226,20 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[st
                 out[key] = max(512, max(special, default=0) + 1)
             elif key in ("num_conv_pos_embeddings",) and value > 16:
                 out[key] = 16
+            elif key == "num_heads" and value > 2 and "spatial_merge_size" in values:  # a Qwen-VL vision tower's rotary needs 16-wide heads
+                out[key] = 2
+            elif key == "mm_tokens_per_image" and value > 4:  # pooled from the 4 x 4 patches of a 32-pixel image
+                out[key] = 4
+            elif key == "num_groups" and value > 2 and "hidden_sizes" in values:  # group norms over 8-channel stages (BiT)
+                out[key] = 2
             elif key in ("num_conv_pos_embedding_groups",) and value > 2:
                 out[key] = 2
             elif key == "max_source_positions" and value > 64:
                 out[key] = 64
+            elif key.endswith(_WIDTH_SUFFIXES) and value in widths and not key.endswith("head_dim") and key not in _HEAD_DIM_KEYS:
+                out[key] = HIDDEN  # tied to a hidden size by the architecture (a projector's output, a condition)
+            elif key in _LAYER_INDEX_KEYS:
+                out[key] = _layer_index(value)
         elif isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             if key in ("hidden_sizes", "dims", "embed_dims", "neck_hidden_sizes"):
                 out[key] = [min(v, 8 * 2**i) for i, v in enumerate(value)]
@@ -155,14 +249,46 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[st
                 out[key] = [min(v, 2) for v in value]
             elif key == "conv_dim":
                 out[key] = [HIDDEN] * len(value)
+            elif key in _LAYER_INDEX_KEYS:
+                out[key] = _layer_index(value)
+            elif key.endswith("_channels") and all(v in widths for v in value):  # a detector's decoder reads the encoder's width
+                out[key] = [HIDDEN] * len(value)
+            elif "key_value_heads" in key and heads:  # per layer: all heads stay all (2), grouped ones become 1
+                out[key] = [2 if v == heads else 1 for v in value]
+            elif sum(value) in widths and key.endswith("_dim"):  # factors of a width (Reformer's axial embeddings)
+                out[key] = _fit_sections(list(value), HIDDEN)
         if kept is not None and isinstance(value, (list, tuple)) and len(value) == layers and key not in out:
             out[key] = [value[i] for i in kept]  # per-layer lists (layer_types, ...) follow the kept layers
+            followed.add(key)
         elif kept is not None and key.startswith("per_layer") and isinstance(value, dict):
             out[key] = {  # keyed by layer index: the kept layers', renumbered
                 kept.index(int(k)): v for k, v in value.items() if str(k).isdigit() and int(k) in kept
             }
+    pinpoints = values.get("image_grid_pinpoints")
+    vision = values.get("vision_config") if isinstance(values.get("vision_config"), dict) else {}
+    if isinstance(pinpoints, list) and isinstance(vision.get("image_size"), int) and vision["image_size"] > 32:
+        # LLaVA-NeXT's tilings are multiples of the tower's image size: the tiny tower's
+        scale = vision["image_size"]
+        out["image_grid_pinpoints"] = [[v * 32 // scale for v in pair] for pair in pinpoints]
+    if followed:  # one entry per layer: a rule's list (depths, hidden_sizes) follows the kept layers as the others do
+        for key, value in list(out.items()):
+            if key not in followed and isinstance(value, list) and len(value) == layers and isinstance(values.get(key), (list, tuple)):
+                out[key] = [value[i] for i in kept]
     if values.get("head_dim", 0) is None and heads and "head_dim" not in out:
         out["head_dim"] = HIDDEN // min(heads, 2)  # None: some models compute hidden // heads, others fail
+    for key in ("rope_parameters", "rope_scaling"):  # multimodal rotary sections split half the head
+        if isinstance(values.get(key), dict):
+            head_dim = out.get("head_dim") or values.get("head_dim")
+            if not isinstance(head_dim, int) or head_dim > 16:
+                head_dim = (out.get("hidden_size") or values.get("hidden_size") or HIDDEN) // max(1, min(heads or 2, 2))
+            rope = _rope_shrunk(values[key], head_dim)
+            # multimodal rotary (Qwen2-VL): the model falls back to sections for a full-size head when the
+            # config has none; its config class says so by exempting them from rope validation
+            exempt = getattr(type(config), "ignore_keys_at_rope_validation", None) or ()
+            if "mrope_section" in exempt and "rope_type" in rope and "mrope_section" not in rope:
+                rope["mrope_section"] = _fit_sections([16, 24, 24], head_dim // 2)
+            if rope != values[key]:
+                out[key] = rope
     stages = values.get("out_indices")
     if kept is not None and isinstance(stages, (list, tuple)) and stages and all(isinstance(i, int) for i in stages):
         # a backbone's outputs: the last len(out_indices) of the kept layers (a DPT neck needs all four)
@@ -177,6 +303,24 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset()) -> dict[st
     # to_dict() hands back the default ones, which these must replace)
     through = ("per_layer", "out_features", "out_indices")
     return {key: value for key, value in out.items() if accepted is None or key in accepted or key.startswith(through)}
+
+
+def _layer_index(value: Any) -> Any:
+    """Layer indices (LLaVA's ``vision_feature_layer``, one or a list) within the tiny tower: a
+    negative index stays (it counts from the end), one past the two kept layers becomes the last
+    ones, distinct as before."""
+    if isinstance(value, bool) or not isinstance(value, (int, list, tuple)):
+        return value
+    many = isinstance(value, (list, tuple))
+    items = list(value) if many else [value]
+    if not all(isinstance(v, int) for v in items):
+        return value
+    fitted = []
+    for v in items:
+        if v >= 2 or v < -2:  # 2 layers kept: indices 0, 1 or -1, -2
+            v = -1 - len([f for f in fitted if f < 0])
+        fitted.append(max(v, -2))
+    return fitted if many else fitted[0]
 
 
 def _kept_layers(values: dict[str, Any], layers: int | None) -> list[int] | None:
@@ -220,7 +364,26 @@ def tiny_config(model_type: str):
 
     default = AutoConfig.for_model(model_type)
     kwargs = {**_shrunk(default), **OVERRIDES.get(model_type, {})}
-    return AutoConfig.for_model(model_type, **kwargs)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    channels = _backbone_channels(config)
+    if channels and isinstance(getattr(config, "encoder_in_channels", None), (list, tuple)):
+        if len(config.encoder_in_channels) == len(channels) and list(config.encoder_in_channels) != channels:
+            # a detector's encoder reads the backbone's stages: its input channels are theirs (RT-DETR)
+            config = AutoConfig.for_model(model_type, **{**kwargs, "encoder_in_channels": channels})
+    return config
+
+
+def _backbone_channels(config) -> list[int] | None:
+    """The channels of the stages a backbone sub-config hands on (``out_indices`` over its
+    ``hidden_sizes``, stage 0 the stem), or None."""
+    backbone = getattr(config, "backbone_config", None)
+    sizes = getattr(backbone, "hidden_sizes", None)
+    stages = getattr(backbone, "out_indices", None)
+    if not isinstance(sizes, (list, tuple)) or not isinstance(stages, (list, tuple)) or not stages:
+        return None
+    stem = getattr(backbone, "embedding_size", None) or sizes[0]
+    sizes = [stem, *sizes]
+    return [sizes[i] for i in stages] if all(isinstance(i, int) and -len(sizes) <= i < len(sizes) for i in stages) else None
 
 
 def _forward_parameters(model) -> set[str]:
@@ -250,33 +413,62 @@ def _image_size(config) -> tuple[int, int]:
     return int(size), int(size)
 
 
-def make_inputs(model, config) -> dict[str, Any]:
-    """Valid example inputs by the model's main input (token ids, pixels, audio), batch 2."""
+def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
+    """Valid example inputs by the model's main input (token ids, pixels, audio, patches with their
+    grid, past values), batch 2; a vision-language model also gets images unless ``images=False``."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
     parameters = _forward_parameters(model)
     main = getattr(model, "main_input_name", "input_ids")
     inputs: dict[str, Any] = {}
-    if main == "pixel_values" or ("pixel_values" in parameters and "input_ids" not in parameters):
+    grid = next((name for name in ("grid_thw", "image_grid_thw") if name in parameters), None)
+    if grid and "input_ids" not in parameters:  # a Qwen-VL-style vision tower: flattened patches and their grid
+        patches = _grid_patches(config, generator)
+        pixels = "hidden_states" if "hidden_states" in parameters and "pixel_values" not in parameters else "pixel_values"
+        inputs[pixels], inputs[grid] = patches["pixel_values"], patches["image_grid_thw"]
+        if "merge_sizes" in parameters:
+            inputs["merge_sizes"] = torch.tensor([getattr(config, "spatial_merge_size", None) or 1] * BATCH)
+    elif main == "past_values" or "past_values" in parameters:  # a time-series model: (batch, context, channels)
+        length = getattr(config, "context_length", None) or 32
+        channels = getattr(config, "num_input_channels", None) or 1
+        inputs["past_values"] = torch.randn(BATCH, length, channels, generator=generator)
+    elif main == "pixel_values" or ("pixel_values" in parameters and "input_ids" not in parameters):
         vision = getattr(config, "vision_config", None) or config
         height, width = _image_size(vision)
         channels = getattr(vision, "num_channels", 3) or 3
-        inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
+        frames = getattr(vision, "num_frames", None) or getattr(config, "num_frames", None)
+        if isinstance(frames, int) and frames > 0:  # a video model reads (batch, frames, channels, height, width)
+            inputs["pixel_values"] = torch.randn(BATCH, frames, channels, height, width, generator=generator)
+        else:
+            inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
     elif main == "input_features":
-        bins = getattr(config, "num_mel_bins", None) or getattr(config, "feature_size", None) or 80
-        if getattr(config, "max_source_positions", None) and getattr(config, "model_type", "") in ("whisper",):
+        bins = next((getattr(part, key) for part in (config, getattr(config, "encoder_config", None), getattr(config, "audio_config", None))
+                     for key in ("num_mel_bins", "feature_size") if isinstance(getattr(part, key, None), int)), 80)  # an ASR model's encoder's
+        stacked = getattr(config, "feature_projection_input_dim", None)  # w2v-BERT stacks frames: (batch, frames, 2 x bins)
+        whisper_style = getattr(config, "num_mel_bins", None) and "speech_to_text" not in config.model_type
+        if getattr(config, "max_source_positions", None) and whisper_style:  # reads exactly 2 x positions frames
             inputs["input_features"] = torch.randn(BATCH, bins, 2 * config.max_source_positions, generator=generator)
+        elif isinstance(stacked, int):
+            inputs["input_features"] = torch.randn(BATCH, 64, stacked, generator=generator)
         else:
             frames = 64
             shape = (BATCH, frames, bins) if "speech_to_text" in config.model_type else (BATCH, bins, frames)
             inputs["input_features"] = torch.randn(*shape, generator=generator)
     elif main == "input_values":
-        inputs["input_values"] = torch.randn(BATCH, 4000, generator=generator)
+        # an x-vector head's time-delay layers need more frames than a quarter second gives
+        samples = 16000 if getattr(config, "tdnn_kernel", None) else 4000
+        inputs["input_values"] = torch.randn(BATCH, samples, generator=generator)
     else:
         # a multiple-choice head reads (batch, choices, sequence)
         shape = (BATCH, 2, SEQUENCE) if type(model).__name__.endswith("ForMultipleChoice") else (BATCH, SEQUENCE)
+        codebooks = getattr(config, "num_codebooks", None)
+        if isinstance(codebooks, int) and codebooks > 1 and not getattr(config, "is_encoder_decoder", False):
+            shape = (BATCH * codebooks, SEQUENCE)  # an audio-codes decoder (MusicGen) reads one row per codebook
         inputs["input_ids"] = _token_ids(config, shape, generator)
+        if "bbox" in parameters:  # document models: one box (x0, y0, x1, y1 within 0..1000) per token
+            corner = torch.randint(0, 500, (*shape, 2), generator=generator)
+            inputs["bbox"] = torch.cat([corner, corner + torch.randint(1, 500, (*shape, 2), generator=generator)], dim=-1)
         if "attention_mask" in parameters:
             inputs["attention_mask"] = torch.ones(*shape, dtype=torch.long)
         image_tokens = [k for k in config.to_dict() if k.startswith(("image_token", "video_token"))]
@@ -285,11 +477,179 @@ def make_inputs(model, config) -> dict[str, Any]:
             height, width = _image_size(vision)
             channels = getattr(vision, "num_channels", 3) or 3
             inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
+        elif images and "pixel_values" in parameters and vision is not None and shape == (BATCH, SEQUENCE):
+            inputs.update(image_inputs(model, config, inputs["input_ids"], generator))
+        if images and "input_features" in parameters and getattr(config, "audio_config", None) is not None and shape == (BATCH, SEQUENCE):
+            inputs.update(audio_inputs(model, config, inputs["input_ids"], generator))
     if "use_cache" in parameters:  # no cache object in the outputs: torch.export needs its pytree registered
         inputs["use_cache"] = False
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
-        inputs["decoder_input_ids"] = _token_ids(config, (BATCH, 4), generator)
+        if type(model).__name__.endswith("ForSequenceClassification") and "input_ids" in inputs:
+            # BART-style heads classify at each row's last end-of-sequence token, read from the decoder's
+            # states over the same tokens: one EOS per row, the decoder input made from input_ids
+            eos = getattr(config, "eos_token_id", None)
+            if isinstance(eos, int):
+                inputs["input_ids"][:, -1] = eos
+        else:
+            codebooks = getattr(getattr(config, "decoder", None), "num_codebooks", None)  # MusicGen: a row per codebook
+            rows = BATCH * codebooks if isinstance(codebooks, int) and codebooks > 1 else BATCH
+            inputs["decoder_input_ids"] = _token_ids(config, (rows, 4), generator)
     return inputs
+
+
+def _image_token(config) -> int | None:
+    for key in ("image_token_id", "image_token_index"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _grid_patches(vision, generator) -> dict[str, Any]:
+    """One image per row as Qwen2-VL's processor gives it: a grid of 1 x 2m x 2m patches (m the
+    spatial merge) flattened to (patches, channels x temporal patch x patch x patch), and the grids."""
+    import torch
+
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", None) or 3
+    patch = getattr(vision, "patch_size", None) or 14
+    temporal = getattr(vision, "temporal_patch_size", None) or 1
+    merge = getattr(vision, "spatial_merge_size", None) or 1
+    side = 2 * merge  # a grid of 2 x 2 merged tokens
+    grid = torch.tensor([[1, side, side]] * BATCH)
+    pixels = torch.randn(BATCH * side * side, channels * temporal * patch * patch, generator=generator)
+    return {"pixel_values": pixels, "image_grid_thw": grid}
+
+
+def _pixel_inputs(model, config, generator) -> dict[str, Any]:
+    """One image per row as the model's processor gives it: flattened patches with their
+    ``image_grid_thw`` (Qwen2-VL), tiles with ``image_sizes`` (LLaVA-NeXT), or a batch of images."""
+    import torch
+
+    parameters = _forward_parameters(model)
+    vision = config.vision_config
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", None) or 3
+    if "image_grid_thw" in parameters:
+        return _grid_patches(vision, generator)
+    height, width = _image_size(vision)
+    pinpoints = getattr(config, "image_grid_pinpoints", None)
+    if "image_sizes" in parameters and pinpoints:
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        tiles = image_size_to_num_patches((height, width), pinpoints, height)
+        pixels = torch.randn(BATCH, tiles, channels, height, width, generator=generator)
+        return {"pixel_values": pixels, "image_sizes": torch.tensor([[height, width]] * BATCH)}
+    return {"pixel_values": torch.randn(BATCH, channels, height, width, generator=generator)}
+
+
+def _feature_count(model, pixels: dict[str, Any]) -> int | None:
+    """How many token embeddings the model makes of the images (what its processor counts to
+    put that many image tokens in the text): from its own ``get_image_features``."""
+    import torch
+
+    get = getattr(model, "get_image_features", None)
+    if get is None:
+        return None
+    with torch.no_grad():
+        return _count(get(**pixels))
+
+
+def _placeholders(model, input_ids, token: int, count: int, start=None, end=None) -> dict[str, Any] | None:
+    """``input_ids`` with ``count`` (over the batch) ``token`` placeholders after each row's first
+    token, between ``start`` and ``end`` where given, and the attention mask for them."""
+    import torch
+
+    if not count or count % BATCH:
+        return None
+    block = ([start] if isinstance(start, int) else []) + [token] * (count // BATCH) + ([end] if isinstance(end, int) else [])
+    ids = torch.cat([input_ids[:, :1], torch.tensor([block] * BATCH), input_ids[:, 1:]], dim=1)
+    out = {"input_ids": ids}
+    if "attention_mask" in _forward_parameters(model):
+        out["attention_mask"] = torch.ones_like(ids)
+    return out
+
+
+def audio_inputs(model, config, input_ids, generator) -> dict[str, Any]:
+    """Audio for an audio-language model (Voxtral, Qwen2-Audio): log-mel features of its encoder's
+    length and as many audio tokens in the text as the model makes features of them. Nothing when
+    the model does not say how many."""
+    import torch
+
+    token = next((getattr(config, k) for k in ("audio_token_id", "audio_token_index") if isinstance(getattr(config, k, None), int)), None)
+    get = getattr(model, "get_audio_features", None)
+    if token is None or get is None:
+        return {}
+    audio = config.audio_config
+    bins = getattr(audio, "num_mel_bins", None) or 128
+    positions = getattr(audio, "max_source_positions", None)
+    frames = 2 * positions if isinstance(positions, int) else 64  # a Whisper-style encoder reads exactly this many
+    features = torch.randn(BATCH, bins, frames, generator=generator)
+    try:
+        with torch.no_grad():
+            count = _count(get(input_features=features))
+    except Exception:
+        return {}
+    text = _placeholders(model, input_ids, token, count or 0)
+    return {**text, "input_features": features} if text else {}
+
+
+def _count(out) -> int | None:
+    """Token embeddings in what a ``get_*_features`` returns (rows of its pooled output)."""
+    import torch
+
+    if hasattr(out, "pooler_output") and out.pooler_output is not None:
+        out = out.pooler_output
+    elif hasattr(out, "last_hidden_state"):
+        out = out.last_hidden_state
+    parts = list(out) if isinstance(out, (list, tuple)) else [out]
+    if not parts or not all(isinstance(p, torch.Tensor) for p in parts):
+        return None
+    return sum(p.numel() // p.shape[-1] for p in parts)
+
+
+def image_inputs(model, config, input_ids, generator) -> dict[str, Any]:
+    """Images for a vision-language model that takes ``pixel_values`` and marks images with an
+    image token in its text: the pixels its processor would give, and the text rewritten to hold as
+    many image tokens as the model makes features (between the vision start and end tokens where
+    the config has them). Nothing when the model does not say how many (text only, as before)."""
+    import torch
+
+    token = _image_token(config)
+    if token is None:
+        return {}
+    pixels = _pixel_inputs(model, config, generator)
+    try:
+        count = _feature_count(model, pixels)
+    except Exception:
+        return {}
+    start = getattr(config, "vision_start_token_id", None) or getattr(config, "image_start_token_id", None)
+    end = getattr(config, "vision_end_token_id", None) or getattr(config, "image_end_token_id", None)
+    text = _placeholders(model, input_ids, token, count or 0, start, end)
+    if text is None:
+        return {}
+    out = {**text, **pixels}
+    ids = text["input_ids"]
+    parameters = _forward_parameters(model)
+    if "mm_token_type_ids" in parameters:  # 1 marks image tokens for multimodal rotary positions
+        out["mm_token_type_ids"] = (ids == token).to(torch.int32)
+    return out
+
+
+def config_for_class(config: Any, model_class) -> Any:
+    """The part of ``config`` a class is built from: a text or vision tower of a composite model
+    (``MllamaTextModel`` under ``mllama``) takes the sub-config of its ``config_class``."""
+    wanted = getattr(model_class, "config_class", None)
+    if wanted is None or isinstance(config, wanted):
+        return config
+    pending = [config]
+    while pending:
+        part = pending.pop(0)
+        for name in getattr(part, "sub_configs", {}) or {}:
+            sub = getattr(part, name, None)
+            if isinstance(sub, wanted):
+                return sub
+            if sub is not None and hasattr(sub, "sub_configs"):
+                pending.append(sub)
+    return config
 
 
 def build(model_type: str, class_name: str):
@@ -297,16 +657,31 @@ def build(model_type: str, class_name: str):
     import torch
     import transformers
 
-    config = tiny_config(model_type)
+    model_class = getattr(transformers, class_name)
+    config = config_for_class(tiny_config(model_type), model_class)
     if class_name.endswith("ForSequenceClassification"):  # batch 2 needs a padding token to find each row's last
         for part in (config, getattr(config, "text_config", None)):
             if part is not None and getattr(part, "pad_token_id", 0) is None:
                 part.pad_token_id = 0
     torch.manual_seed(0)
-    model = getattr(transformers, class_name)._from_config(config).eval()
+    model = model_class._from_config(config).eval()
     inputs = make_inputs(model, config)
     with torch.no_grad():
-        expected = model(**inputs)
+        try:
+            expected = model(**inputs)
+        except Exception:
+            text = make_inputs(model, config, images=False)
+            features = inputs.get("input_features")
+            if text.keys() == inputs.keys() and getattr(features, "dim", lambda: 0)() == 3:
+                # log-mel features come (batch, bins, frames) from Whisper's extractor and (batch, frames,
+                # bins) from others (Parakeet's): the other layout
+                inputs = {**inputs, "input_features": features.transpose(1, 2).contiguous()}
+                return model, inputs, _tensors(model(**inputs))
+            if text.keys() == inputs.keys():
+                raise
+            # the images the sweep makes do not fit this model's processor: its text path, as before
+            # (the row's `inputs` says which were fed)
+            inputs, expected = text, model(**text)
     return model, inputs, _tensors(expected)
 
 
@@ -332,6 +707,7 @@ def _job_modular(model_type: str, class_name: str) -> dict[str, Any]:
     model, inputs, _ = build(model_type, class_name)
     record["built"] = True
     record["build_seconds"] = time.perf_counter() - start
+    record["inputs"] = input_names(inputs)
     try:
         result = export_modular(model, (), kwargs=inputs)
     except Exception as e:
@@ -344,6 +720,11 @@ def _job_modular(model_type: str, class_name: str) -> dict[str, Any]:
         max_abs=_max_abs(result.report),
     )
     return record
+
+
+def input_names(inputs: dict[str, Any]) -> str:
+    """The tensor inputs fed, comma-separated (which modalities a row was tested with)."""
+    return ",".join(name for name, value in inputs.items() if hasattr(value, "shape"))
 
 
 def _report_of(error) -> float | None:
@@ -365,6 +746,7 @@ def _job_flat(model_type: str, class_name: str) -> dict[str, Any]:
     model, inputs, expected = build(model_type, class_name)
     record["built"] = True
     record["build_seconds"] = time.perf_counter() - start
+    record["inputs"] = input_names(inputs)
     try:
         program = torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False)
     except Exception as e:
@@ -519,6 +901,8 @@ class Row:
     stage: str | None = None
     error: str | None = None
     seconds: float = 0.0
+    inputs: str | None = None  # the tensor inputs fed (input_ids,pixel_values,image_grid_thw: text and images)
+    note: str | None = None  # why a row fails where both exporters fail: a torch limit, a missing package
 
     @property
     def key(self) -> str:
@@ -542,7 +926,40 @@ def sweep_one(model_type: str, class_name: str, task: str, timeout: float, memor
     if not row.modular_ok:
         row.stage, row.error = modular.get("stage"), modular.get("error")
     row.seconds = round(flat.get("seconds", 0) + modular.get("seconds", 0), 1)
+    row.inputs = modular.get("inputs") or flat.get("inputs")
+    row.note = classify(row)
     return row
+
+
+#: (what the error says, the note): why neither exporter, or no build, gets through
+_NOTES = (
+    (("requires the timm library", "requires the PIL library", "TimmWrapper", "TimmBackbone"),
+     "needs timm, which needs torchvision: no torchvision wheel imports beside the CPU torch 2.13 here (a hard limit of this environment)"),
+    (("requires the detectron2 library", "requires the natten library", "requires the torchaudio library"),
+     "needs a package not installable here (detectron2, natten or torchaudio)"),
+    (("GuardOnDataDependentSymNode", "data-dependent", "Could not guard on data-dependent", "Could not extract specialized integer",
+      "unbacked", "u0", "_is_all_true"),
+     "torch limit: a data-dependent guard (control flow or a shape on input values) that torch.export cannot trace"),
+    (("No ONNX function found", "DispatchError", "no decomposition", "not implemented for", "Unsupported FX nodes"),
+     "torch limit: an operator torch's ONNX translation has no function or decomposition for"),
+    (("complex", "Complex"), "torch limit: complex tensors, which the ONNX translation does not take"),
+)
+#: both files run and differ from PyTorch alike: not an export failure (flat's error is a max difference)
+_BOTH_DIFFER = "both files run and differ from PyTorch beyond the tolerance (no export failure)"
+
+
+def classify(row: Row) -> str | None:
+    """A short note for a row that fails where both exporters fail, or that cannot be built,
+    when the error names a known cause (a torch limit, a package missing here); else None."""
+    if row.modular_ok or row.flat_ok:
+        return None
+    text = " ".join(filter(None, (row.error, row.flat_error)))
+    for needles, note in _NOTES:
+        if any(needle in text for needle in needles):
+            return note
+    if row.stage == "verify" and row.flat_stage == "verify":
+        return _BOTH_DIFFER
+    return None
 
 
 def _environment() -> dict[str, str]:
@@ -617,8 +1034,8 @@ def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, s
         "",
         "## Every architecture",
         "",
-        "| model type | class | task | built | flat | modular | functions | depth | max abs (modular) | max abs (flat) | failing stage | first error line | s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model type | class | task | built | flat | modular | functions | depth | max abs (modular) | max abs (flat) | failing stage | first error line | inputs | note | s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         stage = r.stage or (f"flat: {r.flat_stage}" if r.flat_stage else "")
@@ -626,7 +1043,7 @@ def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, s
         lines.append(
             f"| {r.model_type} | {r.class_name} | {r.task} | {_cell(r.built)} | {_cell(r.flat_ok)} | {_cell(r.modular_ok)} | "
             f"{_cell(r.functions)} | {_cell(r.depth)} | {_cell(r.max_abs)} | {_cell(r.flat_max_abs)} | {_cell(stage)} | "
-            f"{_cell((error or '')[:160])} | {r.seconds:.0f} |"
+            f"{_cell((error or '')[:160])} | {_cell(r.inputs)} | {_cell(r.note or classify(r))} | {r.seconds:.0f} |"
         )
     tmp = path.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + "\n")
@@ -641,8 +1058,12 @@ def write_json(path: pathlib.Path, rows: list[Row], environment: dict[str, str],
 
 
 def read_rows(path: pathlib.Path) -> list[Row]:
+    """The rows of a JSON report; a row swept before notes existed gets its note now."""
     data = json.loads(path.read_text())
-    return [Row(**row) for row in data["rows"]]
+    rows = [Row(**row) for row in data["rows"]]
+    for row in rows:
+        row.note = row.note or classify(row)
+    return rows
 
 
 def regressions(old: list[Row], new: list[Row]) -> list[str]:
@@ -676,6 +1097,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redo", help="with --resume: sweep again the kept rows whose modular stage is one of these "
                         "(comma-separated, e.g. capture,verify; 'failed' for every row not modular ok)")
     parser.add_argument("--redo-types", help="with --resume: sweep again the kept rows of these model types (comma-separated)")
+    parser.add_argument("--redo-classes", help="with --resume: sweep again the kept rows of these classes (comma-separated)")
     parser.add_argument("--jobs", type=int, default=1, help="architectures swept at once (each in its own children)")
     parser.add_argument("--order", choices=("shuffled", "alphabetical"), default="shuffled",
                         help="shuffled (default): the sample, then base models, then heads, each in a fixed random order")
@@ -684,7 +1106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.render:
         data = json.loads(pathlib.Path(args.render).read_text())
-        rows = [Row(**row) for row in data["rows"]]
+        rows = read_rows(pathlib.Path(args.render))
         write_markdown(pathlib.Path(args.output), rows, data["environment"], data["planned"], args.notes)
         return 0
 
@@ -716,9 +1138,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.redo_types:
         again = set(args.redo_types.split(","))
         rows = [r for r in rows if r.model_type not in again]
+    if args.redo_classes:
+        again = set(args.redo_classes.split(","))
+        rows = [r for r in rows if r.class_name not in again]
     done = {r.key for r in rows}
     environment = _environment()
     todo = [row for row in planned if row[1] not in done]
+    if args.redo_classes:  # in the order given: the most wanted first
+        wanted_order = {name: i for i, name in enumerate(args.redo_classes.split(","))}
+        todo.sort(key=lambda row: wanted_order.get(row[1], len(wanted_order)))
     order = {row[1]: i for i, row in enumerate(planned)}
 
     def finished(row: Row) -> None:  # in the main thread: rows, JSON and Markdown stay consistent

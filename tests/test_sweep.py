@@ -105,3 +105,150 @@ def test_sweep_script_on_the_sample_in_children(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     totals = json.loads(output.with_suffix(".json").read_text())["totals"]
     assert totals["tried"] == len(sweep.SAMPLE) and totals["flat_only"] == 0, totals
+
+
+# -- the rules that build the catalogue's rows (issue 36): each asserts on the tiny config or the inputs made
+
+
+def test_rotary_sections_fit_the_tiny_head():
+    # Qwen2-VL's config has no sections: the model falls back to a full-size head's [16, 24, 24]
+    text = sweep.tiny_config("qwen2_vl").text_config
+    head_dim = text.hidden_size // text.num_attention_heads
+    assert len(text.rope_parameters["mrope_section"]) == 3 and sum(text.rope_parameters["mrope_section"]) == head_dim // 2
+    # a config with its own sections ([24, 20, 20]) gets them refitted, in proportion
+    cosmos = sweep.tiny_config("cosmos3_edge").text_config
+    assert sum(cosmos.rope_parameters["mrope_section"]) == cosmos.head_dim // 2
+    assert sweep._fit_sections([16, 24, 24], 8) == [2, 3, 3] and sum(sweep._fit_sections([24, 20, 20], 8)) == 8
+
+
+def test_widths_tied_to_a_hidden_size_shrink_with_it():
+    docling = sweep.tiny_config("granite_docling")  # the projector's output is the text model's width
+    assert docling.vision_config.out_hidden_size == docling.text_config.hidden_size == sweep.HIDDEN
+    tts = sweep.tiny_config("pocket_tts")  # the flow head is conditioned on the backbone's states
+    assert tts.flow_head_config.condition_dim == tts.hidden_size == sweep.HIDDEN
+    squeeze = sweep.tiny_config("squeezebert")
+    assert squeeze.embedding_size == squeeze.hidden_size == sweep.HIDDEN
+    reformer = sweep.tiny_config("reformer")  # factors of the width: the axial position embeddings
+    assert sum(reformer.axial_pos_embds_dim) == reformer.hidden_size
+
+
+def test_per_layer_lists_and_layer_indices_follow_the_kept_layers():
+    swinv2 = sweep.tiny_config("swinv2")
+    assert len(swinv2.depths) == len(swinv2.pretrained_window_sizes) == len(swinv2.num_heads)
+    audio = sweep.tiny_config("muse_spark").audio_config
+    assert len(audio.patch_sizes) == len(audio.hidden_sizes) == len(audio.depths) == audio.num_hidden_layers
+    molmo = sweep.tiny_config("molmo2")  # [24, 18] of 27 layers: the last two of the tiny tower
+    assert molmo.adapter_config.vision_feature_layer == [-1, -2]
+    assert sweep._layer_index(-2) == -2 and sweep._layer_index(30) == -1
+
+
+def test_routing_groups_none_sizes_and_languages():
+    axk1 = sweep.tiny_config("axk1")  # 4 experts: one group, chosen
+    assert axk1.n_group == axk1.topk_group == 1 and axk1.n_routed_experts == 4
+    assert sweep.tiny_config("ernie4_5_moe").moe_k == 2
+    assert sweep.tiny_config("nemotron").num_key_value_heads == 1  # None in the default config
+    assert sweep.tiny_config("esm").vocab_size == 512
+    assert sweep.tiny_config("xmod").default_language == "en_XX"
+    assert sweep.tiny_config("gptj").rotary_dim == 8  # partial rotary inside a 16-wide head
+    bit = sweep.tiny_config("bit")  # group norms over 8-channel stages
+    assert all(size % bit.num_groups == 0 for size in bit.hidden_sizes)
+
+
+def test_towers_are_built_from_their_own_sub_config():
+    config = sweep.tiny_config("mllama")
+    assert sweep.config_for_class(config, transformers.MllamaTextModel) is config.text_config
+    assert sweep.config_for_class(config, transformers.MllamaVisionModel) is config.vision_config
+    assert sweep.config_for_class(config, transformers.MllamaModel) is config
+
+
+def test_a_detector_reads_the_channels_its_backbone_gives():
+    config = sweep.tiny_config("rt_detr")
+    backbone = config.backbone_config
+    stages = [backbone.embedding_size, *backbone.hidden_sizes]
+    assert list(config.encoder_in_channels) == [stages[i] for i in backbone.out_indices]
+    assert set(config.decoder_in_channels) == {config.encoder_hidden_dim} == {sweep.HIDDEN}  # the encoder's width
+
+
+def test_log_mel_features_in_the_layout_the_model_reads():
+    # Whisper's extractor gives (batch, bins, frames); Parakeet's encoder reads (batch, frames, bins)
+    model, inputs, _ = sweep.build("whisper", "WhisperModel")
+    assert inputs["input_features"].shape[1] == model.config.num_mel_bins
+    model, inputs, _ = sweep.build("parakeet_encoder", "ParakeetEncoder")
+    assert inputs["input_features"].shape[-1] == model.config.num_mel_bins
+
+
+def test_vision_language_rows_get_images_and_their_tokens():
+    model, inputs, _ = sweep.build("qwen2_vl", "Qwen2VLModel")
+    config = model.config
+    grid = inputs["image_grid_thw"]
+    merge = config.vision_config.spatial_merge_size
+    per_image = int(grid[0].prod()) // merge**2
+    assert inputs["pixel_values"].shape[0] == int(grid.prod(dim=1).sum())  # flattened patches, as the processor gives
+    assert ((inputs["input_ids"] == config.image_token_id).sum(dim=1) == per_image).all()
+    assert ((inputs["input_ids"] == config.vision_start_token_id).sum(dim=1) == 1).all()
+    assert (inputs["mm_token_type_ids"] == (inputs["input_ids"] == config.image_token_id)).all()
+    model, inputs, _ = sweep.build("llava", "LlavaForConditionalGeneration")  # 4 x 4 patches, the CLS dropped
+    assert inputs["pixel_values"].shape == (sweep.BATCH, 3, 32, 32)
+    assert ((inputs["input_ids"] == model.config.image_token_id).sum(dim=1) == 16).all()
+    config = sweep.tiny_config("llava_next")  # tilings scaled to the tiny tower's image size
+    assert [32, 64] in config.image_grid_pinpoints and max(max(p) for p in config.image_grid_pinpoints) <= 96
+
+
+def test_video_audio_and_classification_inputs():
+    _, inputs, _ = sweep.build("videomae", "VideoMAEModel")  # (batch, frames, channels, height, width)
+    assert inputs["pixel_values"].dim() == 5 and inputs["pixel_values"].shape[1] == sweep.tiny_config("videomae").num_frames
+    _, inputs, expected = sweep.build("bart", "BartForSequenceClassification")  # one EOS per row, the decoder's own input
+    assert "decoder_input_ids" not in inputs and (inputs["input_ids"][:, -1] == 2).all() and expected[0].shape[0] == sweep.BATCH
+    _, inputs, _ = sweep.build("wav2vec2", "Wav2Vec2ForXVector")  # enough frames for the time-delay layers
+    assert inputs["input_values"].shape == (sweep.BATCH, 16000)
+
+
+def test_notes_name_the_limit_where_both_exporters_fail():
+    Row = sweep.Row
+    guard = Row("x", "X", "base", True, False, False, error="GuardOnDataDependentSymNode: Could not guard on data-dependent expression Eq(u0, 1)",
+                flat_error="... data-dependent ...")
+    assert "data-dependent" in sweep.classify(guard)
+    timm = Row("detr", "DetrModel", "base", error="ImportError: TimmBackbone requires the timm library but it was not found")
+    assert "torchvision" in sweep.classify(timm)
+    assert sweep.classify(Row("llama", "LlamaModel", "base", True, True, True)) is None
+    assert sweep.classify(Row("y", "Y", "base", True, True, False, error="ParityError: drift")) is None  # flat passes: ours to fix
+    both = Row("z", "Z", "base", True, False, False, stage="verify", error="ParityError: drift", flat_stage="verify", flat_error="max abs difference 0.4")
+    assert "differ from PyTorch" in sweep.classify(both)
+
+
+def test_towers_time_series_codebooks_and_stacked_features():
+    # a Qwen-VL-style vision tower: flattened patches and their grid, as its processor gives them
+    _, inputs, _ = sweep.build("qwen2_5_vl_vision", "Qwen2_5_VisionTransformerPretrainedModel")
+    assert inputs["hidden_states"].shape[0] == int(inputs["grid_thw"].prod(dim=1).sum()) and inputs["grid_thw"].shape == (sweep.BATCH, 3)
+    model, inputs, _ = sweep.build("patchtst", "PatchTSTModel")  # (batch, context, channels)
+    assert inputs["past_values"].shape == (sweep.BATCH, model.config.context_length, model.config.num_input_channels)
+    model, inputs, _ = sweep.build("musicgen", "MusicgenForCausalLM")  # one row per codebook
+    assert inputs["input_ids"].shape == (sweep.BATCH * model.config.num_codebooks, sweep.SEQUENCE)
+    model, inputs, _ = sweep.build("wav2vec2-bert", "Wav2Vec2BertModel")  # two frames stacked per row
+    assert inputs["input_features"].shape[-1] == model.config.feature_projection_input_dim
+    # per-layer key heads follow the tiny head count: all stay all, grouped become one
+    assert set(sweep.tiny_config("sapiens2").num_key_value_heads_per_layer) == {1, 2}
+
+
+def test_audio_language_rows_get_audio_and_their_tokens():
+    assert sweep.tiny_config("voxtral").audio_token_id == 5  # left unset by the default config
+    model, inputs, _ = sweep.build("voxtral", "VoxtralForConditionalGeneration")
+    audio = model.config.audio_config
+    assert inputs["input_features"].shape == (sweep.BATCH, audio.num_mel_bins, 2 * audio.max_source_positions)
+    tokens = (inputs["input_ids"] == model.config.audio_token_id).sum(dim=1)
+    with torch_no_grad():
+        features = model.get_audio_features(input_features=inputs["input_features"]).pooler_output
+    assert (tokens == features.shape[0] // sweep.BATCH).all() and int(tokens[0]) > 0
+
+
+def torch_no_grad():
+    import torch
+
+    return torch.no_grad()
+
+
+def test_timm_backbones_become_transformers_resnets():
+    # timm needs torchvision, which does not import beside the CPU torch here
+    config = sweep.tiny_config("detr")
+    assert config.backbone_config.model_type == "resnet" and list(config.backbone_config.out_indices) == [1, 2, 3, 4]
+    assert max(config.backbone_config.hidden_sizes) <= 64
