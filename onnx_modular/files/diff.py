@@ -42,7 +42,7 @@ import json
 import math
 import os
 import pathlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -55,7 +55,7 @@ from onnx_modular.check.parity import max_differences
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.files.flat import CLASS_HIERARCHY, NAME_SCOPES, inline_model
 from onnx_modular.format import metadata
-from onnx_modular.format.calltree import CallTree, ModuleCall
+from onnx_modular.format.calltree import CallTree, ModuleCall, TreeNode
 from onnx_modular.format.text import shown
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import check_feeds, feeds_for, model_inputs
@@ -77,7 +77,7 @@ _CHUNK = 1 << 22
 
 
 @dataclasses.dataclass(eq=False)
-class CallDiff:
+class CallDiff(TreeNode):
     """One module call of either file (or both), with what differs.
 
     Attributes:
@@ -121,17 +121,6 @@ class CallDiff:
     first_drift: bool = False
 
     @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    @property
-    def depth(self) -> int:
-        depth, node = 0, self.parent
-        while node is not None:
-            depth, node = depth + 1, node.parent
-        return depth
-
-    @property
     def class_name(self) -> str:
         call = self.b or self.a
         return call.class_name if call is not None else ""
@@ -167,13 +156,6 @@ class CallDiff:
     def verdict(self) -> str:
         """``change`` with ``below`` spelled out: ``same``, ``changed``, ``changed below``, ``added``, ``removed``."""
         return "changed below" if self.changed_in == "below" else self.change
-
-    def walk(self) -> Iterator[CallDiff]:
-        stack = [self]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(reversed(node.children))
 
     def record(self) -> dict[str, Any]:
         """The JSON record of this call (times in milliseconds)."""

@@ -21,8 +21,35 @@ from onnx_modular.format.text import shown
 __all__ = ["ModuleCall", "CallTree", "drawn"]
 
 
+class TreeNode:
+    """What every node of a call tree derives from its ``parent`` and ``children`` links
+    (``ModuleCall`` here, ``CallDiff`` in ``files/diff.py``)."""
+
+    parent: Any
+    children: list
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def depth(self) -> int:
+        depth, node = 0, self.parent
+        while node is not None:
+            depth, node = depth + 1, node.parent
+        return depth
+
+    def walk(self) -> Iterator[Any]:
+        """This node and all nodes below it, depth first, in order (no recursion)."""
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(reversed(node.children))
+
+
 @dataclasses.dataclass(eq=False)
-class ModuleCall:
+class ModuleCall(TreeNode):
     """One call of one module (or, in a file of another tool, one call of a local function).
 
     Attributes:
@@ -80,25 +107,6 @@ class ModuleCall:
     def call_name(self) -> str:
         """The module path, with ``@N`` when the module is called again."""
         return metadata.call_name(self.module_path or "<root>", self.call_index)
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    @property
-    def depth(self) -> int:
-        depth, node = 0, self.parent
-        while node is not None:
-            depth, node = depth + 1, node.parent
-        return depth
-
-    def walk(self) -> Iterator[ModuleCall]:
-        """This call and all calls below it, depth first, in execution order (no recursion)."""
-        stack = [self]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(reversed(node.children))
 
     def metadata(self) -> dict[str, str]:
         """Metadata for the ONNX call node (keys from :mod:`onnx_modular.format.metadata`)."""
