@@ -65,15 +65,6 @@ def size(path: pathlib.Path) -> int:
     return sum(p.stat().st_size for p in path.parent.iterdir() if p.name.startswith(path.stem))
 
 
-def timed(fn, repeat: int):
-    times, result = [], None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=2)
@@ -136,7 +127,7 @@ def run(args, model, params, ids, folder: pathlib.Path) -> None:
         jobs["ort_q4_flat_acc4"] = lambda: ort_q4(files["ort_q4_flat_acc4"], accuracy_level=4)
     rows = {}
     for name, job in jobs.items():
-        seconds, _ = timed(job, args.repeat)
+        seconds, _ = _common.median_time(job, args.repeat)
         try:
             drift = float(np.abs(logits(files[name], feeds) - reference).max()) / spread
         except Exception as e:  # onnxruntime refuses the file
