@@ -304,6 +304,23 @@ def expose(model: onnx.ModelProto, call: metadata.ExpandedCall, values: list[str
     return outputs
 
 
+def standalone_model(model: onnx.ModelProto, graph: onnx.GraphProto, producer: str) -> onnx.ModelProto:
+    """``graph`` as a model of its own: the functions it calls (:func:`used_functions`), the opsets
+    of ``model`` that it and they use, ``model``'s IR version, and ``producer`` as producer name
+    (this package's version as producer version). Used by extract and split."""
+    from onnx_modular._version import __version__
+
+    functions = used_functions(model, graph.node)
+    domains = {""} | {node.domain for node in all_nodes(graph.node)}
+    for function in functions:
+        domains |= {node.domain for node in all_nodes(function.node)} | {function.domain}
+    opsets = [o for o in model.opset_import if o.domain in domains]
+    built = onnx.helper.make_model(graph, opset_imports=opsets, functions=functions)
+    built.ir_version = model.ir_version
+    built.producer_name, built.producer_version = producer, __version__
+    return built
+
+
 def used_functions(model: onnx.ModelProto, nodes) -> list[onnx.FunctionProto]:
     """The local functions ``nodes`` call, directly or through other functions, in model order."""
     functions = {function_id(f): f for f in model.functions}

@@ -51,7 +51,7 @@ from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import locks, save
 from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.load import load_model_file
-from onnx_modular.storage.proto import all_nodes, function_label
+from onnx_modular.storage.proto import function_label
 
 __all__ = ["extract", "write_data_set", "check_output_folder", "Extraction", "ExtractedModel", "DataSet", "MODEL_FILE", "EXTRACTED_FROM"]
 
@@ -277,17 +277,7 @@ def _build(
         _calls.set_prop(graph, metadata.NO_OP_CALLS, metadata.props(function)[metadata.NO_OP_CALLS])
     _calls.rebase_body(graph, written_for, body_path)
 
-    functions = _calls.used_functions(model, function.node)
-    used_domains = {""} | {node.domain for node in all_nodes(graph.node)}
-    for f in functions:
-        used_domains |= {node.domain for node in all_nodes(f.node)} | {f.domain}
-    opsets = [o for o in model.opset_import if o.domain in used_domains]
-    extracted = onnx.helper.make_model(graph, opset_imports=opsets, functions=functions)
-    extracted.ir_version = model.ir_version
-    extracted.producer_name = "onnx_modular.extract"
-    from onnx_modular._version import __version__
-
-    extracted.producer_version = __version__
+    extracted = _calls.standalone_model(model, graph, "onnx_modular.extract")
     props = metadata.props(function)
     entries = {
         metadata.EXTRACTED_FROM: source,

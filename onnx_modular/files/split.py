@@ -642,17 +642,7 @@ def _stage_model(
                                 parent=new_index.get(recorded[i].parent, -1))
             for i in mine
         ])
-    functions = _calls.used_functions(model, stage.node)
-    domains = {""} | {n.domain for n in all_nodes(stage.node)}
-    for f in functions:
-        domains |= {n.domain for n in all_nodes(f.node)} | {f.domain}
-    opsets = [o for o in model.opset_import if o.domain in domains]
-    built = onnx.helper.make_model(stage, opset_imports=opsets, functions=functions)
-    built.ir_version = model.ir_version
-    built.producer_name = "onnx_modular.split"
-    from onnx_modular._version import __version__
-
-    built.producer_version = __version__
+    built = _calls.standalone_model(model, stage, "onnx_modular.split")
     lifted = [n for n in cut.initializers if n in metadata.lifted_constants(model)]
     entries = {
         metadata.SPLIT_FROM: os.path.basename(source),
