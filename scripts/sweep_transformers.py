@@ -12,7 +12,9 @@ memory-bounded child process. Writes ``docs/coverage.md`` (totals first) and a J
 
 Each architecture gets a configuration shrunk from its default one by the rules of
 :func:`tiny_config` (hidden sizes, layers, heads, experts, vocabulary, image and audio sizes),
-with per-architecture :data:`OVERRIDES`, random weights (seed 0) and inputs from
+with per-architecture :data:`OVERRIDES`; when the model does not run on its inputs at that size,
+the depth alone is shrunk (``shallow``: default widths), then nothing (``default``), within
+:data:`PARAMETER_BUDGET` (the row's ``config`` says which tier built it); random weights (seed 0) and inputs from
 :func:`make_inputs` (token ids, pixels, audio features, patches with their grid, past values by
 the model's forward; a vision- or audio-language model also gets images or audio as its processor
 would give them, with as many image or audio tokens in its text as it makes features). Each row
@@ -89,6 +91,7 @@ _TOPK_GROUP_KEYS = {"topk_group"}
 #: widths tied to a hidden size by name: shrunk with it when they equal one of the tree's hidden sizes
 _WIDTH_SUFFIXES = ("hidden_size", "_dim", "embedding_size")
 #: layer indices into a (vision) tower: kept within the tiny tower's layers
+_DEPTH_LIST_KEYS = {"depths", "num_layers_per_stage", "layers_per_stage"}
 _LAYER_INDEX_KEYS = {"vision_feature_layer", "vision_feature_layers", "feature_layer", "feature_layers", "select_layer"}
 _HEAD_DIM_KEYS = {"head_dim", "attention_head_dim", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"}
 _RANK_KEYS = {"kv_lora_rank", "q_lora_rank"}
@@ -148,10 +151,14 @@ def _rope_shrunk(value: Any, head_dim: int) -> Any:
     return out
 
 
-def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset(), widths: frozenset[int] | None = None) -> dict[str, Any]:
+def _shrunk(
+    config: Any, inherited_ids: frozenset[int] = frozenset(), widths: frozenset[int] | None = None, shallow: bool = False
+) -> dict[str, Any]:
     """Constructor arguments that shrink ``config`` (the rules; sub-configs recursively, keeping
     the vocabulary above the token ids of the enclosing config, LLaVA's image token, and shrinking
-    widths tied to any hidden size of the tree, a projector's ``out_hidden_size``)."""
+    widths tied to any hidden size of the tree, a projector's ``out_hidden_size``). ``shallow``:
+    depth only (layers, stages, experts, vocabulary; what follows the kept layers), every width
+    and size as the default config has it."""
     values = config.to_dict()
     widths = frozenset(_widths(values)) if widths is None else widths
     special = _special_ids(values) | inherited_ids
@@ -170,7 +177,7 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset(), widths: fr
 
                 sub = ResNetConfig(out_indices=list(getattr(sub, "out_indices", None) or [1, 2, 3, 4]))
             if sub is not None and hasattr(sub, "to_dict"):
-                out[key] = {**sub.to_dict(), **_shrunk(sub, frozenset(special), widths)}
+                out[key] = {**sub.to_dict(), **_shrunk(sub, frozenset(special), widths, shallow)}
             continue
         if isinstance(value, bool):
             continue
@@ -243,7 +250,7 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset(), widths: fr
         elif isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             if key in ("hidden_sizes", "dims", "embed_dims", "neck_hidden_sizes"):
                 out[key] = [min(v, 8 * 2**i) for i, v in enumerate(value)]
-            elif key in ("depths", "num_layers_per_stage", "layers_per_stage"):
+            elif key in _DEPTH_LIST_KEYS:
                 out[key] = [1] * len(value)
             elif key in ("num_heads", "attention_heads", "num_attention_heads"):
                 out[key] = [min(v, 2) for v in value]
@@ -298,6 +305,15 @@ def _shrunk(config: Any, inherited_ids: frozenset[int] = frozenset(), widths: fr
             out[prefix + "out_indices"] = chosen
             out[prefix + "out_features"] = [f"stage{i}" for i in chosen]
         out["stage_names"] = ["stem"] + [f"stage{i}" for i in range(1, count + 1)]
+    if shallow:  # widths, heads and sizes stay consistent as the default config has them
+        depth = _LAYER_KEYS | _EXPERT_KEYS | _TOPK_KEYS | _GROUP_KEYS | _TOPK_GROUP_KEYS | _DEPTH_LIST_KEYS | {"vocab_size", "stage_names"}
+        out = {
+            key: value for key, value in out.items()
+            if key in depth or key in followed or key in _LAYER_INDEX_KEYS
+            or key in sub_configs or hasattr(getattr(config, key, None), "to_dict")
+            or key.startswith(("per_layer", "out_features", "out_indices", "_out"))
+            or (kept is not None and isinstance(values.get(key), (list, tuple)) and len(values[key]) == layers)
+        }
     accepted = _init_parameters(type(config))
     # per-layer dicts and a backbone's outputs are taken through **kwargs (and a sub-config's
     # to_dict() hands back the default ones, which these must replace)
@@ -358,12 +374,23 @@ def _init_parameters(config_class) -> set[str] | None:
     return named if len(named) > 1 else None
 
 
-def tiny_config(model_type: str):
-    """The default config of ``model_type``, shrunk by :func:`_shrunk` and :data:`OVERRIDES`."""
+#: How far a config is shrunk, in the order :func:`build` tries them: every rule (``tiny``), depth
+#: only (``shallow``: the default widths, which some architectures tie together in ways the rules
+#: do not know), or none (``default``, within :data:`PARAMETER_BUDGET`).
+TIERS = ("tiny", "shallow", "default")
+#: The most parameters a ``shallow`` or ``default`` model may have (counted on the meta device
+#: before any weight is made): larger ones would not export within a row's time limit.
+PARAMETER_BUDGET = 150_000_000
+
+
+def tiny_config(model_type: str, tier: str = "tiny"):
+    """The default config of ``model_type``, shrunk by :func:`_shrunk` as far as ``tier`` says
+    (:data:`TIERS`), with :data:`OVERRIDES`."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    kwargs = {**_shrunk(default), **OVERRIDES.get(model_type, {})}
+    shrunk = {} if tier == "default" else _shrunk(default, shallow=tier == "shallow")
+    kwargs = {**shrunk, **OVERRIDES.get(model_type, {})}
     config = AutoConfig.for_model(model_type, **kwargs)
     channels = _backbone_channels(config)
     if channels and isinstance(getattr(config, "encoder_in_channels", None), (list, tuple)):
@@ -652,17 +679,54 @@ def config_for_class(config: Any, model_class) -> Any:
     return config
 
 
+class OverBudget(Exception):
+    """A model over :data:`PARAMETER_BUDGET`: not built."""
+
+
 def build(model_type: str, class_name: str):
     """(model, inputs, expected outputs as a list of tensors) with random weights, seed 0."""
+    return build_with_tier(model_type, class_name)[:3]
+
+
+def build_with_tier(model_type: str, class_name: str) -> tuple[Any, dict[str, Any], list, str]:
+    """:func:`build`, and the tier of :data:`TIERS` it took: the first whose model runs on the
+    inputs. When none does, the ``tiny`` tier's error is raised (the one the rules should fix)."""
+    first: BaseException | None = None
+    for tier in TIERS:
+        try:
+            return (*_build(model_type, class_name, tier), tier)
+        except Exception as e:  # noqa: BLE001 - the next tier may build
+            first = first or e
+    assert first is not None
+    raise first
+
+
+def _parameter_count(model_class, config) -> int | None:
+    """Parameters of ``model_class(config)`` counted on the meta device (None: it cannot be made there)."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = model_class._from_config(config)
+    except Exception:  # noqa: BLE001 - made for real instead, under the child's memory limit
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
+def _build(model_type: str, class_name: str, tier: str):
     import torch
     import transformers
 
     model_class = getattr(transformers, class_name)
-    config = config_for_class(tiny_config(model_type), model_class)
+    config = config_for_class(tiny_config(model_type, tier), model_class)
     if class_name.endswith("ForSequenceClassification"):  # batch 2 needs a padding token to find each row's last
         for part in (config, getattr(config, "text_config", None)):
             if part is not None and getattr(part, "pad_token_id", 0) is None:
                 part.pad_token_id = 0
+    if tier != "tiny":
+        count = _parameter_count(model_class, config)
+        if count is not None and count > PARAMETER_BUDGET:
+            raise OverBudget(f"{tier} config: {count / 1e6:.0f}M parameters, over {PARAMETER_BUDGET / 1e6:.0f}M")
     torch.manual_seed(0)
     model = model_class._from_config(config).eval()
     inputs = make_inputs(model, config)
@@ -704,8 +768,8 @@ def _job_modular(model_type: str, class_name: str) -> dict[str, Any]:
 
     record: dict[str, Any] = {}
     start = time.perf_counter()
-    model, inputs, _ = build(model_type, class_name)
-    record["built"] = True
+    model, inputs, _, tier = build_with_tier(model_type, class_name)
+    record.update(built=True, config=tier)
     record["build_seconds"] = time.perf_counter() - start
     record["inputs"] = input_names(inputs)
     try:
@@ -743,8 +807,8 @@ def _job_flat(model_type: str, class_name: str) -> dict[str, Any]:
 
     record: dict[str, Any] = {}
     start = time.perf_counter()
-    model, inputs, expected = build(model_type, class_name)
-    record["built"] = True
+    model, inputs, expected, tier = build_with_tier(model_type, class_name)
+    record.update(built=True, config=tier)
     record["build_seconds"] = time.perf_counter() - start
     record["inputs"] = input_names(inputs)
     try:
@@ -903,6 +967,7 @@ class Row:
     seconds: float = 0.0
     inputs: str | None = None  # the tensor inputs fed (input_ids,pixel_values,image_grid_thw: text and images)
     note: str | None = None  # why a row fails where both exporters fail: a torch limit, a missing package
+    config: str | None = None  # how far the config was shrunk (TIERS): tiny, shallow or default
 
     @property
     def key(self) -> str:
@@ -927,6 +992,7 @@ def sweep_one(model_type: str, class_name: str, task: str, timeout: float, memor
         row.stage, row.error = modular.get("stage"), modular.get("error")
     row.seconds = round(flat.get("seconds", 0) + modular.get("seconds", 0), 1)
     row.inputs = modular.get("inputs") or flat.get("inputs")
+    row.config = modular.get("config") or flat.get("config")
     row.note = classify(row)
     return row
 
@@ -1034,8 +1100,8 @@ def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, s
         "",
         "## Every architecture",
         "",
-        "| model type | class | task | built | flat | modular | functions | depth | max abs (modular) | max abs (flat) | failing stage | first error line | inputs | note | s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model type | class | task | built | flat | modular | functions | depth | max abs (modular) | max abs (flat) | failing stage | first error line | inputs | config | note | s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         stage = r.stage or (f"flat: {r.flat_stage}" if r.flat_stage else "")
@@ -1043,7 +1109,7 @@ def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, s
         lines.append(
             f"| {r.model_type} | {r.class_name} | {r.task} | {_cell(r.built)} | {_cell(r.flat_ok)} | {_cell(r.modular_ok)} | "
             f"{_cell(r.functions)} | {_cell(r.depth)} | {_cell(r.max_abs)} | {_cell(r.flat_max_abs)} | {_cell(stage)} | "
-            f"{_cell((error or '')[:160])} | {_cell(r.inputs)} | {_cell(r.note or classify(r))} | {r.seconds:.0f} |"
+            f"{_cell((error or '')[:160])} | {_cell(r.inputs)} | {_cell(r.config)} | {_cell(r.note or classify(r))} | {r.seconds:.0f} |"
         )
     tmp = path.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + "\n")

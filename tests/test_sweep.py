@@ -252,3 +252,24 @@ def test_timm_backbones_become_transformers_resnets():
     config = sweep.tiny_config("detr")
     assert config.backbone_config.model_type == "resnet" and list(config.backbone_config.out_indices) == [1, 2, 3, 4]
     assert max(config.backbone_config.hidden_sizes) <= 64
+
+
+def test_a_config_the_rules_break_builds_shallow():
+    # Donut-Swin's tiny widths break its windows: depth only, the default widths, then export with parity
+    from onnx_modular import export_modular
+
+    default = transformers.AutoConfig.for_model("donut-swin")
+    shallow = sweep.tiny_config("donut-swin", "shallow")
+    assert shallow.embed_dim == default.embed_dim and shallow.depths == [1] * len(default.depths)
+    model, inputs, _, tier = sweep.build_with_tier("donut-swin", "DonutSwinModel")
+    assert tier == "shallow" and sum(p.numel() for p in model.parameters()) < sweep.PARAMETER_BUDGET
+    result = export_modular(model, (), kwargs=inputs)
+    assert result.report.ok, str(result.report)
+    # a row that builds tiny stays tiny
+    assert sweep.build_with_tier("llama", "LlamaModel")[3] == "tiny"
+
+
+def test_a_model_over_the_budget_is_not_built(monkeypatch):
+    monkeypatch.setattr(sweep, "PARAMETER_BUDGET", 1000)
+    with pytest.raises(sweep.OverBudget, match="shallow config"):
+        sweep._build("llama", "LlamaModel", "shallow")
