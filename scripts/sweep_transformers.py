@@ -695,7 +695,7 @@ def build_with_tier(model_type: str, class_name: str) -> tuple[Any, dict[str, An
     for tier in TIERS:
         try:
             return (*_build(model_type, class_name, tier), tier)
-        except Exception as e:  # noqa: BLE001 - the next tier may build
+        except Exception as e:  # the next tier may build
             first = first or e
     assert first is not None
     raise first
@@ -708,7 +708,7 @@ def _parameter_count(model_class, config) -> int | None:
     try:
         with torch.device("meta"):
             model = model_class._from_config(config)
-    except Exception:  # noqa: BLE001 - made for real instead, under the child's memory limit
+    except Exception:  # made for real instead, under the child's memory limit
         return None
     return sum(p.numel() for p in model.parameters())
 
