@@ -508,6 +508,11 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs.update(image_inputs(model, config, inputs["input_ids"], generator))
         if images and "input_features" in parameters and getattr(config, "audio_config", None) is not None and shape == (BATCH, SEQUENCE):
             inputs.update(audio_inputs(model, config, inputs["input_ids"], generator))
+    patches = next((m.num_patches for m in model.modules() if isinstance(getattr(m, "num_patches", None), int)), None)
+    if "noise" in parameters and "pixel_values" in inputs and patches:
+        # random masking (ViT-MAE) draws its noise inside forward unless given: one value per patch,
+        # fixed, so PyTorch and both files mask the same patches
+        inputs["noise"] = torch.rand(BATCH, patches, generator=generator)
     if "use_cache" in parameters:  # no cache object in the outputs: torch.export needs its pytree registered
         inputs["use_cache"] = False
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:

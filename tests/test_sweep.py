@@ -273,3 +273,15 @@ def test_a_model_over_the_budget_is_not_built(monkeypatch):
     monkeypatch.setattr(sweep, "PARAMETER_BUDGET", 1000)
     with pytest.raises(sweep.OverBudget, match="shallow config"):
         sweep._build("llama", "LlamaModel", "shallow")
+
+
+def test_random_masking_gets_its_noise():
+    # ViT-MAE draws the patches it masks from noise made inside forward unless given: fixed, the
+    # export matches PyTorch
+    from onnx_modular import export_modular
+
+    model, inputs, _ = sweep.build("vit_mae", "ViTMAEModel")
+    patches = (model.config.image_size // model.config.patch_size) ** 2
+    assert inputs["noise"].shape == (sweep.BATCH, patches)
+    result = export_modular(model, (), kwargs=inputs)
+    assert result.report.ok, str(result.report)
