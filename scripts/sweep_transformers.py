@@ -63,6 +63,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "esm": {"pad_token_id": 1},  # left to the checkpoint (None); positions count from the padding id  # differential attention splits the key heads in two
     # the default config leaves the layer kinds to the checkpoint (None), the model indexes them
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # no grouped-query attention, though the config has the key: v_proj has num_attention_heads
+    # heads and k_proj num_key_value_heads (equal by default); with fewer key heads the eager CPU
+    # attention still runs but torch.export's shape checks refuse the keys ("broadcast a
+    # dimension of length 4"). Nothing in the config says so: per model type.
+    "nemotron3_diarization_audio": {"num_key_value_heads": 2},
+    "nemotron3_5_transcribe_asr_audio": {"num_key_value_heads": 2},
+    "nemotron3_diarization": {"audio_config": {"num_key_value_heads": 2}},  # merged into the shrunk audio tower
 }
 
 BATCH, SEQUENCE = 2, 8
@@ -390,7 +397,11 @@ def tiny_config(model_type: str, tier: str = "tiny"):
 
     default = AutoConfig.for_model(model_type)
     shrunk = {} if tier == "default" else _shrunk(default, shallow=tier == "shallow")
-    kwargs = {**shrunk, **OVERRIDES.get(model_type, {})}
+    overrides = OVERRIDES.get(model_type, {})
+    kwargs = {**shrunk, **overrides}
+    for key, value in overrides.items():  # a sub-config's override is merged into its shrunk values
+        if isinstance(value, dict) and isinstance(shrunk.get(key), dict):
+            kwargs[key] = {**shrunk[key], **value}
     config = AutoConfig.for_model(model_type, **kwargs)
     channels = _backbone_channels(config)
     if channels and isinstance(getattr(config, "encoder_in_channels", None), (list, tuple)):

@@ -285,3 +285,20 @@ def test_random_masking_gets_its_noise():
     assert inputs["noise"].shape == (sweep.BATCH, patches)
     result = export_modular(model, (), kwargs=inputs)
     assert result.report.ok, str(result.report)
+
+
+def test_key_heads_stay_all_heads_where_values_have_all_heads():
+    # Nemotron 3's audio attention: v_proj has num_attention_heads heads, k_proj num_key_value_heads;
+    # an override keeps them equal, merged into the shrunk audio tower (its other sizes stay tiny)
+    from onnx_modular import export_modular
+
+    audio = sweep.tiny_config("nemotron3_diarization").audio_config
+    assert audio.num_key_value_heads == audio.num_attention_heads == 2 and audio.hidden_size == 32
+    for model_type in ("nemotron3_diarization_audio", "nemotron3_5_transcribe_asr_audio"):
+        config = sweep.tiny_config(model_type)
+        assert config.num_key_value_heads == config.num_attention_heads == 2 and config.hidden_size == 32
+    model, inputs, _, tier = sweep.build_with_tier("nemotron3_diarization_audio", "Nemotron3DiarizationAudioModel")
+    attention = next(m for name, m in model.named_modules() if name.endswith("self_attn"))
+    assert tier == "tiny" and attention.k_proj.out_features == attention.v_proj.out_features
+    result = export_modular(model, (), kwargs=inputs)
+    assert result.report.ok, str(result.report)

@@ -3,6 +3,11 @@
 ``relax_view_strides``: turn stride-checked ``aten.view`` into ``aten.reshape`` before type promotion.
 ``attention_to_4d``: scaled-dot-product attention of other ranks given the 4-D operands torch's
 translator requires (see its docstring).
+``empty_reshapes``: a reshape to a shape with a static 0 (an empty tensor) becomes ``full`` of
+that shape, since ONNX ``Reshape`` reads a 0 as "copy this dimension" (see its docstring).
+``scalars_to_tensors``: a Python number where an op's schema wants a ``Tensor`` (``1.0 - mask``
+decomposes to ``aten.sub.Tensor(1.0, mask)``) becomes a 0-d tensor before type promotion (see its
+docstring).
 
 Root cause (found on T5 with SDPA attention, and on windowed-attention vision models):
 torch's ONNX decomposition re-traces the program while keeping
@@ -27,7 +32,7 @@ import contextlib
 
 import torch
 
-__all__ = ["attention_to_4d", "relax_view_strides"]
+__all__ = ["attention_to_4d", "empty_reshapes", "relax_view_strides", "scalars_to_tensors"]
 
 _VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
@@ -51,6 +56,52 @@ def relax_view_strides(graph_module: torch.fx.GraphModule) -> int:
             node.target = torch.ops.aten.reshape.default
             count += 1
     if count:
+        graph_module.recompile()
+    return count
+
+
+def empty_reshapes(graph_module: torch.fx.GraphModule) -> int:
+    """Replace a reshape whose result has a static size 0 by ``aten.full`` of that shape, in place.
+
+    torch's translation writes ``aten.reshape(x, [2, 1, 8, 0])`` as ONNX ``Reshape`` without
+    ``allowzero``, where a 0 means "copy the input's dimension at this position": onnxruntime
+    refuses the file ("Invalid position of 0") or, when that dimension exists, makes a tensor of
+    the wrong shape. Found on a GLM-5 decoder whose rotary part has size 0
+    (``k_rot.view(batch, 1, seq, qk_rope_head_dim)``). A tensor with no elements has no values, so
+    ``full(shape, 0)`` of the same shape, dtype and device is exactly the reshape's result; the
+    other sizes stay as they were (symbolic ones included).
+
+    Runs after :func:`relax_view_strides` (every view is a reshape by then).
+
+    Returns:
+        The number of nodes rewritten.
+    """
+    from torch._guards import detect_fake_mode
+
+    graph = graph_module.graph
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.reshape.default:
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or not any(type(size) is int and size == 0 for size in value.shape):
+            continue
+        shape = [size if type(size) is int else node.args[1][d] for d, size in enumerate(value.shape)]
+        if any(not isinstance(size, (int, torch.fx.Node)) or (isinstance(size, int) and size < 0) for size in shape):
+            continue  # a symbolic size with no node of its own: leave the reshape
+        kwargs = {"dtype": value.dtype, "device": value.device}
+        with graph.inserting_before(node):
+            full = graph.call_function(torch.ops.aten.full.default, (shape, 0), kwargs)
+        full.meta.update(node.meta)
+        mode = detect_fake_mode([value])
+        with mode if mode is not None else contextlib.nullcontext():
+            sizes = [size.meta["val"] if isinstance(size, torch.fx.Node) else size for size in shape]
+            full.meta["val"] = torch.ops.aten.full.default(sizes, 0, **kwargs)
+        node.replace_all_uses_with(full)
+        graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
         graph_module.recompile()
     return count
 
@@ -124,6 +175,59 @@ def attention_to_4d(graph_module: torch.fx.GraphModule) -> int:
         output.meta["val"] = node.meta["val"]
         node.replace_all_uses_with(output)
         graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
+        graph_module.recompile()
+    return count
+
+
+def scalars_to_tensors(graph_module: torch.fx.GraphModule) -> int:
+    """Give a Python number passed where an ATen op's schema declares ``self: Tensor`` its own 0-d
+    tensor, in place.
+
+    torch's decomposition of ``aten.rsub.Scalar`` (``1.0 - attention_mask``, XLNet, ProphetNet)
+    writes ``aten.sub.Tensor(1.0, mask)``: the number first. When the tensor is an integer or
+    bool mask, the type-promotion pass that runs next casts it to float and re-runs the node
+    against ``aten.sub``'s overloads, none of which takes a number first ("Cannot find a compatible
+    OpOverload for aten.sub"). ``torch.onnx.export`` fails there too.
+
+    The number becomes ``aten.scalar_tensor(number, dtype=torch.result_type(other, number))``,
+    ``other`` being the op's first tensor operand, only where a tensor operand is promoted
+    (elsewhere torch translates the number as it is, and the graph stays as it was). Exact: a 0-d
+    tensor of that dtype promotes with ``other`` to the same dtype the number did (its category is
+    at least ``other``'s, and a 0-d operand of a higher category decides the result dtype), and
+    the value is the same.
+
+    Returns:
+        The number of operands rewritten.
+    """
+    from torch._guards import detect_fake_mode
+
+    graph = graph_module.graph
+    count = 0
+    for node in list(graph.nodes):
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not node.args:
+            continue
+        first = node.args[0]
+        schema = target._schema.arguments
+        if not isinstance(first, (bool, int, float)) or not schema or str(schema[0].type) != "Tensor":
+            continue
+        others = [arg.meta.get("val") for arg in node.args[1:] if isinstance(arg, torch.fx.Node)]
+        other = next((value for value in others if isinstance(value, torch.Tensor)), None)
+        if other is None:
+            continue
+        dtype = torch.result_type(other, first)
+        if all(value.dtype == dtype for value in others if isinstance(value, torch.Tensor)):
+            continue  # no promotion, nothing re-run: torch translates the number as it is
+        with graph.inserting_before(node):
+            scalar = graph.call_function(torch.ops.aten.scalar_tensor.default, (first,), {"dtype": dtype, "device": other.device})
+        mode = detect_fake_mode([other])
+        with mode if mode is not None else contextlib.nullcontext():
+            scalar.meta["val"] = torch.ops.aten.scalar_tensor.default(first, dtype=dtype, device=other.device)
+        scalar.meta.update({key: node.meta[key] for key in ("nn_module_stack", "stack_trace", "source_fn_stack") if key in node.meta})
+        node.args = (scalar, *node.args[1:])
         count += 1
     if count:
         graph.lint()

@@ -251,7 +251,7 @@ def decompose(program: torch.export.ExportedProgram, reg) -> torch.export.Export
     :mod:`onnx_modular.capture.fx_fixes` for why the extra step is needed. ``reg`` is a
     :func:`registry` (ops it translates, custom ones included, are not decomposed).
     """
-    from onnx_modular.capture.fx_fixes import attention_to_4d, relax_view_strides
+    from onnx_modular.capture.fx_fixes import attention_to_4d, empty_reshapes, relax_view_strides, scalars_to_tensors
 
     _, _fx_passes, _ = _exporter()
     with (
@@ -261,7 +261,9 @@ def decompose(program: torch.export.ExportedProgram, reg) -> torch.export.Export
         program = _fx_passes.decompose_with_registry(program, reg)
         graph_module = program.graph_module
         relax_view_strides(graph_module)
+        empty_reshapes(graph_module)
         attention_to_4d(graph_module)
+        scalars_to_tensors(graph_module)
         _fx_passes.insert_type_promotion_nodes(graph_module)
         graph_module = _fx_passes.remove_assertion_nodes(graph_module)
         program._graph_module = graph_module
