@@ -14,7 +14,7 @@ from helpers import expanded_calls
 
 from onnx_modular import export_modular
 from onnx_modular.capture import torch_compat
-from onnx_modular.capture.fx_fixes import empty_reshapes, scalars_to_tensors
+from onnx_modular.capture.fx_fixes import empty_reshapes, scalars_to_tensors, squeeze_only_ones
 
 
 class InvertedMask(torch.nn.Module):
@@ -171,3 +171,43 @@ def test_glm5_next_with_a_size_0_rotary_part_exports_with_parity():
     assert result.report.ok, result.report
     calls = {name: function for name, function, _ in expanded_calls(result.model)}
     assert calls["layers.1.self_attn"].startswith("Glm5NextTextAttention")
+
+
+class Joint(torch.nn.Module):
+    """An RNNT joint's ``squeeze(2)`` over 4 symbols (Parakeet): a no-op in torch, an error in ONNX."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)  # (2, 3, 4, 8): dim 2 has size 4, dim 0 of y[:1] size 1
+        return torch.ops.aten.squeeze.dims(y, [2]) + 1, torch.ops.aten.squeeze.dims(y[:1], [0, 2])
+
+
+def test_squeeze_of_a_dimension_not_1_exports_with_parity(tmp_path):
+    model = Joint().eval()
+    x = torch.randn(2, 3, 4, 8)
+    result = export_modular(model, (x,), tmp_path / "m.onnx")
+    assert result.report.ok, result.report
+    assert [name for name, _, _ in expanded_calls(result.model)] == ["lin"]
+    with torch.no_grad():
+        expected = [t.numpy() for t in model(x)]
+    got = _session(tmp_path / "m.onnx").run(None, {"x": x.numpy()})
+    assert [g.shape for g in got] == [(2, 3, 4, 8), (3, 4, 8)]
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_squeeze_only_ones_keeps_only_the_dimensions_of_size_1():
+    model = Joint().eval()
+    x = torch.randn(2, 3, 4, 8)
+    graph_module = torch.export.export(model, (x,)).module()
+    squeezes = [n for n in graph_module.graph.nodes if n.target is torch.ops.aten.squeeze.dims]
+    assert [n.args[1] for n in squeezes] == [[2], [0, 2]]
+    assert squeeze_only_ones(graph_module) == 2
+    left = [n.args[1] for n in graph_module.graph.nodes if n.target is torch.ops.aten.squeeze.dims]
+    assert left == [[0]]  # the first is gone (its input is used), the second keeps dim 0
+    with torch.no_grad():
+        for got, want in zip(graph_module(x), model(x)):
+            assert got.shape == want.shape and torch.equal(got, want)

@@ -8,6 +8,8 @@ that shape, since ONNX ``Reshape`` reads a 0 as "copy this dimension" (see its d
 ``scalars_to_tensors``: a Python number where an op's schema wants a ``Tensor`` (``1.0 - mask``
 decomposes to ``aten.sub.Tensor(1.0, mask)``) becomes a 0-d tensor before type promotion (see its
 docstring).
+``squeeze_only_ones``: ``squeeze(dim)`` of a dimension whose size is not 1 (a no-op in torch, an
+error in ONNX) drops that dimension (see its docstring).
 
 Root cause (found on T5 with SDPA attention, and on windowed-attention vision models):
 torch's ONNX decomposition re-traces the program while keeping
@@ -32,7 +34,7 @@ import contextlib
 
 import torch
 
-__all__ = ["attention_to_4d", "empty_reshapes", "relax_view_strides", "scalars_to_tensors"]
+__all__ = ["attention_to_4d", "empty_reshapes", "relax_view_strides", "scalars_to_tensors", "squeeze_only_ones"]
 
 _VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
@@ -228,6 +230,55 @@ def scalars_to_tensors(graph_module: torch.fx.GraphModule) -> int:
             scalar.meta["val"] = torch.ops.aten.scalar_tensor.default(first, dtype=dtype, device=other.device)
         scalar.meta.update({key: node.meta[key] for key in ("nn_module_stack", "stack_trace", "source_fn_stack") if key in node.meta})
         node.args = (scalar, *node.args[1:])
+        count += 1
+    if count:
+        graph.lint()
+        graph_module.recompile()
+    return count
+
+
+def squeeze_only_ones(graph_module: torch.fx.GraphModule) -> int:
+    """Keep only the dimensions of size 1 in ``aten.squeeze.dim(s)``, in place.
+
+    torch's ``squeeze(dim)`` leaves a dimension whose size is not 1 as it is; ONNX ``Squeeze``
+    rejects it ("Dimension of input 2 must be 1 instead of 4": onnxruntime refuses the file).
+    torch's translation writes every listed dimension. Found on the RNNT heads of Parakeet and
+    Nemotron ASR (``joint.squeeze(2)`` over 4 symbols). A dimension whose size is statically not 1
+    is dropped from the list; a squeeze left with none is its input (the same shape, dtype and
+    values). Symbolic sizes are left as they are. ``prims.view_of``, which the same squeeze
+    decomposes to in other graphs and which torch's translation has no function for, is its input.
+
+    Returns:
+        The number of nodes rewritten.
+    """
+    graph = graph_module.graph
+    count = 0
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.prims.view_of.default:
+            # what a squeeze of no size-1 dimension decomposes to, elsewhere: the same tensor
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            count += 1
+            continue
+        if node.op != "call_function" or node.target not in (torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims):
+            continue
+        source = node.args[0]
+        value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+        if not isinstance(value, torch.Tensor) or len(node.args) < 2:
+            continue
+        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        rank = max(value.dim(), 1)
+        if not all(isinstance(d, int) for d in dims):
+            continue
+        kept = [d for d in dims if value.dim() == 0 or type(value.shape[d % rank]) is not int or value.shape[d % rank] == 1]
+        if len(kept) == len(dims):
+            continue
+        if kept:
+            node.target = torch.ops.aten.squeeze.dims
+            node.args = (source, kept)
+        else:
+            node.replace_all_uses_with(source)
+            graph.erase_node(node)
         count += 1
     if count:
         graph.lint()

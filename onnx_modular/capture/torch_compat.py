@@ -251,7 +251,13 @@ def decompose(program: torch.export.ExportedProgram, reg) -> torch.export.Export
     :mod:`onnx_modular.capture.fx_fixes` for why the extra step is needed. ``reg`` is a
     :func:`registry` (ops it translates, custom ones included, are not decomposed).
     """
-    from onnx_modular.capture.fx_fixes import attention_to_4d, empty_reshapes, relax_view_strides, scalars_to_tensors
+    from onnx_modular.capture.fx_fixes import (
+        attention_to_4d,
+        empty_reshapes,
+        relax_view_strides,
+        scalars_to_tensors,
+        squeeze_only_ones,
+    )
 
     _, _fx_passes, _ = _exporter()
     with (
@@ -264,6 +270,7 @@ def decompose(program: torch.export.ExportedProgram, reg) -> torch.export.Export
         empty_reshapes(graph_module)
         attention_to_4d(graph_module)
         scalars_to_tensors(graph_module)
+        squeeze_only_ones(graph_module)
         _fx_passes.insert_type_promotion_nodes(graph_module)
         graph_module = _fx_passes.remove_assertion_nodes(graph_module)
         program._graph_module = graph_module
