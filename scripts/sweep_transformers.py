@@ -98,7 +98,7 @@ _RANK_KEYS = {"kv_lora_rank", "q_lora_rank"}
 
 
 #: ids given to a multimodal token a default config leaves unset (kept out of the random text)
-_FREE_TOKEN_ID = {"audio_token_id": 5, "image_token_id": 6, "video_token_id": 7}
+_FREE_TOKEN_ID = {"audio_token_id": 5, "image_token_id": 6, "video_token_id": 7, "image_token_index": 6, "video_token_index": 7}
 
 
 def _special_ids(values: dict[str, Any]) -> set[int]:
@@ -186,7 +186,7 @@ def _shrunk(
                 out[key] = max(512, max(special, default=0) + 1)
             elif key in _KV_HEAD_KEYS and heads:  # left unset, and a layer divides by it (Nemotron)
                 out[key] = 1
-            elif key in ("audio_token_id", "image_token_id", "video_token_id"):  # left to the checkpoint (Voxtral's audio)
+            elif key in _FREE_TOKEN_ID:  # left to the checkpoint (Voxtral's audio, BLIP-2's image)
                 out[key] = _FREE_TOKEN_ID[key]
             elif key == "default_language" and values.get("languages"):  # X-MOD's adapters need a language
                 out[key] = values["languages"][0]
@@ -460,15 +460,19 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         length = getattr(config, "context_length", None) or 32
         channels = getattr(config, "num_input_channels", None) or 1
         inputs["past_values"] = torch.randn(BATCH, length, channels, generator=generator)
-    elif main == "pixel_values" or ("pixel_values" in parameters and "input_ids" not in parameters):
+    elif main in ("pixel_values", "pixel_values_videos") or ("pixel_values" in parameters and "input_ids" not in parameters):
         vision = getattr(config, "vision_config", None) or config
         height, width = _image_size(vision)
         channels = getattr(vision, "num_channels", 3) or 3
         frames = getattr(vision, "num_frames", None) or getattr(config, "num_frames", None)
-        if isinstance(frames, int) and frames > 0:  # a video model reads (batch, frames, channels, height, width)
-            inputs["pixel_values"] = torch.randn(BATCH, frames, channels, height, width, generator=generator)
+        # a video model by its input's name or by a video token in its text (InstructBLIP-Video)
+        video = main == "pixel_values_videos" or any(k.startswith("video_token") for k in config.to_dict())
+        if video or (isinstance(frames, int) and frames > 0):  # a video model reads (batch, frames, channels, height, width)
+            frames = frames if isinstance(frames, int) and frames > 0 else 2 * (getattr(vision, "tubelet_size", None) or 1)
+            inputs[main if video else "pixel_values"] = torch.randn(BATCH, frames, channels, height, width, generator=generator)
         else:
             inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
+        inputs.update(_text_beside_pixels(model, config, dict(inputs), generator))
     elif main == "input_features":
         bins = next((getattr(part, key) for part in (config, getattr(config, "encoder_config", None), getattr(config, "audio_config", None))
                      for key in ("num_mel_bins", "feature_size") if isinstance(getattr(part, key, None), int)), 80)  # an ASR model's encoder's
@@ -522,6 +526,56 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             rows = BATCH * codebooks if isinstance(codebooks, int) and codebooks > 1 else BATCH
             inputs["decoder_input_ids"] = _token_ids(config, (rows, 4), generator)
     return inputs
+
+
+def _required(model) -> set[str]:
+    """The forward's parameters without a default (what a call must give)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in parameters if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def _text_beside_pixels(model, config, pixels: dict[str, Any], generator) -> dict[str, Any]:
+    """Token ids for a model read from its pixels that takes text too, as its processor gives both:
+    when its forward requires ``input_ids`` (BLIP-2, Grounding DINO, a video-text CLIP), or takes
+    them with a ``text_config`` and either no decoder inputs to feed instead (Kosmos-2 and SAM 3
+    take a text prompt) or an image token to mark where the images go. A Q-Former's image makes
+    ``num_query_tokens`` features (per frame of a video): the text holds that many image tokens
+    (InstructBLIP); the Q-Former's own prompt (``qformer_input_ids``) is given too. Kosmos-2 marks
+    its ``latent_query_num`` image positions with ``image_embeds_position_mask``."""
+    import torch
+
+    parameters, required = _forward_parameters(model), _required(model)
+    text = getattr(config, "text_config", None)
+    token = _image_token(config)
+    token = token if token is not None else getattr(config, "video_token_index", None)
+    if "input_ids" not in required and not (
+        "input_ids" in parameters and text is not None and ("decoder_input_ids" not in parameters or token is not None)
+    ):
+        return {}
+    ids = _token_ids(config, (BATCH, SEQUENCE), generator)
+    out: dict[str, Any] = {"input_ids": ids}
+    queries = getattr(config, "num_query_tokens", None)
+    latent = getattr(config, "latent_query_num", None)
+    frames = next(iter(pixels.values())).shape[1] if next(iter(pixels.values())).dim() == 5 else 1
+    if token is not None and isinstance(queries, int):
+        out = _placeholders(model, ids, token, BATCH * queries * frames) or out
+    elif isinstance(latent, int) and "image_embeds_position_mask" in parameters:
+        # Kosmos-2's processor: <image> latent_query_num placeholders </image> after the first token
+        ids = torch.cat([ids[:, :2], ids[:, 1:2].repeat(1, latent), ids[:, 2:]], dim=1)
+        mask = torch.zeros_like(ids)
+        mask[:, 2 : 2 + latent] = 1
+        out = {"input_ids": ids, "image_embeds_position_mask": mask}
+    if "attention_mask" in parameters:
+        out["attention_mask"] = torch.ones_like(out["input_ids"])
+    qformer = getattr(config, "qformer_config", None)
+    if "qformer_input_ids" in parameters and qformer is not None:
+        out["qformer_input_ids"] = _token_ids(qformer, (BATCH, SEQUENCE), generator)
+        if "qformer_attention_mask" in parameters:
+            out["qformer_attention_mask"] = torch.ones(BATCH, SEQUENCE, dtype=torch.long)
+    return out
 
 
 def _image_token(config) -> int | None:

@@ -273,3 +273,48 @@ def test_a_model_over_the_budget_is_not_built(monkeypatch):
     monkeypatch.setattr(sweep, "PARAMETER_BUDGET", 1000)
     with pytest.raises(sweep.OverBudget, match="shallow config"):
         sweep._build("llama", "LlamaModel", "shallow")
+
+
+def test_pixel_models_that_read_text_get_their_prompt():
+    # a forward that requires input_ids beside pixels gets token ids too (Grounding DINO's caption)
+    model, inputs, _ = sweep.build("grounding-dino", "GroundingDinoModel")
+    assert inputs["input_ids"].shape == (sweep.BATCH, sweep.SEQUENCE) and inputs["pixel_values"].dim() == 4
+    # a Q-Former's image makes num_query_tokens features: the text holds that many image tokens
+    # (left unset by the default config), and the Q-Former gets its own prompt
+    model, inputs, _ = sweep.build("instructblip", "InstructBlipForConditionalGeneration")
+    config = model.config
+    assert sweep.tiny_config("instructblip").image_token_index == 6
+    assert ((inputs["input_ids"] == config.image_token_index).sum(dim=1) == config.num_query_tokens).all()
+    assert inputs["qformer_input_ids"].shape == inputs["qformer_attention_mask"].shape == (sweep.BATCH, sweep.SEQUENCE)
+    # a video Q-Former: (batch, frames, channels, height, width), num_query_tokens per frame
+    model, inputs, _ = sweep.build("instructblipvideo", "InstructBlipVideoModel")
+    frames = inputs["pixel_values"].shape[1]
+    assert inputs["pixel_values"].dim() == 5
+    assert ((inputs["input_ids"] == model.config.video_token_index).sum(dim=1) == frames * model.config.num_query_tokens).all()
+    # Kosmos-2 marks its latent_query_num image positions
+    model, inputs, _ = sweep.build("kosmos-2", "Kosmos2Model")
+    assert (inputs["image_embeds_position_mask"].sum(dim=1) == model.config.latent_query_num).all()
+    assert inputs["image_embeds_position_mask"].shape == inputs["input_ids"].shape
+    # a text-prompted segmenter (optional input_ids, a text_config, no decoder) gets its prompt
+    _, inputs, _ = sweep.build("sam3", "Sam3Model")
+    assert inputs["input_ids"].shape == (sweep.BATCH, sweep.SEQUENCE)
+    # an image-to-text decoder (decoder inputs, no image token) is read from its pixels alone, as before
+    _, inputs, _ = sweep.build("pp_formulanet", "PPFormulaNetForConditionalGeneration")
+    assert "input_ids" not in inputs
+
+
+def test_a_pixel_model_with_its_prompt_exports_with_parity():
+    from onnx_modular import export_modular
+
+    model, inputs, _ = sweep.build("blip-2", "Blip2Model")
+    assert ((inputs["input_ids"] == model.config.image_token_index).sum(dim=1) == model.config.num_query_tokens).all()
+    result = export_modular(model, (), kwargs=inputs)
+    assert result.report.ok, str(result.report)
+
+
+def test_video_models_get_pixel_values_videos():
+    # a forward whose main input is pixel_values_videos: (batch, frames, channels, height, width)
+    model, inputs, _ = sweep.build("vjepa2", "VJEPA2Model")
+    assert inputs["pixel_values_videos"].dim() == 5 and inputs["pixel_values_videos"].shape[1] == 2 * model.config.tubelet_size
+    model, inputs, _ = sweep.build("videoprism", "VideoPrismClipModel")  # frames from the config, and the text
+    assert inputs["pixel_values_videos"].shape[1] == model.config.vision_config.num_frames and "input_ids" in inputs
