@@ -31,6 +31,7 @@ import dataclasses
 import datetime
 import inspect
 import json
+import math
 import multiprocessing
 import os
 import pathlib
@@ -487,9 +488,7 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             shape = (BATCH, frames, bins) if "speech_to_text" in config.model_type else (BATCH, bins, frames)
             inputs["input_features"] = torch.randn(*shape, generator=generator)
     elif main == "input_values":
-        # an x-vector head's time-delay layers need more frames than a quarter second gives
-        samples = 16000 if getattr(config, "tdnn_kernel", None) else 4000
-        inputs["input_values"] = torch.randn(BATCH, samples, generator=generator)
+        inputs.update(_waveform(model, config, generator))
     else:
         # a multiple-choice head reads (batch, choices, sequence)
         shape = (BATCH, 2, SEQUENCE) if type(model).__name__.endswith("ForMultipleChoice") else (BATCH, SEQUENCE)
@@ -512,6 +511,8 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs.update(image_inputs(model, config, inputs["input_ids"], generator))
         if images and "input_features" in parameters and getattr(config, "audio_config", None) is not None and shape == (BATCH, SEQUENCE):
             inputs.update(audio_inputs(model, config, inputs["input_ids"], generator))
+    if "input_values" in _required(model) and "input_values" not in inputs:  # audio beside text (PE Audio)
+        inputs.update(_waveform(model, config, generator))
     if "use_cache" in parameters:  # no cache object in the outputs: torch.export needs its pytree registered
         inputs["use_cache"] = False
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
@@ -526,6 +527,54 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             rows = BATCH * codebooks if isinstance(codebooks, int) and codebooks > 1 else BATCH
             inputs["decoder_input_ids"] = _token_ids(config, (rows, 4), generator)
     return inputs
+
+
+def _waveform(model, config, generator) -> dict[str, Any]:
+    """Raw audio under the forward's name for it: (batch, samples) for a speech encoder; (batch,
+    channels, samples) for a codec, known by its channel count (``audio_channels``, ``channels``)
+    or its stride ratios (EnCodec, Mimi, DAC), which some codecs' forwards call ``hidden_states``."""
+    import torch
+
+    # an x-vector head's time-delay layers need more frames than a quarter second gives
+    samples = 16000 if getattr(config, "tdnn_kernel", None) else 4000
+    channels, strides = _codec(config.to_dict())
+    parameters, required = _forward_parameters(model), _required(model)
+    name = "hidden_states" if "input_values" not in parameters and "hidden_states" in required else "input_values"
+    if channels is None and not strides:
+        return {name: torch.randn(BATCH, samples, generator=generator)}
+    out = {name: torch.randn(BATCH, channels or 1, samples, generator=generator)}
+    stacked = _find(config.to_dict(), "feature_projection_input_dim")
+    ratios = getattr(config, "downsampling_ratios", None)
+    if "input_features" in required and isinstance(stacked, int) and isinstance(ratios, (list, tuple)):
+        # a codec with a semantic (w2v-BERT) encoder beside its acoustic one (XCodec2): stacked
+        # features of one frame per acoustic frame, so both encoders' frames line up
+        hop = math.prod(ratios)
+        frames = max(1, samples // hop)
+        out[name] = torch.randn(BATCH, channels or 1, frames * hop, generator=generator)
+        out["input_features"] = torch.randn(BATCH, frames, stacked, generator=generator)
+    return out
+
+
+def _find(values: dict[str, Any], key: str) -> Any:
+    """The value of ``key`` in a config's dict or the first sub-config that has it."""
+    if key in values:
+        return values[key]
+    return next((found for v in values.values() if isinstance(v, dict) and (found := _find(v, key)) is not None), None)
+
+
+def _codec(values: dict[str, Any]) -> tuple[int | None, bool]:
+    """(channel count, whether stride ratios are given) of a config or its nearest codec sub-config
+    (PE Audio's encoder wraps a DAC's)."""
+    channels = next((values[k] for k in ("audio_channels", "channels") if isinstance(values.get(k), int)), None)
+    strides = any(isinstance(values.get(k), (list, tuple)) for k in ("downsampling_ratios", "upsampling_ratios"))
+    if channels is not None or strides:
+        return channels, strides
+    for value in values.values():
+        if isinstance(value, dict) and value.get("model_type"):
+            found = _codec(value)
+            if found != (None, False):
+                return found
+    return None, False
 
 
 def _required(model) -> set[str]:

@@ -318,3 +318,33 @@ def test_video_models_get_pixel_values_videos():
     assert inputs["pixel_values_videos"].dim() == 5 and inputs["pixel_values_videos"].shape[1] == 2 * model.config.tubelet_size
     model, inputs, _ = sweep.build("videoprism", "VideoPrismClipModel")  # frames from the config, and the text
     assert inputs["pixel_values_videos"].shape[1] == model.config.vision_config.num_frames and "input_ids" in inputs
+
+
+def test_codecs_get_a_waveform_with_its_channels():
+    # a codec (a channel count or stride ratios in its config) reads (batch, channels, samples)
+    model, inputs, _ = sweep.build("encodec", "EncodecModel")
+    assert inputs["input_values"].shape == (sweep.BATCH, model.config.audio_channels, 4000)
+    _, inputs, _ = sweep.build("vibevoice_acoustic_tokenizer_encoder", "VibeVoiceAcousticTokenizerEncoderModel")
+    assert inputs["hidden_states"].dim() == 3  # its forward's name for the waveform
+    # a speech encoder keeps (batch, samples)
+    _, inputs, _ = sweep.build("wav2vec2", "Wav2Vec2Model")
+    assert inputs["input_values"].dim() == 2
+    # a required waveform beside text, its codec found in a sub-config (PE Audio wraps a DAC)
+    _, inputs, _ = sweep.build("pe_audio", "PeAudioModel")
+    assert inputs["input_ids"].shape == (sweep.BATCH, sweep.SEQUENCE) and inputs["input_values"].shape[:2] == (sweep.BATCH, 1)
+    # a codec with a semantic encoder: one stacked feature frame per acoustic frame
+    config = sweep.tiny_config("xcodec2")
+    with torch_device("meta"):
+        model = transformers.Xcodec2Model._from_config(config)
+    inputs = sweep.make_inputs(model, config)
+    hop = 1
+    for ratio in config.downsampling_ratios:
+        hop *= ratio
+    assert inputs["input_values"].shape[-1] == hop * inputs["input_features"].shape[1]
+    assert inputs["input_features"].shape[-1] == config.semantic_model_config.feature_projection_input_dim
+
+
+def torch_device(name):
+    import torch
+
+    return torch.device(name)
