@@ -483,10 +483,17 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs["input_features"] = torch.randn(BATCH, bins, 2 * config.max_source_positions, generator=generator)
         elif isinstance(stacked, int):
             inputs["input_features"] = torch.randn(BATCH, 64, stacked, generator=generator)
+        elif isinstance(getattr(config, "num_stacked_frames", None), int):  # low-frame-rate stacking (FunASR): (batch, frames, k x bins)
+            inputs["input_features"] = torch.randn(BATCH, 16, bins * config.num_stacked_frames, generator=generator)
         else:
-            frames = 64
+            window = getattr(config, "n_window", None)  # a windowed encoder (Qwen3-ASR) reads whole windows of 2 x n_window frames
+            frames = 2 * window if isinstance(window, int) and window > 0 else 64
             shape = (BATCH, frames, bins) if "speech_to_text" in config.model_type else (BATCH, bins, frames)
             inputs["input_features"] = torch.randn(*shape, generator=generator)
+        if "input_features_mask" in parameters:  # every frame valid, as an extractor gives unpadded audio
+            features = inputs["input_features"]
+            frames = features.shape[-1] if features.shape[1] == bins else features.shape[1]
+            inputs["input_features_mask"] = torch.ones(BATCH, frames, dtype=torch.long)
     elif main == "input_values":
         inputs.update(_waveform(model, config, generator))
     else:

@@ -348,3 +348,17 @@ def torch_device(name):
     import torch
 
     return torch.device(name)
+
+
+def test_speech_encoders_get_their_frames_and_mask():
+    # a forward that takes input_features_mask gets every frame valid, over the features' frames
+    model, inputs, _ = sweep.build("audioflamingo3_encoder", "AudioFlamingo3Encoder")
+    assert inputs["input_features_mask"].shape == (sweep.BATCH, inputs["input_features"].shape[-1])
+    # low-frame-rate stacking: (batch, frames, k x bins)
+    model, inputs, _ = sweep.build("fun_asr_nano_encoder", "FunAsrNanoEncoder")
+    config = model.config
+    assert inputs["input_features"].shape[-1] == config.num_mel_bins * config.num_stacked_frames
+    assert inputs["input_features_mask"].shape == inputs["input_features"].shape[:2]
+    # a windowed encoder reads whole windows of 2 x n_window frames
+    model, inputs, _ = sweep.build("qwen3_asr_encoder", "Qwen3ASREncoder")
+    assert inputs["input_features"].shape[-1] % (2 * model.config.n_window) == 0
