@@ -459,8 +459,17 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs["merge_sizes"] = torch.tensor([getattr(config, "spatial_merge_size", None) or 1] * BATCH)
     elif main == "past_values" or "past_values" in parameters:  # a time-series model: (batch, context, channels)
         length = getattr(config, "context_length", None) or 32
-        channels = getattr(config, "num_input_channels", None) or 1
-        inputs["past_values"] = torch.randn(BATCH, length, channels, generator=generator)
+        channels = getattr(config, "num_input_channels", None)
+        patch = getattr(config, "patch_length", None)
+        if channels is None and isinstance(patch, int):
+            # a univariate patched forecaster (TimesFM): (batch, whole patches), their padding flags and frequency
+            inputs["past_values"] = torch.randn(BATCH, 4 * patch, generator=generator)
+            if "past_values_padding" in parameters:
+                inputs["past_values_padding"] = torch.zeros(BATCH, 4 * patch, dtype=torch.long)
+            if "freq" in parameters:
+                inputs["freq"] = torch.zeros(BATCH, 1, dtype=torch.long)
+        else:
+            inputs["past_values"] = torch.randn(BATCH, length, channels or 1, generator=generator)
     elif main in ("pixel_values", "pixel_values_videos") or ("pixel_values" in parameters and "input_ids" not in parameters):
         vision = getattr(config, "vision_config", None) or config
         height, width = _image_size(vision)
@@ -474,6 +483,10 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         else:
             inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
         inputs.update(_text_beside_pixels(model, config, dict(inputs), generator))
+        if "task_inputs" in _required(model):  # OneFormer's task prompt, tokenized to its task_seq_len
+            vocab = getattr(config, "text_encoder_vocab_size", None) or 100
+            length = getattr(config, "task_seq_len", None) or SEQUENCE
+            inputs["task_inputs"] = torch.randint(3, min(vocab, 100), (BATCH, length), generator=generator)
     elif main == "input_features":
         bins = next((getattr(part, key) for part in (config, getattr(config, "encoder_config", None), getattr(config, "audio_config", None))
                      for key in ("num_mel_bins", "feature_size") if isinstance(getattr(part, key, None), int)), 80)  # an ASR model's encoder's
@@ -510,10 +523,23 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs["attention_mask"] = torch.ones(*shape, dtype=torch.long)
         image_tokens = [k for k in config.to_dict() if k.startswith(("image_token", "video_token"))]
         vision = getattr(config, "vision_config", None)
+        if "pixel_values" in parameters and vision is None and isinstance(getattr(config, "modality_type_vocab_size", None), int):
+            vision = config  # a single-stream model embedding text and image patches together (ViLT)
         if "pixel_values" in parameters and vision is not None and not image_tokens:  # dual encoders (CLIP)
             height, width = _image_size(vision)
             channels = getattr(vision, "num_channels", 3) or 3
             inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
+        if "visual_feats" in parameters and isinstance(getattr(config, "visual_feat_dim", None), int):
+            # a two-stream model over detected regions (LXMERT): a detector's region features and boxes
+            regions = 4
+            inputs["visual_feats"] = torch.randn(BATCH, regions, config.visual_feat_dim, generator=generator)
+            corner = torch.rand(BATCH, regions, 2, generator=generator) / 2
+            inputs["visual_pos"] = torch.cat([corner, corner + 0.5], dim=-1)[..., : getattr(config, "visual_pos_dim", 4)]
+        if "global_attention_mask" in parameters and type(model).__name__.endswith(("ForQuestionAnswering", "ForMultipleChoice")):
+            # Longformer's question-answering heads look for separator tokens to put global attention on the
+            # question; what a pipeline does instead: global attention on the first token
+            inputs["global_attention_mask"] = torch.zeros(*shape, dtype=torch.long)
+            inputs["global_attention_mask"][..., 0] = 1
         elif images and "pixel_values" in parameters and vision is not None and shape == (BATCH, SEQUENCE):
             inputs.update(image_inputs(model, config, inputs["input_ids"], generator))
         if images and "input_features" in parameters and getattr(config, "audio_config", None) is not None and shape == (BATCH, SEQUENCE):

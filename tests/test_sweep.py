@@ -362,3 +362,25 @@ def test_speech_encoders_get_their_frames_and_mask():
     # a windowed encoder reads whole windows of 2 x n_window frames
     model, inputs, _ = sweep.build("qwen3_asr_encoder", "Qwen3ASREncoder")
     assert inputs["input_features"].shape[-1] % (2 * model.config.n_window) == 0
+
+
+def test_region_task_and_single_stream_inputs():
+    # a two-stream model over detected regions: region features of visual_feat_dim and boxes in 0..1
+    model, inputs, _ = sweep.build("lxmert", "LxmertModel")
+    assert inputs["visual_feats"].shape[-1] == model.config.visual_feat_dim
+    boxes = inputs["visual_pos"]
+    assert boxes.shape[-1] == model.config.visual_pos_dim and (boxes[..., 2:] > boxes[..., :2]).all() and boxes.max() <= 1
+    # a single-stream text and image model (modality type embeddings, no vision sub-config) gets pixels
+    model, inputs, _ = sweep.build("vilt", "ViltForQuestionAnswering")
+    assert inputs["pixel_values"].shape[1:] == (model.config.num_channels, model.config.image_size, model.config.image_size)
+    # OneFormer's task prompt, task_seq_len tokens
+    model, inputs, _ = sweep.build("oneformer", "OneFormerModel")
+    assert inputs["task_inputs"].shape == (sweep.BATCH, model.config.task_seq_len)
+    # Longformer's question-answering heads: global attention on the first token, as a pipeline gives
+    _, inputs, _ = sweep.build("longformer", "LongformerForMultipleChoice")
+    mask = inputs["global_attention_mask"]
+    assert mask.shape == inputs["input_ids"].shape and (mask[..., 0] == 1).all() and int(mask.sum()) == sweep.BATCH * 2
+    # a univariate patched forecaster: whole patches, padding flags, a frequency
+    model, inputs, _ = sweep.build("timesfm", "TimesFmModel")
+    assert inputs["past_values"].dim() == 2 and inputs["past_values"].shape[1] % model.config.patch_length == 0
+    assert inputs["past_values_padding"].shape == inputs["past_values"].shape and inputs["freq"].shape[0] == sweep.BATCH
