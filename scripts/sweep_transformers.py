@@ -477,7 +477,12 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         frames = getattr(vision, "num_frames", None) or getattr(config, "num_frames", None)
         # a video model by its input's name or by a video token in its text (InstructBLIP-Video)
         video = main == "pixel_values_videos" or any(k.startswith("video_token") for k in config.to_dict())
-        if video or (isinstance(frames, int) and frames > 0):  # a video model reads (batch, frames, channels, height, width)
+        required = _required(model)
+        if required & {"spatial_shapes", "pixel_position_ids", "aspect_ratio_ids"}:
+            inputs.update(_patch_inputs(model, vision, generator))
+        elif type(model).__name__.endswith("ForKeypointMatching"):  # a pair of images to match per row
+            inputs["pixel_values"] = torch.randn(BATCH, 2, channels, height, width, generator=generator)
+        elif video or (isinstance(frames, int) and frames > 0):  # a video model reads (batch, frames, channels, height, width)
             frames = frames if isinstance(frames, int) and frames > 0 else 2 * (getattr(vision, "tubelet_size", None) or 1)
             inputs[main if video else "pixel_values"] = torch.randn(BATCH, frames, channels, height, width, generator=generator)
         else:
@@ -608,6 +613,39 @@ def _codec(values: dict[str, Any]) -> tuple[int | None, bool]:
             if found != (None, False):
                 return found
     return None, False
+
+
+def _patch_inputs(model, vision, generator) -> dict[str, Any]:
+    """Pixels as processors that cut images into patches or tiles give them: a 4 x 4 grid of
+    flattened patches with its ``spatial_shapes`` and ``pixel_attention_mask`` (SigLIP 2's NaFlex);
+    a grid of whole pooling windows with each patch's (x, y) in ``pixel_position_ids`` (Gemma 4);
+    one tile of one image with its ``aspect_ratio_ids`` (1: the 1 x 1 ratio) and ``aspect_ratio_mask`` (Mllama)."""
+    import torch
+
+    required = _required(model)
+    channels = getattr(vision, "num_channels", None) or 3
+    patch = getattr(vision, "patch_size", None) or 16
+    if "aspect_ratio_ids" in required:
+        tiles = getattr(vision, "max_num_tiles", None) or 1
+        size = getattr(vision, "image_size", None) or 32
+        mask = torch.zeros(BATCH, 1, tiles, dtype=torch.long)
+        mask[..., 0] = 1
+        return {
+            "pixel_values": torch.randn(BATCH, 1, tiles, channels, size, size, generator=generator),
+            "aspect_ratio_ids": torch.ones(BATCH, 1, dtype=torch.long),
+            "aspect_ratio_mask": mask,
+        }
+    side = 2 * (getattr(vision, "pooling_kernel_size", None) or 2)
+    pixels = torch.randn(BATCH, side * side, channels * patch * patch, generator=generator)
+    if "pixel_position_ids" in required:
+        rows, columns = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+        positions = torch.stack([columns.flatten(), rows.flatten()], dim=-1)
+        return {"pixel_values": pixels, "pixel_position_ids": positions.expand(BATCH, -1, -1).clone()}
+    return {
+        "pixel_values": pixels,
+        "pixel_attention_mask": torch.ones(BATCH, side * side, dtype=torch.long),
+        "spatial_shapes": torch.tensor([[side, side]] * BATCH),
+    }
 
 
 def _required(model) -> set[str]:

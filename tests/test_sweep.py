@@ -384,3 +384,20 @@ def test_region_task_and_single_stream_inputs():
     model, inputs, _ = sweep.build("timesfm", "TimesFmModel")
     assert inputs["past_values"].dim() == 2 and inputs["past_values"].shape[1] % model.config.patch_length == 0
     assert inputs["past_values_padding"].shape == inputs["past_values"].shape and inputs["freq"].shape[0] == sweep.BATCH
+
+
+def test_patched_towers_and_image_pairs():
+    # SigLIP 2's NaFlex tower: flattened patches, their grid and which are valid
+    model, inputs, _ = sweep.build("siglip2_vision_model", "Siglip2VisionModel")
+    config = model.config
+    patches = int(inputs["spatial_shapes"][0].prod())
+    assert inputs["pixel_values"].shape == (sweep.BATCH, patches, config.num_channels * config.patch_size**2)
+    assert inputs["pixel_attention_mask"].shape == (sweep.BATCH, patches)
+    # Gemma 4's tower: whole pooling windows of patches, each with its (x, y)
+    model, inputs, _ = sweep.build("gemma4_vision", "Gemma4VisionModel")
+    positions = inputs["pixel_position_ids"]
+    assert positions.shape == (*inputs["pixel_values"].shape[:2], 2) and positions.shape[1] % model.config.pooling_kernel_size**2 == 0
+    assert len({tuple(p) for p in positions[0].tolist()}) == positions.shape[1]  # every patch its own place
+    # a keypoint matcher reads a pair of images per row
+    _, inputs, _ = sweep.build("superglue", "SuperGlueForKeypointMatching")
+    assert inputs["pixel_values"].shape[:2] == (sweep.BATCH, 2) and inputs["pixel_values"].dim() == 5
