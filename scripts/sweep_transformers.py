@@ -514,6 +514,17 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs["input_features_mask"] = torch.ones(BATCH, frames, dtype=torch.long)
     elif main == "input_values":
         inputs.update(_waveform(model, config, generator))
+    elif main == "audio_mel":  # Gemma 3n's audio tower: (batch, frames, bins) log-mel and its padding mask (True: padded)
+        bins = getattr(config, "input_feat_size", None) or 128
+        inputs["audio_mel"] = torch.randn(BATCH, 64, bins, generator=generator)
+        inputs["audio_mel_mask"] = torch.zeros(BATCH, 64, dtype=torch.bool)
+    elif main == "inputs" and "input_ids" not in parameters:  # a forward whose input is generic (`inputs`)
+        encoder = getattr(model, "encoder", None)
+        if isinstance(encoder, torch.nn.Module) and getattr(config, "encoder", None) is not None:
+            # a composite speech encoder-decoder: its encoder's inputs, under their own names
+            inputs.update({k: v for k, v in make_inputs(encoder, config.encoder).items() if hasattr(v, "shape")})
+        elif isinstance(getattr(config, "d_model", None), int):  # Perceiver without a preprocessor: embeddings
+            inputs["inputs"] = torch.randn(BATCH, SEQUENCE, config.d_model, generator=generator)
     else:
         # a multiple-choice head reads (batch, choices, sequence)
         shape = (BATCH, 2, SEQUENCE) if type(model).__name__.endswith("ForMultipleChoice") else (BATCH, SEQUENCE)

@@ -401,3 +401,17 @@ def test_patched_towers_and_image_pairs():
     # a keypoint matcher reads a pair of images per row
     _, inputs, _ = sweep.build("superglue", "SuperGlueForKeypointMatching")
     assert inputs["pixel_values"].shape[:2] == (sweep.BATCH, 2) and inputs["pixel_values"].dim() == 5
+
+
+def test_generic_inputs_and_audio_towers():
+    # a composite speech encoder-decoder takes its encoder's inputs under their own names
+    model, inputs, _ = sweep.build("speech-encoder-decoder", "SpeechEncoderDecoderModel")
+    assert model.main_input_name == "inputs" and inputs["input_values"].dim() == 2 and "decoder_input_ids" in inputs
+    # Perceiver without a preprocessor reads embeddings of its d_model
+    model, inputs, _ = sweep.build("perceiver", "PerceiverModel")
+    assert inputs["inputs"].shape == (sweep.BATCH, sweep.SEQUENCE, model.config.d_model)
+    _, inputs, _ = sweep.build("perceiver", "PerceiverForMaskedLM")  # a head with token ids keeps them
+    assert "input_ids" in inputs and "inputs" not in inputs
+    # Gemma 3n's audio tower: log-mel frames and their padding mask
+    model, inputs, _ = sweep.build("gemma3n_audio", "Gemma3nAudioEncoder")
+    assert inputs["audio_mel"].shape[-1] == model.config.input_feat_size and not inputs["audio_mel_mask"].any()
