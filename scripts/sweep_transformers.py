@@ -488,6 +488,12 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         else:
             inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
         inputs.update(_text_beside_pixels(model, config, dict(inputs), generator))
+        prompts = sorted(required & {"prompt_pixel_values", "prompt_masks"})
+        if prompts and "pixel_values" in inputs:
+            # SegGPT: an example image and its mask, stacked above the input to fill image_size
+            inputs["pixel_values"] = inputs["pixel_values"][..., : height // 2, :].contiguous()
+            for name in prompts:
+                inputs[name] = torch.randn(inputs["pixel_values"].shape, generator=generator)
         if "task_inputs" in _required(model):  # OneFormer's task prompt, tokenized to its task_seq_len
             vocab = getattr(config, "text_encoder_vocab_size", None) or 100
             length = getattr(config, "task_seq_len", None) or SEQUENCE
@@ -514,6 +520,15 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs["input_features_mask"] = torch.ones(BATCH, frames, dtype=torch.long)
     elif main == "input_values":
         inputs.update(_waveform(model, config, generator))
+    elif main == "flattened_patches":
+        # Pix2Struct's processor: patches flattened with their (row, column), 1-based, first
+        vision = getattr(config, "vision_config", None) or config
+        width = getattr(vision, "patch_embed_hidden_size", None) or 3 * 16 * 16
+        rows, columns = torch.meshgrid(torch.arange(1, 5), torch.arange(1, 5), indexing="ij")
+        places = torch.stack([rows.flatten(), columns.flatten()], dim=-1).float().expand(BATCH, -1, -1)
+        inputs["flattened_patches"] = torch.cat([places, torch.randn(BATCH, 16, width, generator=generator)], dim=-1)
+        if "attention_mask" in parameters:
+            inputs["attention_mask"] = torch.ones(BATCH, 16, dtype=torch.long)
     elif main == "audio_mel":  # Gemma 3n's audio tower: (batch, frames, bins) log-mel and its padding mask (True: padded)
         bins = getattr(config, "input_feat_size", None) or 128
         inputs["audio_mel"] = torch.randn(BATCH, 64, bins, generator=generator)

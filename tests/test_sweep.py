@@ -415,3 +415,19 @@ def test_generic_inputs_and_audio_towers():
     # Gemma 3n's audio tower: log-mel frames and their padding mask
     model, inputs, _ = sweep.build("gemma3n_audio", "Gemma3nAudioEncoder")
     assert inputs["audio_mel"].shape[-1] == model.config.input_feat_size and not inputs["audio_mel_mask"].any()
+
+
+def test_flattened_patches_and_prompt_images():
+    # Pix2Struct's flattened patches: (row, column) from 1, then the patch's pixels
+    config = sweep.tiny_config("pix2struct")
+    with torch_device("meta"):
+        model = transformers.Pix2StructForConditionalGeneration._from_config(config)
+    inputs = sweep.make_inputs(model, config)
+    patches = inputs["flattened_patches"]
+    assert patches.shape[-1] == 2 + config.vision_config.patch_embed_hidden_size and patches[..., :2].min() == 1
+    assert inputs["attention_mask"].shape == patches.shape[:2]
+    # SegGPT: an example image and its mask of the input's shape, the three filling its image_size
+    model, inputs, _ = sweep.build("seggpt", "SegGptModel")
+    height, width = model.config.image_size
+    assert inputs["pixel_values"].shape[-2:] == inputs["prompt_masks"].shape[-2:] == (height // 2, width)
+    assert inputs["prompt_pixel_values"].shape == inputs["pixel_values"].shape
