@@ -529,6 +529,11 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         inputs["flattened_patches"] = torch.cat([places, torch.randn(BATCH, 16, width, generator=generator)], dim=-1)
         if "attention_mask" in parameters:
             inputs["attention_mask"] = torch.ones(BATCH, 16, dtype=torch.long)
+    elif isinstance(main, str) and main.endswith("_embeds") and "input_ids" not in parameters and isinstance(getattr(config, "hidden_size", None), int):
+        # a forward reading embeddings another model made (Nemotron's word timestamps over audio frames)
+        inputs[main] = torch.randn(BATCH, SEQUENCE, config.hidden_size, generator=generator)
+        if "attention_mask" in parameters:
+            inputs["attention_mask"] = torch.ones(BATCH, SEQUENCE, dtype=torch.long)
     elif main == "audio_mel":  # Gemma 3n's audio tower: (batch, frames, bins) log-mel and its padding mask (True: padded)
         bins = getattr(config, "input_feat_size", None) or 128
         inputs["audio_mel"] = torch.randn(BATCH, 64, bins, generator=generator)
@@ -559,7 +564,11 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         if "pixel_values" in parameters and vision is not None and not image_tokens:  # dual encoders (CLIP)
             height, width = _image_size(vision)
             channels = getattr(vision, "num_channels", 3) or 3
-            inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
+            frames = getattr(vision, "num_frames", None)
+            if isinstance(frames, int) and frames > 0:  # a video-text dual encoder (X-CLIP): (batch, frames, channels, h, w)
+                inputs["pixel_values"] = torch.randn(BATCH, frames, channels, height, width, generator=generator)
+            else:
+                inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
         if "visual_feats" in parameters and isinstance(getattr(config, "visual_feat_dim", None), int):
             # a two-stream model over detected regions (LXMERT): a detector's region features and boxes
             regions = 4
@@ -575,6 +584,14 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs.update(image_inputs(model, config, inputs["input_ids"], generator))
         if images and "input_features" in parameters and getattr(config, "audio_config", None) is not None and shape == (BATCH, SEQUENCE):
             inputs.update(audio_inputs(model, config, inputs["input_ids"], generator))
+    width = getattr(config, "hidden_size", None)
+    for name in sorted(_required(model) - set(inputs)):
+        if name.endswith("_embeds") and isinstance(width, int):
+            # embeddings a caller computes (a Q-Former's queries): (batch, sequence, hidden)
+            inputs[name] = torch.randn(BATCH, SEQUENCE, width, generator=generator)
+            memory = getattr(config, "encoder_hidden_size", None)
+            if "encoder_hidden_states" in parameters and isinstance(memory, int):  # what its cross-attention reads (an image's)
+                inputs["encoder_hidden_states"] = torch.randn(BATCH, 2 * SEQUENCE, memory, generator=generator)
     if "input_values" in _required(model) and "input_values" not in inputs:  # audio beside text (PE Audio)
         inputs.update(_waveform(model, config, generator))
     if "use_cache" in parameters:  # no cache object in the outputs: torch.export needs its pytree registered

@@ -431,3 +431,16 @@ def test_flattened_patches_and_prompt_images():
     height, width = model.config.image_size
     assert inputs["pixel_values"].shape[-2:] == inputs["prompt_masks"].shape[-2:] == (height // 2, width)
     assert inputs["prompt_pixel_values"].shape == inputs["pixel_values"].shape
+
+
+def test_embeddings_a_caller_computes_and_video_text_pairs():
+    # a required *_embeds gets (batch, sequence, hidden), with what a cross-attention reads
+    model, inputs, _ = sweep.build("blip_2_qformer", "Blip2QFormerModel")
+    assert inputs["query_embeds"].shape == (sweep.BATCH, sweep.SEQUENCE, model.config.hidden_size)
+    assert inputs["encoder_hidden_states"].shape[-1] == model.config.encoder_hidden_size
+    # a forward whose main input is embeddings gets them, and no token ids it would not read
+    model, inputs, _ = sweep.build("nemotron3_5_transcribe_word_timestamp", "Nemotron3_5TranscribeWordTimestampModel")
+    assert set(inputs) == {"inputs_embeds", "attention_mask"}
+    # a video-text dual encoder: frames from its vision config
+    model, inputs, _ = sweep.build("xclip", "XCLIPModel")
+    assert inputs["pixel_values"].shape[:2] == (sweep.BATCH, model.config.vision_config.num_frames) and "input_ids" in inputs
