@@ -940,6 +940,9 @@ def _build(model_type: str, class_name: str, tier: str):
         for part in (config, getattr(config, "text_config", None)):
             if part is not None and getattr(part, "pad_token_id", 0) is None:
                 part.pad_token_id = 0
+    qformer = getattr(config, "qformer_config", None)
+    if class_name.endswith("ForImageTextRetrieval") and getattr(qformer, "use_qformer_text_input", None) is False:
+        qformer.use_qformer_text_input = True  # the head reads its text through the Q-Former's text layers (BLIP-2's ITM checkpoint)
     if tier != "tiny":
         count = _parameter_count(model_class, config)
         if count is not None and count > PARAMETER_BUDGET:

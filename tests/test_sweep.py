@@ -444,3 +444,9 @@ def test_embeddings_a_caller_computes_and_video_text_pairs():
     # a video-text dual encoder: frames from its vision config
     model, inputs, _ = sweep.build("xclip", "XCLIPModel")
     assert inputs["pixel_values"].shape[:2] == (sweep.BATCH, model.config.vision_config.num_frames) and "input_ids" in inputs
+
+
+def test_an_image_text_retrieval_head_reads_text_through_its_qformer():
+    model, inputs, expected = sweep.build("blip-2", "Blip2ForImageTextRetrieval")
+    assert model.config.qformer_config.use_qformer_text_input and "input_ids" in inputs and expected
+    assert not sweep.tiny_config("blip-2").qformer_config.use_qformer_text_input  # other rows as they were
