@@ -15,9 +15,11 @@ Each architecture gets a configuration shrunk from its default one by the rules 
 with per-architecture :data:`OVERRIDES`; when the model does not run on its inputs at that size,
 the depth alone is shrunk (``shallow``: default widths), then nothing (``default``), within
 :data:`PARAMETER_BUDGET` (the row's ``config`` says which tier built it); random weights (seed 0) and inputs from
-:func:`make_inputs` (token ids, pixels, audio features, patches with their grid, past values by
-the model's forward; a vision- or audio-language model also gets images or audio as its processor
-would give them, with as many image or audio tokens in its text as it makes features). Each row
+:func:`make_inputs` (token ids, pixels, videos, audio features, waveforms, patches with their grid,
+past values by the model's forward; a vision- or audio-language model also gets images or audio as
+its processor would give them, with as many image or audio tokens in its text as it makes
+features; a model read from pixels that takes text gets its prompt; what a forward requires beside
+its main input is given by the parameter's name and the config's keys). Each row
 records the inputs fed and, where both exporters fail, a note naming the cause (:func:`classify`). The children
 are forked from this process after torch and transformers are imported (no import cost per
 child); each has a time limit (``--timeout``) and an address-space limit (``--memory-gb``).
@@ -442,8 +444,11 @@ def _image_size(config) -> tuple[int, int]:
 
 
 def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
-    """Valid example inputs by the model's main input (token ids, pixels, audio, patches with their
-    grid, past values), batch 2; a vision-language model also gets images unless ``images=False``."""
+    """Valid example inputs by the model's main input (token ids, pixels or videos, log-mel features,
+    waveforms, patches with their grid or positions, flattened patches, past values, embeddings),
+    batch 2, and what the forward requires beside it (a pixel model's text prompt, a Q-Former's
+    prompt, region features, a task prompt, feature masks); a vision-language model also gets
+    images unless ``images=False``."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
