@@ -572,6 +572,10 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             frames = getattr(vision, "num_frames", None)
             if isinstance(frames, int) and frames > 0:  # a video-text dual encoder (X-CLIP): (batch, frames, channels, h, w)
                 inputs["pixel_values"] = torch.randn(BATCH, frames, channels, height, width, generator=generator)
+            elif "image_attention_mask" in parameters:
+                # IDEFICS: images per row (one here), and which images each token attends to (all)
+                inputs["pixel_values"] = torch.randn(BATCH, 1, channels, height, width, generator=generator)
+                inputs["image_attention_mask"] = torch.ones(*shape, 1, dtype=torch.long)
             else:
                 inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
         if "visual_feats" in parameters and isinstance(getattr(config, "visual_feat_dim", None), int):

@@ -450,3 +450,10 @@ def test_an_image_text_retrieval_head_reads_text_through_its_qformer():
     model, inputs, expected = sweep.build("blip-2", "Blip2ForImageTextRetrieval")
     assert model.config.qformer_config.use_qformer_text_input and "input_ids" in inputs and expected
     assert not sweep.tiny_config("blip-2").qformer_config.use_qformer_text_input  # other rows as they were
+
+
+def test_interleaved_images_with_their_attention_mask():
+    # IDEFICS: (batch, images, channels, height, width) and which images each token attends to
+    _, inputs, _ = sweep.build("idefics", "IdeficsModel")
+    assert inputs["pixel_values"].dim() == 5 and inputs["pixel_values"].shape[:2] == (sweep.BATCH, 1)
+    assert inputs["image_attention_mask"].shape == (*inputs["input_ids"].shape, 1)
