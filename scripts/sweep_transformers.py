@@ -15,9 +15,11 @@ Each architecture gets a configuration shrunk from its default one by the rules 
 with per-architecture :data:`OVERRIDES`; when the model does not run on its inputs at that size,
 the depth alone is shrunk (``shallow``: default widths), then nothing (``default``), within
 :data:`PARAMETER_BUDGET` (the row's ``config`` says which tier built it); random weights (seed 0) and inputs from
-:func:`make_inputs` (token ids, pixels, audio features, patches with their grid, past values by
-the model's forward; a vision- or audio-language model also gets images or audio as its processor
-would give them, with as many image or audio tokens in its text as it makes features). Each row
+:func:`make_inputs` (token ids, pixels, videos, audio features, waveforms, patches with their grid,
+past values by the model's forward; a vision- or audio-language model also gets images or audio as
+its processor would give them, with as many image or audio tokens in its text as it makes
+features; a model read from pixels that takes text gets its prompt; what a forward requires beside
+its main input is given by the parameter's name and the config's keys). Each row
 records the inputs fed and, where both exporters fail, a note naming the cause (:func:`classify`). The children
 are forked from this process after torch and transformers are imported (no import cost per
 child); each has a time limit (``--timeout``) and an address-space limit (``--memory-gb``).
@@ -31,6 +33,7 @@ import dataclasses
 import datetime
 import inspect
 import json
+import math
 import multiprocessing
 import os
 import pathlib
@@ -105,7 +108,7 @@ _RANK_KEYS = {"kv_lora_rank", "q_lora_rank"}
 
 
 #: ids given to a multimodal token a default config leaves unset (kept out of the random text)
-_FREE_TOKEN_ID = {"audio_token_id": 5, "image_token_id": 6, "video_token_id": 7}
+_FREE_TOKEN_ID = {"audio_token_id": 5, "image_token_id": 6, "video_token_id": 7, "image_token_index": 6, "video_token_index": 7}
 
 
 def _special_ids(values: dict[str, Any]) -> set[int]:
@@ -193,7 +196,7 @@ def _shrunk(
                 out[key] = max(512, max(special, default=0) + 1)
             elif key in _KV_HEAD_KEYS and heads:  # left unset, and a layer divides by it (Nemotron)
                 out[key] = 1
-            elif key in ("audio_token_id", "image_token_id", "video_token_id"):  # left to the checkpoint (Voxtral's audio)
+            elif key in _FREE_TOKEN_ID:  # left to the checkpoint (Voxtral's audio, BLIP-2's image)
                 out[key] = _FREE_TOKEN_ID[key]
             elif key == "default_language" and values.get("languages"):  # X-MOD's adapters need a language
                 out[key] = values["languages"][0]
@@ -452,8 +455,11 @@ def _image_size(config) -> tuple[int, int]:
 
 
 def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
-    """Valid example inputs by the model's main input (token ids, pixels, audio, patches with their
-    grid, past values), batch 2; a vision-language model also gets images unless ``images=False``."""
+    """Valid example inputs by the model's main input (token ids, pixels or videos, log-mel features,
+    waveforms, patches with their grid or positions, flattened patches, past values, embeddings),
+    batch 2, and what the forward requires beside it (a pixel model's text prompt, a Q-Former's
+    prompt, region features, a task prompt, feature masks); a vision-language model also gets
+    images unless ``images=False``."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
@@ -469,17 +475,45 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs["merge_sizes"] = torch.tensor([getattr(config, "spatial_merge_size", None) or 1] * BATCH)
     elif main == "past_values" or "past_values" in parameters:  # a time-series model: (batch, context, channels)
         length = getattr(config, "context_length", None) or 32
-        channels = getattr(config, "num_input_channels", None) or 1
-        inputs["past_values"] = torch.randn(BATCH, length, channels, generator=generator)
-    elif main == "pixel_values" or ("pixel_values" in parameters and "input_ids" not in parameters):
+        channels = getattr(config, "num_input_channels", None)
+        patch = getattr(config, "patch_length", None)
+        if channels is None and isinstance(patch, int):
+            # a univariate patched forecaster (TimesFM): (batch, whole patches), their padding flags and frequency
+            inputs["past_values"] = torch.randn(BATCH, 4 * patch, generator=generator)
+            if "past_values_padding" in parameters:
+                inputs["past_values_padding"] = torch.zeros(BATCH, 4 * patch, dtype=torch.long)
+            if "freq" in parameters:
+                inputs["freq"] = torch.zeros(BATCH, 1, dtype=torch.long)
+        else:
+            inputs["past_values"] = torch.randn(BATCH, length, channels or 1, generator=generator)
+    elif main in ("pixel_values", "pixel_values_videos") or ("pixel_values" in parameters and "input_ids" not in parameters):
         vision = getattr(config, "vision_config", None) or config
         height, width = _image_size(vision)
         channels = getattr(vision, "num_channels", 3) or 3
         frames = getattr(vision, "num_frames", None) or getattr(config, "num_frames", None)
-        if isinstance(frames, int) and frames > 0:  # a video model reads (batch, frames, channels, height, width)
-            inputs["pixel_values"] = torch.randn(BATCH, frames, channels, height, width, generator=generator)
+        # a video model by its input's name or by a video token in its text (InstructBLIP-Video)
+        video = main == "pixel_values_videos" or any(k.startswith("video_token") for k in config.to_dict())
+        required = _required(model)
+        if required & {"spatial_shapes", "pixel_position_ids", "aspect_ratio_ids"}:
+            inputs.update(_patch_inputs(model, vision, generator))
+        elif type(model).__name__.endswith("ForKeypointMatching"):  # a pair of images to match per row
+            inputs["pixel_values"] = torch.randn(BATCH, 2, channels, height, width, generator=generator)
+        elif video or (isinstance(frames, int) and frames > 0):  # a video model reads (batch, frames, channels, height, width)
+            frames = frames if isinstance(frames, int) and frames > 0 else 2 * (getattr(vision, "tubelet_size", None) or 1)
+            inputs[main if video else "pixel_values"] = torch.randn(BATCH, frames, channels, height, width, generator=generator)
         else:
             inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
+        inputs.update(_text_beside_pixels(model, config, dict(inputs), generator))
+        prompts = sorted(required & {"prompt_pixel_values", "prompt_masks"})
+        if prompts and "pixel_values" in inputs:
+            # SegGPT: an example image and its mask, stacked above the input to fill image_size
+            inputs["pixel_values"] = inputs["pixel_values"][..., : height // 2, :].contiguous()
+            for name in prompts:
+                inputs[name] = torch.randn(inputs["pixel_values"].shape, generator=generator)
+        if "task_inputs" in _required(model):  # OneFormer's task prompt, tokenized to its task_seq_len
+            vocab = getattr(config, "text_encoder_vocab_size", None) or 100
+            length = getattr(config, "task_seq_len", None) or SEQUENCE
+            inputs["task_inputs"] = torch.randint(3, min(vocab, 100), (BATCH, length), generator=generator)
     elif main == "input_features":
         bins = next((getattr(part, key) for part in (config, getattr(config, "encoder_config", None), getattr(config, "audio_config", None))
                      for key in ("num_mel_bins", "feature_size") if isinstance(getattr(part, key, None), int)), 80)  # an ASR model's encoder's
@@ -489,14 +523,44 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs["input_features"] = torch.randn(BATCH, bins, 2 * config.max_source_positions, generator=generator)
         elif isinstance(stacked, int):
             inputs["input_features"] = torch.randn(BATCH, 64, stacked, generator=generator)
+        elif isinstance(getattr(config, "num_stacked_frames", None), int):  # low-frame-rate stacking (FunASR): (batch, frames, k x bins)
+            inputs["input_features"] = torch.randn(BATCH, 16, bins * config.num_stacked_frames, generator=generator)
         else:
-            frames = 64
+            window = getattr(config, "n_window", None)  # a windowed encoder (Qwen3-ASR) reads whole windows of 2 x n_window frames
+            frames = 2 * window if isinstance(window, int) and window > 0 else 64
             shape = (BATCH, frames, bins) if "speech_to_text" in config.model_type else (BATCH, bins, frames)
             inputs["input_features"] = torch.randn(*shape, generator=generator)
+        if "input_features_mask" in parameters:  # every frame valid, as an extractor gives unpadded audio
+            features = inputs["input_features"]
+            frames = features.shape[-1] if features.shape[1] == bins else features.shape[1]
+            inputs["input_features_mask"] = torch.ones(BATCH, frames, dtype=torch.long)
     elif main == "input_values":
-        # an x-vector head's time-delay layers need more frames than a quarter second gives
-        samples = 16000 if getattr(config, "tdnn_kernel", None) else 4000
-        inputs["input_values"] = torch.randn(BATCH, samples, generator=generator)
+        inputs.update(_waveform(model, config, generator))
+    elif main == "flattened_patches":
+        # Pix2Struct's processor: patches flattened with their (row, column), 1-based, first
+        vision = getattr(config, "vision_config", None) or config
+        width = getattr(vision, "patch_embed_hidden_size", None) or 3 * 16 * 16
+        rows, columns = torch.meshgrid(torch.arange(1, 5), torch.arange(1, 5), indexing="ij")
+        places = torch.stack([rows.flatten(), columns.flatten()], dim=-1).float().expand(BATCH, -1, -1)
+        inputs["flattened_patches"] = torch.cat([places, torch.randn(BATCH, 16, width, generator=generator)], dim=-1)
+        if "attention_mask" in parameters:
+            inputs["attention_mask"] = torch.ones(BATCH, 16, dtype=torch.long)
+    elif isinstance(main, str) and main.endswith("_embeds") and "input_ids" not in parameters and isinstance(getattr(config, "hidden_size", None), int):
+        # a forward reading embeddings another model made (Nemotron's word timestamps over audio frames)
+        inputs[main] = torch.randn(BATCH, SEQUENCE, config.hidden_size, generator=generator)
+        if "attention_mask" in parameters:
+            inputs["attention_mask"] = torch.ones(BATCH, SEQUENCE, dtype=torch.long)
+    elif main == "audio_mel":  # Gemma 3n's audio tower: (batch, frames, bins) log-mel and its padding mask (True: padded)
+        bins = getattr(config, "input_feat_size", None) or 128
+        inputs["audio_mel"] = torch.randn(BATCH, 64, bins, generator=generator)
+        inputs["audio_mel_mask"] = torch.zeros(BATCH, 64, dtype=torch.bool)
+    elif main == "inputs" and "input_ids" not in parameters:  # a forward whose input is generic (`inputs`)
+        encoder = getattr(model, "encoder", None)
+        if isinstance(encoder, torch.nn.Module) and getattr(config, "encoder", None) is not None:
+            # a composite speech encoder-decoder: its encoder's inputs, under their own names
+            inputs.update({k: v for k, v in make_inputs(encoder, config.encoder).items() if hasattr(v, "shape")})
+        elif isinstance(getattr(config, "d_model", None), int):  # Perceiver without a preprocessor: embeddings
+            inputs["inputs"] = torch.randn(BATCH, SEQUENCE, config.d_model, generator=generator)
     else:
         # a multiple-choice head reads (batch, choices, sequence)
         shape = (BATCH, 2, SEQUENCE) if type(model).__name__.endswith("ForMultipleChoice") else (BATCH, SEQUENCE)
@@ -511,10 +575,31 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs["attention_mask"] = torch.ones(*shape, dtype=torch.long)
         image_tokens = [k for k in config.to_dict() if k.startswith(("image_token", "video_token"))]
         vision = getattr(config, "vision_config", None)
+        if "pixel_values" in parameters and vision is None and isinstance(getattr(config, "modality_type_vocab_size", None), int):
+            vision = config  # a single-stream model embedding text and image patches together (ViLT)
         if "pixel_values" in parameters and vision is not None and not image_tokens:  # dual encoders (CLIP)
             height, width = _image_size(vision)
             channels = getattr(vision, "num_channels", 3) or 3
-            inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
+            frames = getattr(vision, "num_frames", None)
+            if isinstance(frames, int) and frames > 0:  # a video-text dual encoder (X-CLIP): (batch, frames, channels, h, w)
+                inputs["pixel_values"] = torch.randn(BATCH, frames, channels, height, width, generator=generator)
+            elif "image_attention_mask" in parameters:
+                # IDEFICS: images per row (one here), and which images each token attends to (all)
+                inputs["pixel_values"] = torch.randn(BATCH, 1, channels, height, width, generator=generator)
+                inputs["image_attention_mask"] = torch.ones(*shape, 1, dtype=torch.long)
+            else:
+                inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
+        if "visual_feats" in parameters and isinstance(getattr(config, "visual_feat_dim", None), int):
+            # a two-stream model over detected regions (LXMERT): a detector's region features and boxes
+            regions = 4
+            inputs["visual_feats"] = torch.randn(BATCH, regions, config.visual_feat_dim, generator=generator)
+            corner = torch.rand(BATCH, regions, 2, generator=generator) / 2
+            inputs["visual_pos"] = torch.cat([corner, corner + 0.5], dim=-1)[..., : getattr(config, "visual_pos_dim", 4)]
+        if "global_attention_mask" in parameters and type(model).__name__.endswith(("ForQuestionAnswering", "ForMultipleChoice")):
+            # Longformer's question-answering heads look for separator tokens to put global attention on the
+            # question; what a pipeline does instead: global attention on the first token
+            inputs["global_attention_mask"] = torch.zeros(*shape, dtype=torch.long)
+            inputs["global_attention_mask"][..., 0] = 1
         elif images and "pixel_values" in parameters and vision is not None and shape == (BATCH, SEQUENCE):
             inputs.update(image_inputs(model, config, inputs["input_ids"], generator))
         if images and "input_features" in parameters and getattr(config, "audio_config", None) is not None and shape == (BATCH, SEQUENCE):
@@ -524,6 +609,16 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         # random masking (ViT-MAE) draws its noise inside forward unless given: one value per patch,
         # fixed, so PyTorch and both files mask the same patches
         inputs["noise"] = torch.rand(BATCH, patches, generator=generator)
+    width = getattr(config, "hidden_size", None)
+    for name in sorted(_required(model) - set(inputs)):
+        if name.endswith("_embeds") and isinstance(width, int):
+            # embeddings a caller computes (a Q-Former's queries): (batch, sequence, hidden)
+            inputs[name] = torch.randn(BATCH, SEQUENCE, width, generator=generator)
+            memory = getattr(config, "encoder_hidden_size", None)
+            if "encoder_hidden_states" in parameters and isinstance(memory, int):  # what its cross-attention reads (an image's)
+                inputs["encoder_hidden_states"] = torch.randn(BATCH, 2 * SEQUENCE, memory, generator=generator)
+    if "input_values" in _required(model) and "input_values" not in inputs:  # audio beside text (PE Audio)
+        inputs.update(_waveform(model, config, generator))
     if "use_cache" in parameters:  # no cache object in the outputs: torch.export needs its pytree registered
         inputs["use_cache"] = False
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
@@ -538,6 +633,137 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             rows = BATCH * codebooks if isinstance(codebooks, int) and codebooks > 1 else BATCH
             inputs["decoder_input_ids"] = _token_ids(config, (rows, 4), generator)
     return inputs
+
+
+def _waveform(model, config, generator) -> dict[str, Any]:
+    """Raw audio under the forward's name for it: (batch, samples) for a speech encoder; (batch,
+    channels, samples) for a codec, known by its channel count (``audio_channels``, ``channels``)
+    or its stride ratios (EnCodec, Mimi, DAC), which some codecs' forwards call ``hidden_states``."""
+    import torch
+
+    # an x-vector head's time-delay layers need more frames than a quarter second gives
+    samples = 16000 if getattr(config, "tdnn_kernel", None) else 4000
+    channels, strides = _codec(config.to_dict())
+    parameters, required = _forward_parameters(model), _required(model)
+    name = "hidden_states" if "input_values" not in parameters and "hidden_states" in required else "input_values"
+    if channels is None and not strides:
+        return {name: torch.randn(BATCH, samples, generator=generator)}
+    out = {name: torch.randn(BATCH, channels or 1, samples, generator=generator)}
+    stacked = _find(config.to_dict(), "feature_projection_input_dim")
+    ratios = getattr(config, "downsampling_ratios", None)
+    if "input_features" in required and isinstance(stacked, int) and isinstance(ratios, (list, tuple)):
+        # a codec with a semantic (w2v-BERT) encoder beside its acoustic one (XCodec2): stacked
+        # features of one frame per acoustic frame, so both encoders' frames line up
+        hop = math.prod(ratios)
+        frames = max(1, samples // hop)
+        out[name] = torch.randn(BATCH, channels or 1, frames * hop, generator=generator)
+        out["input_features"] = torch.randn(BATCH, frames, stacked, generator=generator)
+    return out
+
+
+def _find(values: dict[str, Any], key: str) -> Any:
+    """The value of ``key`` in a config's dict or the first sub-config that has it."""
+    if key in values:
+        return values[key]
+    return next((found for v in values.values() if isinstance(v, dict) and (found := _find(v, key)) is not None), None)
+
+
+def _codec(values: dict[str, Any]) -> tuple[int | None, bool]:
+    """(channel count, whether stride ratios are given) of a config or its nearest codec sub-config
+    (PE Audio's encoder wraps a DAC's)."""
+    channels = next((values[k] for k in ("audio_channels", "channels") if isinstance(values.get(k), int)), None)
+    strides = any(isinstance(values.get(k), (list, tuple)) for k in ("downsampling_ratios", "upsampling_ratios"))
+    if channels is not None or strides:
+        return channels, strides
+    for value in values.values():
+        if isinstance(value, dict) and value.get("model_type"):
+            found = _codec(value)
+            if found != (None, False):
+                return found
+    return None, False
+
+
+def _patch_inputs(model, vision, generator) -> dict[str, Any]:
+    """Pixels as processors that cut images into patches or tiles give them: a 4 x 4 grid of
+    flattened patches with its ``spatial_shapes`` and ``pixel_attention_mask`` (SigLIP 2's NaFlex);
+    a grid of whole pooling windows with each patch's (x, y) in ``pixel_position_ids`` (Gemma 4);
+    one tile of one image with its ``aspect_ratio_ids`` (1: the 1 x 1 ratio) and ``aspect_ratio_mask`` (Mllama)."""
+    import torch
+
+    required = _required(model)
+    channels = getattr(vision, "num_channels", None) or 3
+    patch = getattr(vision, "patch_size", None) or 16
+    if "aspect_ratio_ids" in required:
+        tiles = getattr(vision, "max_num_tiles", None) or 1
+        size = getattr(vision, "image_size", None) or 32
+        mask = torch.zeros(BATCH, 1, tiles, dtype=torch.long)
+        mask[..., 0] = 1
+        return {
+            "pixel_values": torch.randn(BATCH, 1, tiles, channels, size, size, generator=generator),
+            "aspect_ratio_ids": torch.ones(BATCH, 1, dtype=torch.long),
+            "aspect_ratio_mask": mask,
+        }
+    side = 2 * (getattr(vision, "pooling_kernel_size", None) or 2)
+    pixels = torch.randn(BATCH, side * side, channels * patch * patch, generator=generator)
+    if "pixel_position_ids" in required:
+        rows, columns = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+        positions = torch.stack([columns.flatten(), rows.flatten()], dim=-1)
+        return {"pixel_values": pixels, "pixel_position_ids": positions.expand(BATCH, -1, -1).clone()}
+    return {
+        "pixel_values": pixels,
+        "pixel_attention_mask": torch.ones(BATCH, side * side, dtype=torch.long),
+        "spatial_shapes": torch.tensor([[side, side]] * BATCH),
+    }
+
+
+def _required(model) -> set[str]:
+    """The forward's parameters without a default (what a call must give)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in parameters if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def _text_beside_pixels(model, config, pixels: dict[str, Any], generator) -> dict[str, Any]:
+    """Token ids for a model read from its pixels that takes text too, as its processor gives both:
+    when its forward requires ``input_ids`` (BLIP-2, Grounding DINO, a video-text CLIP), or takes
+    them with a ``text_config`` and either no decoder inputs to feed instead (Kosmos-2 and SAM 3
+    take a text prompt) or an image token to mark where the images go. A Q-Former's image makes
+    ``num_query_tokens`` features (per frame of a video): the text holds that many image tokens
+    (InstructBLIP); the Q-Former's own prompt (``qformer_input_ids``) is given too. Kosmos-2 marks
+    its ``latent_query_num`` image positions with ``image_embeds_position_mask``."""
+    import torch
+
+    parameters, required = _forward_parameters(model), _required(model)
+    text = getattr(config, "text_config", None)
+    token = _image_token(config)
+    token = token if token is not None else getattr(config, "video_token_index", None)
+    if "input_ids" not in required and not (
+        "input_ids" in parameters and text is not None and ("decoder_input_ids" not in parameters or token is not None)
+    ):
+        return {}
+    ids = _token_ids(config, (BATCH, SEQUENCE), generator)
+    out: dict[str, Any] = {"input_ids": ids}
+    queries = getattr(config, "num_query_tokens", None)
+    latent = getattr(config, "latent_query_num", None)
+    frames = next(iter(pixels.values())).shape[1] if next(iter(pixels.values())).dim() == 5 else 1
+    if token is not None and isinstance(queries, int):
+        out = _placeholders(model, ids, token, BATCH * queries * frames) or out
+    elif isinstance(latent, int) and "image_embeds_position_mask" in parameters:
+        # Kosmos-2's processor: <image> latent_query_num placeholders </image> after the first token
+        ids = torch.cat([ids[:, :2], ids[:, 1:2].repeat(1, latent), ids[:, 2:]], dim=1)
+        mask = torch.zeros_like(ids)
+        mask[:, 2 : 2 + latent] = 1
+        out = {"input_ids": ids, "image_embeds_position_mask": mask}
+    if "attention_mask" in parameters:
+        out["attention_mask"] = torch.ones_like(out["input_ids"])
+    qformer = getattr(config, "qformer_config", None)
+    if "qformer_input_ids" in parameters and qformer is not None:
+        out["qformer_input_ids"] = _token_ids(qformer, (BATCH, SEQUENCE), generator)
+        if "qformer_attention_mask" in parameters:
+            out["qformer_attention_mask"] = torch.ones(BATCH, SEQUENCE, dtype=torch.long)
+    return out
 
 
 def _image_token(config) -> int | None:
@@ -739,6 +965,9 @@ def _build(model_type: str, class_name: str, tier: str):
         for part in (config, getattr(config, "text_config", None)):
             if part is not None and getattr(part, "pad_token_id", 0) is None:
                 part.pad_token_id = 0
+    qformer = getattr(config, "qformer_config", None)
+    if class_name.endswith("ForImageTextRetrieval") and getattr(qformer, "use_qformer_text_input", None) is False:
+        qformer.use_qformer_text_input = True  # the head reads its text through the Q-Former's text layers (BLIP-2's ITM checkpoint)
     if tier != "tiny":
         count = _parameter_count(model_class, config)
         if count is not None and count > PARAMETER_BUDGET:

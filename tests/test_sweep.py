@@ -283,6 +283,41 @@ def test_random_masking_gets_its_noise():
     model, inputs, _ = sweep.build("vit_mae", "ViTMAEModel")
     patches = (model.config.image_size // model.config.patch_size) ** 2
     assert inputs["noise"].shape == (sweep.BATCH, patches)
+
+
+def test_pixel_models_that_read_text_get_their_prompt():
+    # a forward that requires input_ids beside pixels gets token ids too (Grounding DINO's caption)
+    model, inputs, _ = sweep.build("grounding-dino", "GroundingDinoModel")
+    assert inputs["input_ids"].shape == (sweep.BATCH, sweep.SEQUENCE) and inputs["pixel_values"].dim() == 4
+    # a Q-Former's image makes num_query_tokens features: the text holds that many image tokens
+    # (left unset by the default config), and the Q-Former gets its own prompt
+    model, inputs, _ = sweep.build("instructblip", "InstructBlipForConditionalGeneration")
+    config = model.config
+    assert sweep.tiny_config("instructblip").image_token_index == 6
+    assert ((inputs["input_ids"] == config.image_token_index).sum(dim=1) == config.num_query_tokens).all()
+    assert inputs["qformer_input_ids"].shape == inputs["qformer_attention_mask"].shape == (sweep.BATCH, sweep.SEQUENCE)
+    # a video Q-Former: (batch, frames, channels, height, width), num_query_tokens per frame
+    model, inputs, _ = sweep.build("instructblipvideo", "InstructBlipVideoModel")
+    frames = inputs["pixel_values"].shape[1]
+    assert inputs["pixel_values"].dim() == 5
+    assert ((inputs["input_ids"] == model.config.video_token_index).sum(dim=1) == frames * model.config.num_query_tokens).all()
+    # Kosmos-2 marks its latent_query_num image positions
+    model, inputs, _ = sweep.build("kosmos-2", "Kosmos2Model")
+    assert (inputs["image_embeds_position_mask"].sum(dim=1) == model.config.latent_query_num).all()
+    assert inputs["image_embeds_position_mask"].shape == inputs["input_ids"].shape
+    # a text-prompted segmenter (optional input_ids, a text_config, no decoder) gets its prompt
+    _, inputs, _ = sweep.build("sam3", "Sam3Model")
+    assert inputs["input_ids"].shape == (sweep.BATCH, sweep.SEQUENCE)
+    # an image-to-text decoder (decoder inputs, no image token) is read from its pixels alone, as before
+    _, inputs, _ = sweep.build("pp_formulanet", "PPFormulaNetForConditionalGeneration")
+    assert "input_ids" not in inputs
+
+
+def test_a_pixel_model_with_its_prompt_exports_with_parity():
+    from onnx_modular import export_modular
+
+    model, inputs, _ = sweep.build("blip-2", "Blip2Model")
+    assert ((inputs["input_ids"] == model.config.image_token_index).sum(dim=1) == model.config.num_query_tokens).all()
     result = export_modular(model, (), kwargs=inputs)
     assert result.report.ok, str(result.report)
 
@@ -302,3 +337,150 @@ def test_key_heads_stay_all_heads_where_values_have_all_heads():
     assert tier == "tiny" and attention.k_proj.out_features == attention.v_proj.out_features
     result = export_modular(model, (), kwargs=inputs)
     assert result.report.ok, str(result.report)
+
+
+def test_video_models_get_pixel_values_videos():
+    # a forward whose main input is pixel_values_videos: (batch, frames, channels, height, width)
+    model, inputs, _ = sweep.build("vjepa2", "VJEPA2Model")
+    assert inputs["pixel_values_videos"].dim() == 5 and inputs["pixel_values_videos"].shape[1] == 2 * model.config.tubelet_size
+    model, inputs, _ = sweep.build("videoprism", "VideoPrismClipModel")  # frames from the config, and the text
+    assert inputs["pixel_values_videos"].shape[1] == model.config.vision_config.num_frames and "input_ids" in inputs
+
+
+def test_codecs_get_a_waveform_with_its_channels():
+    # a codec (a channel count or stride ratios in its config) reads (batch, channels, samples)
+    model, inputs, _ = sweep.build("encodec", "EncodecModel")
+    assert inputs["input_values"].shape == (sweep.BATCH, model.config.audio_channels, 4000)
+    _, inputs, _ = sweep.build("vibevoice_acoustic_tokenizer_encoder", "VibeVoiceAcousticTokenizerEncoderModel")
+    assert inputs["hidden_states"].dim() == 3  # its forward's name for the waveform
+    # a speech encoder keeps (batch, samples)
+    _, inputs, _ = sweep.build("wav2vec2", "Wav2Vec2Model")
+    assert inputs["input_values"].dim() == 2
+    # a required waveform beside text, its codec found in a sub-config (PE Audio wraps a DAC)
+    _, inputs, _ = sweep.build("pe_audio", "PeAudioModel")
+    assert inputs["input_ids"].shape == (sweep.BATCH, sweep.SEQUENCE) and inputs["input_values"].shape[:2] == (sweep.BATCH, 1)
+    # a codec with a semantic encoder: one stacked feature frame per acoustic frame
+    config = sweep.tiny_config("xcodec2")
+    with torch_device("meta"):
+        model = transformers.Xcodec2Model._from_config(config)
+    inputs = sweep.make_inputs(model, config)
+    hop = 1
+    for ratio in config.downsampling_ratios:
+        hop *= ratio
+    assert inputs["input_values"].shape[-1] == hop * inputs["input_features"].shape[1]
+    assert inputs["input_features"].shape[-1] == config.semantic_model_config.feature_projection_input_dim
+
+
+def torch_device(name):
+    import torch
+
+    return torch.device(name)
+
+
+def test_speech_encoders_get_their_frames_and_mask():
+    # a forward that takes input_features_mask gets every frame valid, over the features' frames
+    model, inputs, _ = sweep.build("audioflamingo3_encoder", "AudioFlamingo3Encoder")
+    assert inputs["input_features_mask"].shape == (sweep.BATCH, inputs["input_features"].shape[-1])
+    # low-frame-rate stacking: (batch, frames, k x bins)
+    model, inputs, _ = sweep.build("fun_asr_nano_encoder", "FunAsrNanoEncoder")
+    config = model.config
+    assert inputs["input_features"].shape[-1] == config.num_mel_bins * config.num_stacked_frames
+    assert inputs["input_features_mask"].shape == inputs["input_features"].shape[:2]
+    # a windowed encoder reads whole windows of 2 x n_window frames
+    model, inputs, _ = sweep.build("qwen3_asr_encoder", "Qwen3ASREncoder")
+    assert inputs["input_features"].shape[-1] % (2 * model.config.n_window) == 0
+
+
+def test_region_task_and_single_stream_inputs():
+    # a two-stream model over detected regions: region features of visual_feat_dim and boxes in 0..1
+    model, inputs, _ = sweep.build("lxmert", "LxmertModel")
+    assert inputs["visual_feats"].shape[-1] == model.config.visual_feat_dim
+    boxes = inputs["visual_pos"]
+    assert boxes.shape[-1] == model.config.visual_pos_dim and (boxes[..., 2:] > boxes[..., :2]).all() and boxes.max() <= 1
+    # a single-stream text and image model (modality type embeddings, no vision sub-config) gets pixels
+    model, inputs, _ = sweep.build("vilt", "ViltForQuestionAnswering")
+    assert inputs["pixel_values"].shape[1:] == (model.config.num_channels, model.config.image_size, model.config.image_size)
+    # OneFormer's task prompt, task_seq_len tokens
+    model, inputs, _ = sweep.build("oneformer", "OneFormerModel")
+    assert inputs["task_inputs"].shape == (sweep.BATCH, model.config.task_seq_len)
+    # Longformer's question-answering heads: global attention on the first token, as a pipeline gives
+    _, inputs, _ = sweep.build("longformer", "LongformerForMultipleChoice")
+    mask = inputs["global_attention_mask"]
+    assert mask.shape == inputs["input_ids"].shape and (mask[..., 0] == 1).all() and int(mask.sum()) == sweep.BATCH * 2
+    # a univariate patched forecaster: whole patches, padding flags, a frequency
+    model, inputs, _ = sweep.build("timesfm", "TimesFmModel")
+    assert inputs["past_values"].dim() == 2 and inputs["past_values"].shape[1] % model.config.patch_length == 0
+    assert inputs["past_values_padding"].shape == inputs["past_values"].shape and inputs["freq"].shape[0] == sweep.BATCH
+
+
+def test_patched_towers_and_image_pairs():
+    # SigLIP 2's NaFlex tower: flattened patches, their grid and which are valid
+    model, inputs, _ = sweep.build("siglip2_vision_model", "Siglip2VisionModel")
+    config = model.config
+    patches = int(inputs["spatial_shapes"][0].prod())
+    assert inputs["pixel_values"].shape == (sweep.BATCH, patches, config.num_channels * config.patch_size**2)
+    assert inputs["pixel_attention_mask"].shape == (sweep.BATCH, patches)
+    # Gemma 4's tower: whole pooling windows of patches, each with its (x, y)
+    model, inputs, _ = sweep.build("gemma4_vision", "Gemma4VisionModel")
+    positions = inputs["pixel_position_ids"]
+    assert positions.shape == (*inputs["pixel_values"].shape[:2], 2) and positions.shape[1] % model.config.pooling_kernel_size**2 == 0
+    assert len({tuple(p) for p in positions[0].tolist()}) == positions.shape[1]  # every patch its own place
+    # a keypoint matcher reads a pair of images per row
+    _, inputs, _ = sweep.build("superglue", "SuperGlueForKeypointMatching")
+    assert inputs["pixel_values"].shape[:2] == (sweep.BATCH, 2) and inputs["pixel_values"].dim() == 5
+
+
+def test_generic_inputs_and_audio_towers():
+    # a composite speech encoder-decoder takes its encoder's inputs under their own names
+    model, inputs, _ = sweep.build("speech-encoder-decoder", "SpeechEncoderDecoderModel")
+    assert model.main_input_name == "inputs" and inputs["input_values"].dim() == 2 and "decoder_input_ids" in inputs
+    # Perceiver without a preprocessor reads embeddings of its d_model
+    model, inputs, _ = sweep.build("perceiver", "PerceiverModel")
+    assert inputs["inputs"].shape == (sweep.BATCH, sweep.SEQUENCE, model.config.d_model)
+    _, inputs, _ = sweep.build("perceiver", "PerceiverForMaskedLM")  # a head with token ids keeps them
+    assert "input_ids" in inputs and "inputs" not in inputs
+    # Gemma 3n's audio tower: log-mel frames and their padding mask
+    model, inputs, _ = sweep.build("gemma3n_audio", "Gemma3nAudioEncoder")
+    assert inputs["audio_mel"].shape[-1] == model.config.input_feat_size and not inputs["audio_mel_mask"].any()
+
+
+def test_flattened_patches_and_prompt_images():
+    # Pix2Struct's flattened patches: (row, column) from 1, then the patch's pixels
+    config = sweep.tiny_config("pix2struct")
+    with torch_device("meta"):
+        model = transformers.Pix2StructForConditionalGeneration._from_config(config)
+    inputs = sweep.make_inputs(model, config)
+    patches = inputs["flattened_patches"]
+    assert patches.shape[-1] == 2 + config.vision_config.patch_embed_hidden_size and patches[..., :2].min() == 1
+    assert inputs["attention_mask"].shape == patches.shape[:2]
+    # SegGPT: an example image and its mask of the input's shape, the three filling its image_size
+    model, inputs, _ = sweep.build("seggpt", "SegGptModel")
+    height, width = model.config.image_size
+    assert inputs["pixel_values"].shape[-2:] == inputs["prompt_masks"].shape[-2:] == (height // 2, width)
+    assert inputs["prompt_pixel_values"].shape == inputs["pixel_values"].shape
+
+
+def test_embeddings_a_caller_computes_and_video_text_pairs():
+    # a required *_embeds gets (batch, sequence, hidden), with what a cross-attention reads
+    model, inputs, _ = sweep.build("blip_2_qformer", "Blip2QFormerModel")
+    assert inputs["query_embeds"].shape == (sweep.BATCH, sweep.SEQUENCE, model.config.hidden_size)
+    assert inputs["encoder_hidden_states"].shape[-1] == model.config.encoder_hidden_size
+    # a forward whose main input is embeddings gets them, and no token ids it would not read
+    model, inputs, _ = sweep.build("nemotron3_5_transcribe_word_timestamp", "Nemotron3_5TranscribeWordTimestampModel")
+    assert set(inputs) == {"inputs_embeds", "attention_mask"}
+    # a video-text dual encoder: frames from its vision config
+    model, inputs, _ = sweep.build("xclip", "XCLIPModel")
+    assert inputs["pixel_values"].shape[:2] == (sweep.BATCH, model.config.vision_config.num_frames) and "input_ids" in inputs
+
+
+def test_an_image_text_retrieval_head_reads_text_through_its_qformer():
+    model, inputs, expected = sweep.build("blip-2", "Blip2ForImageTextRetrieval")
+    assert model.config.qformer_config.use_qformer_text_input and "input_ids" in inputs and expected
+    assert not sweep.tiny_config("blip-2").qformer_config.use_qformer_text_input  # other rows as they were
+
+
+def test_interleaved_images_with_their_attention_mask():
+    # IDEFICS: (batch, images, channels, height, width) and which images each token attends to
+    _, inputs, _ = sweep.build("idefics", "IdeficsModel")
+    assert inputs["pixel_values"].dim() == 5 and inputs["pixel_values"].shape[:2] == (sweep.BATCH, 1)
+    assert inputs["image_attention_mask"].shape == (*inputs["input_ids"].shape, 1)
