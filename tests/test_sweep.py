@@ -283,6 +283,8 @@ def test_random_masking_gets_its_noise():
     model, inputs, _ = sweep.build("vit_mae", "ViTMAEModel")
     patches = (model.config.image_size // model.config.patch_size) ** 2
     assert inputs["noise"].shape == (sweep.BATCH, patches)
+    result = export_modular(model, (), kwargs=inputs)
+    assert result.report.ok, str(result.report)
 
 
 def test_pixel_models_that_read_text_get_their_prompt():
