@@ -207,7 +207,8 @@ def test_squeeze_only_ones_keeps_only_the_dimensions_of_size_1():
     assert [n.args[1] for n in squeezes] == [[2], [0, 2]]
     assert squeeze_only_ones(graph_module) == 2
     left = [n.args[1] for n in graph_module.graph.nodes if n.target is torch.ops.aten.squeeze.dims]
-    assert left == [[0]]  # the first is gone (its input is used), the second keeps dim 0
+    assert left == [[0]]  # the first is a copy of its input, the second keeps dim 0
+    assert sum(n.target is torch.ops.aten.clone.default for n in graph_module.graph.nodes) == 1
     with torch.no_grad():
         for got, want in zip(graph_module(x), model(x)):
             assert got.shape == want.shape and torch.equal(got, want)

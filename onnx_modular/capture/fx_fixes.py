@@ -244,8 +244,8 @@ def squeeze_only_ones(graph_module: torch.fx.GraphModule) -> int:
     rejects it ("Dimension of input 2 must be 1 instead of 4": onnxruntime refuses the file).
     torch's translation writes every listed dimension. Found on the RNNT heads of Parakeet and
     Nemotron ASR (``joint.squeeze(2)`` over 4 symbols). A dimension whose size is statically not 1
-    is dropped from the list; a squeeze left with none is its input (the same shape, dtype and
-    values). Symbolic sizes are left as they are. ``prims.view_of``, which the same squeeze
+    is dropped from the list; a squeeze left with none is a copy of its input (the same shape, dtype
+    and values; the node keeps its name). Symbolic sizes are left as they are. ``prims.view_of``, which the same squeeze
     decomposes to in other graphs and which torch's translation has no function for, is its input.
 
     Returns:
@@ -255,9 +255,9 @@ def squeeze_only_ones(graph_module: torch.fx.GraphModule) -> int:
     count = 0
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.prims.view_of.default:
-            # what a squeeze of no size-1 dimension decomposes to, elsewhere: the same tensor
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
+            # what a squeeze of no size-1 dimension decomposes to, elsewhere: the same tensor (a
+            # clone, which translates to Identity; the node and its name stay, as later steps name it)
+            node.target = torch.ops.aten.clone.default
             count += 1
             continue
         if node.op != "call_function" or node.target not in (torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims):
@@ -277,8 +277,8 @@ def squeeze_only_ones(graph_module: torch.fx.GraphModule) -> int:
             node.target = torch.ops.aten.squeeze.dims
             node.args = (source, kept)
         else:
-            node.replace_all_uses_with(source)
-            graph.erase_node(node)
+            node.target = torch.ops.aten.clone.default
+            node.args = (source,)
         count += 1
     if count:
         graph.lint()
