@@ -166,6 +166,9 @@ def _shrunk(
     layers = next((values[k] for k in _LAYER_KEYS if isinstance(values.get(k), int)), None)
     heads = next((values[k] for k in _HEAD_KEYS if isinstance(values.get(k), int)), None)
     kept = _kept_layers(values, layers)
+    experts = any(isinstance(values.get(k), int) and not isinstance(values[k], bool) and values[k] > 1 for k in _EXPERT_KEYS)
+    # experts whose routing (how many per token, in how many groups) is left to the checkpoint (DeepSeek-V2)
+    unrouted = experts and any(k in values and values[k] is None for k in _TOPK_KEYS)
     followed: set[str] = set()
     out: dict[str, Any] = {}
     for key, value in values.items():
@@ -190,6 +193,12 @@ def _shrunk(
                 out[key] = _FREE_TOKEN_ID[key]
             elif key == "default_language" and values.get("languages"):  # X-MOD's adapters need a language
                 out[key] = values["languages"][0]
+            elif key in _TOPK_KEYS and unrouted:  # 2 of the 4 experts
+                out[key] = 2
+            elif key in _GROUP_KEYS | _TOPK_GROUP_KEYS and unrouted:  # 4 experts: one group holds them all
+                out[key] = 1
+            elif key == "prediction_length":  # a forecaster's horizon, left to the user (the context follows it)
+                out[key] = 4
             continue
         if isinstance(value, int):
             if key in _HIDDEN_KEYS and value > HIDDEN:
@@ -243,6 +252,8 @@ def _shrunk(
                 out[key] = 2
             elif key == "max_source_positions" and value > 64:
                 out[key] = 64
+            elif key.endswith("_groups") and value in widths:  # a depthwise convolution over a hidden width (Mimi's upsampling)
+                out[key] = HIDDEN
             elif key.endswith(_WIDTH_SUFFIXES) and value in widths and not key.endswith("head_dim") and key not in _HEAD_DIM_KEYS:
                 out[key] = HIDDEN  # tied to a hidden size by the architecture (a projector's output, a condition)
             elif key in _LAYER_INDEX_KEYS:
@@ -292,10 +303,19 @@ def _shrunk(
             # multimodal rotary (Qwen2-VL): the model falls back to sections for a full-size head when the
             # config has none; its config class says so by exempting them from rope validation
             exempt = getattr(type(config), "ignore_keys_at_rope_validation", None) or ()
-            if "mrope_section" in exempt and "rope_type" in rope and "mrope_section" not in rope:
-                rope["mrope_section"] = _fit_sections([16, 24, 24], head_dim // 2)
+            kinds = out.get("layer_types") or values.get("layer_types")
+            if not rope and isinstance(kinds, (list, tuple)) and kinds and all(isinstance(k, str) for k in kinds):
+                # rotary per layer kind, left empty to the checkpoint (Cohere Compass indexes it by kind)
+                rope = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in dict.fromkeys(kinds)}
+            for part in [rope, *(v for v in rope.values() if isinstance(v, dict))]:
+                if "mrope_section" in exempt and "rope_type" in part and "mrope_section" not in part:
+                    part["mrope_section"] = _fit_sections([16, 24, 24], head_dim // 2)
             if rope != values[key]:
                 out[key] = rope
+    if "mlp_layer_types" in values and values["mlp_layer_types"] is None and experts and layers:
+        # dense or mixture-of-experts feed-forward per layer, left to the checkpoint (DeepSeek-OCR 2): one of each
+        count = len(kept) if kept is not None else layers
+        out["mlp_layer_types"] = ["dense"] + ["sparse"] * (count - 1) if count > 1 else ["sparse"]
     stages = values.get("out_indices")
     if kept is not None and isinstance(stages, (list, tuple)) and stages and all(isinstance(i, int) for i in stages):
         # a backbone's outputs: the last len(out_indices) of the kept layers (a DPT neck needs all four)
@@ -306,7 +326,7 @@ def _shrunk(
             out[prefix + "out_features"] = [f"stage{i}" for i in chosen]
         out["stage_names"] = ["stem"] + [f"stage{i}" for i in range(1, count + 1)]
     if shallow:  # widths, heads and sizes stay consistent as the default config has them
-        depth = _LAYER_KEYS | _EXPERT_KEYS | _TOPK_KEYS | _GROUP_KEYS | _TOPK_GROUP_KEYS | _DEPTH_LIST_KEYS | {"vocab_size", "stage_names"}
+        depth = _LAYER_KEYS | _EXPERT_KEYS | _TOPK_KEYS | _GROUP_KEYS | _TOPK_GROUP_KEYS | _DEPTH_LIST_KEYS | {"vocab_size", "stage_names", "mlp_layer_types"}
         out = {
             key: value for key, value in out.items()
             if key in depth or key in followed or key in _LAYER_INDEX_KEYS

@@ -273,3 +273,35 @@ def test_a_model_over_the_budget_is_not_built(monkeypatch):
     monkeypatch.setattr(sweep, "PARAMETER_BUDGET", 1000)
     with pytest.raises(sweep.OverBudget, match="shallow config"):
         sweep._build("llama", "LlamaModel", "shallow")
+
+
+def test_values_a_default_config_leaves_to_the_checkpoint_are_filled():
+    # experts whose routing is unset: 2 of the 4 per token, one group (DeepSeek-V2's topk(None) otherwise)
+    deepseek = sweep.tiny_config("deepseek_v2")
+    assert (deepseek.num_experts_per_tok, deepseek.n_group, deepseek.topk_group) == (2, 1, 1) and deepseek.n_routed_experts == 4
+    assert sweep.tiny_config("axk2").n_group is None  # routing set by its config: its groups stay as they are
+    # dense or sparse feed-forward per layer: one of each
+    ocr = sweep.tiny_config("deepseek_ocr2").text_config
+    assert ocr.mlp_layer_types == ["dense", "sparse"] and len(ocr.mlp_layer_types) == ocr.num_hidden_layers
+    # rotary per layer kind, left empty: one default entry per kind, sections within half the head
+    compass = sweep.tiny_config("cohere_compass_text")
+    assert set(compass.rope_parameters) == set(compass.layer_types) == {"full_attention"}
+    assert sum(compass.rope_parameters["full_attention"]["mrope_section"]) == compass.head_dim // 2
+    # a forecaster's horizon (its context follows it)
+    informer = sweep.tiny_config("informer")
+    assert informer.prediction_length == informer.context_length == 4
+
+
+def test_depthwise_groups_shrink_with_the_width_they_divide():
+    mimi = sweep.tiny_config("mimi")  # an upsampling convolution grouped per hidden channel
+    assert mimi.upsample_groups == mimi.hidden_size == sweep.HIDDEN
+    assert sweep.tiny_config("csm").codec_config.upsample_groups == sweep.HIDDEN
+
+
+def test_unrouted_experts_build_and_export_with_parity():
+    from onnx_modular import export_modular
+
+    model, inputs, _, tier = sweep.build_with_tier("deepseek_v2", "DeepseekV2Model")
+    assert tier == "tiny" and model.config.num_experts_per_tok == 2
+    result = export_modular(model, (), kwargs=inputs)
+    assert result.report.ok, str(result.report)
