@@ -51,7 +51,10 @@ SAMPLE = (
     "convnext", "resnet", "whisper", "wav2vec2", "clip", "mamba", "mamba2", "mixtral", "qwen2_moe", "falcon",
 )
 
-#: Per-architecture config overrides, applied after the generic shrinking rules.
+_QWEN4_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4, "indexer_compress_ratio": 2}
+
+#: Per-architecture config overrides, applied after the generic shrinking rules (a dict for a
+#: sub-config is merged into the shrunk one).
 OVERRIDES: dict[str, dict[str, Any]] = {
     "deberta-v2": {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "position_buckets": 8, "max_relative_positions": 16},
     "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": 16, "expand": 2},
@@ -63,6 +66,16 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "esm": {"pad_token_id": 1},  # left to the checkpoint (None); positions count from the padding id  # differential attention splits the key heads in two
     # the default config leaves the layer kinds to the checkpoint (None), the model indexes them
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # the indexed-attention layers' token indexer is left unset (None) by the default config, which lists
+    # such layers all the same: 2 query heads and 1 key head 16 wide, 4 tokens chosen in blocks of 2
+    "qwen4_exp_text": _QWEN4_INDEXER,
+    "qwen4_exp": {"text_config": _QWEN4_INDEXER},
+    # the task heads' channels are left to each checkpoint (every list None): two upsampling blocks, one
+    # refinement convolution, and the pointmap head's scale branch, 16 channels each
+    "sapiens2": {"head_config": {
+        "upsample_out_channels": [16, 16], "conv_out_channels": [16],
+        "scale_conv_out_channels": [16], "scale_final_hidden_sizes": [16, 16],
+    }},
 }
 
 BATCH, SEQUENCE = 2, 8
@@ -410,7 +423,9 @@ def tiny_config(model_type: str, tier: str = "tiny"):
 
     default = AutoConfig.for_model(model_type)
     shrunk = {} if tier == "default" else _shrunk(default, shallow=tier == "shallow")
-    kwargs = {**shrunk, **OVERRIDES.get(model_type, {})}
+    kwargs = dict(shrunk)
+    for key, value in OVERRIDES.get(model_type, {}).items():
+        kwargs[key] = {**shrunk[key], **value} if isinstance(value, dict) and isinstance(shrunk.get(key), dict) else value
     config = AutoConfig.for_model(model_type, **kwargs)
     channels = _backbone_channels(config)
     if channels and isinstance(getattr(config, "encoder_in_channels", None), (list, tuple)):

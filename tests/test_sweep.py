@@ -305,3 +305,14 @@ def test_unrouted_experts_build_and_export_with_parity():
     assert tier == "tiny" and model.config.num_experts_per_tok == 2
     result = export_modular(model, (), kwargs=inputs)
     assert result.report.ok, str(result.report)
+
+
+def test_overrides_fill_what_only_a_checkpoint_sets():
+    # Sapiens2's task heads: every channel list None in the default config
+    head = sweep.tiny_config("sapiens2").head_config
+    assert head.upsample_out_channels == [16, 16] and head.upsample_kernel_sizes == [4, 4] and head.conv_out_channels == [16]
+    # Qwen4-Exp's token indexer, merged into the shrunk text config (which stays tiny)
+    text = sweep.tiny_config("qwen4_exp").text_config
+    assert text.indexer_budget % text.indexer_compress_ratio == 0 and text.indexer_kv_heads == 1
+    assert text.hidden_size == sweep.HIDDEN and "indexed_attention" in text.layer_types
+    assert sweep.tiny_config("qwen4_exp_text").indexer_n_heads == 2
