@@ -180,8 +180,11 @@ def _shrunk(
     heads = next((values[k] for k in _HEAD_KEYS if isinstance(values.get(k), int)), None)
     kept = _kept_layers(values, layers)
     experts = any(isinstance(values.get(k), int) and not isinstance(values[k], bool) and values[k] > 1 for k in _EXPERT_KEYS)
-    # experts whose routing (how many per token, in how many groups) is left to the checkpoint (DeepSeek-V2)
-    unrouted = experts and any(k in values and values[k] is None for k in _TOPK_KEYS)
+    # experts whose routing (how many per token, in how many groups) is left to the checkpoint (DeepSeek-V2),
+    # or their number too (dots.llm1)
+    unrouted = any(k in values and values[k] is None for k in _TOPK_KEYS)
+    uncounted = unrouted and any(k in values and values[k] is None for k in _EXPERT_KEYS)
+    unrouted = unrouted and (experts or uncounted)
     followed: set[str] = set()
     out: dict[str, Any] = {}
     for key, value in values.items():
@@ -208,6 +211,10 @@ def _shrunk(
                 out[key] = values["languages"][0]
             elif key in _TOPK_KEYS and unrouted:  # 2 of the 4 experts
                 out[key] = 2
+            elif key in _EXPERT_KEYS and uncounted:
+                out[key] = 4
+            elif key == "n_shared_experts" and uncounted:
+                out[key] = 1
             elif key in _GROUP_KEYS | _TOPK_GROUP_KEYS and unrouted:  # 4 experts: one group holds them all
                 out[key] = 1
             elif key == "prediction_length":  # a forecaster's horizon, left to the user (the context follows it)
@@ -227,6 +234,8 @@ def _shrunk(
                 out[key] = 2
                 if isinstance(values.get("mamba_d_head"), int):  # heads x head dim = expand x hidden
                     out["mamba_d_head"] = (values.get("mamba_expand") or 2) * HIDDEN // 2
+                    if isinstance(values.get("mamba_d_ssm"), int):  # or the width given for it (Falcon-H1)
+                        out["mamba_d_ssm"] = 2 * out["mamba_d_head"]
             elif key in _FFN_KEYS and value > 2 * HIDDEN:
                 out[key] = 2 * HIDDEN
             elif key in _SMALL_FFN_KEYS and value > HIDDEN:
@@ -325,6 +334,13 @@ def _shrunk(
                     part["mrope_section"] = _fit_sections([16, 24, 24], head_dim // 2)
             if rope != values[key]:
                 out[key] = rope
+    kinds = out.get("layer_types") or values.get("layer_types")
+    if "sliding_window" in values and values["sliding_window"] is None:
+        # sliding attention described (its layers, or their heads: Step 3.7 always masks for them), its window unset
+        sliding_layers = isinstance(kinds, (list, tuple)) and any(isinstance(k, str) and k.startswith("sliding") for k in kinds)
+        sliding_settings = any("sliding" in k and k != "sliding_window" and v not in (None, False) for k, v in values.items())
+        if sliding_layers or sliding_settings:
+            out["sliding_window"] = SEQUENCE // 2
     if "mlp_layer_types" in values and values["mlp_layer_types"] is None and experts and layers:
         # dense or mixture-of-experts feed-forward per layer, left to the checkpoint (DeepSeek-OCR 2): one of each
         count = len(kept) if kept is not None else layers
@@ -339,7 +355,7 @@ def _shrunk(
             out[prefix + "out_features"] = [f"stage{i}" for i in chosen]
         out["stage_names"] = ["stem"] + [f"stage{i}" for i in range(1, count + 1)]
     if shallow:  # widths, heads and sizes stay consistent as the default config has them
-        depth = _LAYER_KEYS | _EXPERT_KEYS | _TOPK_KEYS | _GROUP_KEYS | _TOPK_GROUP_KEYS | _DEPTH_LIST_KEYS | {"vocab_size", "stage_names", "mlp_layer_types"}
+        depth = _LAYER_KEYS | _EXPERT_KEYS | _TOPK_KEYS | _GROUP_KEYS | _TOPK_GROUP_KEYS | _DEPTH_LIST_KEYS | {"vocab_size", "stage_names", "mlp_layer_types", "sliding_window", "n_shared_experts"}
         out = {
             key: value for key, value in out.items()
             if key in depth or key in followed or key in _LAYER_INDEX_KEYS

@@ -316,3 +316,13 @@ def test_overrides_fill_what_only_a_checkpoint_sets():
     assert text.indexer_budget % text.indexer_compress_ratio == 0 and text.indexer_kv_heads == 1
     assert text.hidden_size == sweep.HIDDEN and "indexed_attention" in text.layer_types
     assert sweep.tiny_config("qwen4_exp_text").indexer_n_heads == 2
+
+
+def test_expert_counts_mamba_widths_and_sliding_windows_left_unset():
+    dots = sweep.tiny_config("dots1")  # neither how many experts nor how many per token
+    assert (dots.n_routed_experts, dots.num_experts_per_tok, dots.n_shared_experts) == (4, 2, 1)
+    falcon = sweep.tiny_config("falcon_h1")  # the Mamba width given: heads x head dim
+    assert falcon.mamba_d_ssm == falcon.mamba_n_heads * falcon.mamba_d_head
+    step = sweep.tiny_config("step3p7").text_config  # sliding-attention heads, no window: Step 3.7 always masks for one
+    assert step.sliding_window == sweep.SEQUENCE // 2
+    assert sweep.tiny_config("mixtral").sliding_window is None  # None means full attention there: kept
