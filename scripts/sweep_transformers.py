@@ -507,6 +507,15 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         inputs[pixels], inputs[grid] = patches["pixel_values"], patches["image_grid_thw"]
         if "merge_sizes" in parameters:
             inputs["merge_sizes"] = torch.tensor([getattr(config, "spatial_merge_size", None) or 1] * BATCH)
+    elif "past_time_features" in parameters:  # a probabilistic forecaster: its context plus the largest lag
+        lags = getattr(config, "lags_sequence", None) or [0]
+        length = (getattr(config, "context_length", None) or 32) + max(lags)
+        size = getattr(config, "input_size", None) or 1
+        shape = (BATCH, length) if size == 1 else (BATCH, length, size)  # univariate series come as (batch, time)
+        features = getattr(config, "num_time_features", None) or 0
+        inputs["past_values"] = torch.randn(*shape, generator=generator)
+        inputs["past_time_features"] = torch.randn(BATCH, length, features, generator=generator)
+        inputs["past_observed_mask"] = torch.ones(*shape)
     elif main == "past_values" or "past_values" in parameters:  # a time-series model: (batch, context, channels)
         length = getattr(config, "context_length", None) or 32
         channels = getattr(config, "num_input_channels", None) or 1

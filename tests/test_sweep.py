@@ -326,3 +326,12 @@ def test_expert_counts_mamba_widths_and_sliding_windows_left_unset():
     step = sweep.tiny_config("step3p7").text_config  # sliding-attention heads, no window: Step 3.7 always masks for one
     assert step.sliding_window == sweep.SEQUENCE // 2
     assert sweep.tiny_config("mixtral").sliding_window is None  # None means full attention there: kept
+
+
+def test_a_forecaster_gets_its_lags_time_features_and_observed_mask():
+    model, inputs, expected = sweep.build("time_series_transformer", "TimeSeriesTransformerModel")
+    config = model.config
+    length = config.context_length + max(config.lags_sequence)
+    assert inputs["past_values"].shape == inputs["past_observed_mask"].shape == (sweep.BATCH, length)  # univariate
+    assert inputs["past_time_features"].shape == (sweep.BATCH, length, config.num_time_features)
+    assert expected[0].shape[0] == sweep.BATCH
