@@ -260,6 +260,11 @@ def _shrunk(
                 out[key] = 32
             elif key == "patch_size" and value > 8:
                 out[key] = 8
+            elif key == "num_kv_shared_layers" and kept is not None and value > 0:
+                # the last layers reuse an earlier layer's cache of their kind: one layer of each kind kept makes it
+                kinds = values.get("layer_types")
+                producing = len({kinds[i] for i in kept}) if isinstance(kinds, (list, tuple)) and len(kinds) == layers else 1
+                out[key] = max(0, len(kept) - producing)
             elif key == "vocab_size" and value > 512:
                 out[key] = max(512, max(special, default=0) + 1)
             elif key in ("num_conv_pos_embeddings",) and value > 16:

@@ -335,3 +335,12 @@ def test_a_forecaster_gets_its_lags_time_features_and_observed_mask():
     assert inputs["past_values"].shape == inputs["past_observed_mask"].shape == (sweep.BATCH, length)  # univariate
     assert inputs["past_time_features"].shape == (sweep.BATCH, length, config.num_time_features)
     assert expected[0].shape[0] == sweep.BATCH
+
+
+def test_cache_sharing_layers_follow_the_kept_layers():
+    # Gemma 3n's last 15 of 35 layers reuse an earlier cache of their kind: the two kept layers (one of
+    # each kind) both make their own
+    text = sweep.tiny_config("gemma3n_text")
+    assert text.num_hidden_layers == 2 and set(text.layer_types) == {"sliding_attention", "full_attention"}
+    assert text.num_kv_shared_layers == 0
+    assert sweep.tiny_config("gemma4_text").num_kv_shared_layers == 0
