@@ -339,6 +339,12 @@ def _shrunk(
                     part["mrope_section"] = _fit_sections([16, 24, 24], head_dim // 2)
             if rope != values[key]:
                 out[key] = rope
+    vocab = [out.get("vocab_size")] + [v.get("vocab_size") for v in out.values() if isinstance(v, dict)]  # its text model's
+    vocab = next((v for v in vocab if isinstance(v, int)), None)
+    if "vocabulary_map" in values and values["vocabulary_map"] is None and vocab:
+        # the tokenizer's map, left to the checkpoint (Chameleon, Emu3 read their image token from it): the
+        # image placeholder as the last id, out of the random text's range
+        out["vocabulary_map"] = {"<image>": vocab - 1}
     kinds = out.get("layer_types") or values.get("layer_types")
     if "sliding_window" in values and values["sliding_window"] is None:
         # sliding attention described (its layers, or their heads: Step 3.7 always masks for them), its window unset

@@ -344,3 +344,11 @@ def test_cache_sharing_layers_follow_the_kept_layers():
     assert text.num_hidden_layers == 2 and set(text.layer_types) == {"sliding_attention", "full_attention"}
     assert text.num_kv_shared_layers == 0
     assert sweep.tiny_config("gemma4_text").num_kv_shared_layers == 0
+
+
+def test_a_tokenizer_map_left_to_the_checkpoint_holds_the_image_token():
+    # Chameleon and Emu3 read their image placeholder from the tokenizer's map (None by default)
+    chameleon = sweep.tiny_config("chameleon")
+    assert chameleon.vocabulary_map == {"<image>": chameleon.vocab_size - 1} and chameleon.image_token_id == chameleon.vocab_size - 1
+    emu3 = sweep.tiny_config("emu3")  # its text model has the vocabulary
+    assert emu3.vocabulary_map["<image>"] == emu3.text_config.vocab_size - 1
