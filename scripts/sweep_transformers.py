@@ -51,6 +51,9 @@ SAMPLE = (
     "convnext", "resnet", "whisper", "wav2vec2", "clip", "mamba", "mamba2", "mixtral", "qwen2_moe", "falcon",
 )
 
+BATCH, SEQUENCE = 2, 8
+HIDDEN = 32
+
 _QWEN4_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4, "indexer_compress_ratio": 2}
 
 #: Per-architecture config overrides, applied after the generic shrinking rules (a dict for a
@@ -70,6 +73,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # such layers all the same: 2 query heads and 1 key head 16 wide, 4 tokens chosen in blocks of 2
     "qwen4_exp_text": _QWEN4_INDEXER,
     "qwen4_exp": {"text_config": _QWEN4_INDEXER},
+    # the thinker's multimodal positions read a vision start token its config class does not declare (the
+    # released checkpoints carry it in thinker_config): the talker's default
+    "qwen2_5_omni_thinker": {"vision_start_token_id": 151652},
+    "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652},
+    # the audio adaptor's width is tied to a quarter of the text model's by its validator
+    "fun_asr_nano": {"adaptor_config": {"intermediate_size": HIDDEN // 4}},
     # the task heads' channels are left to each checkpoint (every list None): two upsampling blocks, one
     # refinement convolution, and the pointmap head's scale branch, 16 channels each
     "sapiens2": {"head_config": {
@@ -77,9 +86,6 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "scale_conv_out_channels": [16], "scale_final_hidden_sizes": [16, 16],
     }},
 }
-
-BATCH, SEQUENCE = 2, 8
-HIDDEN = 32
 
 _HIDDEN_KEYS = {
     "hidden_size", "d_model", "n_embd", "embed_dim", "hidden_dim", "d_embed", "dim", "word_embed_proj_dim",

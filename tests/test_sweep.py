@@ -352,3 +352,11 @@ def test_a_tokenizer_map_left_to_the_checkpoint_holds_the_image_token():
     assert chameleon.vocabulary_map == {"<image>": chameleon.vocab_size - 1} and chameleon.image_token_id == chameleon.vocab_size - 1
     emu3 = sweep.tiny_config("emu3")  # its text model has the vocabulary
     assert emu3.vocabulary_map["<image>"] == emu3.text_config.vocab_size - 1
+
+
+def test_overrides_for_keys_a_config_class_does_not_tie_or_declare():
+    fun = sweep.tiny_config("fun_asr_nano")  # its validator: a quarter of the text model's width
+    assert fun.adaptor_config.intermediate_size == fun.text_config.hidden_size // 4
+    assert fun.adaptor_config.hidden_size == sweep.HIDDEN  # merged into the shrunk sub-config
+    thinker = sweep.tiny_config("qwen2_5_omni_thinker")  # read by its multimodal positions, not declared
+    assert thinker.vision_start_token_id == 151652
