@@ -79,6 +79,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652},
     # the audio adaptor's width is tied to a quarter of the text model's by its validator
     "fun_asr_nano": {"adaptor_config": {"intermediate_size": HIDDEN // 4}},
+    # attributes the modeling code reads that the config class does not declare (the released checkpoints
+    # carry them): DBRX's rotary base and query-key-value clip (it clamps to None otherwise), Moonshine
+    # Streaming's key heads (no grouped-query attention: as many as query heads), T5Gemma 2's dropout
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "moonshine_streaming": {"num_key_value_heads": 2},
+    "t5gemma2_encoder": {"text_config": {"dropout_rate": 0.0}},
     # the task heads' channels are left to each checkpoint (every list None): two upsampling blocks, one
     # refinement convolution, and the pointmap head's scale branch, 16 channels each
     "sapiens2": {"head_config": {

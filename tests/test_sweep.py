@@ -360,3 +360,7 @@ def test_overrides_for_keys_a_config_class_does_not_tie_or_declare():
     assert fun.adaptor_config.hidden_size == sweep.HIDDEN  # merged into the shrunk sub-config
     thinker = sweep.tiny_config("qwen2_5_omni_thinker")  # read by its multimodal positions, not declared
     assert thinker.vision_start_token_id == 151652
+    assert sweep.tiny_config("dbrx").attn_config.clip_qkv == 8.0  # DBRX clamps to it unconditionally
+    assert sweep.tiny_config("t5gemma2_encoder").text_config.dropout_rate == 0.0
+    moonshine = sweep.tiny_config("moonshine_streaming")
+    assert moonshine.num_key_value_heads == moonshine.num_attention_heads
