@@ -54,7 +54,13 @@ SAMPLE = (
     "convnext", "resnet", "whisper", "wav2vec2", "clip", "mamba", "mamba2", "mixtral", "qwen2_moe", "falcon",
 )
 
-#: Per-architecture config overrides, applied after the generic shrinking rules.
+BATCH, SEQUENCE = 2, 8
+HIDDEN = 32
+
+_QWEN4_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4, "indexer_compress_ratio": 2}
+
+#: Per-architecture config overrides, applied after the generic shrinking rules (a dict for a
+#: sub-config is merged into the shrunk one).
 OVERRIDES: dict[str, dict[str, Any]] = {
     "deberta-v2": {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "position_buckets": 8, "max_relative_positions": 16},
     "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": 16, "expand": 2},
@@ -73,10 +79,29 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "nemotron3_diarization_audio": {"num_key_value_heads": 2},
     "nemotron3_5_transcribe_asr_audio": {"num_key_value_heads": 2},
     "nemotron3_diarization": {"audio_config": {"num_key_value_heads": 2}},  # merged into the shrunk audio tower
+    # the indexed-attention layers' token indexer is left unset (None) by the default config, which lists
+    # such layers all the same: 2 query heads and 1 key head 16 wide, 4 tokens chosen in blocks of 2
+    "qwen4_exp_text": _QWEN4_INDEXER,
+    "qwen4_exp": {"text_config": _QWEN4_INDEXER},
+    # the thinker's multimodal positions read a vision start token its config class does not declare (the
+    # released checkpoints carry it in thinker_config): the talker's default
+    "qwen2_5_omni_thinker": {"vision_start_token_id": 151652},
+    "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652},
+    # the audio adaptor's width is tied to a quarter of the text model's by its validator
+    "fun_asr_nano": {"adaptor_config": {"intermediate_size": HIDDEN // 4}},
+    # attributes the modeling code reads that the config class does not declare (the released checkpoints
+    # carry them): DBRX's rotary base and query-key-value clip (it clamps to None otherwise), Moonshine
+    # Streaming's key heads (no grouped-query attention: as many as query heads), T5Gemma 2's dropout
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "moonshine_streaming": {"num_key_value_heads": 2},
+    "t5gemma2_encoder": {"text_config": {"dropout_rate": 0.0}},
+    # the task heads' channels are left to each checkpoint (every list None): two upsampling blocks, one
+    # refinement convolution, and the pointmap head's scale branch, 16 channels each
+    "sapiens2": {"head_config": {
+        "upsample_out_channels": [16, 16], "conv_out_channels": [16],
+        "scale_conv_out_channels": [16], "scale_final_hidden_sizes": [16, 16],
+    }},
 }
-
-BATCH, SEQUENCE = 2, 8
-HIDDEN = 32
 
 _HIDDEN_KEYS = {
     "hidden_size", "d_model", "n_embd", "embed_dim", "hidden_dim", "d_embed", "dim", "word_embed_proj_dim",
@@ -176,6 +201,12 @@ def _shrunk(
     layers = next((values[k] for k in _LAYER_KEYS if isinstance(values.get(k), int)), None)
     heads = next((values[k] for k in _HEAD_KEYS if isinstance(values.get(k), int)), None)
     kept = _kept_layers(values, layers)
+    experts = any(isinstance(values.get(k), int) and not isinstance(values[k], bool) and values[k] > 1 for k in _EXPERT_KEYS)
+    # experts whose routing (how many per token, in how many groups) is left to the checkpoint (DeepSeek-V2),
+    # or their number too (dots.llm1)
+    unrouted = any(k in values and values[k] is None for k in _TOPK_KEYS)
+    uncounted = unrouted and any(k in values and values[k] is None for k in _EXPERT_KEYS)
+    unrouted = unrouted and (experts or uncounted)
     followed: set[str] = set()
     out: dict[str, Any] = {}
     for key, value in values.items():
@@ -200,6 +231,16 @@ def _shrunk(
                 out[key] = _FREE_TOKEN_ID[key]
             elif key == "default_language" and values.get("languages"):  # X-MOD's adapters need a language
                 out[key] = values["languages"][0]
+            elif key in _TOPK_KEYS and unrouted:  # 2 of the 4 experts
+                out[key] = 2
+            elif key in _EXPERT_KEYS and uncounted:
+                out[key] = 4
+            elif key == "n_shared_experts" and uncounted:
+                out[key] = 1
+            elif key in _GROUP_KEYS | _TOPK_GROUP_KEYS and unrouted:  # 4 experts: one group holds them all
+                out[key] = 1
+            elif key == "prediction_length":  # a forecaster's horizon, left to the user (the context follows it)
+                out[key] = 4
             continue
         if isinstance(value, int):
             if key in _HIDDEN_KEYS and value > HIDDEN:
@@ -215,6 +256,8 @@ def _shrunk(
                 out[key] = 2
                 if isinstance(values.get("mamba_d_head"), int):  # heads x head dim = expand x hidden
                     out["mamba_d_head"] = (values.get("mamba_expand") or 2) * HIDDEN // 2
+                    if isinstance(values.get("mamba_d_ssm"), int):  # or the width given for it (Falcon-H1)
+                        out["mamba_d_ssm"] = 2 * out["mamba_d_head"]
             elif key in _FFN_KEYS and value > 2 * HIDDEN:
                 out[key] = 2 * HIDDEN
             elif key in _SMALL_FFN_KEYS and value > HIDDEN:
@@ -239,6 +282,11 @@ def _shrunk(
                 out[key] = 32
             elif key == "patch_size" and value > 8:
                 out[key] = 8
+            elif key == "num_kv_shared_layers" and kept is not None and value > 0:
+                # the last layers reuse an earlier layer's cache of their kind: one layer of each kind kept makes it
+                kinds = values.get("layer_types")
+                producing = len({kinds[i] for i in kept}) if isinstance(kinds, (list, tuple)) and len(kinds) == layers else 1
+                out[key] = max(0, len(kept) - producing)
             elif key == "vocab_size" and value > 512:
                 out[key] = max(512, max(special, default=0) + 1)
             elif key in ("num_conv_pos_embeddings",) and value > 16:
@@ -253,6 +301,8 @@ def _shrunk(
                 out[key] = 2
             elif key == "max_source_positions" and value > 64:
                 out[key] = 64
+            elif key.endswith("_groups") and value in widths:  # a depthwise convolution over a hidden width (Mimi's upsampling)
+                out[key] = HIDDEN
             elif key.endswith(_WIDTH_SUFFIXES) and value in widths and not key.endswith("head_dim") and key not in _HEAD_DIM_KEYS:
                 out[key] = HIDDEN  # tied to a hidden size by the architecture (a projector's output, a condition)
             elif key in _LAYER_INDEX_KEYS:
@@ -302,10 +352,32 @@ def _shrunk(
             # multimodal rotary (Qwen2-VL): the model falls back to sections for a full-size head when the
             # config has none; its config class says so by exempting them from rope validation
             exempt = getattr(type(config), "ignore_keys_at_rope_validation", None) or ()
-            if "mrope_section" in exempt and "rope_type" in rope and "mrope_section" not in rope:
-                rope["mrope_section"] = _fit_sections([16, 24, 24], head_dim // 2)
+            kinds = out.get("layer_types") or values.get("layer_types")
+            if not rope and isinstance(kinds, (list, tuple)) and kinds and all(isinstance(k, str) for k in kinds):
+                # rotary per layer kind, left empty to the checkpoint (Cohere Compass indexes it by kind)
+                rope = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in dict.fromkeys(kinds)}
+            for part in [rope, *(v for v in rope.values() if isinstance(v, dict))]:
+                if "mrope_section" in exempt and "rope_type" in part and "mrope_section" not in part:
+                    part["mrope_section"] = _fit_sections([16, 24, 24], head_dim // 2)
             if rope != values[key]:
                 out[key] = rope
+    vocab = [out.get("vocab_size")] + [v.get("vocab_size") for v in out.values() if isinstance(v, dict)]  # its text model's
+    vocab = next((v for v in vocab if isinstance(v, int)), None)
+    if "vocabulary_map" in values and values["vocabulary_map"] is None and vocab:
+        # the tokenizer's map, left to the checkpoint (Chameleon, Emu3 read their image token from it): the
+        # image placeholder as the last id, out of the random text's range
+        out["vocabulary_map"] = {"<image>": vocab - 1}
+    kinds = out.get("layer_types") or values.get("layer_types")
+    if "sliding_window" in values and values["sliding_window"] is None:
+        # sliding attention described (its layers, or their heads: Step 3.7 always masks for them), its window unset
+        sliding_layers = isinstance(kinds, (list, tuple)) and any(isinstance(k, str) and k.startswith("sliding") for k in kinds)
+        sliding_settings = any("sliding" in k and k != "sliding_window" and v not in (None, False) for k, v in values.items())
+        if sliding_layers or sliding_settings:
+            out["sliding_window"] = SEQUENCE // 2
+    if "mlp_layer_types" in values and values["mlp_layer_types"] is None and experts and layers:
+        # dense or mixture-of-experts feed-forward per layer, left to the checkpoint (DeepSeek-OCR 2): one of each
+        count = len(kept) if kept is not None else layers
+        out["mlp_layer_types"] = ["dense"] + ["sparse"] * (count - 1) if count > 1 else ["sparse"]
     stages = values.get("out_indices")
     if kept is not None and isinstance(stages, (list, tuple)) and stages and all(isinstance(i, int) for i in stages):
         # a backbone's outputs: the last len(out_indices) of the kept layers (a DPT neck needs all four)
@@ -316,7 +388,7 @@ def _shrunk(
             out[prefix + "out_features"] = [f"stage{i}" for i in chosen]
         out["stage_names"] = ["stem"] + [f"stage{i}" for i in range(1, count + 1)]
     if shallow:  # widths, heads and sizes stay consistent as the default config has them
-        depth = _LAYER_KEYS | _EXPERT_KEYS | _TOPK_KEYS | _GROUP_KEYS | _TOPK_GROUP_KEYS | _DEPTH_LIST_KEYS | {"vocab_size", "stage_names"}
+        depth = _LAYER_KEYS | _EXPERT_KEYS | _TOPK_KEYS | _GROUP_KEYS | _TOPK_GROUP_KEYS | _DEPTH_LIST_KEYS | {"vocab_size", "stage_names", "mlp_layer_types", "sliding_window", "n_shared_experts"}
         out = {
             key: value for key, value in out.items()
             if key in depth or key in followed or key in _LAYER_INDEX_KEYS
@@ -473,6 +545,15 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         inputs[pixels], inputs[grid] = patches["pixel_values"], patches["image_grid_thw"]
         if "merge_sizes" in parameters:
             inputs["merge_sizes"] = torch.tensor([getattr(config, "spatial_merge_size", None) or 1] * BATCH)
+    elif "past_time_features" in parameters:  # a probabilistic forecaster: its context plus the largest lag
+        lags = getattr(config, "lags_sequence", None) or [0]
+        length = (getattr(config, "context_length", None) or 32) + max(lags)
+        size = getattr(config, "input_size", None) or 1
+        shape = (BATCH, length) if size == 1 else (BATCH, length, size)  # univariate series come as (batch, time)
+        features = getattr(config, "num_time_features", None) or 0
+        inputs["past_values"] = torch.randn(*shape, generator=generator)
+        inputs["past_time_features"] = torch.randn(BATCH, length, features, generator=generator)
+        inputs["past_observed_mask"] = torch.ones(*shape)
     elif main == "past_values" or "past_values" in parameters:  # a time-series model: (batch, context, channels)
         length = getattr(config, "context_length", None) or 32
         channels = getattr(config, "num_input_channels", None)

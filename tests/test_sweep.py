@@ -287,6 +287,38 @@ def test_random_masking_gets_its_noise():
     assert result.report.ok, str(result.report)
 
 
+def test_values_a_default_config_leaves_to_the_checkpoint_are_filled():
+    # experts whose routing is unset: 2 of the 4 per token, one group (DeepSeek-V2's topk(None) otherwise)
+    deepseek = sweep.tiny_config("deepseek_v2")
+    assert (deepseek.num_experts_per_tok, deepseek.n_group, deepseek.topk_group) == (2, 1, 1) and deepseek.n_routed_experts == 4
+    assert sweep.tiny_config("axk2").n_group is None  # routing set by its config: its groups stay as they are
+    # dense or sparse feed-forward per layer: one of each
+    ocr = sweep.tiny_config("deepseek_ocr2").text_config
+    assert ocr.mlp_layer_types == ["dense", "sparse"] and len(ocr.mlp_layer_types) == ocr.num_hidden_layers
+    # rotary per layer kind, left empty: one default entry per kind, sections within half the head
+    compass = sweep.tiny_config("cohere_compass_text")
+    assert set(compass.rope_parameters) == set(compass.layer_types) == {"full_attention"}
+    assert sum(compass.rope_parameters["full_attention"]["mrope_section"]) == compass.head_dim // 2
+    # a forecaster's horizon (its context follows it)
+    informer = sweep.tiny_config("informer")
+    assert informer.prediction_length == informer.context_length == 4
+
+
+def test_depthwise_groups_shrink_with_the_width_they_divide():
+    mimi = sweep.tiny_config("mimi")  # an upsampling convolution grouped per hidden channel
+    assert mimi.upsample_groups == mimi.hidden_size == sweep.HIDDEN
+    assert sweep.tiny_config("csm").codec_config.upsample_groups == sweep.HIDDEN
+
+
+def test_unrouted_experts_build_and_export_with_parity():
+    from onnx_modular import export_modular
+
+    model, inputs, _, tier = sweep.build_with_tier("deepseek_v2", "DeepseekV2Model")
+    assert tier == "tiny" and model.config.num_experts_per_tok == 2
+    result = export_modular(model, (), kwargs=inputs)
+    assert result.report.ok, str(result.report)
+
+
 def test_pixel_models_that_read_text_get_their_prompt():
     # a forward that requires input_ids beside pixels gets token ids too (Grounding DINO's caption)
     model, inputs, _ = sweep.build("grounding-dino", "GroundingDinoModel")
@@ -486,3 +518,62 @@ def test_interleaved_images_with_their_attention_mask():
     _, inputs, _ = sweep.build("idefics", "IdeficsModel")
     assert inputs["pixel_values"].dim() == 5 and inputs["pixel_values"].shape[:2] == (sweep.BATCH, 1)
     assert inputs["image_attention_mask"].shape == (*inputs["input_ids"].shape, 1)
+
+
+def test_overrides_fill_what_only_a_checkpoint_sets():
+    # Sapiens2's task heads: every channel list None in the default config
+    head = sweep.tiny_config("sapiens2").head_config
+    assert head.upsample_out_channels == [16, 16] and head.upsample_kernel_sizes == [4, 4] and head.conv_out_channels == [16]
+    # Qwen4-Exp's token indexer, merged into the shrunk text config (which stays tiny)
+    text = sweep.tiny_config("qwen4_exp").text_config
+    assert text.indexer_budget % text.indexer_compress_ratio == 0 and text.indexer_kv_heads == 1
+    assert text.hidden_size == sweep.HIDDEN and "indexed_attention" in text.layer_types
+    assert sweep.tiny_config("qwen4_exp_text").indexer_n_heads == 2
+
+
+def test_expert_counts_mamba_widths_and_sliding_windows_left_unset():
+    dots = sweep.tiny_config("dots1")  # neither how many experts nor how many per token
+    assert (dots.n_routed_experts, dots.num_experts_per_tok, dots.n_shared_experts) == (4, 2, 1)
+    falcon = sweep.tiny_config("falcon_h1")  # the Mamba width given: heads x head dim
+    assert falcon.mamba_d_ssm == falcon.mamba_n_heads * falcon.mamba_d_head
+    step = sweep.tiny_config("step3p7").text_config  # sliding-attention heads, no window: Step 3.7 always masks for one
+    assert step.sliding_window == sweep.SEQUENCE // 2
+    assert sweep.tiny_config("mixtral").sliding_window is None  # None means full attention there: kept
+
+
+def test_a_forecaster_gets_its_lags_time_features_and_observed_mask():
+    model, inputs, expected = sweep.build("time_series_transformer", "TimeSeriesTransformerModel")
+    config = model.config
+    length = config.context_length + max(config.lags_sequence)
+    assert inputs["past_values"].shape == inputs["past_observed_mask"].shape == (sweep.BATCH, length)  # univariate
+    assert inputs["past_time_features"].shape == (sweep.BATCH, length, config.num_time_features)
+    assert expected[0].shape[0] == sweep.BATCH
+
+
+def test_cache_sharing_layers_follow_the_kept_layers():
+    # Gemma 3n's last 15 of 35 layers reuse an earlier cache of their kind: the two kept layers (one of
+    # each kind) both make their own
+    text = sweep.tiny_config("gemma3n_text")
+    assert text.num_hidden_layers == 2 and set(text.layer_types) == {"sliding_attention", "full_attention"}
+    assert text.num_kv_shared_layers == 0
+    assert sweep.tiny_config("gemma4_text").num_kv_shared_layers == 0
+
+
+def test_a_tokenizer_map_left_to_the_checkpoint_holds_the_image_token():
+    # Chameleon and Emu3 read their image placeholder from the tokenizer's map (None by default)
+    chameleon = sweep.tiny_config("chameleon")
+    assert chameleon.vocabulary_map == {"<image>": chameleon.vocab_size - 1} and chameleon.image_token_id == chameleon.vocab_size - 1
+    emu3 = sweep.tiny_config("emu3")  # its text model has the vocabulary
+    assert emu3.vocabulary_map["<image>"] == emu3.text_config.vocab_size - 1
+
+
+def test_overrides_for_keys_a_config_class_does_not_tie_or_declare():
+    fun = sweep.tiny_config("fun_asr_nano")  # its validator: a quarter of the text model's width
+    assert fun.adaptor_config.intermediate_size == fun.text_config.hidden_size // 4
+    assert fun.adaptor_config.hidden_size == sweep.HIDDEN  # merged into the shrunk sub-config
+    thinker = sweep.tiny_config("qwen2_5_omni_thinker")  # read by its multimodal positions, not declared
+    assert thinker.vision_start_token_id == 151652
+    assert sweep.tiny_config("dbrx").attn_config.clip_qkv == 8.0  # DBRX clamps to it unconditionally
+    assert sweep.tiny_config("t5gemma2_encoder").text_config.dropout_rate == 0.0
+    moonshine = sweep.tiny_config("moonshine_streaming")
+    assert moonshine.num_key_value_heads == moonshine.num_attention_heads
