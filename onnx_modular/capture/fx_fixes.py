@@ -62,6 +62,21 @@ def relax_view_strides(graph_module: torch.fx.GraphModule) -> int:
     return count
 
 
+def _insert_call(graph, before, target, args, kwargs, like, meta) -> torch.fx.Node:
+    """Insert ``target(*args, **kwargs)`` before the node ``before``, with ``meta`` and its fake
+    value (``meta["val"]``) computed in the fake mode of the tensor ``like``."""
+    from torch._guards import detect_fake_mode
+
+    with graph.inserting_before(before):
+        new = graph.call_function(target, args, kwargs)
+    new.meta.update(meta)
+    values = torch.fx.node.map_arg(args, lambda arg: arg.meta["val"])
+    mode = detect_fake_mode([like])
+    with mode if mode is not None else contextlib.nullcontext():
+        new.meta["val"] = target(*values, **kwargs)
+    return new
+
+
 def empty_reshapes(graph_module: torch.fx.GraphModule) -> int:
     """Replace a reshape whose result has a static size 0 by ``aten.full`` of that shape, in place.
 
@@ -78,8 +93,6 @@ def empty_reshapes(graph_module: torch.fx.GraphModule) -> int:
     Returns:
         The number of nodes rewritten.
     """
-    from torch._guards import detect_fake_mode
-
     graph = graph_module.graph
     count = 0
     for node in list(graph.nodes):
@@ -92,13 +105,7 @@ def empty_reshapes(graph_module: torch.fx.GraphModule) -> int:
         if any(not isinstance(size, (int, torch.fx.Node)) or (isinstance(size, int) and size < 0) for size in shape):
             continue  # a symbolic size with no node of its own: leave the reshape
         kwargs = {"dtype": value.dtype, "device": value.device}
-        with graph.inserting_before(node):
-            full = graph.call_function(torch.ops.aten.full.default, (shape, 0), kwargs)
-        full.meta.update(node.meta)
-        mode = detect_fake_mode([value])
-        with mode if mode is not None else contextlib.nullcontext():
-            sizes = [size.meta["val"] if isinstance(size, torch.fx.Node) else size for size in shape]
-            full.meta["val"] = torch.ops.aten.full.default(sizes, 0, **kwargs)
+        full = _insert_call(graph, node, torch.ops.aten.full.default, (shape, 0), kwargs, like=value, meta=node.meta)
         node.replace_all_uses_with(full)
         graph.erase_node(node)
         count += 1
@@ -204,8 +211,6 @@ def scalars_to_tensors(graph_module: torch.fx.GraphModule) -> int:
     Returns:
         The number of operands rewritten.
     """
-    from torch._guards import detect_fake_mode
-
     graph = graph_module.graph
     count = 0
     for node in list(graph.nodes):
@@ -223,12 +228,9 @@ def scalars_to_tensors(graph_module: torch.fx.GraphModule) -> int:
         dtype = torch.result_type(other, first)
         if all(value.dtype == dtype for value in others if isinstance(value, torch.Tensor)):
             continue  # no promotion, nothing re-run: torch translates the number as it is
-        with graph.inserting_before(node):
-            scalar = graph.call_function(torch.ops.aten.scalar_tensor.default, (first,), {"dtype": dtype, "device": other.device})
-        mode = detect_fake_mode([other])
-        with mode if mode is not None else contextlib.nullcontext():
-            scalar.meta["val"] = torch.ops.aten.scalar_tensor.default(first, dtype=dtype, device=other.device)
-        scalar.meta.update({key: node.meta[key] for key in ("nn_module_stack", "stack_trace", "source_fn_stack") if key in node.meta})
+        kept = {key: node.meta[key] for key in ("nn_module_stack", "stack_trace", "source_fn_stack") if key in node.meta}
+        kwargs = {"dtype": dtype, "device": other.device}
+        scalar = _insert_call(graph, node, torch.ops.aten.scalar_tensor.default, (first,), kwargs, like=other, meta=kept)
         node.args = (scalar, *node.args[1:])
         count += 1
     if count:
