@@ -690,6 +690,13 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         # random masking (ViT-MAE) draws its noise inside forward unless given: one value per patch,
         # fixed, so PyTorch and both files mask the same patches
         inputs["noise"] = torch.rand(BATCH, patches, generator=generator)
+    features = inputs.get("input_features")
+    channels = getattr(config, "model_in_channels", None)
+    if "noise_sequence" in parameters and getattr(features, "dim", lambda: 0)() == 3 and isinstance(channels, int):
+        # a vocoder (UnivNet) draws its noise inside forward unless given: (batch, frames, channels), fixed;
+        # frames: the axis that is not the mel bins (the features may yet be transposed, see _build)
+        frames = features.shape[2] if features.shape[1] == getattr(config, "num_mel_bins", None) else features.shape[1]
+        inputs["noise_sequence"] = torch.randn(BATCH, frames, channels, generator=generator)
     width = getattr(config, "hidden_size", None)
     for name in sorted(_required(model) - set(inputs)):
         if name.endswith("_embeds") and isinstance(width, int):

@@ -287,6 +287,19 @@ def test_random_masking_gets_its_noise():
     assert result.report.ok, str(result.report)
 
 
+def test_a_vocoder_gets_its_noise_sequence():
+    # UnivNet draws its noise inside forward unless given (torch.randn, which no exporter
+    # translates): fixed, one frame per spectrogram frame, the export matches PyTorch
+    from onnx_modular import export_modular
+
+    model, inputs, _ = sweep.build("univnet", "UnivNetModel")
+    features, noise = inputs["input_features"], inputs["noise_sequence"]
+    assert noise.shape == (sweep.BATCH, features.shape[1], model.config.model_in_channels)
+    assert features.shape[2] == model.config.num_mel_bins  # (batch, frames, bins), as UnivNet reads them
+    result = export_modular(model, (), kwargs=inputs)
+    assert result.report.ok, str(result.report)
+
+
 def test_values_a_default_config_leaves_to_the_checkpoint_are_filled():
     # experts whose routing is unset: 2 of the 4 per token, one group (DeepSeek-V2's topk(None) otherwise)
     deepseek = sweep.tiny_config("deepseek_v2")

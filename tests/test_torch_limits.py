@@ -3,7 +3,8 @@ its class: complex values through shape ops (Llama-4-style rotary), a runtime ch
 ``aten._is_all_true`` (LLaVA's image-token count), and a data-dependent guard on a value of the
 weights (a padding size kept as a tensor buffer, EnCodec-style), captured by
 ``torch.export.draft_export``; a guard on input values still fails the capture; BERT's sequence axis
-without ``max`` takes torch's suggested bound (issue 37). Parity (onnxruntime
+without ``max`` takes torch's suggested bound (issue 37); ops torchlib lacks or refuses
+(``cummax``/``cummin``, ``histc`` over the data's range, ``erfinv``: issue 36). Parity (onnxruntime
 vs PyTorch, float32 atol 1e-4 / rtol 1e-3) is asserted inside export_modular and again here."""
 
 from __future__ import annotations
@@ -143,3 +144,40 @@ def test_bert_sequence_without_max_takes_torch_suggested_bound(tmp_path):
     with torch.no_grad():
         expected = model(other).last_hidden_state
     np.testing.assert_allclose(hidden, expected.numpy(), atol=1e-4, rtol=1e-3)
+
+
+class ScansCountsQuantiles(nn.Module):
+    """Grounding DINO's running max/min over token positions, a MoE router's ``histc`` over the
+    data's range (``min == max == 0``), Gemma 3n's ``erfinv``, inside a Linear's module tree."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+
+    def forward(self, x, ids, experts, p):
+        y = self.proj(x)
+        high, low = torch.cummax(ids, dim=1), torch.cummin(y, dim=-1)
+        return high.values, high.indices, low.values, low.indices, torch.histc(experts, bins=4), torch.histc(experts, bins=3, min=0, max=3), torch.special.erfinv(p)
+
+
+def test_scans_histograms_and_erfinv_torchlib_lacks(tmp_path):
+    torch.manual_seed(0)
+    model = ScansCountsQuantiles().eval()
+    ids = torch.tensor([[0, 3, 3, 1, 5, 5, 2], [4, 1, 0, 4, 2, 6, 6]])  # ties: the last index, as torch
+    experts = torch.tensor([0.0, 1, 1, 3, 3, 3, 2, 0])
+    p = torch.tensor([-1.0, -0.999999, -0.9, -0.5, 0.0, 1e-6, 0.3, 0.95, 0.9999, 1.0])  # +-1: +-inf
+    inputs = (torch.randn(2, 5, 3), ids, experts, p)
+    with pytest.raises(Exception, match="cummax|histc|erf"):  # torch's own export stops here
+        torch.onnx.export(model, inputs, dynamo=True, verbose=False)
+    result = export_modular(model, inputs, tmp_path / "m.onnx")
+    assert result.report.ok and [f.name for f in result.functions] == ["Linear"]
+    names = [i.name for i in ort.InferenceSession(str(tmp_path / "m.onnx")).get_inputs()]
+    got = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(None, dict(zip(names, [t.numpy() for t in inputs])))
+    expected = model(*inputs)
+    for g, e in zip(got[:6], expected[:6]):  # integer outputs exact, floats to float32 rounding
+        np.testing.assert_allclose(g, e.detach().numpy(), atol=0 if e.dtype == torch.int64 else 1e-6, rtol=0)
+    np.testing.assert_allclose(got[6], expected[6].numpy(), rtol=1e-6, atol=1e-6)  # float32 precision, infinities equal
+    # constant data widens the range by one each way, as torch
+    same = torch.full((5,), 2.0)
+    again = export_modular(model, (inputs[0], ids, same, p), tmp_path / "c.onnx")
+    assert again.report.ok

@@ -148,6 +148,8 @@ def _fill_gaps(reg, libraries: tuple) -> None:
     for torch_op, onnx_op, is_complex in translations.translations():  # ops torchlib lacks
         if not any(decomp.is_complex == is_complex for decomp in reg.get_decomps(torch_op)):
             reg.register_op(torch_op, onnx_op, is_complex=is_complex)
+    for torch_op, onnx_op in translations.refinements():  # torchlib's refuses some arguments
+        reg.register_op(torch_op, onnx_op, is_complex=False)
 
 
 def default_opset() -> int:
