@@ -157,6 +157,19 @@ def _widths(values: dict[str, Any]) -> set[int]:
     return found
 
 
+def _tied_channels(values: dict[str, Any], sizes: list[int]) -> list[str]:
+    """The channel keys (``stage_out_channels``, ``stem_out_channels``, ...) that repeat a stage
+    width of ``sizes``: the stages are built from those (HGNetV2, TextNet) and ``hidden_sizes`` only
+    describe them to a backbone's users and a classifier, so shrinking the list alone breaks both."""
+    def numbers(value: Any) -> set[int]:
+        if isinstance(value, (list, tuple)):
+            return set().union(*(numbers(v) for v in value)) if value else set()
+        return {value} if isinstance(value, int) and not isinstance(value, bool) else set()
+
+    stages = set(sizes)
+    return sorted(k for k, v in values.items() if k.endswith("_channels") and k != "num_channels" and numbers(v) & stages)
+
+
 def _fit_sections(sections: list[int], total: int) -> list[int]:
     """``sections`` scaled to sum to ``total`` (largest remainders; each at least 1 when it can):
     rotary sections (``mrope_section``) of a shrunk head, embedding factors of a shrunk width."""
@@ -308,7 +321,7 @@ def _shrunk(
             elif key in _LAYER_INDEX_KEYS:
                 out[key] = _layer_index(value)
         elif isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            if key in ("hidden_sizes", "dims", "embed_dims", "neck_hidden_sizes"):
+            if key in ("hidden_sizes", "dims", "embed_dims", "neck_hidden_sizes") and not _tied_channels(values, value):
                 out[key] = [min(v, 8 * 2**i) for i, v in enumerate(value)]
             elif key in _DEPTH_LIST_KEYS:
                 out[key] = [1] * len(value)
@@ -1059,7 +1072,10 @@ def _build(model_type: str, class_name: str, tier: str):
     with torch.no_grad():
         try:
             expected = model(**inputs)
-        except Exception:
+        except Exception as error:
+            larger = _larger_image(model, inputs, error)
+            if larger is not None:
+                return model, *larger
             text = make_inputs(model, config, images=False)
             features = inputs.get("input_features")
             if text.keys() == inputs.keys() and getattr(features, "dim", lambda: 0)() == 3:
@@ -1073,6 +1089,35 @@ def _build(model_type: str, class_name: str, tier: str):
             # (the row's `inputs` says which were fed)
             inputs, expected = text, model(**text)
     return model, inputs, _tensors(expected)
+
+
+#: how many times wider and taller than the config's (or the sweep's 32 pixels) an image may grow
+#: for a model whose pooling or windows need more pixels
+_IMAGE_GROWTH = 8
+
+
+def _larger_image(model, inputs: dict[str, Any], error: BaseException) -> tuple[dict[str, Any], list] | None:
+    """(inputs, expected outputs) with the image twice, four or eight times as tall and wide, when
+    the model says its image is too small: a text recognizer pools rows its backbone has already
+    halved five times (PP-OCR reads 48 x 320 lines), a depth model's patches need more pixels. None
+    when the error is not about the image's size or no larger image runs either."""
+    import torch
+
+    pixels = inputs.get("pixel_values")
+    if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4 or "too small" not in str(error):
+        return None
+    generator = torch.Generator().manual_seed(0)
+    height, width = pixels.shape[-2:]
+    scale = 2
+    while scale <= _IMAGE_GROWTH:
+        larger = {**inputs, "pixel_values": torch.randn(*pixels.shape[:2], height * scale, width * scale, generator=generator)}
+        try:
+            return larger, _tensors(model(**larger))
+        except Exception as e:
+            if "too small" not in str(e):
+                return None
+        scale *= 2
+    return None
 
 
 def _tensors(output) -> list:
