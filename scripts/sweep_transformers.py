@@ -59,9 +59,50 @@ HIDDEN = 32
 
 _QWEN4_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4, "indexer_compress_ratio": 2}
 
+#: PP-OCR's text detectors' intra-class blocks (each a convolution's kernel, stride and padding), the
+#: upsampling of their four maps and the head's kernels: None in the config classes, set by every released
+#: checkpoint (PaddleOCR's IntraCLBlock: 7/5/3 vertical, horizontal and square kernels)
+_PP_OCR_DETECTOR = {
+    "intraclass_block_config": {
+        "reduce_channel": [1, 1, 0],
+        "return_channel": [1, 1, 0],
+        "vertical_long_to_small_conv_longratio": [[7, 1], [1, 1], [3, 0]],
+        "vertical_long_to_small_conv_midratio": [[5, 1], [1, 1], [2, 0]],
+        "vertical_long_to_small_conv_shortratio": [[3, 1], [1, 1], [1, 0]],
+        "horizontal_small_to_long_conv_longratio": [[1, 7], [1, 1], [0, 3]],
+        "horizontal_small_to_long_conv_midratio": [[1, 5], [1, 1], [0, 2]],
+        "horizontal_small_to_long_conv_shortratio": [[1, 3], [1, 1], [0, 1]],
+        "symmetric_conv_long_longratio": [[7, 7], [1, 1], [3, 3]],
+        "symmetric_conv_long_midratio": [[5, 5], [1, 1], [2, 2]],
+        "symmetric_conv_long_shortratio": [[3, 3], [1, 1], [1, 1]],
+    },
+    "scale_factor_list": [1, 2, 4, 8],
+    "kernel_list": [3, 2, 2],
+}
+
+#: PP-OCRv6 medium's text detector reads all four stages of a PP-LCNetV4 backbone halving both sides at
+#: each (the config class's default backbone is the text recognizer's, halving the height only, and hands on
+#: its last stage only): the released checkpoint's
+_PP_OCRV6_DETECTOR_BACKBONE = {
+    "stem_channels": [3, 64, 128],
+    "stem_type": "large",
+    "block_configs": [
+        [[3, 128, 128, 1, True], [3, 128, 128, 1, False]],
+        [[3, 128, 256, 2, False], [3, 256, 256, 1, True], [3, 256, 256, 1, False]],
+        [[3, 256, 512, 2, False], [3, 512, 512, 1, True], [3, 512, 512, 1, False], [3, 512, 512, 1, True], [3, 512, 512, 1, False]],
+        [[3, 512, 896, 2, False], [3, 896, 896, 1, True], [3, 896, 896, 1, False]],
+    ],
+    "stage_out_channels": [128, 256, 512, 896],  # derived from the blocks, but the shrunk dict carries the default's
+    "depths": [2, 3, 5, 3],
+    "out_features": ["stage1", "stage2", "stage3", "stage4"],
+    "out_indices": [1, 2, 3, 4],
+}
+
 #: Per-architecture config overrides, applied after the generic shrinking rules (a dict for a
 #: sub-config is merged into the shrunk one).
 OVERRIDES: dict[str, dict[str, Any]] = {
+    "pp_ocrv5_server_det": _PP_OCR_DETECTOR,
+    "pp_ocrv6_medium_det": {**_PP_OCR_DETECTOR, "backbone_config": _PP_OCRV6_DETECTOR_BACKBONE},
     "deberta-v2": {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "position_buckets": 8, "max_relative_positions": 16},
     "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": 16, "expand": 2},
     "whisper": {"max_source_positions": 32, "max_target_positions": 32},
@@ -252,6 +293,11 @@ def _shrunk(
                 out[key] = 1
             elif key in _GROUP_KEYS | _TOPK_GROUP_KEYS and unrouted:  # 4 experts: one group holds them all
                 out[key] = 1
+            elif key in ("class_thresholds", "class_order") and isinstance(values.get("id2label"), dict):
+                # a detector's per-label score thresholds and reading-order category, left to the checkpoint
+                # (PP-DocLayout V2): 0.5 each, every label its own category
+                labels = len(values["id2label"])
+                out[key] = [0.5] * labels if key == "class_thresholds" else list(range(labels))
             elif key == "prediction_length":  # a forecaster's horizon, left to the user (the context follows it)
                 out[key] = 4
             continue
