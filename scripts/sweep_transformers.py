@@ -165,7 +165,7 @@ _TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"
 _GROUP_KEYS = {"n_group", "num_expert_group", "num_group"}
 _TOPK_GROUP_KEYS = {"topk_group"}
 #: widths tied to a hidden size by name: shrunk with it when they equal one of the tree's hidden sizes
-_WIDTH_SUFFIXES = ("hidden_size", "_dim", "embedding_size")
+_WIDTH_SUFFIXES = ("hidden_size", "_dim", "embedding_size", "projection_size")
 #: layer indices into a (vision) tower: kept within the tiny tower's layers
 _DEPTH_LIST_KEYS = {"depths", "num_layers_per_stage", "layers_per_stage"}
 _LAYER_INDEX_KEYS = {"vision_feature_layer", "vision_feature_layers", "feature_layer", "feature_layers", "select_layer"}
@@ -634,7 +634,7 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         # a video model by its input's name or by a video token in its text (InstructBLIP-Video)
         video = main == "pixel_values_videos" or any(k.startswith("video_token") for k in config.to_dict())
         required = _required(model)
-        if required & {"spatial_shapes", "pixel_position_ids", "aspect_ratio_ids"}:
+        if (required | parameters & {"spatial_shapes"}) & {"spatial_shapes", "pixel_position_ids", "aspect_ratio_ids"}:
             inputs.update(_patch_inputs(model, vision, generator))
         elif type(model).__name__.endswith("ForKeypointMatching"):  # a pair of images to match per row
             inputs["pixel_values"] = torch.randn(BATCH, 2, channels, height, width, generator=generator)
@@ -717,7 +717,9 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         vision = getattr(config, "vision_config", None)
         if "pixel_values" in parameters and vision is None and isinstance(getattr(config, "modality_type_vocab_size", None), int):
             vision = config  # a single-stream model embedding text and image patches together (ViLT)
-        if "pixel_values" in parameters and vision is not None and not image_tokens:  # dual encoders (CLIP)
+        if "pixel_values" in parameters and vision is not None and not image_tokens and "spatial_shapes" in parameters:
+            inputs.update(_patch_inputs(model, vision, generator))  # a dual encoder over NaFlex patches (SigLIP 2)
+        elif "pixel_values" in parameters and vision is not None and not image_tokens:  # dual encoders (CLIP)
             height, width = _image_size(vision)
             channels = getattr(vision, "num_channels", 3) or 3
             frames = getattr(vision, "num_frames", None)
