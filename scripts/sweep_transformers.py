@@ -102,6 +102,12 @@ _PP_OCRV6_DETECTOR_BACKBONE = {
 #: sub-config is merged into the shrunk one).
 OVERRIDES: dict[str, dict[str, Any]] = {
     "pp_ocrv5_server_det": _PP_OCR_DETECTOR,
+    # BEiT's segmentation head reads four layers, which its segmentation checkpoints list (out_indices
+    # [3, 5, 7, 11]); the default config hands on the last only: four layers, each handed on
+    "beit": {
+        "num_hidden_layers": 4, "out_indices": [1, 2, 3, 4], "out_features": ["stage1", "stage2", "stage3", "stage4"],
+        "stage_names": ["stem", "stage1", "stage2", "stage3", "stage4"],
+    },
     "pp_ocrv6_medium_det": {**_PP_OCR_DETECTOR, "backbone_config": _PP_OCRV6_DETECTOR_BACKBONE},
     "deberta-v2": {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "position_buckets": 8, "max_relative_positions": 16},
     "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": 16, "expand": 2},
@@ -298,6 +304,9 @@ def _shrunk(
                 # (PP-DocLayout V2): 0.5 each, every label its own category
                 labels = len(values["id2label"])
                 out[key] = [0.5] * labels if key == "class_thresholds" else list(range(labels))
+            elif key.startswith("decoder_") and key.endswith(("hidden_size", "_depth", "_num_heads")):
+                # a masked-image pretraining decoder left to the checkpoint (Hiera): one layer, 2 heads, HIDDEN wide
+                out[key] = HIDDEN if key.endswith("hidden_size") else 1 if key.endswith("_depth") else 2
             elif key == "prediction_length":  # a forecaster's horizon, left to the user (the context follows it)
                 out[key] = 4
             continue
@@ -308,6 +317,8 @@ def _shrunk(
                 out[key] = len(kept)
             elif key in _LAYER_KEYS and value > 2 or key in _HEAD_KEYS and value > 2:
                 out[key] = 2
+            elif key.endswith("num_attention_heads") and value > 2 and HIDDEN % value:
+                out[key] = 2  # another tower's heads (VideoMAE's decoder: 6) that would not divide its shrunk width
             elif key in _KV_HEAD_KEYS and value > 1:
                 # multi-head latent attention (DeepSeek's kv_lora_rank) repeats no key heads: kv == heads
                 out[key] = 2 if value == heads and "kv_lora_rank" in values else 1
@@ -628,7 +639,9 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs["past_values"] = torch.randn(BATCH, length, channels or 1, generator=generator)
     elif main in ("pixel_values", "pixel_values_videos") or ("pixel_values" in parameters and "input_ids" not in parameters):
         vision = getattr(config, "vision_config", None) or config
-        height, width = _image_size(vision)
+        backbone = getattr(config, "backbone_config", None)
+        # a model without an image size of its own reads its backbone's (ViTPose's 256 x 192 patch grid)
+        height, width = _image_size(backbone if getattr(vision, "image_size", None) is None and backbone is not None else vision)
         channels = getattr(vision, "num_channels", 3) or 3
         frames = getattr(vision, "num_frames", None) or getattr(config, "num_frames", None)
         # a video model by its input's name or by a video token in its text (InstructBLIP-Video)
@@ -644,6 +657,11 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         else:
             inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
         inputs.update(_text_beside_pixels(model, config, dict(inputs), generator))
+        if "bool_masked_pos" in required:  # a masked-patch pretraining head (VideoMAE): half of each row's patches
+            patches = next((m.num_patches for m in model.modules() if isinstance(getattr(m, "num_patches", None), int)), None)
+            if patches:
+                order = torch.stack([torch.randperm(patches, generator=generator) for _ in range(BATCH)])
+                inputs["bool_masked_pos"] = order < patches // 2  # as many masked in every row, as the head needs
         prompts = sorted(required & {"prompt_pixel_values", "prompt_masks"})
         if prompts and "pixel_values" in inputs:
             # SegGPT: an example image and its mask, stacked above the input to fill image_size
@@ -747,9 +765,12 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         if images and "input_features" in parameters and getattr(config, "audio_config", None) is not None and shape == (BATCH, SEQUENCE):
             inputs.update(audio_inputs(model, config, inputs["input_ids"], generator))
     patches = next((m.num_patches for m in model.modules() if isinstance(getattr(m, "num_patches", None), int)), None)
+    if patches is None:  # masking by units of patches (Hiera): one value per unit
+        units = next((m.mask_spatial_shape for m in model.modules() if isinstance(getattr(m, "mask_spatial_shape", None), (list, tuple))), None)
+        patches = math.prod(units) if units and all(isinstance(u, int) for u in units) else None
     if "noise" in parameters and "pixel_values" in inputs and patches:
-        # random masking (ViT-MAE) draws its noise inside forward unless given: one value per patch,
-        # fixed, so PyTorch and both files mask the same patches
+        # random masking (ViT-MAE) draws its noise inside forward unless given: one value per patch (or
+        # unit), fixed, so PyTorch and both files mask the same patches
         inputs["noise"] = torch.rand(BATCH, patches, generator=generator)
     width = getattr(config, "hidden_size", None)
     for name in sorted(_required(model) - set(inputs)):
