@@ -102,6 +102,9 @@ _PP_OCRV6_DETECTOR_BACKBONE = {
 #: sub-config is merged into the shrunk one).
 OVERRIDES: dict[str, dict[str, Any]] = {
     "pp_ocrv5_server_det": _PP_OCR_DETECTOR,
+    # LW-DETR's feature levels (none by default: the decoder has nothing to read): its tiny to medium
+    # checkpoints project the backbone's features at one scale, 1.0
+    "lw_detr": {"projector_scale_factors": [1.0]},
     # BEiT's segmentation head reads four layers, which its segmentation checkpoints list (out_indices
     # [3, 5, 7, 11]); the default config hands on the last only: four layers, each handed on
     "beit": {
@@ -174,7 +177,7 @@ _TOPK_GROUP_KEYS = {"topk_group"}
 _WIDTH_SUFFIXES = ("hidden_size", "_dim", "embedding_size", "projection_size")
 #: layer indices into a (vision) tower: kept within the tiny tower's layers
 _DEPTH_LIST_KEYS = {"depths", "num_layers_per_stage", "layers_per_stage"}
-_LAYER_INDEX_KEYS = {"vision_feature_layer", "vision_feature_layers", "feature_layer", "feature_layers", "select_layer"}
+_LAYER_INDEX_KEYS = {"vision_feature_layer", "vision_feature_layers", "feature_layer", "feature_layers", "select_layer", "intermediate_hook_ids"}
 _HEAD_DIM_KEYS = {"head_dim", "attention_head_dim", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"}
 _RANK_KEYS = {"kv_lora_rank", "q_lora_rank"}
 
@@ -317,6 +320,11 @@ def _shrunk(
                 out[key] = len(kept)
             elif key in _LAYER_KEYS and value > 2 or key in _HEAD_KEYS and value > 2:
                 out[key] = 2
+            elif key == "num_windows" and value > 4 and isinstance(values.get("image_size"), int) and values["image_size"] > 32:
+                out[key] = 4  # windowed attention over the tiny image's 4 x 4 patches (LW-DETR's ViT): 2 x 2 windows
+            elif key == "num_blocks" and kept is not None and layers and len(kept) <= value < layers:
+                # the last layers that read queries (EoMT's 4 of 24): the last of the kept ones, one before it without
+                out[key] = max(1, len(kept) - 1)
             elif key.endswith("num_attention_heads") and value > 2 and HIDDEN % value:
                 out[key] = 2  # another tower's heads (VideoMAE's decoder: 6) that would not divide its shrunk width
             elif key in _KV_HEAD_KEYS and value > 1:
@@ -401,6 +409,13 @@ def _shrunk(
             out[key] = {  # keyed by layer index: the kept layers', renumbered
                 kept.index(int(k)): v for k, v in value.items() if str(k).isdigit() and int(k) in kept
             }
+    patch = values.get("patch_size")
+    for key, sub in list(out.items()):
+        default = values.get(key)
+        if not shallow and isinstance(patch, int) and isinstance(sub, dict) and isinstance(default, dict) and default.get("image_size") == patch:
+            # a patch that is an encoder's whole image (DepthPro tiles its image for its DINOv2 encoders)
+            if isinstance(sub.get("image_size"), int):
+                out["patch_size"] = sub["image_size"]
     pinpoints = values.get("image_grid_pinpoints")
     vision = values.get("vision_config") if isinstance(values.get("vision_config"), dict) else {}
     if isinstance(pinpoints, list) and isinstance(vision.get("image_size"), int) and vision["image_size"] > 32:
@@ -649,7 +664,7 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         required = _required(model)
         if (required | parameters & {"spatial_shapes"}) & {"spatial_shapes", "pixel_position_ids", "aspect_ratio_ids"}:
             inputs.update(_patch_inputs(model, vision, generator))
-        elif type(model).__name__.endswith("ForKeypointMatching"):  # a pair of images to match per row
+        elif type(model).__name__.endswith("ForKeypointMatching") or _matches_keypoints(config):  # a pair of images to match per row
             inputs["pixel_values"] = torch.randn(BATCH, 2, channels, height, width, generator=generator)
         elif video or (isinstance(frames, int) and frames > 0):  # a video model reads (batch, frames, channels, height, width)
             frames = frames if isinstance(frames, int) and frames > 0 else 2 * (getattr(vision, "tubelet_size", None) or 1)
@@ -877,6 +892,13 @@ def _patch_inputs(model, vision, generator) -> dict[str, Any]:
         "pixel_attention_mask": torch.ones(BATCH, side * side, dtype=torch.long),
         "spatial_shapes": torch.tensor([[side, side]] * BATCH),
     }
+
+
+def _matches_keypoints(config) -> bool:
+    """Whether the architecture is a keypoint matcher (its base model reads image pairs too: EfficientLoFTR)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_KEYPOINT_MATCHING_MAPPING_NAMES
+
+    return getattr(config, "model_type", None) in MODEL_FOR_KEYPOINT_MATCHING_MAPPING_NAMES
 
 
 def _required(model) -> set[str]:

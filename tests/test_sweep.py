@@ -659,3 +659,28 @@ def test_image_size_from_the_backbone_and_four_layers_for_beit_segmentation():
     config = sweep.tiny_config("beit")
     assert len(config.out_indices) == 4 and config.num_hidden_layers == 4 and config.hidden_size == sweep.HIDDEN
     assert sweep.build("beit", "BeitForSemanticSegmentation")[2]
+
+
+def test_query_layers_windows_and_feature_levels_fit_the_tiny_encoder():
+    # EoMT's queries join the last num_blocks layers: within the two kept ones
+    config = sweep.tiny_config("eomt")
+    assert 1 <= config.num_blocks < config.num_hidden_layers
+    assert sweep.tiny_config("xlstm").num_blocks == sweep.tiny_config("xlstm").num_hidden_layers  # a layer count stays one
+    _, _, expected = sweep.build("eomt", "EomtForUniversalSegmentation")
+    assert expected
+    # LW-DETR: 2 x 2 windows over the tiny image's patches, one feature level as its checkpoints project
+    lw = sweep.tiny_config("lw_detr")
+    assert lw.backbone_config.num_windows == 4 and lw.num_feature_levels == 1
+    assert sweep.build("lw_detr", "LwDetrForObjectDetection")[2]
+
+
+def test_keypoint_matchers_and_tiled_depth_models():
+    # every class of a keypoint-matching architecture reads image pairs, its base model too
+    _, inputs, _ = sweep.build("efficientloftr", "EfficientLoFTRModel")
+    assert inputs["pixel_values"].shape[:2] == (sweep.BATCH, 2) and inputs["pixel_values"].dim() == 5
+    # DepthPro's patch is its encoders' whole image; the image grows until the smallest scale holds one
+    config = sweep.tiny_config("depth_pro")
+    assert config.patch_size == config.image_model_config.image_size == 32
+    assert all(-2 <= i < 2 for i in config.intermediate_hook_ids)
+    model, inputs, _ = sweep.build("depth_pro", "DepthProForDepthEstimation")
+    assert min(inputs["pixel_values"].shape[-2:]) * min(config.scaled_images_ratios) >= config.patch_size
