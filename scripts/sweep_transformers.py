@@ -102,6 +102,9 @@ _PP_OCRV6_DETECTOR_BACKBONE = {
 #: sub-config is merged into the shrunk one).
 OVERRIDES: dict[str, dict[str, Any]] = {
     "pp_ocrv5_server_det": _PP_OCR_DETECTOR,
+    # UVDoc's head concatenates its six bridge stages (6 x 128 channels); the default backbone config hands on
+    # the last only, the released checkpoint all six
+    "uvdoc": {"backbone_config": {"out_features": [f"stage{i}" for i in range(1, 7)], "out_indices": list(range(1, 7))}},
     # LW-DETR's feature levels (none by default: the decoder has nothing to read): its tiny to medium
     # checkpoints project the backbone's features at one scale, 1.0
     "lw_detr": {"projector_scale_factors": [1.0]},
@@ -1185,17 +1188,24 @@ def _build(model_type: str, class_name: str, tier: str):
 #: how many times wider and taller than the config's (or the sweep's 32 pixels) an image may grow
 #: for a model whose pooling or windows need more pixels
 _IMAGE_GROWTH = 8
+#: what torch and transformers say when an image is too small for a model's pooling, tiling or padding
+_SMALL_IMAGE = ("too small", "Padding size should be less than the corresponding input dimension")
+
+
+def _says_too_small(error: BaseException) -> bool:
+    return any(phrase in str(error) for phrase in _SMALL_IMAGE)
 
 
 def _larger_image(model, inputs: dict[str, Any], error: BaseException) -> tuple[dict[str, Any], list] | None:
     """(inputs, expected outputs) with the image twice, four or eight times as tall and wide, when
     the model says its image is too small: a text recognizer pools rows its backbone has already
-    halved five times (PP-OCR reads 48 x 320 lines), a depth model's patches need more pixels. None
+    halved five times (PP-OCR reads 48 x 320 lines), a depth model's patches need more pixels, a
+    dewarper reflects-pads maps its backbone made small (UVDoc). None
     when the error is not about the image's size or no larger image runs either."""
     import torch
 
     pixels = inputs.get("pixel_values")
-    if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4 or "too small" not in str(error):
+    if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4 or not _says_too_small(error):
         return None
     generator = torch.Generator().manual_seed(0)
     height, width = pixels.shape[-2:]
@@ -1205,7 +1215,7 @@ def _larger_image(model, inputs: dict[str, Any], error: BaseException) -> tuple[
         try:
             return larger, _tensors(model(**larger))
         except Exception as e:
-            if "too small" not in str(e):
+            if not _says_too_small(e):
                 return None
         scale *= 2
     return None

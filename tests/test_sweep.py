@@ -684,3 +684,12 @@ def test_keypoint_matchers_and_tiled_depth_models():
     assert all(-2 <= i < 2 for i in config.intermediate_hook_ids)
     model, inputs, _ = sweep.build("depth_pro", "DepthProForDepthEstimation")
     assert min(inputs["pixel_values"].shape[-2:]) * min(config.scaled_images_ratios) >= config.patch_size
+
+
+def test_a_dewarper_hands_on_every_bridge_stage_and_grows_its_image():
+    # UVDoc's head concatenates the six bridge stages; their reflect padding needs more than 2 x 2 maps
+    config = sweep.tiny_config("uvdoc")
+    assert len(config.backbone_config.out_features) == len(config.backbone_config.stage_configs) == 6
+    _, inputs, _ = sweep.build("uvdoc", "UVDocModel")
+    assert inputs["pixel_values"].shape[-2:] == (64, 64)
+    assert sweep._says_too_small(RuntimeError("Padding size should be less than the corresponding input dimension, but got: 2"))
