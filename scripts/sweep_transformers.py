@@ -102,6 +102,12 @@ _PP_OCRV6_DETECTOR_BACKBONE = {
 #: sub-config is merged into the shrunk one).
 OVERRIDES: dict[str, dict[str, Any]] = {
     "pp_ocrv5_server_det": _PP_OCR_DETECTOR,
+    # ViTMatte: the config class's defaults are tuples, which the model extends with a list ([hidden] + sizes),
+    # where a checkpoint's config.json gives lists; its conv stream (three stride-2 convolutions) meets the
+    # ViT's features upsampled once, at 1/8: patches of 16, as every checkpoint has
+    "vitmatte": {
+        "convstream_hidden_sizes": [48, 96, 192], "fusion_hidden_sizes": [256, 128, 64, 32], "backbone_config": {"patch_size": 16},
+    },
     # UVDoc's head concatenates its six bridge stages (6 x 128 channels); the default backbone config hands on
     # the last only, the released checkpoint all six
     "uvdoc": {"backbone_config": {"out_features": [f"stage{i}" for i in range(1, 7)], "out_indices": list(range(1, 7))}},

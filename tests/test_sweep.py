@@ -693,3 +693,10 @@ def test_a_dewarper_hands_on_every_bridge_stage_and_grows_its_image():
     _, inputs, _ = sweep.build("uvdoc", "UVDocModel")
     assert inputs["pixel_values"].shape[-2:] == (64, 64)
     assert sweep._says_too_small(RuntimeError("Padding size should be less than the corresponding input dimension, but got: 2"))
+
+
+def test_vitmatte_gets_list_sizes_and_its_backbone_patch():
+    config = sweep.tiny_config("vitmatte")
+    assert isinstance(config.fusion_hidden_sizes, list) and config.backbone_config.patch_size == 16
+    assert config.backbone_config.hidden_size == config.hidden_size == sweep.HIDDEN
+    assert sweep.build("vitmatte", "VitMatteForImageMatting")[2]
