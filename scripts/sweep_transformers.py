@@ -334,8 +334,8 @@ def _shrunk(
             elif key == "num_blocks" and kept is not None and layers and len(kept) <= value < layers:
                 # the last layers that read queries (EoMT's 4 of 24): the last of the kept ones, one before it without
                 out[key] = max(1, len(kept) - 1)
-            elif key.endswith("num_attention_heads") and value > 2 and HIDDEN % value:
-                out[key] = 2  # another tower's heads (VideoMAE's decoder: 6) that would not divide its shrunk width
+            elif key.startswith("decoder_") and key.endswith("num_attention_heads") and value > 2 and HIDDEN % value:
+                out[key] = 2  # a decoder's heads (VideoMAE's: 6) that would not divide its shrunk width
             elif key in _KV_HEAD_KEYS and value > 1:
                 # multi-head latent attention (DeepSeek's kv_lora_rank) repeats no key heads: kv == heads
                 out[key] = 2 if value == heads and "kv_lora_rank" in values else 1
@@ -663,9 +663,7 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs["past_values"] = torch.randn(BATCH, length, channels or 1, generator=generator)
     elif main in ("pixel_values", "pixel_values_videos") or ("pixel_values" in parameters and "input_ids" not in parameters):
         vision = getattr(config, "vision_config", None) or config
-        backbone = getattr(config, "backbone_config", None)
-        # a model without an image size of its own reads its backbone's (ViTPose's 256 x 192 patch grid)
-        height, width = _image_size(backbone if getattr(vision, "image_size", None) is None and backbone is not None else vision)
+        height, width = _image_size(vision)
         channels = getattr(vision, "num_channels", 3) or 3
         frames = getattr(vision, "num_frames", None) or getattr(config, "num_frames", None)
         # a video model by its input's name or by a video token in its text (InstructBLIP-Video)
@@ -1173,7 +1171,7 @@ def _build(model_type: str, class_name: str, tier: str):
         try:
             expected = model(**inputs)
         except Exception as error:
-            larger = _larger_image(model, inputs, error)
+            larger = _larger_image(model, inputs, error) or _backbone_image(model, config, inputs)
             if larger is not None:
                 return model, *larger
             text = make_inputs(model, config, images=False)
@@ -1225,6 +1223,25 @@ def _larger_image(model, inputs: dict[str, Any], error: BaseException) -> tuple[
                 return None
         scale *= 2
     return None
+
+
+def _backbone_image(model, config, inputs: dict[str, Any]) -> tuple[dict[str, Any], list] | None:
+    """(inputs, expected outputs) with an image of the size the backbone config gives, for a model
+    without an image size of its own that does not run on the sweep's (ViTPose's backbone embeds a
+    fixed 256 x 192 grid); None when there is no other size or the model does not run on it either."""
+    import torch
+
+    pixels, backbone = inputs.get("pixel_values"), getattr(config, "backbone_config", None)
+    if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4 or getattr(backbone, "image_size", None) is None:
+        return None
+    size = _image_size(backbone)
+    if size == tuple(pixels.shape[-2:]):
+        return None
+    other = {**inputs, "pixel_values": torch.randn(*pixels.shape[:2], *size, generator=torch.Generator().manual_seed(0))}
+    try:
+        return other, _tensors(model(**other))
+    except Exception:
+        return None
 
 
 def _tensors(output) -> list:
