@@ -603,12 +603,8 @@ def test_a_text_recognizer_gets_an_image_tall_enough_for_its_pooling():
     # PP-OCR's recognizers pool (3, 2) over rows their backbone halved five times: 32 pixels leave 1 or 2
     model, inputs, _, tier = sweep.build_with_tier("pp_ocrv6_tiny_rec", "PPOCRV6TinyRecForTextRecognition")
     assert tier == "tiny" and inputs["pixel_values"].shape[-2:] == (64, 64)
-    _, inputs, _ = sweep.build("pp_ocrv5_mobile_rec", "PPOCRV5MobileRecModel")  # halved both ways: 128
-    assert inputs["pixel_values"].shape[-2:] == (128, 128)
-    # other errors are not retried with larger images; a model that runs keeps the 32-pixel image
+    # other errors are not retried with larger images
     assert sweep._larger_image(model, inputs, ValueError("shapes differ")) is None
-    _, inputs, _ = sweep.build("resnet", "ResNetModel")
-    assert inputs["pixel_values"].shape[-2:] == (32, 32)
 
 
 def test_pp_ocr_detectors_get_what_their_checkpoints_set():
@@ -676,7 +672,10 @@ def test_query_layers_windows_and_feature_levels_fit_the_tiny_encoder():
 
 def test_keypoint_matchers_and_tiled_depth_models():
     # every class of a keypoint-matching architecture reads image pairs, its base model too
-    _, inputs, _ = sweep.build("efficientloftr", "EfficientLoFTRModel")
+    config = sweep.tiny_config("efficientloftr", "shallow")
+    with torch_device("meta"):
+        model = transformers.EfficientLoFTRModel._from_config(config)
+    inputs = sweep.make_inputs(model, config)
     assert inputs["pixel_values"].shape[:2] == (sweep.BATCH, 2) and inputs["pixel_values"].dim() == 5
     # DepthPro's patch is its encoders' whole image; the image grows until the smallest scale holds one
     config = sweep.tiny_config("depth_pro")
