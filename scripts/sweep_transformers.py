@@ -59,9 +59,68 @@ HIDDEN = 32
 
 _QWEN4_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4, "indexer_compress_ratio": 2}
 
+#: PP-OCR's text detectors' intra-class blocks (each a convolution's kernel, stride and padding), the
+#: upsampling of their four maps and the head's kernels: None in the config classes, set by every released
+#: checkpoint (PaddleOCR's IntraCLBlock: 7/5/3 vertical, horizontal and square kernels)
+_PP_OCR_DETECTOR = {
+    "intraclass_block_config": {
+        "reduce_channel": [1, 1, 0],
+        "return_channel": [1, 1, 0],
+        "vertical_long_to_small_conv_longratio": [[7, 1], [1, 1], [3, 0]],
+        "vertical_long_to_small_conv_midratio": [[5, 1], [1, 1], [2, 0]],
+        "vertical_long_to_small_conv_shortratio": [[3, 1], [1, 1], [1, 0]],
+        "horizontal_small_to_long_conv_longratio": [[1, 7], [1, 1], [0, 3]],
+        "horizontal_small_to_long_conv_midratio": [[1, 5], [1, 1], [0, 2]],
+        "horizontal_small_to_long_conv_shortratio": [[1, 3], [1, 1], [0, 1]],
+        "symmetric_conv_long_longratio": [[7, 7], [1, 1], [3, 3]],
+        "symmetric_conv_long_midratio": [[5, 5], [1, 1], [2, 2]],
+        "symmetric_conv_long_shortratio": [[3, 3], [1, 1], [1, 1]],
+    },
+    "scale_factor_list": [1, 2, 4, 8],
+    "kernel_list": [3, 2, 2],
+}
+
+#: PP-OCRv6 medium's text detector reads all four stages of a PP-LCNetV4 backbone halving both sides at
+#: each (the config class's default backbone is the text recognizer's, halving the height only, and hands on
+#: its last stage only): the released checkpoint's
+_PP_OCRV6_DETECTOR_BACKBONE = {
+    "stem_channels": [3, 64, 128],
+    "stem_type": "large",
+    "block_configs": [
+        [[3, 128, 128, 1, True], [3, 128, 128, 1, False]],
+        [[3, 128, 256, 2, False], [3, 256, 256, 1, True], [3, 256, 256, 1, False]],
+        [[3, 256, 512, 2, False], [3, 512, 512, 1, True], [3, 512, 512, 1, False], [3, 512, 512, 1, True], [3, 512, 512, 1, False]],
+        [[3, 512, 896, 2, False], [3, 896, 896, 1, True], [3, 896, 896, 1, False]],
+    ],
+    "stage_out_channels": [128, 256, 512, 896],  # derived from the blocks, but the shrunk dict carries the default's
+    "depths": [2, 3, 5, 3],
+    "out_features": ["stage1", "stage2", "stage3", "stage4"],
+    "out_indices": [1, 2, 3, 4],
+}
+
 #: Per-architecture config overrides, applied after the generic shrinking rules (a dict for a
 #: sub-config is merged into the shrunk one).
 OVERRIDES: dict[str, dict[str, Any]] = {
+    "pp_ocrv5_server_det": _PP_OCR_DETECTOR,
+    # ViTMatte: the config class's defaults are tuples, which the model extends with a list ([hidden] + sizes),
+    # where a checkpoint's config.json gives lists; its conv stream (three stride-2 convolutions) meets the
+    # ViT's features upsampled once, at 1/8: patches of 16, as every checkpoint has
+    "vitmatte": {
+        "convstream_hidden_sizes": [48, 96, 192], "fusion_hidden_sizes": [256, 128, 64, 32], "backbone_config": {"patch_size": 16},
+    },
+    # UVDoc's head concatenates its six bridge stages (6 x 128 channels); the default backbone config hands on
+    # the last only, the released checkpoint all six
+    "uvdoc": {"backbone_config": {"out_features": [f"stage{i}" for i in range(1, 7)], "out_indices": list(range(1, 7))}},
+    # LW-DETR's feature levels (none by default: the decoder has nothing to read): its tiny to medium
+    # checkpoints project the backbone's features at one scale, 1.0
+    "lw_detr": {"projector_scale_factors": [1.0]},
+    # BEiT's segmentation head reads four layers, which its segmentation checkpoints list (out_indices
+    # [3, 5, 7, 11]); the default config hands on the last only: four layers, each handed on
+    "beit": {
+        "num_hidden_layers": 4, "out_indices": [1, 2, 3, 4], "out_features": ["stage1", "stage2", "stage3", "stage4"],
+        "stage_names": ["stem", "stage1", "stage2", "stage3", "stage4"],
+    },
+    "pp_ocrv6_medium_det": {**_PP_OCR_DETECTOR, "backbone_config": _PP_OCRV6_DETECTOR_BACKBONE},
     "deberta-v2": {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "position_buckets": 8, "max_relative_positions": 16},
     "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": 16, "expand": 2},
     "whisper": {"max_source_positions": 32, "max_target_positions": 32},
@@ -124,10 +183,10 @@ _TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"
 _GROUP_KEYS = {"n_group", "num_expert_group", "num_group"}
 _TOPK_GROUP_KEYS = {"topk_group"}
 #: widths tied to a hidden size by name: shrunk with it when they equal one of the tree's hidden sizes
-_WIDTH_SUFFIXES = ("hidden_size", "_dim", "embedding_size")
+_WIDTH_SUFFIXES = ("hidden_size", "_dim", "embedding_size", "projection_size")
 #: layer indices into a (vision) tower: kept within the tiny tower's layers
 _DEPTH_LIST_KEYS = {"depths", "num_layers_per_stage", "layers_per_stage"}
-_LAYER_INDEX_KEYS = {"vision_feature_layer", "vision_feature_layers", "feature_layer", "feature_layers", "select_layer"}
+_LAYER_INDEX_KEYS = {"vision_feature_layer", "vision_feature_layers", "feature_layer", "feature_layers", "select_layer", "intermediate_hook_ids"}
 _HEAD_DIM_KEYS = {"head_dim", "attention_head_dim", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"}
 _RANK_KEYS = {"kv_lora_rank", "q_lora_rank"}
 
@@ -155,6 +214,19 @@ def _widths(values: dict[str, Any]) -> set[int]:
         elif key in _HIDDEN_KEYS and isinstance(value, int) and not isinstance(value, bool) and value > HIDDEN:
             found.add(value)
     return found
+
+
+def _tied_channels(values: dict[str, Any], sizes: list[int]) -> list[str]:
+    """The channel keys (``stage_out_channels``, ``stem_out_channels``, ...) that repeat a stage
+    width of ``sizes``: the stages are built from those (HGNetV2, TextNet) and ``hidden_sizes`` only
+    describe them to a backbone's users and a classifier, so shrinking the list alone breaks both."""
+    def numbers(value: Any) -> set[int]:
+        if isinstance(value, (list, tuple)):
+            return set().union(*(numbers(v) for v in value)) if value else set()
+        return {value} if isinstance(value, int) and not isinstance(value, bool) else set()
+
+    stages = set(sizes)
+    return sorted(k for k, v in values.items() if k.endswith("_channels") and k != "num_channels" and numbers(v) & stages)
 
 
 def _fit_sections(sections: list[int], total: int) -> list[int]:
@@ -239,6 +311,14 @@ def _shrunk(
                 out[key] = 1
             elif key in _GROUP_KEYS | _TOPK_GROUP_KEYS and unrouted:  # 4 experts: one group holds them all
                 out[key] = 1
+            elif key in ("class_thresholds", "class_order") and isinstance(values.get("id2label"), dict):
+                # a detector's per-label score thresholds and reading-order category, left to the checkpoint
+                # (PP-DocLayout V2): 0.5 each, every label its own category
+                labels = len(values["id2label"])
+                out[key] = [0.5] * labels if key == "class_thresholds" else list(range(labels))
+            elif key.startswith("decoder_") and key.endswith(("hidden_size", "_depth", "_num_heads")):
+                # a masked-image pretraining decoder left to the checkpoint (Hiera): one layer, 2 heads, HIDDEN wide
+                out[key] = HIDDEN if key.endswith("hidden_size") else 1 if key.endswith("_depth") else 2
             elif key == "prediction_length":  # a forecaster's horizon, left to the user (the context follows it)
                 out[key] = 4
             continue
@@ -249,6 +329,13 @@ def _shrunk(
                 out[key] = len(kept)
             elif key in _LAYER_KEYS and value > 2 or key in _HEAD_KEYS and value > 2:
                 out[key] = 2
+            elif key == "num_windows" and value > 4 and isinstance(values.get("image_size"), int) and values["image_size"] > 32:
+                out[key] = 4  # windowed attention over the tiny image's 4 x 4 patches (LW-DETR's ViT): 2 x 2 windows
+            elif key == "num_blocks" and kept is not None and layers and len(kept) <= value < layers:
+                # the last layers that read queries (EoMT's 4 of 24): the last of the kept ones, one before it without
+                out[key] = max(1, len(kept) - 1)
+            elif key.startswith("decoder_") and key.endswith("num_attention_heads") and value > 2 and HIDDEN % value:
+                out[key] = 2  # a decoder's heads (VideoMAE's: 6) that would not divide its shrunk width
             elif key in _KV_HEAD_KEYS and value > 1:
                 # multi-head latent attention (DeepSeek's kv_lora_rank) repeats no key heads: kv == heads
                 out[key] = 2 if value == heads and "kv_lora_rank" in values else 1
@@ -308,7 +395,7 @@ def _shrunk(
             elif key in _LAYER_INDEX_KEYS:
                 out[key] = _layer_index(value)
         elif isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            if key in ("hidden_sizes", "dims", "embed_dims", "neck_hidden_sizes"):
+            if key in ("hidden_sizes", "dims", "embed_dims", "neck_hidden_sizes") and not _tied_channels(values, value):
                 out[key] = [min(v, 8 * 2**i) for i, v in enumerate(value)]
             elif key in _DEPTH_LIST_KEYS:
                 out[key] = [1] * len(value)
@@ -331,6 +418,13 @@ def _shrunk(
             out[key] = {  # keyed by layer index: the kept layers', renumbered
                 kept.index(int(k)): v for k, v in value.items() if str(k).isdigit() and int(k) in kept
             }
+    patch = values.get("patch_size")
+    for key, sub in list(out.items()):
+        default = values.get(key)
+        if not shallow and isinstance(patch, int) and isinstance(sub, dict) and isinstance(default, dict) and default.get("image_size") == patch:
+            # a patch that is an encoder's whole image (DepthPro tiles its image for its DINOv2 encoders)
+            if isinstance(sub.get("image_size"), int):
+                out["patch_size"] = sub["image_size"]
     pinpoints = values.get("image_grid_pinpoints")
     vision = values.get("vision_config") if isinstance(values.get("vision_config"), dict) else {}
     if isinstance(pinpoints, list) and isinstance(vision.get("image_size"), int) and vision["image_size"] > 32:
@@ -575,9 +669,9 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         # a video model by its input's name or by a video token in its text (InstructBLIP-Video)
         video = main == "pixel_values_videos" or any(k.startswith("video_token") for k in config.to_dict())
         required = _required(model)
-        if required & {"spatial_shapes", "pixel_position_ids", "aspect_ratio_ids"}:
+        if (required | parameters & {"spatial_shapes"}) & {"spatial_shapes", "pixel_position_ids", "aspect_ratio_ids"}:
             inputs.update(_patch_inputs(model, vision, generator))
-        elif type(model).__name__.endswith("ForKeypointMatching"):  # a pair of images to match per row
+        elif type(model).__name__.endswith("ForKeypointMatching") or _matches_keypoints(config):  # a pair of images to match per row
             inputs["pixel_values"] = torch.randn(BATCH, 2, channels, height, width, generator=generator)
         elif video or (isinstance(frames, int) and frames > 0):  # a video model reads (batch, frames, channels, height, width)
             frames = frames if isinstance(frames, int) and frames > 0 else 2 * (getattr(vision, "tubelet_size", None) or 1)
@@ -585,6 +679,11 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         else:
             inputs["pixel_values"] = torch.randn(BATCH, channels, height, width, generator=generator)
         inputs.update(_text_beside_pixels(model, config, dict(inputs), generator))
+        if "bool_masked_pos" in required:  # a masked-patch pretraining head (VideoMAE): half of each row's patches
+            patches = next((m.num_patches for m in model.modules() if isinstance(getattr(m, "num_patches", None), int)), None)
+            if patches:
+                order = torch.stack([torch.randperm(patches, generator=generator) for _ in range(BATCH)])
+                inputs["bool_masked_pos"] = order < patches // 2  # as many masked in every row, as the head needs
         prompts = sorted(required & {"prompt_pixel_values", "prompt_masks"})
         if prompts and "pixel_values" in inputs:
             # SegGPT: an example image and its mask, stacked above the input to fill image_size
@@ -658,7 +757,9 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         vision = getattr(config, "vision_config", None)
         if "pixel_values" in parameters and vision is None and isinstance(getattr(config, "modality_type_vocab_size", None), int):
             vision = config  # a single-stream model embedding text and image patches together (ViLT)
-        if "pixel_values" in parameters and vision is not None and not image_tokens:  # dual encoders (CLIP)
+        if "pixel_values" in parameters and vision is not None and not image_tokens and "spatial_shapes" in parameters:
+            inputs.update(_patch_inputs(model, vision, generator))  # a dual encoder over NaFlex patches (SigLIP 2)
+        elif "pixel_values" in parameters and vision is not None and not image_tokens:  # dual encoders (CLIP)
             height, width = _image_size(vision)
             channels = getattr(vision, "num_channels", 3) or 3
             frames = getattr(vision, "num_frames", None)
@@ -686,9 +787,12 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         if images and "input_features" in parameters and getattr(config, "audio_config", None) is not None and shape == (BATCH, SEQUENCE):
             inputs.update(audio_inputs(model, config, inputs["input_ids"], generator))
     patches = next((m.num_patches for m in model.modules() if isinstance(getattr(m, "num_patches", None), int)), None)
+    if patches is None:  # masking by units of patches (Hiera): one value per unit
+        units = next((m.mask_spatial_shape for m in model.modules() if isinstance(getattr(m, "mask_spatial_shape", None), (list, tuple))), None)
+        patches = math.prod(units) if units and all(isinstance(u, int) for u in units) else None
     if "noise" in parameters and "pixel_values" in inputs and patches:
-        # random masking (ViT-MAE) draws its noise inside forward unless given: one value per patch,
-        # fixed, so PyTorch and both files mask the same patches
+        # random masking (ViT-MAE) draws its noise inside forward unless given: one value per patch (or
+        # unit), fixed, so PyTorch and both files mask the same patches
         inputs["noise"] = torch.rand(BATCH, patches, generator=generator)
     features = inputs.get("input_features")
     channels = getattr(config, "model_in_channels", None)
@@ -802,6 +906,13 @@ def _patch_inputs(model, vision, generator) -> dict[str, Any]:
         "pixel_attention_mask": torch.ones(BATCH, side * side, dtype=torch.long),
         "spatial_shapes": torch.tensor([[side, side]] * BATCH),
     }
+
+
+def _matches_keypoints(config) -> bool:
+    """Whether the architecture is a keypoint matcher (its base model reads image pairs too: EfficientLoFTR)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_KEYPOINT_MATCHING_MAPPING_NAMES
+
+    return getattr(config, "model_type", None) in MODEL_FOR_KEYPOINT_MATCHING_MAPPING_NAMES
 
 
 def _required(model) -> set[str]:
@@ -1066,7 +1177,10 @@ def _build(model_type: str, class_name: str, tier: str):
     with torch.no_grad():
         try:
             expected = model(**inputs)
-        except Exception:
+        except Exception as error:
+            larger = _larger_image(model, inputs, error) or _backbone_image(model, config, inputs)
+            if larger is not None:
+                return model, *larger
             text = make_inputs(model, config, images=False)
             features = inputs.get("input_features")
             if text.keys() == inputs.keys() and getattr(features, "dim", lambda: 0)() == 3:
@@ -1080,6 +1194,61 @@ def _build(model_type: str, class_name: str, tier: str):
             # (the row's `inputs` says which were fed)
             inputs, expected = text, model(**text)
     return model, inputs, _tensors(expected)
+
+
+#: how many times wider and taller than the config's (or the sweep's 32 pixels) an image may grow
+#: for a model whose pooling or windows need more pixels
+_IMAGE_GROWTH = 8
+#: what torch and transformers say when an image is too small for a model's pooling, tiling or padding
+_SMALL_IMAGE = ("too small", "Padding size should be less than the corresponding input dimension")
+
+
+def _says_too_small(error: BaseException) -> bool:
+    return any(phrase in str(error) for phrase in _SMALL_IMAGE)
+
+
+def _larger_image(model, inputs: dict[str, Any], error: BaseException) -> tuple[dict[str, Any], list] | None:
+    """(inputs, expected outputs) with the image twice, four or eight times as tall and wide, when
+    the model says its image is too small: a text recognizer pools rows its backbone has already
+    halved five times (PP-OCR reads 48 x 320 lines), a depth model's patches need more pixels, a
+    dewarper reflects-pads maps its backbone made small (UVDoc). None
+    when the error is not about the image's size or no larger image runs either."""
+    import torch
+
+    pixels = inputs.get("pixel_values")
+    if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4 or not _says_too_small(error):
+        return None
+    generator = torch.Generator().manual_seed(0)
+    height, width = pixels.shape[-2:]
+    scale = 2
+    while scale <= _IMAGE_GROWTH:
+        larger = {**inputs, "pixel_values": torch.randn(*pixels.shape[:2], height * scale, width * scale, generator=generator)}
+        try:
+            return larger, _tensors(model(**larger))
+        except Exception as e:
+            if not _says_too_small(e):
+                return None
+        scale *= 2
+    return None
+
+
+def _backbone_image(model, config, inputs: dict[str, Any]) -> tuple[dict[str, Any], list] | None:
+    """(inputs, expected outputs) with an image of the size the backbone config gives, for a model
+    without an image size of its own that does not run on the sweep's (ViTPose's backbone embeds a
+    fixed 256 x 192 grid); None when there is no other size or the model does not run on it either."""
+    import torch
+
+    pixels, backbone = inputs.get("pixel_values"), getattr(config, "backbone_config", None)
+    if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4 or getattr(backbone, "image_size", None) is None:
+        return None
+    size = _image_size(backbone)
+    if size == tuple(pixels.shape[-2:]):
+        return None
+    other = {**inputs, "pixel_values": torch.randn(*pixels.shape[:2], *size, generator=torch.Generator().manual_seed(0))}
+    try:
+        return other, _tensors(model(**other))
+    except Exception:
+        return None
 
 
 def _tensors(output) -> list:

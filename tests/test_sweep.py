@@ -590,3 +590,125 @@ def test_overrides_for_keys_a_config_class_does_not_tie_or_declare():
     assert sweep.tiny_config("t5gemma2_encoder").text_config.dropout_rate == 0.0
     moonshine = sweep.tiny_config("moonshine_streaming")
     assert moonshine.num_key_value_heads == moonshine.num_attention_heads
+
+
+# ---- iss36f rules ----
+
+
+def test_stage_widths_tied_to_channel_keys_stay():
+    # HGNetV2 builds its stages from stage_*_channels; hidden_sizes only describe them (to a detector's
+    # encoder, to the classifier): shrunk alone they break both, so they stay with the channels they repeat
+    hgnet = sweep.tiny_config("hgnet_v2")
+    assert list(hgnet.hidden_sizes[1:]) == list(hgnet.stage_out_channels[1:])
+    assert sweep._tied_channels({"stem_out_channels": 64, "num_channels": 3}, [64, 128]) == ["stem_out_channels"]
+    assert sweep._tied_channels({"num_channels": 3}, [8, 16]) == []
+    assert sweep.tiny_config("resnet").hidden_sizes == [8, 16, 32, 64]  # untied stages still shrink
+    # a detector's encoder reads the channels the backbone really hands on
+    dfine = sweep.tiny_config("d_fine")
+    assert list(dfine.encoder_in_channels) == dfine.backbone_config.hidden_sizes[1:]
+    model, inputs, expected = sweep.build("d_fine", "DFineModel")
+    assert inputs["pixel_values"].shape[-2:] == (32, 32) and expected
+    _, _, expected = sweep.build("hgnet_v2", "HGNetV2ForImageClassification")
+    assert expected[0].shape == (sweep.BATCH, hgnet.num_labels)
+
+
+def test_a_text_recognizer_gets_an_image_tall_enough_for_its_pooling():
+    # PP-OCR's recognizers pool (3, 2) over rows their backbone halved five times: 32 pixels leave 1 or 2
+    model, inputs, _, tier = sweep.build_with_tier("pp_ocrv6_tiny_rec", "PPOCRV6TinyRecForTextRecognition")
+    assert tier == "tiny" and inputs["pixel_values"].shape[-2:] == (64, 64)
+    # other errors are not retried with larger images
+    assert sweep._larger_image(model, inputs, ValueError("shapes differ")) is None
+
+
+def test_pp_ocr_detectors_get_what_their_checkpoints_set():
+    server = sweep.tiny_config("pp_ocrv5_server_det")
+    assert server.scale_factor_list == [1, 2, 4, 8] and server.kernel_list == [3, 2, 2]
+    assert server.intraclass_block_config["vertical_long_to_small_conv_longratio"] == [[7, 1], [1, 1], [3, 0]]
+    medium = sweep.tiny_config("pp_ocrv6_medium_det")
+    backbone = medium.backbone_config
+    assert backbone.out_features == ["stage1", "stage2", "stage3", "stage4"]
+    assert backbone.stage_out_channels == [blocks[-1][2] for blocks in backbone.block_configs]
+    _, inputs, expected = sweep.build("pp_ocrv6_medium_det", "PPOCRV6MediumDetModel")
+    assert expected[0].shape[0] == sweep.BATCH
+    # a layout detector's per-label thresholds and reading-order categories, left unset: one per label
+    layout = sweep.tiny_config("pp_doclayout_v2")
+    assert len(layout.class_thresholds) == len(layout.class_order) == layout.num_labels
+    assert sweep.build("pp_doclayout_v2", "PPDocLayoutV2ForObjectDetection")[2]
+
+
+def test_a_dual_encoder_over_naflex_patches_and_its_projection_width():
+    model, inputs, _ = sweep.build("siglip2", "Siglip2Model")
+    config = model.config
+    patches = int(inputs["spatial_shapes"][0].prod())
+    assert inputs["pixel_values"].shape == (sweep.BATCH, patches, config.vision_config.num_channels * config.vision_config.patch_size**2)
+    assert "input_ids" in inputs and config.text_config.projection_size == config.vision_config.hidden_size == sweep.HIDDEN
+    _, inputs, _ = sweep.build("siglip2", "Siglip2ForImageClassification")
+    assert inputs["pixel_attention_mask"].shape == (sweep.BATCH, patches)
+    _, inputs, _ = sweep.build("siglip", "SiglipModel")  # a dual encoder over whole images keeps them
+    assert inputs["pixel_values"].dim() == 4
+
+
+def test_masked_pretraining_heads_get_their_mask_or_noise():
+    # VideoMAE's pretraining head: as many masked patches in every row; its decoder's 6 heads fit the tiny width
+    model, inputs, _ = sweep.build("videomae", "VideoMAEForPreTraining")
+    mask = inputs["bool_masked_pos"]
+    assert mask.shape == (sweep.BATCH, model.videomae.embeddings.num_patches) and len(set(mask.sum(-1).tolist())) == 1
+    assert model.config.decoder_hidden_size % model.config.decoder_num_attention_heads == 0
+    # Hiera's MAE decoder, left to the checkpoint, and one noise value per mask unit
+    config = sweep.tiny_config("hiera")
+    assert (config.decoder_hidden_size, config.decoder_depth, config.decoder_num_heads) == (sweep.HIDDEN, 1, 2)
+    model, inputs, _ = sweep.build("hiera", "HieraForPreTraining")
+    units = model.hiera.embeddings.patch_embeddings.mask_spatial_shape
+    assert inputs["noise"].shape == (sweep.BATCH, units[0] * units[1])
+
+
+def test_image_size_from_the_backbone_and_four_layers_for_beit_segmentation():
+    model, inputs, _ = sweep.build("vitpose", "VitPoseForPoseEstimation")
+    assert inputs["pixel_values"].shape[-2:] == tuple(model.config.backbone_config.image_size)
+    config = sweep.tiny_config("beit")
+    assert len(config.out_indices) == 4 and config.num_hidden_layers == 4 and config.hidden_size == sweep.HIDDEN
+    assert sweep.build("beit", "BeitForSemanticSegmentation")[2]
+
+
+def test_query_layers_windows_and_feature_levels_fit_the_tiny_encoder():
+    # EoMT's queries join the last num_blocks layers: within the two kept ones
+    config = sweep.tiny_config("eomt")
+    assert 1 <= config.num_blocks < config.num_hidden_layers
+    assert sweep.tiny_config("xlstm").num_blocks == sweep.tiny_config("xlstm").num_hidden_layers  # a layer count stays one
+    _, _, expected = sweep.build("eomt", "EomtForUniversalSegmentation")
+    assert expected
+    # LW-DETR: 2 x 2 windows over the tiny image's patches, one feature level as its checkpoints project
+    lw = sweep.tiny_config("lw_detr")
+    assert lw.backbone_config.num_windows == 4 and lw.num_feature_levels == 1
+    assert sweep.build("lw_detr", "LwDetrForObjectDetection")[2]
+
+
+def test_keypoint_matchers_and_tiled_depth_models():
+    # every class of a keypoint-matching architecture reads image pairs, its base model too
+    config = sweep.tiny_config("efficientloftr", "shallow")
+    with torch_device("meta"):
+        model = transformers.EfficientLoFTRModel._from_config(config)
+    inputs = sweep.make_inputs(model, config)
+    assert inputs["pixel_values"].shape[:2] == (sweep.BATCH, 2) and inputs["pixel_values"].dim() == 5
+    # DepthPro's patch is its encoders' whole image; the image grows until the smallest scale holds one
+    config = sweep.tiny_config("depth_pro")
+    assert config.patch_size == config.image_model_config.image_size == 32
+    assert all(-2 <= i < 2 for i in config.intermediate_hook_ids)
+    model, inputs, _ = sweep.build("depth_pro", "DepthProForDepthEstimation")
+    assert min(inputs["pixel_values"].shape[-2:]) * min(config.scaled_images_ratios) >= config.patch_size
+
+
+def test_a_dewarper_hands_on_every_bridge_stage_and_grows_its_image():
+    # UVDoc's head concatenates the six bridge stages; their reflect padding needs more than 2 x 2 maps
+    config = sweep.tiny_config("uvdoc")
+    assert len(config.backbone_config.out_features) == len(config.backbone_config.stage_configs) == 6
+    _, inputs, _ = sweep.build("uvdoc", "UVDocModel")
+    assert inputs["pixel_values"].shape[-2:] == (64, 64)
+    assert sweep._says_too_small(RuntimeError("Padding size should be less than the corresponding input dimension, but got: 2"))
+
+
+def test_vitmatte_gets_list_sizes_and_its_backbone_patch():
+    config = sweep.tiny_config("vitmatte")
+    assert isinstance(config.fusion_hidden_sizes, list) and config.backbone_config.patch_size == 16
+    assert config.backbone_config.hidden_size == config.hidden_size == sweep.HIDDEN
+    assert sweep.build("vitmatte", "VitMatteForImageMatting")[2]
