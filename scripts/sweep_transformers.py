@@ -95,6 +95,15 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
     "moonshine_streaming": {"num_key_value_heads": 2},
     "t5gemma2_encoder": {"text_config": {"dropout_rate": 0.0}},
+    # multimodal rotary sections the config leaves to the checkpoint; the modeling code falls back to sections
+    # for a full-size head: PaddleOCR-VL's [16, 24, 24] (128-wide heads; its config does not exempt the key, so
+    # the generic fallback does not see it) and ERNIE 4.5-VL's [22, 22, 20] (height and width rotate in pairs,
+    # so their sections must stay equal): both fitted to half the tiny 16-wide head
+    "paddleocr_vl": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [2, 3, 3]}}},
+    "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [3, 3, 2]}}},
+    # CodeGen's attention splits its fused query-key-value projection in 4 (mp_num, hard-coded in the modeling
+    # code for the TPU layout of its checkpoints): heads in multiples of 4
+    "codegen": {"n_head": 4},
     # the task heads' channels are left to each checkpoint (every list None): two upsampling blocks, one
     # refinement convolution, and the pointmap head's scale branch, 16 channels each
     "sapiens2": {"head_config": {
@@ -172,6 +181,14 @@ def _fit_sections(sections: list[int], total: int) -> list[int]:
             fitted[i] += step
         index += 1
     return fitted
+
+
+def _rotary_half(rope: dict[str, Any], head_dim: int) -> int:
+    """Half the rotated part of a head: what multimodal rotary sections split (all of the head, or
+    its ``partial_rotary_factor``)."""
+    factor = rope.get("partial_rotary_factor")
+    rotated = int(head_dim * factor) if isinstance(factor, (int, float)) and 0 < factor < 1 else head_dim
+    return rotated // 2
 
 
 def _rope_shrunk(value: Any, head_dim: int) -> Any:
@@ -301,6 +318,14 @@ def _shrunk(
                 out[key] = 2
             elif key == "max_source_positions" and value > 64:
                 out[key] = 64
+            elif key == "embedding_size" and value > HIDDEN // 2 and value < (values.get("hidden_size") or 0):
+                # a factorized embedding narrower than the hidden size stays narrower (MobileBERT's head
+                # projects to the difference of the two)
+                out[key] = HIDDEN // 2
+            elif key == "num_cross_attention_heads" and value > 1 and values.get("cross_attention_shape_for_attention") == "kv":
+                # heads over the inputs' channels, which a preprocessor fixes (Perceiver's pixels plus Fourier
+                # features: 261 or 322), not the config: one head divides any width
+                out[key] = 1
             elif key.endswith("_groups") and value in widths:  # a depthwise convolution over a hidden width (Mimi's upsampling)
                 out[key] = HIDDEN
             elif key.endswith(_WIDTH_SUFFIXES) and value in widths and not key.endswith("head_dim") and key not in _HEAD_DIM_KEYS:
@@ -358,7 +383,8 @@ def _shrunk(
                 rope = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in dict.fromkeys(kinds)}
             for part in [rope, *(v for v in rope.values() if isinstance(v, dict))]:
                 if "mrope_section" in exempt and "rope_type" in part and "mrope_section" not in part:
-                    part["mrope_section"] = _fit_sections([16, 24, 24], head_dim // 2)
+                    # of the rotated part only: a partial rotary (GLM-4.5V's half head) splits what it rotates
+                    part["mrope_section"] = _fit_sections([16, 24, 24], _rotary_half(part, head_dim))
             if rope != values[key]:
                 out[key] = rope
     vocab = [out.get("vocab_size")] + [v.get("vocab_size") for v in out.values() if isinstance(v, dict)]  # its text model's
@@ -572,6 +598,8 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         height, width = _image_size(vision)
         channels = getattr(vision, "num_channels", 3) or 3
         frames = getattr(vision, "num_frames", None) or getattr(config, "num_frames", None)
+        if "ForImage" in type(model).__name__:  # an image head of a config that also describes video (Perceiver's)
+            frames = None
         # a video model by its input's name or by a video token in its text (InstructBLIP-Video)
         video = main == "pixel_values_videos" or any(k.startswith("video_token") for k in config.to_dict())
         required = _required(model)
@@ -862,7 +890,8 @@ def _grid_patches(vision, generator) -> dict[str, Any]:
 
     channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", None) or 3
     patch = getattr(vision, "patch_size", None) or 14
-    temporal = getattr(vision, "temporal_patch_size", None) or 1
+    # frames per patch, under either name (Muse Spark's tower calls it patch_temporal)
+    temporal = getattr(vision, "temporal_patch_size", None) or getattr(vision, "patch_temporal", None) or 1
     merge = getattr(vision, "spatial_merge_size", None) or 1
     side = 2 * merge  # a grid of 2 x 2 merged tokens
     grid = torch.tensor([[1, side, side]] * BATCH)

@@ -577,3 +577,54 @@ def test_overrides_for_keys_a_config_class_does_not_tie_or_declare():
     assert sweep.tiny_config("t5gemma2_encoder").text_config.dropout_rate == 0.0
     moonshine = sweep.tiny_config("moonshine_streaming")
     assert moonshine.num_key_value_heads == moonshine.num_attention_heads
+
+
+# ---- iss36g rules ----
+
+
+def test_iss36g_grid_patches_read_frames_per_patch_under_either_name():
+    # Muse Spark's tower calls its temporal patch `patch_temporal`: (patches, 3 x frames x patch x patch)
+    model, inputs, expected = sweep.build("muse_spark_vision", "MuseSparkVisionModel")
+    config = model.config
+    assert inputs["pixel_values"].shape[-1] == 3 * config.patch_temporal * config.patch_size**2
+    assert inputs["grid_thw"].shape == (sweep.BATCH, 3) and expected
+
+
+def test_iss36g_multimodal_rotary_sections_split_the_rotated_half_only():
+    # GLM-4.5V rotates half of each head: the sections its config leaves unset sum to a quarter of the head
+    text = sweep.tiny_config("glm4v_moe_text")
+    head = text.hidden_size // text.num_attention_heads
+    assert sum(text.rope_parameters["mrope_section"]) == int(head * text.rope_parameters["partial_rotary_factor"]) // 2
+    assert sum(sweep.tiny_config("glm4v_text").rope_parameters["mrope_section"]) == head // 2  # whole head: as before
+    model, inputs, expected = sweep.build("glm4v_moe", "Glm4vMoeModel")
+    assert "pixel_values" in inputs and inputs["image_grid_thw"].shape == (sweep.BATCH, 3) and expected
+
+
+def test_iss36g_overrides_for_rotary_sections_and_fused_head_splits():
+    # ERNIE 4.5-VL rotates height and width in pairs: equal sections, summing to half the 16-wide head
+    sections = sweep.tiny_config("ernie4_5_vl_moe").text_config.rope_parameters["mrope_section"]
+    assert sections[0] == sections[1] and sum(sections) == 8
+    assert sum(sweep.tiny_config("paddleocr_vl").text_config.rope_parameters["mrope_section"]) == 8
+    _, inputs, expected = sweep.build("ernie4_5_vl_moe", "Ernie4_5_VLMoeModel")
+    assert "pixel_values" in inputs and expected
+    codegen = sweep.tiny_config("codegen")  # the fused projection is split in 4
+    assert codegen.n_head % 4 == 0 and codegen.rotary_dim <= codegen.n_embd // codegen.n_head
+
+
+def test_iss36g_a_factorized_embedding_stays_narrower_than_the_hidden_size():
+    mobile = sweep.tiny_config("mobilebert")
+    assert mobile.embedding_size < mobile.hidden_size
+    albert = sweep.tiny_config("albert")
+    assert albert.embedding_size < albert.hidden_size == sweep.HIDDEN
+    model, _, expected = sweep.build("mobilebert", "MobileBertForPreTraining")
+    assert expected[0].shape[-1] == model.config.vocab_size
+
+
+def test_iss36g_perceiver_image_heads_get_images_and_one_cross_attention_head():
+    from onnx_modular import export_modular
+
+    assert sweep.tiny_config("perceiver").num_cross_attention_heads == 1
+    model, inputs, _ = sweep.build("perceiver", "PerceiverForImageClassificationFourier")
+    assert inputs["pixel_values"].shape == (sweep.BATCH, 3, 32, 32)  # an image, though the config counts frames
+    result = export_modular(model, (), kwargs=inputs)
+    assert result.report.ok, str(result.report)
