@@ -133,7 +133,7 @@ _TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"
 _GROUP_KEYS = {"n_group", "num_expert_group", "num_group"}
 _TOPK_GROUP_KEYS = {"topk_group"}
 #: widths tied to a hidden size by name: shrunk with it when they equal one of the tree's hidden sizes
-_WIDTH_SUFFIXES = ("hidden_size", "_dim", "embedding_size")
+_WIDTH_SUFFIXES = ("hidden_size", "_dim", "embedding_size", "_input_size")  # an adapter's input (Dots 3's audio)
 #: layer indices into a (vision) tower: kept within the tiny tower's layers
 _DEPTH_LIST_KEYS = {"depths", "num_layers_per_stage", "layers_per_stage"}
 _LAYER_INDEX_KEYS = {"vision_feature_layer", "vision_feature_layers", "feature_layer", "feature_layers", "select_layer"}
@@ -353,8 +353,8 @@ def _shrunk(
             out[key] = [value[i] for i in kept]  # per-layer lists (layer_types, ...) follow the kept layers
             followed.add(key)
         elif kept is not None and key.startswith("per_layer") and isinstance(value, dict):
-            out[key] = {  # keyed by layer index: the kept layers', renumbered
-                kept.index(int(k)): v for k, v in value.items() if str(k).isdigit() and int(k) in kept
+            out[key] = {  # keyed by layer index: the kept layers', renumbered, shrunk as the whole config is
+                kept.index(int(k)): _layer_shrunk(v, values) for k, v in value.items() if str(k).isdigit() and int(k) in kept
             }
     pinpoints = values.get("image_grid_pinpoints")
     vision = values.get("vision_config") if isinstance(values.get("vision_config"), dict) else {}
@@ -427,6 +427,31 @@ def _shrunk(
     # to_dict() hands back the default ones, which these must replace)
     through = ("per_layer", "out_features", "out_indices")
     return {key: value for key, value in out.items() if accepted is None or key in accepted or key.startswith(through)}
+
+
+def _layer_shrunk(layer: Any, values: dict[str, Any]) -> Any:
+    """One layer's own settings (a ``per_layer_config`` entry: Dots 3's sliding-window layers have more
+    heads and wider ones) shrunk by the rules for heads, head widths and ranks; a head made of a
+    rotary and a non-rotary part stays their sum where the default's was."""
+    if not isinstance(layer, dict):
+        return layer
+    whole = {**values, **layer}
+    out = dict(layer)
+    for key, value in layer.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        if key in _HEAD_KEYS and value > 2:
+            out[key] = 2
+        elif key in _KV_HEAD_KEYS and value > 1:
+            out[key] = 2 if value == whole.get("num_attention_heads") and "kv_lora_rank" in whole else 1
+        elif key in _HEAD_DIM_KEYS and value > 16:
+            out[key] = 16
+        elif key in _RANK_KEYS and value > HIDDEN:
+            out[key] = HIDDEN
+    parts = ("qk_nope_head_dim", "qk_rope_head_dim")
+    if all(isinstance(whole.get(k), int) for k in (*parts, "head_dim")) and whole["head_dim"] == sum(whole[k] for k in parts):
+        out["head_dim"] = sum(min(whole[k], 16) for k in parts)
+    return out
 
 
 def _layer_index(value: Any) -> Any:
@@ -713,6 +738,13 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs.update(image_inputs(model, config, inputs["input_ids"], generator))
         if images and "input_features" in parameters and getattr(config, "audio_config", None) is not None and shape == (BATCH, SEQUENCE):
             inputs.update(audio_inputs(model, config, inputs["input_ids"], generator))
+    question = getattr(config, "question_token_id", None)
+    if isinstance(question, int) and "question_positions" in parameters and inputs.get("input_ids") is not None:
+        # Splinter's processor puts a question token ([QUESTION]) in each row: the span heads start from it
+        inputs["input_ids"][:, 1] = question
+    if "decoder_input_ids" in parameters and not getattr(config, "is_encoder_decoder", False) and "pixel_values" in inputs:
+        if type(model).__name__.endswith("ForQuestionAnswering"):  # a generative answer head (BLIP's VQA): the answer's start
+            inputs["decoder_input_ids"] = _token_ids(config, (BATCH, 4), generator)
     patches = next((m.num_patches for m in model.modules() if isinstance(getattr(m, "num_patches", None), int)), None)
     if "noise" in parameters and "pixel_values" in inputs and patches:
         # random masking (ViT-MAE) draws its noise inside forward unless given: one value per patch,
@@ -1075,6 +1107,14 @@ def _build(model_type: str, class_name: str, tier: str):
         for part in (config, getattr(config, "text_config", None)):
             if part is not None and getattr(part, "pad_token_id", 0) is None:
                 part.pad_token_id = 0
+    if class_name.endswith("ForSequenceClassification") and getattr(config, "is_encoder_decoder", False):
+        if getattr(config, "decoder_start_token_id", None) is None and isinstance(getattr(config, "pad_token_id", None), int):
+            # the head shifts input_ids right to make the decoder's: T5's checkpoints start it with the padding id
+            config.decoder_start_token_id = config.pad_token_id
+    if class_name.endswith("WithLMHead") and getattr(config, "is_decoder", True) is False:
+        config.is_decoder = True  # a language-model head predicts the next token: causal (Reformer asserts it)
+    if class_name.endswith("EncoderModel") and getattr(config, "is_encoder_decoder", False) and getattr(config, "encoder", None) is not None:
+        config.is_encoder_decoder = False  # the encoder of an encoder-decoder config, alone (T5Gemma refuses otherwise)
     qformer = getattr(config, "qformer_config", None)
     if class_name.endswith("ForImageTextRetrieval") and getattr(qformer, "use_qformer_text_input", None) is False:
         qformer.use_qformer_text_input = True  # the head reads its text through the Q-Former's text layers (BLIP-2's ITM checkpoint)

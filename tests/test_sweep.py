@@ -628,3 +628,29 @@ def test_iss36g_perceiver_image_heads_get_images_and_one_cross_attention_head():
     assert inputs["pixel_values"].shape == (sweep.BATCH, 3, 32, 32)  # an image, though the config counts frames
     result = export_modular(model, (), kwargs=inputs)
     assert result.report.ok, str(result.report)
+
+
+def test_iss36g_per_layer_settings_shrink_with_the_config():
+    # Dots 3's sliding layers have their own heads and widths: shrunk too, head = rotary + non-rotary part
+    text = sweep.tiny_config("dots3_note_text")
+    sliding = text.per_layer_config["sliding_attention"]
+    assert sliding.num_attention_heads == sliding.num_key_value_heads == 2
+    assert sliding.head_dim == sliding.qk_nope_head_dim + sliding.qk_rope_head_dim <= 32
+    audio = sweep.tiny_config("dots3_note").audio_config  # the adapter reads the tower's width
+    assert audio.adapter_input_size == audio.hidden_size == sweep.HIDDEN
+    _, inputs, expected = sweep.build("dots3_note_text", "Dots3NoteTextModel")
+    assert inputs["input_ids"].shape == (sweep.BATCH, sweep.SEQUENCE) and expected
+
+
+def test_iss36g_task_heads_get_what_their_class_needs():
+    # Reformer's language-model head is causal; T5's classifier starts its decoder with the padding id;
+    # T5Gemma's encoder alone is built from an encoder-only config
+    assert sweep.build("reformer", "ReformerModelWithLMHead")[0].config.is_decoder
+    model, _, expected = sweep.build("t5", "T5ForSequenceClassification")
+    assert model.config.decoder_start_token_id == model.config.pad_token_id and expected[0].shape[0] == sweep.BATCH
+    assert not sweep.build("t5gemma", "T5GemmaEncoderModel")[0].config.is_encoder_decoder
+    # Splinter's rows hold a question token; BLIP's answer head gets the answer's first tokens
+    model, inputs, _ = sweep.build("splinter", "SplinterForPreTraining")
+    assert (inputs["input_ids"] == model.config.question_token_id).sum(dim=1).min() >= 1
+    _, inputs, expected = sweep.build("blip", "BlipForQuestionAnswering")
+    assert inputs["decoder_input_ids"].shape == (sweep.BATCH, 4) and "pixel_values" in inputs and expected
