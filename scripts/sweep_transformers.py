@@ -128,7 +128,7 @@ _FFN_KEYS = {
 }
 _SMALL_FFN_KEYS = {"moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"}
 _EXPERT_KEYS = {"num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"}
-_TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k"}
+_TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k", "top_k_experts"}
 #: expert groups (DeepSeek-style routing: experts // groups per group, topk_group of them chosen)
 _GROUP_KEYS = {"n_group", "num_expert_group", "num_group"}
 _TOPK_GROUP_KEYS = {"topk_group"}
@@ -223,6 +223,8 @@ def _shrunk(
     # or their number too (dots.llm1)
     unrouted = any(k in values and values[k] is None for k in _TOPK_KEYS)
     uncounted = unrouted and any(k in values and values[k] is None for k in _EXPERT_KEYS)
+    # ... unless the config turns its experts off (Gemma 4's enable_moe_block)
+    uncounted = uncounted and not any(k.startswith(("enable_moe", "use_moe")) and v is False for k, v in values.items())
     unrouted = unrouted and (experts or uncounted)
     followed: set[str] = set()
     out: dict[str, Any] = {}
@@ -235,7 +237,11 @@ def _shrunk(
 
                 sub = ResNetConfig(out_indices=list(getattr(sub, "out_indices", None) or [1, 2, 3, 4]))
             if sub is not None and hasattr(sub, "to_dict"):
-                out[key] = {**sub.to_dict(), **_shrunk(sub, frozenset(special), widths, shallow)}
+                base = sub.to_dict()
+                accepted = _init_parameters(type(sub))
+                if accepted is not None:  # a head width the config derives (DeepSeek-V3's head_dim): derived again
+                    base = {k: v for k, v in base.items() if k in accepted or k not in _HEAD_DIM_KEYS}
+                out[key] = {**base, **_shrunk(sub, frozenset(special), widths, shallow)}
             continue
         if isinstance(value, bool):
             continue
@@ -254,6 +260,8 @@ def _shrunk(
                 out[key] = 4
             elif key == "n_shared_experts" and uncounted:
                 out[key] = 1
+            elif key in _SMALL_FFN_KEYS and uncounted:  # the experts' width, left unset with their number (DiffusionGemma)
+                out[key] = HIDDEN
             elif key in _GROUP_KEYS | _TOPK_GROUP_KEYS and unrouted:  # 4 experts: one group holds them all
                 out[key] = 1
             elif key == "prediction_length":  # a forecaster's horizon, left to the user (the context follows it)
@@ -596,6 +604,14 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         inputs[pixels], inputs[grid] = patches["pixel_values"], patches["image_grid_thw"]
         if "merge_sizes" in parameters:
             inputs["merge_sizes"] = torch.tensor([getattr(config, "spatial_merge_size", None) or 1] * BATCH)
+    elif "target_sizes" in parameters and "input_ids" not in parameters and main == "pixel_values":
+        # a NaViT-style tower (MiniCPM-V's): the images' patches packed side by side in one row of patches,
+        # (1, channels, patch, patches x patch), and each image's grid in patches (4 x 4: whole 2 x 2 windows, twice)
+        patch = getattr(config, "patch_size", None) or 14
+        channels = getattr(config, "num_channels", None) or 3
+        side = 4
+        inputs["pixel_values"] = torch.randn(1, channels, patch, BATCH * side * side * patch, generator=generator)
+        inputs["target_sizes"] = torch.tensor([[side, side]] * BATCH)
     elif "past_time_features" in parameters:  # a probabilistic forecaster: its context plus the largest lag
         lags = getattr(config, "lags_sequence", None) or [0]
         length = (getattr(config, "context_length", None) or 32) + max(lags)
@@ -1131,6 +1147,14 @@ def _build(model_type: str, class_name: str, tier: str):
         except Exception:
             text = make_inputs(model, config, images=False)
             features = inputs.get("input_features")
+            patches = _patch_images(config, inputs)
+            if patches is not None:
+                # flattened patches come (patches, channels x patch x patch) from Qwen-VL's processor and
+                # (patches, channels, patch, patch) from others (Kimi-K2.5's, embedded by a 2-D convolution)
+                try:
+                    return model, {**inputs, "pixel_values": patches}, _tensors(model(**{**inputs, "pixel_values": patches}))
+                except Exception:  # not that either: what follows
+                    pass
             if text.keys() == inputs.keys() and getattr(features, "dim", lambda: 0)() == 3:
                 # log-mel features come (batch, bins, frames) from Whisper's extractor and (batch, frames,
                 # bins) from others (Parakeet's): the other layout
@@ -1142,6 +1166,19 @@ def _build(model_type: str, class_name: str, tier: str):
             # (the row's `inputs` says which were fed)
             inputs, expected = text, model(**text)
     return model, inputs, _tensors(expected)
+
+
+def _patch_images(config, inputs: dict[str, Any]):
+    """Grid patches (``pixel_values`` of (patches, channels x patch x patch) beside a ``grid_thw``)
+    as a batch of one-patch images, (patches, channels, patch, patch); None for other inputs."""
+    pixels = inputs.get("pixel_values")
+    if getattr(pixels, "dim", lambda: 0)() != 2 or not ({"grid_thw", "image_grid_thw"} & set(inputs)):
+        return None
+    vision = getattr(config, "vision_config", None) or config
+    patch = getattr(vision, "patch_size", None)
+    if not isinstance(patch, int) or pixels.shape[1] % (patch * patch):
+        return None
+    return pixels.reshape(pixels.shape[0], -1, patch, patch).contiguous()
 
 
 def _tensors(output) -> list:

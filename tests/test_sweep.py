@@ -654,3 +654,26 @@ def test_iss36g_task_heads_get_what_their_class_needs():
     assert (inputs["input_ids"] == model.config.question_token_id).sum(dim=1).min() >= 1
     _, inputs, expected = sweep.build("blip", "BlipForQuestionAnswering")
     assert inputs["decoder_input_ids"].shape == (sweep.BATCH, 4) and "pixel_values" in inputs and expected
+
+
+def test_iss36g_navit_towers_get_packed_patches_and_their_grids():
+    # MiniCPM-V's tower: the images' patches side by side in one row, each image's grid in patches
+    model, inputs, expected = sweep.build("minicpm_ocr_vision", "MiniCPMOcrVisionModel")
+    patch = model.config.patch_size
+    grids = inputs["target_sizes"]
+    assert inputs["pixel_values"].shape == (1, 3, patch, int((grids[:, 0] * grids[:, 1]).sum()) * patch)
+    assert grids.shape == (sweep.BATCH, 2) and expected
+
+
+def test_iss36g_derived_head_widths_and_experts_left_unset():
+    # a composite's DeepSeek-V3 text tower derives head_dim from its rotary part: derived again once shrunk
+    text = sweep.tiny_config("kimi_k25").text_config
+    assert text.head_dim == text.qk_rope_head_dim <= 16
+    # DiffusionGemma always builds experts its config leaves unset; Gemma 4 turns them off: left as they are
+    moe = sweep.tiny_config("diffusion_gemma").text_config
+    assert (moe.num_experts, moe.top_k_experts, moe.moe_intermediate_size) == (4, 2, sweep.HIDDEN)
+    assert sweep.tiny_config("gemma4").text_config.num_experts is None
+    # Kimi-K2.5's tower embeds each patch with a 2-D convolution: (patches, channels, patch, patch)
+    model, inputs, expected = sweep.build("kimi_k25_vision", "Kimi_K25VisionModel")
+    patch = model.config.patch_size
+    assert inputs["pixel_values"].shape[1:] == (3, patch, patch) and "grid_thw" in inputs and expected
