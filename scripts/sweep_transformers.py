@@ -104,6 +104,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # CodeGen's attention splits its fused query-key-value projection in 4 (mp_num, hard-coded in the modeling
     # code for the TPU layout of its checkpoints): heads in multiples of 4
     "codegen": {"n_head": 4},
+    # BLT's sub-configs derive head_dim from their default widths (not a constructor argument, so the rules
+    # leave it); its attention splits the shrunk width by the heads while its rotary reads head_dim: the
+    # head width of the tiny towers (32 wide, 2 heads). Derived head widths elsewhere (Pixtral's) are read
+    # by both, and stay as they build today.
+    "blt": {name: {"head_dim": HIDDEN // 2} for name in ("patcher_config", "encoder_config", "decoder_config", "global_config")},
     # the task heads' channels are left to each checkpoint (every list None): two upsampling blocks, one
     # refinement convolution, and the pointmap head's scale branch, 16 channels each
     "sapiens2": {"head_config": {
@@ -239,7 +244,8 @@ def _shrunk(
             if sub is not None and hasattr(sub, "to_dict"):
                 base = sub.to_dict()
                 accepted = _init_parameters(type(sub))
-                if accepted is not None:  # a head width the config derives (DeepSeek-V3's head_dim): derived again
+                if accepted is not None and "qk_rope_head_dim" in base:
+                    # a head width the config derives from its rotary part (DeepSeek-V3's head_dim): derived again
                     base = {k: v for k, v in base.items() if k in accepted or k not in _HEAD_DIM_KEYS}
                 out[key] = {**base, **_shrunk(sub, frozenset(special), widths, shallow)}
             continue
@@ -336,7 +342,8 @@ def _shrunk(
                 out[key] = 1
             elif key.endswith("_groups") and value in widths:  # a depthwise convolution over a hidden width (Mimi's upsampling)
                 out[key] = HIDDEN
-            elif key.endswith(_WIDTH_SUFFIXES) and value in widths and not key.endswith("head_dim") and key not in _HEAD_DIM_KEYS:
+            elif (key.endswith(_WIDTH_SUFFIXES) or key.startswith("hidden_size_")) and value in widths and not key.endswith("head_dim") and key not in _HEAD_DIM_KEYS:
+                # (hidden_size_global: BLT's byte encoder reads the global transformer's width)
                 out[key] = HIDDEN  # tied to a hidden size by the architecture (a projector's output, a condition)
             elif key in _LAYER_INDEX_KEYS:
                 out[key] = _layer_index(value)
@@ -452,8 +459,8 @@ def _layer_shrunk(layer: Any, values: dict[str, Any]) -> Any:
             out[key] = 2
         elif key in _KV_HEAD_KEYS and value > 1:
             out[key] = 2 if value == whole.get("num_attention_heads") and "kv_lora_rank" in whole else 1
-        elif key in _HEAD_DIM_KEYS and value > 16:
-            out[key] = 16
+        elif key in _HEAD_DIM_KEYS and key != "head_dim" and value > 16:  # a layer's own head_dim (Gemma 4's global
+            out[key] = 16  # layers') stays, as it has: only a head made of parts follows them (below)
         elif key in _RANK_KEYS and value > HIDDEN:
             out[key] = HIDDEN
     parts = ("qk_nope_head_dim", "qk_rope_head_dim")
@@ -1147,6 +1154,15 @@ def _build(model_type: str, class_name: str, tier: str):
         except Exception:
             text = make_inputs(model, config, images=False)
             features = inputs.get("input_features")
+            boxes = inputs.get("bbox")
+            if boxes is not None and not boxes.is_floating_point():
+                # document boxes come as integers within 0..1000 from LayoutLM's processor and as fractions
+                # of the page from UDOP's
+                try:
+                    fractions = {**inputs, "bbox": boxes.float() / 1000}
+                    return model, fractions, _tensors(model(**fractions))
+                except Exception:  # not that either: what follows
+                    pass
             patches = _patch_images(config, inputs)
             if patches is not None:
                 # flattened patches come (patches, channels x patch x patch) from Qwen-VL's processor and

@@ -677,3 +677,15 @@ def test_iss36g_derived_head_widths_and_experts_left_unset():
     model, inputs, expected = sweep.build("kimi_k25_vision", "Kimi_K25VisionModel")
     patch = model.config.patch_size
     assert inputs["pixel_values"].shape[1:] == (3, patch, patch) and "grid_thw" in inputs and expected
+
+
+def test_iss36g_widths_named_after_the_hidden_size_and_fractional_boxes():
+    # BLT's byte encoder reads the global transformer's width (hidden_size_global); its towers' heads are 16 wide
+    blt = sweep.tiny_config("blt")
+    assert blt.encoder_config.hidden_size_global == blt.global_config.hidden_size == sweep.HIDDEN
+    assert blt.patcher_config.head_dim == blt.patcher_config.hidden_size // blt.patcher_config.num_attention_heads
+    # UDOP reads boxes as fractions of the page (LayoutLM's processor gives integers to 1000: kept for them)
+    _, inputs, expected = sweep.build("udop", "UdopModel")
+    assert inputs["bbox"].is_floating_point() and 0 <= inputs["bbox"].min() and inputs["bbox"].max() <= 1 and expected
+    _, inputs, _ = sweep.build("layoutlmv3", "LayoutLMv3Model")
+    assert not inputs["bbox"].is_floating_point()
