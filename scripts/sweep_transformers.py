@@ -342,7 +342,7 @@ def _shrunk(
                 out[key] = 1
             elif key.endswith("_groups") and value in widths:  # a depthwise convolution over a hidden width (Mimi's upsampling)
                 out[key] = HIDDEN
-            elif (key.endswith(_WIDTH_SUFFIXES) or key.startswith("hidden_size_")) and value in widths and not key.endswith("head_dim") and key not in _HEAD_DIM_KEYS:
+            elif (key.endswith(_WIDTH_SUFFIXES) or key == "hidden_size_global") and value in widths and not key.endswith("head_dim") and key not in _HEAD_DIM_KEYS:
                 # (hidden_size_global: BLT's byte encoder reads the global transformer's width)
                 out[key] = HIDDEN  # tied to a hidden size by the architecture (a projector's output, a condition)
             elif key in _LAYER_INDEX_KEYS:
