@@ -141,7 +141,9 @@ _TOPK_GROUP_KEYS = {"topk_group"}
 _WIDTH_SUFFIXES = ("hidden_size", "_dim", "embedding_size", "_input_size")  # an adapter's input (Dots 3's audio)
 #: layer indices into a (vision) tower: kept within the tiny tower's layers
 _DEPTH_LIST_KEYS = {"depths", "num_layers_per_stage", "layers_per_stage"}
-_LAYER_INDEX_KEYS = {"vision_feature_layer", "vision_feature_layers", "feature_layer", "feature_layers", "select_layer"}
+_LAYER_INDEX_KEYS = {
+    "vision_feature_layer", "vision_feature_layers", "feature_layer", "feature_layers", "select_layer", "intermediate_layers_indices",
+}
 _HEAD_DIM_KEYS = {"head_dim", "attention_head_dim", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"}
 _RANK_KEYS = {"kv_lora_rank", "q_lora_rank"}
 
@@ -371,6 +373,15 @@ def _shrunk(
             out[key] = {  # keyed by layer index: the kept layers', renumbered, shrunk as the whole config is
                 kept.index(int(k)): _layer_shrunk(v, values) for k, v in value.items() if str(k).isdigit() and int(k) in kept
             }
+    layers_out = out.get("intermediate_layers_indices")
+    if isinstance(layers_out, list) and isinstance(values.get("vision_output_dim"), int):
+        # Mllama's tower hands on its last state and these layers' side by side: (1 + their count) x hidden
+        out["vision_output_dim"] = (1 + len(layers_out)) * (out.get("hidden_size") or values["hidden_size"])
+    ratio = values.get("pixel_shuffle_ratio")
+    if isinstance(ratio, float) and 0 < ratio < 1 and isinstance(values.get("intermediate_size"), int) and "vision_output_dim" in values:
+        # Llama 4's tower: the MLP after its pixel shuffle reads hidden / ratio² channels, its intermediate_size
+        # (1408 x 4 = 5632 in the released checkpoints; the default config's 768-wide tower does not run)
+        out["intermediate_size"] = int((out.get("hidden_size") or values["hidden_size"]) / ratio**2)
     pinpoints = values.get("image_grid_pinpoints")
     vision = values.get("vision_config") if isinstance(values.get("vision_config"), dict) else {}
     if isinstance(pinpoints, list) and isinstance(vision.get("image_size"), int) and vision["image_size"] > 32:

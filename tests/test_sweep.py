@@ -689,3 +689,15 @@ def test_iss36g_widths_named_after_the_hidden_size_and_fractional_boxes():
     assert inputs["bbox"].is_floating_point() and 0 <= inputs["bbox"].min() and inputs["bbox"].max() <= 1 and expected
     _, inputs, _ = sweep.build("layoutlmv3", "LayoutLMv3Model")
     assert not inputs["bbox"].is_floating_point()
+
+
+def test_iss36g_vision_towers_widths_tied_to_their_layers():
+    # Llama 4: the MLP after the pixel shuffle reads hidden / ratio² channels
+    vision = sweep.tiny_config("llama4").vision_config
+    assert vision.intermediate_size == int(vision.hidden_size / vision.pixel_shuffle_ratio**2)
+    # Mllama: intermediate layers within the tiny tower, handed on beside the last state
+    vision = sweep.tiny_config("mllama").vision_config
+    assert all(-vision.num_hidden_layers - 1 <= i <= vision.num_hidden_layers for i in vision.intermediate_layers_indices)
+    assert vision.vision_output_dim == (1 + len(vision.intermediate_layers_indices)) * vision.hidden_size
+    _, inputs, expected = sweep.build("llama4", "Llama4VisionModel")
+    assert inputs["pixel_values"].shape[0] == sweep.BATCH and expected
