@@ -621,13 +621,10 @@ def test_iss36g_a_factorized_embedding_stays_narrower_than_the_hidden_size():
 
 
 def test_iss36g_perceiver_image_heads_get_images_and_one_cross_attention_head():
-    from onnx_modular import export_modular
-
     assert sweep.tiny_config("perceiver").num_cross_attention_heads == 1
-    model, inputs, _ = sweep.build("perceiver", "PerceiverForImageClassificationFourier")
+    model, inputs, expected = sweep.build("perceiver", "PerceiverForImageClassificationFourier")
     assert inputs["pixel_values"].shape == (sweep.BATCH, 3, 32, 32)  # an image, though the config counts frames
-    result = export_modular(model, (), kwargs=inputs)
-    assert result.report.ok, str(result.report)
+    assert expected[0].shape == (sweep.BATCH, model.config.num_labels)
 
 
 def test_iss36g_per_layer_settings_shrink_with_the_config():
