@@ -620,6 +620,7 @@ def test_iss36g_a_factorized_embedding_stays_narrower_than_the_hidden_size():
     assert expected[0].shape[-1] == model.config.vocab_size
 
 
+@pytest.mark.slow  # a 256-latent model: half a minute to build on this machine
 def test_iss36g_perceiver_image_heads_get_images_and_one_cross_attention_head():
     assert sweep.tiny_config("perceiver").num_cross_attention_heads == 1
     model, inputs, expected = sweep.build("perceiver", "PerceiverForImageClassificationFourier")
@@ -698,3 +699,8 @@ def test_iss36g_vision_towers_widths_tied_to_their_layers():
     assert vision.vision_output_dim == (1 + len(vision.intermediate_layers_indices)) * vision.hidden_size
     _, inputs, expected = sweep.build("llama4", "Llama4VisionModel")
     assert inputs["pixel_values"].shape[0] == sweep.BATCH and expected
+
+
+def test_iss36g_a_text_tower_gets_text_whatever_its_composite_reads():
+    model, inputs, expected = sweep.build("sam3_lite_text_text_model", "Sam3LiteTextTextModel")
+    assert model.main_input_name == "pixel_values" and set(inputs) == {"input_ids", "attention_mask"} and expected
