@@ -154,6 +154,20 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
     "moonshine_streaming": {"num_key_value_heads": 2},
     "t5gemma2_encoder": {"text_config": {"dropout_rate": 0.0}},
+    # multimodal rotary sections the config leaves to the checkpoint; the modeling code falls back to sections
+    # for a full-size head: PaddleOCR-VL's [16, 24, 24] (128-wide heads; its config does not exempt the key, so
+    # the generic fallback does not see it) and ERNIE 4.5-VL's [22, 22, 20] (height and width rotate in pairs,
+    # so their sections must stay equal): both fitted to half the tiny 16-wide head
+    "paddleocr_vl": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [2, 3, 3]}}},
+    "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [3, 3, 2]}}},
+    # CodeGen's attention splits its fused query-key-value projection in 4 (mp_num, hard-coded in the modeling
+    # code for the TPU layout of its checkpoints): heads in multiples of 4
+    "codegen": {"n_head": 4},
+    # BLT's sub-configs derive head_dim from their default widths (not a constructor argument, so the rules
+    # leave it); its attention splits the shrunk width by the heads while its rotary reads head_dim: the
+    # head width of the tiny towers (32 wide, 2 heads). Derived head widths elsewhere (Pixtral's) are read
+    # by both, and stay as they build today.
+    "blt": {name: {"head_dim": HIDDEN // 2} for name in ("patcher_config", "encoder_config", "decoder_config", "global_config")},
     # the task heads' channels are left to each checkpoint (every list None): two upsampling blocks, one
     # refinement convolution, and the pointmap head's scale branch, 16 channels each
     "sapiens2": {"head_config": {
@@ -178,15 +192,18 @@ _FFN_KEYS = {
 }
 _SMALL_FFN_KEYS = {"moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"}
 _EXPERT_KEYS = {"num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"}
-_TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k"}
+_TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k", "top_k_experts"}
 #: expert groups (DeepSeek-style routing: experts // groups per group, topk_group of them chosen)
 _GROUP_KEYS = {"n_group", "num_expert_group", "num_group"}
 _TOPK_GROUP_KEYS = {"topk_group"}
 #: widths tied to a hidden size by name: shrunk with it when they equal one of the tree's hidden sizes
-_WIDTH_SUFFIXES = ("hidden_size", "_dim", "embedding_size", "projection_size")
+_WIDTH_SUFFIXES = ("hidden_size", "_dim", "embedding_size", "projection_size", "_input_size")  # _input_size: an adapter's input (Dots 3's audio)
 #: layer indices into a (vision) tower: kept within the tiny tower's layers
 _DEPTH_LIST_KEYS = {"depths", "num_layers_per_stage", "layers_per_stage"}
-_LAYER_INDEX_KEYS = {"vision_feature_layer", "vision_feature_layers", "feature_layer", "feature_layers", "select_layer", "intermediate_hook_ids"}
+_LAYER_INDEX_KEYS = {
+    "vision_feature_layer", "vision_feature_layers", "feature_layer", "feature_layers", "select_layer", "intermediate_hook_ids",
+    "intermediate_layers_indices",
+}
 _HEAD_DIM_KEYS = {"head_dim", "attention_head_dim", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"}
 _RANK_KEYS = {"kv_lora_rank", "q_lora_rank"}
 
@@ -246,6 +263,14 @@ def _fit_sections(sections: list[int], total: int) -> list[int]:
     return fitted
 
 
+def _rotary_half(rope: dict[str, Any], head_dim: int) -> int:
+    """Half the rotated part of a head: what multimodal rotary sections split (all of the head, or
+    its ``partial_rotary_factor``)."""
+    factor = rope.get("partial_rotary_factor")
+    rotated = int(head_dim * factor) if isinstance(factor, (int, float)) and 0 < factor < 1 else head_dim
+    return rotated // 2
+
+
 def _rope_shrunk(value: Any, head_dim: int) -> Any:
     """A rope dict (or one per layer kind) with ``mrope_section`` refitted to half the head."""
     if not isinstance(value, dict):
@@ -278,6 +303,8 @@ def _shrunk(
     # or their number too (dots.llm1)
     unrouted = any(k in values and values[k] is None for k in _TOPK_KEYS)
     uncounted = unrouted and any(k in values and values[k] is None for k in _EXPERT_KEYS)
+    # ... unless the config turns its experts off (Gemma 4's enable_moe_block)
+    uncounted = uncounted and not any(k.startswith(("enable_moe", "use_moe")) and v is False for k, v in values.items())
     unrouted = unrouted and (experts or uncounted)
     followed: set[str] = set()
     out: dict[str, Any] = {}
@@ -290,7 +317,12 @@ def _shrunk(
 
                 sub = ResNetConfig(out_indices=list(getattr(sub, "out_indices", None) or [1, 2, 3, 4]))
             if sub is not None and hasattr(sub, "to_dict"):
-                out[key] = {**sub.to_dict(), **_shrunk(sub, frozenset(special), widths, shallow)}
+                base = sub.to_dict()
+                accepted = _init_parameters(type(sub))
+                if accepted is not None and "qk_rope_head_dim" in base:
+                    # a head width the config derives from its rotary part (DeepSeek-V3's head_dim): derived again
+                    base = {k: v for k, v in base.items() if k in accepted or k not in _HEAD_DIM_KEYS}
+                out[key] = {**base, **_shrunk(sub, frozenset(special), widths, shallow)}
             continue
         if isinstance(value, bool):
             continue
@@ -309,6 +341,8 @@ def _shrunk(
                 out[key] = 4
             elif key == "n_shared_experts" and uncounted:
                 out[key] = 1
+            elif key in _SMALL_FFN_KEYS and uncounted:  # the experts' width, left unset with their number (DiffusionGemma)
+                out[key] = HIDDEN
             elif key in _GROUP_KEYS | _TOPK_GROUP_KEYS and unrouted:  # 4 experts: one group holds them all
                 out[key] = 1
             elif key in ("class_thresholds", "class_order") and isinstance(values.get("id2label"), dict):
@@ -388,9 +422,18 @@ def _shrunk(
                 out[key] = 2
             elif key == "max_source_positions" and value > 64:
                 out[key] = 64
+            elif key == "embedding_size" and value > HIDDEN // 2 and value < (values.get("hidden_size") or 0):
+                # a factorized embedding narrower than the hidden size stays narrower (MobileBERT's head
+                # projects to the difference of the two)
+                out[key] = HIDDEN // 2
+            elif key == "num_cross_attention_heads" and value > 1 and values.get("cross_attention_shape_for_attention") == "kv":
+                # heads over the inputs' channels, which a preprocessor fixes (Perceiver's pixels plus Fourier
+                # features: 261 or 322), not the config: one head divides any width
+                out[key] = 1
             elif key.endswith("_groups") and value in widths:  # a depthwise convolution over a hidden width (Mimi's upsampling)
                 out[key] = HIDDEN
-            elif key.endswith(_WIDTH_SUFFIXES) and value in widths and not key.endswith("head_dim") and key not in _HEAD_DIM_KEYS:
+            elif (key.endswith(_WIDTH_SUFFIXES) or key == "hidden_size_global") and value in widths and not key.endswith("head_dim") and key not in _HEAD_DIM_KEYS:
+                # (hidden_size_global: BLT's byte encoder reads the global transformer's width)
                 out[key] = HIDDEN  # tied to a hidden size by the architecture (a projector's output, a condition)
             elif key in _LAYER_INDEX_KEYS:
                 out[key] = _layer_index(value)
@@ -415,8 +458,8 @@ def _shrunk(
             out[key] = [value[i] for i in kept]  # per-layer lists (layer_types, ...) follow the kept layers
             followed.add(key)
         elif kept is not None and key.startswith("per_layer") and isinstance(value, dict):
-            out[key] = {  # keyed by layer index: the kept layers', renumbered
-                kept.index(int(k)): v for k, v in value.items() if str(k).isdigit() and int(k) in kept
+            out[key] = {  # keyed by layer index: the kept layers', renumbered, shrunk as the whole config is
+                kept.index(int(k)): _layer_shrunk(v, values) for k, v in value.items() if str(k).isdigit() and int(k) in kept
             }
     patch = values.get("patch_size")
     for key, sub in list(out.items()):
@@ -425,6 +468,15 @@ def _shrunk(
             # a patch that is an encoder's whole image (DepthPro tiles its image for its DINOv2 encoders)
             if isinstance(sub.get("image_size"), int):
                 out["patch_size"] = sub["image_size"]
+    layers_out = out.get("intermediate_layers_indices")
+    if isinstance(layers_out, list) and isinstance(values.get("vision_output_dim"), int):
+        # Mllama's tower hands on its last state and these layers' side by side: (1 + their count) x hidden
+        out["vision_output_dim"] = (1 + len(layers_out)) * (out.get("hidden_size") or values["hidden_size"])
+    ratio = values.get("pixel_shuffle_ratio")
+    if isinstance(ratio, float) and 0 < ratio < 1 and isinstance(values.get("intermediate_size"), int) and "vision_output_dim" in values:
+        # Llama 4's tower: the MLP after its pixel shuffle reads hidden / ratio² channels, its intermediate_size
+        # (1408 x 4 = 5632 in the released checkpoints; the default config's 768-wide tower does not run)
+        out["intermediate_size"] = int((out.get("hidden_size") or values["hidden_size"]) / ratio**2)
     pinpoints = values.get("image_grid_pinpoints")
     vision = values.get("vision_config") if isinstance(values.get("vision_config"), dict) else {}
     if isinstance(pinpoints, list) and isinstance(vision.get("image_size"), int) and vision["image_size"] > 32:
@@ -452,7 +504,8 @@ def _shrunk(
                 rope = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in dict.fromkeys(kinds)}
             for part in [rope, *(v for v in rope.values() if isinstance(v, dict))]:
                 if "mrope_section" in exempt and "rope_type" in part and "mrope_section" not in part:
-                    part["mrope_section"] = _fit_sections([16, 24, 24], head_dim // 2)
+                    # of the rotated part only: a partial rotary (GLM-4.5V's half head) splits what it rotates
+                    part["mrope_section"] = _fit_sections([16, 24, 24], _rotary_half(part, head_dim))
             if rope != values[key]:
                 out[key] = rope
     vocab = [out.get("vocab_size")] + [v.get("vocab_size") for v in out.values() if isinstance(v, dict)]  # its text model's
@@ -495,6 +548,31 @@ def _shrunk(
     # to_dict() hands back the default ones, which these must replace)
     through = ("per_layer", "out_features", "out_indices")
     return {key: value for key, value in out.items() if accepted is None or key in accepted or key.startswith(through)}
+
+
+def _layer_shrunk(layer: Any, values: dict[str, Any]) -> Any:
+    """One layer's own settings (a ``per_layer_config`` entry: Dots 3's sliding-window layers have more
+    heads and wider ones) shrunk by the rules for heads, head widths and ranks; a head made of a
+    rotary and a non-rotary part stays their sum where the default's was."""
+    if not isinstance(layer, dict):
+        return layer
+    whole = {**values, **layer}
+    out = dict(layer)
+    for key, value in layer.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        if key in _HEAD_KEYS and value > 2:
+            out[key] = 2
+        elif key in _KV_HEAD_KEYS and value > 1:
+            out[key] = 2 if value == whole.get("num_attention_heads") and "kv_lora_rank" in whole else 1
+        elif key in _HEAD_DIM_KEYS and key != "head_dim" and value > 16:  # a layer's own head_dim (Gemma 4's global
+            out[key] = 16  # layers') stays, as it has: only a head made of parts follows them (below)
+        elif key in _RANK_KEYS and value > HIDDEN:
+            out[key] = HIDDEN
+    parts = ("qk_nope_head_dim", "qk_rope_head_dim")
+    if all(isinstance(whole.get(k), int) for k in (*parts, "head_dim")) and whole["head_dim"] == sum(whole[k] for k in parts):
+        out["head_dim"] = sum(min(whole[k], 16) for k in parts)
+    return out
 
 
 def _layer_index(value: Any) -> Any:
@@ -631,6 +709,8 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     parameters = _forward_parameters(model)
     main = getattr(model, "main_input_name", "input_ids")
+    if main not in parameters and "input_ids" in parameters:
+        main = "input_ids"  # a text tower inheriting its composite's main input (SAM 3 Lite's: pixel_values)
     inputs: dict[str, Any] = {}
     grid = next((name for name in ("grid_thw", "image_grid_thw") if name in parameters), None)
     if grid and "input_ids" not in parameters:  # a Qwen-VL-style vision tower: flattened patches and their grid
@@ -639,6 +719,14 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         inputs[pixels], inputs[grid] = patches["pixel_values"], patches["image_grid_thw"]
         if "merge_sizes" in parameters:
             inputs["merge_sizes"] = torch.tensor([getattr(config, "spatial_merge_size", None) or 1] * BATCH)
+    elif "target_sizes" in parameters and "input_ids" not in parameters and main == "pixel_values":
+        # a NaViT-style tower (MiniCPM-V's): the images' patches packed side by side in one row of patches,
+        # (1, channels, patch, patches x patch), and each image's grid in patches (4 x 4: whole 2 x 2 windows, twice)
+        patch = getattr(config, "patch_size", None) or 14
+        channels = getattr(config, "num_channels", None) or 3
+        side = 4
+        inputs["pixel_values"] = torch.randn(1, channels, patch, BATCH * side * side * patch, generator=generator)
+        inputs["target_sizes"] = torch.tensor([[side, side]] * BATCH)
     elif "past_time_features" in parameters:  # a probabilistic forecaster: its context plus the largest lag
         lags = getattr(config, "lags_sequence", None) or [0]
         length = (getattr(config, "context_length", None) or 32) + max(lags)
@@ -666,6 +754,8 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         height, width = _image_size(vision)
         channels = getattr(vision, "num_channels", 3) or 3
         frames = getattr(vision, "num_frames", None) or getattr(config, "num_frames", None)
+        if "ForImage" in type(model).__name__:  # an image head of a config that also describes video (Perceiver's)
+            frames = None
         # a video model by its input's name or by a video token in its text (InstructBLIP-Video)
         video = main == "pixel_values_videos" or any(k.startswith("video_token") for k in config.to_dict())
         required = _required(model)
@@ -786,6 +876,13 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs.update(image_inputs(model, config, inputs["input_ids"], generator))
         if images and "input_features" in parameters and getattr(config, "audio_config", None) is not None and shape == (BATCH, SEQUENCE):
             inputs.update(audio_inputs(model, config, inputs["input_ids"], generator))
+    question = getattr(config, "question_token_id", None)
+    if isinstance(question, int) and "question_positions" in parameters and inputs.get("input_ids") is not None:
+        # Splinter's processor puts a question token ([QUESTION]) in each row: the span heads start from it
+        inputs["input_ids"][:, 1] = question
+    if "decoder_input_ids" in parameters and not getattr(config, "is_encoder_decoder", False) and "pixel_values" in inputs:
+        if type(model).__name__.endswith("ForQuestionAnswering"):  # a generative answer head (BLIP's VQA): the answer's start
+            inputs["decoder_input_ids"] = _token_ids(config, (BATCH, 4), generator)
     patches = next((m.num_patches for m in model.modules() if isinstance(getattr(m, "num_patches", None), int)), None)
     if patches is None:  # masking by units of patches (Hiera): one value per unit
         units = next((m.mask_spatial_shape for m in model.modules() if isinstance(getattr(m, "mask_spatial_shape", None), (list, tuple))), None)
@@ -980,7 +1077,8 @@ def _grid_patches(vision, generator) -> dict[str, Any]:
 
     channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", None) or 3
     patch = getattr(vision, "patch_size", None) or 14
-    temporal = getattr(vision, "temporal_patch_size", None) or 1
+    # frames per patch, under either name (Muse Spark's tower calls it patch_temporal)
+    temporal = getattr(vision, "temporal_patch_size", None) or getattr(vision, "patch_temporal", None) or 1
     merge = getattr(vision, "spatial_merge_size", None) or 1
     side = 2 * merge  # a grid of 2 x 2 merged tokens
     grid = torch.tensor([[1, side, side]] * BATCH)
@@ -1164,6 +1262,14 @@ def _build(model_type: str, class_name: str, tier: str):
         for part in (config, getattr(config, "text_config", None)):
             if part is not None and getattr(part, "pad_token_id", 0) is None:
                 part.pad_token_id = 0
+    if class_name.endswith("ForSequenceClassification") and getattr(config, "is_encoder_decoder", False):
+        if getattr(config, "decoder_start_token_id", None) is None and isinstance(getattr(config, "pad_token_id", None), int):
+            # the head shifts input_ids right to make the decoder's: T5's checkpoints start it with the padding id
+            config.decoder_start_token_id = config.pad_token_id
+    if class_name.endswith("WithLMHead") and getattr(config, "is_decoder", True) is False:
+        config.is_decoder = True  # a language-model head predicts the next token: causal (Reformer asserts it)
+    if class_name.endswith("EncoderModel") and getattr(config, "is_encoder_decoder", False) and getattr(config, "encoder", None) is not None:
+        config.is_encoder_decoder = False  # the encoder of an encoder-decoder config, alone (T5Gemma refuses otherwise)
     qformer = getattr(config, "qformer_config", None)
     if class_name.endswith("ForImageTextRetrieval") and getattr(qformer, "use_qformer_text_input", None) is False:
         qformer.use_qformer_text_input = True  # the head reads its text through the Q-Former's text layers (BLIP-2's ITM checkpoint)
@@ -1183,6 +1289,23 @@ def _build(model_type: str, class_name: str, tier: str):
                 return model, *larger
             text = make_inputs(model, config, images=False)
             features = inputs.get("input_features")
+            boxes = inputs.get("bbox")
+            if boxes is not None and not boxes.is_floating_point():
+                # document boxes come as integers within 0..1000 from LayoutLM's processor and as fractions
+                # of the page from UDOP's
+                try:
+                    fractions = {**inputs, "bbox": boxes.float() / 1000}
+                    return model, fractions, _tensors(model(**fractions))
+                except Exception:  # not that either: what follows
+                    pass
+            patches = _patch_images(config, inputs)
+            if patches is not None:
+                # flattened patches come (patches, channels x patch x patch) from Qwen-VL's processor and
+                # (patches, channels, patch, patch) from others (Kimi-K2.5's, embedded by a 2-D convolution)
+                try:
+                    return model, {**inputs, "pixel_values": patches}, _tensors(model(**{**inputs, "pixel_values": patches}))
+                except Exception:  # not that either: what follows
+                    pass
             if text.keys() == inputs.keys() and getattr(features, "dim", lambda: 0)() == 3:
                 # log-mel features come (batch, bins, frames) from Whisper's extractor and (batch, frames,
                 # bins) from others (Parakeet's): the other layout
@@ -1249,6 +1372,19 @@ def _backbone_image(model, config, inputs: dict[str, Any]) -> tuple[dict[str, An
         return other, _tensors(model(**other))
     except Exception:
         return None
+
+
+def _patch_images(config, inputs: dict[str, Any]):
+    """Grid patches (``pixel_values`` of (patches, channels x patch x patch) beside a ``grid_thw``)
+    as a batch of one-patch images, (patches, channels, patch, patch); None for other inputs."""
+    pixels = inputs.get("pixel_values")
+    if getattr(pixels, "dim", lambda: 0)() != 2 or not ({"grid_thw", "image_grid_thw"} & set(inputs)):
+        return None
+    vision = getattr(config, "vision_config", None) or config
+    patch = getattr(vision, "patch_size", None)
+    if not isinstance(patch, int) or pixels.shape[1] % (patch * patch):
+        return None
+    return pixels.reshape(pixels.shape[0], -1, patch, patch).contiguous()
 
 
 def _tensors(output) -> list:

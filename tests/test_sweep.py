@@ -712,3 +712,130 @@ def test_vitmatte_gets_list_sizes_and_its_backbone_patch():
     assert isinstance(config.fusion_hidden_sizes, list) and config.backbone_config.patch_size == 16
     assert config.backbone_config.hidden_size == config.hidden_size == sweep.HIDDEN
     assert sweep.build("vitmatte", "VitMatteForImageMatting")[2]
+
+
+# ---- iss36g rules ----
+
+
+def test_iss36g_grid_patches_read_frames_per_patch_under_either_name():
+    # Muse Spark's tower calls its temporal patch `patch_temporal`: (patches, 3 x frames x patch x patch)
+    model, inputs, expected = sweep.build("muse_spark_vision", "MuseSparkVisionModel")
+    config = model.config
+    assert inputs["pixel_values"].shape[-1] == 3 * config.patch_temporal * config.patch_size**2
+    assert inputs["grid_thw"].shape == (sweep.BATCH, 3) and expected
+
+
+def test_iss36g_multimodal_rotary_sections_split_the_rotated_half_only():
+    # GLM-4.5V rotates half of each head: the sections its config leaves unset sum to a quarter of the head
+    text = sweep.tiny_config("glm4v_moe_text")
+    head = text.hidden_size // text.num_attention_heads
+    assert sum(text.rope_parameters["mrope_section"]) == int(head * text.rope_parameters["partial_rotary_factor"]) // 2
+    assert sum(sweep.tiny_config("glm4v_text").rope_parameters["mrope_section"]) == head // 2  # whole head: as before
+    model, inputs, expected = sweep.build("glm4v_moe", "Glm4vMoeModel")
+    assert "pixel_values" in inputs and inputs["image_grid_thw"].shape == (sweep.BATCH, 3) and expected
+
+
+def test_iss36g_overrides_for_rotary_sections_and_fused_head_splits():
+    # ERNIE 4.5-VL rotates height and width in pairs: equal sections, summing to half the 16-wide head
+    sections = sweep.tiny_config("ernie4_5_vl_moe").text_config.rope_parameters["mrope_section"]
+    assert sections[0] == sections[1] and sum(sections) == 8
+    assert sum(sweep.tiny_config("paddleocr_vl").text_config.rope_parameters["mrope_section"]) == 8
+    _, inputs, expected = sweep.build("ernie4_5_vl_moe", "Ernie4_5_VLMoeModel")
+    assert "pixel_values" in inputs and expected
+    codegen = sweep.tiny_config("codegen")  # the fused projection is split in 4
+    assert codegen.n_head % 4 == 0 and codegen.rotary_dim <= codegen.n_embd // codegen.n_head
+
+
+def test_iss36g_a_factorized_embedding_stays_narrower_than_the_hidden_size():
+    mobile = sweep.tiny_config("mobilebert")
+    assert mobile.embedding_size < mobile.hidden_size
+    albert = sweep.tiny_config("albert")
+    assert albert.embedding_size < albert.hidden_size == sweep.HIDDEN
+    model, _, expected = sweep.build("mobilebert", "MobileBertForPreTraining")
+    assert expected[0].shape[-1] == model.config.vocab_size
+
+
+@pytest.mark.slow  # a 256-latent model: half a minute to build on this machine
+def test_iss36g_perceiver_image_heads_get_images_and_one_cross_attention_head():
+    assert sweep.tiny_config("perceiver").num_cross_attention_heads == 1
+    model, inputs, expected = sweep.build("perceiver", "PerceiverForImageClassificationFourier")
+    assert inputs["pixel_values"].shape == (sweep.BATCH, 3, 32, 32)  # an image, though the config counts frames
+    assert expected[0].shape == (sweep.BATCH, model.config.num_labels)
+
+
+def test_iss36g_per_layer_settings_shrink_with_the_config():
+    # Dots 3's sliding layers have their own heads and widths: shrunk too, head = rotary + non-rotary part
+    text = sweep.tiny_config("dots3_note_text")
+    sliding = text.per_layer_config["sliding_attention"]
+    assert sliding.num_attention_heads == sliding.num_key_value_heads == 2
+    assert sliding.head_dim == sliding.qk_nope_head_dim + sliding.qk_rope_head_dim <= 32
+    audio = sweep.tiny_config("dots3_note").audio_config  # the adapter reads the tower's width
+    assert audio.adapter_input_size == audio.hidden_size == sweep.HIDDEN
+    _, inputs, expected = sweep.build("dots3_note_text", "Dots3NoteTextModel")
+    assert inputs["input_ids"].shape == (sweep.BATCH, sweep.SEQUENCE) and expected
+
+
+def test_iss36g_task_heads_get_what_their_class_needs():
+    # Reformer's language-model head is causal; T5's classifier starts its decoder with the padding id;
+    # T5Gemma's encoder alone is built from an encoder-only config
+    assert sweep.build("reformer", "ReformerModelWithLMHead")[0].config.is_decoder
+    model, _, expected = sweep.build("t5", "T5ForSequenceClassification")
+    assert model.config.decoder_start_token_id == model.config.pad_token_id and expected[0].shape[0] == sweep.BATCH
+    assert not sweep.build("t5gemma", "T5GemmaEncoderModel")[0].config.is_encoder_decoder
+    # Splinter's rows hold a question token; BLIP's answer head gets the answer's first tokens
+    model, inputs, _ = sweep.build("splinter", "SplinterForPreTraining")
+    assert (inputs["input_ids"] == model.config.question_token_id).sum(dim=1).min() >= 1
+    _, inputs, expected = sweep.build("blip", "BlipForQuestionAnswering")
+    assert inputs["decoder_input_ids"].shape == (sweep.BATCH, 4) and "pixel_values" in inputs and expected
+
+
+def test_iss36g_navit_towers_get_packed_patches_and_their_grids():
+    # MiniCPM-V's tower: the images' patches side by side in one row, each image's grid in patches
+    model, inputs, expected = sweep.build("minicpm_ocr_vision", "MiniCPMOcrVisionModel")
+    patch = model.config.patch_size
+    grids = inputs["target_sizes"]
+    assert inputs["pixel_values"].shape == (1, 3, patch, int((grids[:, 0] * grids[:, 1]).sum()) * patch)
+    assert grids.shape == (sweep.BATCH, 2) and expected
+
+
+def test_iss36g_derived_head_widths_and_experts_left_unset():
+    # a composite's DeepSeek-V3 text tower derives head_dim from its rotary part: derived again once shrunk
+    text = sweep.tiny_config("kimi_k25").text_config
+    assert text.head_dim == text.qk_rope_head_dim <= 16
+    # DiffusionGemma always builds experts its config leaves unset; Gemma 4 turns them off: left as they are
+    moe = sweep.tiny_config("diffusion_gemma").text_config
+    assert (moe.num_experts, moe.top_k_experts, moe.moe_intermediate_size) == (4, 2, sweep.HIDDEN)
+    assert sweep.tiny_config("gemma4").text_config.num_experts is None
+    # Kimi-K2.5's tower embeds each patch with a 2-D convolution: (patches, channels, patch, patch)
+    model, inputs, expected = sweep.build("kimi_k25_vision", "Kimi_K25VisionModel")
+    patch = model.config.patch_size
+    assert inputs["pixel_values"].shape[1:] == (3, patch, patch) and "grid_thw" in inputs and expected
+
+
+def test_iss36g_widths_named_after_the_hidden_size_and_fractional_boxes():
+    # BLT's byte encoder reads the global transformer's width (hidden_size_global); its towers' heads are 16 wide
+    blt = sweep.tiny_config("blt")
+    assert blt.encoder_config.hidden_size_global == blt.global_config.hidden_size == sweep.HIDDEN
+    assert blt.patcher_config.head_dim == blt.patcher_config.hidden_size // blt.patcher_config.num_attention_heads
+    # UDOP reads boxes as fractions of the page (LayoutLM's processor gives integers to 1000: kept for them)
+    _, inputs, expected = sweep.build("udop", "UdopModel")
+    assert inputs["bbox"].is_floating_point() and 0 <= inputs["bbox"].min() and inputs["bbox"].max() <= 1 and expected
+    _, inputs, _ = sweep.build("layoutlmv3", "LayoutLMv3Model")
+    assert not inputs["bbox"].is_floating_point()
+
+
+def test_iss36g_vision_towers_widths_tied_to_their_layers():
+    # Llama 4: the MLP after the pixel shuffle reads hidden / ratio² channels
+    vision = sweep.tiny_config("llama4").vision_config
+    assert vision.intermediate_size == int(vision.hidden_size / vision.pixel_shuffle_ratio**2)
+    # Mllama: intermediate layers within the tiny tower, handed on beside the last state
+    vision = sweep.tiny_config("mllama").vision_config
+    assert all(-vision.num_hidden_layers - 1 <= i <= vision.num_hidden_layers for i in vision.intermediate_layers_indices)
+    assert vision.vision_output_dim == (1 + len(vision.intermediate_layers_indices)) * vision.hidden_size
+    _, inputs, expected = sweep.build("llama4", "Llama4VisionModel")
+    assert inputs["pixel_values"].shape[0] == sweep.BATCH and expected
+
+
+def test_iss36g_a_text_tower_gets_text_whatever_its_composite_reads():
+    model, inputs, expected = sweep.build("sam3_lite_text_text_model", "Sam3LiteTextTextModel")
+    assert model.main_input_name == "pixel_values" and set(inputs) == {"input_ids", "attention_mask"} and expected
