@@ -79,6 +79,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "nemotron3_diarization_audio": {"num_key_value_heads": 2},
     "nemotron3_5_transcribe_asr_audio": {"num_key_value_heads": 2},
     "nemotron3_diarization": {"audio_config": {"num_key_value_heads": 2}},  # merged into the shrunk audio tower
+    "nemotron3_5_transcribe_audio": {  # both of its towers, merged into the shrunk ones
+        "asr_config": {"num_key_value_heads": 2}, "diarization_config": {"audio_config": {"num_key_value_heads": 2}},
+    },
     # the indexed-attention layers' token indexer is left unset (None) by the default config, which lists
     # such layers all the same: 2 query heads and 1 key head 16 wide, 4 tokens chosen in blocks of 2
     "qwen4_exp_text": _QWEN4_INDEXER,
@@ -473,10 +476,7 @@ def tiny_config(model_type: str, tier: str = "tiny"):
     default = AutoConfig.for_model(model_type)
     shrunk = {} if tier == "default" else _shrunk(default, shallow=tier == "shallow")
     overrides = OVERRIDES.get(model_type, {})
-    kwargs = {**shrunk, **overrides}
-    for key, value in overrides.items():  # a sub-config's override is merged into its shrunk values
-        if isinstance(value, dict) and isinstance(shrunk.get(key), dict):
-            kwargs[key] = {**shrunk[key], **value}
+    kwargs = _merged(shrunk, overrides)  # a sub-config's override is merged into its shrunk values
     config = AutoConfig.for_model(model_type, **kwargs)
     channels = _backbone_channels(config)
     if channels and isinstance(getattr(config, "encoder_in_channels", None), (list, tuple)):
@@ -484,6 +484,15 @@ def tiny_config(model_type: str, tier: str = "tiny"):
             # a detector's encoder reads the backbone's stages: its input channels are theirs (RT-DETR)
             config = AutoConfig.for_model(model_type, **{**kwargs, "encoder_in_channels": channels})
     return config
+
+
+def _merged(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with ``overrides``, a dict for a sub-config (at any depth) merged into its values."""
+    out = {**values, **overrides}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            out[key] = _merged(values[key], value)
+    return out
 
 
 def _backbone_channels(config) -> list[int] | None:
@@ -597,7 +606,9 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs["task_inputs"] = torch.randint(3, min(vocab, 100), (BATCH, length), generator=generator)
     elif main == "input_features":
         bins = next((getattr(part, key) for part in (config, getattr(config, "encoder_config", None), getattr(config, "audio_config", None))
-                     for key in ("num_mel_bins", "feature_size") if isinstance(getattr(part, key, None), int)), 80)  # an ASR model's encoder's
+                     for key in ("num_mel_bins", "feature_size") if isinstance(getattr(part, key, None), int)), None)  # an ASR model's encoder's
+        # or the speech tower's under another name (Nemotron's asr_config), or its feature extractor's (Gemma 4's audio tower)
+        bins = bins or _find(config.to_dict(), "num_mel_bins") or _extractor_features(config) or 80
         stacked = getattr(config, "feature_projection_input_dim", None)  # w2v-BERT stacks frames: (batch, frames, 2 x bins)
         whisper_style = getattr(config, "num_mel_bins", None) and "speech_to_text" not in config.model_type
         if getattr(config, "max_source_positions", None) and whisper_style:  # reads exactly 2 x positions frames
@@ -615,7 +626,7 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             features = inputs["input_features"]
             frames = features.shape[-1] if features.shape[1] == bins else features.shape[1]
             inputs["input_features_mask"] = torch.ones(BATCH, frames, dtype=torch.long)
-    elif main == "input_values":
+    elif main in ("input_values", "latents"):  # a codec's decoder reads its latents (Mimi's)
         inputs.update(_waveform(model, config, generator))
     elif main == "flattened_patches":
         # Pix2Struct's processor: patches flattened with their (row, column), 1-based, first
@@ -631,6 +642,22 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         inputs[main] = torch.randn(BATCH, SEQUENCE, config.hidden_size, generator=generator)
         if "attention_mask" in parameters:
             inputs["attention_mask"] = torch.ones(BATCH, SEQUENCE, dtype=torch.long)
+    elif main == "states" and isinstance(getattr(config, "state_dim", None), int):
+        # an offline-RL trajectory (Decision Transformer): per step a state, an action, a reward, the
+        # return to go, and the step's index within the episode
+        steps = SEQUENCE
+        inputs["states"] = torch.randn(BATCH, steps, config.state_dim, generator=generator)
+        if "actions" in parameters:
+            inputs["actions"] = torch.randn(BATCH, steps, getattr(config, "act_dim", None) or 1, generator=generator)
+        for name in ("rewards", "returns_to_go"):
+            if name in parameters:
+                inputs[name] = torch.randn(BATCH, steps, 1, generator=generator)
+        if "timesteps" in parameters:
+            inputs["timesteps"] = torch.arange(steps).expand(BATCH, -1).clone()
+        if "attention_mask" in parameters:
+            inputs["attention_mask"] = torch.ones(BATCH, steps, dtype=torch.long)
+    elif isinstance(getattr(config, "max_state_dim", None), int) and isinstance(getattr(config, "max_action_dim", None), int):
+        inputs.update(_policy_inputs(model, config, generator))
     elif main == "audio_mel":  # Gemma 3n's audio tower: (batch, frames, bins) log-mel and its padding mask (True: padded)
         bins = getattr(config, "input_feat_size", None) or 128
         inputs["audio_mel"] = torch.randn(BATCH, 64, bins, generator=generator)
@@ -686,7 +713,7 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         if images and "input_features" in parameters and getattr(config, "audio_config", None) is not None and shape == (BATCH, SEQUENCE):
             inputs.update(audio_inputs(model, config, inputs["input_ids"], generator))
     patches = next((m.num_patches for m in model.modules() if isinstance(getattr(m, "num_patches", None), int)), None)
-    if "noise" in parameters and "pixel_values" in inputs and patches:
+    if "noise" in parameters and "noise" not in inputs and "pixel_values" in inputs and patches:
         # random masking (ViT-MAE) draws its noise inside forward unless given: one value per patch,
         # fixed, so PyTorch and both files mask the same patches
         inputs["noise"] = torch.rand(BATCH, patches, generator=generator)
@@ -724,11 +751,23 @@ def _waveform(model, config, generator) -> dict[str, Any]:
 
     # an x-vector head's time-delay layers need more frames than a quarter second gives
     samples = 16000 if getattr(config, "tdnn_kernel", None) else 4000
+    per_token = getattr(config, "samples_per_token", None)
+    if isinstance(per_token, int) and per_token > 0:  # an encoder collapsing that many samples into a token reads whole tokens (Muse Spark)
+        samples = -(-samples // per_token) * per_token
     channels, strides = _codec(config.to_dict())
     parameters, required = _forward_parameters(model), _required(model)
     name = "hidden_states" if "input_values" not in parameters and "hidden_states" in required else "input_values"
+    name = "latents" if "latents" in required else name
+    bins, length = getattr(config, "num_mel_bins", None), getattr(config, "max_length", None)
+    if channels is None and not strides and isinstance(bins, int) and isinstance(length, int):
+        # a spectrogram transformer (AST) reads the extractor's (batch, max_length frames, bins), its positions sized for them
+        return {name: torch.randn(BATCH, length, bins, generator=generator)}
     if channels is None and not strides:
         return {name: torch.randn(BATCH, samples, generator=generator)}
+    width = _first_conv_channels(model)
+    if width is not None and width != (channels or 1):
+        # a codec's decoder (Mimi's, VibeVoice's) reads latents, not audio: (batch, latent width, frames)
+        return {name: torch.randn(BATCH, width, SEQUENCE, generator=generator)}
     out = {name: torch.randn(BATCH, channels or 1, samples, generator=generator)}
     stacked = _find(config.to_dict(), "feature_projection_input_dim")
     ratios = getattr(config, "downsampling_ratios", None)
@@ -740,6 +779,35 @@ def _waveform(model, config, generator) -> dict[str, Any]:
         out[name] = torch.randn(BATCH, channels or 1, frames * hop, generator=generator)
         out["input_features"] = torch.randn(BATCH, frames, stacked, generator=generator)
     return out
+
+
+def _extractor_features(config) -> int | None:
+    """The feature width (``feature_size`` over 1: log-mel bins) of the feature extractor transformers
+    registers for the model type, or for its family (``gemma4`` for ``gemma4_audio``), made with its
+    defaults; None when there is none or it cannot be made here (it needs torchaudio)."""
+    import transformers
+    from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", "") or ""
+    for name in (model_type, model_type.rsplit("_", 1)[0]):
+        found = FEATURE_EXTRACTOR_MAPPING_NAMES.get(name)
+        if found is None:
+            continue
+        try:
+            extractor = getattr(transformers, found)()
+        except Exception:  # a backend this environment lacks
+            return None
+        size = getattr(extractor, "feature_size", None)
+        return size if isinstance(size, int) and size > 1 else None
+    return None
+
+
+def _first_conv_channels(model) -> int | None:
+    """The channels the model's first 1-D convolution (or transposed one) reads."""
+    import torch
+
+    kinds = (torch.nn.Conv1d, torch.nn.ConvTranspose1d)
+    return next((m.in_channels for m in model.modules() if isinstance(m, kinds)), None)
 
 
 def _find(values: dict[str, Any], key: str) -> Any:
@@ -795,6 +863,41 @@ def _patch_inputs(model, vision, generator) -> dict[str, Any]:
         "pixel_attention_mask": torch.ones(BATCH, side * side, dtype=torch.long),
         "spatial_shapes": torch.tensor([[side, side]] * BATCH),
     }
+
+
+def _policy_inputs(model, config, generator) -> dict[str, Any]:
+    """A vision-language-action policy (PI0) as its processor and sampler give it: a prompt holding
+    one camera image's tokens, the images (batch, cameras, channels, height, width) with which
+    cameras are present, the robot's ``state`` (batch, ``max_state_dim``), the action ``noise``
+    (batch, ``chunk_size``, ``max_action_dim``) and the flow-matching ``timestep`` in (0, 1). The
+    policy's backbone takes state, noise and time already embedded (``action_embeds``: one state
+    token and the chunk's, of its action expert's width)."""
+    import torch
+
+    parameters, required = _forward_parameters(model), _required(model)
+    subs = [getattr(config, name, None) for name in getattr(config, "sub_configs", {}) or {}]
+    language = next((sub for sub in subs if getattr(sub, "vision_config", None) is not None and _image_token(sub) is not None), None)
+    tower = next((m for m in model.modules() if m is not model and hasattr(m, "get_image_features")), None)
+    if language is None or tower is None:
+        return {}
+    vision = language.vision_config
+    height, width = _image_size(vision)
+    pixels = torch.randn(BATCH, 1, getattr(vision, "num_channels", None) or 3, height, width, generator=generator)
+    with torch.no_grad():
+        count = _count(tower.get_image_features(pixels.flatten(0, 1)))
+    out = _placeholders(model, _token_ids(language, (BATCH, SEQUENCE), generator), _image_token(language), count or 0) or {}
+    out.update(pixel_values=pixels, pixel_attention_mask=torch.ones(BATCH, 1, dtype=torch.bool))
+    chunk = getattr(config, "chunk_size", None) or SEQUENCE
+    if "state" in required:
+        out["state"] = torch.randn(BATCH, config.max_state_dim, generator=generator)
+        if "noise" in parameters:
+            out["noise"] = torch.randn(BATCH, chunk, config.max_action_dim, generator=generator)
+        if "timestep" in parameters:
+            out["timestep"] = torch.full((BATCH,), 0.5)
+    elif "action_embeds" in required:
+        expert = next((getattr(sub, "hidden_size", None) for sub in subs if sub is not language and isinstance(getattr(sub, "hidden_size", None), int)), None)
+        out["action_embeds"] = torch.randn(BATCH, 1 + chunk, expert or HIDDEN, generator=generator)
+    return out
 
 
 def _required(model) -> set[str]:
@@ -926,7 +1029,7 @@ def audio_inputs(model, config, input_ids, generator) -> dict[str, Any]:
 
     token = next((getattr(config, k) for k in ("audio_token_id", "audio_token_index") if isinstance(getattr(config, k, None), int)), None)
     get = getattr(model, "get_audio_features", None)
-    if token is None or get is None:
+    if get is None:
         return {}
     audio = config.audio_config
     bins = getattr(audio, "num_mel_bins", None) or 128
@@ -938,6 +1041,16 @@ def audio_inputs(model, config, input_ids, generator) -> dict[str, Any]:
             count = _count(get(input_features=features))
     except Exception:
         return {}
+    if token is None:
+        # no audio token: a streaming model adds each audio frame's embedding to its token's (Voxtral
+        # Realtime), its text as long as the audio's frames
+        if not count or count % BATCH:
+            return {}
+        ids = _token_ids(config, (BATCH, count // BATCH), generator)
+        out = {"input_ids": ids, "input_features": features}
+        if "attention_mask" in _forward_parameters(model):
+            out["attention_mask"] = torch.ones_like(ids)
+        return out
     text = _placeholders(model, input_ids, token, count or 0)
     return {**text, "input_features": features} if text else {}
 
