@@ -98,6 +98,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
     "moonshine_streaming": {"num_key_value_heads": 2},
     "t5gemma2_encoder": {"text_config": {"dropout_rate": 0.0}},
+    # its decoder pre-net drops out even in eval mode (as the paper does): none, so PyTorch and the files agree
+    "speecht5": {"speech_decoder_prenet_dropout": 0.0},
     # the task heads' channels are left to each checkpoint (every list None): two upsampling blocks, one
     # refinement convolution, and the pointmap head's scale branch, 16 channels each
     "sapiens2": {"head_config": {
@@ -221,7 +223,11 @@ def _shrunk(
 
                 sub = ResNetConfig(out_indices=list(getattr(sub, "out_indices", None) or [1, 2, 3, 4]))
             if sub is not None and hasattr(sub, "to_dict"):
-                out[key] = {**sub.to_dict(), **_shrunk(sub, frozenset(special), widths, shallow)}
+                # a key-head count its constructor does not take is derived from the heads (Parakeet's encoder
+                # under Canary): left out, so it follows the shrunk heads instead of keeping the default's
+                accepted = _init_parameters(type(sub))
+                given = {k: v for k, v in sub.to_dict().items() if accepted is None or k not in _KV_HEAD_KEYS or k in accepted}
+                out[key] = {**given, **_shrunk(sub, frozenset(special), widths, shallow)}
             continue
         if isinstance(value, bool):
             continue
@@ -344,6 +350,10 @@ def _shrunk(
         for key, value in list(out.items()):
             if key not in followed and isinstance(value, list) and len(value) == layers and isinstance(values.get(key), (list, tuple)):
                 out[key] = [value[i] for i in kept]
+    embed, depths, width = values.get("patch_embeds_hidden_size"), values.get("depths"), values.get("hidden_size")
+    if isinstance(embed, int) and isinstance(depths, (list, tuple)) and isinstance(width, int) and embed << (len(depths) - 1) == width:
+        # a Swin tower doubling its patch embeddings' width at each stage ends at hidden_size (CLAP's audio): shrunk with it
+        out["patch_embeds_hidden_size"] = max(1, out.get("hidden_size", width) >> (len(depths) - 1))
     if values.get("head_dim", 0) is None and heads and "head_dim" not in out:
         out["head_dim"] = HIDDEN // min(heads, 2)  # None: some models compute hidden // heads, others fail
     for key in ("rope_parameters", "rope_scaling"):  # multimodal rotary sections split half the head
@@ -673,9 +683,15 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         # a multiple-choice head reads (batch, choices, sequence)
         shape = (BATCH, 2, SEQUENCE) if type(model).__name__.endswith("ForMultipleChoice") else (BATCH, SEQUENCE)
         codebooks = getattr(config, "num_codebooks", None)
-        if isinstance(codebooks, int) and codebooks > 1 and not getattr(config, "is_encoder_decoder", False):
+        streams = isinstance(codebooks, int) and isinstance(getattr(config, "codebook_vocab_size", None), int)
+        if isinstance(codebooks, int) and codebooks > 1 and not getattr(config, "is_encoder_decoder", False) and not streams:
             shape = (BATCH * codebooks, SEQUENCE)  # an audio-codes decoder (MusicGen) reads one row per codebook
         inputs["input_ids"] = _token_ids(config, shape, generator)
+        if streams and "inputs_embeds" in parameters and "input_values" not in parameters:
+            # a text stream beside the audio's codebooks (Kyutai's speech-to-text): per step a text token and
+            # one code per codebook, (batch, sequence, 1 + codebooks)
+            codes = torch.randint(0, config.codebook_vocab_size, (*shape, codebooks), generator=generator)
+            inputs["input_ids"] = torch.cat([inputs["input_ids"][..., None], codes], dim=-1)
         if "bbox" in parameters:  # document models: one box (x0, y0, x1, y1 within 0..1000) per token
             corner = torch.randint(0, 500, (*shape, 2), generator=generator)
             inputs["bbox"] = torch.cat([corner, corner + torch.randint(1, 500, (*shape, 2), generator=generator)], dim=-1)
@@ -729,6 +745,15 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         inputs.update(_waveform(model, config, generator))
     if "use_cache" in parameters:  # no cache object in the outputs: torch.export needs its pytree registered
         inputs["use_cache"] = False
+    if "decoder_input_values" in parameters and isinstance(getattr(config, "hidden_size", None), int):
+        # a speech decoder (SpeechT5's): mel frames when a layer reads them (its speech pre-net), else
+        # hidden states; and the speaker's embedding its pre-net reads beside them
+        bins = getattr(config, "num_mel_bins", None)
+        mels = isinstance(bins, int) and any(isinstance(m, torch.nn.Linear) and m.in_features == bins for m in model.modules())
+        inputs["decoder_input_values"] = torch.randn(BATCH, 4, bins if mels else config.hidden_size, generator=generator)
+        speaker = getattr(config, "speaker_embedding_dim", None)
+        if mels and "speaker_embeddings" in parameters and isinstance(speaker, int):
+            inputs["speaker_embeddings"] = torch.randn(BATCH, speaker, generator=generator)
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
         if type(model).__name__.endswith("ForSequenceClassification") and "input_ids" in inputs:
             # BART-style heads classify at each row's last end-of-sequence token, read from the decoder's
@@ -737,9 +762,16 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             if isinstance(eos, int):
                 inputs["input_ids"][:, -1] = eos
         else:
-            codebooks = getattr(getattr(config, "decoder", None), "num_codebooks", None)  # MusicGen: a row per codebook
+            decoder = getattr(config, "decoder", None) or getattr(config, "decoder_config", None)
+            codebooks = getattr(decoder, "num_codebooks", None)  # MusicGen: a row per codebook
             rows = BATCH * codebooks if isinstance(codebooks, int) and codebooks > 1 else BATCH
-            inputs["decoder_input_ids"] = _token_ids(config, (rows, 4), generator)
+            channels = getattr(decoder, "num_channels", None)
+            if codebooks is None and isinstance(channels, int) and channels > 1:
+                # an audio decoder over parallel channels of codes (Dia): (batch, length, channels), the layout
+                # it works in (its flattened one's view fails in eager PyTorch)
+                inputs["decoder_input_ids"] = _token_ids(config, (BATCH, 4, channels), generator)
+            else:
+                inputs["decoder_input_ids"] = _token_ids(config, (rows, 4), generator)
     return inputs
 
 
@@ -762,6 +794,10 @@ def _waveform(model, config, generator) -> dict[str, Any]:
     if channels is None and not strides and isinstance(bins, int) and isinstance(length, int):
         # a spectrogram transformer (AST) reads the extractor's (batch, max_length frames, bins), its positions sized for them
         return {name: torch.randn(BATCH, length, bins, generator=generator)}
+    width = getattr(config, "hidden_size", None)
+    if channels is None and not strides and "decoder_input_values" in parameters and _first_conv_channels(model) is None and isinstance(width, int):
+        # an encoder-decoder without a speech front end (SpeechT5's bare model) reads hidden states
+        return {name: torch.randn(BATCH, SEQUENCE, width, generator=generator)}
     if channels is None and not strides:
         return {name: torch.randn(BATCH, samples, generator=generator)}
     width = _first_conv_channels(model)
@@ -1036,11 +1072,18 @@ def audio_inputs(model, config, input_ids, generator) -> dict[str, Any]:
     positions = getattr(audio, "max_source_positions", None)
     frames = 2 * positions if isinstance(positions, int) else 64  # a Whisper-style encoder reads exactly this many
     features = torch.randn(BATCH, bins, frames, generator=generator)
+    spec = getattr(audio, "spec_size", None)
+    if isinstance(spec, int) and spec >= bins:
+        # a Swin tower reading the log-mel as an image (CLAP): (batch, 1, frames, bins), as many frames as
+        # its square input folds, so nothing is resized
+        features = torch.randn(BATCH, 1, spec * (spec // bins), bins, generator=generator)
     try:
         with torch.no_grad():
             count = _count(get(input_features=features))
     except Exception:
         return {}
+    if hasattr(model, "get_text_features"):  # a dual encoder (CLAP) embeds text and audio apart: the text as it is
+        return {"input_features": features}
     if token is None:
         # no audio token: a streaming model adds each audio frame's embedding to its token's (Voxtral
         # Realtime), its text as long as the audio's frames
