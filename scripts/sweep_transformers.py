@@ -162,6 +162,13 @@ def _widths(values: dict[str, Any]) -> set[int]:
     return found
 
 
+def _joined_widths(values: dict[str, Any]) -> set[int]:
+    """Sums of two of a config's hidden size and its sub-configs' (each over :data:`HIDDEN`)."""
+    sizes = [values.get("hidden_size")] + [v.get("hidden_size") for v in values.values() if isinstance(v, dict)]
+    sizes = [w for w in sizes if isinstance(w, int) and not isinstance(w, bool) and w > HIDDEN]
+    return {a + b for i, a in enumerate(sizes) for b in sizes[i + 1:]}
+
+
 def _fit_sections(sections: list[int], total: int) -> list[int]:
     """``sections`` scaled to sum to ``total`` (largest remainders; each at least 1 when it can):
     rotary sections (``mrope_section``) of a shrunk head, embedding factors of a shrunk width."""
@@ -213,6 +220,7 @@ def _shrunk(
     uncounted = unrouted and any(k in values and values[k] is None for k in _EXPERT_KEYS)
     unrouted = unrouted and (experts or uncounted)
     followed: set[str] = set()
+    derived, joined = _unset_by_default(type(config)), _joined_widths(values)
     out: dict[str, Any] = {}
     for key, value in values.items():
         if key in sub_configs or (isinstance(value, dict) and hasattr(getattr(config, key, None), "to_dict")):
@@ -250,6 +258,12 @@ def _shrunk(
                 out[key] = 1
             elif key == "prediction_length":  # a forecaster's horizon, left to the user (the context follows it)
                 out[key] = 4
+            continue
+        if isinstance(value, int) and key.endswith("_dim") and value in joined:
+            # the width of features joined from two models' (a codec's acoustic and semantic ones, quantized
+            # together): derived again from the shrunk parts when the config derives it (XCodec), else their sum (XCodec2)
+            if key not in derived:
+                out[key] = 2 * HIDDEN
             continue
         if isinstance(value, int):
             if key in _HIDDEN_KEYS and value > HIDDEN:
@@ -457,6 +471,15 @@ def _kept_layers(values: dict[str, Any], layers: int | None) -> list[int] | None
         if index not in chosen:
             chosen.append(index)
     return sorted(chosen[:wanted])
+
+
+def _unset_by_default(config_class) -> set[str]:
+    """The constructor's parameters whose default is None (what the config derives or leaves to a checkpoint)."""
+    try:
+        parameters = inspect.signature(config_class.__init__).parameters
+    except (TypeError, ValueError):
+        return set()
+    return {name for name, p in parameters.items() if p.default is None}
 
 
 def _init_parameters(config_class) -> set[str] | None:
@@ -800,7 +823,7 @@ def _waveform(model, config, generator) -> dict[str, Any]:
         return {name: torch.randn(BATCH, SEQUENCE, width, generator=generator)}
     if channels is None and not strides:
         return {name: torch.randn(BATCH, samples, generator=generator)}
-    width = _first_conv_channels(model)
+    width = _first_conv_channels(model) if name in ("latents", "hidden_states") else None
     if width is not None and width != (channels or 1):
         # a codec's decoder (Mimi's, VibeVoice's) reads latents, not audio: (batch, latent width, frames)
         return {name: torch.randn(BATCH, width, SEQUENCE, generator=generator)}
