@@ -98,6 +98,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
     "moonshine_streaming": {"num_key_value_heads": 2},
     "t5gemma2_encoder": {"text_config": {"dropout_rate": 0.0}},
+    # the speech encoder reads the ids its speech decoder makes (the default configs give it 256 of the decoder's
+    # 8194); both encoders' rotary embeddings span at least 32 of each head (a floor in the modeling code): one head
+    # of the tiny width
+    "clvp": {
+        "speech_config": {"vocab_size": 8194, "num_attention_heads": 1}, "text_config": {"num_attention_heads": 1},
+    },
     # its decoder pre-net drops out even in eval mode (as the paper does): none, so PyTorch and the files agree
     "speecht5": {"speech_decoder_prenet_dropout": 0.0},
     # the task heads' channels are left to each checkpoint (every list None): two upsampling blocks, one
@@ -751,6 +757,12 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs.update(image_inputs(model, config, inputs["input_ids"], generator))
         if images and "input_features" in parameters and getattr(config, "audio_config", None) is not None and shape == (BATCH, SEQUENCE):
             inputs.update(audio_inputs(model, config, inputs["input_ids"], generator))
+        elif "input_features" in parameters and getattr(config, "audio_config", None) is None:
+            # a text-to-speech model conditioned on a voice's log-mel (CLVP): (batch, bins, frames), the bins
+            # its conditioning encoder's convolution reads
+            bins = _find(config.to_dict(), "num_mel_bins") or _find(config.to_dict(), "feature_size")
+            if isinstance(bins, int) and bins > 1:
+                inputs["input_features"] = torch.randn(BATCH, bins, 64, generator=generator)
     patches = next((m.num_patches for m in model.modules() if isinstance(getattr(m, "num_patches", None), int)), None)
     if "noise" in parameters and "noise" not in inputs and "pixel_values" in inputs and patches:
         # random masking (ViT-MAE) draws its noise inside forward unless given: one value per patch,
