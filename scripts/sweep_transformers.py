@@ -79,6 +79,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "nemotron3_diarization_audio": {"num_key_value_heads": 2},
     "nemotron3_5_transcribe_asr_audio": {"num_key_value_heads": 2},
     "nemotron3_diarization": {"audio_config": {"num_key_value_heads": 2}},  # merged into the shrunk audio tower
+    "granite_speech5_encoder": {"num_key_value_heads": 2},  # the same: its attention repeats no key heads
+    "granite_speech5_ctc": {"encoder_config": {"num_key_value_heads": 2}},
     "nemotron3_5_transcribe_audio": {  # both of its towers, merged into the shrunk ones
         "asr_config": {"num_key_value_heads": 2}, "diarization_config": {"audio_config": {"num_key_value_heads": 2}},
     },
@@ -558,7 +560,8 @@ def _token_ids(config, shape, generator):
     import torch
 
     text = getattr(config, "text_config", None) or config
-    vocab = getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or 100
+    # or a sub-model's, where the composite has none of its own (FastSpeech 2 beside its vocoder)
+    vocab = getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or _find(config.to_dict(), "vocab_size") or 100
     special = _special_ids(config.to_dict()) | _special_ids(text.to_dict() if hasattr(text, "to_dict") else {})
     allowed = [i for i in range(3, min(vocab, 100)) if i not in special] or [0]
     index = torch.randint(0, len(allowed), shape, generator=generator)
@@ -660,6 +663,12 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             window = getattr(config, "n_window", None)  # a windowed encoder (Qwen3-ASR) reads whole windows of 2 x n_window frames
             frames = 2 * window if isinstance(window, int) and window > 0 else 64
             shape = (BATCH, frames, bins) if "speech_to_text" in config.model_type else (BATCH, bins, frames)
+            first = next((m for m in model.modules() if isinstance(getattr(m, "weight", None), torch.nn.Parameter)), None)
+            width = getattr(first, "in_features", None) if isinstance(first, torch.nn.Linear) else None
+            if isinstance(width, int) and width > bins and width % bins == 0 and getattr(config, "subsampling_factor", None) is None:
+                # an extractor stacking each frame's mel with its deltas and neighbours (Granite Speech 5): as wide as the
+                # linear projection that reads them first (a model stacking them itself says by its subsampling_factor)
+                shape = (BATCH, frames, width)
             inputs["input_features"] = torch.randn(*shape, generator=generator)
         if "input_features_mask" in parameters:  # every frame valid, as an extractor gives unpadded audio
             features = inputs["input_features"]
