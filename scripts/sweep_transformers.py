@@ -665,7 +665,7 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             shape = (BATCH, frames, bins) if "speech_to_text" in config.model_type else (BATCH, bins, frames)
             first = next((m for m in model.modules() if isinstance(getattr(m, "weight", None), torch.nn.Parameter)), None)
             width = getattr(first, "in_features", None) if isinstance(first, torch.nn.Linear) else None
-            if isinstance(width, int) and width > bins and width % bins == 0 and getattr(config, "subsampling_factor", None) is None:
+            if isinstance(width, int) and width > bins and width % bins == 0 and _find(config.to_dict(), "subsampling_factor") is None:
                 # an extractor stacking each frame's mel with its deltas and neighbours (Granite Speech 5): as wide as the
                 # linear projection that reads them first (a model stacking them itself says by its subsampling_factor)
                 shape = (BATCH, frames, width)
