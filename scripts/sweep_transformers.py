@@ -15,8 +15,9 @@ Each architecture gets a configuration shrunk from its default one by the rules 
 with per-architecture :data:`OVERRIDES`; when the model does not run on its inputs at that size,
 the depth alone is shrunk (``shallow``: default widths), then nothing (``default``), within
 :data:`PARAMETER_BUDGET` (the row's ``config`` says which tier built it); random weights (seed 0) and inputs from
-:func:`make_inputs` (token ids, pixels, videos, audio features, waveforms, patches with their grid,
-past values by the model's forward; a vision- or audio-language model also gets images or audio as
+:func:`make_inputs` (token ids, pixels, videos, audio features, waveforms, a codec decoder's latents,
+spectrograms, patches with their grid, past values, a policy's state and action noise, a trajectory's
+states and returns, by the model's forward; features as wide as the model's feature extractor makes them; a vision- or audio-language model also gets images or audio as
 its processor would give them, with as many image or audio tokens in its text as it makes
 features; a model read from pixels that takes text gets its prompt; what a forward requires beside
 its main input is given by the parameter's name and the config's keys). Each row
