@@ -81,6 +81,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "nemotron3_5_transcribe_asr_audio": {"num_key_value_heads": 2},
     "nemotron3_diarization": {"audio_config": {"num_key_value_heads": 2}},  # merged into the shrunk audio tower
     "granite_speech5_encoder": {"num_key_value_heads": 2},  # the same: its attention repeats no key heads
+    "neucodec": {"num_key_value_heads": 2},  # the same (its decoder's attention)
     "granite_speech5_ctc": {"encoder_config": {"num_key_value_heads": 2}},
     "nemotron3_5_transcribe_audio": {  # both of its towers, merged into the shrunk ones
         "asr_config": {"num_key_value_heads": 2}, "diarization_config": {"audio_config": {"num_key_value_heads": 2}},

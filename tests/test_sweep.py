@@ -699,5 +699,6 @@ def test_nested_overrides_merge_at_every_depth():
     assert config.asr_config.num_key_value_heads == 2 and config.asr_config.hidden_size == sweep.HIDDEN
     audio = config.diarization_config.audio_config
     assert audio.num_key_value_heads == 2 and audio.hidden_size == sweep.HIDDEN  # merged, still shrunk
+    assert sweep.tiny_config("neucodec").num_key_value_heads == 2  # its attention repeats no key heads
     clvp = sweep.tiny_config("clvp")
     assert clvp.speech_config.vocab_size == clvp.decoder_config.vocab_size and clvp.speech_config.hidden_size == sweep.HIDDEN
