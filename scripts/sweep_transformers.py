@@ -15,8 +15,9 @@ Each architecture gets a configuration shrunk from its default one by the rules 
 with per-architecture :data:`OVERRIDES`; when the model does not run on its inputs at that size,
 the depth alone is shrunk (``shallow``: default widths), then nothing (``default``), within
 :data:`PARAMETER_BUDGET` (the row's ``config`` says which tier built it); random weights (seed 0) and inputs from
-:func:`make_inputs` (token ids, pixels, videos, audio features, waveforms, patches with their grid,
-past values by the model's forward; a vision- or audio-language model also gets images or audio as
+:func:`make_inputs` (token ids, pixels, videos, audio features, waveforms, a codec decoder's latents,
+spectrograms, patches with their grid, past values, a policy's state and action noise, a trajectory's
+states and returns, by the model's forward; features as wide as the model's feature extractor makes them; a vision- or audio-language model also gets images or audio as
 its processor would give them, with as many image or audio tokens in its text as it makes
 features; a model read from pixels that takes text gets its prompt; what a forward requires beside
 its main input is given by the parameter's name and the config's keys). Each row
@@ -138,6 +139,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "nemotron3_diarization_audio": {"num_key_value_heads": 2},
     "nemotron3_5_transcribe_asr_audio": {"num_key_value_heads": 2},
     "nemotron3_diarization": {"audio_config": {"num_key_value_heads": 2}},  # merged into the shrunk audio tower
+    "granite_speech5_encoder": {"num_key_value_heads": 2},  # the same: its attention repeats no key heads
+    "neucodec": {"num_key_value_heads": 2},  # the same (its decoder's attention)
+    "granite_speech5_ctc": {"encoder_config": {"num_key_value_heads": 2}},
+    "nemotron3_5_transcribe_audio": {  # both of its towers, merged into the shrunk ones
+        "asr_config": {"num_key_value_heads": 2}, "diarization_config": {"audio_config": {"num_key_value_heads": 2}},
+    },
     # the indexed-attention layers' token indexer is left unset (None) by the default config, which lists
     # such layers all the same: 2 query heads and 1 key head 16 wide, 4 tokens chosen in blocks of 2
     "qwen4_exp_text": _QWEN4_INDEXER,
@@ -168,6 +175,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # head width of the tiny towers (32 wide, 2 heads). Derived head widths elsewhere (Pixtral's) are read
     # by both, and stay as they build today.
     "blt": {name: {"head_dim": HIDDEN // 2} for name in ("patcher_config", "encoder_config", "decoder_config", "global_config")},
+    # the speech encoder reads the ids its speech decoder makes (the default configs give it 256 of the decoder's
+    # 8194); both encoders' rotary embeddings span at least 32 of each head (a floor in the modeling code): one head
+    # of the tiny width
+    "clvp": {
+        "speech_config": {"vocab_size": 8194, "num_attention_heads": 1}, "text_config": {"num_attention_heads": 1},
+    },
+    # its decoder pre-net drops out even in eval mode (as the paper does): none, so PyTorch and the files agree
+    "speecht5": {"speech_decoder_prenet_dropout": 0.0},
     # the task heads' channels are left to each checkpoint (every list None): two upsampling blocks, one
     # refinement convolution, and the pointmap head's scale branch, 16 channels each
     "sapiens2": {"head_config": {
@@ -246,6 +261,13 @@ def _tied_channels(values: dict[str, Any], sizes: list[int]) -> list[str]:
     return sorted(k for k, v in values.items() if k.endswith("_channels") and k != "num_channels" and numbers(v) & stages)
 
 
+def _joined_widths(values: dict[str, Any]) -> set[int]:
+    """Sums of two of a config's hidden size and its sub-configs' (each over :data:`HIDDEN`)."""
+    sizes = [values.get("hidden_size")] + [v.get("hidden_size") for v in values.values() if isinstance(v, dict)]
+    sizes = [w for w in sizes if isinstance(w, int) and not isinstance(w, bool) and w > HIDDEN]
+    return {a + b for i, a in enumerate(sizes) for b in sizes[i + 1:]}
+
+
 def _fit_sections(sections: list[int], total: int) -> list[int]:
     """``sections`` scaled to sum to ``total`` (largest remainders; each at least 1 when it can):
     rotary sections (``mrope_section``) of a shrunk head, embedding factors of a shrunk width."""
@@ -307,6 +329,7 @@ def _shrunk(
     uncounted = uncounted and not any(k.startswith(("enable_moe", "use_moe")) and v is False for k, v in values.items())
     unrouted = unrouted and (experts or uncounted)
     followed: set[str] = set()
+    derived, joined = _unset_by_default(type(config)), _joined_widths(values)
     out: dict[str, Any] = {}
     for key, value in values.items():
         if key in sub_configs or (isinstance(value, dict) and hasattr(getattr(config, key, None), "to_dict")):
@@ -322,6 +345,9 @@ def _shrunk(
                 if accepted is not None and "qk_rope_head_dim" in base:
                     # a head width the config derives from its rotary part (DeepSeek-V3's head_dim): derived again
                     base = {k: v for k, v in base.items() if k in accepted or k not in _HEAD_DIM_KEYS}
+                # a key-head count its constructor does not take is derived from the heads (Parakeet's encoder
+                # under Canary): left out, so it follows the shrunk heads instead of keeping the default's
+                base = {k: v for k, v in base.items() if accepted is None or k not in _KV_HEAD_KEYS or k in accepted}
                 out[key] = {**base, **_shrunk(sub, frozenset(special), widths, shallow)}
             continue
         if isinstance(value, bool):
@@ -355,6 +381,12 @@ def _shrunk(
                 out[key] = HIDDEN if key.endswith("hidden_size") else 1 if key.endswith("_depth") else 2
             elif key == "prediction_length":  # a forecaster's horizon, left to the user (the context follows it)
                 out[key] = 4
+            continue
+        if isinstance(value, int) and key.endswith("_dim") and value in joined:
+            # the width of features joined from two models' (a codec's acoustic and semantic ones, quantized
+            # together): derived again from the shrunk parts when the config derives it (XCodec), else their sum (XCodec2)
+            if key not in derived:
+                out[key] = 2 * HIDDEN
             continue
         if isinstance(value, int):
             if key in _HIDDEN_KEYS and value > HIDDEN:
@@ -487,6 +519,10 @@ def _shrunk(
         for key, value in list(out.items()):
             if key not in followed and isinstance(value, list) and len(value) == layers and isinstance(values.get(key), (list, tuple)):
                 out[key] = [value[i] for i in kept]
+    embed, depths, width = values.get("patch_embeds_hidden_size"), values.get("depths"), values.get("hidden_size")
+    if isinstance(embed, int) and isinstance(depths, (list, tuple)) and isinstance(width, int) and embed << (len(depths) - 1) == width:
+        # a Swin tower doubling its patch embeddings' width at each stage ends at hidden_size (CLAP's audio): shrunk with it
+        out["patch_embeds_hidden_size"] = max(1, out.get("hidden_size", width) >> (len(depths) - 1))
     if values.get("head_dim", 0) is None and heads and "head_dim" not in out:
         out["head_dim"] = HIDDEN // min(heads, 2)  # None: some models compute hidden // heads, others fail
     for key in ("rope_parameters", "rope_scaling"):  # multimodal rotary sections split half the head
@@ -618,6 +654,15 @@ def _kept_layers(values: dict[str, Any], layers: int | None) -> list[int] | None
     return sorted(chosen[:wanted])
 
 
+def _unset_by_default(config_class) -> set[str]:
+    """The constructor's parameters whose default is None (what the config derives or leaves to a checkpoint)."""
+    try:
+        parameters = inspect.signature(config_class.__init__).parameters
+    except (TypeError, ValueError):
+        return set()
+    return {name for name, p in parameters.items() if p.default is None}
+
+
 def _init_parameters(config_class) -> set[str] | None:
     """The constructor's named parameters (derived attributes, Swin's num_layers, are not)."""
     try:
@@ -645,10 +690,7 @@ def tiny_config(model_type: str, tier: str = "tiny"):
     default = AutoConfig.for_model(model_type)
     shrunk = {} if tier == "default" else _shrunk(default, shallow=tier == "shallow")
     overrides = OVERRIDES.get(model_type, {})
-    kwargs = {**shrunk, **overrides}
-    for key, value in overrides.items():  # a sub-config's override is merged into its shrunk values
-        if isinstance(value, dict) and isinstance(shrunk.get(key), dict):
-            kwargs[key] = {**shrunk[key], **value}
+    kwargs = _merged(shrunk, overrides)  # a sub-config's override is merged into its shrunk values
     config = AutoConfig.for_model(model_type, **kwargs)
     channels = _backbone_channels(config)
     if channels and isinstance(getattr(config, "encoder_in_channels", None), (list, tuple)):
@@ -656,6 +698,15 @@ def tiny_config(model_type: str, tier: str = "tiny"):
             # a detector's encoder reads the backbone's stages: its input channels are theirs (RT-DETR)
             config = AutoConfig.for_model(model_type, **{**kwargs, "encoder_in_channels": channels})
     return config
+
+
+def _merged(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with ``overrides``, a dict for a sub-config (at any depth) merged into its values."""
+    out = {**values, **overrides}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            out[key] = _merged(values[key], value)
+    return out
 
 
 def _backbone_channels(config) -> list[int] | None:
@@ -682,7 +733,8 @@ def _token_ids(config, shape, generator):
     import torch
 
     text = getattr(config, "text_config", None) or config
-    vocab = getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or 100
+    # or a sub-model's, where the composite has none of its own (FastSpeech 2 beside its vocoder)
+    vocab = getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or _find(config.to_dict(), "vocab_size") or 100
     special = _special_ids(config.to_dict()) | _special_ids(text.to_dict() if hasattr(text, "to_dict") else {})
     allowed = [i for i in range(3, min(vocab, 100)) if i not in special] or [0]
     index = torch.randint(0, len(allowed), shape, generator=generator)
@@ -786,7 +838,9 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs["task_inputs"] = torch.randint(3, min(vocab, 100), (BATCH, length), generator=generator)
     elif main == "input_features":
         bins = next((getattr(part, key) for part in (config, getattr(config, "encoder_config", None), getattr(config, "audio_config", None))
-                     for key in ("num_mel_bins", "feature_size") if isinstance(getattr(part, key, None), int)), 80)  # an ASR model's encoder's
+                     for key in ("num_mel_bins", "feature_size") if isinstance(getattr(part, key, None), int)), None)  # an ASR model's encoder's
+        # or the speech tower's under another name (Nemotron's asr_config), or its feature extractor's (Gemma 4's audio tower)
+        bins = bins or _find(config.to_dict(), "num_mel_bins") or _extractor_features(config) or 80
         stacked = getattr(config, "feature_projection_input_dim", None)  # w2v-BERT stacks frames: (batch, frames, 2 x bins)
         whisper_style = getattr(config, "num_mel_bins", None) and "speech_to_text" not in config.model_type
         if getattr(config, "max_source_positions", None) and whisper_style:  # reads exactly 2 x positions frames
@@ -799,12 +853,18 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             window = getattr(config, "n_window", None)  # a windowed encoder (Qwen3-ASR) reads whole windows of 2 x n_window frames
             frames = 2 * window if isinstance(window, int) and window > 0 else 64
             shape = (BATCH, frames, bins) if "speech_to_text" in config.model_type else (BATCH, bins, frames)
+            first = next((m for m in model.modules() if isinstance(getattr(m, "weight", None), torch.nn.Parameter)), None)
+            width = getattr(first, "in_features", None) if isinstance(first, torch.nn.Linear) else None
+            if isinstance(width, int) and width > bins and width % bins == 0 and _find(config.to_dict(), "subsampling_factor") is None:
+                # an extractor stacking each frame's mel with its deltas and neighbours (Granite Speech 5): as wide as the
+                # linear projection that reads them first (a model stacking them itself says by its subsampling_factor)
+                shape = (BATCH, frames, width)
             inputs["input_features"] = torch.randn(*shape, generator=generator)
         if "input_features_mask" in parameters:  # every frame valid, as an extractor gives unpadded audio
             features = inputs["input_features"]
             frames = features.shape[-1] if features.shape[1] == bins else features.shape[1]
             inputs["input_features_mask"] = torch.ones(BATCH, frames, dtype=torch.long)
-    elif main == "input_values":
+    elif main in ("input_values", "latents"):  # a codec's decoder reads its latents (Mimi's)
         inputs.update(_waveform(model, config, generator))
     elif main == "flattened_patches":
         # Pix2Struct's processor: patches flattened with their (row, column), 1-based, first
@@ -820,6 +880,22 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         inputs[main] = torch.randn(BATCH, SEQUENCE, config.hidden_size, generator=generator)
         if "attention_mask" in parameters:
             inputs["attention_mask"] = torch.ones(BATCH, SEQUENCE, dtype=torch.long)
+    elif main == "states" and isinstance(getattr(config, "state_dim", None), int):
+        # an offline-RL trajectory (Decision Transformer): per step a state, an action, a reward, the
+        # return to go, and the step's index within the episode
+        steps = SEQUENCE
+        inputs["states"] = torch.randn(BATCH, steps, config.state_dim, generator=generator)
+        if "actions" in parameters:
+            inputs["actions"] = torch.randn(BATCH, steps, getattr(config, "act_dim", None) or 1, generator=generator)
+        for name in ("rewards", "returns_to_go"):
+            if name in parameters:
+                inputs[name] = torch.randn(BATCH, steps, 1, generator=generator)
+        if "timesteps" in parameters:
+            inputs["timesteps"] = torch.arange(steps).expand(BATCH, -1).clone()
+        if "attention_mask" in parameters:
+            inputs["attention_mask"] = torch.ones(BATCH, steps, dtype=torch.long)
+    elif isinstance(getattr(config, "max_state_dim", None), int) and isinstance(getattr(config, "max_action_dim", None), int):
+        inputs.update(_policy_inputs(model, config, generator))
     elif main == "audio_mel":  # Gemma 3n's audio tower: (batch, frames, bins) log-mel and its padding mask (True: padded)
         bins = getattr(config, "input_feat_size", None) or 128
         inputs["audio_mel"] = torch.randn(BATCH, 64, bins, generator=generator)
@@ -835,9 +911,15 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         # a multiple-choice head reads (batch, choices, sequence)
         shape = (BATCH, 2, SEQUENCE) if type(model).__name__.endswith("ForMultipleChoice") else (BATCH, SEQUENCE)
         codebooks = getattr(config, "num_codebooks", None)
-        if isinstance(codebooks, int) and codebooks > 1 and not getattr(config, "is_encoder_decoder", False):
+        streams = isinstance(codebooks, int) and isinstance(getattr(config, "codebook_vocab_size", None), int)
+        if isinstance(codebooks, int) and codebooks > 1 and not getattr(config, "is_encoder_decoder", False) and not streams:
             shape = (BATCH * codebooks, SEQUENCE)  # an audio-codes decoder (MusicGen) reads one row per codebook
         inputs["input_ids"] = _token_ids(config, shape, generator)
+        if streams and "inputs_embeds" in parameters and "input_values" not in parameters:
+            # a text stream beside the audio's codebooks (Kyutai's speech-to-text): per step a text token and
+            # one code per codebook, (batch, sequence, 1 + codebooks)
+            codes = torch.randint(0, config.codebook_vocab_size, (*shape, codebooks), generator=generator)
+            inputs["input_ids"] = torch.cat([inputs["input_ids"][..., None], codes], dim=-1)
         if "bbox" in parameters:  # document models: one box (x0, y0, x1, y1 within 0..1000) per token
             corner = torch.randint(0, 500, (*shape, 2), generator=generator)
             inputs["bbox"] = torch.cat([corner, corner + torch.randint(1, 500, (*shape, 2), generator=generator)], dim=-1)
@@ -876,6 +958,12 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             inputs.update(image_inputs(model, config, inputs["input_ids"], generator))
         if images and "input_features" in parameters and getattr(config, "audio_config", None) is not None and shape == (BATCH, SEQUENCE):
             inputs.update(audio_inputs(model, config, inputs["input_ids"], generator))
+        elif "input_features" in parameters and getattr(config, "audio_config", None) is None:
+            # a text-to-speech model conditioned on a voice's log-mel (CLVP): (batch, bins, frames), the bins
+            # its conditioning encoder's convolution reads
+            bins = _find(config.to_dict(), "num_mel_bins") or _find(config.to_dict(), "feature_size")
+            if isinstance(bins, int) and bins > 1:
+                inputs["input_features"] = torch.randn(BATCH, bins, 64, generator=generator)
     question = getattr(config, "question_token_id", None)
     if isinstance(question, int) and "question_positions" in parameters and inputs.get("input_ids") is not None:
         # Splinter's processor puts a question token ([QUESTION]) in each row: the span heads start from it
@@ -887,7 +975,7 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
     if patches is None:  # masking by units of patches (Hiera): one value per unit
         units = next((m.mask_spatial_shape for m in model.modules() if isinstance(getattr(m, "mask_spatial_shape", None), (list, tuple))), None)
         patches = math.prod(units) if units and all(isinstance(u, int) for u in units) else None
-    if "noise" in parameters and "pixel_values" in inputs and patches:
+    if "noise" in parameters and "noise" not in inputs and "pixel_values" in inputs and patches:
         # random masking (ViT-MAE) draws its noise inside forward unless given: one value per patch (or
         # unit), fixed, so PyTorch and both files mask the same patches
         inputs["noise"] = torch.rand(BATCH, patches, generator=generator)
@@ -910,6 +998,15 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         inputs.update(_waveform(model, config, generator))
     if "use_cache" in parameters:  # no cache object in the outputs: torch.export needs its pytree registered
         inputs["use_cache"] = False
+    if "decoder_input_values" in parameters and isinstance(getattr(config, "hidden_size", None), int):
+        # a speech decoder (SpeechT5's): mel frames when a layer reads them (its speech pre-net), else
+        # hidden states; and the speaker's embedding its pre-net reads beside them
+        bins = getattr(config, "num_mel_bins", None)
+        mels = isinstance(bins, int) and any(isinstance(m, torch.nn.Linear) and m.in_features == bins for m in model.modules())
+        inputs["decoder_input_values"] = torch.randn(BATCH, 4, bins if mels else config.hidden_size, generator=generator)
+        speaker = getattr(config, "speaker_embedding_dim", None)
+        if mels and "speaker_embeddings" in parameters and isinstance(speaker, int):
+            inputs["speaker_embeddings"] = torch.randn(BATCH, speaker, generator=generator)
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
         if type(model).__name__.endswith("ForSequenceClassification") and "input_ids" in inputs:
             # BART-style heads classify at each row's last end-of-sequence token, read from the decoder's
@@ -918,9 +1015,16 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
             if isinstance(eos, int):
                 inputs["input_ids"][:, -1] = eos
         else:
-            codebooks = getattr(getattr(config, "decoder", None), "num_codebooks", None)  # MusicGen: a row per codebook
+            decoder = getattr(config, "decoder", None) or getattr(config, "decoder_config", None)
+            codebooks = getattr(decoder, "num_codebooks", None)  # MusicGen: a row per codebook
             rows = BATCH * codebooks if isinstance(codebooks, int) and codebooks > 1 else BATCH
-            inputs["decoder_input_ids"] = _token_ids(config, (rows, 4), generator)
+            channels = getattr(decoder, "num_channels", None)
+            if codebooks is None and isinstance(channels, int) and channels > 1:
+                # an audio decoder over parallel channels of codes (Dia): (batch, length, channels), the layout
+                # it works in (its flattened one's view fails in eager PyTorch)
+                inputs["decoder_input_ids"] = _token_ids(config, (BATCH, 4, channels), generator)
+            else:
+                inputs["decoder_input_ids"] = _token_ids(config, (rows, 4), generator)
     return inputs
 
 
@@ -932,11 +1036,27 @@ def _waveform(model, config, generator) -> dict[str, Any]:
 
     # an x-vector head's time-delay layers need more frames than a quarter second gives
     samples = 16000 if getattr(config, "tdnn_kernel", None) else 4000
+    per_token = getattr(config, "samples_per_token", None)
+    if isinstance(per_token, int) and per_token > 0:  # an encoder collapsing that many samples into a token reads whole tokens (Muse Spark)
+        samples = -(-samples // per_token) * per_token
     channels, strides = _codec(config.to_dict())
     parameters, required = _forward_parameters(model), _required(model)
     name = "hidden_states" if "input_values" not in parameters and "hidden_states" in required else "input_values"
+    name = "latents" if "latents" in required else name
+    bins, length = getattr(config, "num_mel_bins", None), getattr(config, "max_length", None)
+    if channels is None and not strides and isinstance(bins, int) and isinstance(length, int):
+        # a spectrogram transformer (AST) reads the extractor's (batch, max_length frames, bins), its positions sized for them
+        return {name: torch.randn(BATCH, length, bins, generator=generator)}
+    width = getattr(config, "hidden_size", None)
+    if channels is None and not strides and "decoder_input_values" in parameters and _first_conv_channels(model) is None and isinstance(width, int):
+        # an encoder-decoder without a speech front end (SpeechT5's bare model) reads hidden states
+        return {name: torch.randn(BATCH, SEQUENCE, width, generator=generator)}
     if channels is None and not strides:
         return {name: torch.randn(BATCH, samples, generator=generator)}
+    width = _first_conv_channels(model) if name in ("latents", "hidden_states") else None
+    if width is not None and width != (channels or 1):
+        # a codec's decoder (Mimi's, VibeVoice's) reads latents, not audio: (batch, latent width, frames)
+        return {name: torch.randn(BATCH, width, SEQUENCE, generator=generator)}
     out = {name: torch.randn(BATCH, channels or 1, samples, generator=generator)}
     stacked = _find(config.to_dict(), "feature_projection_input_dim")
     ratios = getattr(config, "downsampling_ratios", None)
@@ -948,6 +1068,35 @@ def _waveform(model, config, generator) -> dict[str, Any]:
         out[name] = torch.randn(BATCH, channels or 1, frames * hop, generator=generator)
         out["input_features"] = torch.randn(BATCH, frames, stacked, generator=generator)
     return out
+
+
+def _extractor_features(config) -> int | None:
+    """The feature width (``feature_size`` over 1: log-mel bins) of the feature extractor transformers
+    registers for the model type, or for its family (``gemma4`` for ``gemma4_audio``), made with its
+    defaults; None when there is none or it cannot be made here (it needs torchaudio)."""
+    import transformers
+    from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", "") or ""
+    for name in (model_type, model_type.rsplit("_", 1)[0]):
+        found = FEATURE_EXTRACTOR_MAPPING_NAMES.get(name)
+        if found is None:
+            continue
+        try:
+            extractor = getattr(transformers, found)()
+        except Exception:  # a backend this environment lacks
+            return None
+        size = getattr(extractor, "feature_size", None)
+        return size if isinstance(size, int) and size > 1 else None
+    return None
+
+
+def _first_conv_channels(model) -> int | None:
+    """The channels the model's first 1-D convolution (or transposed one) reads."""
+    import torch
+
+    kinds = (torch.nn.Conv1d, torch.nn.ConvTranspose1d)
+    return next((m.in_channels for m in model.modules() if isinstance(m, kinds)), None)
 
 
 def _find(values: dict[str, Any], key: str) -> Any:
@@ -1010,6 +1159,41 @@ def _matches_keypoints(config) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_KEYPOINT_MATCHING_MAPPING_NAMES
 
     return getattr(config, "model_type", None) in MODEL_FOR_KEYPOINT_MATCHING_MAPPING_NAMES
+
+
+def _policy_inputs(model, config, generator) -> dict[str, Any]:
+    """A vision-language-action policy (PI0) as its processor and sampler give it: a prompt holding
+    one camera image's tokens, the images (batch, cameras, channels, height, width) with which
+    cameras are present, the robot's ``state`` (batch, ``max_state_dim``), the action ``noise``
+    (batch, ``chunk_size``, ``max_action_dim``) and the flow-matching ``timestep`` in (0, 1). The
+    policy's backbone takes state, noise and time already embedded (``action_embeds``: one state
+    token and the chunk's, of its action expert's width)."""
+    import torch
+
+    parameters, required = _forward_parameters(model), _required(model)
+    subs = [getattr(config, name, None) for name in getattr(config, "sub_configs", {}) or {}]
+    language = next((sub for sub in subs if getattr(sub, "vision_config", None) is not None and _image_token(sub) is not None), None)
+    tower = next((m for m in model.modules() if m is not model and hasattr(m, "get_image_features")), None)
+    if language is None or tower is None:
+        return {}
+    vision = language.vision_config
+    height, width = _image_size(vision)
+    pixels = torch.randn(BATCH, 1, getattr(vision, "num_channels", None) or 3, height, width, generator=generator)
+    with torch.no_grad():
+        count = _count(tower.get_image_features(pixels.flatten(0, 1)))
+    out = _placeholders(model, _token_ids(language, (BATCH, SEQUENCE), generator), _image_token(language), count or 0) or {}
+    out.update(pixel_values=pixels, pixel_attention_mask=torch.ones(BATCH, 1, dtype=torch.bool))
+    chunk = getattr(config, "chunk_size", None) or SEQUENCE
+    if "state" in required:
+        out["state"] = torch.randn(BATCH, config.max_state_dim, generator=generator)
+        if "noise" in parameters:
+            out["noise"] = torch.randn(BATCH, chunk, config.max_action_dim, generator=generator)
+        if "timestep" in parameters:
+            out["timestep"] = torch.full((BATCH,), 0.5)
+    elif "action_embeds" in required:
+        expert = next((getattr(sub, "hidden_size", None) for sub in subs if sub is not language and isinstance(getattr(sub, "hidden_size", None), int)), None)
+        out["action_embeds"] = torch.randn(BATCH, 1 + chunk, expert or HIDDEN, generator=generator)
+    return out
 
 
 def _required(model) -> set[str]:
@@ -1142,18 +1326,35 @@ def audio_inputs(model, config, input_ids, generator) -> dict[str, Any]:
 
     token = next((getattr(config, k) for k in ("audio_token_id", "audio_token_index") if isinstance(getattr(config, k, None), int)), None)
     get = getattr(model, "get_audio_features", None)
-    if token is None or get is None:
+    if get is None:
         return {}
     audio = config.audio_config
     bins = getattr(audio, "num_mel_bins", None) or 128
     positions = getattr(audio, "max_source_positions", None)
     frames = 2 * positions if isinstance(positions, int) else 64  # a Whisper-style encoder reads exactly this many
     features = torch.randn(BATCH, bins, frames, generator=generator)
+    spec = getattr(audio, "spec_size", None)
+    if isinstance(spec, int) and spec >= bins:
+        # a Swin tower reading the log-mel as an image (CLAP): (batch, 1, frames, bins), as many frames as
+        # its square input folds, so nothing is resized
+        features = torch.randn(BATCH, 1, spec * (spec // bins), bins, generator=generator)
     try:
         with torch.no_grad():
             count = _count(get(input_features=features))
     except Exception:
         return {}
+    if hasattr(model, "get_text_features"):  # a dual encoder (CLAP) embeds text and audio apart: the text as it is
+        return {"input_features": features}
+    if token is None:
+        # no audio token: a streaming model adds each audio frame's embedding to its token's (Voxtral
+        # Realtime), its text as long as the audio's frames
+        if not count or count % BATCH:
+            return {}
+        ids = _token_ids(config, (BATCH, count // BATCH), generator)
+        out = {"input_ids": ids, "input_features": features}
+        if "attention_mask" in _forward_parameters(model):
+            out["attention_mask"] = torch.ones_like(ids)
+        return out
     text = _placeholders(model, input_ids, token, count or 0)
     return {**text, "input_features": features} if text else {}
 

@@ -839,3 +839,128 @@ def test_iss36g_vision_towers_widths_tied_to_their_layers():
 def test_iss36g_a_text_tower_gets_text_whatever_its_composite_reads():
     model, inputs, expected = sweep.build("sam3_lite_text_text_model", "Sam3LiteTextTextModel")
     assert model.main_input_name == "pixel_values" and set(inputs) == {"input_ids", "attention_mask"} and expected
+
+
+# ---- iss36h rules ----
+
+
+def test_codec_decoders_read_latents_of_their_width():
+    # Mimi's decoder (main input `latents`) and VibeVoice's (`hidden_states`): (batch, latent width, frames)
+    model, inputs, expected = sweep.build("mimi_decoder", "MimiDecoderModel")
+    assert set(inputs) == {"latents"} and inputs["latents"].shape == (sweep.BATCH, model.config.hidden_size, sweep.SEQUENCE)
+    assert expected[0].shape[:2] == (sweep.BATCH, model.config.audio_channels)
+    model, inputs, _ = sweep.build("vibevoice_acoustic_tokenizer_decoder", "VibeVoiceAcousticTokenizerDecoderModel")
+    assert inputs["hidden_states"].shape[1] == model.config.hidden_size != model.config.channels
+    _, inputs, _ = sweep.build("mimi", "MimiModel")  # the codec itself still reads audio
+    assert inputs["input_values"].shape[:2] == (sweep.BATCH, 1)
+
+
+def test_spectrograms_and_features_as_their_extractors_give_them():
+    from onnx_modular import export_modular
+
+    # AST: (batch, max_length frames, bins), what its position embeddings are sized for
+    model, inputs, _ = sweep.build("audio-spectrogram-transformer", "ASTModel")
+    assert inputs["input_values"].shape == (sweep.BATCH, model.config.max_length, model.config.num_mel_bins)
+    result = export_modular(model, (), kwargs=inputs)
+    assert result.report.ok, str(result.report)
+    # Gemma 4's audio tower has no bin count: its family's feature extractor's (128)
+    model, inputs, _ = sweep.build("gemma4_audio", "Gemma4AudioModel")
+    assert sweep._extractor_features(model.config) == 128 and inputs["input_features"].shape[-1] == 128
+    # Nemotron's audio model: the bins of its speech tower, a sub-config under another name
+    model, inputs, _ = sweep.build("nemotron3_5_transcribe_audio", "Nemotron3_5TranscribeAudioModel")
+    assert inputs["input_features"].shape[-1] == model.config.asr_config.num_mel_bins
+    # Granite Speech 5: mel and deltas of two frames stacked, as wide as its first projection reads
+    model, inputs, _ = sweep.build("granite_speech5_encoder", "GraniteSpeech5Encoder")
+    assert inputs["input_features"].shape[-1] == model.input_linear.in_features == 4 * model.config.num_mel_bins
+    # Muse Spark: whole tokens of samples
+    model, inputs, _ = sweep.build("muse_spark_audio", "MuseSparkAudioModel")
+    assert inputs["input_values"].shape[-1] % model.config.samples_per_token == 0
+
+
+def test_an_action_policy_gets_camera_images_state_noise_and_time():
+    model, inputs, _ = sweep.build("pi0", "PI0ForConditionalGeneration")
+    config = model.config
+    assert inputs["state"].shape == (sweep.BATCH, config.max_state_dim)
+    assert inputs["noise"].shape == (sweep.BATCH, config.chunk_size, config.max_action_dim)
+    assert inputs["pixel_values"].shape[:2] == inputs["pixel_attention_mask"].shape == (sweep.BATCH, 1)
+    image_token = sweep._image_token(config.vlm_config)
+    assert int((inputs["input_ids"] == image_token).sum()) > 0  # the image's tokens in the prompt
+    assert 0 < float(inputs["timestep"].min()) < 1
+    # the backbone takes them embedded: one state token and the chunk's, the action expert's width
+    model, inputs, _ = sweep.build("pi0", "PI0Model")
+    assert inputs["action_embeds"].shape == (sweep.BATCH, 1 + config.chunk_size, config.dit_config.hidden_size)
+
+
+def test_a_trajectory_model_gets_states_actions_returns_and_steps():
+    model, inputs, expected = sweep.build("decision_transformer", "DecisionTransformerModel")
+    config = model.config
+    assert inputs["states"].shape == (sweep.BATCH, sweep.SEQUENCE, config.state_dim)
+    assert inputs["actions"].shape == (sweep.BATCH, sweep.SEQUENCE, config.act_dim)
+    assert inputs["returns_to_go"].shape == inputs["rewards"].shape == (sweep.BATCH, sweep.SEQUENCE, 1)
+    assert inputs["timesteps"].dtype.is_floating_point is False and int(inputs["timesteps"].max()) < config.max_ep_len
+    assert expected
+
+
+def test_audio_added_frame_by_frame_and_audio_beside_text():
+    # Voxtral Realtime has no audio token: one text token per audio frame it makes
+    model, inputs, _ = sweep.build("voxtral_realtime", "VoxtralRealtimeForConditionalGeneration")
+    with __import__("torch").no_grad():
+        frames = model.get_audio_features(input_features=inputs["input_features"]).pooler_output.shape[1]
+    assert inputs["input_ids"].shape == (sweep.BATCH, frames)
+    # CLAP, a dual encoder: its Swin tower reads the log-mel as an image, no resizing; the tower ends at hidden_size
+    model, inputs, _ = sweep.build("clap", "ClapModel")
+    audio = model.config.audio_config
+    assert inputs["input_features"].shape == (sweep.BATCH, 1, audio.spec_size * (audio.spec_size // audio.num_mel_bins), audio.num_mel_bins)
+    assert audio.patch_embeds_hidden_size * 2 ** (len(audio.depths) - 1) == audio.hidden_size
+    assert inputs["input_ids"].shape == (sweep.BATCH, sweep.SEQUENCE)
+    # CLVP: a voice's log-mel of the bins its conditioning encoder reads
+    model, inputs, _ = sweep.build("clvp", "ClvpModelForConditionalGeneration")
+    assert inputs["input_features"].shape[1] == model.config.decoder_config.feature_size
+
+
+def test_speech_decoders_and_code_streams():
+    # SpeechT5's text-to-speech head: mel frames for its speech pre-net and a speaker embedding
+    model, inputs, _ = sweep.build("speecht5", "SpeechT5ForTextToSpeech")
+    assert inputs["decoder_input_values"].shape[-1] == model.config.num_mel_bins
+    assert inputs["speaker_embeddings"].shape == (sweep.BATCH, model.config.speaker_embedding_dim)
+    assert model.config.speech_decoder_prenet_dropout == 0.0  # it drops out in eval mode too
+    # the bare model has no pre-nets: hidden states on both sides
+    model, inputs, _ = sweep.build("speecht5", "SpeechT5Model")
+    assert inputs["input_values"].shape[-1] == inputs["decoder_input_values"].shape[-1] == model.config.hidden_size
+    # Dia: (batch, length, channels) of codes; MusicGen keeps a row per codebook
+    model, inputs, _ = sweep.build("dia", "DiaModel")
+    assert inputs["decoder_input_ids"].shape == (sweep.BATCH, 4, model.config.decoder_config.num_channels)
+    _, inputs, _ = sweep.build("musicgen", "MusicgenForConditionalGeneration")
+    assert inputs["decoder_input_ids"].dim() == 2
+    # Kyutai: a text token and one code per codebook at each step
+    model, inputs, _ = sweep.build("kyutai_speech_to_text", "KyutaiSpeechToTextModel")
+    config = model.config
+    assert inputs["input_ids"].shape == (sweep.BATCH, sweep.SEQUENCE, 1 + config.num_codebooks)
+    assert int(inputs["input_ids"][..., 1:].max()) < config.codebook_vocab_size
+
+
+def test_derived_and_joined_widths_of_sub_configs():
+    # Parakeet's encoder under Canary derives its key heads from the heads: they follow the shrunk ones
+    encoder = sweep.tiny_config("canary").encoder_config
+    assert encoder.num_key_value_heads == encoder.num_attention_heads == 2
+    model, _, _, tier = sweep.build_with_tier("canary", "CanaryForConditionalGeneration")
+    assert tier == "tiny"
+    # XCodec derives its codebook from its acoustic and semantic widths; XCodec2 is given their sum
+    xcodec = sweep.tiny_config("xcodec")
+    assert xcodec.codebook_dim == xcodec.acoustic_model_config.hidden_size + xcodec.semantic_model_config.hidden_size
+    xcodec2 = sweep.tiny_config("xcodec2")
+    assert xcodec2.quantization_dim == xcodec2.hidden_size + xcodec2.semantic_model_config.hidden_size == 2 * sweep.HIDDEN
+    assert sweep.build("xcodec2", "Xcodec2Model")[2]
+    # FastSpeech 2 beside its vocoder: token ids within its model's vocabulary
+    model, inputs, _ = sweep.build("fastspeech2_conformer_with_hifigan", "FastSpeech2ConformerWithHifiGan")
+    assert int(inputs["input_ids"].max()) < model.config.model_config.vocab_size
+
+
+def test_nested_overrides_merge_at_every_depth():
+    config = sweep.tiny_config("nemotron3_5_transcribe_audio")
+    assert config.asr_config.num_key_value_heads == 2 and config.asr_config.hidden_size == sweep.HIDDEN
+    audio = config.diarization_config.audio_config
+    assert audio.num_key_value_heads == 2 and audio.hidden_size == sweep.HIDDEN  # merged, still shrunk
+    assert sweep.tiny_config("neucodec").num_key_value_heads == 2  # its attention repeats no key heads
+    clvp = sweep.tiny_config("clvp")
+    assert clvp.speech_config.vocab_size == clvp.decoder_config.vocab_size and clvp.speech_config.hidden_size == sweep.HIDDEN
