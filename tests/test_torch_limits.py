@@ -1,5 +1,5 @@
 """Where torch's own export stops and export_modular goes on (issue 21), each on a small model of
-its class: complex values through shape ops (Llama-4-style rotary), a runtime check captured as
+its class: complex values through shape ops (Llama-4-style rotary, its reshaped frequencies), a runtime check captured as
 ``aten._is_all_true`` (LLaVA's image-token count), and a data-dependent guard on a value of the
 weights (a padding size kept as a tensor buffer, EnCodec-style), captured by
 ``torch.export.draft_export``; a guard on input values still fails the capture; BERT's sequence axis
@@ -32,6 +32,15 @@ class ComplexRotary(nn.Module):
         pairs = torch.view_as_complex(self.proj(x).float().reshape(*x.shape[:-1], -1, 2))
         freqs = self.freqs.unsqueeze(0).unsqueeze(0).expand(x.shape[0], x.shape[1], -1, -1)
         return torch.view_as_real(pairs * freqs).flatten(3)
+
+
+class ComplexReshapedFrequencies(ComplexRotary):
+    """Complex frequencies reshaped for broadcasting (Llama 4's vision rotary; ``view`` becomes
+    ``reshape`` under ``relax_view_strides``)."""
+
+    def forward(self, x):
+        pairs = torch.view_as_complex(self.proj(x).float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * self.freqs.reshape(1, 1, x.shape[2], -1)).flatten(3)
 
 
 class CheckedTokens(nn.Module):
@@ -70,6 +79,14 @@ def test_complex_rotary_unsqueeze_and_expand(tmp_path):
     model, x = ComplexRotary().eval(), torch.randn(2, 3, 6, 8)
     with pytest.raises(Exception, match="complex"):  # torch's own export stops here
         torch.onnx.export(model, (x,), dynamo=True, verbose=False)
+    result = export_modular(model, (x,), tmp_path / "m.onnx")
+    assert result.report.ok and [f.name for f in result.functions] == ["Linear"]
+    np.testing.assert_allclose(_run(tmp_path / "m.onnx", {"x": x.numpy()}), model(x).detach().numpy(), atol=1e-5)
+
+
+def test_complex_reshape(tmp_path):
+    torch.manual_seed(0)
+    model, x = ComplexReshapedFrequencies().eval(), torch.randn(2, 3, 6, 8)
     result = export_modular(model, (x,), tmp_path / "m.onnx")
     assert result.report.ok and [f.name for f in result.functions] == ["Linear"]
     np.testing.assert_allclose(_run(tmp_path / "m.onnx", {"x": x.numpy()}), model(x).detach().numpy(), atol=1e-5)

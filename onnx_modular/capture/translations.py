@@ -4,9 +4,9 @@ translated as torch does.
 
 * Complex values travel through torch's translator as real tensors with a trailing axis of 2
   (real, imaginary). torchlib has complex variants of most shape ops (``view``, ``permute``,
-  ``slice``, ``squeeze.dim``) but not of ``unsqueeze`` and ``expand``, which Llama-4-style
-  rotary embeddings apply to complex frequencies ("No decompositions registered for the
-  complex-valued input"). The variants here move a negative axis past the trailing pair and keep
+  ``slice``, ``squeeze.dim``) but not of ``unsqueeze``, ``expand`` and ``reshape``, which
+  Llama-4-style rotary embeddings apply to complex frequencies ("No decompositions registered
+  for the complex-valued input"; ``reshape`` is what ``relax_view_strides`` makes of a ``view``). The variants here move a negative axis past the trailing pair and keep
   it, as torchlib's own complex variants do.
 * ``aten._is_all_true`` is what ``torch._check(tensor.all())``-style runtime checks capture to
   (transformers' image-token count check in LLaVA-style models): a bool scalar, all elements
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from onnxscript.function_libs.torch_lib.ops import common as common_ops
 from onnxscript.onnx_opset import opset18 as op
 
-__all__ = ["complex_expand", "complex_unsqueeze", "cummax", "cummin", "erfinv", "histc", "is_all_true", "refinements", "translations"]
+__all__ = ["complex_expand", "complex_reshape", "complex_unsqueeze", "cummax", "cummin", "erfinv", "histc", "is_all_true", "refinements", "translations"]
 
 
 def complex_unsqueeze(self, dim: int):
@@ -46,6 +46,11 @@ def complex_expand(self, size: Sequence, implicit: bool = False):
     del implicit
     size = [1 if isinstance(s, int) and s == -1 else s for s in size] + [2]
     return op.Expand(self, common_ops.merge_dims(size))
+
+
+def complex_reshape(self, shape: Sequence):
+    """``aten::reshape`` on a complex tensor (real ``[..., 2]``), as torchlib's complex ``view``."""
+    return op.Reshape(self, common_ops.merge_dims([*shape, 2]), allowzero=True)
 
 
 def is_all_true(self):
@@ -138,6 +143,7 @@ def translations() -> list[tuple[object, object, bool]]:
     return [
         (aten.unsqueeze.default, complex_unsqueeze, True),
         (aten.expand.default, complex_expand, True),
+        (aten.reshape.default, complex_reshape, True),
         (aten._is_all_true.default, is_all_true, False),
         (aten.cummax.default, cummax, False),
         (aten.cummin.default, cummin, False),
