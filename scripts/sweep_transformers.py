@@ -761,7 +761,7 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     parameters = _forward_parameters(model)
     main = getattr(model, "main_input_name", "input_ids")
-    if main not in parameters and "input_ids" in parameters:
+    if isinstance(main, str) and main not in parameters and "input_ids" in parameters:
         main = "input_ids"  # a text tower inheriting its composite's main input (SAM 3 Lite's: pixel_values)
     inputs: dict[str, Any] = {}
     grid = next((name for name in ("grid_thw", "image_grid_thw") if name in parameters), None)
