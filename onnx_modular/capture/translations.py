@@ -6,8 +6,9 @@ translated as torch does.
   (real, imaginary). torchlib has complex variants of most shape ops (``view``, ``permute``,
   ``slice``, ``squeeze.dim``) but not of ``unsqueeze``, ``expand`` and ``reshape``, which
   Llama-4-style rotary embeddings apply to complex frequencies ("No decompositions registered
-  for the complex-valued input"; ``reshape`` is what ``relax_view_strides`` makes of a ``view``). The variants here move a negative axis past the trailing pair and keep
-  it, as torchlib's own complex variants do.
+  for the complex-valued input"; ``reshape`` is what ``relax_view_strides`` makes of a
+  ``view``). The variants here move a negative axis past the trailing pair and keep it, as
+  torchlib's own complex variants do.
 * ``aten._is_all_true`` is what ``torch._check(tensor.all())``-style runtime checks capture to
   (transformers' image-token count check in LLaVA-style models): a bool scalar, all elements
   true. Its value feeds an assertion that the translator drops, but the op itself needs a
@@ -74,7 +75,7 @@ def _cumulative(self, dim: int, reduce, fill):
     scanned = op.Unsqueeze(self, [dim])  # [..., 1, j, ...]
     values = reduce(op.Where(mask, scanned, fill(self, keepdims=0)), [dim + 1], keepdims=0)
     reached = op.And(mask, op.Equal(scanned, op.Unsqueeze(values, [dim + 1])))
-    position = op.Unsqueeze(j, [0, *trailing]) if trailing else op.Unsqueeze(j, [0])
+    position = op.Unsqueeze(j, [0, *trailing])  # [1, j, 1...]
     indices = op.ReduceMax(op.Where(reached, position, op.Constant(value_int=-1)), [dim + 1], keepdims=0)
     return values, indices
 
