@@ -22,8 +22,8 @@ its processor would give them, with as many image or audio tokens in its text as
 features; a model read from pixels that takes text gets its prompt; what a forward requires beside
 its main input is given by the parameter's name and the config's keys). Each row
 records the inputs fed and, where both exporters fail, a note naming the cause (:func:`classify`). The children
-are forked from this process after torch and transformers are imported (no import cost per
-child); each has a time limit (``--timeout``) and an address-space limit (``--memory-gb``).
+are forked from this process after torch, transformers and torchlib are imported and the
+translation registry is built (no import cost per child); each has a time limit (``--timeout``) and an address-space limit (``--memory-gb``).
 Nothing is downloaded.
 """
 
@@ -2015,10 +2015,19 @@ def main(argv: list[str] | None = None) -> int:
         write_markdown(pathlib.Path(args.output), rows, data["environment"], data["planned"], args.notes)
         return 0
 
+    import onnxruntime  # noqa: F401
     import torch  # noqa: F401 - imported before forking: the children share it
     import transformers  # noqa: F401
 
     import onnx_modular.export  # noqa: F401
+    from onnx_modular.capture import fx_call_tree, torch_compat
+
+    # torchlib's import and the translation registry (10-12 s here) once, before forking, not in
+    # every child: both exporters' children find them built (torch's registry reads the same
+    # torchlib); so too the installed distributions that tag each function's package (0.8 s)
+    torch_compat.registry()
+    for package in ("torch", "transformers"):
+        fx_call_tree.package_of(package)
 
     output = pathlib.Path(args.output)
     json_path = pathlib.Path(args.json) if args.json else output.with_suffix(".json")

@@ -32,7 +32,6 @@ in :mod:`~onnx_modular.capture.torch_compat`.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -214,15 +213,7 @@ class DraftExport(CaptureStrategy):
 
     def export(self, call, dynamic_shapes=None):
         shapes = call.dynamic_shapes if dynamic_shapes is None else dynamic_shapes
-        log = logging.getLogger("torch.export._draft_export")  # it logs its whole report as a warning
-        level = log.level
-        log.setLevel(logging.ERROR)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                program = torch.export.draft_export(call.model, call.args, call.kwargs, dynamic_shapes=shapes, **call.options)
-        finally:
-            log.setLevel(level)
+        program = torch_compat.draft_export(call.model, call.args, call.kwargs, dynamic_shapes=shapes, **call.options)
         if reads_user_inputs(program):
             raise ValueError(
                 "draft_export assumed the outcome of a branch on values computed from the inputs; "
@@ -314,7 +305,8 @@ def first_success(
     for strategy in strategies:
         if attempts and not strategy.applies(attempts):
             continue
-        result = attempt(strategy, attempts)
+        with torch_compat.partial_graphs_logged():
+            result = attempt(strategy, attempts)
         attempts.append(result)
         if result.ok:
             return Capture(result.program, result.name, attempts, result.dynamic_shapes)

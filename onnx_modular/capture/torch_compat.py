@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 
@@ -38,6 +39,7 @@ __all__ = [
     "check_torch_version",
     "constraint_violation",
     "data_dependent",
+    "draft_export",
     "draft_export_assumptions",
     "export_dims",
     "decompose",
@@ -45,6 +47,7 @@ __all__ = [
     "dynamic_axis_names",
     "eager_control_flow",
     "fx_node_of",
+    "partial_graphs_logged",
     "refined_dynamic_shapes",
     "replace_symbol",
     "registry",
@@ -228,6 +231,68 @@ def data_dependent(error: BaseException | None) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+class _WithoutPartialGraphs:
+    """``sys.stderr`` without the partial FX graphs of failed captures (:func:`partial_graphs_logged`)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._dropped_graph = False
+
+    def write(self, text: str) -> int:
+        error = sys.exc_info()[1]  # per thread: the error torch's wrapper is handling, if any
+        graph = getattr(error, "partial_fx_graph", None)
+        if graph is not None and text == str(graph):
+            logger.debug("torch.export failed (%s); the graph captured so far:\n%s", type(error).__name__, text)
+            self._dropped_graph = True
+            return len(text)
+        if self._dropped_graph and text == "\n":  # the end of print()'s line
+            self._dropped_graph = False
+            return len(text)
+        self._dropped_graph = False
+        return self._stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def partial_graphs_logged():
+    """Keep torch.export's partial FX graph of a failed capture off stderr, logged at DEBUG instead.
+
+    ``torch.export``'s ``_log_export_wrapper`` prints ``error.partial_fx_graph`` to ``sys.stderr``
+    on every data-dependent failure, once per nested wrapper: two copies of the whole graph traced
+    so far, megabytes on a transformers model, for an attempt that a later strategy may well
+    replace. Everything else written to stderr meanwhile goes through as it was."""
+    stream = sys.stderr
+    sys.stderr = _WithoutPartialGraphs(stream)
+    try:
+        yield
+    finally:
+        sys.stderr = stream
+
+
+#: Loggers that ``draft_export`` floods: its report, and the shape environment, which warns
+#: "Unable to find user code corresponding to {u0}" followed by the whole FX graph so far, once
+#: per data-dependent guard (megabytes on a transformers model).
+_DRAFT_EXPORT_LOGGERS = ("torch.export._draft_export", "torch.fx.experimental.symbolic_shapes")
+
+
+def draft_export(model, args, kwargs, **options) -> torch.export.ExportedProgram:
+    """``torch.export.draft_export`` with its logs and warnings silenced: what it assumed is read
+    from the program's report (:func:`draft_export_assumptions`), and its failures are raised."""
+    loggers = [logging.getLogger(name) for name in _DRAFT_EXPORT_LOGGERS]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.export.draft_export(model, args, kwargs, **options)
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
 
 
 def draft_export_assumptions(program: torch.export.ExportedProgram) -> list[str]:
