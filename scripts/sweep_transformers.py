@@ -22,8 +22,8 @@ its processor would give them, with as many image or audio tokens in its text as
 features; a model read from pixels that takes text gets its prompt; what a forward requires beside
 its main input is given by the parameter's name and the config's keys). Each row
 records the inputs fed and, where both exporters fail, a note naming the cause (:func:`classify`). The children
-are forked from this process after torch, transformers and torchlib are imported and the
-translation registry is built (no import cost per child); each has a time limit (``--timeout``) and an address-space limit (``--memory-gb``).
+are forked from this process after it has paid what each would pay again (:func:`_warm_up`:
+imports, the translation registry, transformers' model machinery, the exporters' first call); each has a time limit (``--timeout``) and an address-space limit (``--memory-gb``).
 Nothing is downloaded.
 """
 
@@ -1986,6 +1986,35 @@ def regressions(old: list[Row], new: list[Row]) -> list[str]:
     return found
 
 
+def _warm_up() -> None:
+    """Pay once, in this process before it forks, what every child would pay again: torchlib's
+    import and the translation registry (10-12 s), transformers' model machinery (the first model
+    built, 8 s), the installed distributions that tag each function's package, and the first
+    call of ``torch.export`` and of both exporters (4 s): about 20 s of a typical row's 40.
+
+    With one thread, so that this process never starts OpenMP's pool (not fork-safe), and
+    without onnxruntime (``verify=False``, no flat copy checked): the children start clean."""
+    import torch
+    import transformers  # noqa: F401
+
+    from onnx_modular import export_modular
+    from onnx_modular.capture import fx_call_tree, torch_compat
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch_compat.registry()
+        for package in ("torch", "transformers"):
+            fx_call_tree.package_of(package)
+        model, inputs, _, _ = build_with_tier("bert", "BertModel")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            export_modular(model, (), kwargs=inputs, verify=False)
+            torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--types", help="comma-separated model types (default: every type)")
@@ -2015,19 +2044,7 @@ def main(argv: list[str] | None = None) -> int:
         write_markdown(pathlib.Path(args.output), rows, data["environment"], data["planned"], args.notes)
         return 0
 
-    import onnxruntime  # noqa: F401
-    import torch  # noqa: F401 - imported before forking: the children share it
-    import transformers  # noqa: F401
-
-    import onnx_modular.export  # noqa: F401
-    from onnx_modular.capture import fx_call_tree, torch_compat
-
-    # torchlib's import and the translation registry (10-12 s here) once, before forking, not in
-    # every child: both exporters' children find them built (torch's registry reads the same
-    # torchlib); so too the installed distributions that tag each function's package (0.8 s)
-    torch_compat.registry()
-    for package in ("torch", "transformers"):
-        fx_call_tree.package_of(package)
+    _warm_up()
 
     output = pathlib.Path(args.output)
     json_path = pathlib.Path(args.json) if args.json else output.with_suffix(".json")
