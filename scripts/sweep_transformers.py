@@ -1614,7 +1614,10 @@ def _job_modular(model_type: str, class_name: str) -> dict[str, Any]:
     try:
         result = export_modular(model, (), kwargs=inputs)
     except Exception as e:
-        record.update(ok=False, stage=getattr(e, "stage", "export"), error=_first_line(e), report=_report_of(e))
+        error = _first_line(e)
+        if getattr(getattr(e, "report", None), "captured_differently", False):
+            error += f" ({_CAPTURED_SO})"
+        record.update(ok=False, stage=getattr(e, "stage", "export"), error=error, report=_report_of(e))
         return record
     record.update(
         ok=result.report.ok,
@@ -1836,8 +1839,14 @@ def sweep_one(model_type: str, class_name: str, task: str, timeout: float, memor
     return row
 
 
+#: What a modular row's error adds when torch.export's program is itself as far from PyTorch.
+_CAPTURED_SO = "the captured program differs as much in PyTorch"
+
 #: (what the error says, the note): why neither exporter, or no build, gets through
 _NOTES = (
+    ((_CAPTURED_SO,),
+     "the model's own limit: the program torch.export captures differs from eager PyTorch as much (a path only "
+     "tracing takes, such as a mask built only when traced); both files compute what was captured"),
     (("requires the timm library", "requires the PIL library", "TimmWrapper", "TimmBackbone"),
      "needs timm, which needs torchvision: no torchvision wheel imports beside the CPU torch 2.13 here (a hard limit of this environment)"),
     (("requires the detectron2 library", "requires the natten library", "requires the torchaudio library"),

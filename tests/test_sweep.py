@@ -7,6 +7,7 @@ in bounded child processes, is script-only (docs/coverage.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -214,6 +215,8 @@ def test_notes_name_the_limit_where_both_exporters_fail():
     assert sweep.classify(Row("y", "Y", "base", True, True, False, error="ParityError: drift")) is None  # flat passes: ours to fix
     both = Row("z", "Z", "base", True, False, False, stage="verify", error="ParityError: drift", flat_stage="verify", flat_error="max abs difference 0.4")
     assert "differ from PyTorch" in sweep.classify(both)
+    captured = dataclasses.replace(both, error=f"ParityError: drift ({sweep._CAPTURED_SO})")  # PaliGemma's prefix mask
+    assert "torch.export captures differs from eager PyTorch" in sweep.classify(captured)
 
 
 def test_towers_time_series_codebooks_and_stacked_features():

@@ -14,7 +14,7 @@ from helpers import cache_argument
 
 from onnx_modular import export_modular
 from onnx_modular.capture import tensors
-from onnx_modular.check.parity import Tolerance, compare_outputs, default_tolerance
+from onnx_modular.check.parity import OutputParity, ParityReport, Tolerance, compare_outputs, default_tolerance
 from onnx_modular.errors import InvalidInputError, ParityError
 
 
@@ -255,3 +255,42 @@ def test_flat_file_copy_has_the_fold_size_guard_of_inline_optimize(tmp_path, gro
     output = done.stdout + done.stderr
     assert "Unable to allocate" not in output and "MemoryError" not in output, output[-2000:]
     assert grow in done.stdout  # left to run time, not folded
+
+
+class _OtherPathWhenTraced(torch.nn.Module):
+    """A branch only tracing takes (as transformers builds a mask when traced that it skips in
+    eager mode): the captured program is not what eager PyTorch computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return y * 2 if torch.compiler.is_exporting() else y
+
+
+def test_parity_error_says_when_the_difference_was_captured():
+    torch.manual_seed(0)
+    model, x = _OtherPathWhenTraced().eval(), torch.randn(2, 4)
+    with pytest.raises(ParityError) as caught:
+        export_modular(model, (x,))
+    report, row = caught.value.report, caught.value.report.outputs[0]
+    expected = float((model(x) * 2 - model(x)).abs().max())  # what the traced branch adds
+    # onnxruntime (both files) and the captured program run in PyTorch are equally far from eager
+    assert row.modular_max_abs == pytest.approx(expected, rel=1e-4) and row.flat_max_abs == pytest.approx(expected, rel=1e-4)
+    assert row.program_max_abs == pytest.approx(expected, rel=1e-4) and report.captured_differently
+    assert "torch.export's program" in str(caught.value) and "model takes another path when traced" in str(caught.value)
+    assert "exported_program.module()" in caught.value.hint
+    assert "the difference is in the capture" in str(report)
+
+
+def test_captured_differently_needs_the_program_as_far_off():
+    def report(program, modular=0.5):
+        row = OutputParity(name="y", tolerance=Tolerance(1e-4, 1e-3), modular_max_abs=modular, ok=False, program_max_abs=program)
+        return ParityReport([row])
+
+    assert report(0.5).captured_differently and report(0.3).captured_differently
+    assert not report(None).captured_differently  # not run (a program that writes its buffers)
+    assert not report(0.0).captured_differently and not report(0.1).captured_differently  # translated differently
+    assert not ParityReport([OutputParity(name="y", ok=True)]).captured_differently  # nothing failed

@@ -167,6 +167,9 @@ class Parity:
         shape_mismatch: When onnxruntime's shape differs from the reference's (``shape``), what
             each side gave (``"onnxruntime [1, 2, 6, 8] vs PyTorch [1, 2, 4, 8]"``); the
             differences of that side are then ``None`` (not comparable), not infinite.
+        program_max_abs: The program torch.export captured, run in PyTorch, against the same
+            reference (an export's output whose check failed; else ``None``): as far off as
+            onnxruntime means the difference was captured, not translated.
     """
 
     name: str
@@ -190,6 +193,7 @@ class Parity:
     inputs_from_torch: int = 0
     chained_max_abs: float | None = None
     shape_mismatch: str | None = None
+    program_max_abs: float | None = None
 
     @property
     def max_abs(self) -> float:
@@ -260,6 +264,20 @@ class ParityReport:
     def failures(self) -> list[OutputParity]:
         return [output for output in self.outputs if not output.ok]
 
+    @property
+    def captured_differently(self) -> bool:
+        """Whether every failing output is off already in the program torch.export captured:
+        ``program_max_abs`` beyond the output's ``atol`` and at least half onnxruntime's
+        difference. The files compute what was captured; the capture is not what eager
+        PyTorch computes."""
+        failures = self.failures()
+        return bool(failures) and all(
+            o.program_max_abs is not None
+            and o.program_max_abs > (o.tolerance.atol if o.tolerance else 0.0)
+            and o.program_max_abs >= 0.5 * (o.modular_max_abs or 0.0)
+            for o in failures
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
@@ -304,6 +322,13 @@ class ParityReport:
             )
         failures = len(self.failures())
         lines.append("PASS" if not failures else f"FAIL: {failures} output(s) beyond tolerance")
+        captured = [o for o in self.outputs if o.program_max_abs is not None]
+        if captured:
+            lines.append(
+                f"torch.export's program, run in PyTorch, against {against}: "
+                + ", ".join(f"{o.name} {fmt(o.program_max_abs)}" for o in captured[:4])
+                + (" (the difference is in the capture, not the translation)" if self.captured_differently else "")
+            )
         if self.modules is not None:
             lines.append(str(self.modules))
         return "\n".join(lines)

@@ -65,6 +65,7 @@ __all__ = [
     "verify_bfloat16",
     "verify",
     "assert_parity",
+    "add_program_differences",
 ]
 
 
@@ -210,17 +211,51 @@ def assert_parity(report: ParityReport, *, result=None) -> None:
     lines = [
         f"{o.name}: shape mismatch: {o.shape_mismatch}"
         if o.shape_mismatch
-        else f"{o.name}: max abs {fmt(o.modular_max_abs)} (flat {fmt(o.flat_max_abs)}), "
-        f"tolerance atol={o.tolerance.atol:g} rtol={o.tolerance.rtol:g}"
+        else f"{o.name}: max abs {fmt(o.modular_max_abs)} (flat {fmt(o.flat_max_abs)}"
+        + (f", torch.export's program {fmt(o.program_max_abs)}" if o.program_max_abs is not None else "")
+        + f"), tolerance atol={o.tolerance.atol:g} rtol={o.tolerance.rtol:g}"
         for o in report.failures()
     ]
+    if report.captured_differently:
+        lines.append(
+            "The program torch.export captured is as far from PyTorch when PyTorch runs it: the ONNX files compute "
+            "what was captured, and the model takes another path when traced than when run eagerly."
+        )
+        hint = (
+            "Compare result.exported_program.module() with the model on the same inputs. The usual cause is a branch "
+            "taken only under tracing (transformers builds, when traced, an attention mask it skips in eager mode, "
+            "and the attention then differs where the module's is_causal disagrees with that mask): fix the branch, "
+            "or pass the inputs that make both paths agree (token_type_ids, where the model takes them)."
+        )
+    else:
+        hint = (
+            "Inspect error.report; error.result.save(path) keeps the model for debugging; "
+            "loosen rtol/atol if the drift is expected (e.g. float16)."
+        )
     raise ParityError(
-        "onnxruntime results differ from PyTorch:\n  " + "\n  ".join(lines),
-        report=report,
-        result=result,
-        hint="Inspect error.report; error.result.save(path) keeps the model for debugging; "
-        "loosen rtol/atol if the drift is expected (e.g. float16).",
+        "onnxruntime results differ from PyTorch:\n  " + "\n  ".join(lines), report=report, result=result, hint=hint
     )
+
+
+def add_program_differences(report: ParityReport, result: Any, expected: Sequence[Any]) -> None:
+    """For a failed check of an export on its example inputs: run the program torch.export
+    captured (``result.exported_program``) in PyTorch and record each output's difference
+    from the same reference (``program_max_abs``). One more forward pass, only on failure; not
+    for a program that writes its buffers (training-mode BatchNorm: the run would change the
+    model's) or one that does not run in PyTorch (weights on ``meta``)."""
+    program, example = getattr(result, "exported_program", None), getattr(result, "_example", None)
+    if report.ok or program is None or example is None or program.graph_signature.buffers_to_mutate:
+        return
+    try:
+        outputs = torch_outputs(program.module(), *example)
+    except Exception:  # not runnable eagerly: the report stays as it was
+        return
+    if len(outputs) != len(report.outputs) or len(expected) != len(report.outputs):
+        return
+    for row, actual, reference in zip(report.outputs, outputs, expected):
+        actual, reference = to_numpy(actual), to_numpy(reference)
+        if actual.shape == reference.shape:
+            row.program_max_abs = max_differences(actual, reference)[0]
 
 
 @dataclasses.dataclass
