@@ -1480,6 +1480,7 @@ def _build(model_type: str, class_name: str, tier: str):
             raise OverBudget(f"{tier} config: {count / 1e6:.0f}M parameters, over {PARAMETER_BUDGET / 1e6:.0f}M")
     torch.manual_seed(0)
     model = model_class._from_config(config).eval()
+    _draw_constant_matrices(model)
     inputs = make_inputs(model, config)
     with torch.no_grad():
         try:
@@ -1518,6 +1519,26 @@ def _build(model_type: str, class_name: str, tier: str):
             # (the row's `inputs` says which were fed)
             inputs, expected = text, model(**text)
     return model, inputs, _tensors(expected)
+
+
+def _draw_constant_matrices(model) -> list[str]:
+    """Draw at random (normal, std 0.02, seeded) the parameters of two or more axes that the
+    model's init leaves at one value, and name them. AFMoE's router gate starts at zero: every
+    expert scores 0.5, top-k meets a tie, torch and onnxruntime break it differently, and
+    parity would test the tie order instead of the computation. Vectors (norm weights, biases)
+    keep their values; a checkpoint's weights are never constant."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    drawn = []
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() >= 2 and parameter.numel() > 1 and not parameter.is_meta:
+                flat = parameter.reshape(-1)
+                if bool((flat == flat[0]).all()):
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float32).to(parameter.dtype) * 0.02)
+                    drawn.append(name)
+    return drawn
 
 
 #: how many times wider and taller than the config's (or the sweep's 32 pixels) an image may grow
