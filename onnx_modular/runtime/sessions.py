@@ -157,6 +157,10 @@ def run(
             f"onnxruntime failed to run the {what}: {first_line(e)}",
             hint="Check the inputs against the model's declared inputs (names, shapes, dtypes).",
         ) from e
+    # onnxruntime's output arrays live in the session's memory arena and keep all of it (4.2 GB for
+    # SegGPT at 448x448) alive as long as they do: copies free the arena with the session, so that
+    # a second session (the inlined flat copy) does not run beside the first one's memory.
+    outputs = [np.array(output, copy=True) if isinstance(output, np.ndarray) else output for output in outputs]
     return [o.name for o in sess.get_outputs()], outputs
 
 
