@@ -266,11 +266,12 @@ def partial_graphs_logged():
     so far, megabytes on a transformers model, for an attempt that a later strategy may well
     replace. Everything else written to stderr meanwhile goes through as it was."""
     stream = sys.stderr
-    sys.stderr = _WithoutPartialGraphs(stream)
+    sys.stderr = wrapper = _WithoutPartialGraphs(stream)
     try:
         yield
     finally:
-        sys.stderr = stream
+        if sys.stderr is wrapper:  # not if someone replaced it meanwhile (pytest's capture, another thread)
+            sys.stderr = stream
 
 
 #: Loggers that ``draft_export`` floods: its report, and the shape environment, which warns
