@@ -192,6 +192,7 @@ def export_modular(
                 program, capture_strategy = captured.program, captured.strategy
             else:
                 program, capture_strategy = exported_program, None
+        captured_program = program  # decompose makes a new program and leaves this one as captured
         with stages("decompose"):
             program = torch_compat.decompose(program, plan.registry)
             for fix in program_fixes:
@@ -220,10 +221,12 @@ def export_modular(
             model=model_ir, hierarchy=tree, timings=stages.timings, exported_program=program,
             capture_strategy=capture_strategy, _example=(args, kwargs),
             _reference=(tensors.flatten_inputs(args, kwargs), tensors.flatten_outputs(expected)),
+            _captured=captured_program,
         )
         if stream is None and verification.uses_bfloat16(model_ir):  # the reference of its float32-widened check
             result._reference_float32 = verification.float32_reference(model, args, kwargs)
         _save_and_verify(result, f, plan, stages, verify=bool(verify), flat=verify_flat)
+        result._captured = None  # verified (a ParityError keeps it in error.result)
         count_from_ir(tree, model_ir)  # the tree's counts are those of the final model
         return result
 

@@ -59,6 +59,9 @@ class ModularExport:
     #: bfloat16 exports: ``(inputs, outputs)`` of PyTorch in float32 on the bfloat16 weights.
     _reference_float32: tuple[list[torch.Tensor], list[torch.Tensor]] | None = dataclasses.field(default=None, repr=False)
     _sessions: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    #: The program as captured, before decomposition and the FX fixes: what a failed check runs
+    #: in PyTorch to tell a captured difference from a translated one; dropped once the export verifies.
+    _captured: torch.export.ExportedProgram | None = dataclasses.field(default=None, repr=False)
 
     def __call__(self, *args: Any, execution_provider: str | None = None, **kwargs: Any) -> list[torch.Tensor]:
         """Run the model in onnxruntime, as torch's ``ONNXProgram`` does: ``result(*args, **kwargs)``

@@ -283,6 +283,10 @@ def test_parity_error_says_when_the_difference_was_captured():
     assert "torch.export's program" in str(caught.value) and "model takes another path when traced" in str(caught.value)
     assert "exported_program.module()" in caught.value.hint
     assert "the difference is in the capture" in str(report)
+    # the program as captured (before decomposition and the FX fixes) is what ran; kept for the
+    # failed result, dropped once an export verifies
+    assert caught.value.result._captured is not None
+    assert export_modular(torch.nn.Linear(4, 4).eval(), (x,))._captured is None
 
 
 def test_captured_differently_needs_the_program_as_far_off():

@@ -239,11 +239,14 @@ def assert_parity(report: ParityReport, *, result=None) -> None:
 
 def add_program_differences(report: ParityReport, result: Any, expected: Sequence[Any]) -> None:
     """For a failed check of an export on its example inputs: run the program torch.export
-    captured (``result.exported_program``) in PyTorch and record each output's difference
-    from the same reference (``program_max_abs``). One more forward pass, only on failure; not
-    for a program that writes its buffers (training-mode BatchNorm: the run would change the
-    model's) or one that does not run in PyTorch (weights on ``meta``)."""
-    program, example = getattr(result, "exported_program", None), getattr(result, "_example", None)
+    captured in PyTorch and record each output's difference from the same reference
+    (``program_max_abs``). The program as captured (``result._captured``, before decomposition
+    and the FX fixes), else ``result.exported_program``: a difference there is the capture's,
+    not the translation's. One more forward pass, only on failure; not for a program that
+    writes its buffers (training-mode BatchNorm: the run would change the model's) or one that
+    does not run in PyTorch (weights on ``meta``)."""
+    program = getattr(result, "_captured", None) or getattr(result, "exported_program", None)
+    example = getattr(result, "_example", None)
     if report.ok or program is None or example is None or program.graph_signature.buffers_to_mutate:
         return
     try:
