@@ -282,7 +282,7 @@ def test_parity_error_says_when_the_difference_was_captured():
     assert row.program_max_abs == pytest.approx(expected, rel=1e-4) and report.captured_differently
     assert "torch.export's program" in str(caught.value) and "model takes another path when traced" in str(caught.value)
     assert "exported_program.module()" in caught.value.hint
-    assert "the difference is in the capture" in str(report)
+    assert "the difference is in the capture" in str(report) and report.to_dict()["captured_differently"] is True
     # the program as captured (before decomposition and the FX fixes) is what ran; kept for the
     # failed result, dropped once an export verifies
     assert caught.value.result._captured is not None

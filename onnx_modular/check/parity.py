@@ -286,6 +286,7 @@ class ParityReport:
             "outputs": [output.to_dict() for output in self.outputs],
             "modules": self.modules.to_dict() if self.modules is not None else None,
             "note": self.note,
+            "captured_differently": self.captured_differently,
         }
 
     def to_json(self) -> str:
