@@ -1831,6 +1831,7 @@ class Row:
     inputs: str | None = None  # the tensor inputs fed (input_ids,pixel_values,image_grid_thw: text and images)
     note: str | None = None  # why a row fails where both exporters fail: a torch limit, a missing package
     config: str | None = None  # how far the config was shrunk (TIERS): tiny, shallow or default
+    commit: str | None = None  # the commit the row was swept on (a table resumed across commits mixes them)
 
     @property
     def key(self) -> str:
@@ -2111,6 +2112,7 @@ def main(argv: list[str] | None = None) -> int:
     order = {row[1]: i for i, row in enumerate(planned)}
 
     def finished(row: Row) -> None:  # in the main thread: rows, JSON and Markdown stay consistent
+        row.commit = environment["commit"]
         rows.append(row)
         rows.sort(key=lambda r: order.get(r.class_name, len(order)))
         print(

@@ -83,7 +83,7 @@ def test_compare_lists_regressions():
 def test_report_files(tmp_path):
     rows = [
         sweep.Row("llama", "LlamaModel", "base", True, True, True, functions=11, depth=3, max_abs=5e-7, seconds=3),
-        sweep.Row("rwkv", "RwkvModel", "base", True, True, False, stage="verify", error="ParityError: drift"),
+        sweep.Row("rwkv", "RwkvModel", "base", True, True, False, stage="verify", error="ParityError: drift", commit="abc"),
     ]
     environment = {"commit": "abc", "torch": "t", "transformers": "x", "onnxscript": "o", "onnxruntime": "r", "date": "d"}
     sweep.write_markdown(tmp_path / "c.md", rows, environment, planned=5)
@@ -93,6 +93,7 @@ def test_report_files(tmp_path):
     assert "| 2 | 5 | 2 | 2 | 1 | 1 | 1 | 0 |" in text and "`RwkvModel` (rwkv): verify: ParityError: drift" in text
     data = json.loads((tmp_path / "c.json").read_text())
     assert data["totals"]["flat_only"] == 1 and [r.class_name for r in sweep.read_rows(tmp_path / "c.json")] == ["LlamaModel", "RwkvModel"]
+    assert [r.commit for r in sweep.read_rows(tmp_path / "c.json")] == [None, "abc"]  # rows of older runs have none
 
 
 @pytest.mark.slow
@@ -104,8 +105,10 @@ def test_sweep_script_on_the_sample_in_children(tmp_path):
         capture_output=True, text=True, timeout=3600, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    totals = json.loads(output.with_suffix(".json").read_text())["totals"]
+    data = json.loads(output.with_suffix(".json").read_text())
+    totals = data["totals"]
     assert totals["tried"] == len(sweep.SAMPLE) and totals["flat_only"] == 0, totals
+    assert {row["commit"] for row in data["rows"]} == {data["environment"]["commit"]}  # each row says its commit
 
 
 # -- the rules that build the catalogue's rows (issue 36): each asserts on the tiny config or the inputs made
