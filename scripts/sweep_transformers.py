@@ -122,6 +122,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "stage_names": ["stem", "stage1", "stage2", "stage3", "stage4"],
     },
     "pp_ocrv6_medium_det": {**_PP_OCR_DETECTOR, "backbone_config": _PP_OCRV6_DETECTOR_BACKBONE},
+    # the timm model is left to the checkpoint (None): a released one, its four stages handed on (as DETR's)
+    "timm_backbone": {"backbone": "resnet18", "out_indices": [1, 2, 3, 4]},
     "deberta-v2": {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "position_buckets": 8, "max_relative_positions": 16},
     "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": 16, "expand": 2},
     "whisper": {"max_source_positions": 32, "max_target_positions": 32},
@@ -335,7 +337,8 @@ def _shrunk(
         if key in sub_configs or (isinstance(value, dict) and hasattr(getattr(config, key, None), "to_dict")):
             sub = getattr(config, key, None)
             if getattr(sub, "model_type", None) == "timm_backbone" and str(getattr(sub, "backbone", "")).startswith("resnet"):
-                # timm needs torchvision, which does not import here: transformers' own ResNet, same stages
+                # transformers' own ResNet, same stages: the row stays small and the same on every torch
+                # (timm needs torchvision, which does not import beside the CPU torch 2.13 here)
                 from transformers import ResNetConfig
 
                 sub = ResNetConfig(out_indices=list(getattr(sub, "out_indices", None) or [1, 2, 3, 4]))
@@ -1674,8 +1677,11 @@ def _job_flat(model_type: str, class_name: str) -> dict[str, Any]:
     record.update(built=True, config=tier)
     record["build_seconds"] = time.perf_counter() - start
     record["inputs"] = input_names(inputs)
+    from onnx_modular.capture import torch_compat
+
     try:
-        program = torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False)
+        with torch_compat.partial_graphs_logged():  # torch.export's partial graph of a failure: not on stderr
+            program = torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False)
     except Exception as e:
         record.update(ok=False, stage="export", error=_first_line(e))
         return record

@@ -143,6 +143,24 @@ def test_vitmatte_gets_list_sizes_and_its_backbone_patch():
     assert sweep.build("vitmatte", "VitMatteForImageMatting")[2]
 
 
+def test_a_timm_backbone_gets_a_released_timm_model_and_its_four_stages():
+    # TimmBackbone leaves its timm model to the checkpoint (None): the sweep names a released one.
+    # timm needs torchvision, which imports beside torch 2.15 but not beside the CPU torch 2.13.
+    config = sweep.tiny_config("timm_backbone")
+    assert config.backbone == "resnet18" and list(config.out_indices) == [1, 2, 3, 4]
+    try:
+        import timm  # noqa: F401
+    except Exception:
+        pytest.skip("timm does not import here (it needs torchvision)")
+    model, inputs, expected = sweep.build("timm_backbone", "TimmBackbone")
+    assert len(expected) == 4 and [t.shape[1] for t in expected] == [64, 128, 256, 512]
+    from onnx_modular import export_modular
+
+    result = export_modular(model, (), kwargs=inputs)
+    domains = {f.domain for f in result.model.functions.values()}
+    assert result.report.ok and any(d.startswith("pkg.timm.") for d in domains), domains
+
+
 # ---- multimodal towers, text heads and per-layer configs ----
 
 
