@@ -122,6 +122,29 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "stage_names": ["stem", "stage1", "stage2", "stage3", "stage4"],
     },
     "pp_ocrv6_medium_det": {**_PP_OCR_DETECTOR, "backbone_config": _PP_OCRV6_DETECTOR_BACKBONE},
+    # SAM 2: the backbone's stage widths, the neck's channels (the stages' widths, last first) and feature
+    # maps (the image over strides 4, 8 and 16) and the prompt encoder's embedding grid (the image over
+    # its patch of 16) are tied by every checkpoint: all follow a 64-pixel image and narrow stages
+    "sam2": {
+        "vision_config": {
+            "backbone_config": {
+                "image_size": [64, 64], "hidden_size": HIDDEN, "embed_dim_per_stage": [HIDDEN, 2 * HIDDEN, 4 * HIDDEN, 8 * HIDDEN],
+                "num_attention_heads_per_stage": [1, 1, 2, 2], "blocks_per_stage": [1, 1, 2, 1], "global_attention_blocks": [3],
+                "window_size_per_stage": [8, 4, 4, 2],
+            },
+            "backbone_channel_list": [8 * HIDDEN, 4 * HIDDEN, 2 * HIDDEN, HIDDEN],
+            "backbone_feature_sizes": [[16, 16], [8, 8], [4, 4]],
+        },
+        "prompt_encoder_config": {"image_size": 64, "patch_size": 16},
+    },
+    # EdgeTAM: its config class names the timm model under a misspelt key ("archirecture"), so the
+    # default (ResNet-50, 4x wider) is built; released checkpoints name RepViT-M1, whose stages the
+    # neck's channels list. Feature maps and the prompt grid follow the sweep's 32-pixel image.
+    "edgetam": {
+        "vision_config": {"backbone_config": {"architecture": "repvit_m1"}, "backbone_feature_sizes": [[8, 8], [4, 4], [2, 2]]},
+        "prompt_encoder_config": {"image_size": 32, "patch_size": 16},
+    },
+    "edgetam_vision_model": {"backbone_config": {"architecture": "repvit_m1"}, "backbone_feature_sizes": [[8, 8], [4, 4], [2, 2]]},
     # the timm model is left to the checkpoint (None): a released one, its four stages handed on (as DETR's)
     "timm_backbone": {"backbone": "resnet18", "out_indices": [1, 2, 3, 4]},
     "deberta-v2": {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "position_buckets": 8, "max_relative_positions": 16},
@@ -1583,10 +1606,12 @@ def _larger_image(model, inputs: dict[str, Any], error: BaseException) -> tuple[
 def _backbone_image(model, config, inputs: dict[str, Any]) -> tuple[dict[str, Any], list] | None:
     """(inputs, expected outputs) with an image of the size the backbone config gives, for a model
     without an image size of its own that does not run on the sweep's (ViTPose's backbone embeds a
-    fixed 256 x 192 grid); None when there is no other size or the model does not run on it either."""
+    fixed 256 x 192 grid; SAM 2's, under its vision config, the image its feature maps are sized
+    for); None when there is no other size or the model does not run on it either."""
     import torch
 
-    pixels, backbone = inputs.get("pixel_values"), getattr(config, "backbone_config", None)
+    pixels = inputs.get("pixel_values")
+    backbone = getattr(config, "backbone_config", None) or getattr(getattr(config, "vision_config", None), "backbone_config", None)
     if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4 or getattr(backbone, "image_size", None) is None:
         return None
     size = _image_size(backbone)

@@ -143,6 +143,38 @@ def test_vitmatte_gets_list_sizes_and_its_backbone_patch():
     assert sweep.build("vitmatte", "VitMatteForImageMatting")[2]
 
 
+def test_sam2_ties_its_neck_feature_maps_and_prompt_grid_to_its_image():
+    # SAM 2's neck reads the backbone's stages (widths last first), reshapes its maps to the feature
+    # sizes (the image over strides 4, 8, 16) and its prompt grid is the image over 16: all tied
+    config = sweep.tiny_config("sam2")
+    vision, backbone = config.vision_config, config.vision_config.backbone_config
+    assert vision.backbone_channel_list == list(reversed(backbone.embed_dim_per_stage))
+    assert backbone.hidden_size == backbone.embed_dim_per_stage[0]
+    side = backbone.image_size[0]
+    assert [size[0] for size in vision.backbone_feature_sizes] == [side // 4, side // 8, side // 16]
+    assert config.prompt_encoder_config.image_size // config.prompt_encoder_config.patch_size == side // 16
+    # the image comes from the backbone config under the vision config once the sweep's 32 pixels fail
+    model, inputs, expected = sweep.build("sam2", "Sam2Model")
+    assert inputs["pixel_values"].shape[-2:] == (side, side)
+    assert expected[1].shape[-2:] == (side // 4, side // 4)  # pred_masks, at the first feature map's size
+
+
+def test_edgetam_builds_the_timm_model_its_checkpoints_name():
+    # EdgeTAM's config class names its timm model under a misspelt key, so ResNet-50 is built, whose
+    # stages the neck does not read; checkpoints name RepViT-M1
+    config = sweep.tiny_config("edgetam")
+    assert config.vision_config.backbone_config.architecture == "repvit_m1"
+    assert config.vision_config.backbone_feature_sizes[-1] == [32 // 16] * 2 == [
+        config.prompt_encoder_config.image_size // config.prompt_encoder_config.patch_size] * 2
+    try:
+        import timm  # noqa: F401
+    except Exception:
+        pytest.skip("timm does not import here (it needs torchvision)")
+    model, inputs, expected = sweep.build("edgetam", "EdgeTamModel")
+    assert model.vision_encoder.backbone.timm_model.feature_info.channels() == list(reversed(config.vision_config.backbone_channel_list))
+    assert expected[1].shape[-2:] == (8, 8)
+
+
 def test_a_timm_backbone_gets_a_released_timm_model_and_its_four_stages():
     # TimmBackbone leaves its timm model to the checkpoint (None): the sweep names a released one.
     # timm needs torchvision, which imports beside torch 2.15 but not beside the CPU torch 2.13.
