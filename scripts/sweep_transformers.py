@@ -145,6 +145,18 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "prompt_encoder_config": {"image_size": 32, "patch_size": 16},
     },
     "edgetam_vision_model": {"backbone_config": {"architecture": "repvit_m1"}, "backbone_feature_sizes": [[8, 8], [4, 4], [2, 2]]},
+    # PerceptionLM: the timm tower and its width (``model_args``, which the projector reads) are left to the
+    # checkpoint; its checkpoints name PE core's ViT with these arguments, here narrow, shallow and sized for
+    # the sweep's image (patches of 14 over 32 pixels: a 2 x 2 grid, as ``ref_feat_shape`` says)
+    "perception_lm": {
+        "vision_config": {
+            "architecture": "vit_pe_core_large_patch14_336",
+            "model_args": {
+                "embed_dim": HIDDEN, "depth": 2, "num_heads": 2, "img_size": [32, 32], "ref_feat_shape": [2, 2],
+                "global_pool": "", "use_post_transformer_norm": False, "init_values": 0.1,
+            },
+        },
+    },
     # the timm model is left to the checkpoint (None): a released one, its four stages handed on (as DETR's)
     "timm_backbone": {"backbone": "resnet18", "out_indices": [1, 2, 3, 4]},
     "deberta-v2": {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "position_buckets": 8, "max_relative_positions": 16},
@@ -1322,7 +1334,8 @@ def _feature_count(model, pixels: dict[str, Any]) -> int | None:
     put that many image tokens in the text): from its own ``get_image_features``."""
     import torch
 
-    get = getattr(model, "get_image_features", None)
+    # a head without its own asks the model it wraps (PerceptionLM's, Janus's)
+    get = getattr(model, "get_image_features", None) or getattr(getattr(model, "model", None), "get_image_features", None)
     if get is None:
         return None
     with torch.no_grad():
@@ -1413,7 +1426,15 @@ def image_inputs(model, config, input_ids, generator) -> dict[str, Any]:
     try:
         count = _feature_count(model, pixels)
     except Exception:
-        return {}
+        tiles = pixels.get("pixel_values")
+        if len(pixels) != 1 or getattr(tiles, "dim", lambda: 0)() != 4:
+            return {}
+        # images come (batch, tiles, channels, height, width) from a tiling processor (PerceptionLM's): one tile each
+        pixels = {"pixel_values": tiles.unsqueeze(1)}
+        try:
+            count = _feature_count(model, pixels)
+        except Exception:
+            return {}
     start = getattr(config, "vision_start_token_id", None) or getattr(config, "image_start_token_id", None)
     end = getattr(config, "vision_end_token_id", None) or getattr(config, "image_end_token_id", None)
     text = _placeholders(model, input_ids, token, count or 0, start, end)

@@ -320,6 +320,34 @@ def test_iss36g_a_text_tower_gets_text_whatever_its_composite_reads():
     assert model.main_input_name == "pixel_values" and set(inputs) == {"input_ids", "attention_mask"} and expected
 
 
+def test_a_head_asks_the_model_it_wraps_for_its_image_features():
+    # Janus's generation head has no get_image_features of its own: its model counts the image tokens
+    model, inputs, expected = sweep.build("janus", "JanusForConditionalGeneration")
+    assert inputs["pixel_values"].dim() == 4
+    token = sweep._image_token(model.config)
+    count = sweep._count(model.model.get_image_features(pixel_values=inputs["pixel_values"]))
+    assert int((inputs["input_ids"] == token).sum()) == count > 0
+
+
+def test_tiled_images_come_one_tile_each():
+    # ModernVBert's processor gives (batch, tiles, channels, height, width); 4-D pixels do not run
+    model, inputs, expected = sweep.build("modernvbert", "ModernVBertForMaskedLM")
+    assert inputs["pixel_values"].dim() == 5 and inputs["pixel_values"].shape[:2] == (sweep.BATCH, 1)
+    assert int((inputs["input_ids"] == sweep._image_token(model.config)).sum()) > 0
+
+
+def test_perception_lm_gets_the_pe_tower_its_checkpoints_name():
+    config = sweep.tiny_config("perception_lm")
+    assert config.vision_config.model_args["embed_dim"] == sweep.HIDDEN
+    try:
+        import timm  # noqa: F401
+    except Exception:
+        pytest.skip("timm does not import here (it needs torchvision)")
+    model, inputs, expected = sweep.build("perception_lm", "PerceptionLMModel")
+    assert inputs["pixel_values"].shape == (sweep.BATCH, 1, 3, 32, 32)
+    assert expected[1].shape == (sweep.BATCH, 4, sweep.HIDDEN)  # a 2 x 2 grid of image features per image
+
+
 # ---- audio, codecs, speech and policies ----
 
 
