@@ -230,7 +230,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 
 _HIDDEN_KEYS = {
     "hidden_size", "d_model", "n_embd", "embed_dim", "hidden_dim", "d_embed", "dim", "word_embed_proj_dim",
-    "projection_dim", "encoder_hidden_size", "decoder_hidden_size", "text_hidden_size",
+    "projection_dim", "encoder_hidden_size", "decoder_hidden_size", "text_hidden_size", "out_hidden_size",
 }
 _LAYER_KEYS = {
     "num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers",

@@ -329,6 +329,16 @@ def test_a_head_asks_the_model_it_wraps_for_its_image_features():
     assert int((inputs["input_ids"] == token).sum()) == count > 0
 
 
+def test_a_vision_towers_output_width_is_the_text_models_width():
+    # Qwen3-VL's default config projects to 3584 wide features for a 4096 wide text model (every
+    # checkpoint ties them): shrunk with the hidden sizes, the images it is fed reach the text model
+    config = sweep.tiny_config("qwen3_vl")
+    assert config.vision_config.out_hidden_size == config.text_config.hidden_size == sweep.HIDDEN
+    model, inputs, expected = sweep.build("qwen3_vl", "Qwen3VLModel")
+    assert {"pixel_values", "image_grid_thw"} <= set(inputs)
+    assert int((inputs["input_ids"] == sweep._image_token(model.config)).sum()) == inputs["pixel_values"].shape[0] // 4
+
+
 def test_tiled_images_come_one_tile_each():
     # ModernVBert's processor gives (batch, tiles, channels, height, width); 4-D pixels do not run
     model, inputs, expected = sweep.build("modernvbert", "ModernVBertForMaskedLM")
