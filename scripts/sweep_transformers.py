@@ -386,6 +386,9 @@ def _shrunk(
                 # a key-head count its constructor does not take is derived from the heads (Parakeet's encoder
                 # under Canary): left out, so it follows the shrunk heads instead of keeping the default's
                 base = {k: v for k, v in base.items() if accepted is None or k not in _KV_HEAD_KEYS or k in accepted}
+                # ... and a head width it sets from the default widths, not taken by its constructor (Pixtral's
+                # head_dim, under Mistral 3): derived again from the shrunk ones
+                base = {k: v for k, v in base.items() if accepted is None or k not in _HEAD_DIM_KEYS or k in accepted}
                 out[key] = {**base, **_shrunk(sub, frozenset(special), widths, shallow)}
             continue
         if isinstance(value, bool):
@@ -720,13 +723,26 @@ TIERS = ("tiny", "shallow", "default")
 PARAMETER_BUDGET = 150_000_000
 
 
+#: sub-configs of towers that a default config may leave out (None) though its model has them
+_TOWERS_BY_DEFAULT_ABSENT = ("vision_config", "audio_config")
+
+
 def tiny_config(model_type: str, tier: str = "tiny"):
     """The default config of ``model_type``, shrunk by :func:`_shrunk` as far as ``tier`` says
     (:data:`TIERS`), with :data:`OVERRIDES`."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    shrunk = {} if tier == "default" else _shrunk(default, shallow=tier == "shallow")
+    towers = {}
+    for key in _TOWERS_BY_DEFAULT_ABSENT:
+        tower = (getattr(type(default), "sub_configs", None) or {}).get(key)
+        if getattr(default, key, False) is None and isinstance(tower, type) and tower is not AutoConfig:
+            # a tower the default config leaves out and every checkpoint of the model has (Gemma 4's vision
+            # and audio): its config class's defaults, shrunk as the rest
+            towers[key] = tower().to_dict()
+    if towers:
+        default = AutoConfig.for_model(model_type, **towers)
+    shrunk = towers if tier == "default" else _shrunk(default, shallow=tier == "shallow")
     overrides = OVERRIDES.get(model_type, {})
     kwargs = _merged(shrunk, overrides)  # a sub-config's override is merged into its shrunk values
     config = AutoConfig.for_model(model_type, **kwargs)
@@ -1179,17 +1195,29 @@ def _patch_inputs(model, vision, generator) -> dict[str, Any]:
             "aspect_ratio_ids": torch.ones(BATCH, 1, dtype=torch.long),
             "aspect_ratio_mask": mask,
         }
+    if "pixel_position_ids" in required:
+        pixels, positions = _positioned_patches(vision, generator)
+        return {"pixel_values": pixels, "pixel_position_ids": positions}
     side = 2 * (getattr(vision, "pooling_kernel_size", None) or 2)
     pixels = torch.randn(BATCH, side * side, channels * patch * patch, generator=generator)
-    if "pixel_position_ids" in required:
-        rows, columns = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
-        positions = torch.stack([columns.flatten(), rows.flatten()], dim=-1)
-        return {"pixel_values": pixels, "pixel_position_ids": positions.expand(BATCH, -1, -1).clone()}
     return {
         "pixel_values": pixels,
         "pixel_attention_mask": torch.ones(BATCH, side * side, dtype=torch.long),
         "spatial_shapes": torch.tensor([[side, side]] * BATCH),
     }
+
+
+def _positioned_patches(vision, generator):
+    """(flattened patches, their (x, y)): a grid of whole pooling windows (Gemma 4's tower)."""
+    import torch
+
+    channels = getattr(vision, "num_channels", None) or 3
+    patch = getattr(vision, "patch_size", None) or 16
+    side = 2 * (getattr(vision, "pooling_kernel_size", None) or 2)
+    pixels = torch.randn(BATCH, side * side, channels * patch * patch, generator=generator)
+    rows, columns = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    positions = torch.stack([columns.flatten(), rows.flatten()], dim=-1)
+    return pixels, positions.expand(BATCH, -1, -1).clone()
 
 
 def _matches_keypoints(config) -> bool:
@@ -1318,6 +1346,11 @@ def _pixel_inputs(model, config, generator) -> dict[str, Any]:
     channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", None) or 3
     if "image_grid_thw" in parameters:
         return _grid_patches(vision, generator)
+    features = _image_feature_parameters(model)
+    if "image_position_ids" in features and "image_position_ids" in parameters:
+        # patches with their (x, y) (Gemma 4's processor): as its vision tower takes them
+        pixels, positions = _positioned_patches(vision, generator)
+        return {"pixel_values": pixels, "image_position_ids": positions}
     height, width = _image_size(vision)
     pinpoints = getattr(config, "image_grid_pinpoints", None)
     if "image_sizes" in parameters and pinpoints:
@@ -1326,7 +1359,20 @@ def _pixel_inputs(model, config, generator) -> dict[str, Any]:
         tiles = image_size_to_num_patches((height, width), pinpoints, height)
         pixels = torch.randn(BATCH, tiles, channels, height, width, generator=generator)
         return {"pixel_values": pixels, "image_sizes": torch.tensor([[height, width]] * BATCH)}
-    return {"pixel_values": torch.randn(BATCH, channels, height, width, generator=generator)}
+    pixels = {"pixel_values": torch.randn(BATCH, channels, height, width, generator=generator)}
+    if "image_sizes" in parameters and features.get("image_sizes") is inspect.Parameter.empty:
+        # each image's size beside the padded batch (Pixtral's processor, for Mistral 3): the whole image
+        pixels["image_sizes"] = torch.tensor([[height, width]] * BATCH)
+    return pixels
+
+
+def _image_feature_parameters(model) -> dict[str, Any]:
+    """The parameters of the model's ``get_image_features`` (or of the model it wraps), with their
+    defaults (``inspect.Parameter.empty`` when required); empty when it has none."""
+    get = getattr(model, "get_image_features", None) or getattr(getattr(model, "model", None), "get_image_features", None)
+    if get is None:
+        return {}
+    return {name: p.default for name, p in inspect.signature(get).parameters.items()}
 
 
 def _feature_count(model, pixels: dict[str, Any]) -> int | None:

@@ -339,6 +339,28 @@ def test_a_vision_towers_output_width_is_the_text_models_width():
     assert int((inputs["input_ids"] == sweep._image_token(model.config)).sum()) == inputs["pixel_values"].shape[0] // 4
 
 
+def test_towers_a_default_config_leaves_out_are_built_and_fed_positioned_patches():
+    # Gemma 4's default config has no vision or audio tower (None); its checkpoints have both
+    config = sweep.tiny_config("gemma4")
+    assert config.vision_config is not None and config.audio_config is not None
+    assert config.vision_config.hidden_size == sweep.HIDDEN
+    model, inputs, expected = sweep.build("gemma4", "Gemma4Model")
+    pixels, positions = inputs["pixel_values"], inputs["image_position_ids"]
+    assert positions.shape == (*pixels.shape[:2], 2) and int(positions.max()) + 1 == int(pixels.shape[1] ** 0.5)
+    count = sweep._count(model.get_image_features(pixel_values=pixels, image_position_ids=positions))
+    assert int((inputs["input_ids"] == sweep._image_token(model.config)).sum()) == count > 0
+
+
+def test_a_head_width_set_outside_the_constructor_follows_the_shrunk_widths():
+    # Pixtral's head_dim is set from its widths after construction: kept from the default (64), the
+    # rotary embedding did not fit the 16-wide heads of the shrunk tower under Mistral 3
+    vision = sweep.tiny_config("mistral3").vision_config
+    assert vision.head_dim == vision.hidden_size // vision.num_attention_heads
+    model, inputs, expected = sweep.build("mistral3", "Mistral3Model")
+    # each image's size beside the batch (Pixtral's processor)
+    assert inputs["image_sizes"].tolist() == [list(inputs["pixel_values"].shape[-2:])] * sweep.BATCH
+
+
 def test_tiled_images_come_one_tile_each():
     # ModernVBert's processor gives (batch, tiles, channels, height, width); 4-D pixels do not run
     model, inputs, expected = sweep.build("modernvbert", "ModernVBertForMaskedLM")
