@@ -826,13 +826,7 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         if "merge_sizes" in parameters:
             inputs["merge_sizes"] = torch.tensor([getattr(config, "spatial_merge_size", None) or 1] * BATCH)
     elif "target_sizes" in parameters and "input_ids" not in parameters and main == "pixel_values":
-        # a NaViT-style tower (MiniCPM-V's): the images' patches packed side by side in one row of patches,
-        # (1, channels, patch, patches x patch), and each image's grid in patches (4 x 4: whole 2 x 2 windows, twice)
-        patch = getattr(config, "patch_size", None) or 14
-        channels = getattr(config, "num_channels", None) or 3
-        side = 4
-        inputs["pixel_values"] = torch.randn(1, channels, patch, BATCH * side * side * patch, generator=generator)
-        inputs["target_sizes"] = torch.tensor([[side, side]] * BATCH)
+        inputs.update(_packed_patches(config, generator))
     elif "past_time_features" in parameters:  # a probabilistic forecaster: its context plus the largest lag
         lags = getattr(config, "lags_sequence", None) or [0]
         length = (getattr(config, "context_length", None) or 32) + max(lags)
@@ -1198,12 +1192,37 @@ def _patch_inputs(model, vision, generator) -> dict[str, Any]:
     if "pixel_position_ids" in required:
         pixels, positions = _positioned_patches(vision, generator)
         return {"pixel_values": pixels, "pixel_position_ids": positions}
+    return _naflex_patches(vision, generator)
+
+
+def _naflex_patches(vision, generator) -> dict[str, Any]:
+    """A 4 x 4 grid of flattened patches with its ``spatial_shapes`` and ``pixel_attention_mask``
+    (SigLIP 2's NaFlex processor)."""
+    import torch
+
+    channels = getattr(vision, "num_channels", None) or 3
+    patch = getattr(vision, "patch_size", None) or 16
     side = 2 * (getattr(vision, "pooling_kernel_size", None) or 2)
     pixels = torch.randn(BATCH, side * side, channels * patch * patch, generator=generator)
     return {
         "pixel_values": pixels,
         "pixel_attention_mask": torch.ones(BATCH, side * side, dtype=torch.long),
         "spatial_shapes": torch.tensor([[side, side]] * BATCH),
+    }
+
+
+def _packed_patches(vision, generator) -> dict[str, Any]:
+    """A NaViT-style tower's images (MiniCPM-V's): their patches packed side by side in one row of
+    patches, (1, channels, patch, patches x patch), and each image's grid in patches (4 x 4: whole
+    2 x 2 windows, twice) in ``target_sizes``."""
+    import torch
+
+    patch = getattr(vision, "patch_size", None) or 14
+    channels = getattr(vision, "num_channels", None) or 3
+    side = 4
+    return {
+        "pixel_values": torch.randn(1, channels, patch, BATCH * side * side * patch, generator=generator),
+        "target_sizes": torch.tensor([[side, side]] * BATCH),
     }
 
 
@@ -1351,6 +1370,10 @@ def _pixel_inputs(model, config, generator) -> dict[str, Any]:
         # patches with their (x, y) (Gemma 4's processor): as its vision tower takes them
         pixels, positions = _positioned_patches(vision, generator)
         return {"pixel_values": pixels, "image_position_ids": positions}
+    if features.get("target_sizes", False) is inspect.Parameter.empty and "target_sizes" in parameters:
+        return _packed_patches(vision, generator)  # a NaViT tower's packed patches (MiniCPM-V's)
+    if features.get("spatial_shapes", False) is inspect.Parameter.empty and "spatial_shapes" in parameters:
+        return _naflex_patches(vision, generator)  # a NaFlex tower's patches (LFM2-VL's SigLIP 2)
     height, width = _image_size(vision)
     pinpoints = getattr(config, "image_grid_pinpoints", None)
     if "image_sizes" in parameters and pinpoints:

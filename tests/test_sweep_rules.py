@@ -361,6 +361,18 @@ def test_a_head_width_set_outside_the_constructor_follows_the_shrunk_widths():
     assert inputs["image_sizes"].tolist() == [list(inputs["pixel_values"].shape[-2:])] * sweep.BATCH
 
 
+@pytest.mark.parametrize(("model_type", "class_name", "layout"), [
+    ("lfm2_vl", "Lfm2VlModel", "spatial_shapes"),  # a NaFlex tower's patches with their grid and mask
+    ("minicpmv4_6", "MiniCPMV4_6Model", "target_sizes"),  # a NaViT tower's packed patches
+])
+def test_a_vlm_gets_the_patches_its_towers_image_features_require(model_type, class_name, layout):
+    model, inputs, expected = sweep.build(model_type, class_name)
+    assert layout in inputs and "pixel_values" in inputs
+    pixels = {k: v for k, v in inputs.items() if k in sweep._image_feature_parameters(model)}
+    count = sweep._count(model.get_image_features(**pixels))
+    assert int((inputs["input_ids"] == sweep._image_token(model.config)).sum()) == count > 0
+
+
 def test_tiled_images_come_one_tile_each():
     # ModernVBert's processor gives (batch, tiles, channels, height, width); 4-D pixels do not run
     model, inputs, expected = sweep.build("modernvbert", "ModernVBertForMaskedLM")
