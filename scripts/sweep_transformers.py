@@ -2138,6 +2138,32 @@ def regressions(old: list[Row], new: list[Row]) -> list[str]:
     return found
 
 
+#: inputs that are text (or its masks and positions): a row fed only these was fed no image, audio or video
+_TEXT_INPUTS = frozenset({
+    "input_ids", "attention_mask", "token_type_ids", "position_ids", "decoder_input_ids", "decoder_attention_mask",
+    "inputs_embeds",
+})
+
+
+def differing(kept: list[Row], other: list[Row]) -> list[str]:
+    """The classes of ``kept`` whose row differs from the same row of ``other`` (another torch's
+    run on the current commit): in outcome (built, flat, modular) or in the inputs fed. A kept row
+    with no inputs recorded (swept before the column) differs when the other was fed more than
+    text. What is not in ``other`` is left alone."""
+    others = {(r.model_type, r.class_name): r for r in other}
+    found = []
+    for row in kept:
+        o = others.get((row.model_type, row.class_name))
+        if o is None:
+            continue
+        fed = set(filter(None, (o.inputs or "").split(",")))
+        if (row.built, row.flat_ok, row.modular_ok) != (o.built, o.flat_ok, o.modular_ok):
+            found.append(row.class_name)
+        elif row.inputs is None and fed - _TEXT_INPUTS or row.inputs is not None and set(row.inputs.split(",")) != fed:
+            found.append(row.class_name)
+    return found
+
+
 def _warm_up() -> None:
     """Pay once, in this process before it forks, what every child would pay again: torchlib's
     import and the translation registry (10-12 s), transformers' model machinery (the first model
@@ -2184,6 +2210,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(comma-separated, e.g. capture,verify; 'failed' for every row not modular ok)")
     parser.add_argument("--redo-types", help="with --resume: sweep again the kept rows of these model types (comma-separated)")
     parser.add_argument("--redo-classes", help="with --resume: sweep again the kept rows of these classes (comma-separated)")
+    parser.add_argument("--redo-differing", help="with --resume: sweep again the kept rows whose outcome or inputs differ from "
+                        "the same row of this JSON (another torch's run on the current commit)")
     parser.add_argument("--jobs", type=int, default=1, help="architectures swept at once (each in its own children)")
     parser.add_argument("--order", choices=("shuffled", "alphabetical"), default="shuffled",
                         help="shuffled (default): the sample, then base models, then heads, each in a fixed random order")
@@ -2223,6 +2251,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in rows if r.model_type not in again]
     if args.redo_classes:
         again = set(args.redo_classes.split(","))
+        rows = [r for r in rows if r.class_name not in again]
+    if args.redo_differing:
+        again = set(differing(rows, read_rows(pathlib.Path(args.redo_differing))))
+        print(f"{len(again)} rows differ from {args.redo_differing}: swept again", flush=True)
         rows = [r for r in rows if r.class_name not in again]
     done = {r.key for r in rows}
     environment = _environment()

@@ -80,6 +80,32 @@ def test_compare_lists_regressions():
     assert sweep.regressions(old, new) == ["LlamaModel (llama): modular regressed: ParityError: x"]
 
 
+def test_rows_differing_from_another_torchs_run_are_swept_again(tmp_path):
+    Row = sweep.Row
+    text, images = "input_ids,attention_mask", "input_ids,attention_mask,pixel_values"
+    kept = [
+        Row("bert", "BertModel", "base", True, True, True),  # older: no inputs recorded, text either way
+        Row("llava", "LlavaModel", "base", True, True, True),  # older: no inputs recorded, text only then
+        Row("gemma4", "Gemma4Model", "base", True, True, True, inputs=text),  # text then, images now
+        Row("sam2", "Sam2Model", "base", False, False, False),  # not built then, built now
+        Row("t5", "T5Model", "base", True, False, True, inputs=text),  # the same
+        Row("vit", "ViTModel", "base", True, True, True, inputs="pixel_values"),  # not in the other run
+    ]
+    other = [
+        Row("bert", "BertModel", "base", True, True, True, inputs=text),
+        Row("llava", "LlavaModel", "base", True, False, True, inputs=images),
+        Row("gemma4", "Gemma4Model", "base", True, True, True, inputs=images),
+        Row("sam2", "Sam2Model", "base", True, True, True, inputs="pixel_values"),
+        Row("t5", "T5Model", "base", True, False, True, inputs=text),
+    ]
+    assert sweep.differing(kept, other) == ["LlavaModel", "Gemma4Model", "Sam2Model"]
+    # as --redo-differing reads them: both tables from their JSON files, inputs and all
+    table, reference = tmp_path / "cov.json", tmp_path / "other.json"
+    sweep.write_json(table, kept, {"commit": "x"}, len(kept))
+    sweep.write_json(reference, other, {"commit": "y"}, len(other))
+    assert sweep.differing(sweep.read_rows(table), sweep.read_rows(reference)) == ["LlavaModel", "Gemma4Model", "Sam2Model"]
+
+
 def test_report_files(tmp_path):
     rows = [
         sweep.Row("llama", "LlamaModel", "base", True, True, True, functions=11, depth=3, max_abs=5e-7, seconds=3),
