@@ -383,12 +383,11 @@ def _shrunk(
                 if accepted is not None and "qk_rope_head_dim" in base:
                     # a head width the config derives from its rotary part (DeepSeek-V3's head_dim): derived again
                     base = {k: v for k, v in base.items() if k in accepted or k not in _HEAD_DIM_KEYS}
-                # a key-head count its constructor does not take is derived from the heads (Parakeet's encoder
-                # under Canary): left out, so it follows the shrunk heads instead of keeping the default's
-                base = {k: v for k, v in base.items() if accepted is None or k not in _KV_HEAD_KEYS or k in accepted}
-                # ... and a head width it sets from the default widths, not taken by its constructor (Pixtral's
-                # head_dim, under Mistral 3): derived again from the shrunk ones
-                base = {k: v for k, v in base.items() if accepted is None or k not in _HEAD_DIM_KEYS or k in accepted}
+                # a key-head count or a head width its constructor does not take is derived from the heads and
+                # widths (Parakeet's encoder under Canary, Pixtral's head_dim under Mistral 3): left out, so it
+                # follows the shrunk ones instead of keeping the default's
+                derived_heads = _KV_HEAD_KEYS | _HEAD_DIM_KEYS
+                base = {k: v for k, v in base.items() if accepted is None or k not in derived_heads or k in accepted}
                 out[key] = {**base, **_shrunk(sub, frozenset(special), widths, shallow)}
             continue
         if isinstance(value, bool):
@@ -1178,7 +1177,6 @@ def _patch_inputs(model, vision, generator) -> dict[str, Any]:
 
     required = _required(model)
     channels = getattr(vision, "num_channels", None) or 3
-    patch = getattr(vision, "patch_size", None) or 16
     if "aspect_ratio_ids" in required:
         tiles = getattr(vision, "max_num_tiles", None) or 1
         size = getattr(vision, "image_size", None) or 32
@@ -1195,15 +1193,22 @@ def _patch_inputs(model, vision, generator) -> dict[str, Any]:
     return _naflex_patches(vision, generator)
 
 
-def _naflex_patches(vision, generator) -> dict[str, Any]:
-    """A 4 x 4 grid of flattened patches with its ``spatial_shapes`` and ``pixel_attention_mask``
-    (SigLIP 2's NaFlex processor)."""
+def _patch_grid(vision, generator):
+    """(flattened patches of one square grid per row, the grid's side): whole pooling windows, twice."""
     import torch
 
     channels = getattr(vision, "num_channels", None) or 3
     patch = getattr(vision, "patch_size", None) or 16
     side = 2 * (getattr(vision, "pooling_kernel_size", None) or 2)
-    pixels = torch.randn(BATCH, side * side, channels * patch * patch, generator=generator)
+    return torch.randn(BATCH, side * side, channels * patch * patch, generator=generator), side
+
+
+def _naflex_patches(vision, generator) -> dict[str, Any]:
+    """A 4 x 4 grid of flattened patches with its ``spatial_shapes`` and ``pixel_attention_mask``
+    (SigLIP 2's NaFlex processor)."""
+    import torch
+
+    pixels, side = _patch_grid(vision, generator)
     return {
         "pixel_values": pixels,
         "pixel_attention_mask": torch.ones(BATCH, side * side, dtype=torch.long),
@@ -1230,10 +1235,7 @@ def _positioned_patches(vision, generator):
     """(flattened patches, their (x, y)): a grid of whole pooling windows (Gemma 4's tower)."""
     import torch
 
-    channels = getattr(vision, "num_channels", None) or 3
-    patch = getattr(vision, "patch_size", None) or 16
-    side = 2 * (getattr(vision, "pooling_kernel_size", None) or 2)
-    pixels = torch.randn(BATCH, side * side, channels * patch * patch, generator=generator)
+    pixels, side = _patch_grid(vision, generator)
     rows, columns = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
     positions = torch.stack([columns.flatten(), rows.flatten()], dim=-1)
     return pixels, positions.expand(BATCH, -1, -1).clone()
@@ -1389,13 +1391,17 @@ def _pixel_inputs(model, config, generator) -> dict[str, Any]:
     return pixels
 
 
+def _image_features(model):
+    """The model's ``get_image_features``; a head without its own asks the model it wraps
+    (PerceptionLM's, Janus's). None when neither has one."""
+    return getattr(model, "get_image_features", None) or getattr(getattr(model, "model", None), "get_image_features", None)
+
+
 def _image_feature_parameters(model) -> dict[str, Any]:
-    """The parameters of the model's ``get_image_features`` (or of the model it wraps), with their
-    defaults (``inspect.Parameter.empty`` when required); empty when it has none."""
-    get = getattr(model, "get_image_features", None) or getattr(getattr(model, "model", None), "get_image_features", None)
-    if get is None:
-        return {}
-    return {name: p.default for name, p in inspect.signature(get).parameters.items()}
+    """The parameters of :func:`_image_features`, with their defaults (``inspect.Parameter.empty``
+    when required); empty when there is none."""
+    get = _image_features(model)
+    return {} if get is None else {name: p.default for name, p in inspect.signature(get).parameters.items()}
 
 
 def _feature_count(model, pixels: dict[str, Any]) -> int | None:
@@ -1403,8 +1409,7 @@ def _feature_count(model, pixels: dict[str, Any]) -> int | None:
     put that many image tokens in the text): from its own ``get_image_features``."""
     import torch
 
-    # a head without its own asks the model it wraps (PerceptionLM's, Janus's)
-    get = getattr(model, "get_image_features", None) or getattr(getattr(model, "model", None), "get_image_features", None)
+    get = _image_features(model)
     if get is None:
         return None
     with torch.no_grad():
