@@ -58,6 +58,7 @@ from onnx_modular.check.dispatch import assert_verified, verify_export
 from onnx_modular.check.parity import Tolerance, user_tolerance
 from onnx_modular.errors import EXPORT_STAGES, InvalidInputError, OnnxModularError
 from onnx_modular.files import flat as flat_files
+from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree
 from onnx_modular.passes import pipeline
 from onnx_modular.passes.opset_conversion import check_opset
@@ -98,6 +99,7 @@ def export_modular(
     program_fixes: Sequence[Callable[[torch.fx.GraphModule], None]] = (),
     execution_provider: str | None = None,
     flat_file: bool | str | os.PathLike | None = None,
+    fixed_inputs: Sequence[str] = (),
 ) -> ModularExport:
     """Export ``model`` to ONNX with every module call as a nested local function.
 
@@ -157,6 +159,14 @@ def export_modular(
             ``<stem>.flat.onnx`` beside ``f``, or give a path. It is verified against PyTorch like
             the modular file (``result.flat_report``), and the two files are written together or
             not at all. Its nodes keep torch's ``namespace`` per call (Model Explorer's layers).
+        fixed_inputs: Names of keyword inputs whose values are fixed into the program: the file
+            does not take them, and what the forward computes from their values (sizes, split
+            points, position tables) is computed while capturing, as plain integers. For inputs
+            that describe the example's layout rather than its data, such as a vision-language
+            model's image grid (``image_grid_thw``, ``image_sizes``): torch.export cannot trace a
+            ``split`` by their values (a data-dependent guard), and a deployment at one image
+            resolution does not need to. The file then serves only inputs of that layout; the
+            values are recorded in its metadata (``pkg.onnx_modular.fixed_inputs``).
 
     Returns:
         A :class:`ModularExport` with the model, the call tree and the parity report.
@@ -172,28 +182,29 @@ def export_modular(
     plan = _Plan.check(
         model, args, kwargs, f, weights=weights, verify=verify, max_block_bytes=max_block_bytes, modules=modules,
         opset_version=opset_version, custom_translation_table=custom_translation_table, external_data=external_data,
-        execution_provider=execution_provider, rtol=rtol, atol=atol, flat_file=flat_file,
+        execution_provider=execution_provider, rtol=rtol, atol=atol, flat_file=flat_file, fixed_inputs=fixed_inputs,
     )
     # The export runs the model (reference run, torch.export): the user gets it back exactly as
     # given, buffers (BatchNorm statistics) and training flags included, even on failure.
     with reference_run.kept_as_given(model):
-        args, kwargs, stream = plan.args, plan.kwargs, plan.stream
+        args, kwargs, stream, fixed = plan.args, plan.kwargs, plan.stream, plan.fixed
         stages = _Stages(model, progress)
         # The eager run and the capture get their own copy of the inputs: a forward pass may update
         # its inputs in place (a KV cache appends to itself), and the user's objects stay as given.
         with stages("capture", "run", report=False), stream.eager() if stream else contextlib.nullcontext():
-            expected, signatures, eager_calls = reference_run.run(model, *tensors.copy_inputs(args, kwargs))
+            expected, signatures, eager_calls = reference_run.run(model, *tensors.copy_inputs(args, {**kwargs, **fixed}))
         with stages("capture"):
-            dynamic_shapes = _check_io(model, args, kwargs, expected, dynamic_shapes)
+            dynamic_shapes = _check_io(model, args, kwargs, expected, dynamic_shapes, fixed)
             if exported_program is None:
                 captured = strategies.capture(
-                    model, args, kwargs, dynamic_shapes, on_meta=stream is not None and has_meta_tensors(model)
+                    model, args, kwargs, dynamic_shapes, on_meta=stream is not None and has_meta_tensors(model),
+                    fixed=fixed,
                 )
                 program, capture_strategy = captured.program, captured.strategy
             else:
                 program, capture_strategy = exported_program, None
         captured_program = program  # decompose makes a new program and leaves this one as captured
-        with stages("decompose"):
+        with stages("decompose"), torch_compat.fixed_values(fixed.values()):
             program = torch_compat.decompose(program, plan.registry)
             for fix in program_fixes:
                 fix(program.graph_module)
@@ -217,14 +228,16 @@ def export_modular(
             )
             pipeline.run(passes, model_ir)
             model_ir.producer_name, model_ir.producer_version = "onnx_modular", _version()
+            if fixed:
+                model_ir.metadata_props[metadata.FIXED_INPUTS] = metadata.fixed_inputs_prop(fixed)
         result = ModularExport(
             model=model_ir, hierarchy=tree, timings=stages.timings, exported_program=program,
-            capture_strategy=capture_strategy, _example=(args, kwargs),
+            capture_strategy=capture_strategy, _example=(args, kwargs), _fixed=fixed,
             _reference=(tensors.flatten_inputs(args, kwargs), tensors.flatten_outputs(expected)),
             _captured=captured_program,
         )
         if stream is None and verification.uses_bfloat16(model_ir):  # the reference of its float32-widened check
-            result._reference_float32 = verification.float32_reference(model, args, kwargs)
+            result._reference_float32 = verification.float32_reference(model, args, kwargs, fixed)
         _save_and_verify(result, f, plan, stages, verify=bool(verify), flat=verify_flat)
         result._captured = None  # verified (a ParityError keeps it in error.result)
         count_from_ir(tree, model_ir)  # the tree's counts are those of the final model
@@ -249,11 +262,14 @@ class _Plan:
     execution_provider: str | None
     tolerance: Tolerance | None
     flat_path: pathlib.Path | None = None  # where flat_file= writes the flat copy
+    fixed: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # fixed_inputs=, out of kwargs
 
     @classmethod
     def check(cls, model, args, kwargs, f, *, weights, verify, max_block_bytes, modules, opset_version,
-              custom_translation_table, external_data, execution_provider, rtol, atol, flat_file=None) -> _Plan:
+              custom_translation_table, external_data, execution_provider, rtol, atol, flat_file=None,
+              fixed_inputs=()) -> _Plan:
         args, kwargs = _check_inputs(model, args, kwargs)
+        kwargs, fixed = _fixed_inputs(kwargs, fixed_inputs)
         if not (isinstance(verify, bool) or verify in ("blocks", "full")):
             raise InvalidInputError(f"verify must be True, False, 'blocks' or 'full', not {verify!r}.")
         if max_block_bytes is not None and (
@@ -285,7 +301,31 @@ class _Plan:
         if model.training:
             logger.warning("Exporting a model in training mode; call model.eval() first for inference graphs.")
         return cls(args, kwargs, stream, select, target_opset, translated_opset, registry, external_data,
-                   execution_provider, user_tolerance(rtol, atol), flat_path)
+                   execution_provider, user_tolerance(rtol, atol), flat_path, fixed)
+
+
+def _fixed_inputs(kwargs: dict, names: Sequence[str]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``kwargs`` without the inputs ``fixed_inputs`` names, and those inputs (checked)."""
+    if isinstance(names, str):
+        names = (names,)
+    fixed = {}
+    for name in names:
+        if name not in kwargs:
+            raise InvalidInputError(
+                f"fixed_inputs names {name!r}, which is not among the keyword inputs "
+                f"({', '.join(kwargs) or 'none'}).",
+                hint="Pass the input to fix in kwargs={...} (not positionally), with the value the program keeps.",
+            )
+        if not isinstance(kwargs[name], torch.Tensor):
+            raise InvalidInputError(
+                f"fixed_inputs names {name!r}, a {type(kwargs[name]).__name__}: only tensors are fixed "
+                "(torch.export already keeps other values as constants).",
+                hint=f"Leave {name!r} out of fixed_inputs.",
+            )
+        if kwargs[name].device.type == "meta":
+            raise InvalidInputError(f"fixed_inputs names {name!r}, a tensor on 'meta': a fixed input needs its values.")
+        fixed[name] = kwargs[name]
+    return {key: value for key, value in kwargs.items() if key not in fixed}, fixed
 
 
 def _check_inputs(model: Any, args: Any, kwargs: dict | None) -> tuple[tuple, dict]:
@@ -327,8 +367,14 @@ class _Stages:
             self.progress(stage, self.timings[stage])
 
 
-def _check_io(model: torch.nn.Module, args: tuple, kwargs: dict, expected: Any, dynamic_shapes: Any) -> Any:
+def _check_io(model: torch.nn.Module, args: tuple, kwargs: dict, expected: Any, dynamic_shapes: Any, fixed=()) -> Any:
     """Inputs and outputs torch.export can flatten; ``dynamic_shapes`` expanded to their tensors."""
+    if isinstance(dynamic_shapes, Mapping) and set(dynamic_shapes) & set(fixed):
+        name = sorted(set(dynamic_shapes) & set(fixed))[0]
+        raise InvalidInputError(
+            f"dynamic_shapes gives axes for {name!r}, which fixed_inputs fixes into the program.",
+            hint=f"Drop {name!r} from dynamic_shapes (a fixed input has one value, so one shape).",
+        )
     pytree_io.register_input_types(model, {"args": args, "kwargs": kwargs, "output": expected})
     pytree_io.check_outputs(expected)
     return pytree_io.expand_dynamic_shapes(model, args, kwargs, dynamic_shapes)
@@ -380,7 +426,7 @@ def _save_and_verify(result: ModularExport, f, plan: _Plan, stages: _Stages, *, 
                 # onnxruntime's CPU provider has no bfloat16 kernels: the file is checked widened to
                 # float32, against PyTorch in float32 on the same weights, streamed once more.
                 with plan.stream.eager(widen=True):
-                    result._reference_float32 = verification.float32_reference(stages.model, *result._example)
+                    result._reference_float32 = verification.float32_reference(stages.model, *result._example, result._fixed)
             verify_export(
                 result, path, flat=flat, flat_copy=staged_flat, tolerance=plan.tolerance,
                 execution_provider=plan.execution_provider,

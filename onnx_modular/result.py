@@ -56,6 +56,8 @@ class ModularExport:
     exported_program: torch.export.ExportedProgram | None = dataclasses.field(default=None, repr=False)
     _reference: tuple[list[torch.Tensor], list[torch.Tensor]] | None = dataclasses.field(default=None, repr=False)
     _example: tuple[tuple, dict] | None = dataclasses.field(default=None, repr=False)
+    #: The inputs ``fixed_inputs=`` fixed into the program: given to PyTorch, not to the file.
+    _fixed: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
     #: bfloat16 exports: ``(inputs, outputs)`` of PyTorch in float32 on the bfloat16 weights.
     _reference_float32: tuple[list[torch.Tensor], list[torch.Tensor]] | None = dataclasses.field(default=None, repr=False)
     _sessions: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
@@ -164,6 +166,7 @@ class ModularExport:
 
         if args is None and kwargs is None:
             args, kwargs = self._example or ((), {})
+            kwargs = {**kwargs, **self._fixed}
         args, kwargs = tensors.normalize_inputs(args, kwargs, model)
         with model_file(self) as path:
             return localize(

@@ -1639,7 +1639,51 @@ def _build(model_type: str, class_name: str, tier: str):
             # the images the sweep makes do not fit this model's processor: its text path, as before
             # (the row's `inputs` says which were fed)
             inputs, expected = text, model(**text)
+    positions = _rope_positions(model, inputs) if layout_inputs(inputs) else None
+    if positions is not None:
+        inputs = {**inputs, "position_ids": positions}
+        with torch.no_grad():
+            expected = model(**inputs)
     return model, inputs, _tensors(expected)
+
+
+#: Inputs that describe the example's layout (image grids, image sizes), not its data: the modular
+#: export fixes them into the program (``export_modular(fixed_inputs=...)``), as a deployment at one
+#: image resolution does. The towers split, index and interpolate by their values, which
+#: torch.export cannot trace from an input (a data-dependent guard in either exporter).
+LAYOUT_INPUTS = ("image_grid_thw", "video_grid_thw", "grid_thw", "image_sizes", "target_sizes", "merge_sizes")
+
+
+def layout_inputs(inputs: dict[str, Any]) -> list[str]:
+    """The tensors among ``inputs`` that :data:`LAYOUT_INPUTS` names."""
+    return [name for name in LAYOUT_INPUTS if hasattr(inputs.get(name), "shape")]
+
+
+def _rope_positions(model, inputs: dict[str, Any]):
+    """The ``position_ids`` a model computes from its inputs' values when it is not given them
+    (Qwen-VL's 3-D rope index, ``get_rope_index``: where each image's patches sit), as its
+    deployments compute them beside the model from the processor's grid; ``None`` for a model
+    that has no such index or does not take ``position_ids``."""
+    import torch
+
+    owner = next(
+        (m for m in model.modules() if hasattr(m, "get_rope_index") or hasattr(m, "compute_3d_position_ids")), None
+    )
+    language = getattr(owner, "language_model", None)
+    if language is None or "position_ids" not in _forward_parameters(model):
+        return None
+    seen: dict[str, Any] = {}
+
+    def keep(module, args, kwargs):
+        seen.setdefault("position_ids", kwargs.get("position_ids"))
+
+    hook = language.register_forward_pre_hook(keep, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        hook.remove()
+    return seen.get("position_ids")
 
 
 def _draw_constant_matrices(model) -> list[str]:
@@ -1755,8 +1799,11 @@ def _job_modular(model_type: str, class_name: str) -> dict[str, Any]:
     record.update(built=True, config=tier)
     record["build_seconds"] = time.perf_counter() - start
     record["inputs"] = input_names(inputs)
+    fixed = layout_inputs(inputs)
+    if fixed:
+        record["fixed"] = ",".join(fixed)
     try:
-        result = export_modular(model, (), kwargs=inputs)
+        result = export_modular(model, (), kwargs=inputs, fixed_inputs=fixed)
     except Exception as e:
         error = _first_line(e)
         if getattr(getattr(e, "report", None), "captured_differently", False):
@@ -1958,6 +2005,7 @@ class Row:
     note: str | None = None  # why a row fails where both exporters fail: a torch limit, a missing package
     config: str | None = None  # how far the config was shrunk (TIERS): tiny, shallow or default
     commit: str | None = None  # the commit the row was swept on (a table resumed across commits mixes them)
+    fixed: str | None = None  # the inputs the modular export fixed into the program (LAYOUT_INPUTS)
 
     @property
     def key(self) -> str:
@@ -1982,6 +2030,7 @@ def sweep_one(model_type: str, class_name: str, task: str, timeout: float, memor
         row.stage, row.error = modular.get("stage"), modular.get("error")
     row.seconds = round(flat.get("seconds", 0) + modular.get("seconds", 0), 1)
     row.inputs = modular.get("inputs") or flat.get("inputs")
+    row.fixed = modular.get("fixed")
     row.config = modular.get("config") or flat.get("config")
     row.note = classify(row)
     return row
@@ -2105,7 +2154,7 @@ def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, s
         lines.append(
             f"| {r.model_type} | {r.class_name} | {r.task} | {_cell(r.built)} | {_cell(r.flat_ok)} | {_cell(r.modular_ok)} | "
             f"{_cell(r.functions)} | {_cell(r.depth)} | {_cell(r.max_abs)} | {_cell(r.flat_max_abs)} | {_cell(stage)} | "
-            f"{_cell((error or '')[:160])} | {_cell(r.inputs)} | {_cell(r.config)} | {_cell(r.note or classify(r))} | {r.seconds:.0f} |"
+            f"{_cell((error or '')[:160])} | {_cell(r.inputs)}{f' (fixed: {r.fixed})' if r.fixed else ''} | {_cell(r.config)} | {_cell(r.note or classify(r))} | {r.seconds:.0f} |"
         )
     tmp = path.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + "\n")
@@ -2152,7 +2201,7 @@ _TEXT_INPUTS = frozenset({
 
 def differing(kept: list[Row], other: list[Row]) -> list[str]:
     """The classes of ``kept`` whose row differs from the same row of ``other`` (another torch's
-    run on the current commit): in outcome (built, flat, modular) or in the inputs fed. A kept row
+    run on the current commit): in outcome (built, flat, modular) or in the inputs fed or fixed. A kept row
     with no inputs recorded (swept before the column) differs when the other was fed more than
     text. What is not in ``other`` is left alone."""
     others = {(r.model_type, r.class_name): r for r in other}
@@ -2165,6 +2214,8 @@ def differing(kept: list[Row], other: list[Row]) -> list[str]:
         if (row.built, row.flat_ok, row.modular_ok) != (o.built, o.flat_ok, o.modular_ok):
             found.append(row.class_name)
         elif row.inputs is None and fed - _TEXT_INPUTS or row.inputs is not None and set(row.inputs.split(",")) != fed:
+            found.append(row.class_name)
+        elif (row.fixed or None) != (o.fixed or None):  # fixed into the program on one run only
             found.append(row.class_name)
     return found
 

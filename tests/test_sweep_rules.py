@@ -535,3 +535,32 @@ def test_matrices_left_constant_by_the_init_are_drawn():
     assert sweep._draw_constant_matrices(model) == ["layers.1.mlp.router.gate.weight"]
     result = export_modular(model, (), kwargs=inputs)  # parity asserted inside
     assert result.report.ok and result.report.max_abs < 1e-4
+
+
+def test_layout_inputs_are_fixed_and_rope_positions_fed():
+    # A Qwen-VL row is fed its image grid and the 3-D rope positions its processor-side deployment
+    # computes; the modular job fixes the grid into the program (export_modular(fixed_inputs=...))
+    import torch
+
+    model, inputs, expected = sweep.build("qwen2_vl", "Qwen2VLModel")
+    assert sweep.layout_inputs(inputs) == ["image_grid_thw"]
+    positions = inputs["position_ids"]
+    assert positions.shape == (3, *inputs["input_ids"].shape)
+    # where the images sit, the three rows (time, height, width) differ: not a plain arange
+    assert not torch.equal(positions[1], positions[2])
+    unfed = {k: v for k, v in inputs.items() if k != "position_ids"}
+    with torch.no_grad():
+        assert torch.equal(model(**unfed).last_hidden_state, expected[0])
+    # the row exports with parity, the grid a constant of the program (in both exporters a data-dependent
+    # guard while it is an input: the tower splits its patches by the grid's values)
+    from onnx_modular import export_modular
+
+    result = export_modular(model, (), kwargs=inputs, fixed_inputs=sweep.layout_inputs(inputs))
+    assert result.report.ok, result.report
+    names = [value.name for value in result.model.graph.inputs]
+    assert "image_grid_thw" not in names and "position_ids" in names and "pixel_values" in names
+    classes = {f.name for f in result.functions}
+    assert {"Qwen2VisionTransformerPretrainedModel", "PatchMerger", "Qwen2VLTextModel"} <= classes, classes
+    # a text-only model has no layout inputs and no rope index: fed as before
+    _, text, _ = sweep.build("llama", "LlamaModel")
+    assert sweep.layout_inputs(text) == [] and "position_ids" not in text

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
+from onnx_modular.capture import torch_compat
 from onnx_modular.errors import (
     CaptureError,
     DecompositionError,
@@ -96,6 +97,13 @@ def module_path_from_names(exc: BaseException, model: torch.nn.Module) -> str | 
     return max(found, key=len).rpartition(".")[0]
 
 
+_FIXED_HINT = (
+    " A guard on an input that describes the layout rather than the data (an image grid such as "
+    "image_grid_thw or image_sizes) goes away with export_modular(..., fixed_inputs=[name]), which "
+    "fixes its values into the program."
+)
+
+
 def capture_error(attempts: list[tuple[str, BaseException]], model: torch.nn.Module) -> CaptureError:
     """The one error when every capture strategy failed: the first strategy's error (the capture
     as asked) with its module and torch's suggestions, then one line per strategy tried."""
@@ -109,7 +117,8 @@ def capture_error(attempts: list[tuple[str, BaseException]], model: torch.nn.Mod
         message,
         module_path=module_path_from_traceback(first, model),
         hint="Make the code traceable by torch.export (see the cause below), "
-        "or check dynamic_shapes against the inputs." + next(filter(None, (suggested_fixes(e) for _, e in attempts)), ""),
+        "or check dynamic_shapes against the inputs." + next(filter(None, (suggested_fixes(e) for _, e in attempts)), "")
+        + (_FIXED_HINT if torch_compat.data_dependent(first) else ""),
         attempts=attempts,
     )
 

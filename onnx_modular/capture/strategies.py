@@ -31,9 +31,11 @@ in :mod:`~onnx_modular.capture.torch_compat`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +57,7 @@ __all__ = [
     "TorchExport",
     "capture",
     "first_success",
+    "fixed_into",
     "strategies_for",
 ]
 
@@ -276,17 +279,42 @@ def capture(
     on_meta: bool = False,
     strategies: Sequence[CaptureStrategy] | None = None,
     options: dict | None = None,
+    fixed: Mapping[str, torch.Tensor] | None = None,
 ) -> Capture:
     """Capture ``model`` with the first strategy that works (see the module doc).
 
     ``dynamic_shapes`` are taken as ``torch.onnx.export(dynamo=True)`` takes them (axis names as
     strings become ``Dim.DYNAMIC``). ``options`` are further ``torch.export.export`` keywords.
+    ``fixed``: keyword inputs held in the program as constants, their values computed on while
+    capturing (``export_modular(fixed_inputs=...)``, :func:`fixed_into`); every strategy sees them so.
     Raises :class:`~onnx_modular.errors.CaptureError` naming the module and listing every attempt
     when all fail; its cause is the first strategy's error.
     """
     call = CaptureCall(model, tuple(args), dict(kwargs or {}), torch_compat.export_dims(dynamic_shapes), dict(options or {}))
     chosen = strategies_for(on_meta=on_meta) if strategies is None else strategies
-    return first_success(chosen, lambda strategy, failures: strategy(call, failures), model)
+    with fixed_into(model, fixed or {}):
+        return first_success(chosen, lambda strategy, failures: strategy(call, failures), model)
+
+
+@contextlib.contextmanager
+def fixed_into(model: torch.nn.Module, fixed: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """``model.forward`` given ``fixed`` keyword inputs itself while the context is open: the
+    capture traces them as constants of the program (not inputs), and their values are computed
+    on (:func:`torch_compat.fixed_values`). The root stays ``model``, so module paths are unchanged."""
+    if not fixed:
+        yield
+        return
+    own = "forward" in vars(model)
+    forward = model.forward
+    model.forward = functools.partial(forward, **fixed)
+    try:
+        with torch_compat.fixed_values(fixed.values()):
+            yield
+    finally:
+        if own:
+            model.forward = forward
+        else:
+            del model.forward
 
 
 def first_success(

@@ -152,6 +152,28 @@ def flatten_inputs(args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[t
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
+def with_fixed(kwargs: dict[str, Any], fixed: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(the file's keyword inputs, PyTorch's)`` for an export with ``fixed_inputs``: the file does
+    not take the fixed inputs, PyTorch does (their fixed values when ``kwargs`` leaves them out).
+
+    Raises:
+        InvalidInputError: ``kwargs`` gives a fixed input another value than the file holds.
+    """
+    import torch
+
+    for name, value in fixed.items():
+        given = kwargs.get(name)
+        if given is not None and not (
+            isinstance(given, torch.Tensor) and given.shape == value.shape and torch.equal(given.cpu(), value.cpu())
+        ):
+            raise InvalidInputError(
+                f"The input {name!r} was fixed into the file at export (fixed_inputs), with other values "
+                "than the ones given here; the file cannot compute for them.",
+                hint=f"Leave {name!r} out (its fixed value is used), or export again for these inputs.",
+            )
+    return {k: v for k, v in kwargs.items() if k not in fixed}, {**kwargs, **fixed}
+
+
 def flatten_outputs(outputs: Any) -> list[torch.Tensor]:
     """Tensors of a model's return value, in the order of the ONNX graph outputs."""
     import torch

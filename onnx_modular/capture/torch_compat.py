@@ -11,7 +11,8 @@ again), so onnx_modular drives the two private stages it needs directly:
 
 It also holds the few private hooks the capture strategies (:mod:`onnx_modular.capture.strategies`)
 and the symbol sharing (:mod:`onnx_modular.capture.symbols`) need: constraint violations,
-``backed_size_oblivious``, torch's suggested fixes, ``draft_export``'s report, the shape environment.
+``backed_size_oblivious``, torch's suggested fixes, ``draft_export``'s report, the shape environment,
+and the fake-tensor constants that fix an input's values into the program (:func:`fixed_values`).
 
 Private API can change in any torch release: ``pyproject.toml`` admits torch
 ``>=2.13,<2.16`` (:data:`ADMITTED_TORCH_VERSIONS`), and where those releases differ this
@@ -205,6 +206,84 @@ def size_oblivious():
     """Sizes 0 and 1 not specialized while capturing (``backed_size_oblivious``), as torch's own
     capture and decomposition run."""
     return torch.fx.experimental._config.patch(backed_size_oblivious=True)
+
+
+# The most elements a value derived from fixed inputs may have and still be computed while capturing
+# (fake tensors compute on constants of at most 1 element by default): a 1,024-pixel image's patch
+# positions, several times over.
+FIXED_VALUE_ELEMENTS = 1 << 20
+
+
+@contextlib.contextmanager
+def fixed_values(tensors):
+    """While capturing, ``tensors`` (held by the program as constants) are values, not shapes: the
+    ops on them, and on what they compute, run on real data, so ``.tolist()`` and sizes drawn from
+    them are plain integers (an image grid's ``split`` sizes, ``repeat_interleave`` lengths) instead
+    of data-dependent symbols. torch.export's fake tensors keep such a ``constant`` only for tensors
+    created inside the forward and of one element; this widens both while the context is open."""
+    from torch._subclasses import fake_tensor
+
+    held = {id(t) for t in tensors}
+    if not held:
+        yield
+        return
+    converter = fake_tensor.FakeTensorConverter
+    original = converter.from_real_tensor
+
+    @functools.wraps(original)
+    def from_real_tensor(self, fake_mode, t, make_constant=False, *args, **kwargs):
+        return original(self, fake_mode, t, make_constant or id(t) in held, *args, **kwargs)
+
+    mode = fake_tensor.FakeTensorMode
+    dispatch = mode._dispatch_impl
+
+    @functools.wraps(dispatch)
+    def dispatch_with_factories(self, func, types, args, kwargs):
+        out = dispatch(self, func, types, args, kwargs)
+        real = _factory_value(func, args, kwargs, out)
+        if real is not None:
+            out.constant = real
+            self.fake_tensor_converter.add_constant_storage_mapping(out)  # written to: no longer constant
+        return out
+
+    limit = fake_tensor.CONSTANT_NUMEL_LIMIT
+    converter.from_real_tensor = from_real_tensor
+    mode._dispatch_impl = dispatch_with_factories
+    fake_tensor.CONSTANT_NUMEL_LIMIT = max(limit, FIXED_VALUE_ELEMENTS)
+    try:
+        yield
+    finally:
+        converter.from_real_tensor = original
+        mode._dispatch_impl = dispatch
+        fake_tensor.CONSTANT_NUMEL_LIMIT = limit
+
+
+# Factories whose result is known from their arguments alone (not ``empty``: its values are not).
+_FACTORIES = frozenset({"arange", "zeros", "ones", "full", "eye", "linspace", "scalar_tensor"})
+
+
+def _factory_value(func, args, kwargs, out):
+    """The real value of a factory call whose arguments are all plain numbers (``torch.arange(n)``
+    with ``n`` from a fixed input), for :func:`fixed_values`; ``None`` for anything else. Fake
+    tensors keep no constant for factories, so an index table built from a fixed image grid
+    (Qwen2.5-VL's window index) would lose its values at its first ``arange``."""
+    from torch._subclasses.fake_tensor import FakeTensor, no_dispatch
+
+    if not (
+        isinstance(out, FakeTensor)
+        and out.constant is None
+        and getattr(getattr(func, "overloadpacket", None), "__name__", None) in _FACTORIES
+        and out.device.type == "cpu"
+        and out.numel() <= FIXED_VALUE_ELEMENTS
+    ):
+        return None
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    if any(isinstance(leaf, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in leaves):
+        return None
+    if any(isinstance(size, torch.SymInt) for size in out.shape):
+        return None
+    with no_dispatch():
+        return func(*args, **kwargs)
 
 
 def refined_dynamic_shapes(error: BaseException | None, dynamic_shapes):

@@ -141,10 +141,12 @@ def _reference(result: Any, args: Any, kwargs: Any, model: Any) -> tuple[list, l
     widened = verification.uses_bfloat16(result.model)
     if model is None:
         raise InvalidInputError("Pass model=... to compute PyTorch outputs for new inputs.")
-    args, kwargs = tensors.normalize_inputs(args, kwargs, model)
+    fixed = getattr(result, "_fixed", None) or {}  # fixed into the file: PyTorch takes them, the file does not
+    args, kwargs = tensors.normalize_inputs(args, {**fixed, **(kwargs or {})}, model)
     if widened:
-        return (*verification.float32_reference(model, args, kwargs), True)
-    return tensors.flatten_inputs(args, kwargs), tensors.torch_outputs(model, args, kwargs), False
+        return (*verification.float32_reference(model, args, kwargs, fixed), True)
+    feed, run = tensors.with_fixed(kwargs, fixed)
+    return tensors.flatten_inputs(args, feed), tensors.torch_outputs(model, args, run), False
 
 
 @contextlib.contextmanager

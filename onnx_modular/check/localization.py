@@ -214,7 +214,8 @@ def localize(
     Args:
         onnx_model: A modular model (``ir.Model``, or the path of a saved file).
         torch_model: The PyTorch model it was exported from.
-        args, kwargs: Inputs (any shape the export allows).
+        args, kwargs: Inputs (any shape the export allows), the export's ``fixed_inputs`` among
+            ``kwargs`` (PyTorch takes them; the file, which lists them in its metadata, does not).
         tolerance: Overrides the per-dtype default tolerance.
         execution_provider: onnxruntime's provider (CPU by default), as in
             :func:`onnx_modular.runtime.sessions.session`.
@@ -241,7 +242,11 @@ def localize(
     counter = metadata.CallCounter()
     entries = flatten_probes(probes, None, "", 1, [], counter, metadata.NoOpCalls(model.graph, None, None, counter, True))
 
-    feeds = [tensors.to_numpy(t) for t in tensors.flatten_inputs(args, kwargs)]
+    fixed = json.loads(model.metadata_props.get(metadata.FIXED_INPUTS, "{}"))  # PyTorch's, not the file's
+    feeds = [
+        tensors.to_numpy(t)
+        for t in tensors.flatten_inputs(args, {key: value for key, value in kwargs.items() if key not in fixed})
+    ]
     if near is None:
         with runtime.scratch_file(None, "instrumented.onnx") as path:
             ir.save(model, path)

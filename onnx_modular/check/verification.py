@@ -14,7 +14,7 @@ import dataclasses
 import json
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,6 +25,7 @@ from onnx_modular.capture.tensors import (
     normalize_inputs,
     to_numpy,
     torch_outputs,
+    with_fixed,
 )
 from onnx_modular.check.parity import (
     OutputParity,
@@ -103,9 +104,12 @@ def uses_bfloat16(model: Any) -> bool:
     return any(getattr(v.type, "dtype", None) == ir.DataType.BFLOAT16 for v in values)
 
 
-def float32_reference(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def float32_reference(
+    model: torch.nn.Module, args: tuple, kwargs: dict, fixed: Mapping[str, Any] | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``(inputs, outputs)`` of ``model`` run in float32 on its bfloat16-rounded weights (every
-    bfloat16 value is a float32 value), on the inputs widened alike.
+    bfloat16 value is a float32 value), on the inputs widened alike. ``fixed``: the export's
+    ``fixed_inputs``, given to the model and not among the file's inputs.
 
     The model's own bfloat16 tensors are widened for the run and given back after it (the same
     tensor objects: a copy of the model would not do, as exporters patch ``forward`` on the
@@ -121,7 +125,8 @@ def float32_reference(model: torch.nn.Module, args: tuple, kwargs: dict) -> tupl
     try:
         for tensor, data in saved:
             tensor.data = data.float()
-        return flatten_inputs(args32, kwargs32), torch_outputs(model, args32, kwargs32)
+        feed, run = with_fixed(kwargs32, fixed or {})
+        return flatten_inputs(args32, feed), torch_outputs(model, args32, run)
     finally:
         for tensor, data in saved:
             tensor.data = data

@@ -35,6 +35,9 @@ __all__ = [
     "CALL_COUNT",
     "NO_OP_CALLS",
     "LIFTED_CONSTANTS",
+    "FIXED_INPUTS",
+    "FIXED_VALUES_SHOWN",
+    "fixed_inputs_prop",
     "TORCH_STACK_TRACE",
     "source_path",
     "PROFILE_ORIGIN",
@@ -108,6 +111,11 @@ NO_OP_CALLS = PREFIX + "no_op_calls"
 #: function bodies (shapes, scalars; they reach the bodies as formal inputs ``const_...``).
 #: They are not weights: ``onnx-modular tree`` does not count them as parameters.
 LIFTED_CONSTANTS = PREFIX + "lifted_constants"
+#: The model: JSON ``{input name: {"dtype", "shape", "values"}}`` of the keyword inputs
+#: ``export_modular(fixed_inputs=...)`` fixed into the program (the file does not take them and
+#: serves only inputs of that layout). ``values`` is omitted beyond :data:`FIXED_VALUES_SHOWN` elements.
+FIXED_INPUTS = PREFIX + "fixed_inputs"
+FIXED_VALUES_SHOWN = 4096
 #: torch's per-node Python stack (``File "...", line N, in forward``); its paths are stored
 #: relative to their import root (:func:`source_path`).
 TORCH_STACK_TRACE = "pkg.torch.onnx.stack_trace"
@@ -510,3 +518,14 @@ def source_path(path: str) -> str:
         if absolute.startswith(root.rstrip(os.sep) + os.sep) and len(root) > len(best):
             best = root
     return os.path.relpath(absolute, best).replace(os.sep, "/") if best else os.path.basename(absolute)
+
+
+def fixed_inputs_prop(fixed: dict) -> str:
+    """The :data:`FIXED_INPUTS` value of ``fixed`` (name -> tensor)."""
+    described = {}
+    for name, tensor in fixed.items():
+        entry = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+        if tensor.numel() <= FIXED_VALUES_SHOWN:
+            entry["values"] = tensor.detach().cpu().tolist()
+        described[name] = entry
+    return json.dumps(described)
