@@ -118,3 +118,30 @@ def test_bad_fixed_inputs_are_refused_before_exporting(model, fixed, shapes, mes
             model, (), kwargs={"x": torch.randn(28, 4), "grid": GRID.clone()}, fixed_inputs=fixed,
             dynamic_shapes=shapes, verify=False,
         )
+
+
+def test_cli_fixed_input(tmp_path):
+    import contextlib
+    import io
+
+    from onnx_modular.cli import main
+
+    factory = tmp_path / "towers.py"
+    factory.write_text(
+        "import torch, test_fixed_inputs as t\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    return {'model': t.Model().eval(), 'kwargs': {'x': torch.randn(28, 4), 'grid': t.GRID.clone()}}\n"
+    )
+    output = tmp_path / "m.onnx"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["export", f"{factory}:build", "-o", str(output), "--fixed-input", "grid"])
+    assert code == 0, err.getvalue()
+    saved = onnx.load(output)
+    assert [value.name for value in saved.graph.input] == ["x"]
+    assert json.loads({p.key: p.value for p in saved.metadata_props}[metadata.FIXED_INPUTS])["grid"]["shape"] == [2, 3]
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["export", f"{factory}:build", "-o", str(tmp_path / "n.onnx"), "--fixed-input", "gird"])
+    assert code != 0 and "not among the keyword inputs" in err.getvalue()
+    assert not (tmp_path / "n.onnx").exists()

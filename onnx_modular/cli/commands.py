@@ -125,6 +125,11 @@ def _call_factory(spec: str) -> dict[str, Any]:
 
 def run_export(args: argparse.Namespace) -> int:
     checkpoint = os.path.isdir(args.factory) or args.task is not None
+    if checkpoint and getattr(args, "fixed_input", None):
+        raise InvalidInputError(
+            "--fixed-input applies to a factory's keyword inputs, not to a checkpoint folder.",
+            hint="Write a factory returning {'model': ..., 'kwargs': {...}} and name the input to fix.",
+        )
     if checkpoint and not args.stream_weights:
         return _export_checkpoint(args)
     for option in ("static", "generation", "stream_weights", "dtype"):
@@ -163,6 +168,7 @@ def run_export(args: argparse.Namespace) -> int:
                 atol=args.atol,
                 progress=progress,
                 flat_file=args.flat_file,
+                fixed_inputs=args.fixed_input or (),
             )
     except ParityError as e:
         _report_mismatch(args, e, {"model": e.report} if e.report is not None else {})

@@ -101,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(default <name>.flat.onnx beside -o), for runtimes without local functions (OpenVINO; docs/compatibility.md)",
     )
     export.add_argument(
+        "--fixed-input",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="a keyword input whose values are fixed into the program (a vision-language model's image_grid_thw or "
+        "image_sizes): the file does not take it and serves inputs of that layout (repeatable; export_modular's "
+        "fixed_inputs, docs/user-guide.md)",
+    )
+    export.add_argument(
         "--opset", type=int, default=None, metavar="N", help="ONNX opset of the default domain (17 to 23 and up; default 18)"
     )
     export.add_argument(
