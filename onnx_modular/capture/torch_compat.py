@@ -250,8 +250,11 @@ def fixed_values(tensors):
     converter.from_real_tensor = from_real_tensor
     mode._dispatch_impl = dispatch_with_factories
     fake_tensor.CONSTANT_NUMEL_LIMIT = max(limit, FIXED_VALUE_ELEMENTS)
+    # torch's fake-tensor dispatch cache (shared by every fake mode of the process) answers a
+    # factory call seen before without a value: off while the capture computes on values.
     try:
-        yield
+        with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
+            yield
     finally:
         converter.from_real_tensor = original
         mode._dispatch_impl = dispatch
@@ -274,13 +277,12 @@ def _factory_value(func, args, kwargs, out):
         and out.constant is None
         and getattr(getattr(func, "overloadpacket", None), "__name__", None) in _FACTORIES
         and out.device.type == "cpu"
+        and not any(isinstance(size, torch.SymInt) for size in out.shape)  # before numel: no guard on a symbol
         and out.numel() <= FIXED_VALUE_ELEMENTS
     ):
         return None
     leaves = torch.utils._pytree.tree_leaves((args, kwargs))
     if any(isinstance(leaf, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in leaves):
-        return None
-    if any(isinstance(size, torch.SymInt) for size in out.shape):
         return None
     with no_dispatch():
         return func(*args, **kwargs)
