@@ -50,6 +50,7 @@ from onnx_modular.capture import (
     symbols,
     tensors,
     torch_compat,
+    torch_export,
 )
 from onnx_modular.capture.fx_call_tree import build_call_tree, module_stacks
 from onnx_modular.capture.selection import ModuleSelector
@@ -204,7 +205,7 @@ def export_modular(
             else:
                 program, capture_strategy = exported_program, None
         captured_program = program  # decompose makes a new program and leaves this one as captured
-        with stages("decompose"), torch_compat.fixed_values(fixed.values()):
+        with stages("decompose"), torch_export.fixed_values(fixed.values()):
             program = torch_compat.decompose(program, plan.registry)
             for fix in program_fixes:
                 fix(program.graph_module)

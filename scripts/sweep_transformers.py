@@ -1844,10 +1844,10 @@ def _job_flat(model_type: str, class_name: str) -> dict[str, Any]:
     record.update(built=True, config=tier)
     record["build_seconds"] = time.perf_counter() - start
     record["inputs"] = input_names(inputs)
-    from onnx_modular.capture import torch_compat
+    from onnx_modular.capture import torch_export
 
     try:
-        with torch_compat.partial_graphs_logged():  # torch.export's partial graph of a failure: not on stderr
+        with torch_export.partial_graphs_logged():  # torch.export's partial graph of a failure: not on stderr
             program = torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False)
     except Exception as e:
         record.update(ok=False, stage="export", error=_first_line(e))

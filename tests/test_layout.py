@@ -189,3 +189,28 @@ def test_importing_the_torch_free_packages_loads_no_torch():
     code = "import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules)
     code += "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)[:5]\n"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
+
+
+#: torch internals that change between releases, and the only modules allowed to import them:
+#: the ONNX translator's private API in ``torch_compat``, torch.export's (fake tensors,
+#: higher-order ops) in ``torch_export`` (docs/design.md, "Code map").
+PRIVATE_TORCH = {
+    "torch.onnx._internal": {"onnx_modular.capture.torch_compat"},
+    "torch._subclasses": {"onnx_modular.capture.torch_export"},
+    "torch._higher_order_ops": {"onnx_modular.capture.torch_export"},
+}
+
+
+def test_private_torch_api_has_one_home_each():
+    misplaced = sorted(
+        f"{module} imports {name}"
+        for module, path in MODULES.items()
+        for name in _imports(path)
+        for private, homes in PRIVATE_TORCH.items()
+        if (name == private or name.startswith(private + ".")) and module not in homes
+    )
+    assert not misplaced, misplaced
+    # and the homes do use what they are the home of (a rule about nothing would pass forever)
+    used = {private for private, homes in PRIVATE_TORCH.items() for home in homes
+            if any(n == private or n.startswith(private + ".") for n in _imports(MODULES[home]))}
+    assert used == set(PRIVATE_TORCH)

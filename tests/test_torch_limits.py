@@ -132,7 +132,7 @@ def test_data_dependent_guard_on_inputs_still_fails_the_capture(capfd, caplog):
     from onnx_modular.errors import CaptureError
 
     model = BranchOnInput().eval()
-    with caplog.at_level(logging.DEBUG, logger="onnx_modular.capture.torch_compat"):
+    with caplog.at_level(logging.DEBUG, logger="onnx_modular.capture.torch_export"):
         with pytest.raises(CaptureError, match=r"(?i)data-dependent") as caught:
             export_modular(model, (torch.randn(2, 4), torch.tensor([0, 1])))
     # torch.export prints the graph traced so far to stderr, twice, on this failure (a whole

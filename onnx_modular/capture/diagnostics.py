@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from onnx_modular.capture import torch_compat
+from onnx_modular.capture import torch_export
 from onnx_modular.errors import (
     CaptureError,
     DecompositionError,
@@ -118,7 +118,7 @@ def capture_error(attempts: list[tuple[str, BaseException]], model: torch.nn.Mod
         module_path=module_path_from_traceback(first, model),
         hint="Make the code traceable by torch.export (see the cause below), "
         "or check dynamic_shapes against the inputs." + next(filter(None, (suggested_fixes(e) for _, e in attempts)), "")
-        + (_FIXED_HINT if torch_compat.data_dependent(first) else ""),
+        + (_FIXED_HINT if torch_export.data_dependent(first) else ""),
         attempts=attempts,
     )
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from onnx_modular.capture import tensors, torch_compat
+from onnx_modular.capture import tensors, torch_compat, torch_export
 from onnx_modular.capture.call_hooks import call_hooks
 from onnx_modular.passes.signatures import CallSignature, TensorSpec
 
@@ -153,7 +153,7 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict):
         signatures[(id(module), index)] = CallSignature(specs, outputs, absent)
 
     # eager_control_flow: torch.cond branches run eagerly, so the hooks may record inside them
-    with call_hooks(model, pre, post), torch.no_grad(), torch_compat.eager_control_flow():
+    with call_hooks(model, pre, post), torch.no_grad(), torch_export.eager_control_flow():
         outputs = model(*args, **kwargs)
     return outputs, signatures, calls
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from onnx_modular.capture import diagnostics, torch_compat
+from onnx_modular.capture import diagnostics, torch_compat, torch_export
 from onnx_modular.format.text import first_line
 
 __all__ = [
@@ -168,10 +168,10 @@ class SizeOblivious(CaptureStrategy):
     name = "size-oblivious"
 
     def applies(self, failures):
-        return any(torch_compat.constraint_violation(f.error) for f in failures)
+        return any(torch_export.constraint_violation(f.error) for f in failures)
 
     def export(self, call, dynamic_shapes=None):
-        with torch_compat.size_oblivious():
+        with torch_export.size_oblivious():
             return call.export(dynamic_shapes)
 
 
@@ -188,7 +188,7 @@ class SuggestedFixes(CaptureStrategy):
     def _capture(self, call, failures):
         errors = []
         for failure in failures:
-            refined = torch_compat.refined_dynamic_shapes(failure.error, call.dynamic_shapes)
+            refined = torch_export.refined_dynamic_shapes(failure.error, call.dynamic_shapes)
             if refined is None:
                 continue
             try:
@@ -212,17 +212,17 @@ class DraftExport(CaptureStrategy):
     name = "draft_export"
 
     def applies(self, failures):
-        return hasattr(torch.export, "draft_export") and any(torch_compat.data_dependent(f.error) for f in failures)
+        return hasattr(torch.export, "draft_export") and any(torch_export.data_dependent(f.error) for f in failures)
 
     def export(self, call, dynamic_shapes=None):
         shapes = call.dynamic_shapes if dynamic_shapes is None else dynamic_shapes
-        program = torch_compat.draft_export(call.model, call.args, call.kwargs, dynamic_shapes=shapes, **call.options)
+        program = torch_export.draft_export(call.model, call.args, call.kwargs, dynamic_shapes=shapes, **call.options)
         if reads_user_inputs(program):
             raise ValueError(
                 "draft_export assumed the outcome of a branch on values computed from the inputs; "
                 "the program would be wrong for inputs that take the other branch"
             )
-        assumed = torch_compat.draft_export_assumptions(program)
+        assumed = torch_export.draft_export_assumptions(program)
         warnings.warn(
             "torch.export could not trace a branch on tensor values (data-dependent guard); the program "
             "was captured with torch.export.draft_export, which assumes what the example inputs give there"
@@ -300,7 +300,7 @@ def capture(
 def fixed_into(model: torch.nn.Module, fixed: Mapping[str, torch.Tensor]) -> Iterator[None]:
     """``model.forward`` given ``fixed`` keyword inputs itself while the context is open: the
     capture traces them as constants of the program (not inputs), and their values are computed
-    on (:func:`torch_compat.fixed_values`). The root stays ``model``, so module paths are unchanged."""
+    on (:func:`torch_export.fixed_values`). The root stays ``model``, so module paths are unchanged."""
     if not fixed:
         yield
         return
@@ -308,7 +308,7 @@ def fixed_into(model: torch.nn.Module, fixed: Mapping[str, torch.Tensor]) -> Ite
     forward = model.forward
     model.forward = functools.partial(forward, **fixed)
     try:
-        with torch_compat.fixed_values(fixed.values()):
+        with torch_export.fixed_values(fixed.values()):
             yield
     finally:
         if own:
@@ -333,7 +333,7 @@ def first_success(
     for strategy in strategies:
         if attempts and not strategy.applies(attempts):
             continue
-        with torch_compat.partial_graphs_logged():
+        with torch_export.partial_graphs_logged():
             result = attempt(strategy, attempts)
         attempts.append(result)
         if result.ok:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from onnx_modular.capture import torch_compat
+from onnx_modular.capture import torch_export
 
 __all__ = ["share_equal_sizes", "unify_equal_symbols"]
 
@@ -41,7 +41,7 @@ def share_equal_sizes(program: torch.export.ExportedProgram) -> dict[str, str]:
         program = torch_compat.decompose(program, registry)
         share_equal_sizes(program)   # before torch_compat.translate(program, registry)
     """
-    before = {node: torch_compat.symbolic_expr(node.meta.get("val")) for node in program.graph.nodes}
+    before = {node: torch_export.symbolic_expr(node.meta.get("val")) for node in program.graph.nodes}
     replaced = unify_equal_symbols(program)
     if not replaced:
         return replaced
@@ -50,7 +50,7 @@ def share_equal_sizes(program: torch.export.ExportedProgram) -> dict[str, str]:
     changed_keys: set[tuple] = set()
     candidates = []
     for node in graph.nodes:
-        expr = torch_compat.symbolic_expr(node.meta.get("val"))
+        expr = torch_export.symbolic_expr(node.meta.get("val"))
         if expr is None or node.op != "call_function" or _DATA_DEPENDENT & set(getattr(node.target, "tags", ())):
             continue
         key = (type(node.meta["val"]), expr)
@@ -98,7 +98,7 @@ def unify_equal_symbols(program: torch.export.ExportedProgram) -> dict[str, str]
     """
     import sympy
 
-    shape_env, inputs = torch_compat.shape_env_of(program), []
+    shape_env, inputs = torch_export.shape_env_of(program), []
     for node in program.graph.find_nodes(op="placeholder"):
         for size in getattr(node.meta.get("val"), "shape", ()):
             if isinstance(size, torch.SymInt):
@@ -139,6 +139,6 @@ def unify_equal_symbols(program: torch.export.ExportedProgram) -> dict[str, str]
     replaced = {}
     for symbol in inputs:
         target = root(symbol)
-        if target != symbol and torch_compat.replace_symbol(program, symbol, target, "onnx_modular: proven equal to an input symbol"):
+        if target != symbol and torch_export.replace_symbol(program, symbol, target, "onnx_modular: proven equal to an input symbol"):
             replaced[str(symbol)] = str(target)
     return replaced
