@@ -96,19 +96,36 @@ def unify_equal_symbols(program: torch.export.ExportedProgram) -> dict[str, str]
     every fake value of the program then shows the kept symbol (the first in input order).
     Only equalities torch itself relies on are used, so the program means what it meant.
     """
-    import sympy
+    shape_env, inputs = torch_export.shape_env_of(program), _input_symbols(program)
+    if shape_env is None or len(inputs) < 2:
+        return {}
+    order = {symbol: i for i, symbol in enumerate(inputs)}
+    kept = _merged_symbols(_linear_differences(shape_env, order), order)
+    replaced = {}
+    for symbol in inputs:
+        target = _root(kept, symbol)
+        if target != symbol and torch_export.replace_symbol(program, symbol, target, "onnx_modular: proven equal to an input symbol"):
+            replaced[str(symbol)] = str(target)
+    return replaced
 
-    shape_env, inputs = torch_export.shape_env_of(program), []
+
+def _input_symbols(program: torch.export.ExportedProgram) -> list:
+    """The symbols of the program's input sizes, in input order."""
+    inputs = []
     for node in program.graph.find_nodes(op="placeholder"):
         for size in getattr(node.meta.get("val"), "shape", ()):
             if isinstance(size, torch.SymInt):
                 inputs.extend(s for s in sorted(size.node.expr.free_symbols, key=str) if s not in inputs)
-    if shape_env is None or len(inputs) < 2:
-        return {}
-    order = {symbol: i for i, symbol in enumerate(inputs)}
+    return inputs
+
+
+def _linear_differences(shape_env, order: dict) -> list:
+    """Each equality torch relies on (guards, deferred runtime asserts) as "difference == 0", in the
+    symbols torch kept, where it is linear in input symbols."""
+    import sympy
+
     facts = [guard.expr for guard in shape_env.guards]
     facts += [ra.expr for asserts in shape_env.deferred_runtime_asserts.values() for ra in asserts]
-    # Each equality as "difference == 0", in the symbols torch kept, if it is linear in input symbols.
     differences = []
     for fact in facts:
         if isinstance(fact, sympy.Eq):
@@ -116,19 +133,27 @@ def unify_equal_symbols(program: torch.export.ExportedProgram) -> dict[str, str]
             terms = difference.as_coefficients_dict()
             if len(terms) >= 2 and all(term in order or term == 1 for term in terms):
                 differences.append(difference)
-    kept: dict = {}  # union-find over input symbols; the root is the first in input order
+    return differences
 
-    def root(symbol):
-        while symbol in kept:
-            symbol = kept[symbol]
-        return symbol
 
+def _root(kept: dict, symbol):
+    while symbol in kept:
+        symbol = kept[symbol]
+    return symbol
+
+
+def _merged_symbols(differences: list, order: dict) -> dict:
+    """Union-find over input symbols (the root is the first in input order): ``k*a - k*b == 0``
+    merges a and b; a merge may bring another difference to that form."""
+    import sympy
+
+    kept: dict = {}
     merged = True
-    while merged:  # k*a - k*b == 0 merges a and b; a merge may bring another difference to that form
+    while merged:
         merged, remaining = False, []
         for difference in differences:
             if kept:
-                difference = sympy.expand(difference.xreplace({s: root(s) for s in difference.free_symbols}))
+                difference = sympy.expand(difference.xreplace({s: _root(kept, s) for s in difference.free_symbols}))
             terms = difference.as_coefficients_dict()
             if len(terms) == 2 and 1 not in terms and sum(terms.values()) == 0:
                 first, second = sorted(terms, key=order.__getitem__)
@@ -136,9 +161,4 @@ def unify_equal_symbols(program: torch.export.ExportedProgram) -> dict[str, str]
             elif len(difference.free_symbols) > 1:
                 remaining.append(difference)
         differences = remaining
-    replaced = {}
-    for symbol in inputs:
-        target = root(symbol)
-        if target != symbol and torch_export.replace_symbol(program, symbol, target, "onnx_modular: proven equal to an input symbol"):
-            replaced[str(symbol)] = str(target)
-    return replaced
+    return kept

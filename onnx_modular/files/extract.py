@@ -224,6 +224,39 @@ def _load_tensor(model_tensor: onnx.TensorProto, name: str, folder: str) -> onnx
     return tensor
 
 
+def _input_type(model, function, sites, formal, index, first, initializers, notes) -> onnx.ValueInfoProto:
+    """The type of a formal input: declared in the body, else as the first call receives it
+    (captured values), the weight it is bound to, or its call site's declaration (with a note)."""
+    name, call = formal.name, sites[0].call_name
+    declared = _value_info(function, name)
+    if declared is None and first is not None and first[0].get(index) is not None:
+        declared = _from_array(name, first[0][index])
+        notes.append(f"{name}: no type in the body; {_dims(declared)} as the call {call} receives it")
+    elif declared is None and formal.source is not None:
+        tensor = initializers[formal.source]
+        declared = onnx.helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims))
+    elif declared is None and (declared := _site_type(model, sites[0], sites[0].node.input, index, name)):
+        notes.append(f"{name}: no type in the body; {_dims(declared)} as the call site declares it")
+    if declared is None:
+        raise InvalidInputError(
+            f"The formal input {name!r} of {function.name} has no declared type.",
+            module_path=call,
+            hint="Extract with --with-data: the types are then taken from the values the call receives.",
+        )
+    return declared
+
+
+def _output_type(model, function, sites, name, index, first, notes) -> onnx.ValueInfoProto | None:
+    """The type of a body output: declared, else as the first call returns it, else its call site's."""
+    declared = _value_info(function, name)
+    if declared is None and first is not None and first[1][index] is not None:
+        declared = _from_array(name, first[1][index])
+        notes.append(f"{name}: no type in the body; {_dims(declared)} as the call {sites[0].call_name} returns it")
+    elif declared is None and (declared := _site_type(model, sites[0], sites[0].node.output, index, name)):
+        notes.append(f"{name}: no type in the body; {_dims(declared)} as the call site declares it")
+    return declared
+
+
 def _build(
     model: onnx.ModelProto,
     source: str,
@@ -241,33 +274,14 @@ def _build(
     graph.node.extend(function.node)
     notes = []
     for index, formal in enumerate(formals):
-        declared = _value_info(function, formal.name)
-        if declared is None and first is not None and first[0].get(index) is not None:
-            declared = _from_array(formal.name, first[0][index])
-            notes.append(f"{formal.name}: no type in the body; {_dims(declared)} as the call {names[0]} receives it")
-        elif declared is None and formal.source is not None:
-            tensor = initializers[formal.source]
-            declared = onnx.helper.make_tensor_value_info(formal.name, tensor.data_type, list(tensor.dims))
-        elif declared is None and (declared := _site_type(model, sites[0], sites[0].node.input, index, formal.name)):
-            notes.append(f"{formal.name}: no type in the body; {_dims(declared)} as the call site declares it")
-        if declared is None:
-            raise InvalidInputError(
-                f"The formal input {formal.name!r} of {function.name} has no declared type.",
-                module_path=names[0],
-                hint="Extract with --with-data: the types are then taken from the values the call receives.",
-            )
+        declared = _input_type(model, function, sites, formal, index, first, initializers, notes)
         if formal.is_input:
             graph.input.append(declared)
         source_name = formal.source or formal.default
         if source_name is not None:
             graph.initializer.append(_load_tensor(initializers[source_name], formal.name, folder))
     for index, name in enumerate(function.output):
-        declared = _value_info(function, name)
-        if declared is None and first is not None and first[1][index] is not None:
-            declared = _from_array(name, first[1][index])
-            notes.append(f"{name}: no type in the body; {_dims(declared)} as the call {names[0]} returns it")
-        elif declared is None and (declared := _site_type(model, sites[0], sites[0].node.output, index, name)):
-            notes.append(f"{name}: no type in the body; {_dims(declared)} as the call site declares it")
+        declared = _output_type(model, function, sites, name, index, first, notes)
         graph.output.append(declared if declared is not None else onnx.ValueInfoProto(name=name))
     boundary = set(function.input) | set(function.output)
     graph.value_info.extend(v for v in function.value_info if v.name not in boundary)

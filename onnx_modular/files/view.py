@@ -124,91 +124,104 @@ def _index_html(folder: pathlib.Path, content: _Content) -> bytes:
     return re.sub(r'<meta name="version" content=".*">', lambda _: "\n".join(meta), page).encode("utf-8")
 
 
-def _handler(content: _Content, bound_host: str) -> type[http.server.BaseHTTPRequestHandler]:
-    folder = _netron_folder()
-    index = _index_html(folder, content)
-    data_slots = threading.BoundedSemaphore(MAX_DATA_RESPONSES)
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Netron's page, its assets and the model's bytes; the per-server values are set by :func:`_handler`."""
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.0"
+    protocol_version = "HTTP/1.0"
+    content: _Content
+    bound_host: str
+    folder: pathlib.Path
+    index: bytes
+    data_slots: threading.BoundedSemaphore
 
-        def log_message(self, format, *args):
-            pass
+    def log_message(self, format, *args):
+        pass
 
-        def handle(self):
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError):
-                super().handle()
+    def handle(self):
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError):
+            super().handle()
 
-        def do_HEAD(self):
-            self._answer(head=True)
+    def do_HEAD(self):
+        self._answer(head=True)
 
-        def do_GET(self):
-            self._answer(head=False)
+    def do_GET(self):
+        self._answer(head=False)
 
-        def _headers(self, status: int, content_type: str | None, length: int | None) -> None:
-            self.send_response(status)
-            self.send_header("Content-Security-Policy", CONTENT_SECURITY_POLICY)
-            self.send_header("X-Content-Type-Options", "nosniff")
-            self.send_header("Referrer-Policy", "no-referrer")
-            self.send_header("Cache-Control", "no-store")
-            if content_type:
-                self.send_header("Content-Type", content_type)
-            if length is not None:
-                self.send_header("Content-Length", str(length))
-            self.end_headers()
+    def _headers(self, status: int, content_type: str | None, length: int | None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Security-Policy", CONTENT_SECURITY_POLICY)
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Referrer-Policy", "no-referrer")
+        self.send_header("Cache-Control", "no-store")
+        if content_type:
+            self.send_header("Content-Type", content_type)
+        if length is not None:
+            self.send_header("Content-Length", str(length))
+        self.end_headers()
 
-        def _bytes(self, status: int, content_type: str, body: bytes, head: bool) -> None:
-            self._headers(status, content_type, len(body))
-            if not head:
-                self.wfile.write(body)
+    def _bytes(self, status: int, content_type: str, body: bytes, head: bool) -> None:
+        self._headers(status, content_type, len(body))
+        if not head:
+            self.wfile.write(body)
 
-        def _answer(self, head: bool) -> None:
-            if not allowed_host(self.headers.get("Host"), bound_host):
-                self._bytes(403, "text/plain", b"403: this server answers only to its own address", head)
-                return
-            path = urllib.parse.urlparse(self.path).path
-            path = "/index.html" if path == "/" else path
-            if path.startswith("/data/"):
-                self._data(urllib.parse.unquote(path[len("/data/") :]), head)
-            elif path == "/index.html":
-                self._bytes(200, _MIME_TYPES[".html"], index, head)
+    def _answer(self, head: bool) -> None:
+        if not allowed_host(self.headers.get("Host"), self.bound_host):
+            self._bytes(403, "text/plain", b"403: this server answers only to its own address", head)
+            return
+        path = urllib.parse.urlparse(self.path).path
+        path = "/index.html" if path == "/" else path
+        if path.startswith("/data/"):
+            self._data(urllib.parse.unquote(path[len("/data/") :]), head)
+        elif path == "/index.html":
+            self._bytes(200, _MIME_TYPES[".html"], self.index, head)
+        else:
+            file = pathlib.Path(os.path.realpath(self.folder / path.lstrip("/")))
+            if self.folder in file.parents and file.suffix in _MIME_TYPES and file.is_file():
+                self._bytes(200, _MIME_TYPES[file.suffix], file.read_bytes(), head)
             else:
-                file = pathlib.Path(os.path.realpath(folder / path.lstrip("/")))
-                if folder in file.parents and file.suffix in _MIME_TYPES and file.is_file():
-                    self._bytes(200, _MIME_TYPES[file.suffix], file.read_bytes(), head)
-                else:
-                    self._bytes(404, "text/plain", b"404", head)
-
-        def _data(self, name: str, head: bool) -> None:
-            if name == content.base:
-                self._bytes(200, "application/octet-stream", content.data, head)
-                return
-            file = content.files.get(name)
-            if file is None:
                 self._bytes(404, "text/plain", b"404", head)
-                return
-            with data_slots:  # at most MAX_DATA_RESPONSES streams, each holding one CHUNK
-                try:
-                    with open_regular_file(file, repr(name)) as fd:
-                        self._stream(fd, head)
-                except InvalidModelFileError:
-                    self._bytes(404, "text/plain", b"404", head)
 
-        def _stream(self, fd: int, head: bool) -> None:
-            size = os.fstat(fd).st_size
-            if size > _MAX_SERVED_DATA:
+    def _data(self, name: str, head: bool) -> None:
+        if name == self.content.base:
+            self._bytes(200, "application/octet-stream", self.content.data, head)
+            return
+        file = self.content.files.get(name)
+        if file is None:
+            self._bytes(404, "text/plain", b"404", head)
+            return
+        with self.data_slots:  # at most MAX_DATA_RESPONSES streams, each holding one CHUNK
+            try:
+                with open_regular_file(file, repr(name)) as fd:
+                    self._stream(fd, head)
+            except InvalidModelFileError:
                 self._bytes(404, "text/plain", b"404", head)
-                return
-            self._headers(200, "application/octet-stream", size)
-            sent = 0
-            while not head and sent < size:
-                chunk = os.pread(fd, min(CHUNK, size - sent), sent)
-                if not chunk:
-                    break  # the file shrank: the browser sees a short response
-                self.wfile.write(chunk)
-                sent += len(chunk)
 
-    return Handler
+    def _stream(self, fd: int, head: bool) -> None:
+        size = os.fstat(fd).st_size
+        if size > _MAX_SERVED_DATA:
+            self._bytes(404, "text/plain", b"404", head)
+            return
+        self._headers(200, "application/octet-stream", size)
+        sent = 0
+        while not head and sent < size:
+            chunk = os.pread(fd, min(CHUNK, size - sent), sent)
+            if not chunk:
+                break  # the file shrank: the browser sees a short response
+            self.wfile.write(chunk)
+            sent += len(chunk)
+
+
+def _handler(content: _Content, bound_host: str) -> type[http.server.BaseHTTPRequestHandler]:
+    """A handler class for one server: its model, its address, its page."""
+    folder = _netron_folder()
+    attributes = {
+        "content": content,
+        "bound_host": bound_host,
+        "folder": folder,
+        "index": _index_html(folder, content),
+        "data_slots": threading.BoundedSemaphore(MAX_DATA_RESPONSES),  # shared by the server's threads
+    }
+    return type("Handler", (_Handler,), attributes)
 
 
 class _Server(http.server.ThreadingHTTPServer):

@@ -320,8 +320,29 @@ def _transplant(body: ir.Graph | ir.Function, new_graph: ir.Graph) -> None:
     new_graph.outputs.clear()
     new_graph.remove(new_nodes, safe=False)
 
+    converted = _with_subgraph_nodes(new_nodes)
+    origin = _origins(converted, producer)
+    for node in converted:
+        original = origin.get(id(node))
+        if original is not None:
+            _inherit(node, original, old_values)
+
+    outputs = list(body.outputs)
+    body.remove(list(body), safe=False)
+    body.extend(new_nodes)
+    for i, (old, new) in enumerate(zip(outputs, new_outputs)):
+        if old.producer() is None and old.name in sources:  # an input or weight returned as is
+            continue
+        new.type = new.type or old.type
+        new.shape = new.shape or old.shape
+        new.metadata_props.update(old.metadata_props)
+        body.outputs[i] = new
+
+
+def _with_subgraph_nodes(nodes: list[ir.Node]) -> list[ir.Node]:
+    """``nodes`` and, after each, every node of its subgraphs."""
     converted: list[ir.Node] = []
-    for node in new_nodes:
+    for node in nodes:
         converted.append(node)
         for attr in node.attributes.values():
             if attr.type == ir.AttributeType.GRAPH:
@@ -329,6 +350,12 @@ def _transplant(body: ir.Graph | ir.Function, new_graph: ir.Graph) -> None:
             elif attr.type == ir.AttributeType.GRAPHS:
                 for graph in attr.as_graphs():
                     converted += list(ir.traversal.RecursiveGraphIterator(graph))
+    return converted
+
+
+def _origins(converted: list[ir.Node], producer: dict[str, ir.Node]) -> dict[int, ir.Node]:
+    """``{id(converted node): original node}``: the original that produced the same output, else
+    (a helper node an adapter added) the original of the node consuming its output."""
     origin: dict[int, ir.Node] = {}
     for node in converted:
         original = next((producer[v.name] for v in node.outputs if v.name in producer), None)
@@ -341,30 +368,21 @@ def _transplant(body: ir.Graph | ir.Function, new_graph: ir.Graph) -> None:
             )
             if consumer is not None:
                 origin[id(node)] = consumer
-    for node in converted:
-        original = origin.get(id(node))
-        if original is None:
-            continue
-        if original.outputs and node.outputs and original.outputs[0].name == node.outputs[0].name:
-            node.name = original.name
-        node.metadata_props.update(original.metadata_props)
-        node.meta.update(original.meta)
-        if original.doc_string and not node.doc_string:
-            node.doc_string = original.doc_string
-        for value in node.outputs:
-            old = old_values.get(value.name)
-            if old is not None:
-                value.type = value.type or old.type
-                value.shape = value.shape or old.shape
-                value.metadata_props.update(old.metadata_props)
+    return origin
 
-    outputs = list(body.outputs)
-    body.remove(list(body), safe=False)
-    body.extend(new_nodes)
-    for i, (old, new) in enumerate(zip(outputs, new_outputs)):
-        if old.producer() is None and old.name in sources:  # an input or weight returned as is
-            continue
-        new.type = new.type or old.type
-        new.shape = new.shape or old.shape
-        new.metadata_props.update(old.metadata_props)
-        body.outputs[i] = new
+
+def _inherit(node: ir.Node, original: ir.Node, old_values: dict[str, ir.Value]) -> None:
+    """A converted node takes its original's name (same first output), metadata and doc string;
+    its outputs the types, shapes and metadata of the original values of the same names."""
+    if original.outputs and node.outputs and original.outputs[0].name == node.outputs[0].name:
+        node.name = original.name
+    node.metadata_props.update(original.metadata_props)
+    node.meta.update(original.meta)
+    if original.doc_string and not node.doc_string:
+        node.doc_string = original.doc_string
+    for value in node.outputs:
+        old = old_values.get(value.name)
+        if old is not None:
+            value.type = value.type or old.type
+            value.shape = value.shape or old.shape
+            value.metadata_props.update(old.metadata_props)
