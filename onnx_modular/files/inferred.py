@@ -1,0 +1,448 @@
+"""The call tree of a flat ONNX file that carries no names: repeated blocks found by structure.
+
+``modularize`` reads module scopes where the file records them (``files/modularize.py``). A file
+converted from another framework, passed through a simplifier or renamed by a graph tool has
+none; this module infers a call tree from the graph itself, in near-linear time:
+
+1. **Skeleton.** The main-graph nodes that depend on a graph input, in the file's (topological)
+   order. The others (``Constant``s, weight transposes: what depends on initializers only) follow
+   their consumers later.
+2. **Signatures.** Each skeleton node gets an integer for its op, domain, attributes, output
+   types and shapes, and what it reads: an activation of a type and shape, a weight of a dtype and
+   shape (its name is ignored), an integer constant's values.
+3. **Repeats.** Candidate periods are the distances between consecutive nodes of equal signature
+   (the most frequent ones); for each, one vectorized pass finds the runs where ``sig[i] ==
+   sig[i + L]``: a run of length ``r`` holds ``(r + L) // L`` copies of an ``L``-node block. The
+   run covering most nodes wins (the shorter period on ties), then the segments before and after
+   it are searched again (an encoder's stack, then a decoder's).
+4. **Boundaries.** A repeat can be cut at any phase; the cut kept has the most whole copies, then
+   the fewest values live across it (values made before the cut and read after it): a transformer
+   layer is cut where only the residual stream (and what every layer reads, the mask, the rotary
+   tables) crosses, from the residual input to the residual output.
+5. **Parts.** Inside a block, the offsets where no more values are live than at the block's
+   start (in every copy) split it into parts: the attention and the MLP of a layer, each from the
+   residual input to the residual add. A part with a ``Softmax`` is ``Attention``, one with two
+   matrix products or more ``MLP``, else ``Part``.
+
+Calls are named by position (``block.0``, ``block.0.attention``; ``stem`` before the repeats,
+``head`` after them, ``bridge.<n>`` between two stacks), their classes by shape (``Block``,
+``Block.Attention``, ``Stem``); every call is marked with :data:`~onnx_modular.format.metadata.INFERRED`.
+Outlining, dedupe and naming are then the export's own passes (``passes/pipeline``), as for a file
+with scopes: a body is shared only where the blocks' computations are identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_modular.format import metadata
+from onnx_modular.format.calltree import CallTree, ModuleCall
+from onnx_modular.passes.modularize import _used_values
+
+__all__ = ["Inference", "Region", "infer_calls", "MIN_BLOCK_NODES", "INFERRED_PACKAGE", "INFERRED_VALUE"]
+
+#: A repeated block has at least this many skeleton nodes (shorter repeats are an op's pattern,
+#: not a module: ``Gather, Add`` twice in an embedding).
+MIN_BLOCK_NODES = 4
+#: Candidate periods tried per segment (the most frequent distances between equal signatures).
+_PERIODS = 24
+#: Segments searched for repeats in all (stacks of one file), and nesting of searches.
+_MAX_REGIONS = 16
+#: The package of the inferred classes: their functions' domain is ``pkg.inferred``.
+INFERRED_PACKAGE = "inferred"
+#: The value of :data:`~onnx_modular.format.metadata.INFERRED` on inferred functions and call nodes.
+INFERRED_VALUE = "structure"
+#: Ops whose count names a part of a block.
+_MATMULS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "MatMulNBits", "FusedMatMul"})
+
+
+@dataclasses.dataclass
+class Region:
+    """``count`` consecutive copies of a block of ``length`` skeleton nodes, from ``start``."""
+
+    name: str
+    start: int
+    length: int
+    count: int
+    parts: list[tuple[int, int, str]] = dataclasses.field(default_factory=list)  # (offset, end, name)
+
+
+@dataclasses.dataclass
+class Inference:
+    """What :func:`infer_calls` found.
+
+    Attributes:
+        tree: The inferred call tree (root: the file's graph).
+        keys: Each node's call keys, outermost first (nodes of the root absent).
+        regions: The repeats found, in file order.
+        skeleton: Nodes that depend on a graph input (the ones searched).
+    """
+
+    tree: CallTree
+    keys: dict[ir.Node, tuple[str, ...]]
+    regions: list[Region]
+    skeleton: int
+
+    @property
+    def covered(self) -> int:
+        """Skeleton nodes inside repeated blocks."""
+        return sum(region.length * region.count for region in self.regions)
+
+
+# -- signatures ----------------------------------------------------------------------------------
+
+
+def _skeleton(nodes: Sequence[ir.Node], graph_inputs: Sequence[ir.Value]) -> list[ir.Node]:
+    """The nodes that depend on a graph input, in order."""
+    dependent: set[ir.Value] = set(graph_inputs)
+    skeleton = []
+    for node in nodes:
+        if any(value in dependent for value in _used_values(node)):
+            skeleton.append(node)
+            dependent.update(node.outputs)
+    return skeleton
+
+
+def _type_key(value: ir.Value | None) -> tuple:
+    if value is None:
+        return ("none",)
+    shape = None if value.shape is None else tuple(d if isinstance(d, int) else str(d) for d in value.shape)
+    return (str(value.type), shape)
+
+
+def _constant_key(value: ir.Value) -> tuple:
+    """A weight by dtype and shape; an integer constant (a shape, an axis) by its values too."""
+    tensor = value.const_value
+    if tensor is None and value.producer() is not None and value.producer().op_type == "Constant":
+        attr = value.producer().attributes.get("value")
+        tensor = attr.value if attr is not None and attr.type == ir.AttributeType.TENSOR else None
+    key: tuple = ("W", *_type_key(value))
+    if tensor is not None and tensor.dtype is not None and not tensor.dtype.is_floating_point():
+        size = int(np.prod(tensor.shape.numpy())) if tensor.shape is not None else 0
+        if size <= 64:
+            key += (tensor.numpy().tobytes(),)
+    return key
+
+
+def _attribute_key(attr: ir.Attr) -> object:
+    if attr.type == ir.AttributeType.TENSOR:
+        tensor = attr.value
+        data = tensor.numpy().tobytes() if tensor.size <= 64 else tensor.size
+        return ("T", str(tensor.dtype), tuple(tensor.shape), data)
+    if attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
+        graphs = [attr.value] if attr.type == ir.AttributeType.GRAPH else list(attr.value)
+        return ("G", tuple(tuple(n.op_type for n in g) for g in graphs))
+    if attr.type == ir.AttributeType.TENSORS:
+        return ("TS", len(attr.value))
+    value = attr.value
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _signatures(skeleton: Sequence[ir.Node], members: set[ir.Node]) -> np.ndarray:
+    """One integer per node: equal for nodes of equal op, attributes, types and weight shapes
+    (``members``: the nodes whose outputs are activations)."""
+    ids: dict[tuple, int] = {}
+    out = np.empty(len(skeleton), dtype=np.int64)
+    for i, node in enumerate(skeleton):
+        reads = []
+        for value in node.inputs:
+            if value is None:
+                reads.append(None)
+            elif value.producer() in members or (value.producer() is None and not value.is_initializer()):
+                reads.append(("A", *_type_key(value)))
+            else:
+                reads.append(_constant_key(value))
+        key = (
+            node.domain,
+            node.op_type,
+            node.overload,
+            tuple(sorted((name, _attribute_key(attr)) for name, attr in node.attributes.items())),
+            tuple(reads),
+            tuple(_type_key(value) for value in node.outputs),
+        )
+        out[i] = ids.setdefault(key, len(ids))
+    return out
+
+
+def _live(skeleton: Sequence[ir.Node], graph_outputs: Sequence[ir.Value]) -> np.ndarray:
+    """``live[p]``: values made by skeleton nodes before position ``p`` and read at or after it."""
+    position = {node: i for i, node in enumerate(skeleton)}
+    last: dict[ir.Value, int] = {}
+    for i, node in enumerate(skeleton):
+        for value in _used_values(node):
+            last[value] = i
+    for value in graph_outputs:
+        last[value] = len(skeleton)
+    diff = np.zeros(len(skeleton) + 2, dtype=np.int64)
+    for value, end in last.items():
+        start = position.get(value.producer()) if value.producer() is not None else None
+        if start is None or end <= start:
+            continue
+        diff[start + 1] += 1
+        diff[end + 1] -= 1
+    return np.cumsum(diff)[: len(skeleton) + 1]
+
+
+# -- repeats -------------------------------------------------------------------------------------
+
+
+def _periods(sig: np.ndarray, min_length: int) -> list[int]:
+    """The most frequent distances between consecutive nodes of equal signature."""
+    order = np.lexsort((np.arange(len(sig)), sig))
+    same = sig[order][1:] == sig[order][:-1]
+    gaps = (order[1:] - order[:-1])[same]
+    gaps = gaps[(gaps >= min_length) & (gaps <= len(sig) // 2)]
+    if not len(gaps):
+        return []
+    counts = Counter(gaps.tolist())
+    by_count = [gap for gap, _ in counts.most_common(_PERIODS)]
+    by_cover = sorted(counts, key=lambda gap: (-counts[gap] * gap, gap))[: _PERIODS // 2]
+    return sorted(set(by_count) | set(by_cover))
+
+
+def _best_repeat(sig: np.ndarray, min_length: int) -> tuple[int, int, int] | None:
+    """(start, end, period) of the run of consecutive equal blocks covering most nodes."""
+    best: tuple[int, int, int, int] | None = None  # (covered, -period, start, end)
+    for period in _periods(sig, min_length):
+        equal = np.concatenate(([False], sig[:-period] == sig[period:], [False]))
+        edges = np.flatnonzero(equal[1:] != equal[:-1])
+        starts, ends = edges[0::2], edges[1::2]  # runs of matches [start, end)
+        if not len(starts):
+            continue
+        lengths = ends - starts
+        copies = (lengths + period) // period
+        covered = np.where(copies >= 2, copies * period, 0)
+        i = int(np.argmax(covered))
+        if covered[i] == 0:
+            continue
+        candidate = (int(covered[i]), -period, int(starts[i]), int(ends[i]) + period)
+        if best is None or candidate[:2] > best[:2]:
+            best = candidate
+    if best is None:
+        return None
+    return best[2], best[3], -best[1]
+
+
+def _forks(skeleton: Sequence[ir.Node]) -> np.ndarray:
+    """``forks[p]``: reads of the values made by the node before position ``p`` (a residual
+    stream is read twice at a block's input: by the block's first op and by its residual add)."""
+    forks = np.zeros(len(skeleton) + 1, dtype=np.int64)
+    for i, node in enumerate(skeleton):
+        forks[i + 1] = sum(len(value.uses()) + value.is_graph_output() for value in node.outputs)
+    return forks
+
+
+def _phase(start: int, end: int, period: int, live: np.ndarray, forks: np.ndarray) -> tuple[int, int]:
+    """(first block's start, copies): most whole copies in [start, end), then fewest live values at
+    the cuts, then the cuts where the stream forks."""
+    best: tuple[int, int, int, int] | None = None  # (-copies, live, -forks, phase)
+    for phase in range(min(period, end - start)):
+        copies = (end - start - phase) // period
+        if copies < 2:
+            continue
+        cuts = start + phase + period * np.arange(copies + 1)
+        candidate = (-copies, int(live[cuts].sum()), -int(np.minimum(forks[cuts], 2).sum()), phase)
+        if best is None or candidate < best:
+            best = candidate
+    if best is None:
+        return start, 0
+    return start + best[3], -best[0]
+
+
+def _find_regions(sig: np.ndarray, live: np.ndarray, forks: np.ndarray, min_length: int) -> list[tuple[int, int, int]]:
+    """Repeats as (start, period, copies), in order: the best one, then again on each side."""
+    found: list[tuple[int, int, int]] = []
+    segments = [(0, len(sig))]
+    while segments and len(found) < _MAX_REGIONS:
+        lo, hi = segments.pop()
+        if hi - lo < 2 * min_length:
+            continue
+        repeat = _best_repeat(sig[lo:hi], min_length)
+        if repeat is None:
+            continue
+        first, copies = _phase(lo + repeat[0], lo + repeat[1], repeat[2], live, forks)
+        if copies < 2:
+            continue
+        period = repeat[2]
+        found.append((first, period, copies))
+        segments += [(lo, first), (first + period * copies, hi)]
+    return sorted(found)
+
+
+def _parts(skeleton: Sequence[ir.Node], live: np.ndarray, forks: np.ndarray, region: Region) -> list[tuple[int, int, str]]:
+    """Offsets in the block where, in every copy, no more values are live than at its start and
+    the stream forks (a residual input read twice)."""
+    starts = region.start + region.length * np.arange(region.count)
+    offsets = np.arange(1, region.length)
+    inside = live[starts[:, None] + offsets[None, :]]  # copies x offsets
+    forked = (forks[starts[:, None] + offsets[None, :]] >= 2).all(axis=0)
+    cuts = offsets[(inside <= live[starts][:, None]).all(axis=0) & forked].tolist()
+    bounds = [0, *cuts, region.length]
+    spans = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    if len(spans) < 2:
+        return []
+    named: list[tuple[int, int, str]] = []
+    seen: Counter = Counter()
+    for a, b in spans:
+        ops = Counter(node.op_type for node in skeleton[region.start + a : region.start + b])
+        kind = "attention" if ops["Softmax"] else "mlp" if sum(ops[o] for o in _MATMULS) >= 2 else "part"
+        seen[kind] += 1
+        named.append((a, b, kind if seen[kind] == 1 else f"{kind}_{seen[kind] - 1}"))
+    return named
+
+
+# -- the tree ------------------------------------------------------------------------------------
+
+
+def _class(name: str) -> str:
+    return ".".join(part[:1].upper() + part[1:] if part != "mlp" else "MLP" for part in name.split("."))
+
+
+def _call(path: str, qualified_class: str, parent: ModuleCall) -> ModuleCall:
+    call = ModuleCall(path, path, 0, qualified_class, INFERRED_PACKAGE, metadata.UNKNOWN_PACKAGE, parent=parent)
+    parent.children.append(call)
+    return call
+
+
+def _skeleton_keys(
+    skeleton: Sequence[ir.Node], regions: list[Region], root: ModuleCall
+) -> dict[ir.Node, tuple[str, ...]]:
+    """Calls for the repeats and the stretches around them; each skeleton node's keys."""
+    keys: dict[ir.Node, tuple[str, ...]] = {}
+    bridges = 0
+
+    def gap(lo: int, hi: int, name: str) -> None:
+        if hi > lo:
+            call = _call(name, _class(name.split(".")[0]), root)
+            for node in skeleton[lo:hi]:
+                keys[node] = (call.key,)
+
+    position = 0
+    for index, region in enumerate(regions):
+        if region.start > position:
+            gap(position, region.start, "stem" if index == 0 else f"bridge.{bridges}")
+            bridges += index > 0
+        cls = _class(region.name)
+        for copy in range(region.count):
+            block = _call(f"{region.name}.{copy}", cls, root)
+            first = region.start + copy * region.length
+            for node in skeleton[first : first + region.length]:
+                keys[node] = (block.key,)
+            for a, b, part in region.parts:
+                call = _call(f"{block.key}.{part}", f"{cls}.{_class(part.split('_')[0])}", block)
+                for node in skeleton[first + a : first + b]:
+                    keys[node] = (block.key, call.key)
+        position = region.start + region.count * region.length
+    gap(position, len(skeleton), "head")
+    return keys
+
+
+def _place_constants(
+    graph: ir.Graph, nodes: Sequence[ir.Node], keys: dict[ir.Node, tuple[str, ...]], members: set[ir.Node]
+) -> list[ir.Node]:
+    """Keys of the nodes off the skeleton (the common calls of their readers), and an order of
+    ``nodes`` where each call's nodes are contiguous (those nodes first in the call that holds them)."""
+    readers: dict[ir.Node, list[ir.Node]] = {}
+    for node in nodes:
+        for value in _used_values(node):
+            producer = value.producer()
+            if producer is not None and producer not in members:
+                readers.setdefault(producer, []).append(node)
+    outputs = set(graph.outputs)
+    for node in reversed(nodes):
+        if node in members:
+            continue
+        stacks = [keys.get(reader, ()) for reader in readers.get(node, ())]
+        if not stacks or any(value in outputs for value in node.outputs):
+            stacks.append(())
+        common = stacks[0]
+        for stack in stacks[1:]:
+            n = 0
+            while n < min(len(common), len(stack)) and common[n] == stack[n]:
+                n += 1
+            common = common[:n]
+        if common:
+            keys[node] = common
+    # Order: root constants first, then each call's constants where the call begins.
+    pending: dict[tuple[str, ...], list[ir.Node]] = {}
+    for node in nodes:
+        if node not in members:
+            pending.setdefault(keys.get(node, ()), []).append(node)
+    order: list[ir.Node] = []
+    placed: set[ir.Node] = set()
+
+    def emit(node: ir.Node) -> None:
+        stack = [(node, False)]
+        while stack:
+            item, ready = stack.pop()
+            if item in placed:
+                continue
+            if ready:
+                placed.add(item)
+                order.append(item)
+                continue
+            stack.append((item, True))
+            for value in _used_values(item):
+                producer = value.producer()
+                if producer is not None and producer not in placed and producer.graph is graph:
+                    stack.append((producer, False))
+
+    for node in pending.pop((), []):
+        emit(node)
+    for node in nodes:
+        if node not in members:
+            continue
+        stack = keys.get(node, ())
+        for depth in range(1, len(stack) + 1):
+            for constant in pending.pop(stack[:depth], []):
+                emit(constant)
+        emit(node)
+    for rest in pending.values():
+        for node in rest:
+            emit(node)
+    return order
+
+
+def infer_calls(
+    model: ir.Model, *, subset: Sequence[ir.Node] | None = None, min_block: int = MIN_BLOCK_NODES
+) -> Inference:
+    """Infer module calls of ``model``'s main graph from its structure.
+
+    The whole graph: its nodes are then put in an order (still topological) where each inferred
+    call's nodes are contiguous. ``subset`` (nodes of the main graph, in order): only those are
+    searched and placed in calls (a file whose other nodes carry scopes), the order is left as
+    it is. ``regions`` is empty when no block repeats.
+    """
+    graph = model.graph
+    nodes = list(graph)
+    skeleton = _skeleton(nodes, [value for value in graph.inputs if not value.is_initializer()])
+    members = set(skeleton)
+    if subset is not None:
+        wanted = set(subset)
+        skeleton = [node for node in skeleton if node in wanted]
+        nodes = [node for node in nodes if node in wanted]
+    root = ModuleCall("", "", 0, "", INFERRED_PACKAGE, metadata.UNKNOWN_PACKAGE)
+    if len(skeleton) < 2 * min_block:
+        return Inference(CallTree(root), {}, [], len(skeleton))
+    sig = _signatures(skeleton, members)
+    live = _live(skeleton, graph.outputs)
+    forks = _forks(skeleton)
+    regions: list[Region] = []
+    for start, period, copies in _find_regions(sig, live, forks, min_block):
+        name = "block" if not regions else f"block{len(regions) + 1}"
+        regions.append(Region(name, start, period, copies))
+    if not regions:
+        return Inference(CallTree(root), {}, [], len(skeleton))
+    for region in regions:
+        region.parts = _parts(skeleton, live, forks, region)
+    keys = _skeleton_keys(skeleton, regions, root)
+    order = _place_constants(graph, nodes, keys, members)
+    if subset is None and order != nodes:
+        graph.remove(nodes, safe=False)
+        graph.extend(order)
+    return Inference(CallTree(root), keys, regions, len(skeleton))
