@@ -192,17 +192,25 @@ def _live(skeleton: Sequence[ir.Node], graph_outputs: Sequence[ir.Value]) -> np.
 
 
 def _periods(sig: np.ndarray, min_length: int) -> list[int]:
-    """The most frequent distances between consecutive nodes of equal signature."""
+    """The most frequent distances between nearby nodes of equal signature (the 1st to 4th next
+    one: a block whose every op occurs twice has no single-step distance of its length)."""
     order = np.lexsort((np.arange(len(sig)), sig))
-    same = sig[order][1:] == sig[order][:-1]
-    gaps = (order[1:] - order[:-1])[same]
-    gaps = gaps[(gaps >= min_length) & (gaps <= len(sig) // 2)]
-    if not len(gaps):
+    ordered = sig[order]
+    counts: Counter = Counter()
+    for lag in range(1, 5):
+        same = ordered[lag:] == ordered[:-lag]
+        gaps = (order[lag:] - order[:-lag])[same]
+        counts.update(gaps[(gaps >= min_length) & (gaps <= len(sig) // 2)].tolist())
+    if not counts:
         return []
-    counts = Counter(gaps.tolist())
     by_count = [gap for gap, _ in counts.most_common(_PERIODS)]
     by_cover = sorted(counts, key=lambda gap: (-counts[gap] * gap, gap))[: _PERIODS // 2]
     return sorted(set(by_count) | set(by_cover))
+
+
+def _tiny(block: np.ndarray, min_length: int) -> bool:
+    """Whether ``block`` repeats a run of fewer than ``min_length`` nodes (``Relu`` after ``Relu``)."""
+    return any(len(block) % p == 0 and bool((block[p:] == block[:-p]).all()) for p in range(1, min_length))
 
 
 def _best_repeat(sig: np.ndarray, min_length: int) -> tuple[int, int, int] | None:
@@ -214,15 +222,15 @@ def _best_repeat(sig: np.ndarray, min_length: int) -> tuple[int, int, int] | Non
         starts, ends = edges[0::2], edges[1::2]  # runs of matches [start, end)
         if not len(starts):
             continue
-        lengths = ends - starts
-        copies = (lengths + period) // period
+        copies = (ends - starts + period) // period
         covered = np.where(copies >= 2, copies * period, 0)
-        i = int(np.argmax(covered))
-        if covered[i] == 0:
-            continue
-        candidate = (int(covered[i]), -period, int(starts[i]), int(ends[i]) + period)
-        if best is None or candidate[:2] > best[:2]:
-            best = candidate
+        for i in np.argsort(-covered, kind="stable")[:3]:  # the best run not made of a tiny repeat
+            candidate = (int(covered[i]), -period, int(starts[i]), int(ends[i]) + period)
+            if candidate[0] == 0 or (best is not None and candidate[:2] <= best[:2]):
+                break
+            if not _tiny(sig[starts[i] : starts[i] + period], min_length):
+                best = candidate
+                break
     if best is None:
         return None
     return best[2], best[3], -best[1]
@@ -310,14 +318,14 @@ def _call(path: str, qualified_class: str, parent: ModuleCall) -> ModuleCall:
 
 
 def _skeleton_keys(
-    skeleton: Sequence[ir.Node], regions: list[Region], root: ModuleCall
+    skeleton: Sequence[ir.Node], regions: list[Region], root: ModuleCall, gaps: bool = True
 ) -> dict[ir.Node, tuple[str, ...]]:
-    """Calls for the repeats and the stretches around them; each skeleton node's keys."""
+    """Calls for the repeats and (``gaps``) the stretches around them; each skeleton node's keys."""
     keys: dict[ir.Node, tuple[str, ...]] = {}
     bridges = 0
 
     def gap(lo: int, hi: int, name: str) -> None:
-        if hi > lo:
+        if gaps and hi > lo:
             call = _call(name, _class(name.split(".")[0]), root)
             for node in skeleton[lo:hi]:
                 keys[node] = (call.key,)
@@ -440,7 +448,7 @@ def infer_calls(
         return Inference(CallTree(root), {}, [], len(skeleton))
     for region in regions:
         region.parts = _parts(skeleton, live, forks, region)
-    keys = _skeleton_keys(skeleton, regions, root)
+    keys = _skeleton_keys(skeleton, regions, root, gaps=subset is None)
     order = _place_constants(graph, nodes, keys, members)
     if subset is None and order != nodes:
         graph.remove(nodes, safe=False)

@@ -426,6 +426,22 @@ def _root_class(model: ir.Model) -> str:
     return root_class
 
 
+def _merged(
+    tree: CallTree, found: CallTree, keys: Mapping[ir.Node, tuple[str, ...]],
+    more: Mapping[ir.Node, tuple[str, ...]], model: ir.Model,
+) -> CallTree:
+    """The recorded tree with the inferred calls added under its root, children in file order."""
+    first: dict[str, int] = {}
+    for position, node in enumerate(model.graph):
+        for key in keys.get(node, ()) or more.get(node, ()):
+            first.setdefault(key, position)
+    for call in found.root.children:
+        call.parent = tree.root
+        tree.root.children.append(call)
+    tree.root.children.sort(key=lambda call: first.get(call.key, len(first)))
+    return CallTree(tree.root)
+
+
 def _mark_inferred(model: ir.Model, inference: inferred.Inference) -> None:
     """:data:`~onnx_modular.format.metadata.INFERRED` on the functions and call nodes of inferred calls."""
     keys = {call.key for call in inference.tree.walk() if not call.is_root}
@@ -521,13 +537,12 @@ def modularize(
         tree, keys = _build_tree(scopes, _root_class(model), _torch_version(model))
         if infer == "auto" and any(stack is None for stack in scopes.values()):
             inference, more = _infer(model, scopes)
-            if inference.regions:
-                for call in inference.tree.root.children:
-                    call.parent = tree.root
-                    tree.root.children.append(call)
-                tree = CallTree(tree.root)
+            if inference.regions and not any(call.key in tree for call in inference.tree.walk() if not call.is_root):
+                tree = _merged(tree, inference.tree, keys, more, model)
                 keys.update(more)
-                scopes.update({node: () for node in more})
+                scopes.update(dict.fromkeys(more, ()))
+            else:
+                inference = None
     selected = _selected(tree, modules)
     nodes = len(model.graph)
     unscoped_nodes = {node for node, stack in scopes.items() if stack is None}
