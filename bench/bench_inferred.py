@@ -187,7 +187,7 @@ def run_models(only: set[str] | None) -> None:
                 with torch.no_grad():
                     torch.onnx.export(model, args, str(flat), dynamo=True, verbose=False)
                     result = export_modular(model, args, folder / "modular.onnx", verify=False)
-            except Exception as e:  # noqa: BLE001 - a model the exporters refuse is reported, not fatal
+            except Exception as e:
                 print(f"| {name} | export failed: {type(e).__name__}: {str(e)[:80]} |")
                 continue
             strip_names(flat, stripped)
@@ -195,7 +195,7 @@ def run_models(only: set[str] | None) -> None:
             start = time.perf_counter()
             try:
                 report = modularize(stripped, folder / "inferred.onnx")
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 print(f"| {name} | modularize failed: {type(e).__name__}: {str(e)[:120]} |")
                 continue
             seconds = time.perf_counter() - start

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -44,7 +44,10 @@ from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree, ModuleCall
 from onnx_modular.passes.modularize import _used_values
 
-__all__ = ["Inference", "Region", "infer_calls", "MIN_BLOCK_NODES", "INFERRED_PACKAGE", "INFERRED_VALUE"]
+__all__ = [
+    "Inference", "Region", "infer_calls", "unscoped_runs", "merged", "mark_inferred", "MIN_BLOCK_NODES",
+    "INFERRED_PACKAGE", "INFERRED_VALUE",
+]
 
 #: A repeated block has at least this many skeleton nodes (shorter repeats are an op's pattern,
 #: not a module: ``Gather, Add`` twice in an embedding).
@@ -350,11 +353,20 @@ def _skeleton_keys(
     return keys
 
 
-def _place_constants(
+def _common_prefix(stacks: list[tuple[str, ...]]) -> tuple[str, ...]:
+    common = stacks[0]
+    for stack in stacks[1:]:
+        n = 0
+        while n < min(len(common), len(stack)) and common[n] == stack[n]:
+            n += 1
+        common = common[:n]
+    return common
+
+
+def _constant_keys(
     graph: ir.Graph, nodes: Sequence[ir.Node], keys: dict[ir.Node, tuple[str, ...]], members: set[ir.Node]
-) -> list[ir.Node]:
-    """Keys of the nodes off the skeleton (the common calls of their readers), and an order of
-    ``nodes`` where each call's nodes are contiguous (those nodes first in the call that holds them)."""
+) -> None:
+    """Keys of the nodes off the skeleton: the calls common to all their readers."""
     readers: dict[ir.Node, list[ir.Node]] = {}
     for node in nodes:
         for value in _used_values(node):
@@ -368,15 +380,16 @@ def _place_constants(
         stacks = [keys.get(reader, ()) for reader in readers.get(node, ())]
         if not stacks or any(value in outputs for value in node.outputs):
             stacks.append(())
-        common = stacks[0]
-        for stack in stacks[1:]:
-            n = 0
-            while n < min(len(common), len(stack)) and common[n] == stack[n]:
-                n += 1
-            common = common[:n]
+        common = _common_prefix(stacks)
         if common:
             keys[node] = common
-    # Order: root constants first, then each call's constants where the call begins.
+
+
+def _contiguous_order(
+    graph: ir.Graph, nodes: Sequence[ir.Node], keys: dict[ir.Node, tuple[str, ...]], members: set[ir.Node]
+) -> list[ir.Node]:
+    """``nodes`` in an order (topological) where each call's nodes are contiguous: the nodes off
+    the skeleton of the root first, each call's where the call begins."""
     pending: dict[tuple[str, ...], list[ir.Node]] = {}
     for node in nodes:
         if node not in members:
@@ -384,7 +397,7 @@ def _place_constants(
     order: list[ir.Node] = []
     placed: set[ir.Node] = set()
 
-    def emit(node: ir.Node) -> None:
+    def emit(node: ir.Node) -> None:  # producers first (iterative: graphs are deep)
         stack = [(node, False)]
         while stack:
             item, ready = stack.pop()
@@ -395,10 +408,11 @@ def _place_constants(
                 order.append(item)
                 continue
             stack.append((item, True))
-            for value in _used_values(item):
-                producer = value.producer()
-                if producer is not None and producer not in placed and producer.graph is graph:
-                    stack.append((producer, False))
+            stack += [
+                (value.producer(), False)
+                for value in _used_values(item)
+                if value.producer() is not None and value.producer() not in placed and value.producer().graph is graph
+            ]
 
     for node in pending.pop((), []):
         emit(node)
@@ -449,8 +463,61 @@ def infer_calls(
     for region in regions:
         region.parts = _parts(skeleton, live, forks, region)
     keys = _skeleton_keys(skeleton, regions, root, gaps=subset is None)
-    order = _place_constants(graph, nodes, keys, members)
-    if subset is None and order != nodes:
-        graph.remove(nodes, safe=False)
-        graph.extend(order)
+    _constant_keys(graph, nodes, keys, members)
+    if subset is None:
+        order = _contiguous_order(graph, nodes, keys, members)
+        if order != nodes:
+            graph.remove(nodes, safe=False)
+            graph.extend(order)
     return Inference(CallTree(root), keys, regions, len(skeleton))
+
+
+# -- modularize's use ----------------------------------------------------------------------------
+
+#: Unscoped nodes of a file with scopes are searched for repeats where this many follow each other.
+MIXED_RUN = 4 * MIN_BLOCK_NODES
+
+
+def unscoped_runs(model: ir.Model, scopes: Mapping[ir.Node, object]) -> list[ir.Node]:
+    """The main-graph nodes without scopes (``scopes[node] is None``) in runs of :data:`MIXED_RUN`
+    or more: where a file that records scopes elsewhere left a stretch unrecorded."""
+    runs: list[ir.Node] = []
+    run: list[ir.Node] = []
+    for node in model.graph:
+        if scopes.get(node) is None:
+            run.append(node)
+            continue
+        runs += run if len(run) >= MIXED_RUN else []
+        run = []
+    return runs + (run if len(run) >= MIXED_RUN else [])
+
+
+def merged(
+    tree: CallTree, found: CallTree, keys: Mapping[ir.Node, tuple[str, ...]],
+    more: Mapping[ir.Node, tuple[str, ...]], model: ir.Model,
+) -> CallTree:
+    """The recorded tree with the inferred calls added under its root, children in file order."""
+    first: dict[str, int] = {}
+    for position, node in enumerate(model.graph):
+        for key in keys.get(node, ()) or more.get(node, ()):
+            first.setdefault(key, position)
+    for call in found.root.children:
+        call.parent = tree.root
+        tree.root.children.append(call)
+    tree.root.children.sort(key=lambda call: first.get(call.key, len(first)))
+    return CallTree(tree.root)
+
+
+def mark_inferred(model: ir.Model, inference: Inference) -> None:
+    """:data:`~onnx_modular.format.metadata.INFERRED` on the functions and call nodes of inferred calls."""
+    keys = {call.key for call in inference.tree.walk() if not call.is_root}
+    marked = set()
+    for function in model.functions.values():
+        if any(call.key in keys for call in function.meta.get(metadata.CALLS, ())):
+            function.metadata_props[metadata.INFERRED] = INFERRED_VALUE
+            marked.add(function.identifier())
+    bodies = [model.graph, *(function.graph for function in model.functions.values())]
+    for body in bodies:
+        for node in body:
+            if node.op_identifier() in marked:
+                node.metadata_props[metadata.INFERRED] = INFERRED_VALUE

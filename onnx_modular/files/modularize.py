@@ -282,31 +282,6 @@ def _no_scopes(nodes: int, repeats: bool | None = None) -> InvalidModelFileError
 
 #: ``report.source`` of a call tree inferred from the graph's structure (no scopes recorded).
 INFERRED_SOURCE = "structure (inferred)"
-#: Unscoped nodes of a file with scopes are searched for repeats where this many follow each other.
-_MIXED_RUN = 4 * inferred.MIN_BLOCK_NODES
-
-
-def _infer(model: ir.Model, scopes: dict[ir.Node, Scopes | None] | None) -> tuple[
-    inferred.Inference, dict[ir.Node, tuple[str, ...]]
-]:
-    """Calls inferred from repeated blocks: of the whole file (``scopes`` None), or of the runs
-    of unscoped nodes of a file that has scopes elsewhere."""
-    if scopes is None:
-        found = inferred.infer_calls(model)
-        return found, found.keys
-    runs: list[ir.Node] = []
-    run: list[ir.Node] = []
-    for node in model.graph:
-        if scopes.get(node) is None:
-            run.append(node)
-            continue
-        runs += run if len(run) >= _MIXED_RUN else []
-        run = []
-    runs += run if len(run) >= _MIXED_RUN else []
-    found = inferred.infer_calls(model, subset=runs) if runs else inferred.infer_calls(model, subset=[])
-    return found, found.keys
-
-
 # -- the call tree -----------------------------------------------------------------------------
 
 
@@ -426,37 +401,6 @@ def _root_class(model: ir.Model) -> str:
     return root_class
 
 
-def _merged(
-    tree: CallTree, found: CallTree, keys: Mapping[ir.Node, tuple[str, ...]],
-    more: Mapping[ir.Node, tuple[str, ...]], model: ir.Model,
-) -> CallTree:
-    """The recorded tree with the inferred calls added under its root, children in file order."""
-    first: dict[str, int] = {}
-    for position, node in enumerate(model.graph):
-        for key in keys.get(node, ()) or more.get(node, ()):
-            first.setdefault(key, position)
-    for call in found.root.children:
-        call.parent = tree.root
-        tree.root.children.append(call)
-    tree.root.children.sort(key=lambda call: first.get(call.key, len(first)))
-    return CallTree(tree.root)
-
-
-def _mark_inferred(model: ir.Model, inference: inferred.Inference) -> None:
-    """:data:`~onnx_modular.format.metadata.INFERRED` on the functions and call nodes of inferred calls."""
-    keys = {call.key for call in inference.tree.walk() if not call.is_root}
-    marked = set()
-    for function in model.functions.values():
-        if any(call.key in keys for call in function.meta.get(metadata.CALLS, ())):
-            function.metadata_props[metadata.INFERRED] = inferred.INFERRED_VALUE
-            marked.add(function.identifier())
-    bodies = [model.graph, *(function.graph for function in model.functions.values())]
-    for body in bodies:
-        for node in body:
-            if node.op_identifier() in marked:
-                node.metadata_props[metadata.INFERRED] = inferred.INFERRED_VALUE
-
-
 def _domain(call: ModuleCall) -> str:
     if call.version and call.version != metadata.UNKNOWN_PACKAGE:
         return f"pkg.{call.package}.{call.version}"
@@ -527,7 +471,8 @@ def modularize(
             raise _no_scopes(len(model.graph))
         # Shapes first: the signatures compare them (TorchScript-era files declare few).
         common_passes.ShapeInferencePass(strict_mode=False)(model)
-        inference, keys = _infer(model, None)
+        inference = inferred.infer_calls(model)
+        keys = inference.keys
         if not inference.regions:
             raise _no_scopes(len(model.graph), repeats=False)
         source, tree = INFERRED_SOURCE, inference.tree
@@ -536,9 +481,10 @@ def modularize(
         source, scopes = found
         tree, keys = _build_tree(scopes, _root_class(model), _torch_version(model))
         if infer == "auto" and any(stack is None for stack in scopes.values()):
-            inference, more = _infer(model, scopes)
+            inference = inferred.infer_calls(model, subset=inferred.unscoped_runs(model, scopes))
+            more = inference.keys
             if inference.regions and not any(call.key in tree for call in inference.tree.walk() if not call.is_root):
-                tree = _merged(tree, inference.tree, keys, more, model)
+                tree = inferred.merged(tree, inference.tree, keys, more, model)
                 keys.update(more)
                 scopes.update(dict.fromkeys(more, ()))
             else:
@@ -565,7 +511,7 @@ def modularize(
         f"{source} + {INFERRED_SOURCE}"
     )
     if inference is not None:
-        _mark_inferred(model, inference)
+        inferred.mark_inferred(model, inference)
     constants = _constants(model, tree, inferred_only=source == INFERRED_SOURCE)
     if constants:
         model.metadata_props[metadata.LIFTED_CONSTANTS] = json.dumps(constants)
