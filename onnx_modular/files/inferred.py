@@ -56,6 +56,8 @@ MIN_BLOCK_NODES = 4
 _PERIODS = 24
 #: Segments searched for repeats in all (stacks of one file), and nesting of searches.
 _MAX_REGIONS = 16
+#: Cuts of a repeat (the best first) tried for a first copy with a few nodes more.
+_EXTEND_TRIES = 8
 #: The package of the inferred classes: their functions' domain is ``pkg.inferred``.
 INFERRED_PACKAGE = "inferred"
 #: The value of :data:`~onnx_modular.format.metadata.INFERRED` on inferred functions and call nodes.
@@ -66,13 +68,33 @@ _MATMULS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "MatMulNBits", 
 
 @dataclasses.dataclass
 class Region:
-    """``count`` consecutive copies of a block of ``length`` skeleton nodes, from ``start``."""
+    """``count`` consecutive copies of a block of ``length`` skeleton nodes: the regular ones from
+    ``uniform``, and before them (``first``) a copy that holds a few nodes more (``extras``:
+    what a layer computes once for all, a mask, kept out of the block), or none."""
 
     name: str
-    start: int
+    uniform: int
     length: int
     count: int
     parts: list[tuple[int, int, str]] = dataclasses.field(default_factory=list)  # (offset, end, name)
+    first: list[int] | None = None
+    extras: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def start(self) -> int:
+        return min(self.first[0], *self.extras) if self.first is not None else self.uniform
+
+    @property
+    def end(self) -> int:
+        return self.uniform + self.length * (self.count - (self.first is not None))
+
+    def positions(self, copy: int) -> Sequence[int]:
+        """Skeleton positions of the copy's nodes, in block order."""
+        if self.first is not None:
+            if copy == 0:
+                return self.first
+            copy -= 1
+        return range(self.uniform + copy * self.length, self.uniform + (copy + 1) * self.length)
 
 
 @dataclasses.dataclass
@@ -248,26 +270,43 @@ def _forks(skeleton: Sequence[ir.Node]) -> np.ndarray:
     return forks
 
 
-def _phase(start: int, end: int, period: int, live: np.ndarray, forks: np.ndarray) -> tuple[int, int]:
-    """(first block's start, copies): most whole copies in [start, end), then fewest live values at
-    the cuts, then the cuts where the stream forks."""
-    best: tuple[int, int, int, int] | None = None  # (-copies, live, -forks, phase)
+def _phase(start: int, end: int, period: int, live: np.ndarray, forks: np.ndarray) -> tuple[list[int], int]:
+    """(first block's start for the best cuts, best first, copies): most whole copies in [start,
+    end), then fewest live values at the cuts, then the cuts where the stream forks most."""
+    scores: list[tuple[int, int, int, int]] = []
     for phase in range(min(period, end - start)):
         copies = (end - start - phase) // period
-        if copies < 2:
-            continue
-        cuts = start + phase + period * np.arange(copies + 1)
-        candidate = (-copies, int(live[cuts].sum()), -int(np.minimum(forks[cuts], 2).sum()), phase)
-        if best is None or candidate < best:
-            best = candidate
-    if best is None:
-        return start, 0
-    return start + best[3], -best[0]
+        if copies >= 2:
+            cuts = start + phase + period * np.arange(copies + 1)
+            scores.append((-copies, int(live[cuts].sum()), -int(forks[cuts].sum()), phase))
+    if not scores:
+        return [], 0
+    scores.sort()
+    return [start + score[3] for score in scores if score[0] == scores[0][0]], -scores[0][0]
 
 
-def _find_regions(sig: np.ndarray, live: np.ndarray, forks: np.ndarray, min_length: int) -> list[tuple[int, int, int]]:
-    """Repeats as (start, period, copies), in order: the best one, then again on each side."""
-    found: list[tuple[int, int, int]] = []
+def _extend_back(sig: np.ndarray, lo: int, first: int, period: int) -> tuple[list[int], list[int]] | None:
+    """The copy before ``first`` where it holds a few nodes more (positions of the block's nodes,
+    and of the others), or ``None``: the block's signatures, matched backwards as a subsequence."""
+    block = sig[first : first + period]
+    extras: list[int] = []
+    matched: list[int] = []
+    i, p = period - 1, first - 1
+    while i >= 0 and p >= lo:
+        if sig[p] == block[i]:
+            matched.append(p)
+            i -= 1
+        else:
+            extras.append(p)
+            if len(extras) > max(2, period // 4):
+                return None
+        p -= 1
+    return (matched[::-1], extras[::-1]) if i < 0 and extras else None
+
+
+def _find_regions(sig: np.ndarray, live: np.ndarray, forks: np.ndarray, min_length: int) -> list[Region]:
+    """The repeats, in order: the best one, then again on each side."""
+    found: list[Region] = []
     segments = [(0, len(sig))]
     while segments and len(found) < _MAX_REGIONS:
         lo, hi = segments.pop()
@@ -276,19 +315,31 @@ def _find_regions(sig: np.ndarray, live: np.ndarray, forks: np.ndarray, min_leng
         repeat = _best_repeat(sig[lo:hi], min_length)
         if repeat is None:
             continue
-        first, copies = _phase(lo + repeat[0], lo + repeat[1], repeat[2], live, forks)
+        firsts, copies = _phase(lo + repeat[0], lo + repeat[1], repeat[2], live, forks)
         if copies < 2:
             continue
-        period = repeat[2]
-        found.append((first, period, copies))
-        segments += [(lo, first), (first + period * copies, hi)]
-    return sorted(found)
+        # A cut where the copy before is the block with a few nodes more (the first layer, which
+        # makes the mask for all) holds one copy more: the cut at the layer's start, not the MLP's.
+        region = Region("", firsts[0], repeat[2], copies)
+        for first in firsts[:_EXTEND_TRIES]:
+            extended = _extend_back(sig, lo, first, region.length)
+            if extended is not None:
+                region.uniform, (region.first, region.extras) = first, extended
+                region.count += 1
+                break
+        found.append(region)
+        segments += [(lo, region.start), (region.end, hi)]
+    found.sort(key=lambda region: region.start)
+    for index, region in enumerate(found):
+        region.name = "block" if index == 0 else f"block{index + 1}"
+    return found
 
 
 def _parts(skeleton: Sequence[ir.Node], live: np.ndarray, forks: np.ndarray, region: Region) -> list[tuple[int, int, str]]:
     """Offsets in the block where, in every copy, no more values are live than at its start and
     the stream forks (a residual input read twice)."""
-    starts = region.start + region.length * np.arange(region.count)
+    regular = region.count - (region.first is not None)
+    starts = region.uniform + region.length * np.arange(regular)
     offsets = np.arange(1, region.length)
     inside = live[starts[:, None] + offsets[None, :]]  # copies x offsets
     forked = (forks[starts[:, None] + offsets[None, :]] >= 2).all(axis=0)
@@ -300,7 +351,7 @@ def _parts(skeleton: Sequence[ir.Node], live: np.ndarray, forks: np.ndarray, reg
     named: list[tuple[int, int, str]] = []
     seen: Counter = Counter()
     for a, b in spans:
-        ops = Counter(node.op_type for node in skeleton[region.start + a : region.start + b])
+        ops = Counter(node.op_type for node in skeleton[region.uniform + a : region.uniform + b])
         kind = "attention" if ops["Softmax"] else "mlp" if sum(ops[o] for o in _MATMULS) >= 2 else "part"
         seen[kind] += 1
         named.append((a, b, kind if seen[kind] == 1 else f"{kind}_{seen[kind] - 1}"))
@@ -341,14 +392,14 @@ def _skeleton_keys(
         cls = _class(region.name)
         for copy in range(region.count):
             block = _call(f"{region.name}.{copy}", cls, root)
-            first = region.start + copy * region.length
-            for node in skeleton[first : first + region.length]:
-                keys[node] = (block.key,)
+            positions = region.positions(copy)
+            for i in positions:
+                keys[skeleton[i]] = (block.key,)
             for a, b, part in region.parts:
                 call = _call(f"{block.key}.{part}", f"{cls}.{_class(part.split('_')[0])}", block)
-                for node in skeleton[first + a : first + b]:
-                    keys[node] = (block.key, call.key)
-        position = region.start + region.count * region.length
+                for i in positions[a:b]:
+                    keys[skeleton[i]] = (block.key, call.key)
+        position = region.end
     gap(position, len(skeleton), "head")
     return keys
 
@@ -363,16 +414,22 @@ def _common_prefix(stacks: list[tuple[str, ...]]) -> tuple[str, ...]:
     return common
 
 
-def _constant_keys(
-    graph: ir.Graph, nodes: Sequence[ir.Node], keys: dict[ir.Node, tuple[str, ...]], members: set[ir.Node]
-) -> None:
-    """Keys of the nodes off the skeleton: the calls common to all their readers."""
+def _readers(nodes: Sequence[ir.Node], members: set[ir.Node]) -> dict[ir.Node, list[ir.Node]]:
+    """The readers of each node off the skeleton."""
     readers: dict[ir.Node, list[ir.Node]] = {}
     for node in nodes:
         for value in _used_values(node):
             producer = value.producer()
             if producer is not None and producer not in members:
                 readers.setdefault(producer, []).append(node)
+    return readers
+
+
+def _constant_keys(
+    graph: ir.Graph, nodes: Sequence[ir.Node], keys: dict[ir.Node, tuple[str, ...]], members: set[ir.Node],
+    readers: dict[ir.Node, list[ir.Node]],
+) -> None:
+    """Keys of the nodes off the skeleton: the calls common to all their readers."""
     outputs = set(graph.outputs)
     for node in reversed(nodes):
         if node in members:
@@ -385,15 +442,43 @@ def _constant_keys(
             keys[node] = common
 
 
+def _root_schedule(
+    nodes: Sequence[ir.Node], keys: dict[ir.Node, tuple[str, ...]], members: set[ir.Node],
+    readers: dict[ir.Node, list[ir.Node]], pending: list[ir.Node],
+) -> dict[int, list[ir.Node]]:
+    """Where the root's nodes off the skeleton go: before the top-level call of their first reader
+    on the skeleton (by position among ``nodes``' skeleton nodes; the end when none reads them)."""
+    skeleton = [node for node in nodes if node in members]
+    position = {node: i for i, node in enumerate(skeleton)}
+    start: list[int] = []
+    for i, node in enumerate(skeleton):
+        top = keys.get(node, ())[:1]
+        start.append(start[-1] if i and top and top == keys.get(skeleton[i - 1], ())[:1] else i)
+    due: dict[ir.Node, int] = {}
+    for node in reversed(nodes):
+        if node not in members:
+            due[node] = min(
+                (position[r] if r in members else due.get(r, len(skeleton)) for r in readers.get(node, ())),
+                default=len(skeleton),
+            )
+    schedule: dict[int, list[ir.Node]] = {}
+    for node in pending:
+        at = due[node]
+        schedule.setdefault(start[at] if at < len(skeleton) else at, []).append(node)
+    return schedule
+
+
 def _contiguous_order(
-    graph: ir.Graph, nodes: Sequence[ir.Node], keys: dict[ir.Node, tuple[str, ...]], members: set[ir.Node]
+    graph: ir.Graph, nodes: Sequence[ir.Node], keys: dict[ir.Node, tuple[str, ...]], members: set[ir.Node],
+    readers: dict[ir.Node, list[ir.Node]],
 ) -> list[ir.Node]:
-    """``nodes`` in an order (topological) where each call's nodes are contiguous: the nodes off
-    the skeleton of the root first, each call's where the call begins."""
+    """``nodes`` in an order (topological) where each call's nodes are contiguous: a node off the
+    skeleton where its call begins (the root's: before the top-level call that first reads it)."""
     pending: dict[tuple[str, ...], list[ir.Node]] = {}
     for node in nodes:
         if node not in members:
             pending.setdefault(keys.get(node, ()), []).append(node)
+    schedule = _root_schedule(nodes, keys, members, readers, pending.pop((), []))
     order: list[ir.Node] = []
     placed: set[ir.Node] = set()
 
@@ -414,20 +499,32 @@ def _contiguous_order(
                 if value.producer() is not None and value.producer() not in placed and value.producer().graph is graph
             ]
 
-    for node in pending.pop((), []):
-        emit(node)
+    index = 0
     for node in nodes:
         if node not in members:
             continue
+        for early in schedule.pop(index, []):
+            emit(early)
+        index += 1
         stack = keys.get(node, ())
         for depth in range(1, len(stack) + 1):
             for constant in pending.pop(stack[:depth], []):
                 emit(constant)
         emit(node)
-    for rest in pending.values():
+    for rest in [*schedule.values(), *pending.values()]:
         for node in rest:
             emit(node)
     return order
+
+
+def _search(
+    skeleton: list[ir.Node], members: set[ir.Node], outputs: Sequence[ir.Value], min_block: int
+) -> tuple[list[Region], np.ndarray, np.ndarray]:
+    """The repeats of ``skeleton``, and its live values and forks at each position."""
+    sig = _signatures(skeleton, members)
+    live = _live(skeleton, outputs)
+    forks = _forks(skeleton)
+    return _find_regions(sig, live, forks, min_block), live, forks
 
 
 def infer_calls(
@@ -451,21 +548,18 @@ def infer_calls(
     root = ModuleCall("", "", 0, "", INFERRED_PACKAGE, metadata.UNKNOWN_PACKAGE)
     if len(skeleton) < 2 * min_block:
         return Inference(CallTree(root), {}, [], len(skeleton))
-    sig = _signatures(skeleton, members)
-    live = _live(skeleton, graph.outputs)
-    forks = _forks(skeleton)
-    regions: list[Region] = []
-    for start, period, copies in _find_regions(sig, live, forks, min_block):
-        name = "block" if not regions else f"block{len(regions) + 1}"
-        regions.append(Region(name, start, period, copies))
+    regions, live, forks = _search(skeleton, members, graph.outputs, min_block)
     if not regions:
         return Inference(CallTree(root), {}, [], len(skeleton))
     for region in regions:
         region.parts = _parts(skeleton, live, forks, region)
     keys = _skeleton_keys(skeleton, regions, root, gaps=subset is None)
-    _constant_keys(graph, nodes, keys, members)
+    # The extras of a first copy (a mask made once, in the first layer) follow their readers, as constants.
+    placed = set(skeleton) - {skeleton[i] for region in regions for i in region.extras}
+    readers = _readers(nodes, placed)
+    _constant_keys(graph, nodes, keys, placed, readers)
     if subset is None:
-        order = _contiguous_order(graph, nodes, keys, members)
+        order = _contiguous_order(graph, nodes, keys, placed, readers)
         if order != nodes:
             graph.remove(nodes, safe=False)
             graph.extend(order)
