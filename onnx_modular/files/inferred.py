@@ -62,6 +62,7 @@ _EXTEND_TRIES = 8
 INFERRED_PACKAGE = "inferred"
 #: The value of :data:`~onnx_modular.format.metadata.INFERRED` on inferred functions and call nodes.
 INFERRED_VALUE = "structure"
+_GRAPH_ATTRIBUTES = (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
 #: Ops whose count names a part of a block.
 _MATMULS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "MatMulNBits", "FusedMatMul"})
 
@@ -127,17 +128,24 @@ def _skeleton(nodes: Sequence[ir.Node], graph_inputs: Sequence[ir.Value]) -> lis
     dependent: set[ir.Value] = set(graph_inputs)
     skeleton = []
     for node in nodes:
-        if any(value in dependent for value in _used_values(node)):
+        if any(value in dependent for value in _reads(node)):
             skeleton.append(node)
             dependent.update(node.outputs)
     return skeleton
 
 
+def _reads(node: ir.Node) -> Sequence[ir.Value]:
+    """The values ``node`` reads (its subgraphs' reads of outer values included)."""
+    if any(attr.type in _GRAPH_ATTRIBUTES for attr in node.attributes.values()):
+        return list(_used_values(node))
+    return [value for value in node.inputs if value is not None]
+
+
 def _type_key(value: ir.Value | None) -> tuple:
     if value is None:
         return ("none",)
-    shape = None if value.shape is None else tuple(d if isinstance(d, int) else str(d) for d in value.shape)
-    return (str(value.type), shape)
+    kind = value.type
+    return (type(kind).__name__, value.dtype, None if value.shape is None else str(value.shape))
 
 
 def _constant_key(value: ir.Value) -> tuple:
@@ -199,7 +207,7 @@ def _live(skeleton: Sequence[ir.Node], graph_outputs: Sequence[ir.Value]) -> np.
     position = {node: i for i, node in enumerate(skeleton)}
     last: dict[ir.Value, int] = {}
     for i, node in enumerate(skeleton):
-        for value in _used_values(node):
+        for value in _reads(node):
             last[value] = i
     for value in graph_outputs:
         last[value] = len(skeleton)
@@ -418,7 +426,7 @@ def _readers(nodes: Sequence[ir.Node], members: set[ir.Node]) -> dict[ir.Node, l
     """The readers of each node off the skeleton."""
     readers: dict[ir.Node, list[ir.Node]] = {}
     for node in nodes:
-        for value in _used_values(node):
+        for value in _reads(node):
             producer = value.producer()
             if producer is not None and producer not in members:
                 readers.setdefault(producer, []).append(node)
@@ -495,7 +503,7 @@ def _contiguous_order(
             stack.append((item, True))
             stack += [
                 (value.producer(), False)
-                for value in _used_values(item)
+                for value in _reads(item)
                 if value.producer() is not None and value.producer() not in placed and value.producer().graph is graph
             ]
 
