@@ -499,7 +499,8 @@ def modularize(
     # Types and shapes of the values the file leaves undeclared (TorchScript exports declare few):
     # dedupe compares the bodies' input and output shapes, and an unknown one differs from any.
     # onnx_ir runs onnx's inference without the initializers' values; a failure leaves the model as it is.
-    passes.insert(0, common_passes.ShapeInferencePass(strict_mode=False))
+    if source != INFERRED_SOURCE:  # the inferred mode ran it before its search
+        passes.insert(0, common_passes.ShapeInferencePass(strict_mode=False))
     try:
         pipeline.run(passes, model)
     except ir.passes.PreconditionError as e:
