@@ -275,8 +275,8 @@ def _no_scopes(nodes: int, repeats: bool | None = None) -> InvalidModelFileError
     else:
         message += "."
         hint = ("Export the model with torch.onnx.export(..., dynamo=True) (which records them), or with "
-                "onnx_modular.export_modular if you have the PyTorch model; infer='auto' infers calls "
-                "from repeated blocks.")
+                "onnx_modular.export_modular if you have the PyTorch model; --infer auto (infer='auto') "
+                "infers calls from repeated blocks.")
     return InvalidModelFileError(message, hint=hint)
 
 
