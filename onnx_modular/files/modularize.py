@@ -470,7 +470,8 @@ def modularize(
         if infer == "never":
             raise _no_scopes(len(model.graph))
         # Shapes first: the signatures compare them (TorchScript-era files declare few).
-        common_passes.ShapeInferencePass(strict_mode=False)(model)
+        if any(value.shape is None or value.type is None for node in model.graph for value in node.outputs):
+            common_passes.ShapeInferencePass(strict_mode=False)(model)
         inference = inferred.infer_calls(model)
         keys = inference.keys
         if not inference.regions:
@@ -499,7 +500,7 @@ def modularize(
     # Types and shapes of the values the file leaves undeclared (TorchScript exports declare few):
     # dedupe compares the bodies' input and output shapes, and an unknown one differs from any.
     # onnx_ir runs onnx's inference without the initializers' values; a failure leaves the model as it is.
-    if source != INFERRED_SOURCE:  # the inferred mode ran it before its search
+    if source != INFERRED_SOURCE:  # the inferred mode ran it before its search (where shapes lacked)
         passes.insert(0, common_passes.ShapeInferencePass(strict_mode=False))
     try:
         pipeline.run(passes, model)
