@@ -20,6 +20,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+from onnx_modular.cli import main
 from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.files import inferred
 from onnx_modular.files.modularize import INFERRED_SOURCE, modularize
@@ -171,6 +172,15 @@ def test_residual_stack_from_onnx_text(tmp_path):
     assert [n.op_type for n in by_name["Block"].node] == ["LayerNormalization", "MatMul", "Relu", "MatMul", "Add"]
     assert report.nodes_in_parent == 0 and report.nodes_in_calls == 24  # every node in a call
     assert_same_outputs(path, report.path)
+
+
+def test_cli_infer_option(tmp_path, capsys):
+    path = tmp_path / "stack.onnx"
+    onnx.save(_stack(3), str(path))
+    assert main(["modularize", str(path), "-o", str(tmp_path / "never.onnx"), "--infer", "never"]) == 2
+    assert "carries no module scopes" in capsys.readouterr().err and not (tmp_path / "never.onnx").exists()
+    assert main(["modularize", str(path), "-o", str(tmp_path / "m.onnx")]) == 0
+    assert "inferred: 3 copies of a 5-node block (block.0 ... block.2)" in capsys.readouterr().out
 
 
 def test_recorded_scopes_kept_and_the_rest_inferred(tmp_path):

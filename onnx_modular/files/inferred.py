@@ -144,8 +144,9 @@ def _reads(node: ir.Node) -> Sequence[ir.Value]:
 def _type_key(value: ir.Value | None) -> tuple:
     if value is None:
         return ("none",)
-    kind = value.type
-    return (type(kind).__name__, value.dtype, None if value.shape is None else str(value.shape))
+    # Symbolic dims by position only: torch names each layer's cache length apart (s54, s60, ...).
+    shape = None if value.shape is None else tuple(d if isinstance(d, int) else None for d in value.shape.dims)
+    return (type(value.type).__name__, value.dtype, shape)
 
 
 def _constant_key(value: ir.Value) -> tuple:
