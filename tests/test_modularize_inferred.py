@@ -130,9 +130,10 @@ def test_scopes_win_unless_asked(gpt2, tmp_path):
 # -- ONNX text, no torch ------------------------------------------------------------------------------
 
 
-def _stack(layers: int, *, names: bool = False, hidden: int = 8) -> onnx.ModelProto:
+def _stack(layers: int, *, names: bool = False, hidden: int = 8, gated: bool = False) -> onnx.ModelProto:
     """A pre-norm residual stack: stem (MatMul, Tanh), ``layers`` x (LayerNorm, MatMul, Relu,
-    MatMul, Add), head (LayerNorm, MatMul). ``names``: the stem and head named by scope."""
+    MatMul, Add), head (LayerNorm, MatMul). ``names``: the stem and head named by scope.
+    ``gated``: the MLP is gated (LayerNorm, MatMul, Relu, MatMul, Mul, MatMul, Add): two branches."""
     rng = np.random.default_rng(0)
     inits, nodes = [], []
 
@@ -150,7 +151,10 @@ def _stack(layers: int, *, names: bool = False, hidden: int = 8) -> onnx.ModelPr
     x = op("Tanh", [op("MatMul", ["x", weight(4, hidden)], "stem")], "stem")
     for _ in range(layers):
         a = op("LayerNormalization", [x, weight(hidden), weight(hidden)], axis=-1)
-        h = op("MatMul", [op("Relu", [op("MatMul", [a, weight(hidden, 2 * hidden)])]), weight(2 * hidden, hidden)])
+        h = op("Relu", [op("MatMul", [a, weight(hidden, 2 * hidden)])])
+        if gated:
+            h = op("Mul", [h, op("MatMul", [a, weight(hidden, 2 * hidden)])])
+        h = op("MatMul", [h, weight(2 * hidden, hidden)])
         x = op("Add", [x, h])
     y = op("MatMul", [op("LayerNormalization", [x, weight(hidden), weight(hidden)], "head", axis=-1),
                       weight(hidden, 3)], "head")
@@ -171,6 +175,43 @@ def test_residual_stack_from_onnx_text(tmp_path):
     assert props(by_name["Block"])[metadata.CALL_COUNT] == "4"
     assert [n.op_type for n in by_name["Block"].node] == ["LayerNormalization", "MatMul", "Relu", "MatMul", "Add"]
     assert report.nodes_in_parent == 0 and report.nodes_in_calls == 24  # every node in a call
+    assert_same_outputs(path, report.path)
+
+
+def _resorted(model: onnx.ModelProto, seed: int) -> onnx.ModelProto:
+    """The same graph in another topological order (a random pick among the ready nodes), as a
+    graph tool that sorts again leaves it: the layers' nodes interleave."""
+    rng = np.random.default_rng(seed)
+    nodes = list(model.graph.node)
+    made = {name: i for i, node in enumerate(nodes) for name in node.output}
+    needs = [{made[name] for name in node.input if name in made} for node in nodes]
+    readers = [[] for _ in nodes]
+    for i, inputs in enumerate(needs):
+        for j in inputs:
+            readers[j].append(i)
+    waiting = [len(inputs) for inputs in needs]
+    ready, order = [i for i, count in enumerate(waiting) if count == 0], []
+    while ready:
+        i = ready.pop(int(rng.integers(len(ready))))
+        order.append(nodes[i])
+        for j in readers[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                ready.append(j)
+    del model.graph.node[:]
+    model.graph.node.extend(order)
+    return model
+
+
+def test_resorted_file_gives_the_same_blocks(tmp_path):
+    path = tmp_path / "resorted.onnx"
+    model = _resorted(_stack(4, gated=True), seed=1)
+    ops = [n.op_type for n in model.graph.node]
+    assert len({tuple(ops[2 + 7 * i : 9 + 7 * i]) for i in range(4)}) > 1  # the layers' orders differ
+    onnx.save(model, str(path))
+    report = modularize(path, tmp_path / "m.onnx")
+    assert [(r.length, r.count) for r in report.inferred.regions] == [(7, 4)]
+    assert props(functions(report.path)["Block"])[metadata.CALL_COUNT] == "4"
     assert_same_outputs(path, report.path)
 
 

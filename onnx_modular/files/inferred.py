@@ -452,12 +452,12 @@ def _constant_keys(
 
 
 def _root_schedule(
-    nodes: Sequence[ir.Node], keys: dict[ir.Node, tuple[str, ...]], members: set[ir.Node],
-    readers: dict[ir.Node, list[ir.Node]], pending: list[ir.Node],
+    nodes: Sequence[ir.Node], skeleton: Sequence[ir.Node], keys: dict[ir.Node, tuple[str, ...]],
+    members: set[ir.Node], readers: dict[ir.Node, list[ir.Node]], pending: list[ir.Node],
 ) -> dict[int, list[ir.Node]]:
     """Where the root's nodes off the skeleton go: before the top-level call of their first reader
-    on the skeleton (by position among ``nodes``' skeleton nodes; the end when none reads them)."""
-    skeleton = [node for node in nodes if node in members]
+    on the skeleton (by position in ``skeleton``, the members in search order; the end when none
+    reads them)."""
     position = {node: i for i, node in enumerate(skeleton)}
     start: list[int] = []
     for i, node in enumerate(skeleton):
@@ -478,16 +478,17 @@ def _root_schedule(
 
 
 def _contiguous_order(
-    graph: ir.Graph, nodes: Sequence[ir.Node], keys: dict[ir.Node, tuple[str, ...]], members: set[ir.Node],
+    graph: ir.Graph, nodes: Sequence[ir.Node], skeleton: Sequence[ir.Node], keys: dict[ir.Node, tuple[str, ...]],
     readers: dict[ir.Node, list[ir.Node]],
 ) -> list[ir.Node]:
     """``nodes`` in an order (topological) where each call's nodes are contiguous: a node off the
     skeleton where its call begins (the root's: before the top-level call that first reads it)."""
+    members = set(skeleton)
     pending: dict[tuple[str, ...], list[ir.Node]] = {}
     for node in nodes:
         if node not in members:
             pending.setdefault(keys.get(node, ()), []).append(node)
-    schedule = _root_schedule(nodes, keys, members, readers, pending.pop((), []))
+    schedule = _root_schedule(nodes, skeleton, keys, members, readers, pending.pop((), []))
     order: list[ir.Node] = []
     placed: set[ir.Node] = set()
 
@@ -508,13 +509,9 @@ def _contiguous_order(
                 if value.producer() is not None and value.producer() not in placed and value.producer().graph is graph
             ]
 
-    index = 0
-    for node in nodes:
-        if node not in members:
-            continue
+    for index, node in enumerate(skeleton):
         for early in schedule.pop(index, []):
             emit(early)
-        index += 1
         stack = keys.get(node, ())
         for depth in range(1, len(stack) + 1):
             for constant in pending.pop(stack[:depth], []):
@@ -523,6 +520,33 @@ def _contiguous_order(
     for rest in [*schedule.values(), *pending.values()]:
         for node in rest:
             emit(node)
+    return order
+
+
+def _canonical(skeleton: Sequence[ir.Node], outputs: Sequence[ir.Value]) -> list[ir.Node]:
+    """The skeleton in a canonical topological order, whatever order the file keeps: depth first
+    from the graph's outputs, each node after its inputs' producers in input order (a graph tool's
+    re-sort puts the layers' nodes anywhere; this walk gives them back one layer at a time)."""
+    members = set(skeleton)
+    seen: set[ir.Node] = set()
+    order: list[ir.Node] = []
+    starts = [value.producer() for value in outputs if value.producer() in members]
+    for start in [*starts, *reversed(skeleton)]:  # then what reaches no output
+        if start in seen:
+            continue
+        seen.add(start)
+        stack = [(start, iter(_reads(start)))]
+        while stack:
+            node, inputs = stack[-1]
+            for value in inputs:
+                producer = value.producer()
+                if producer in members and producer not in seen:
+                    seen.add(producer)
+                    stack.append((producer, iter(_reads(producer))))
+                    break
+            else:
+                stack.pop()
+                order.append(node)
     return order
 
 
@@ -558,17 +582,23 @@ def infer_calls(
     if len(skeleton) < 2 * min_block:
         return Inference(CallTree(root), {}, [], len(skeleton))
     regions, live, forks = _search(skeleton, members, graph.outputs, min_block)
+    canonical = _canonical(skeleton, graph.outputs)
+    if canonical != skeleton:  # the file's order, or the canonical walk where it finds more
+        again = _search(canonical, members, graph.outputs, min_block)
+        if sum(r.length * r.count for r in again[0]) > sum(r.length * r.count for r in regions):
+            skeleton, (regions, live, forks) = canonical, again
     if not regions:
         return Inference(CallTree(root), {}, [], len(skeleton))
     for region in regions:
         region.parts = _parts(skeleton, live, forks, region)
     keys = _skeleton_keys(skeleton, regions, root, gaps=subset is None)
     # The extras of a first copy (a mask made once, in the first layer) follow their readers, as constants.
-    placed = set(skeleton) - {skeleton[i] for region in regions for i in region.extras}
-    readers = _readers(nodes, placed)
-    _constant_keys(graph, nodes, keys, placed, readers)
+    extras = {skeleton[i] for region in regions for i in region.extras}
+    placed = [node for node in skeleton if node not in extras]
+    readers = _readers(nodes, set(placed))
+    _constant_keys(graph, nodes, keys, set(placed), readers)
     if subset is None:
-        order = _contiguous_order(graph, nodes, keys, placed, readers)
+        order = _contiguous_order(graph, nodes, placed, keys, readers)
         if order != nodes:
             graph.remove(nodes, safe=False)
             graph.extend(order)
