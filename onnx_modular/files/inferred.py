@@ -19,7 +19,9 @@ none; this module infers a call tree from the graph itself, in near-linear time:
    the fewest values live across it (values made before the cut and read after it): a transformer
    layer is cut where only the residual stream (and what every layer reads, the mask, the rotary
    tables) crosses, from the residual input to the residual output.
-5. **Parts.** Inside a block, the offsets where no more values are live than at the block's
+5. **Order.** Steps 1-4 run on the file's order and on a canonical depth-first walk from the
+   outputs (a graph tool's re-sort interleaves the layers' nodes); the one covering more wins.
+6. **Parts.** Inside a block, the offsets where no more values are live than at the block's
    start (in every copy) split it into parts: the attention and the MLP of a layer, each from the
    residual input to the residual add. A part with a ``Softmax`` is ``Attention``, one with two
    matrix products or more ``MLP``, else ``Part``.
