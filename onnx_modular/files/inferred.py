@@ -42,9 +42,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from onnx_modular.files import inferred_order
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree, ModuleCall
-from onnx_modular.passes.modularize import _used_values
 
 __all__ = [
     "Inference", "Region", "infer_calls", "unscoped_runs", "merged", "mark_inferred", "MIN_BLOCK_NODES",
@@ -64,7 +64,6 @@ _EXTEND_TRIES = 8
 INFERRED_PACKAGE = "inferred"
 #: The value of :data:`~onnx_modular.format.metadata.INFERRED` on inferred functions and call nodes.
 INFERRED_VALUE = "structure"
-_GRAPH_ATTRIBUTES = (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
 #: Ops whose count names a part of a block.
 _MATMULS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "MatMulNBits", "FusedMatMul"})
 
@@ -130,17 +129,10 @@ def _skeleton(nodes: Sequence[ir.Node], graph_inputs: Sequence[ir.Value]) -> lis
     dependent: set[ir.Value] = set(graph_inputs)
     skeleton = []
     for node in nodes:
-        if any(value in dependent for value in _reads(node)):
+        if any(value in dependent for value in inferred_order.reads(node)):
             skeleton.append(node)
             dependent.update(node.outputs)
     return skeleton
-
-
-def _reads(node: ir.Node) -> Sequence[ir.Value]:
-    """The values ``node`` reads (its subgraphs' reads of outer values included)."""
-    if any(attr.type in _GRAPH_ATTRIBUTES for attr in node.attributes.values()):
-        return list(_used_values(node))
-    return [value for value in node.inputs if value is not None]
 
 
 def _type_key(value: ir.Value | None) -> tuple:
@@ -210,7 +202,7 @@ def _live(skeleton: Sequence[ir.Node], graph_outputs: Sequence[ir.Value]) -> np.
     position = {node: i for i, node in enumerate(skeleton)}
     last: dict[ir.Value, int] = {}
     for i, node in enumerate(skeleton):
-        for value in _reads(node):
+        for value in inferred_order.reads(node):
             last[value] = i
     for value in graph_outputs:
         last[value] = len(skeleton)
@@ -415,143 +407,6 @@ def _skeleton_keys(
     return keys
 
 
-def _common_prefix(stacks: list[tuple[str, ...]]) -> tuple[str, ...]:
-    common = stacks[0]
-    for stack in stacks[1:]:
-        n = 0
-        while n < min(len(common), len(stack)) and common[n] == stack[n]:
-            n += 1
-        common = common[:n]
-    return common
-
-
-def _readers(nodes: Sequence[ir.Node], members: set[ir.Node]) -> dict[ir.Node, list[ir.Node]]:
-    """The readers of each node off the skeleton."""
-    readers: dict[ir.Node, list[ir.Node]] = {}
-    for node in nodes:
-        for value in _reads(node):
-            producer = value.producer()
-            if producer is not None and producer not in members:
-                readers.setdefault(producer, []).append(node)
-    return readers
-
-
-def _constant_keys(
-    graph: ir.Graph, nodes: Sequence[ir.Node], keys: dict[ir.Node, tuple[str, ...]], members: set[ir.Node],
-    readers: dict[ir.Node, list[ir.Node]],
-) -> None:
-    """Keys of the nodes off the skeleton: the calls common to all their readers."""
-    outputs = set(graph.outputs)
-    for node in reversed(nodes):
-        if node in members:
-            continue
-        stacks = [keys.get(reader, ()) for reader in readers.get(node, ())]
-        if not stacks or any(value in outputs for value in node.outputs):
-            stacks.append(())
-        common = _common_prefix(stacks)
-        if common:
-            keys[node] = common
-
-
-def _root_schedule(
-    nodes: Sequence[ir.Node], skeleton: Sequence[ir.Node], keys: dict[ir.Node, tuple[str, ...]],
-    members: set[ir.Node], readers: dict[ir.Node, list[ir.Node]], pending: list[ir.Node],
-) -> dict[int, list[ir.Node]]:
-    """Where the root's nodes off the skeleton go: before the top-level call of their first reader
-    on the skeleton (by position in ``skeleton``, the members in search order; the end when none
-    reads them)."""
-    position = {node: i for i, node in enumerate(skeleton)}
-    start: list[int] = []
-    for i, node in enumerate(skeleton):
-        top = keys.get(node, ())[:1]
-        start.append(start[-1] if i and top and top == keys.get(skeleton[i - 1], ())[:1] else i)
-    due: dict[ir.Node, int] = {}
-    for node in reversed(nodes):
-        if node not in members:
-            due[node] = min(
-                (position[r] if r in members else due.get(r, len(skeleton)) for r in readers.get(node, ())),
-                default=len(skeleton),
-            )
-    schedule: dict[int, list[ir.Node]] = {}
-    for node in pending:
-        at = due[node]
-        schedule.setdefault(start[at] if at < len(skeleton) else at, []).append(node)
-    return schedule
-
-
-def _contiguous_order(
-    graph: ir.Graph, nodes: Sequence[ir.Node], skeleton: Sequence[ir.Node], keys: dict[ir.Node, tuple[str, ...]],
-    readers: dict[ir.Node, list[ir.Node]],
-) -> list[ir.Node]:
-    """``nodes`` in an order (topological) where each call's nodes are contiguous: a node off the
-    skeleton where its call begins (the root's: before the top-level call that first reads it)."""
-    members = set(skeleton)
-    pending: dict[tuple[str, ...], list[ir.Node]] = {}
-    for node in nodes:
-        if node not in members:
-            pending.setdefault(keys.get(node, ()), []).append(node)
-    schedule = _root_schedule(nodes, skeleton, keys, members, readers, pending.pop((), []))
-    order: list[ir.Node] = []
-    placed: set[ir.Node] = set()
-
-    def emit(node: ir.Node) -> None:  # producers first (iterative: graphs are deep)
-        stack = [(node, False)]
-        while stack:
-            item, ready = stack.pop()
-            if item in placed:
-                continue
-            if ready:
-                placed.add(item)
-                order.append(item)
-                continue
-            stack.append((item, True))
-            stack += [
-                (value.producer(), False)
-                for value in _reads(item)
-                if value.producer() is not None and value.producer() not in placed and value.producer().graph is graph
-            ]
-
-    for index, node in enumerate(skeleton):
-        for early in schedule.pop(index, []):
-            emit(early)
-        stack = keys.get(node, ())
-        for depth in range(1, len(stack) + 1):
-            for constant in pending.pop(stack[:depth], []):
-                emit(constant)
-        emit(node)
-    for rest in [*schedule.values(), *pending.values()]:
-        for node in rest:
-            emit(node)
-    return order
-
-
-def _canonical(skeleton: Sequence[ir.Node], outputs: Sequence[ir.Value]) -> list[ir.Node]:
-    """The skeleton in a canonical topological order, whatever order the file keeps: depth first
-    from the graph's outputs, each node after its inputs' producers in input order (a graph tool's
-    re-sort puts the layers' nodes anywhere; this walk gives them back one layer at a time)."""
-    members = set(skeleton)
-    seen: set[ir.Node] = set()
-    order: list[ir.Node] = []
-    starts = [value.producer() for value in outputs if value.producer() in members]
-    for start in [*starts, *reversed(skeleton)]:  # then what reaches no output
-        if start in seen:
-            continue
-        seen.add(start)
-        stack = [(start, iter(_reads(start)))]
-        while stack:
-            node, inputs = stack[-1]
-            for value in inputs:
-                producer = value.producer()
-                if producer in members and producer not in seen:
-                    seen.add(producer)
-                    stack.append((producer, iter(_reads(producer))))
-                    break
-            else:
-                stack.pop()
-                order.append(node)
-    return order
-
-
 def _search(
     skeleton: list[ir.Node], members: set[ir.Node], outputs: Sequence[ir.Value], min_block: int
 ) -> tuple[list[Region], np.ndarray, np.ndarray]:
@@ -584,7 +439,7 @@ def infer_calls(
     if len(skeleton) < 2 * min_block:
         return Inference(CallTree(root), {}, [], len(skeleton))
     regions, live, forks = _search(skeleton, members, graph.outputs, min_block)
-    canonical = _canonical(skeleton, graph.outputs)
+    canonical = inferred_order.canonical(skeleton, graph.outputs)
     if canonical != skeleton:  # the file's order, or the canonical walk where it finds more
         again = _search(canonical, members, graph.outputs, min_block)
         if sum(r.length * r.count for r in again[0]) > sum(r.length * r.count for r in regions):
@@ -597,10 +452,10 @@ def infer_calls(
     # The extras of a first copy (a mask made once, in the first layer) follow their readers, as constants.
     extras = {skeleton[i] for region in regions for i in region.extras}
     placed = [node for node in skeleton if node not in extras]
-    readers = _readers(nodes, set(placed))
-    _constant_keys(graph, nodes, keys, set(placed), readers)
+    readers = inferred_order.readers_of(nodes, set(placed))
+    inferred_order.constant_keys(graph, nodes, keys, set(placed), readers)
     if subset is None:
-        order = _contiguous_order(graph, nodes, placed, keys, readers)
+        order = inferred_order.contiguous_order(graph, nodes, placed, keys, readers)
         if order != nodes:
             graph.remove(nodes, safe=False)
             graph.extend(order)
