@@ -30,7 +30,7 @@ import torch
 import transformers
 
 from onnx_modular import export_modular
-from onnx_modular.files import inferred
+from onnx_modular.calls import inferred
 from onnx_modular.files.modularize import modularize
 from onnx_modular.files.strip import strip_names
 from onnx_modular.format import metadata

@@ -20,9 +20,9 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+from onnx_modular.calls import inferred
 from onnx_modular.cli import main
 from onnx_modular.errors import InvalidModelFileError
-from onnx_modular.files import inferred
 from onnx_modular.files.modularize import INFERRED_SOURCE, modularize
 from onnx_modular.files.strip import strip_names
 from onnx_modular.format import metadata

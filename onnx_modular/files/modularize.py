@@ -47,10 +47,10 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from onnx_modular.calls import inferred
 from onnx_modular.calls.tree import count_from_ir
 from onnx_modular.check.parity import ParityReport, Tolerance, compare_outputs
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError, ParityError
-from onnx_modular.files import inferred
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree, ModuleCall
 from onnx_modular.format.text import shown
@@ -95,7 +95,7 @@ class ModularizeReport:
         unscoped_total: Nodes of the flat file without a scope; those between the nodes of one
             call (reading from it and feeding it) went into it, as export places such nodes.
         parity: The modular file against the flat one in onnxruntime.
-        inferred: The repeats found by structure (``files/inferred.py``) when calls were
+        inferred: The repeats found by structure (``calls/inferred.py``) when calls were
             inferred (``source`` is :data:`INFERRED_SOURCE`, or a file with unscoped runs).
     """
 
@@ -438,7 +438,7 @@ def modularize(
         verify: Run the check (the file is written only when it passes).
         execution_provider: onnxruntime's provider for the check (CPU by default).
         infer: ``"auto"``: where the file records no scopes (all of it, or runs of nodes of a file
-            that has them elsewhere), infer calls from repeated blocks (``files/inferred.py``);
+            that has them elsewhere), infer calls from repeated blocks (``calls/inferred.py``);
             ``"always"``: infer even where scopes are recorded; ``"never"``: recorded scopes only.
 
     Returns:

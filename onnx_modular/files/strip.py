@@ -1,7 +1,7 @@
 """Strip an ONNX file of what names its modules: node names, metadata, doc strings, weight names.
 
 What a file looks like after a converter or a graph tool that drops them: the inferred mode of
-``modularize`` (``files/inferred.py``) is measured and tested on such copies of torch's files.
+``modularize`` (``calls/inferred.py``) is measured and tested on such copies of torch's files.
 The graph's inputs and outputs keep their names (the interface); every other value is renamed
 ``t<k>`` and every initializer ``w<k>``, in order; shapes (``value_info``) are kept.
 

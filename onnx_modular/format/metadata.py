@@ -155,7 +155,7 @@ def function_domain(package: str, version: str) -> str:
 #: (``torch name_scopes``, ``namespace`` or ``scope names``).
 MODULARIZED_FROM = PREFIX + "modularized_from"
 #: Functions and call nodes of calls that ``modularize`` inferred from the graph's structure (a
-#: flat file without scopes, ``files/inferred.py``): ``"structure"``. Their module paths
+#: flat file without scopes, ``calls/inferred.py``): ``"structure"``. Their module paths
 #: (``block.0``, ``block.0.attention``) and classes (``Block``, ``Block.Attention``) are
 #: positions and shapes, not the model's: nobody recorded them.
 INFERRED = PREFIX + "inferred"

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from onnx_modular.files import inferred_order
+from onnx_modular.calls import inferred_order
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree, ModuleCall
 

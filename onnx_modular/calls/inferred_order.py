@@ -1,4 +1,4 @@
-"""Where the nodes of inferred calls go (``files/inferred.py``): the nodes off the skeleton into
+"""Where the nodes of inferred calls go (``calls/inferred.py``): the nodes off the skeleton into
 the call common to their readers, and an order of the main graph (still topological) in which
 each call's nodes are contiguous, as the outlining pass reads them; the canonical order the search
 also runs on.
