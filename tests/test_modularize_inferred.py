@@ -127,6 +127,19 @@ def test_scopes_win_unless_asked(gpt2, tmp_path):
     assert report.source == INFERRED_SOURCE and report.inferred.regions[0].count == 3
 
 
+def test_always_on_a_file_with_scopes_and_no_repeat(tmp_path):
+    nodes = [oh.make_node(op, [f"t{i}" if i else "x"], [f"t{i + 1}"], name=f"/m{i}/{op}")
+             for i, op in enumerate(["Relu", "Tanh", "Sigmoid", "Neg", "Abs", "Exp", "Sin", "Cos"])]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+                          [oh.make_tensor_value_info("t8", onnx.TensorProto.FLOAT, [2])])
+    path = tmp_path / "named.onnx"
+    onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)]), str(path))
+    with pytest.raises(InvalidModelFileError, match="infer='always' finds no call") as error:
+        modularize(path, tmp_path / "m.onnx", infer="always")
+    assert "infer='auto'" in error.value.hint
+    assert modularize(path, tmp_path / "m.onnx").source == "scope names"
+
+
 # -- ONNX text, no torch ------------------------------------------------------------------------------
 
 

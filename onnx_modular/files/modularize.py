@@ -474,6 +474,12 @@ def modularize(
             common_passes.ShapeInferencePass(strict_mode=False)(model)
         inference = inferred.infer_calls(model)
         keys = inference.keys
+        if not inference.regions and infer == "always" and _recorded_stacks(model) is not None:
+            raise InvalidModelFileError(
+                f"No block of {inferred.MIN_BLOCK_NODES} nodes or more repeats in the graph of {shown(str(source_path))} "
+                "(same ops, attributes, shapes and weight shapes, back to back): infer='always' finds no call.",
+                hint="The file records module scopes: run with infer='auto' (--infer auto) to use them.",
+            )
         if not inference.regions:
             raise _no_scopes(len(model.graph), repeats=False)
         source, tree = INFERRED_SOURCE, inference.tree
