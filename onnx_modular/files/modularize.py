@@ -464,9 +464,9 @@ def modularize(
     model = ir.load(str(source_path))  # external weights stay on disk (lazy tensors)
     if infer not in ("auto", "always", "never"):
         raise InvalidInputError(f"infer must be 'auto', 'always' or 'never', got {infer!r}.")
-    found = _recorded_stacks(model) if infer != "always" else None
+    found = _recorded_stacks(model)  # refuses a modular file, whatever ``infer`` says
     inference = None
-    if found is None:
+    if found is None or infer == "always":
         if infer == "never":
             raise _no_scopes(len(model.graph))
         # Shapes first: the signatures compare them (TorchScript-era files declare few).
@@ -474,7 +474,7 @@ def modularize(
             common_passes.ShapeInferencePass(strict_mode=False)(model)
         inference = inferred.infer_calls(model)
         keys = inference.keys
-        if not inference.regions and infer == "always" and _recorded_stacks(model) is not None:
+        if not inference.regions and found is not None:
             raise InvalidModelFileError(
                 f"No block of {inferred.MIN_BLOCK_NODES} nodes or more repeats in the graph of {shown(str(source_path))} "
                 "(same ops, attributes, shapes and weight shapes, back to back): infer='always' finds no call.",
