@@ -21,6 +21,7 @@ import onnxruntime as ort
 import pytest
 
 from onnx_modular.calls import inferred
+from onnx_modular.calls.tree import function_tree
 from onnx_modular.cli import main
 from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.files.modularize import INFERRED_SOURCE, modularize
@@ -188,6 +189,10 @@ def test_residual_stack_from_onnx_text(tmp_path):
     assert props(by_name["Block"])[metadata.CALL_COUNT] == "4"
     assert [n.op_type for n in by_name["Block"].node] == ["LayerNormalization", "MatMul", "Relu", "MatMul", "Add"]
     assert report.nodes_in_parent == 0 and report.nodes_in_calls == 24  # every node in a call
+    # The file tools read the inferred calls as any module call (tree: the file's call tree).
+    tree = function_tree(onnx.load(str(report.path)))
+    assert [(c.call_name, c.class_name, c.num_nodes) for c in tree.root.children] == [
+        ("stem", "Stem", 2), *((f"block.{i}", "Block", 5) for i in range(4)), ("head", "Head", 2)]
     assert_same_outputs(path, report.path)
 
 
