@@ -521,7 +521,8 @@ def run_modularize(args: argparse.Namespace) -> int:
     if args.inputs and args.no_verify:
         raise InvalidInputError("--inputs are the inputs of the comparison with the flat file: drop --no-verify.")
     print(modularize(
-        args.model, args.output, dedupe=not args.no_dedupe, modules=modules, inputs=_npz_feeds(args), verify=not args.no_verify
+        args.model, args.output, dedupe=not args.no_dedupe, modules=modules, inputs=_npz_feeds(args), verify=not args.no_verify,
+        infer=args.infer,
     ))
     return EXIT_OK
 

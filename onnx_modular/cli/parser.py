@@ -377,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     modular.add_argument(
         "--inputs", default=None, metavar="FILE.npz", help="inputs of the comparison with the flat file (default: random, seed 0)"
     )
+    modular.add_argument("--infer", choices=("auto", "always", "never"), default="auto",
+                         help="infer calls from repeated blocks where the file records no scopes (auto), "
+                         "even where it does (always), or never (docs/modularize.md)")
     modular.set_defaults(run=handlers.run_modularize)
 
     view = commands.add_parser(

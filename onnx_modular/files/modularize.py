@@ -47,6 +47,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from onnx_modular.calls import inferred
 from onnx_modular.calls.tree import count_from_ir
 from onnx_modular.check.parity import ParityReport, Tolerance, compare_outputs
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError, ParityError
@@ -60,7 +61,7 @@ from onnx_modular.storage import save
 from onnx_modular.storage.load import load_model_file
 from onnx_modular.storage.proto import uses_external_data
 
-__all__ = ["ModularizeReport", "modularize", "file_stacks", "SOURCES", "DEFAULT_TOLERANCE"]
+__all__ = ["ModularizeReport", "modularize", "file_stacks", "SOURCES", "INFERRED_SOURCE", "DEFAULT_TOLERANCE"]
 
 #: Where a call tree can come from, in the order they are looked for.
 SOURCES = ("torch name_scopes", "namespace", "scope names")
@@ -94,6 +95,8 @@ class ModularizeReport:
         unscoped_total: Nodes of the flat file without a scope; those between the nodes of one
             call (reading from it and feeding it) went into it, as export places such nodes.
         parity: The modular file against the flat one in onnxruntime.
+        inferred: The repeats found by structure (``calls/inferred.py``) when calls were
+            inferred (``source`` is :data:`INFERRED_SOURCE`, or a file with unscoped runs).
     """
 
     path: pathlib.Path | None
@@ -109,6 +112,7 @@ class ModularizeReport:
     unscoped_total: int
     parity: ParityReport | None
     absorbed: list[str] = dataclasses.field(default_factory=list)
+    inferred: inferred.Inference | None = None
 
     def __str__(self) -> str:
         lines = [
@@ -126,11 +130,25 @@ class ModularizeReport:
                 f"(interleaved scopes, or a module called twice): {', '.join(shown(p) for p in self.absorbed[:8])}"
                 + (" ..." if len(self.absorbed) > 8 else "")
             )
+        if self.inferred is not None:
+            lines += _inferred_lines(self.inferred)
         if self.parity is not None:
             lines.append(str(self.parity))
         if self.path is not None:
             lines.append(f"wrote {shown(str(self.path))}")
         return "\n".join(lines)
+
+
+def _inferred_lines(found: inferred.Inference) -> list[str]:
+    lines = []
+    for region in found.regions:
+        parts = ", ".join(f"{part} ({end - start})" for start, end, part in region.parts)
+        lines.append(
+            f"inferred: {region.count} copies of a {region.length}-node block ({region.name}.0 ... "
+            f"{region.name}.{region.count - 1})" + (f", parts {parts}" if parts else "")
+        )
+    lines.append(f"{found.covered} of the {found.skeleton} nodes that depend on an input are in repeated blocks")
+    return lines
 
 
 def _count(n: int, what: str) -> str:
@@ -217,6 +235,13 @@ def file_stacks(model: ir.Model) -> tuple[str, dict[ir.Node, Scopes | None]]:
     Raises:
         InvalidModelFileError: No node carries any, or the file is modular already.
     """
+    found = _recorded_stacks(model)
+    if found is None:
+        raise _no_scopes(len(model.graph))
+    return found
+
+
+def _recorded_stacks(model: ir.Model) -> tuple[str, dict[ir.Node, Scopes | None]] | None:
     ours = [f.name for f in model.functions.values() if metadata.is_module_function(f)]
     if ours:
         raise InvalidModelFileError(
@@ -230,15 +255,33 @@ def file_stacks(model: ir.Model) -> tuple[str, dict[ir.Node, Scopes | None]]:
         # A source counts when it places some node under a module, not only under the root.
         if any(stack for stack in stacks.values()):
             return source, stacks
-    raise InvalidModelFileError(
-        f"The file carries no module scopes: none of its {len(nodes)} main-graph nodes has torch's "
+    return None
+
+
+def _no_scopes(nodes: int, repeats: bool | None = None) -> InvalidModelFileError:
+    """No scopes recorded (and, when ``repeats`` is False, no block that repeats either)."""
+    message = (
+        f"The file carries no module scopes: none of its {nodes} main-graph nodes has torch's "
         f"{metadata.NAME_SCOPES!r} and {metadata.CLASS_HIERARCHY!r}, a {metadata.NAMESPACE!r} "
-        "chain, or a TorchScript scope name ('/model/layers.0/self_attn/MatMul').",
-        hint="Export the model with torch.onnx.export(..., dynamo=True) (which records them), or with "
-        "onnx_modular.export_modular if you have the PyTorch model.",
+        "chain, or a TorchScript scope name ('/model/layers.0/self_attn/MatMul')"
     )
+    if repeats is False:
+        message += (
+            f", and no block of {inferred.MIN_BLOCK_NODES} nodes or more repeats in its graph "
+            "(same ops, attributes, shapes and weight shapes, back to back), so no call can be inferred."
+        )
+        hint = ("The file has nothing to share; to outline it anyway, export the model with "
+                "onnx_modular.export_modular if you have the PyTorch model.")
+    else:
+        message += "."
+        hint = ("Export the model with torch.onnx.export(..., dynamo=True) (which records them), or with "
+                "onnx_modular.export_modular if you have the PyTorch model; --infer auto (infer='auto') "
+                "infers calls from repeated blocks.")
+    return InvalidModelFileError(message, hint=hint)
 
 
+#: ``report.source`` of a call tree inferred from the graph's structure (no scopes recorded).
+INFERRED_SOURCE = "structure (inferred)"
 # -- the call tree -----------------------------------------------------------------------------
 
 
@@ -317,7 +360,7 @@ def _selected(tree: CallTree, modules: str | int | Iterable[str] | None) -> set[
 _CONSTANT_NAME = re.compile(r"^val_\d+$|/|::")
 
 
-def _constants(model: ir.Model, tree: CallTree) -> list[str]:
+def _constants(model: ir.Model, tree: CallTree, *, inferred_only: bool = False) -> list[str]:
     """The initializers that are an exporter's constants, not a module's weights.
 
     Listed in :data:`~onnx_modular.format.metadata.LIFTED_CONSTANTS` as our exports list theirs:
@@ -328,7 +371,8 @@ def _constants(model: ir.Model, tree: CallTree) -> list[str]:
     paths = {call.module_path for call in tree.walk() if call.module_path}
     constants = []
     for name, value in model.graph.initializers.items():
-        if name.rpartition(".")[0] in paths or not _CONSTANT_NAME.search(name):
+        # Inferred calls have no module paths, and a stripped file's names say nothing: by value only.
+        if not inferred_only and (name.rpartition(".")[0] in paths or not _CONSTANT_NAME.search(name)):
             continue
         # An optimizer's fold of weights is named like a constant (torch's ``val_308``, the
         # transposed tied ``lm_head.weight``): float tensors count as weights, scalars do not.
@@ -337,6 +381,24 @@ def _constants(model: ir.Model, tree: CallTree) -> list[str]:
             continue
         constants.append(name)
     return constants
+
+
+def _torch_version(model: ir.Model) -> str | None:
+    return model.producer_version.split("+", 1)[0] if model.producer_name == "pytorch" else None
+
+
+def _root_class(model: ir.Model) -> str:
+    root_class = next(
+        (classes[0] for node in model.graph if (classes := _literal_list(node.metadata_props.get(metadata.CLASS_HIERARCHY)))),
+        "",
+    )
+    if not root_class:
+        root_class = next(
+            (seg.partition(": ")[2] for node in model.graph
+             if (seg := (node.metadata_props.get(metadata.NAMESPACE) or "").split("/")[0]).startswith(": ")),
+            "",
+        )
+    return root_class
 
 
 def _domain(call: ModuleCall) -> str:
@@ -358,6 +420,7 @@ def modularize(
     tolerance: Tolerance | None = None,
     verify: bool = True,
     execution_provider: str | None = None,
+    infer: str = "auto",
 ) -> ModularizeReport:
     """Rebuild the module hierarchy of the flat ONNX file ``path`` into ``output``.
 
@@ -374,6 +437,9 @@ def modularize(
         tolerance: Of the check, modular against flat; default ``atol=1e-6``.
         verify: Run the check (the file is written only when it passes).
         execution_provider: onnxruntime's provider for the check (CPU by default).
+        infer: ``"auto"``: where the file records no scopes (all of it, or runs of nodes of a file
+            that has them elsewhere), infer calls from repeated blocks (``calls/inferred.py``);
+            ``"always"``: infer even where scopes are recorded; ``"never"``: recorded scopes only.
 
     Returns:
         A :class:`ModularizeReport`.
@@ -396,19 +462,40 @@ def modularize(
     feeds = runtime_inputs.feeds_for(proto, inputs) if verify else None
     del proto
     model = ir.load(str(source_path))  # external weights stay on disk (lazy tensors)
-    source, scopes = file_stacks(model)
-    torch_version = model.producer_version.split("+", 1)[0] if model.producer_name == "pytorch" else None
-    root_class = next(
-        (classes[0] for node in model.graph if (classes := _literal_list(node.metadata_props.get(metadata.CLASS_HIERARCHY)))),
-        "",
-    )
-    if not root_class:
-        root_class = next(
-            (seg.partition(": ")[2] for node in model.graph
-             if (seg := (node.metadata_props.get(metadata.NAMESPACE) or "").split("/")[0]).startswith(": ")),
-            "",
-        )
-    tree, keys = _build_tree(scopes, root_class, torch_version)
+    if infer not in ("auto", "always", "never"):
+        raise InvalidInputError(f"infer must be 'auto', 'always' or 'never', got {infer!r}.")
+    found = _recorded_stacks(model)  # refuses a modular file, whatever ``infer`` says
+    inference = None
+    if found is None or infer == "always":
+        if infer == "never":
+            raise _no_scopes(len(model.graph))
+        # Shapes first: the signatures compare them (TorchScript-era files declare few).
+        if any(value.shape is None or value.type is None for node in model.graph for value in node.outputs):
+            common_passes.ShapeInferencePass(strict_mode=False)(model)
+        inference = inferred.infer_calls(model)
+        keys = inference.keys
+        if not inference.regions and found is not None:
+            raise InvalidModelFileError(
+                f"No block of {inferred.MIN_BLOCK_NODES} nodes or more repeats in the graph of {shown(str(source_path))} "
+                "(same ops, attributes, shapes and weight shapes, back to back): infer='always' finds no call.",
+                hint="The file records module scopes: run with infer='auto' (--infer auto) to use them.",
+            )
+        if not inference.regions:
+            raise _no_scopes(len(model.graph), repeats=False)
+        source, tree = INFERRED_SOURCE, inference.tree
+        scopes = {node: None for node in model.graph if node not in keys}
+    else:
+        source, scopes = found
+        tree, keys = _build_tree(scopes, _root_class(model), _torch_version(model))
+        if infer == "auto" and any(stack is None for stack in scopes.values()):
+            inference = inferred.infer_calls(model, subset=inferred.unscoped_runs(model, scopes))
+            more = inference.keys
+            if inference.regions and not any(call.key in tree for call in inference.tree.walk() if not call.is_root):
+                tree = inferred.merged(tree, inference.tree, keys, more, model)
+                keys.update(more)
+                scopes.update(dict.fromkeys(more, ()))
+            else:
+                inference = None
     selected = _selected(tree, modules)
     nodes = len(model.graph)
     unscoped_nodes = {node for node, stack in scopes.items() if stack is None}
@@ -419,7 +506,8 @@ def modularize(
     # Types and shapes of the values the file leaves undeclared (TorchScript exports declare few):
     # dedupe compares the bodies' input and output shapes, and an unknown one differs from any.
     # onnx_ir runs onnx's inference without the initializers' values; a failure leaves the model as it is.
-    passes.insert(0, common_passes.ShapeInferencePass(strict_mode=False))
+    if source != INFERRED_SOURCE:  # the inferred mode ran it before its search (where shapes lacked)
+        passes.insert(0, common_passes.ShapeInferencePass(strict_mode=False))
     try:
         pipeline.run(passes, model)
     except ir.passes.PreconditionError as e:
@@ -427,8 +515,12 @@ def modularize(
             f"{shown(str(source_path))} cannot be modularized: {e}",
             hint="Sort the graph topologically (onnx_ir's TopologicalSortPass) and try again.",
         ) from e
-    model.metadata_props[metadata.MODULARIZED_FROM] = source
-    constants = _constants(model, tree)
+    model.metadata_props[metadata.MODULARIZED_FROM] = source if inference is None or source == INFERRED_SOURCE else (
+        f"{source} + {INFERRED_SOURCE}"
+    )
+    if inference is not None:
+        inferred.mark_inferred(model, inference)
+    constants = _constants(model, tree, inferred_only=source == INFERRED_SOURCE)
     if constants:
         model.metadata_props[metadata.LIFTED_CONSTANTS] = json.dumps(constants)
     functions = {call.function for call in tree.walk() if call.function is not None}
@@ -454,6 +546,7 @@ def modularize(
         unscoped_total=len(unscoped_nodes),
         absorbed=[call.call_name for call in tree.walk() if call.key in scoped and call.selected and call.function is None],
         parity=parity,
+        inferred=inference,
     )
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "SPLIT_OPENED",
     "CONVERTED",
     "MODULARIZED_FROM",
+    "INFERRED",
     "UNKNOWN_PACKAGE",
     "CALLS",
     "STACK",
@@ -153,6 +154,11 @@ def function_domain(package: str, version: str) -> str:
 #: Model metadata written by ``modularize``: where the call tree of a flat file came from
 #: (``torch name_scopes``, ``namespace`` or ``scope names``).
 MODULARIZED_FROM = PREFIX + "modularized_from"
+#: Functions and call nodes of calls that ``modularize`` inferred from the graph's structure (a
+#: flat file without scopes, ``calls/inferred.py``): ``"structure"``. Their module paths
+#: (``block.0``, ``block.0.attention``) and classes (``Block``, ``Block.Attention``) are
+#: positions and shapes, not the model's: nobody recorded them.
+INFERRED = PREFIX + "inferred"
 #: The package (and version) of a module whose class a file does not tell: its domain is
 #: ``pkg.unknown``; a known class of an unknown version gets ``pkg.<package>`` and this version.
 UNKNOWN_PACKAGE = "unknown"
