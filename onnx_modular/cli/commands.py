@@ -451,6 +451,23 @@ def run_split(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def run_generate(args: argparse.Namespace) -> int:
+    from onnx_modular.runtime.generation import generate
+
+    try:
+        rows = [[int(token) for token in ids.split(",") if token.strip()] for ids in args.input_ids]
+    except ValueError:
+        raise InvalidInputError(
+            f"--input-ids takes comma-separated integers, not {args.input_ids!r}.", hint="--input-ids 1,306,4966"
+        ) from None
+    if len({len(row) for row in rows}) != 1 or not rows[0]:
+        raise InvalidInputError("Every --input-ids needs the same number of tokens (one or more).", hint="--input-ids 1,2,3 --input-ids 4,5,6")
+    tokens = generate(args.model, rows, max_new_tokens=args.max_new_tokens)
+    for row, ids in zip(tokens, rows):
+        stdout(f"prompt {','.join(map(str, ids))} -> new {','.join(str(int(t)) for t in row[len(ids):])}")
+    return EXIT_OK
+
+
 def run_replace(args: argparse.Namespace) -> int:
     from onnx_modular.files.replace import replace
 

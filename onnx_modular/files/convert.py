@@ -1131,7 +1131,11 @@ def convert(
     # onnx has no schema for MatMulNBits: no strict type inference; onnxruntime opens and runs it below
     actual: dict[str, np.ndarray] = {}
     actual_calls: list = []
-    with save.staged_save(result, destination, full_check=quantize is None) as staged:
+    # a source with external data gives one with external data: tensors left as they are stay
+    # references into the source's data (a `--generation` decode.onnx reads prefill.onnx.data), which
+    # an inline save cannot keep; writing them to the output's own data file can
+    external = True if folder else None
+    with save.staged_save(result, destination, external_data=external, full_check=quantize is None) as staged:
         if verify:
             _runnable(staged, dtype, quantize)
             staged_model = onnx.load(str(staged), load_external_data=False)
