@@ -103,7 +103,7 @@ def resolve_target(model: onnx.ModelProto, text: str) -> Target:
         raise InvalidInputError(
             f"No module call or class {text!r} in the model"
             + (f"; the closest names: {', '.join(close)}." if close else "."),
-            hint="Give a call path (`h.1.attn`) or a class (`GPT2Block`); `onnx-modular tree` lists them.",
+            hint=_hint(tree, calls),
         )
     functions: list[FunctionId] = []
     for name in names:
@@ -111,6 +111,17 @@ def resolve_target(model: onnx.ModelProto, text: str) -> Target:
         if fid not in functions:
             functions.append(fid)
     return Target(text, True, names, functions)
+
+
+def _hint(tree, calls) -> str:
+    """What to give, with examples from this file (a Llama gets ``model.layers.0`` and
+    ``LlamaDecoderLayer``, not another model's names): a deep call path rather than the root's
+    child, and its class."""
+    names = sorted(calls, key=lambda name: (-min(name.count("."), 2), name))
+    if not names:
+        return "This file has no module calls (`onnx-modular tree` shows its hierarchy)."
+    cls = next((c.class_name for c in tree.walk() if not c.is_root and c.call_name == names[0] and c.class_name), None)
+    return f"Give a call path (`{names[0]}`)" + (f" or a class (`{cls}`)" if cls else "") + "; `onnx-modular tree` lists them."
 
 
 def find_call(model: onnx.ModelProto, name: str) -> metadata.ExpandedCall:
