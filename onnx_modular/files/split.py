@@ -75,6 +75,9 @@ MODEL_FILE = "model.onnx"
 #: ``stages=N`` keeps the shallowest graph whose heaviest stage is at most this times the best
 #: heaviest stage over the graphs along the heaviest call's chain.
 SHALLOW_PREFERENCE = 1.25
+#: ``stages=N``: a call whose weights are under this share of the heaviest call's of its graph (a
+#: rotary table, a norm's scale) is never a stage alone; it joins the next call.
+TABLE_SHARE = 0.05
 #: What ``stages=N`` balances.
 BALANCES = ("bytes", "time")
 
@@ -343,16 +346,18 @@ def _partition(costs: Sequence[float], parts: int) -> tuple[float, list[int]]:
     return best[parts][n], sorted(starts)[1:]
 
 
-def _groups(calls: Sequence[str], holds_matrix) -> list[int]:
-    """The first index of each group of calls that stages may not separate: a call without a weight
-    matrix (a rotary table, a norm's scale vector, no weights at all) joins the next call that has
-    one (trailing ones join the last group), so that no stage holds nothing but a table. Every
-    call is its own group when none has a matrix."""
-    if not any(holds_matrix(name) for name in calls):
+def _groups(calls: Sequence[str], bytes_of) -> list[int]:
+    """The first index of each group of calls that stages may not separate. A call whose weights
+    are a table next to the graph's big calls (under :data:`TABLE_SHARE` of the heaviest call's
+    bytes: a rotary table, a norm's scale, no weights at all) joins the next call that holds more
+    (trailing ones join the last group), so that no stage holds nothing but a table. Every call is
+    its own group when none holds weights."""
+    heaviest = max((bytes_of(name) for name in calls), default=0)
+    if heaviest <= 0:
         return list(range(len(calls)))
     starts, open_start = [], 0
     for i, name in enumerate(calls):
-        if holds_matrix(name):
+        if bytes_of(name) > TABLE_SHARE * heaviest:
             starts.append(open_start)
             open_start = i + 1
     return starts
@@ -384,7 +389,7 @@ def _opened_blocks(model: onnx.ModelProto, opened: Sequence[str]) -> list[str]:
     return blocks
 
 
-def _plan_stages(model: onnx.ModelProto, stages: int, cost_of, holds_matrix=lambda name: True) -> tuple[list[str], list[str], list[str]]:
+def _plan_stages(model: onnx.ModelProto, stages: int, cost_of, bytes_of=None) -> tuple[list[str], list[str], list[str]]:
     """(opened calls, first call of each stage after the first, notes) for ``stages=N``.
 
     The first graph whose heaviest stage is within :data:`SHALLOW_PREFERENCE` of the best over
@@ -399,7 +404,7 @@ def _plan_stages(model: onnx.ModelProto, stages: int, cost_of, holds_matrix=lamb
     allowed: list[tuple[_Level, int]] = []
     for level in _levels(model, cost_of):
         last = level
-        groups = _groups(level.calls, holds_matrix)
+        groups = _groups(level.calls, bytes_of or cost_of)
         allowed.append((level, len(groups)))
         if len(groups) < stages:
             continue
@@ -413,8 +418,8 @@ def _plan_stages(model: onnx.ModelProto, stages: int, cost_of, holds_matrix=lamb
         most = max((count for _, count in allowed), default=0)
         shown_calls = ", ".join(last.calls[:6]) + (", ..." if len(last.calls) > 6 else "") if last is not None else "none"
         raise InvalidInputError(
-            f"{stages} stages need {stages} module calls in one graph, each stage with a weight matrix (a stage "
-            f"of a rotary table or a norm alone is not made); the graphs that can be cut here allow "
+            f"{stages} stages need {stages} module calls in one graph, each stage with more than a table (a "
+            f"stage of a rotary table or a norm alone is not made); the graphs that can be cut here allow "
             f"{most} at most ({shown_calls}).",
             hint=f"Ask for {max(most, 2)} stages or fewer, or name the cuts with --at (`onnx-modular tree` lists the calls).",
         )
@@ -432,6 +437,7 @@ def _plan_stages(model: onnx.ModelProto, stages: int, cost_of, holds_matrix=lamb
             f"{_short(blocks)}, each cut across stages. Ask for {count} stages or fewer to cut between them, "
             "or name the cuts with --at."
         )
+        warnings.warn(notes[-1], UserWarning, stacklevel=3)  # from split()'s caller
     return level.opened, [level.calls[i] for i in starts], notes
 
 
@@ -859,23 +865,17 @@ def split(
         report = profile(path, feeds, runs=5, warmup=1)
         times = {item.key: item.inclusive_us for item in report.calls()}
 
-    def cost_of(name: str) -> float:
-        if balance == "time":
-            return times.get(name, 0.0)
+    def weight_bytes(name: str) -> float:
         return float(sum(sizes.get(w, 0) for w in weights.get(name, ())))
+
+    def cost_of(name: str) -> float:
+        return times.get(name, 0.0) if balance == "time" else weight_bytes(name)
 
     notes: list[str] = []
     if at is not None:
         opened, cut_calls = _plan_at(model, at)
     else:
-        ranks = {tensor.name: len(tensor.dims) for tensor in model.graph.initializer}
-
-        def holds_matrix(name: str) -> bool:  # a weight matrix, not only tables and vectors
-            return any(ranks.get(w, 0) >= 2 and sizes.get(w, 0) for w in weights.get(name, ()))
-
-        opened, cut_calls, notes = _plan_stages(model, stages, cost_of, holds_matrix)
-        for note in notes:
-            warnings.warn(note, UserWarning, stacklevel=2)
+        opened, cut_calls, notes = _plan_stages(model, stages, cost_of, weight_bytes)
     for name in opened:
         model = _open_call(model, name)
     cuts = _assign(model, cut_calls)
