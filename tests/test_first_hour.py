@@ -104,3 +104,33 @@ def test_diff_relative_column_leaves_values_near_zero_to_the_absolute_one():
     assert max_rel == pytest.approx(1e-3, rel=1e-3)  # 1e-7 off by 1e-4 would read 1e+03
     half = [x.astype(np.float16) for x in (np.array([5e-3, 1.0]), np.array([6e-3, 1.0]))]
     assert _drift([half[0]], [half[1]])[1] == 0.0  # float16: below its atol of 1e-2
+
+
+class _TwoLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        hidden = torch.relu(self.a(x))
+        return self.b(hidden), hidden
+
+
+def test_modularize_names_the_outputs_of_torch_s_flat_file(tmp_path):
+    torch.manual_seed(0)
+    flat = tmp_path / "flat.onnx"
+    torch.onnx.export(_TwoLinear().eval(), (torch.randn(2, 4),), str(flat), dynamo=True)
+    import onnx
+
+    assert [v.name for v in onnx.load(str(flat)).graph.output] == ["linear_1", "relu"]  # torch's node names
+    report = onnx_modular.modularize(flat, tmp_path / "m.onnx", output_names=["logits", "hidden"])
+    saved = onnx.load(str(tmp_path / "m.onnx"))
+    assert [v.name for v in saved.graph.output] == ["logits", "hidden"]
+    assert [o.name for o in report.parity.outputs] == ["logits", "hidden"] and report.parity.ok
+    assert len(saved.functions) == 2  # the calls are outlined as without the names
+    for bad, message in ((["logits"], "2 distinct names"), (["x", "y"], "other values"), (["a", "a"], "distinct")):
+        with pytest.raises(InvalidInputError, match=message):
+            onnx_modular.modularize(flat, tmp_path / "bad.onnx", output_names=bad)
+    assert not (tmp_path / "bad.onnx").exists()
+    assert main(["modularize", str(flat), "-o", str(tmp_path / "cli.onnx"), "--output-names", "logits,hidden"]) == 0
+    assert [v.name for v in onnx.load(str(tmp_path / "cli.onnx")).graph.output] == ["logits", "hidden"]

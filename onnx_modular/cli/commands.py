@@ -539,8 +539,10 @@ def run_modularize(args: argparse.Namespace) -> int:
     modules = args.depth if args.depth is not None else (args.classes or "all")
     if args.inputs and args.no_verify:
         raise InvalidInputError("--inputs are the inputs of the comparison with the flat file: drop --no-verify.")
+    output_names = args.output_names.split(",") if args.output_names is not None else None
     print(modularize(
-        args.model, args.output, dedupe=not args.no_dedupe, modules=modules, inputs=_npz_feeds(args), verify=not args.no_verify
+        args.model, args.output, dedupe=not args.no_dedupe, modules=modules, inputs=_npz_feeds(args), verify=not args.no_verify,
+        output_names=output_names,
     ))
     return EXIT_OK
 

@@ -372,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     modular.add_argument("--classes", nargs="+", default=None, metavar="NAME",
                          help="outline only calls of these classes (names or globs: GPT2Block '*Attention')")
     modular.add_argument("--no-dedupe", action="store_true", help="one function per call, even for identical calls")
+    modular.add_argument(
+        "--output-names", default=None, metavar="A,B,...",
+        help="new names of the graph outputs, in order (torch's file names them after its last nodes: linear_28)",
+    )
     modular.add_argument("--no-verify", action="store_true",
                          help="skip the comparison with the flat file (it runs both files in onnxruntime)")
     modular.add_argument(
