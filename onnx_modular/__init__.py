@@ -54,6 +54,7 @@ _LAZY = {
     "convert": "onnx_modular.files.convert",
     "Conversion": "onnx_modular.files.convert",
     "modularize": "onnx_modular.files.modularize",
+    "generate": "onnx_modular.runtime.generation",
     "ModularizeReport": "onnx_modular.files.modularize",
 }
 
@@ -93,6 +94,7 @@ __all__ = [
     "Conversion",
     "modularize",
     "ModularizeReport",
+    "generate",
     "localize",
     "LocalizationReport",
     "profile",

@@ -8,6 +8,9 @@
 # project's machines `pip install torch==2.13.0` finds the CPU wheel in a local wheel folder; on an
 # ordinary machine PyPI's Linux wheel is the CUDA build (several GB of CUDA packages), so set
 # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu (torch's own CPU wheel index) first.
+# transformers is pinned for both extras to the release the tests use (5.23.0), so the demo and the
+# tests see the same release (its KV cache input names differ between 5.23 and 5.24); the `hf` extra
+# itself admits 5.23 and 5.24 (`bash scripts/test-transformers.sh 5.24.0` tests 5.24).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extra="${1:-test}"
@@ -21,5 +24,6 @@ if [ -n "${TORCH_INDEX_URL:-}" ]; then
 else
     python3 -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 fi
-echo "setup: onnx_modular and its '${extra}' extra (pip install -e \".[${extra}]\")"
-python3 -m pip install --quiet --disable-pip-version-check -e ".[${extra}]"
+transformers="5.23.0"
+echo "setup: onnx_modular and its '${extra}' extra (pip install -e \".[${extra}]\" transformers==${transformers})"
+python3 -m pip install --quiet --disable-pip-version-check -e ".[${extra}]" "transformers==${transformers}"

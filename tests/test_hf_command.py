@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from helpers import cache_argument, returned_cache  # noqa: E402
 
+import onnx_modular  # noqa: E402
 from onnx_modular.cli import main  # noqa: E402
 from onnx_modular.errors import InvalidInputError  # noqa: E402
 from onnx_modular.format import metadata  # noqa: E402
@@ -203,9 +204,7 @@ def test_optimum_io_names_decode_as_optimum_feeds_them(tmp_path, capsys):
     ``present.N.key`` whatever transformers release exported them (5.24 calls its argument
     ``cache``), and the file decodes as Optimum's ``ORTModelForCausalLM`` drives it: an empty past
     at the prompt, then each step's ``present.*`` fed back as ``past_key_values.*``, giving
-    ``model.generate``'s greedy tokens."""
-    import onnxruntime as ort
-
+    ``model.generate``'s greedy tokens (``onnx_modular.generate``'s loop)."""
     checkpoint = _llama(tmp_path / "ckpt")
     path = tmp_path / "m.onnx"
     assert main(["export", str(checkpoint), "--task", "text-generation-with-past", "-o", str(path), "--io-names", "optimum"]) == 0
@@ -225,18 +224,7 @@ def test_optimum_io_names_decode_as_optimum_feeds_them(tmp_path, capsys):
     prompt = torch.tensor([[5, 17, 33, 2], [9, 41, 7, 63]])
     with torch.no_grad():
         expected = model.generate(prompt, do_sample=False, max_new_tokens=6, min_new_tokens=6, eos_token_id=None, pad_token_id=0)
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    tokens = prompt.numpy()
-    cache = {name: np.zeros((2, 2, 0, 8), np.float32) for name in past}  # Optimum's first step: no past
-    step = tokens
-    for _ in range(6):
-        length = cache[past[0]].shape[2] + step.shape[1]
-        outputs = dict(zip([o.name for o in saved.graph.output], session.run(None, {
-            "input_ids": step, "attention_mask": np.ones((2, length), np.int64), **cache,
-        })))
-        cache = {name: outputs[name.replace("past_key_values", "present")] for name in past}
-        step = outputs["logits"][:, -1:].argmax(-1)
-        tokens = np.concatenate([tokens, step], axis=1)
+    tokens = onnx_modular.generate(path, prompt.numpy(), max_new_tokens=6)  # an empty past, then present.* fed back
     np.testing.assert_array_equal(tokens, expected.numpy())
 
     # Optimum's names are for one file of a with-past decoder: other uses are refused before any work.

@@ -103,7 +103,7 @@ def resolve_target(model: onnx.ModelProto, text: str) -> Target:
         raise InvalidInputError(
             f"No module call or class {text!r} in the model"
             + (f"; the closest names: {', '.join(close)}." if close else "."),
-            hint="Give a call path (`h.1.attn`) or a class (`GPT2Block`); `onnx-modular tree` lists them.",
+            hint=_hint(tree, next((name for name in close if name in calls), None) or _shallow_call(calls)),
         )
     functions: list[FunctionId] = []
     for name in names:
@@ -111,6 +111,20 @@ def resolve_target(model: onnx.ModelProto, text: str) -> Target:
         if fid not in functions:
             functions.append(fid)
     return Target(text, True, names, functions)
+
+
+def _shallow_call(calls) -> str | None:
+    """A call one level inside another (``model.layers.0``, ``h.0``), else the shallowest."""
+    return min(calls, key=lambda name: (abs(name.count(".") - 1), name), default=None)
+
+
+def _hint(tree, example: str | None) -> str:
+    """What to give, with examples from this file (a Llama gets ``model.layers.2`` and
+    ``LlamaDecoderLayer``, not another model's names): ``example`` (the closest call path) and its class."""
+    if example is None:
+        return "This file has no module calls (`onnx-modular tree` shows its hierarchy)."
+    cls = next((c.class_name for c in tree.walk() if not c.is_root and c.call_name == example and c.class_name), None)
+    return f"Give a call path (`{example}`)" + (f" or a class (`{cls}`)" if cls else "") + "; `onnx-modular tree` lists them."
 
 
 def find_call(model: onnx.ModelProto, name: str) -> metadata.ExpandedCall:

@@ -443,11 +443,30 @@ def run_extract(args: argparse.Namespace) -> int:
 def run_split(args: argparse.Namespace) -> int:
     from onnx_modular.files.split import split
 
-    result = split(
-        args.model, args.output, stages=args.stages, at=args.at, balance=args.balance, inputs=_npz_feeds(args),
-        with_data=not args.no_data,
-    )
+    with warnings.catch_warnings():  # the plan's notes end the report
+        warnings.simplefilter("ignore", UserWarning)
+        result = split(
+            args.model, args.output, stages=args.stages, at=args.at, balance=args.balance, inputs=_npz_feeds(args),
+            with_data=not args.no_data,
+        )
     print(result)
+    return EXIT_OK
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from onnx_modular.runtime.generation import generate
+
+    try:
+        rows = [[int(token) for token in ids.split(",") if token.strip()] for ids in args.input_ids]
+    except ValueError:
+        raise InvalidInputError(
+            f"--input-ids takes comma-separated integers, not {args.input_ids!r}.", hint="--input-ids 1,306,4966"
+        ) from None
+    if len({len(row) for row in rows}) != 1 or not rows[0]:
+        raise InvalidInputError("Every --input-ids needs the same number of tokens (one or more).", hint="--input-ids 1,2,3 --input-ids 4,5,6")
+    tokens = generate(args.model, rows, max_new_tokens=args.max_new_tokens)
+    for row, ids in zip(tokens, rows):
+        stdout(f"prompt {','.join(map(str, ids))} -> new {','.join(str(int(t)) for t in row[len(ids):])}")
     return EXIT_OK
 
 
@@ -520,9 +539,11 @@ def run_modularize(args: argparse.Namespace) -> int:
     modules = args.depth if args.depth is not None else (args.classes or "all")
     if args.inputs and args.no_verify:
         raise InvalidInputError("--inputs are the inputs of the comparison with the flat file: drop --no-verify.")
+    output_names = args.output_names.split(",") if args.output_names is not None else None
     print(modularize(
         args.model, args.output, dedupe=not args.no_dedupe, modules=modules, inputs=_npz_feeds(args), verify=not args.no_verify,
         infer=args.infer,
+        output_names=output_names,
     ))
     return EXIT_OK
 

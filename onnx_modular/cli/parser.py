@@ -372,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     modular.add_argument("--classes", nargs="+", default=None, metavar="NAME",
                          help="outline only calls of these classes (names or globs: GPT2Block '*Attention')")
     modular.add_argument("--no-dedupe", action="store_true", help="one function per call, even for identical calls")
+    modular.add_argument(
+        "--output-names", default=None, metavar="A,B,...",
+        help="new names of the graph outputs, in order (torch's file names them after its last nodes: linear_28)",
+    )
     modular.add_argument("--no-verify", action="store_true",
                          help="skip the comparison with the flat file (it runs both files in onnxruntime)")
     modular.add_argument(
@@ -400,4 +404,20 @@ def build_parser() -> argparse.ArgumentParser:
         "are shown back inside them, which reads like the module code)",
     )
     view.set_defaults(run=handlers.run_view)
+
+    gen = commands.add_parser(
+        "generate",
+        parents=[common],
+        help="greedy tokens from a with-cache file (or a --generation folder) in onnxruntime",
+        description="Run a decoder exported with its cache (export --task causal-lm-with-past, converted or not) "
+        "or a --generation folder (prefill.onnx + decode.onnx) greedily in onnxruntime: an empty past first, "
+        "then each returned cache fed back. Prints the prompt and the new token ids (onnx_modular.generate).",
+    )
+    gen.add_argument("model", help="the .onnx file or the --generation folder")
+    gen.add_argument(
+        "--input-ids", required=True, action="append", metavar="IDS",
+        help="the prompt's token ids, comma-separated (1,306,4966); repeat for a batch of equal lengths",
+    )
+    gen.add_argument("--max-new-tokens", type=_positive, default=20, metavar="N", help="tokens to add (default 20)")
+    gen.set_defaults(run=handlers.run_generate)
     return parser

@@ -37,9 +37,11 @@ atomically. The :class:`Conversion` report gives the drift of every call and cla
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import pathlib
@@ -210,10 +212,10 @@ class Conversion:
                 lines.append(f"    {call} {node}: {reason}")
         if self.split:
             lines.append(f"  calls given bodies of their plan (split from shared ones): {_short_list(self.split, 6)}")
-        lines.append("Drift against the original on the same inputs (max abs; % of the output's range):")
+        lines.append("Drift against the original on the same inputs, per output (max abs; % of the output's range):")
         width = name_column_width(self.outputs)
-        for name, (max_abs, drift) in self.outputs.items():
-            lines.append(f"  output {fit_name(name, width):<{width}} {max_abs:10.3g} {drift:8.3%}")
+        for name, (max_abs, drift) in self.outputs.items():  # the file's names (output.past_key_values...) alone
+            lines.append(f"  {fit_name(name, width):<{width}} {max_abs:10.3g} {drift:8.3%}")
         if not self.calls:  # a flat file: no module calls to compare
             return "\n".join(lines)
         lines.append("Per class, worst call:")
@@ -353,14 +355,29 @@ def _ensure_opset(model: onnx.ModelProto, body, domain: str, version: int = 1) -
 # -- quantization ---------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _root_logging_kept():
+    """onnxruntime's ``matmul_nbits_quantizer`` calls ``logging.basicConfig(level=INFO)`` when first
+    imported: every library's INFO lines (onnx_ir's passes) would then print before the report. The
+    root logger is put back as it was."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 class _Quantizer:
     """Weight-only quantization of MatMul weights inside bodies, packed by onnxruntime."""
 
     def __init__(self, model: onnx.ModelProto, folder: str | None, bits: int, block_size: int, symmetric: bool, accuracy_level: int | None):
-        from onnxruntime.quantization.matmul_nbits_quantizer import (
-            DefaultWeightOnlyQuantConfig,
-            DefaultWeightOnlyQuantizer,
-        )
+        with _root_logging_kept():
+            from onnxruntime.quantization.matmul_nbits_quantizer import (
+                DefaultWeightOnlyQuantConfig,
+                DefaultWeightOnlyQuantizer,
+            )
 
         self.model = model
         self.folder = folder
@@ -843,7 +860,9 @@ def _convert_flat(
     ``nodes_to_exclude`` found from the nodes' module metadata. The weights are loaded (the
     quantizer works on a model in memory)."""
     import onnx_ir as ir
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    with _root_logging_kept():
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from onnx_modular.storage.load import load_external_data
 
@@ -1131,7 +1150,11 @@ def convert(
     # onnx has no schema for MatMulNBits: no strict type inference; onnxruntime opens and runs it below
     actual: dict[str, np.ndarray] = {}
     actual_calls: list = []
-    with save.staged_save(result, destination, full_check=quantize is None) as staged:
+    # a source with external data gives one with external data: tensors left as they are stay
+    # references into the source's data (a `--generation` decode.onnx reads prefill.onnx.data), which
+    # an inline save cannot keep; writing them to the output's own data file can
+    external = True if folder else None
+    with save.staged_save(result, destination, external_data=external, full_check=quantize is None) as staged:
         if verify:
             _runnable(staged, dtype, quantize)
             staged_model = onnx.load(str(staged), load_external_data=False)

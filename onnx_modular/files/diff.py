@@ -51,7 +51,7 @@ import onnx.numpy_helper
 
 from onnx_modular.calls.capture import call_outputs
 from onnx_modular.calls.tree import function_tree, weight_sources
-from onnx_modular.check.parity import max_differences
+from onnx_modular.check.parity import default_tolerance, max_differences
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.files.flat import CLASS_HIERARCHY, NAME_SCOPES, inline_model
 from onnx_modular.format import metadata
@@ -91,7 +91,8 @@ class CallDiff(TreeNode):
         a, b: The call in each file's tree (``None`` on the side it is missing from).
         children: The calls it makes, both files merged, in execution order.
         max_abs, max_rel: Largest difference of its outputs between the files (``None`` when not
-            compared: numerics off, a call on one side only, a call without ops).
+            compared: numerics off, a call on one side only, a call without ops); ``max_rel`` over
+            A's values larger than the dtype's default ``atol`` (1e-4 for float32, 1e-2 for float16).
         scaled_drift: ``max_abs`` of each output over the largest magnitude of A's values of that
             output, the largest over its outputs: drift on one scale for every call (a LayerNorm's
             output and a logit's compare), robust to values near 0 (which make ``max_rel`` large).
@@ -765,7 +766,9 @@ def _drift(outputs_a: list[np.ndarray], outputs_b: list[np.ndarray]) -> tuple[fl
     worst_abs, worst_rel, worst_scaled = 0.0, 0.0, 0.0
     for x, y in zip(outputs_a, outputs_b):
         x, y = np.asarray(x), np.asarray(y)
-        abs_, rel = max_differences(y, x)
+        # relative error over A's values above the dtype's default atol (1e-4 for float32), as the parity
+        # report does: near 0 the absolute difference judges, and 1e-7 off by 1e-4 is not a 1e+03 drift
+        abs_, rel = max_differences(y, x, rel_above=default_tolerance(x.dtype).atol)
         worst_abs, worst_rel = max(worst_abs, abs_), max(worst_rel, rel)
         if abs_:
             scale = _magnitude(x)

@@ -421,6 +421,7 @@ def modularize(
     verify: bool = True,
     execution_provider: str | None = None,
     infer: str = "auto",
+    output_names: Sequence[str] | None = None,
 ) -> ModularizeReport:
     """Rebuild the module hierarchy of the flat ONNX file ``path`` into ``output``.
 
@@ -440,6 +441,9 @@ def modularize(
         infer: ``"auto"``: where the file records no scopes (all of it, or runs of nodes of a file
             that has them elsewhere), infer calls from repeated blocks (``calls/inferred.py``);
             ``"always"``: infer even where scopes are recorded; ``"never"``: recorded scopes only.
+        output_names: New names of the graph outputs, in order, as ``torch.onnx.export``'s
+            ``output_names`` gives them (``["logits", ...]``): torch's file names them after
+            the graph's last nodes (``linear_28``), since it keeps no forward() return names.
 
     Returns:
         A :class:`ModularizeReport`.
@@ -462,6 +466,7 @@ def modularize(
     feeds = runtime_inputs.feeds_for(proto, inputs) if verify else None
     del proto
     model = ir.load(str(source_path))  # external weights stay on disk (lazy tensors)
+    _rename_outputs(model, output_names)
     if infer not in ("auto", "always", "never"):
         raise InvalidInputError(f"infer must be 'auto', 'always' or 'never', got {infer!r}.")
     found = _recorded_stacks(model)  # refuses a modular file, whatever ``infer`` says
@@ -550,16 +555,46 @@ def modularize(
     )
 
 
+def _rename_outputs(model: ir.Model, names: Sequence[str] | None) -> None:
+    """Give the graph outputs ``names`` (in order); refused before anything is written when the
+    count differs, a name repeats or is taken by another value, or an output is a graph input or
+    a weight (renaming it would rename that too)."""
+    if names is None:
+        return
+    names = list(names)
+    outputs = list(model.graph.outputs)
+    if len(names) != len(outputs) or len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+        raise InvalidInputError(
+            f"output_names needs {len(outputs)} distinct names, one per output ({', '.join(v.name or '?' for v in outputs)}); "
+            f"got {names!r}.",
+            hint="Give one name per graph output, in order: --output-names logits,present.0.key,...",
+        )
+    taken = {v.name for v in model.graph.inputs} | set(model.graph.initializers)
+    for node in model.graph:
+        taken |= {v.name for v in node.outputs if v is not None and v not in outputs}
+    clash = sorted(set(names) & taken)
+    plain = [v.name for v in outputs if v.is_graph_input() or v.is_initializer()]
+    if clash or plain:
+        raise InvalidInputError(
+            (f"output_names {clash} are names of other values of the file." if clash else "")
+            + (f" Outputs {plain} are graph inputs or weights, which keep their names." if plain else ""),
+            hint="Choose other names, or keep the file's.",
+        )
+    for value, name in zip(outputs, names):
+        value.name = name
+
+
 def _check(flat: pathlib.Path, staged: pathlib.Path, feeds, tolerance: Tolerance, execution_provider) -> ParityReport:
-    """The staged modular file against the flat one, in onnxruntime on the same feeds."""
+    """The staged modular file against the flat one, in onnxruntime on the same feeds (the outputs
+    matched by position: ``output_names`` renames them)."""
     names, expected = sessions.run(flat, feeds, what="flat file", execution_provider=execution_provider)
     got_names, got = sessions.run(staged, feeds, what="modular file", execution_provider=execution_provider)
-    if got_names != names:
+    if len(got_names) != len(names):
         raise ParityError(
             f"The modular file's outputs {got_names} are not the flat file's {names}.",
             hint="This is a bug in onnx_modular's outlining; please report it with the file.",
         )
-    report = compare_outputs(names, got, None, expected, reference_name="flat file", tolerance=tolerance)
+    report = compare_outputs(got_names, got, None, expected, reference_name="flat file", tolerance=tolerance)
     if not report.ok:
         raise ParityError(
             f"The modular file differs from the flat file beyond atol={tolerance.atol}, rtol={tolerance.rtol}; "

@@ -45,6 +45,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -74,6 +75,9 @@ MODEL_FILE = "model.onnx"
 #: ``stages=N`` keeps the shallowest graph whose heaviest stage is at most this times the best
 #: heaviest stage over the graphs along the heaviest call's chain.
 SHALLOW_PREFERENCE = 1.25
+#: ``stages=N``: a call whose weights are under this share of the heaviest call's of its graph (a
+#: rotary table, a norm's scale) is never a stage alone; it joins the next call.
+TABLE_SHARE = 0.05
 #: What ``stages=N`` balances.
 BALANCES = ("bytes", "time")
 
@@ -114,6 +118,7 @@ class Split:
         stage_costs: What was balanced, per stage (bytes, or microseconds for ``"time"``).
         shared_weights: Weights stored in more than one stage -> the stages that store them.
         weight_bytes: Bytes of the source file's weights (lifted constants excluded).
+        notes: What the user may not expect of the plan (``stages=N`` cutting inside decoder layers).
     """
 
     source: str
@@ -124,6 +129,7 @@ class Split:
     stage_costs: list[float]
     shared_weights: dict[str, list[int]]
     weight_bytes: int
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def manifest(self) -> pathlib.Path:
@@ -147,6 +153,7 @@ class Split:
         for name, where_stored in self.shared_weights.items():
             lines.append(f"  {name}: stored in stages {', '.join(map(str, where_stored))}")
         lines.append(f"Manifest: {self.manifest}")
+        lines.extend(f"Note: {note}" for note in self.notes)
         return "\n".join(lines)
 
 
@@ -339,34 +346,103 @@ def _partition(costs: Sequence[float], parts: int) -> tuple[float, list[int]]:
     return best[parts][n], sorted(starts)[1:]
 
 
-def _plan_stages(model: onnx.ModelProto, stages: int, cost_of) -> tuple[list[str], list[str]]:
-    """(opened calls, first call of each stage after the first) for ``stages=N``.
+def _groups(calls: Sequence[str], bytes_of) -> list[int]:
+    """The first index of each group of calls that stages may not separate. A call whose weights
+    are a table next to the graph's big calls (under :data:`TABLE_SHARE` of the heaviest call's
+    bytes: a rotary table, a norm's scale, no weights at all) joins the next call that holds more
+    (trailing ones join the last group), so that no stage holds nothing but a table. Every call is
+    its own group when none holds weights."""
+    heaviest = max((bytes_of(name) for name in calls), default=0)
+    if heaviest <= 0:
+        return list(range(len(calls)))
+    starts, open_start = [], 0
+    for i, name in enumerate(calls):
+        if bytes_of(name) > TABLE_SHARE * heaviest:
+            starts.append(open_start)
+            open_start = i + 1
+    return starts
+
+
+def _class_of(call: metadata.ExpandedCall) -> str:
+    for prop in call.node.metadata_props if call.node is not None else ():
+        if prop.key == metadata.CLASS:
+            return prop.value
+    return call.function.name if call.function is not None else ""
+
+
+def _opened_blocks(model: onnx.ModelProto, opened: Sequence[str]) -> list[str]:
+    """The opened calls that are one of several calls of their class in their graph (decoder
+    layers): cutting inside those is what a user asking for N stages may not expect."""
+    siblings: dict[str | None, list[metadata.ExpandedCall]] = {}
+    by_name = {}
+    for call in metadata.expanded_calls(model, module_calls_only=False):
+        siblings.setdefault(call.caller.call_name if call.caller is not None else None, []).append(call)
+        by_name[call.call_name] = call
+    blocks = []
+    for name in opened:
+        call = by_name.get(name)
+        if call is None:
+            continue
+        peers = siblings.get(call.caller.call_name if call.caller is not None else None, [])
+        if sum(_class_of(peer) == _class_of(call) for peer in peers) > 1:
+            blocks.append(name)
+    return blocks
+
+
+def _plan_stages(model: onnx.ModelProto, stages: int, cost_of, bytes_of=None) -> tuple[list[str], list[str], list[str]]:
+    """(opened calls, first call of each stage after the first, notes) for ``stages=N``.
 
     The first graph whose heaviest stage is within :data:`SHALLOW_PREFERENCE` of the best over
     all graphs. No graph beats an even share (the total over N), so the walk stops at the
-    first graph within that factor of it.
+    first graph within that factor of it. A call without a weight matrix stays with the next
+    call that has one (:func:`_groups`): no stage holds only a rotary table or a norm. When the
+    stages outnumber what a graph allows and the cuts go inside repeated blocks (decoder
+    layers), a note says so.
     """
     feasible: list[tuple[_Level, float, list[int]]] = []
     last = None
+    allowed: list[tuple[_Level, int]] = []
     for level in _levels(model, cost_of):
         last = level
-        if len(level.calls) < stages:
+        groups = _groups(level.calls, bytes_of or cost_of)
+        allowed.append((level, len(groups)))
+        if len(groups) < stages:
             continue
-        worst, starts = _partition(level.costs, stages)
-        feasible.append((level, worst, starts))
+        bounds = [*groups, len(level.calls)]
+        group_costs = [sum(level.costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        worst, group_starts = _partition(group_costs, stages)
+        feasible.append((level, worst, [groups[i] for i in group_starts]))
         if worst <= SHALLOW_PREFERENCE * sum(level.costs) / stages:
             break
     if not feasible:
-        most = len(last.calls) if last is not None else 0
-        shown_calls = ", ".join(last.calls[:6]) + (", ..." if most > 6 else "") if last is not None else "none"
+        most = max((count for _, count in allowed), default=0)
+        shown_calls = ", ".join(last.calls[:6]) + (", ..." if len(last.calls) > 6 else "") if last is not None else "none"
         raise InvalidInputError(
-            f"{stages} stages need {stages} module calls in one graph; the graphs that can be cut here hold "
+            f"{stages} stages need {stages} module calls in one graph, each stage with more than a table (a "
+            f"stage of a rotary table or a norm alone is not made); the graphs that can be cut here allow "
             f"{most} at most ({shown_calls}).",
             hint=f"Ask for {max(most, 2)} stages or fewer, or name the cuts with --at (`onnx-modular tree` lists the calls).",
         )
     smallest = min(worst for _, worst, _ in feasible)
     level, _, starts = next(item for item in feasible if item[1] <= smallest * SHALLOW_PREFERENCE)
-    return level.opened, [level.calls[i] for i in starts]
+    notes = []
+    blocks = _opened_blocks(model, level.opened)
+    # the deepest graph that opens no repeated block: the cuts between decoder layers
+    between = [(lvl, count) for lvl, count in allowed if not set(lvl.opened) & set(blocks)]
+    if blocks and between and between[-1][1] < stages:
+        shallow, count = between[-1]
+        graph = "the main graph" + (f" with {', '.join(shallow.opened)} opened" if shallow.opened else "")
+        notes.append(
+            f"{stages} stages outnumber the {count} that {graph} allows: the cuts go inside "
+            f"{_short(blocks)}, each cut across stages. Ask for {count} stages or fewer to cut between them, "
+            "or name the cuts with --at."
+        )
+        warnings.warn(notes[-1], UserWarning, stacklevel=3)  # from split()'s caller
+    return level.opened, [level.calls[i] for i in starts], notes
+
+
+def _short(names: Sequence[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _plan_at(model: onnx.ModelProto, at: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -789,15 +865,17 @@ def split(
         report = profile(path, feeds, runs=5, warmup=1)
         times = {item.key: item.inclusive_us for item in report.calls()}
 
-    def cost_of(name: str) -> float:
-        if balance == "time":
-            return times.get(name, 0.0)
+    def weight_bytes(name: str) -> float:
         return float(sum(sizes.get(w, 0) for w in weights.get(name, ())))
 
+    def cost_of(name: str) -> float:
+        return times.get(name, 0.0) if balance == "time" else weight_bytes(name)
+
+    notes: list[str] = []
     if at is not None:
         opened, cut_calls = _plan_at(model, at)
     else:
-        opened, cut_calls = _plan_stages(model, stages, cost_of)
+        opened, cut_calls, notes = _plan_stages(model, stages, cost_of, weight_bytes)
     for name in opened:
         model = _open_call(model, name)
     cuts = _assign(model, cut_calls)
@@ -853,7 +931,7 @@ def split(
         except OSError as e:
             raise SaveError(f"Moving the stages into {str(folder)!r} failed: {e}", hint="Check free disk space and permissions.") from e
     costs = [sum(cost_of(name) for name in cut.calls) for cut in cuts]
-    return Split(source, folder, written, opened, balance if at is None else "at", costs, shared, sum(sizes.values()))
+    return Split(source, folder, written, opened, balance if at is None else "at", costs, shared, sum(sizes.values()), notes)
 
 
 def _run_whole(model: onnx.ModelProto, path, cuts: list[_Cut], feeds) -> dict[str, np.ndarray]:

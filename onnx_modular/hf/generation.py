@@ -1,10 +1,11 @@
 """Greedy decoding through the ``prefill`` and ``decode`` components of an exported decoder.
 
 ``HfExporter.export_for_generation`` splits a decoder into ``prefill`` (the prompt, empty cache)
-and ``decode`` (one token, the cache so far); transformers leaves the loop to the caller. This is
-that loop, for decoder-only models: it feeds each component the inputs it was traced with
-(``input_ids``, ``attention_mask``, ``position_ids``, ``cache_position``, ``past_key_values``)
-and passes the cache each step returns to the next.
+and ``decode`` (one token, the cache so far); transformers leaves the loop to the caller. The loop
+itself is :func:`onnx_modular.runtime.generation.generate_with_sessions` (torch-free, the one
+home of decoding, also behind ``onnx_modular.generate`` for files on disk); this runs it on the
+components' onnxruntime sessions, for an export in memory or one loaded with
+``ExportedModel.from_pretrained`` (an int4 folder converted component by component included).
 """
 
 from __future__ import annotations
@@ -12,27 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from onnx_modular.errors import InvalidInputError
-from onnx_modular.hf.versions import CACHE_ARGUMENTS, returned_cache
+from onnx_modular.runtime.generation import generate_with_sessions
 
 __all__ = ["greedy_generate"]
-
-_KNOWN = {"input_ids", "attention_mask", "position_ids", "cache_position", *CACHE_ARGUMENTS}
-
-
-def _step_inputs(traced: dict, tokens: torch.Tensor, past_length: int, cache: Any) -> dict[str, Any]:
-    batch, length = tokens.shape
-    positions = torch.arange(past_length, past_length + length, dtype=torch.long)
-    values = {
-        "input_ids": tokens,
-        "attention_mask": torch.ones(batch, past_length + length, dtype=torch.long),
-        "position_ids": positions.unsqueeze(0).expand(batch, -1),
-        "cache_position": positions,
-        **dict.fromkeys(CACHE_ARGUMENTS, cache),
-    }
-    return {name: values[name] for name in traced}
 
 
 def greedy_generate(exported: Any, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
@@ -52,22 +37,7 @@ def greedy_generate(exported: Any, input_ids: torch.Tensor, max_new_tokens: int)
             hint="Export a decoder-only model with export_for_generation.",
         )
     runners = exported.runners
-    for name in ("prefill", "decode"):
-        unknown = set(runners[name].metadata.kwargs) - _KNOWN
-        if unknown:
-            raise InvalidInputError(
-                f"The {name} component takes {sorted(unknown)}, which greedy_generate cannot build.",
-                hint="Drive the components yourself: exported.runners[name](**inputs).",
-            )
-    tokens = input_ids
-    cache: Any = DynamicCache()
-    step, runner_name = tokens, "prefill"
-    for _ in range(max_new_tokens):
-        runner = runners[runner_name]
-        past_length = tokens.shape[1] - step.shape[1]
-        outputs = runner(**_step_inputs(runner.metadata.kwargs, step, past_length, cache))
-        cache = returned_cache(outputs)
-        step = outputs.logits[:, -1, :].argmax(dim=-1, keepdim=True).to(tokens.dtype)
-        tokens = torch.cat([tokens, step], dim=1)
-        runner_name = "decode"
-    return tokens
+    tokens = generate_with_sessions(
+        runners["prefill"].session, runners["decode"].session, input_ids.cpu().numpy(), max_new_tokens
+    )
+    return torch.from_numpy(tokens).to(input_ids.dtype)

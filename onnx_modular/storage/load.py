@@ -7,6 +7,7 @@ hang or exhaust memory later (see :func:`onnx_modular.storage.checks.check_model
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import pathlib
 import stat
@@ -220,6 +221,34 @@ def _without_initializer_payloads(data) -> bytearray:
     return out
 
 
+def missing_file_error(file: pathlib.Path, text: str) -> InvalidModelFileError:
+    """``'llama.onx' does not exist; did you mean llama.onnx?`` with what to do: the closest names
+    of its folder (``.onnx`` files first), or the folder's absence."""
+    folder = file.parent
+    try:
+        entries = sorted(os.listdir(folder or "."))
+    except OSError:
+        return InvalidModelFileError(
+            f"{text!r} does not exist (nor does its folder {str(folder)!r}).",
+            hint="Check the path; give the .onnx file the export wrote (`-o`).",
+        )
+    models = [name for name in entries if name.endswith(".onnx")]
+    stems = {name.removesuffix(".onnx"): name for name in models}  # ".onnx" alone makes every name look close
+    close = [stems[stem] for stem in difflib.get_close_matches(file.name.removesuffix(".onnx"), stems, n=3, cutoff=0.6)]
+    others = [name for name in entries if name not in stems.values()]
+    close = close or difflib.get_close_matches(file.name, others, n=3, cutoff=0.6)
+    where = "" if str(folder) in ("", ".") else str(folder)
+    named = [os.path.join(where, name) for name in close]
+    hint = "Check the path"
+    if models and not close:
+        listed = ", ".join(models[:5]) + (f" and {len(models) - 5} more" if len(models) > 5 else "")
+        hint += f"; the .onnx files in {repr(where) if where else 'this folder'}: {listed}"
+    return InvalidModelFileError(
+        f"{text!r} does not exist" + (f"; did you mean {', '.join(map(repr, named))}?" if close else "."),
+        hint=hint + ". An ONNX file is written by `onnx-modular export ... -o FILE.onnx`.",
+    )
+
+
 def read_regular_file(file: pathlib.Path, text: str, *, limit: int) -> bytearray:
     """The bytes of a regular file of at most ``limit`` bytes.
 
@@ -233,7 +262,7 @@ def read_regular_file(file: pathlib.Path, text: str, *, limit: int) -> bytearray
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise InvalidModelFileError(f"{text!r} does not exist.") from None
+        raise missing_file_error(file, text) from None
     except IsADirectoryError:
         raise InvalidModelFileError(f"{text!r} is a directory, not an ONNX file.") from None
     except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path

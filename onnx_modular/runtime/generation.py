@@ -1,0 +1,241 @@
+"""Greedy generation with an exported decoder in onnxruntime, torch-free: the one home of the
+decoding loop (``onnx_modular.generate``, ``onnx-modular generate``, and
+``onnx_modular.hf.greedy_generate`` over an ``export_for_generation`` result).
+
+It runs every with-cache file onnx_modular writes, converted (float16, int4) or not:
+
+* one file of ``export --task causal-lm-with-past`` (or ``export_modular`` with a cache): the
+  cache inputs are ``input.<name>.layers.N.keys`` / ``.values`` (``<name>`` is ``past_key_values``
+  on transformers 5.23, ``cache`` on 5.24) and the outputs ``output.<name>.layers.N.keys``; with
+  ``--io-names optimum`` the inputs are ``past_key_values.N.key`` and the outputs ``present.N.key``;
+* a ``--generation`` folder: ``prefill.onnx`` (no cache inputs; returns ``past_key_values...``)
+  and ``decode.onnx`` (takes ``input.past_key_values...``).
+
+The cache is found by name: an input and an output are the same cache tensor when their names
+agree once the ``input.`` / ``output.`` prefixes are dropped and ``present.`` is read as
+``past_key_values.``. The first step feeds an empty past (``[batch, kv_heads, 0, head_dim]``, the
+sizes and dtype the file declares), the attention mask grows by one each step, ``position_ids``
+and ``cache_position`` are fed when the file has them, and each returned cache tensor is fed back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from onnx_modular.errors import InvalidInputError
+from onnx_modular.runtime.sessions import run, session
+
+__all__ = ["generate", "generate_with_sessions", "cache_key", "decoder_files"]
+
+#: onnxruntime's type names -> numpy dtypes of the inputs the loop makes.
+_DTYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+}
+_MADE = ("input_ids", "attention_mask", "position_ids", "cache_position")
+
+
+def cache_key(name: str) -> str:
+    """The name a cache tensor has as an input and as an output alike:
+    ``input.past_key_values.layers.0.keys`` and ``output.past_key_values.layers.0.keys`` are
+    ``past_key_values.layers.0.keys``; Optimum's ``present.0.key`` is ``past_key_values.0.key``."""
+    for prefix in ("input.", "output."):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
+    if name.startswith("present."):
+        name = "past_key_values." + name[len("present.") :]
+    return name
+
+
+def decoder_files(path: str | os.PathLike) -> tuple[str, str]:
+    """The files of the prefill and of the decode steps: the same file twice for one ``.onnx`` file
+    (or a folder with ``model.onnx``), ``prefill.onnx`` and ``decode.onnx`` for a ``--generation``
+    folder (read from its ``export.json`` when it names them)."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return path, path
+    if not os.path.isdir(path):
+        raise InvalidInputError(
+            f"{path!r} does not exist.",
+            hint="Give a .onnx file exported with its cache (export --task causal-lm-with-past) "
+            "or a folder written by `export --generation` (prefill.onnx and decode.onnx).",
+        )
+    files = {"prefill": "prefill.onnx", "decode": "decode.onnx"}
+    manifest = os.path.join(path, "export.json")
+    if os.path.isfile(manifest):
+        with open(manifest, encoding="utf-8") as f:
+            components = json.load(f).get("components", {})
+        if {"prefill", "decode"} <= set(components):
+            files = {name: components[name]["file"] for name in files}
+        elif len(components) == 1:
+            single = next(iter(components.values()))["file"]
+            files = {"prefill": single, "decode": single}
+    prefill, decode = (os.path.join(path, files[name]) for name in ("prefill", "decode"))
+    if os.path.isfile(prefill) and os.path.isfile(decode):
+        return prefill, decode
+    single = os.path.join(path, "model.onnx")
+    if os.path.isfile(single):
+        return single, single
+    raise InvalidInputError(
+        f"The folder {path!r} has neither prefill.onnx and decode.onnx nor model.onnx.",
+        hint="Give the folder `export --generation` wrote, or the .onnx file itself.",
+    )
+
+
+@dataclass
+class _Signature:
+    """What the loop feeds one file and reads back from it."""
+
+    session: Any
+    inputs: dict[str, Any]  # name -> onnxruntime NodeArg
+    cache_inputs: dict[str, str]  # cache_key -> input name
+    cache_outputs: dict[str, str]  # cache_key -> output name
+    logits: str
+
+
+def _signature(sess: Any, what: str) -> _Signature:
+    inputs = {arg.name: arg for arg in sess.get_inputs()}
+    outputs = [arg.name for arg in sess.get_outputs()]
+    cache_outputs = {cache_key(name): name for name in outputs if len(_shape(sess, name, outputs=True)) == 4}
+    cache_inputs = {cache_key(name): name for name in inputs if name not in _MADE}
+    unknown = [name for key, name in cache_inputs.items() if len(inputs[name].shape) != 4]
+    if unknown:
+        raise InvalidInputError(
+            f"The {what} takes {unknown}, which the generation loop cannot build (it makes "
+            f"{', '.join(_MADE)} and the cache).",
+            hint="Run the file yourself with onnxruntime, feeding those inputs; the loop of "
+            "onnx_modular/runtime/generation.py is the recipe.",
+        )
+    logits = "logits" if "logits" in outputs else outputs[0]
+    return _Signature(sess, inputs, cache_inputs, cache_outputs, logits)
+
+
+def _shape(sess: Any, name: str, outputs: bool = False) -> list:
+    args = sess.get_outputs() if outputs else sess.get_inputs()
+    return next(arg.shape for arg in args if arg.name == name)
+
+
+def _empty_past(arg: Any, batch: int, what: str) -> np.ndarray:
+    """``[batch, kv_heads, 0, head_dim]`` in the dtype the file declares for this cache input."""
+    dims = list(arg.shape)
+    sizes = [batch, dims[1], 0, dims[3]]
+    if not all(isinstance(size, int) for size in sizes):
+        raise InvalidInputError(
+            f"The {what}'s cache input {arg.name!r} has shape {dims}: the heads and head size must be fixed "
+            "numbers to build an empty past.",
+            hint="Export with the heads and head size static (transformers' exporter and "
+            "`export --task causal-lm-with-past` specialize them).",
+        )
+    return np.zeros(sizes, _dtype(arg))
+
+
+def _dtype(arg: Any) -> type:
+    dtype = _DTYPES.get(arg.type)
+    if dtype is None:
+        raise InvalidInputError(
+            f"Input {arg.name!r} is a {arg.type}, which the generation loop does not make.",
+            hint="Convert the file's inputs to float32, float16 or int64 (onnx-modular convert keeps them).",
+        )
+    return dtype
+
+
+def _feeds(signature: _Signature, step: np.ndarray, past: int, cache: dict[str, np.ndarray], what: str) -> dict:
+    batch, length = step.shape
+    positions = np.arange(past, past + length, dtype=np.int64)
+    made = {
+        "input_ids": step,
+        "attention_mask": np.ones((batch, past + length), np.int64),
+        "position_ids": np.broadcast_to(positions, (batch, length)),
+        "cache_position": positions,
+    }
+    feeds = {}
+    for name, arg in signature.inputs.items():
+        if name in made:
+            feeds[name] = made[name].astype(_dtype(arg), copy=False)
+    for key, name in signature.cache_inputs.items():
+        value = cache.get(key)
+        feeds[name] = _empty_past(signature.inputs[name], batch, what) if value is None else value
+    return feeds
+
+
+def generate_with_sessions(prefill: Any, decode: Any, input_ids: Any, max_new_tokens: int) -> np.ndarray:
+    """Greedy generation with onnxruntime sessions: ``prefill`` runs the prompt, ``decode`` each new
+    token (the same session for a file that does both). Returns the prompt followed by
+    ``max_new_tokens`` tokens (``int64``, ``[batch, prompt + new]``), as transformers'
+    ``generate(do_sample=False, min_new_tokens=max_new_tokens)`` does without a stop token.
+
+    Raises:
+        InvalidInputError: ``input_ids`` is not ``[batch, length]``, a file takes an input the loop
+            cannot build, or ``decode`` takes a cache tensor ``prefill`` does not return.
+    """
+    tokens = np.asarray(input_ids, dtype=np.int64)
+    if tokens.ndim != 2 or tokens.shape[1] == 0:
+        raise InvalidInputError(
+            f"input_ids must be [batch, length] with length >= 1; got shape {list(tokens.shape)}.",
+            hint="Pass a 2-D array of token ids, e.g. [[1, 2, 3]].",
+        )
+    if max_new_tokens < 0:
+        raise InvalidInputError(f"max_new_tokens must be >= 0; got {max_new_tokens}.", hint="Pass 1 or more.")
+    steps = {"prefill": _signature(prefill, "prefill"), "decode": _signature(decode, "decode")}
+    missing = sorted(set(steps["decode"].cache_inputs) - set(steps["prefill"].cache_outputs))
+    if missing:
+        raise InvalidInputError(
+            f"The decode step takes cache inputs {missing} that the prefill step does not return.",
+            hint="Give the prefill and decode files of one export (`export --generation`), or one with-cache file.",
+        )
+    cache: dict[str, np.ndarray] = {}
+    step, past, what = tokens, 0, "prefill"
+    for _ in range(max_new_tokens):
+        signature = steps[what]
+        names, outputs = run(signature.session, _feeds(signature, step, past, cache, what), what=f"{what} step")
+        values = dict(zip(names, outputs))
+        cache = {key: values[name] for key, name in signature.cache_outputs.items()}
+        past += step.shape[1]
+        step = values[signature.logits][:, -1, :].argmax(axis=-1).astype(np.int64)[:, None]
+        tokens = np.concatenate([tokens, step], axis=1)
+        what = "decode"
+    return tokens
+
+
+def generate(
+    path: str | os.PathLike,
+    input_ids: Sequence[Sequence[int]] | Sequence[int] | np.ndarray,
+    max_new_tokens: int = 20,
+    *,
+    execution_provider: str | None = None,
+) -> np.ndarray:
+    """Greedy generation in onnxruntime with a with-cache file onnx_modular wrote: one ``.onnx``
+    (``export --task causal-lm-with-past``, transformers' or Optimum's names, converted to
+    float16 or int4 or not) or a ``--generation`` folder (``prefill.onnx`` + ``decode.onnx``).
+
+    ``input_ids``: ``[batch, length]`` token ids (a flat list is one sequence). Returns the prompt
+    followed by ``max_new_tokens`` greedy tokens, ``int64`` ``[batch, length + max_new_tokens]``,
+    the tokens of transformers' ``model.generate(ids, do_sample=False, max_new_tokens=n,
+    min_new_tokens=n)``.
+
+    Example::
+
+        import onnx_modular
+        tokens = onnx_modular.generate("llama.int4.onnx", [[1, 306, 4966]], max_new_tokens=20)
+
+    Raises:
+        InvalidInputError: The path is missing, or the file takes inputs the loop cannot build.
+        VerificationError: onnxruntime cannot load or run a file.
+    """
+    ids = np.asarray(input_ids, dtype=np.int64)
+    if ids.ndim == 1:
+        ids = ids[None, :]
+    prefill_file, decode_file = decoder_files(path)
+    prefill = session(prefill_file, execution_provider, what=f"file {prefill_file!r}")
+    decode = prefill if decode_file == prefill_file else session(decode_file, execution_provider, what=f"file {decode_file!r}")
+    return generate_with_sessions(prefill, decode, ids, max_new_tokens)
