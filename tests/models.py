@@ -278,3 +278,53 @@ class Containers(nn.Module):
             x = layer(x)
         x = self.dropout(self.skip(x))
         return self.heads["left"](x), self.heads["right"](x)
+
+
+class Expert(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class HistcRouter(nn.Module):
+    """Top-1 routing that counts the tokens per expert with ``histc`` (bin edges 0 .. experts-1)."""
+
+    def __init__(self, d: int, experts: int):
+        super().__init__()
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.experts = experts
+
+    def forward(self, x):
+        weights, index = self.gate(x).softmax(-1).max(-1)
+        counts = torch.histc(index.float(), bins=self.experts, min=0, max=self.experts - 1)
+        return weights, index, counts
+
+
+class HistcMoE(nn.Module):
+    """A mixture of experts that splits the tokens sorted by expert by the router's counts: a count
+    off by one (float16 bin edges round: 3.0000002 -> 3.0) makes onnxruntime's Split refuse to run."""
+
+    def __init__(self, d: int = 16, experts: int = 4):
+        super().__init__()
+        self.router = HistcRouter(d, experts)
+        self.experts = nn.ModuleList(Expert(d) for _ in range(experts))
+
+    def forward(self, x):
+        weights, index, counts = self.router(x)
+        order = torch.argsort(index * x.shape[0] + torch.arange(x.shape[0]))
+        tokens = (x * weights.unsqueeze(-1))[order]
+        sizes = counts.long().tolist()
+        for size in sizes:
+            torch._check(size >= 0)
+        torch._check(sum(sizes) == tokens.shape[0])
+        outputs = torch.cat([expert(part) for expert, part in zip(self.experts, torch.split(tokens, sizes))])
+        return torch.empty_like(outputs).index_copy(0, order, outputs)
+
+
+def histc_moe():
+    torch.manual_seed(0)
+    return HistcMoE().eval(), (torch.randn(32, 16),), {}

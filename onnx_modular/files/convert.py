@@ -205,7 +205,8 @@ class Conversion:
             if self.kept:
                 lines.append(f"  kept in float32: {len(self.kept)} calls ({_short_list(self.kept)})")
         for name, drift in self.auto_kept:
-            lines.append(f"  auto-keep kept {name}: converted alone, it moves the outputs by {drift:.3%} of their range")
+            lines.append(f"  auto-keep kept {name}: " + ("converted alone, the file does not run in onnxruntime" if drift == math.inf
+                         else f"converted alone, it moves the outputs by {drift:.3%} of their range"))
         if self.tolerance is not None:
             verdict = "within" if self.max_drift <= self.tolerance else "NOT within"
             lines.append(f"  outputs {verdict} --auto-keep {self.tolerance:g} ({self.max_drift:.3%} of their range)")
@@ -227,6 +228,10 @@ class Conversion:
             lines.append(f"  output {fit_name(name, width):<{width}} {max_abs:10.3g} {drift:8.3%}")
         if not self.calls:  # a flat file: no module calls to compare
             return "\n".join(lines)
+        first = next((c for c in self.calls if c.drift > _LARGE_DRIFT and c.converted), None)
+        if first is not None and self.tolerance is None and self.max_drift > _LARGE_DRIFT:
+            lines.append(f"  hint: the first call drifting over {_LARGE_DRIFT:.0%}: {first.call_name} ({first.module_class}); "
+                         f"try --keep {first.module_class}, or --auto-keep 0.01")
         lines.append("Per class, worst call:")
         width = name_column_width(c.module_class for c in self.classes)
         for c in self.classes:
@@ -237,6 +242,10 @@ class Conversion:
             mode = ("q" if c.quantized else "-") + ("c" if c.converted else ("k" if self.dtype else "-"))
             lines.append(f"  {fit_name(c.call_name, width):<{width}} {mode} {c.module_class:<24} {c.max_abs:10.3g} {c.drift:8.3%}")
         return "\n".join(lines)
+
+
+#: An output drift (of its range) the report points at the first call drifting that far.
+_LARGE_DRIFT = 0.05
 
 
 class QuantizationWarning(UserWarning):
@@ -1191,24 +1200,33 @@ def convert(
             names, values = runtime.run(str(scratch), feeds, what="trial conversion")
         return {n: _drift(v, reference[n]) for n, v in zip(names, values)}
 
+    def worst_drift(result) -> float:
+        """The worst output drift of a trial conversion (inf: onnxruntime does not run it)."""
+        try:
+            return max((d for _, d in output_drift(result).values()), default=0.0)
+        except VerificationError:
+            return math.inf
+
+    def alone(names: set[str]) -> float:
+        """The worst output drift when only the calls ``names`` are converted."""
+        others = set(all_calls) - names
+        return worst_drift(_build(
+            model, folder, dtype=target, low_calls=lambda call, o=others: call.call_name not in o, root_low=False,
+            quant=lambda call: False, root_quant=False, bits=None, block_size=block_size, symmetric=symmetric,
+            accuracy_level=None, note={})[0])
+
     own: set[str] = set()
     auto_kept: list[tuple[str, float]] = []
     if auto_keep is not None:
-        worst = max((d for _, d in output_drift(build(own)[0]).values()), default=0.0)
+        worst = worst_drift(build(own)[0])
         if worst > auto_keep:
             kept_below = {c.call_name for c in all_calls.values() if _under(c, kept_calls)}
             candidates = [name for name, names in class_calls.items() if not names <= kept_below]
-            alone = {}
-            for name in candidates:  # how much each class moves the outputs when it alone is converted
-                others = set(all_calls) - class_calls[name]
-                alone[name] = max((d for _, d in output_drift(_build(
-                    model, folder, dtype=target, low_calls=lambda call, o=others: call.call_name not in o, root_low=False,
-                    quant=lambda call: False, root_quant=False, bits=None, block_size=block_size, symmetric=symmetric,
-                    accuracy_level=None, note={})[0]).values()), default=0.0)
-            for name in sorted(candidates, key=lambda n: -alone[n]):
+            alone_drift = {name: alone(class_calls[name]) for name in candidates}  # each class converted alone
+            for name in sorted(candidates, key=lambda n: -alone_drift[n]):
                 own |= class_calls[name]
-                auto_kept.append((name, alone[name]))
-                worst = max((d for _, d in output_drift(build(own)[0]).values()), default=0.0)
+                auto_kept.append((name, alone_drift[name]))
+                worst = worst_drift(build(own)[0])
                 if worst <= auto_keep:
                     break
     kept = {c.call_name for c in all_calls.values() if _under(c, kept_calls)} | own
@@ -1222,7 +1240,12 @@ def convert(
             staged_model = onnx.load(str(staged), load_external_data=False)
             staged_folder = str(staged.parent) if uses_external_data(staged_model) else None
             # the outputs from the file as users run it (capturing every call can change onnxruntime's fusions)
-            names, values = runtime.run(str(staged), feeds, what="converted model")
+            try:
+                names, values = runtime.run(str(staged), feeds, what="converted model")
+            except VerificationError as e:
+                if dtype is None:
+                    raise
+                raise _not_running(e, dtype, _culprit(all_calls, class_calls, kept, alone)) from e
             actual = dict(zip(names, values))
             try:
                 _, actual_calls = call_outputs(staged_model, feeds, external_data_folder=staged_folder, what="converted model")
@@ -1261,6 +1284,45 @@ def convert(
         str(source), str(destination), dtype, quantize, block_size, ordered_kept, auto_kept, auto_keep, ordered_excluded,
         facts["quantized"], facts["skipped"], facts["weights"], facts["float32_weights"], facts["casts"], facts["split"],
         outputs, drifts, class_rows, source_bytes, output_bytes,
+    )
+
+
+def _culprit(all_calls: Mapping[str, metadata.ExpandedCall], class_calls: Mapping[str, set[str]], kept: set[str],
+             alone: Callable[[set[str]], float]) -> tuple[str, str, float] | None:
+    """The (class, call, drift alone) whose conversion alone breaks the file (drift inf), or else
+    moves the outputs most: classes in execution order, then that class's calls (up to 16)."""
+    order = {name: index for index, name in enumerate(all_calls)}
+    classes = sorted((c for c, names in class_calls.items() if names - kept), key=lambda c: min(order[n] for n in class_calls[c]))
+    drifts = {}
+    for name in classes:
+        drifts[name] = alone(class_calls[name] - kept)
+        if drifts[name] == math.inf:
+            break
+    if not drifts:
+        return None
+    worst = max(drifts, key=lambda c: drifts[c])  # the first failing class, or the one drifting most
+    calls = sorted(class_calls[worst] - kept, key=order.get)
+    first = calls[0]
+    if len(calls) > 1 and len(calls) <= 16:
+        for call in calls:
+            if alone({call}) >= drifts[worst]:
+                first = call
+                break
+    return worst, first, drifts[worst]
+
+
+def _not_running(error: VerificationError, dtype: str, culprit: tuple[str, str, float] | None) -> VerificationError:
+    """The converted file does not run: the error names the module whose conversion breaks it."""
+    cause = str(error).split(": ", 1)[-1].splitlines()[0][:300]
+    if culprit is None:
+        return VerificationError(f"The {dtype} model does not run in onnxruntime: {cause}", hint="Keep modules in float32 (--keep NAME).")
+    cls, call, drift = culprit
+    what = ("converting it alone already makes the file fail" if drift == math.inf else
+            f"converted alone, it moves the outputs most ({drift:.3%} of their range)")
+    return VerificationError(
+        f"The {dtype} model does not run in onnxruntime ({cause}). Module {call!r} ({cls}): {what}; a value it computes "
+        f"(a count, an index, a bin edge) likely rounds in {dtype} and a later op refuses it.",
+        hint=f"Keep it in float32: --keep {cls} (or --keep {call}), or let --auto-keep TOLERANCE choose. Nothing was written.",
     )
 
 
