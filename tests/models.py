@@ -328,3 +328,25 @@ class HistcMoE(nn.Module):
 def histc_moe():
     torch.manual_seed(0)
     return HistcMoE().eval(), (torch.randn(32, 16),), {}
+
+
+class Twice(nn.Module):
+    """A module calling its own ``Scale`` twice (``inner``, ``inner@1``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Scale()
+
+    def forward(self, x):
+        return self.inner(x) - self.inner(x * 3)
+
+
+class TwiceTwice(nn.Module):
+    """``block`` called twice, each call calling ``block.inner`` twice: call names up to ``@3``."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Twice()
+
+    def forward(self, x):
+        return self.block(self.block(x) + 1)
