@@ -350,3 +350,32 @@ class TwiceTwice(nn.Module):
 
     def forward(self, x):
         return self.block(self.block(x) + 1)
+
+
+class NormAttention(nn.Module):
+    """GroupNorm then scaled-dot-product attention over an image's positions, with a residual:
+    onnxruntime folds the norm's reshaped weight and the attention's scale into unnamed ``Cast``
+    nodes (its profiler names their kernels ``Cast_<index>``)."""
+
+    def __init__(self, channels: int = 32, heads: int = 2):
+        super().__init__()
+        self.norm = nn.GroupNorm(4, channels)
+        self.qkv = nn.Linear(channels, 3 * channels)
+        self.heads = heads
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        y = self.norm(x).flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(y).view(b, h * w, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + o.transpose(1, 2).reshape(b, h * w, c).transpose(1, 2).reshape(b, c, h, w)
+
+
+class ConvAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 32, 3, padding=1)
+        self.attn = NormAttention()
+
+    def forward(self, x):
+        return self.attn(self.conv(x))
