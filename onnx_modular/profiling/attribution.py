@@ -240,15 +240,38 @@ class Attributions(dict):
         return Attribution(innermost_common(self.tree, calls), kinds.pop() if len(kinds) == 1 else "fused", (), True)
 
 
-def _input_shapes(node: onnx.NodeProto, graph: onnx.GraphProto) -> tuple | None:
-    """The shapes of ``node``'s inputs where the graph says (initializers, value_info, inputs); ``None`` if any is unknown."""
+def _known_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, ...]]:
+    """Value name -> shape, where the graph says (initializers, value_info, inputs)."""
     known = {t.name: tuple(t.dims) for t in graph.initializer}
     for value in (*graph.value_info, *graph.input):
         dims = value.type.tensor_type.shape.dim
         if value.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
             known.setdefault(value.name, tuple(d.dim_value for d in dims))
+    return known
+
+
+def _input_shapes(node: onnx.NodeProto, known: Mapping[str, tuple[int, ...]]) -> tuple | None:
+    """The shapes of ``node``'s inputs; ``None`` if any is unknown."""
     shapes = tuple(known.get(v) for v in node.input if v)
     return None if any(s is None for s in shapes) else shapes
+
+
+def _replaced(node: onnx.NodeProto, producer: Mapping[str, str], removed: set[str], copy_nodes: Mapping) -> list[str]:
+    """A new node's parts: the removed nodes that computed its outputs, back to its inputs."""
+    boundary = set(node.input)
+    parts: list[str] = []
+    seen: set[str] = set()
+    work = [producer[v] for v in node.output if v in producer and producer[v] in removed]
+    while work:
+        name = work.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts.append(name)
+        for value in copy_nodes[name].input:
+            if value and value not in boundary and producer.get(value) in removed:
+                work.append(producer[value])
+    return parts
 
 
 def attribute(
@@ -266,40 +289,30 @@ def attribute(
     kept = {node.name for node in optimized_nodes}
     removed = set(copy_nodes) - kept
     result = Attributions(tree)
-    unnamed: list[tuple[onnx.NodeProto, Attribution | None]] = []
     inserted: list[onnx.NodeProto] = []
+    known: dict[str, tuple[int, ...]] = {}
+
+    def place(node: onnx.NodeProto, found: Attribution) -> None:
+        if node.name:
+            result[node.name] = found
+        else:  # matched to its kernel by op type and input shapes (Attributions.unnamed_kernel)
+            if not known:
+                known.update(_known_shapes(optimized.graph))
+            result.unnamed.setdefault(node.op_type, []).append((found, _input_shapes(node, known)))
+
     for node in optimized_nodes:
         origin = origins.get(node.name)
         if origin is not None:
             result[node.name] = Attribution(origin.call)
             continue
-        # A new node: the removed nodes that computed its outputs, back to its inputs.
-        boundary = set(node.input)
-        parts: list[str] = []
-        seen: set[str] = set()
-        work = [producer[v] for v in node.output if v in producer and producer[v] in removed]
-        while work:
-            name = work.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            parts.append(name)
-            for value in copy_nodes[name].input:
-                if value and value not in boundary and producer.get(value) in removed:
-                    work.append(producer[value])
+        parts = _replaced(node, producer, removed, copy_nodes)
         if not parts:
             inserted.append(node)
-            if not node.name:
-                unnamed.append((node, None))
             continue
         # Constants folded into the fusion are data, not work: they do not widen its call.
         working = [part for part in parts if any(copy_nodes[part].input)] or parts
         calls = {origins[part].call for part in working}
-        found = Attribution(innermost_common(tree, calls), "fused", tuple(sorted(parts)), len(calls) > 1)
-        if node.name:
-            result[node.name] = found
-        else:
-            unnamed.append((node, found))
+        place(node, Attribution(innermost_common(tree, calls), "fused", tuple(sorted(parts)), len(calls) > 1))
     if inserted:
         readers: dict[str, list[str]] = {}
         makers: dict[str, str] = {}
@@ -312,12 +325,5 @@ def attribute(
             neighbours = [makers[v] for v in node.input if v in makers]
             neighbours += [reader for v in node.output for reader in readers.get(v, [])]
             calls = {result[name].call for name in neighbours if name in result}
-            found = Attribution(innermost_common(tree, calls), "inserted")
-            if node.name:
-                result[node.name] = found
-            else:
-                unnamed[:] = [(n, found if n is node else f) for n, f in unnamed]
-    for node, found in unnamed:
-        if found is not None:
-            result.unnamed.setdefault(node.op_type, []).append((found, _input_shapes(node, optimized.graph)))
+            place(node, Attribution(innermost_common(tree, calls), "inserted"))
     return result

@@ -235,6 +235,15 @@ def _slim_event(item: dict) -> dict:
     return item
 
 
+def _kernel_attribution(attribution: Mapping[str, Attribution], name: str, args: Mapping, tree: CallTree) -> Attribution:
+    found = attribution.get(name)
+    if found is None and hasattr(attribution, "unnamed_kernel"):  # a node onnxruntime left unnamed
+        found = attribution.unnamed_kernel(name, args.get("op_name", ""), _event_shapes(args.get("input_type_shape")))
+    if found is None:  # not a node of the optimized graph: never guessed, kept visible
+        found = Attribution(tree.root.key, "unattributed")
+    return found
+
+
 def _event_shapes(shapes) -> tuple | None:
     """``[{"float": [32, 1, 1]}, ...]`` (the profiler's input shapes) -> ``((32, 1, 1), ...)``."""
     if not isinstance(shapes, list):
@@ -291,12 +300,8 @@ def _build(path, tree: CallTree, events, attribution: Mapping[str, Attribution],
         open_events.append(event)
         name = event["name"][: -len(_KERNEL_SUFFIX)]
         if name not in index:
-            found = attribution.get(name)
             args = event.get("args", {})
-            if found is None and hasattr(attribution, "unnamed_kernel"):  # a node onnxruntime left unnamed
-                found = attribution.unnamed_kernel(name, args.get("op_name", ""), _event_shapes(args.get("input_type_shape")))
-            if found is None:  # not a node of the optimized graph: never guessed, kept visible
-                found = Attribution(tree.root.key, "unattributed")
+            found = _kernel_attribution(attribution, name, args, tree)
             index[name] = len(kernels)
             kernels.append(
                 KernelTime(name, args.get("op_name", ""), found.call, found.kind, found.parts, found.crosses,
