@@ -379,3 +379,38 @@ class ConvAttention(nn.Module):
 
     def forward(self, x):
         return self.attn(self.conv(x))
+
+
+class Ring(nn.Module):
+    """A ring buffer with a write pointer, both registered buffers updated in place by forward."""
+
+    def __init__(self, slots: int = 4, d: int = 8):
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(slots, d))
+        self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
+        self.slots = slots
+
+    def forward(self, x):
+        self.buf.index_copy_(0, self.ptr.view(1), x)
+        self.ptr.add_(1).remainder_(self.slots)
+        return self.buf.mean(0, keepdim=True)
+
+
+class RingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.ring = Ring()
+
+    def forward(self, x):
+        return self.lin(self.ring(x) + x)
+
+
+def ring_net():
+    """:class:`RingNet` after two calls (its buffers hold state, the pointer at 2), and an input."""
+    torch.manual_seed(0)
+    model = RingNet().eval()
+    with torch.no_grad():
+        model(torch.randn(1, 8))
+        model(torch.randn(1, 8))
+    return model, (torch.randn(1, 8),), {}
