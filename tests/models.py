@@ -414,3 +414,18 @@ def ring_net():
         model(torch.randn(1, 8))
         model(torch.randn(1, 8))
     return model, (torch.randn(1, 8),), {}
+
+
+class FusedAndShared(nn.Module):
+    """What torch's flat export cannot hand back: a BatchNorm its optimizer fuses into the Conv
+    before it (the Conv module is left without nodes), a module called twice (``shared``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.shared = Scale(8)
+
+    def forward(self, x):
+        y = self.bn(self.conv(x)).mean((2, 3))
+        return self.shared(self.shared(y) + 1)
