@@ -2127,7 +2127,25 @@ def classify(row: Row) -> str | None:
             return note
     if row.stage == "verify" and row.flat_stage == "verify":
         return _BOTH_DIFFER
-    return None
+    return _stage_note(row)
+
+
+def _stage_note(row: Row) -> str:
+    """Where no known cause is named: what the two failures are, by stage (every row both
+    exporters fail has a note)."""
+    if row.stage == "build":
+        return ("not built: the sweep's config and input rules do not make a model of this class that runs "
+                "in PyTorch (a limit of the harness, not of either exporter)")
+    if row.stage == "timeout":
+        return "over the sweep's time budget per exporter (timeout): no result either way"
+    if row.stage == "capture" and row.flat_stage == "export":
+        return "torch.export fails on the model's own code for both exporters (the same capture error)"
+    if row.stage == "input":
+        return "forward returns values that are not tensors (ints): not ONNX outputs; torch's exporter fails on them too"
+    if row.stage == "verify" and row.flat_stage in ("export", "run"):
+        return (f"torch's flat export fails ({row.flat_stage}); the modular file exports but differs from PyTorch "
+                "beyond the tolerance: to investigate")
+    return f"both fail: modular at {row.stage or '?'}, flat at {row.flat_stage or '?'} (the errors say why)"
 
 
 def _environment() -> dict[str, str]:

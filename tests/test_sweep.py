@@ -293,6 +293,10 @@ def test_notes_name_the_limit_where_both_exporters_fail():
     assert "torchvision" in sweep.classify(timm)
     assert sweep.classify(Row("llama", "LlamaModel", "base", True, True, True)) is None
     assert sweep.classify(Row("y", "Y", "base", True, True, False, error="ParityError: drift")) is None  # flat passes: ours to fix
+    built = Row("b", "B", "base", False, False, False, stage="build", error="TypeError: x", flat_stage="build")
+    assert sweep.classify(built).startswith("not built")
+    odd = Row("o", "O", "base", True, False, False, stage="translate", error="X", flat_stage="run", flat_error="Y")
+    assert sweep.classify(odd) == "both fail: modular at translate, flat at run (the errors say why)"
     both = Row("z", "Z", "base", True, False, False, stage="verify", error="ParityError: drift", flat_stage="verify", flat_error="max abs difference 0.4")
     assert "differ from PyTorch" in sweep.classify(both)
     captured = dataclasses.replace(both, error=f"ParityError: drift ({sweep._CAPTURED_SO})")  # PaliGemma's prefix mask
