@@ -193,6 +193,7 @@ def export_modular(
         # its inputs in place (a KV cache appends to itself), and the user's objects stay as given.
         with stages("capture", "run", report=False), stream.eager() if stream else contextlib.nullcontext():
             expected, signatures, eager_calls = reference_run.run(model, *tensors.copy_inputs(args, {**kwargs, **fixed}))
+        expected = reference_run.unaliased(model, expected)  # an output that is a buffer keeps the values it had
         restore()  # a forward that updates its own buffers: torch.export captures the state the reference ran from
         with stages("capture"):
             dynamic_shapes = _check_io(model, args, kwargs, expected, dynamic_shapes, fixed)

@@ -33,3 +33,26 @@ def test_buffers_updated_by_forward(tmp_path):
     (theirs,) = runtime.run(str(flat), feeds, what="torch's flat file")[1]
     np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(ours, theirs, atol=1e-6, rtol=1e-6)
+
+
+class RingOut(models.Ring):
+    """The ring buffer returned as it is after the write (an output that is the buffer itself)."""
+
+    def forward(self, x):
+        super().forward(x)
+        return self.buf * 1.0, self.buf
+
+
+def test_an_output_that_is_the_buffer_keeps_its_reference_values(tmp_path):
+    torch.manual_seed(0)
+    model = RingOut().eval()
+    with torch.no_grad():
+        model(torch.randn(1, 8))
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        expected = [t.numpy() for t in copy.deepcopy(model)(x)]
+    result = export_modular(model, (x,), tmp_path / "ring_out.onnx")  # parity against the step's outputs
+    actual = runtime.run(str(tmp_path / "ring_out.onnx"), [x.numpy()], what="modular file")[1]
+    for got, want in zip(actual, expected):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    assert result.report.ok

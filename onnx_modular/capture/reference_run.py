@@ -83,6 +83,22 @@ def kept_as_given(model: torch.nn.Module) -> Iterator[Callable[[], None]]:
         restore()
 
 
+def unaliased(model: torch.nn.Module, outputs: Any) -> Any:
+    """``outputs`` with every tensor that shares storage with one of ``model``'s buffers copied:
+    putting the buffers back (``restore()`` of :func:`kept_as_given`) must not change the
+    reference (a forward that returns the ring buffer it just wrote)."""
+    held = {b.untyped_storage().data_ptr() for b in model.buffers() if isinstance(b, torch.Tensor) and not b.is_meta}
+    if not held:
+        return outputs
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and not value.is_meta and value.untyped_storage().data_ptr() in held:
+            return value.detach().clone()
+        return value
+
+    return torch.utils._pytree.tree_map(copy, outputs)
+
+
 def tensor_specs(prefix: str, value: Any) -> list[TensorSpec]:
     """Specs of the tensors in ``value``, each holding its tensor (dropped later unless needed)."""
     specs: list[TensorSpec] = []
