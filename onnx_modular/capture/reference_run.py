@@ -91,12 +91,12 @@ def unaliased(model: torch.nn.Module, outputs: Any) -> Any:
     if not held:
         return outputs
 
-    def copy(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and not value.is_meta and value.untyped_storage().data_ptr() in held:
-            return value.detach().clone()
-        return value
+    def aliases(value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and not value.is_meta and value.untyped_storage().data_ptr() in held
 
-    return torch.utils._pytree.tree_map(copy, outputs)
+    if not any(aliases(leaf) for leaf in torch.utils._pytree.tree_leaves(outputs)):
+        return outputs  # the usual case: the outputs are left as they are (a cache object included)
+    return torch.utils._pytree.tree_map(lambda value: value.detach().clone() if aliases(value) else value, outputs)
 
 
 def tensor_specs(prefix: str, value: Any) -> list[TensorSpec]:
