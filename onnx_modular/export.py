@@ -187,13 +187,15 @@ def export_modular(
     )
     # The export runs the model (reference run, torch.export): the user gets it back exactly as
     # given, buffers (BatchNorm statistics) and training flags included, even on failure.
-    with reference_run.kept_as_given(model):
+    with reference_run.kept_as_given(model) as restore:
         args, kwargs, stream, fixed = plan.args, plan.kwargs, plan.stream, plan.fixed
         stages = _Stages(model, progress)
         # The eager run and the capture get their own copy of the inputs: a forward pass may update
         # its inputs in place (a KV cache appends to itself), and the user's objects stay as given.
         with stages("capture", "run", report=False), stream.eager() if stream else contextlib.nullcontext():
             expected, signatures, eager_calls = reference_run.run(model, *tensors.copy_inputs(args, {**kwargs, **fixed}))
+        expected = reference_run.unaliased(model, expected)  # an output that is a buffer keeps the values it had
+        restore()  # a forward that updates its own buffers: torch.export captures the state the reference ran from
         with stages("capture"):
             dynamic_shapes = _check_io(model, args, kwargs, expected, dynamic_shapes, fixed)
             if exported_program is None:
@@ -238,6 +240,7 @@ def export_modular(
             _captured=captured_program,
         )
         if stream is None and verification.uses_bfloat16(model_ir):  # the reference of its float32-widened check
+            restore()
             result._reference_float32 = verification.float32_reference(model, args, kwargs, fixed)
         _save_and_verify(result, f, plan, stages, verify=bool(verify), flat=verify_flat)
         result._captured = None  # verified (a ParityError keeps it in error.result)

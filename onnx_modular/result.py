@@ -76,6 +76,10 @@ class ModularExport:
         """
         from onnx_modular.runtime import sessions as runtime
 
+        fixed = self._fixed or _fixed_from_metadata(self.model)
+        if fixed:  # the file holds them: the exported values are dropped, others refused
+            kwargs = {k: torch.as_tensor(v) if k in fixed and isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+            kwargs, _ = tensors.with_fixed(kwargs, fixed)
         if self._example is not None:  # keyword inputs in the order the export flattened them
             order = list(self._example[1])
             kwargs = dict(sorted(kwargs.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order)))
@@ -223,6 +227,20 @@ def model_file(result: ModularExport) -> Iterator[pathlib.Path]:
         return
     with save.scratch_model_file(result.model) as path:
         yield path
+
+
+def _fixed_from_metadata(model: ir.Model) -> dict[str, torch.Tensor]:
+    """The fixed inputs a file records with their values (``pkg.onnx_modular.fixed_inputs``)."""
+    import json
+
+    text = model.metadata_props.get(metadata.FIXED_INPUTS)
+    if not text:
+        return {}
+    fixed = {}
+    for name, entry in json.loads(text).items():
+        if "values" in entry:
+            fixed[name] = torch.tensor(entry["values"], dtype=getattr(torch, entry["dtype"])).reshape(entry["shape"])
+    return fixed
 
 
 def _check_call_inputs(declared: list, inputs: list[np.ndarray]) -> None:

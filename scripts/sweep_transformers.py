@@ -1776,6 +1776,46 @@ def _patch_images(config, inputs: dict[str, Any]):
     return pixels.reshape(pixels.shape[0], -1, patch, patch).contiguous()
 
 
+#: PyTorch's outputs all within this of 0 (float32's atol): a parity pass on them says nothing.
+NEAR_ZERO = 1e-4
+
+
+def reference_max_abs(expected: list) -> float | None:
+    """The largest magnitude of the floating-point reference outputs (``None``: none is floating)."""
+    values = [float(t.detach().abs().max()) for t in expected if t.is_floating_point() and t.numel()]
+    return max(values) if values else None
+
+
+def with_signal(model, inputs: dict[str, Any], expected: list) -> tuple[list, bool]:
+    """``(expected, jittered)``: when PyTorch's outputs are all within :data:`NEAR_ZERO` of 0 (a
+    random-weight head whose weights start at 0), every floating parameter gets seeded noise
+    (std 0.02, as transformers' init) and the reference is computed again; the same in both
+    children, so flat and modular compare the same model."""
+    import torch
+
+    magnitude = reference_max_abs(expected)
+    if magnitude is None or magnitude > NEAR_ZERO:
+        return expected, False
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, parameter in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if parameter.is_floating_point():
+                parameter.add_(torch.randn(parameter.shape, generator=generator).to(parameter.dtype) * 0.02)
+        return _tensors(model(**inputs)), True
+
+
+def _signal_record(record: dict[str, Any], expected: list, jittered: bool) -> bool:
+    """Record the reference's magnitude; ``False`` (and the row's error) when it is still ~0."""
+    record["reference_max_abs"] = reference_max_abs(expected)
+    if jittered:
+        record["jittered"] = True
+    if record["reference_max_abs"] is not None and record["reference_max_abs"] <= NEAR_ZERO:
+        record.update(ok=False, stage="reference", error=f"PyTorch's outputs are all within {NEAR_ZERO:g} of 0, jittered "
+                      "weights too: a parity check on them says nothing")
+        return False
+    return True
+
+
 def _tensors(output) -> list:
     import torch
 
@@ -1795,10 +1835,13 @@ def _job_modular(model_type: str, class_name: str) -> dict[str, Any]:
 
     record: dict[str, Any] = {}
     start = time.perf_counter()
-    model, inputs, _, tier = build_with_tier(model_type, class_name)
+    model, inputs, expected, tier = build_with_tier(model_type, class_name)
     record.update(built=True, config=tier)
+    expected, jittered = with_signal(model, inputs, expected)
     record["build_seconds"] = time.perf_counter() - start
     record["inputs"] = input_names(inputs)
+    if not _signal_record(record, expected, jittered):
+        return record
     fixed = layout_inputs(inputs)
     if fixed:
         record["fixed"] = ",".join(fixed)
@@ -1842,8 +1885,11 @@ def _job_flat(model_type: str, class_name: str) -> dict[str, Any]:
     start = time.perf_counter()
     model, inputs, expected, tier = build_with_tier(model_type, class_name)
     record.update(built=True, config=tier)
+    expected, jittered = with_signal(model, inputs, expected)
     record["build_seconds"] = time.perf_counter() - start
     record["inputs"] = input_names(inputs)
+    if not _signal_record(record, expected, jittered):
+        return record
     from onnx_modular.capture import torch_export
 
     try:
@@ -1964,13 +2010,13 @@ def architectures(heads: bool = True) -> list[tuple[str, str, str]]:
                 rows.append((model_type, class_name, "base"))
     if heads:
         mappings = sorted(n for n in dir(modeling_auto) if n.startswith("MODEL_FOR_") and n.endswith("_MAPPING_NAMES"))
-        seen = {row[1] for row in rows}
+        seen = {(row[0], row[1]) for row in rows}  # one row per (model type, class)
         for model_type in types:
             for mapping in mappings:
                 task = mapping[len("MODEL_FOR_") : -len("_MAPPING_NAMES")].lower().replace("_", "-")
                 for class_name in _names(getattr(modeling_auto, mapping).get(model_type)):
-                    if class_name not in seen and hasattr(transformers, class_name):
-                        seen.add(class_name)
+                    if (model_type, class_name) not in seen and hasattr(transformers, class_name):
+                        seen.add((model_type, class_name))
                         rows.append((model_type, class_name, task))
     return rows
 
@@ -2006,26 +2052,37 @@ class Row:
     config: str | None = None  # how far the config was shrunk (TIERS): tiny, shallow or default
     commit: str | None = None  # the commit the row was swept on (a table resumed across commits mixes them)
     fixed: str | None = None  # the inputs the modular export fixed into the program (LAYOUT_INPUTS)
+    reference_max_abs: float | None = None  # the largest |PyTorch output| compared (a pass on ~0 outputs says nothing)
+    jittered: bool = False  # the weights got seeded noise: PyTorch's outputs were all ~0 (with_signal)
 
     @property
-    def key(self) -> str:
-        return self.class_name
+    def key(self) -> tuple[str, str]:
+        """A row is one (model type, class): a class serves several model types (LlamaModel)."""
+        return (self.model_type, self.class_name)
 
 
 def sweep_one(model_type: str, class_name: str, task: str, timeout: float, memory_gb: float) -> Row:
-    row = Row(model_type, class_name, task)
     flat = run_child("flat", model_type, class_name, timeout, memory_gb)
     if flat.get("stage") == "build":  # the same build would fail the same way: not run twice
         modular = dict(flat, seconds=0.0)
     else:
         modular = run_child("modular", model_type, class_name, timeout, memory_gb)
+    return row_of(model_type, class_name, task, flat, modular)
+
+
+def row_of(model_type: str, class_name: str, task: str, flat: dict[str, Any], modular: dict[str, Any]) -> Row:
+    """The row of one (model type, class) from its two children's records."""
+    row = Row(model_type, class_name, task)
     row.built = bool(flat.get("built") or modular.get("built"))
     row.flat_ok = bool(flat.get("ok"))
     row.flat_max_abs = flat.get("max_abs")
     if not row.flat_ok:
         row.flat_stage, row.flat_error = flat.get("stage"), flat.get("error")
     row.modular_ok = bool(modular.get("ok"))
-    row.functions, row.depth, row.max_abs = modular.get("functions"), modular.get("depth"), modular.get("max_abs") or modular.get("report")
+    row.functions, row.depth = modular.get("functions"), modular.get("depth")
+    row.max_abs = modular["max_abs"] if modular.get("max_abs") is not None else modular.get("report")  # an exact 0 stays 0
+    row.reference_max_abs = modular.get("reference_max_abs", flat.get("reference_max_abs"))
+    row.jittered = bool(modular.get("jittered") or flat.get("jittered"))
     if not row.modular_ok:
         row.stage, row.error = modular.get("stage"), modular.get("error")
     row.seconds = round(flat.get("seconds", 0) + modular.get("seconds", 0), 1)
@@ -2070,7 +2127,25 @@ def classify(row: Row) -> str | None:
             return note
     if row.stage == "verify" and row.flat_stage == "verify":
         return _BOTH_DIFFER
-    return None
+    return _stage_note(row)
+
+
+def _stage_note(row: Row) -> str:
+    """Where no known cause is named: what the two failures are, by stage (every row both
+    exporters fail has a note)."""
+    if row.stage == "build":
+        return ("not built: the sweep's config and input rules do not make a model of this class that runs "
+                "in PyTorch (a limit of the harness, not of either exporter)")
+    if row.stage == "timeout":
+        return "over the sweep's time budget per exporter (timeout): no result either way"
+    if row.stage == "capture" and row.flat_stage == "export":
+        return "torch.export fails on the model's own code for both exporters (the same capture error)"
+    if row.stage == "input":
+        return "forward returns values that are not tensors (ints): not ONNX outputs; torch's exporter fails on them too"
+    if row.stage == "verify" and row.flat_stage in ("export", "run"):
+        return (f"torch's flat export fails ({row.flat_stage}); the modular file exports but differs from PyTorch "
+                "beyond the tolerance: to investigate")
+    return f"both fail: modular at {row.stage or '?'}, flat at {row.flat_stage or '?'} (the errors say why)"
 
 
 def _environment() -> dict[str, str]:
@@ -2145,15 +2220,16 @@ def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, s
         "",
         "## Every architecture",
         "",
-        "| model type | class | task | built | flat | modular | functions | depth | max abs (modular) | max abs (flat) | failing stage | first error line | inputs | config | note | s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model type | class | task | built | flat | modular | functions | depth | max abs (modular) | max abs (flat) | max \\|PyTorch output\\| | failing stage | first error line | inputs | config | note | s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         stage = r.stage or (f"flat: {r.flat_stage}" if r.flat_stage else "")
         error = r.error or r.flat_error
         lines.append(
             f"| {r.model_type} | {r.class_name} | {r.task} | {_cell(r.built)} | {_cell(r.flat_ok)} | {_cell(r.modular_ok)} | "
-            f"{_cell(r.functions)} | {_cell(r.depth)} | {_cell(r.max_abs)} | {_cell(r.flat_max_abs)} | {_cell(stage)} | "
+            f"{_cell(r.functions)} | {_cell(r.depth)} | {_cell(r.max_abs)} | {_cell(r.flat_max_abs)} | "
+            f"{_cell(r.reference_max_abs)}{' (jittered)' if r.jittered else ''} | {_cell(stage)} | "
             f"{_cell((error or '')[:160])} | {_cell(r.inputs)}{f' (fixed: {r.fixed})' if r.fixed else ''} | {_cell(r.config)} | {_cell(r.note or classify(r))} | {r.seconds:.0f} |"
         )
     tmp = path.with_suffix(".md.tmp")
@@ -2175,6 +2251,18 @@ def read_rows(path: pathlib.Path) -> list[Row]:
     for row in rows:
         row.note = row.note or classify(row)
     return rows
+
+
+def unique_rows(rows: list[Row]) -> list[Row]:
+    """One row per (model type, class): of rows with one key (a table written when rows were
+    keyed by class, whose copies took a sibling's model type), the first is kept."""
+    seen: set[tuple[str, str]] = set()
+    kept = []
+    for row in rows:
+        if row.key not in seen:
+            seen.add(row.key)
+            kept.append(row)
+    return kept
 
 
 def regressions(old: list[Row], new: list[Row]) -> list[str]:
@@ -2200,23 +2288,23 @@ _TEXT_INPUTS = frozenset({
 
 
 def differing(kept: list[Row], other: list[Row]) -> list[str]:
-    """The classes of ``kept`` whose row differs from the same row of ``other`` (another torch's
+    """The keys (model type, class) of ``kept`` whose row differs from the same row of ``other`` (another torch's
     run on the current commit): in outcome (built, flat, modular) or in the inputs fed or fixed. A kept row
     with no inputs recorded (swept before the column) differs when the other was fed more than
     text. What is not in ``other`` is left alone."""
-    others = {(r.model_type, r.class_name): r for r in other}
+    others = {r.key: r for r in other}
     found = []
     for row in kept:
-        o = others.get((row.model_type, row.class_name))
+        o = others.get(row.key)
         if o is None:
             continue
         fed = set(filter(None, (o.inputs or "").split(",")))
         if (row.built, row.flat_ok, row.modular_ok) != (o.built, o.flat_ok, o.modular_ok):
-            found.append(row.class_name)
+            found.append(row.key)
         elif row.inputs is None and fed - _TEXT_INPUTS or row.inputs is not None and set(row.inputs.split(",")) != fed:
-            found.append(row.class_name)
+            found.append(row.key)
         elif (row.fixed or None) != (o.fixed or None):  # fixed into the program on one run only
-            found.append(row.class_name)
+            found.append(row.key)
     return found
 
 
@@ -2305,25 +2393,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.redo_types:
         again = set(args.redo_types.split(","))
         rows = [r for r in rows if r.model_type not in again]
-    if args.redo_classes:
+    if args.redo_classes:  # a class (every model type it serves) or model_type/class
         again = set(args.redo_classes.split(","))
-        rows = [r for r in rows if r.class_name not in again]
+        rows = [r for r in rows if r.class_name not in again and f"{r.model_type}/{r.class_name}" not in again]
     if args.redo_differing:
         again = set(differing(rows, read_rows(pathlib.Path(args.redo_differing))))
         print(f"{len(again)} rows differ from {args.redo_differing}: swept again", flush=True)
-        rows = [r for r in rows if r.class_name not in again]
+        rows = [r for r in rows if r.key not in again]
+    rows = unique_rows(rows)
     done = {r.key for r in rows}
     environment = _environment()
-    todo = [row for row in planned if row[1] not in done]
+    todo = [row for row in planned if (row[0], row[1]) not in done]
     if args.redo_classes:  # in the order given: the most wanted first
         wanted_order = {name: i for i, name in enumerate(args.redo_classes.split(","))}
-        todo.sort(key=lambda row: wanted_order.get(row[1], len(wanted_order)))
-    order = {row[1]: i for i, row in enumerate(planned)}
+        todo.sort(key=lambda row: min(wanted_order.get(row[1], len(wanted_order)),
+                                      wanted_order.get(f"{row[0]}/{row[1]}", len(wanted_order))))
+    order = {(row[0], row[1]): i for i, row in enumerate(planned)}
 
     def finished(row: Row) -> None:  # in the main thread: rows, JSON and Markdown stay consistent
         row.commit = environment["commit"]
+        rows[:] = [r for r in rows if r.key != row.key]
         rows.append(row)
-        rows.sort(key=lambda r: order.get(r.class_name, len(order)))
+        rows.sort(key=lambda r: order.get(r.key, len(order)))
         print(
             f"{row.model_type:24} {row.class_name:48} built={_cell(row.built):3} flat={_cell(row.flat_ok):3} "
             f"modular={_cell(row.modular_ok):3} {row.seconds:5.0f}s {row.stage or ''} {(row.error or '')[:100]}",

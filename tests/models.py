@@ -278,3 +278,154 @@ class Containers(nn.Module):
             x = layer(x)
         x = self.dropout(self.skip(x))
         return self.heads["left"](x), self.heads["right"](x)
+
+
+class Expert(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class HistcRouter(nn.Module):
+    """Top-1 routing that counts the tokens per expert with ``histc`` (bin edges 0 .. experts-1)."""
+
+    def __init__(self, d: int, experts: int):
+        super().__init__()
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.experts = experts
+
+    def forward(self, x):
+        weights, index = self.gate(x).softmax(-1).max(-1)
+        counts = torch.histc(index.float(), bins=self.experts, min=0, max=self.experts - 1)
+        return weights, index, counts
+
+
+class HistcMoE(nn.Module):
+    """A mixture of experts that splits the tokens sorted by expert by the router's counts: a count
+    off by one (float16 bin edges round: 3.0000002 -> 3.0) makes onnxruntime's Split refuse to run."""
+
+    def __init__(self, d: int = 16, experts: int = 4):
+        super().__init__()
+        self.router = HistcRouter(d, experts)
+        self.experts = nn.ModuleList(Expert(d) for _ in range(experts))
+
+    def forward(self, x):
+        weights, index, counts = self.router(x)
+        order = torch.argsort(index * x.shape[0] + torch.arange(x.shape[0]))
+        tokens = (x * weights.unsqueeze(-1))[order]
+        sizes = counts.long().tolist()
+        for size in sizes:
+            torch._check(size >= 0)
+        torch._check(sum(sizes) == tokens.shape[0])
+        outputs = torch.cat([expert(part) for expert, part in zip(self.experts, torch.split(tokens, sizes))])
+        return torch.empty_like(outputs).index_copy(0, order, outputs)
+
+
+def histc_moe():
+    torch.manual_seed(0)
+    return HistcMoE().eval(), (torch.randn(32, 16),), {}
+
+
+class Twice(nn.Module):
+    """A module calling its own ``Scale`` twice (``inner``, ``inner@1``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Scale()
+
+    def forward(self, x):
+        return self.inner(x) - self.inner(x * 3)
+
+
+class TwiceTwice(nn.Module):
+    """``block`` called twice, each call calling ``block.inner`` twice: call names up to ``@3``."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Twice()
+
+    def forward(self, x):
+        return self.block(self.block(x) + 1)
+
+
+class NormAttention(nn.Module):
+    """GroupNorm then scaled-dot-product attention over an image's positions, with a residual:
+    onnxruntime folds the norm's reshaped weight and the attention's scale into unnamed ``Cast``
+    nodes (its profiler names their kernels ``Cast_<index>``)."""
+
+    def __init__(self, channels: int = 32, heads: int = 2):
+        super().__init__()
+        self.norm = nn.GroupNorm(4, channels)
+        self.qkv = nn.Linear(channels, 3 * channels)
+        self.heads = heads
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        y = self.norm(x).flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(y).view(b, h * w, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + o.transpose(1, 2).reshape(b, h * w, c).transpose(1, 2).reshape(b, c, h, w)
+
+
+class ConvAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 32, 3, padding=1)
+        self.attn = NormAttention()
+
+    def forward(self, x):
+        return self.attn(self.conv(x))
+
+
+class Ring(nn.Module):
+    """A ring buffer with a write pointer, both registered buffers updated in place by forward."""
+
+    def __init__(self, slots: int = 4, d: int = 8):
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(slots, d))
+        self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
+        self.slots = slots
+
+    def forward(self, x):
+        self.buf.index_copy_(0, self.ptr.view(1), x)
+        self.ptr.add_(1).remainder_(self.slots)
+        return self.buf.mean(0, keepdim=True)
+
+
+class RingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.ring = Ring()
+
+    def forward(self, x):
+        return self.lin(self.ring(x) + x)
+
+
+def ring_net():
+    """:class:`RingNet` after two calls (its buffers hold state, the pointer at 2), and an input."""
+    torch.manual_seed(0)
+    model = RingNet().eval()
+    with torch.no_grad():
+        model(torch.randn(1, 8))
+        model(torch.randn(1, 8))
+    return model, (torch.randn(1, 8),), {}
+
+
+class FusedAndShared(nn.Module):
+    """What torch's flat export cannot hand back: a BatchNorm its optimizer fuses into the Conv
+    before it (the Conv module is left without nodes), a module called twice (``shared``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.shared = Scale(8)
+
+    def forward(self, x):
+        y = self.bn(self.conv(x)).mean((2, 3))
+        return self.shared(self.shared(y) + 1)

@@ -114,6 +114,28 @@ def test_fixed_grid_checks_new_data_and_refuses_another_grid(model, exported):
     assert result.localize(model).first_failure is None
 
 
+def test_calling_the_result_takes_the_exported_grid_and_refuses_another(exported):
+    import dataclasses
+
+    from onnx_modular import result as result_module
+
+    result, x = exported
+    (alone,) = result(x=x)
+    (with_grid,) = result(x=x, grid=GRID.clone())  # the value it was exported for: taken, not fed
+    assert torch.equal(alone, with_grid)
+    (as_array,) = result(x=x, grid=GRID.numpy())
+    assert torch.equal(alone, as_array)
+    other = torch.tensor([[1, 4, 4], [1, 4, 3]])  # same shape, another grid: the file cannot compute it
+    with pytest.raises(InvalidInputError, match="fixed into the file"):
+        result(x=x, grid=other)
+    # a result without the export's tensors reads the values from the file's metadata
+    assert torch.equal(result_module._fixed_from_metadata(result.model)["grid"], GRID)
+    bare = dataclasses.replace(result, _fixed={}, _sessions={})
+    with pytest.raises(InvalidInputError, match="fixed into the file"):
+        bare(x=x, grid=other)
+    assert torch.equal(bare(x=x, grid=GRID.clone())[0], alone)
+
+
 @pytest.mark.parametrize(
     ("fixed", "shapes", "message"),
     [

@@ -98,12 +98,13 @@ def test_rows_differing_from_another_torchs_run_are_swept_again(tmp_path):
         Row("sam2", "Sam2Model", "base", True, True, True, inputs="pixel_values"),
         Row("t5", "T5Model", "base", True, False, True, inputs=text),
     ]
-    assert sweep.differing(kept, other) == ["LlavaModel", "Gemma4Model", "Sam2Model"]
+    differ = [("llava", "LlavaModel"), ("gemma4", "Gemma4Model"), ("sam2", "Sam2Model")]
+    assert sweep.differing(kept, other) == differ
     # as --redo-differing reads them: both tables from their JSON files, inputs and all
     table, reference = tmp_path / "cov.json", tmp_path / "other.json"
     sweep.write_json(table, kept, {"commit": "x"}, len(kept))
     sweep.write_json(reference, other, {"commit": "y"}, len(other))
-    assert sweep.differing(sweep.read_rows(table), sweep.read_rows(reference)) == ["LlavaModel", "Gemma4Model", "Sam2Model"]
+    assert sweep.differing(sweep.read_rows(table), sweep.read_rows(reference)) == differ
 
 
 def test_report_files(tmp_path):
@@ -120,6 +121,56 @@ def test_report_files(tmp_path):
     data = json.loads((tmp_path / "c.json").read_text())
     assert data["totals"]["flat_only"] == 1 and [r.class_name for r in sweep.read_rows(tmp_path / "c.json")] == ["LlamaModel", "RwkvModel"]
     assert [r.commit for r in sweep.read_rows(tmp_path / "c.json")] == [None, "abc"]  # rows of older runs have none
+
+
+def test_rows_are_keyed_by_model_type_and_class():
+    Row = sweep.Row
+    rows = [Row("llama", "LlamaModel", "base", True, True, True), Row("internlm3", "LlamaModel", "base", True, True, False),
+            Row("llama", "LlamaModel", "base", True, False, False)]  # a copy left by a table keyed by class
+    assert [r.key for r in sweep.unique_rows(rows)] == [("llama", "LlamaModel"), ("internlm3", "LlamaModel")]
+    old = [Row("llama", "LlamaModel", "base", True, True, True), Row("internlm3", "LlamaModel", "base", True, True, True)]
+    new = [Row("llama", "LlamaModel", "base", True, True, True), Row("internlm3", "LlamaModel", "base", True, True, False)]
+    assert sweep.regressions(old, new) == ["LlamaModel (internlm3): modular regressed:"]
+    planned = sweep.architectures(heads=True)
+    assert len({(t, c) for t, c, _ in planned}) == len(planned)
+    served = {}
+    for model_type, class_name, _ in planned:
+        served.setdefault(class_name, set()).add(model_type)
+    assert max(len(types) for types in served.values()) > 1  # classes serving several model types get a row each
+
+
+def test_exact_zero_and_reference_magnitude_are_recorded():
+    flat = {"built": True, "ok": True, "max_abs": 0.0, "reference_max_abs": 2.5, "seconds": 1}
+    modular = {"built": True, "ok": True, "max_abs": 0.0, "functions": 3, "reference_max_abs": 2.5, "seconds": 2}
+    row = sweep.row_of("bert", "BertModel", "base", flat, modular)
+    assert row.max_abs == 0.0 and row.flat_max_abs == 0.0 and row.reference_max_abs == 2.5 and not row.jittered
+    assert json.loads(json.dumps(dataclasses.asdict(row)))["max_abs"] == 0  # 0, not null
+
+
+def test_a_head_whose_outputs_are_zero_gets_jittered_weights():
+    import torch
+
+    head = torch.nn.Linear(8, 3)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = head
+
+        def forward(self, x):
+            return self.head(x)
+
+    model, inputs = Model(), {"x": torch.randn(2, 8)}
+    expected = [model(**inputs)]
+    assert sweep.reference_max_abs(expected) == 0.0
+    again, jittered = sweep.with_signal(model, inputs, expected)
+    assert jittered and sweep.reference_max_abs(again) > sweep.NEAR_ZERO
+    record = {}
+    assert sweep._signal_record(record, again, jittered) and record["jittered"]
+    still_zero = {}
+    assert not sweep._signal_record(still_zero, [torch.zeros(3)], True) and still_zero["stage"] == "reference"
 
 
 @pytest.mark.slow
@@ -242,6 +293,10 @@ def test_notes_name_the_limit_where_both_exporters_fail():
     assert "torchvision" in sweep.classify(timm)
     assert sweep.classify(Row("llama", "LlamaModel", "base", True, True, True)) is None
     assert sweep.classify(Row("y", "Y", "base", True, True, False, error="ParityError: drift")) is None  # flat passes: ours to fix
+    built = Row("b", "B", "base", False, False, False, stage="build", error="TypeError: x", flat_stage="build")
+    assert sweep.classify(built).startswith("not built")
+    odd = Row("o", "O", "base", True, False, False, stage="translate", error="X", flat_stage="run", flat_error="Y")
+    assert sweep.classify(odd) == "both fail: modular at translate, flat at run (the errors say why)"
     both = Row("z", "Z", "base", True, False, False, stage="verify", error="ParityError: drift", flat_stage="verify", flat_error="max abs difference 0.4")
     assert "differ from PyTorch" in sweep.classify(both)
     captured = dataclasses.replace(both, error=f"ParityError: drift ({sweep._CAPTURED_SO})")  # PaliGemma's prefix mask

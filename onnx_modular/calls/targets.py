@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import difflib
 import json
+from collections.abc import Iterable
 
 import onnx
 
@@ -239,6 +240,7 @@ def specialize(model: onnx.ModelProto, name: str, *, including_call: bool = Fals
         taken = {f.name for f in model.functions if f.domain == copy.domain}
         copy.name = function_name(shared.function.name, taken)
         rebase_body(copy, metadata.body_module_path(shared.function), metadata.strip_call_index(shared.call_name))
+        _renumber_calls(copy, shared.function, shared, calls.values())
         set_prop(copy, metadata.MODULE_PATHS, json.dumps([shared.call_name]))
         set_prop(copy, metadata.CALL_COUNT, "1")
         remaining = [p for p in metadata.module_paths(shared.function) if p != shared.call_name]
@@ -247,9 +249,24 @@ def specialize(model: onnx.ModelProto, name: str, *, including_call: bool = Fals
             written_for = metadata.body_module_path(shared.function)
             set_prop(shared.function, metadata.MODULE_PATHS, json.dumps(remaining))
             rebase_body(shared.function, written_for, metadata.strip_call_index(remaining[0]))
+            if remaining[0] in calls:
+                _renumber_calls(shared.function, shared.function, calls[remaining[0]], calls.values())
             set_prop(shared.function, metadata.CALL_COUNT, str(counts[function_id(shared.function)] - 1))
         model.functions.append(copy)
         shared.node.op_type = copy.name  # the node sits in a body this call owns already
+
+
+def _renumber_calls(body: onnx.FunctionProto, original: onnx.FunctionProto, caller: metadata.ExpandedCall,
+                    calls: Iterable[metadata.ExpandedCall]) -> None:
+    """Name ``body``'s call nodes (``body`` is ``original`` or a copy of it) with the call indices
+    they have under ``caller``, the call ``body`` is now written for: the names in a body are exact
+    for its first call (:class:`~onnx_modular.format.metadata.CallCounter`), so a body given to
+    ``shared@1`` names its nested call ``linear@1``, not ``linear``."""
+    index_of = {id(call.node): metadata.split_call_name(call.call_name)[1]
+                for call in calls if call.caller is caller and call.node is not None}
+    for source, node in zip(all_nodes(original.node), all_nodes(body.node)):
+        if id(source) in index_of:
+            node.name = metadata.call_name(metadata.strip_call_index(node.name), index_of[id(source)])
 
 
 def main_graph_names(model: onnx.ModelProto) -> tuple[set[str], set[str]]:

@@ -35,14 +35,19 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def kept_as_given(model: torch.nn.Module) -> Iterator[None]:
+def kept_as_given(model: torch.nn.Module) -> Iterator[Callable[[], None]]:
     """Give ``model`` back as it was when the block ends, normally or not: every module's
     training flag, parameter and buffer objects, and the buffers' values.
 
     Running a model in training mode updates its buffers (BatchNorm's ``running_mean``,
-    ``num_batches_tracked``); the export runs it (eager reference, torch.export), so the
-    buffers are copied first (parameters are not copied: forward does not change them, and
-    they are the bulk of the memory).
+    ``num_batches_tracked``), and so does a forward that updates its own state (a ring buffer
+    and its write pointer, ``buf.index_copy_(0, ptr, x); ptr.add_(1)``); the export runs it
+    (eager reference, torch.export), so the buffers are copied first (parameters are not copied:
+    forward does not change them, and they are the bulk of the memory).
+
+    Yields:
+        ``restore()``: puts the state back now (the export calls it after the eager reference
+        run, so that torch.export captures the buffers the reference started from).
     """
     modules = list(model.modules())
     flags = [module.training for module in modules]
@@ -54,9 +59,8 @@ def kept_as_given(model: torch.nn.Module) -> Iterator[None]:
         for buffer in held.values()
         if isinstance(buffer, torch.Tensor) and not buffer.is_meta
     }
-    try:
-        yield
-    finally:
+
+    def restore() -> None:
         with torch.no_grad():
             for module, training, params, bufs in zip(modules, flags, parameters, buffers):
                 module.training = training
@@ -71,7 +75,28 @@ def kept_as_given(model: torch.nn.Module) -> Iterator[None]:
                     if buffer.shape == saved.shape and buffer.dtype == saved.dtype:
                         buffer.copy_(saved)
                     else:
-                        buffer.data = saved
+                        buffer.data = saved.clone()
+
+    try:
+        yield restore
+    finally:
+        restore()
+
+
+def unaliased(model: torch.nn.Module, outputs: Any) -> Any:
+    """``outputs`` with every tensor that shares storage with one of ``model``'s buffers copied:
+    putting the buffers back (``restore()`` of :func:`kept_as_given`) must not change the
+    reference (a forward that returns the ring buffer it just wrote)."""
+    held = {b.untyped_storage().data_ptr() for b in model.buffers() if isinstance(b, torch.Tensor) and not b.is_meta}
+    if not held:
+        return outputs
+
+    def aliases(value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and not value.is_meta and value.untyped_storage().data_ptr() in held
+
+    if not any(aliases(leaf) for leaf in torch.utils._pytree.tree_leaves(outputs)):
+        return outputs  # the usual case: the outputs are left as they are (a cache object included)
+    return torch.utils._pytree.tree_map(lambda value: value.detach().clone() if aliases(value) else value, outputs)
 
 
 def tensor_specs(prefix: str, value: Any) -> list[TensorSpec]:

@@ -67,7 +67,7 @@ def verify_export(
     Returns:
         The modular file's report (``None`` when ``modular`` is false).
     """
-    from onnx_modular.check import blockwise, verification
+    from onnx_modular.check import blockwise, padding, verification
 
     inputs, expected, widened = _reference(result, args, kwargs, model)
     report = flat_report = block_report = None
@@ -84,6 +84,8 @@ def verify_export(
                 report = _run(file, inputs, expected, widened, flat=flat, tolerance=tolerance, provider=execution_provider)
                 if args is None and kwargs is None and not widened:  # on failure: was it captured so?
                     verification.add_program_differences(report, result, expected)
+                if not report.ok and not widened:  # on failure: only where an attention mask pads?
+                    report.padding = padding.explain(file, inputs, expected, report)
     if flat_copy is not None:
         flat_report = _run(flat_copy, inputs, expected, widened, flat=False, tolerance=tolerance, provider=execution_provider)
     if record:

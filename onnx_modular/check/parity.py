@@ -246,6 +246,7 @@ class ParityReport:
     shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     modules: Any = None  # onnx_modular.check.localization.LocalizationReport
     note: str | None = None
+    padding: str | None = None  # the outputs differ only where an attention mask pads (check/padding.py)
 
     @property
     def ok(self) -> bool:
@@ -286,6 +287,7 @@ class ParityReport:
             "outputs": [output.to_dict() for output in self.outputs],
             "modules": self.modules.to_dict() if self.modules is not None else None,
             "note": self.note,
+            "padding": self.padding,
             "captured_differently": self.captured_differently,
         }
 

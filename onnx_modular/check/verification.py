@@ -221,7 +221,12 @@ def assert_parity(report: ParityReport, *, result=None) -> None:
         + f"), tolerance atol={o.tolerance.atol:g} rtol={o.tolerance.rtol:g}"
         for o in report.failures()
     ]
-    if report.captured_differently:
+    if report.padding:
+        from onnx_modular.check import padding
+
+        lines.append(report.padding)
+        hint = padding.HINT
+    elif report.captured_differently:
         lines.append(
             "The program torch.export captured is as far from PyTorch when PyTorch runs it: the ONNX files compute "
             "what was captured, and the model takes another path when traced than when run eagerly."

@@ -64,7 +64,7 @@ from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import save
 from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, node_id, uses_external_data
 
-__all__ = ["convert", "Conversion", "CallDrift", "ClassDrift", "FLOAT32_OPS", "DTYPES", "QUANTIZE_BITS"]
+__all__ = ["convert", "Conversion", "QuantizationWarning", "CallDrift", "ClassDrift", "FLOAT32_OPS", "DTYPES", "QUANTIZE_BITS"]
 
 FLOAT = onnx.TensorProto.FLOAT
 #: The dtypes a body can be converted to.
@@ -84,6 +84,12 @@ FLOAT32_OPS = frozenset({
 _DTYPE_ATTRIBUTE_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "EyeLike", "Bernoulli", "Multinomial"})
 _MS_DOMAIN = "com.microsoft"
 _COMPUTED = "its second input is computed in the body"
+#: The ops whose constant weight becomes MatMulNBits (a Gemm's bias an Add after it).
+_QUANTIZED_OPS = ("MatMul", "Gemm")
+#: The ops whose weights stay float32 under quantize, reported in ``Conversion.skipped``.
+_LEFT_OPS = ("Conv", "ConvTranspose")
+_LEFT_OPS_REASON = ("a Conv weight: onnxruntime's weight-only quantization (MatMulNBits) covers MatMul and Gemm "
+                    "weights only; it stays float32 (use --dtype float16 to halve it)")
 #: Name suffix of a value cast to a dtype.
 _SUFFIX = {FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16", onnx.TensorProto.BFLOAT16: "bf16"}
 
@@ -201,15 +207,21 @@ class Conversion:
             if self.kept:
                 lines.append(f"  kept in float32: {len(self.kept)} calls ({_short_list(self.kept)})")
         for name, drift in self.auto_kept:
-            lines.append(f"  auto-keep kept {name}: converted alone, it moves the outputs by {drift:.3%} of their range")
+            lines.append(f"  auto-keep kept {name}: " + ("converted alone, the file does not run in onnxruntime" if drift == math.inf
+                         else f"converted alone, it moves the outputs by {drift:.3%} of their range"))
         if self.tolerance is not None:
             verdict = "within" if self.max_drift <= self.tolerance else "NOT within"
             lines.append(f"  outputs {verdict} --auto-keep {self.tolerance:g} ({self.max_drift:.3%} of their range)")
         if self.quantize:
-            lines.append(f"  MatMulNBits nodes (in shared bodies): {len(self.quantized)}; weight MatMuls left: {len(self.skipped)}"
+            lines.append(f"  MatMulNBits nodes (in shared bodies): {len(self.quantized)}; weights left float32: {len(self.skipped)}"
                          + (f"; not quantized: {_short_list(self.excluded)}" if self.excluded else ""))
-            for call, node, reason in self.skipped[:5]:
-                lines.append(f"    {call} {node}: {reason}")
+            if not self.quantized:
+                lines.append("  WARNING: nothing was quantized" + (" (the weights left are listed below)" if self.skipped else
+                             " (no MatMul or Gemm reads a constant weight)"))
+            for call, node, reason in self.skipped[:8]:
+                lines.append(f"    left: {call} {node}: {reason}")
+            if len(self.skipped) > 8:
+                lines.append(f"    ... and {len(self.skipped) - 8} more (the report's `skipped`)")
         if self.split:
             lines.append(f"  calls given bodies of their plan (split from shared ones): {_short_list(self.split, 6)}")
         lines.append("Drift against the original on the same inputs, per output (max abs; % of the output's range):")
@@ -218,6 +230,10 @@ class Conversion:
             lines.append(f"  {fit_name(name, width):<{width}} {max_abs:10.3g} {drift:8.3%}")
         if not self.calls:  # a flat file: no module calls to compare
             return "\n".join(lines)
+        first = next((c for c in self.calls if c.drift > _LARGE_DRIFT and c.converted), None)
+        if first is not None and self.tolerance is None and self.max_drift > _LARGE_DRIFT:
+            lines.append(f"  hint: the first call drifting over {_LARGE_DRIFT:.0%}: {first.call_name} ({first.module_class}); "
+                         f"try --keep {first.module_class}, or --auto-keep 0.01")
         lines.append("Per class, worst call:")
         width = name_column_width(c.module_class for c in self.classes)
         for c in self.classes:
@@ -228,6 +244,26 @@ class Conversion:
             mode = ("q" if c.quantized else "-") + ("c" if c.converted else ("k" if self.dtype else "-"))
             lines.append(f"  {fit_name(c.call_name, width):<{width}} {mode} {c.module_class:<24} {c.max_abs:10.3g} {c.drift:8.3%}")
         return "\n".join(lines)
+
+
+#: An output drift (of its range) the report points at the first call drifting that far.
+_LARGE_DRIFT = 0.05
+
+
+class QuantizationWarning(UserWarning):
+    """``quantize`` left weights in float32 (Conv weights, shared or computed ones): they are
+    listed in :attr:`Conversion.skipped` with the reason."""
+
+
+def _warn_left(quantize: str | None, quantized: Sequence, skipped: Sequence[tuple[str, str, str]]) -> None:
+    if not quantize or not skipped:
+        return
+    import warnings
+
+    reasons = collections.Counter(reason for _, _, reason in skipped)
+    text = (f"--quantize {quantize}: {len(skipped)} weight(s) left float32 ({len(quantized)} quantized): "
+            + "; ".join(f"{count} x {reason}" for reason, count in reasons.most_common(3)))
+    warnings.warn_explicit(text, QuantizationWarning, "onnx_modular", 0, module="onnx_modular")
 
 
 def _short_list(names: Sequence[str], count: int = 4) -> str:
@@ -392,6 +428,7 @@ class _Quantizer:
         self.initializers = {t.name: t for t in model.graph.initializer}
         self.sources: dict[str, Callable[[], np.ndarray]] = {}  # new initializer -> its array
         self.done: set[tuple[int, str]] = set()
+        self.transposed: set[str] = set()  # initializers a Gemm reads with transB=1: packed as their transpose
 
     def _shapes(self, k: int, n: int) -> list[tuple[list[int], int]]:
         kpack = 8 // self.bits
@@ -405,6 +442,8 @@ class _Quantizer:
     def _pack(self, name: str) -> tuple[np.ndarray, ...]:
         tensor = self.initializers[name]
         array = onnx.numpy_helper.to_array(tensor, base_dir=self.folder or "").astype(np.float32)
+        if name in self.transposed:
+            array = np.ascontiguousarray(array.T)
         packed, scales, zero_points = self.packer.qbits_block_quant(array)
         return (packed, scales) if self.symmetric else (packed, scales, zero_points)
 
@@ -438,16 +477,17 @@ class _Quantizer:
                 return why
         return None
 
-    def _source_shapes(self, body, name: str) -> set[tuple[int, ...]]:
+    def _source_shapes(self, body, name: str, transposed: bool = False) -> set[tuple[int, ...]]:
         if body is self.model.graph:
-            return {tuple(self.initializers[name].dims)}
+            dims = tuple(self.initializers[name].dims)
+            return {dims[::-1] if transposed else dims}
         index = list(body.input).index(name)
         shapes: set[tuple[int, ...]] = set()
         for caller, node in _call_sites(self.model, function_id(body)):
-            shapes |= self._source_shapes(caller, node.input[index])
+            shapes |= self._source_shapes(caller, node.input[index], transposed)
         return shapes
 
-    def _split(self, body, name: str) -> list[str]:
+    def _split(self, body, name: str, transposed: bool = False) -> list[str]:
         """Replace ``name`` in ``body`` by its packed parts, up to the main graph. Returns the new names."""
         new = [name + part for part in self.parts]
         if (id(body), name) in self.done:
@@ -455,7 +495,9 @@ class _Quantizer:
         self.done.add((id(body), name))
         if body is self.model.graph:
             tensor = self.initializers[name]
-            k, n = tensor.dims
+            k, n = tensor.dims[::-1] if transposed else tensor.dims
+            if transposed:
+                self.transposed.add(name)
             for index, (part, (dims, data_type)) in enumerate(zip(new, self._shapes(k, n))):
                 self.model.graph.initializer.append(onnx.TensorProto(name=part, data_type=data_type, dims=dims))  # values when written
                 self.sources[part] = functools.partial(lambda i, source: self._pack(source)[i], index, name)
@@ -467,19 +509,39 @@ class _Quantizer:
         body.value_info.extend(kept)
         for caller, node in list(_call_sites(self.model, function_id(body))):
             arg = node.input[index]
-            node.input[index : index + 1] = self._split(caller, arg)
+            node.input[index : index + 1] = self._split(caller, arg, transposed)
         return new
 
+    def _weight_reason(self, body, node: onnx.NodeProto) -> tuple[str | None, bool]:
+        """For a node that may read a weight: (why it stays float, whether it reads its weight
+        transposed). ``(_COMPUTED, False)``: not a weight; ``(None, t)``: it becomes MatMulNBits."""
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Gemm":
+            if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or (len(node.input) > 2 and node.input[2] and attrs.get("beta", 1.0) != 1.0):
+                return "a Gemm with transA, alpha or beta other than the defaults (MatMulNBits has none of them)", False
+            return None, bool(attrs.get("transB", 0))
+        return None, False
+
     def quantize_body(self, body, label: str) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
-        """Every MatMul of ``body`` with a constant 2-D weight -> MatMulNBits."""
+        """Every MatMul of ``body`` with a constant 2-D weight -> MatMulNBits; every such Gemm ->
+        MatMulNBits + Add of its bias. The weights of Conv nodes are reported left (skipped)."""
         done, skipped = [], []
         nodes = list(body.node)
         for position, node in enumerate(nodes):
-            if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+            if node.domain not in ("", "ai.onnx") or node.op_type not in _QUANTIZED_OPS + _LEFT_OPS or len(node.input) < 2:
                 continue
             weight = node.input[1]
             why = self._pure(body, weight)
-            shapes = set() if why else self._source_shapes(body, weight)
+            if node.op_type in _LEFT_OPS:  # reported whenever its weight is a constant of the file
+                if why in (None, "its weight is not a 2-D float32 tensor", "its weight is read by other nodes too (shared)"):
+                    skipped.append((label, node.name or node.output[0], _LEFT_OPS_REASON))
+                continue
+            if node.op_type == "MatMul" and len(node.input) != 2:
+                continue
+            transposed = False
+            if why is None:
+                why, transposed = self._weight_reason(body, node)
+            shapes = set() if why else self._source_shapes(body, weight, transposed)
             if not why and len(shapes) != 1:
                 why = f"its calls pass weights of different shapes {sorted(shapes)}"
             if why == _COMPUTED:
@@ -488,21 +550,37 @@ class _Quantizer:
                 skipped.append((label, node.name or node.output[0], why))
                 continue
             (k, n), = shapes
-            parts = self._split(body, weight)
+            parts = self._split(body, weight, transposed)
             attributes = {"K": k, "N": n, "bits": self.bits, "block_size": self.block_size}
             if self.accuracy_level:
                 attributes["accuracy_level"] = self.accuracy_level
+            bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
+            product = list(node.output) if bias is None else [_unused_name(body, node.output[0] + "_matmul")]
             nbits = onnx.helper.make_node(
-                "MatMulNBits", [node.input[0], *parts], list(node.output),
+                "MatMulNBits", [node.input[0], *parts], product,
                 name=(node.name + f"_Q{self.bits}") if node.name else "", domain=_MS_DOMAIN, **attributes,
             )
             nbits.metadata_props.extend(node.metadata_props)
-            nodes[position] = nbits
+            made = [nbits]
+            if bias is not None:  # Gemm's C: broadcast over the rows as Add does
+                add = onnx.helper.make_node("Add", [product[0], bias], list(node.output), name=(node.name + "_bias") if node.name else "")
+                add.metadata_props.extend(node.metadata_props)
+                made.append(add)
+            nodes[position] = made
             _ensure_opset(self.model, body, _MS_DOMAIN)
             done.append((label, nbits.name or node.output[0]))
         del body.node[:]
-        body.node.extend(nodes)
+        body.node.extend(n for item in nodes for n in (item if isinstance(item, list) else [item]))
         return done, skipped
+
+
+def _unused_name(body, base: str) -> str:
+    taken = {v for n in body.node for v in (*n.input, *n.output)} | {getattr(v, "name", v) for v in (*body.input, *body.output)}
+    name, count = base, 0
+    while name in taken:
+        count += 1
+        name = f"{base}_{count}"
+    return name
 
 
 # -- precision ------------------------------------------------------------------------------
@@ -899,11 +977,27 @@ def _convert_flat(
     source_bytes = source.stat().st_size + sum(
         (source.parent / name).stat().st_size for name in _data_files(model) if (source.parent / name).is_file()
     )
+    skipped = _flat_left(result, set(excluded))
+    _warn_left(quantize, made, skipped)
     return Conversion(
         str(source), str(destination), None, quantize, block_size, [], [], None,
-        sorted({_node_modules(model)[n][0] for n in excluded}), made, [], 0, [], 0, [], outputs, [], [],
+        sorted({_node_modules(model)[n][0] for n in excluded}), made, skipped, 0, [], 0, [], outputs, [], [],
         source_bytes, output_bytes,
     )
+
+
+def _flat_left(model: onnx.ModelProto, excluded: set[str]) -> list[tuple[str, str, str]]:
+    """The weight-reading nodes onnxruntime's quantizer left in a flat file (it quantizes MatMul only)."""
+    constants = {t.name for t in model.graph.initializer}
+    modules = _node_modules(model)
+    left = []
+    for node in model.graph.node:
+        if node.op_type in _QUANTIZED_OPS + _LEFT_OPS and node.name not in excluded and len(node.input) > 1 and node.input[1] in constants:
+            reason = _LEFT_OPS_REASON if node.op_type in _LEFT_OPS else (
+                f"a {node.op_type} of a flat file: onnxruntime's MatMulNBitsQuantizer leaves it (the modular file's "
+                "convert makes Gemm MatMulNBits + Add)" if node.op_type == "Gemm" else "onnxruntime's MatMulNBitsQuantizer left it")
+            left.append((modules.get(node.name, ("<main graph>", ""))[0], node.name or node.output[0], reason))
+    return left
 
 
 def _build(
@@ -1125,24 +1219,33 @@ def convert(
             names, values = runtime.run(str(scratch), feeds, what="trial conversion")
         return {n: _drift(v, reference[n]) for n, v in zip(names, values)}
 
+    def worst_drift(result) -> float:
+        """The worst output drift of a trial conversion (inf: onnxruntime does not run it)."""
+        try:
+            return max((d for _, d in output_drift(result).values()), default=0.0)
+        except VerificationError:
+            return math.inf
+
+    def alone(names: set[str]) -> float:
+        """The worst output drift when only the calls ``names`` are converted."""
+        others = set(all_calls) - names
+        return worst_drift(_build(
+            model, folder, dtype=target, low_calls=lambda call, o=others: call.call_name not in o, root_low=False,
+            quant=lambda call: False, root_quant=False, bits=None, block_size=block_size, symmetric=symmetric,
+            accuracy_level=None, note={})[0])
+
     own: set[str] = set()
     auto_kept: list[tuple[str, float]] = []
     if auto_keep is not None:
-        worst = max((d for _, d in output_drift(build(own)[0]).values()), default=0.0)
+        worst = worst_drift(build(own)[0])
         if worst > auto_keep:
             kept_below = {c.call_name for c in all_calls.values() if _under(c, kept_calls)}
             candidates = [name for name, names in class_calls.items() if not names <= kept_below]
-            alone = {}
-            for name in candidates:  # how much each class moves the outputs when it alone is converted
-                others = set(all_calls) - class_calls[name]
-                alone[name] = max((d for _, d in output_drift(_build(
-                    model, folder, dtype=target, low_calls=lambda call, o=others: call.call_name not in o, root_low=False,
-                    quant=lambda call: False, root_quant=False, bits=None, block_size=block_size, symmetric=symmetric,
-                    accuracy_level=None, note={})[0]).values()), default=0.0)
-            for name in sorted(candidates, key=lambda n: -alone[n]):
+            alone_drift = {name: alone(class_calls[name]) for name in candidates}  # each class converted alone
+            for name in sorted(candidates, key=lambda n: -alone_drift[n]):
                 own |= class_calls[name]
-                auto_kept.append((name, alone[name]))
-                worst = max((d for _, d in output_drift(build(own)[0]).values()), default=0.0)
+                auto_kept.append((name, alone_drift[name]))
+                worst = worst_drift(build(own)[0])
                 if worst <= auto_keep:
                     break
     kept = {c.call_name for c in all_calls.values() if _under(c, kept_calls)} | own
@@ -1160,7 +1263,12 @@ def convert(
             staged_model = onnx.load(str(staged), load_external_data=False)
             staged_folder = str(staged.parent) if uses_external_data(staged_model) else None
             # the outputs from the file as users run it (capturing every call can change onnxruntime's fusions)
-            names, values = runtime.run(str(staged), feeds, what="converted model")
+            try:
+                names, values = runtime.run(str(staged), feeds, what="converted model")
+            except VerificationError as e:
+                if dtype is None:
+                    raise
+                raise _not_running(e, dtype, _culprit(all_calls, class_calls, kept, alone)) from e
             actual = dict(zip(names, values))
             try:
                 _, actual_calls = call_outputs(staged_model, feeds, external_data_folder=staged_folder, what="converted model")
@@ -1192,12 +1300,52 @@ def convert(
         (ClassDrift(name, len(rows), max(r.max_abs for r in rows), max(r.drift for r in rows)) for name, rows in classes.items()),
         key=lambda row: -row.drift,
     )
+    _warn_left(quantize, facts["quantized"], facts["skipped"])
     ordered_kept = [name for name in all_calls if name in kept]
     ordered_excluded = [name for name in all_calls if name in excluded_calls]
     return Conversion(
         str(source), str(destination), dtype, quantize, block_size, ordered_kept, auto_kept, auto_keep, ordered_excluded,
         facts["quantized"], facts["skipped"], facts["weights"], facts["float32_weights"], facts["casts"], facts["split"],
         outputs, drifts, class_rows, source_bytes, output_bytes,
+    )
+
+
+def _culprit(all_calls: Mapping[str, metadata.ExpandedCall], class_calls: Mapping[str, set[str]], kept: set[str],
+             alone: Callable[[set[str]], float]) -> tuple[str, str, float] | None:
+    """The (class, call, drift alone) whose conversion alone breaks the file (drift inf), or else
+    moves the outputs most: classes in execution order, then that class's calls (up to 16)."""
+    order = {name: index for index, name in enumerate(all_calls)}
+    classes = sorted((c for c, names in class_calls.items() if names - kept), key=lambda c: min(order[n] for n in class_calls[c]))
+    drifts = {}
+    for name in classes:
+        drifts[name] = alone(class_calls[name] - kept)
+        if drifts[name] == math.inf:
+            break
+    if not drifts:
+        return None
+    worst = max(drifts, key=lambda c: drifts[c])  # the first failing class, or the one drifting most
+    calls = sorted(class_calls[worst] - kept, key=order.get)
+    first = calls[0]
+    if len(calls) > 1 and len(calls) <= 16:
+        for call in calls:
+            if alone({call}) >= drifts[worst]:
+                first = call
+                break
+    return worst, first, drifts[worst]
+
+
+def _not_running(error: VerificationError, dtype: str, culprit: tuple[str, str, float] | None) -> VerificationError:
+    """The converted file does not run: the error names the module whose conversion breaks it."""
+    cause = str(error).split(": ", 1)[-1].splitlines()[0][:300]
+    if culprit is None:
+        return VerificationError(f"The {dtype} model does not run in onnxruntime: {cause}", hint="Keep modules in float32 (--keep NAME).")
+    cls, call, drift = culprit
+    what = ("converting it alone already makes the file fail" if drift == math.inf else
+            f"converted alone, it moves the outputs most ({drift:.3%} of their range)")
+    return VerificationError(
+        f"The {dtype} model does not run in onnxruntime ({cause}). Module {call!r} ({cls}): {what}; a value it computes "
+        f"(a count, an index, a bin edge) likely rounds in {dtype} and a later op refuses it.",
+        hint=f"Keep it in float32: --keep {cls} (or --keep {call}), or let --auto-keep TOLERANCE choose. Nothing was written.",
     )
 
 

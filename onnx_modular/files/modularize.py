@@ -97,6 +97,13 @@ class ModularizeReport:
         parity: The modular file against the flat one in onnxruntime.
         inferred: The repeats found by structure (``calls/inferred.py``) when calls were
             inferred (``source`` is :data:`INFERRED_SOURCE`, or a file with unscoped runs).
+        absorbed: Calls with nodes but no function of their own (their nodes inside another call).
+        unrecovered: What a flat file could not give back, one line each: a call whose body took
+            in nodes of other scopes between its own (a module called more than once: its calls
+            are merged into one; or code interleaved with it), and a module whose weights are in
+            the file but that has no node of its own (torch's optimizer fused it into another
+            module's node, Conv+BatchNorm, or folded it). A module whose every node was folded
+            into constants leaves no trace in the file and cannot be listed.
     """
 
     path: pathlib.Path | None
@@ -113,6 +120,7 @@ class ModularizeReport:
     parity: ParityReport | None
     absorbed: list[str] = dataclasses.field(default_factory=list)
     inferred: inferred.Inference | None = None
+    unrecovered: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [
@@ -132,6 +140,11 @@ class ModularizeReport:
             )
         if self.inferred is not None:
             lines += _inferred_lines(self.inferred)
+        if self.unrecovered:
+            lines.append(f"not recovered from the flat file ({len(self.unrecovered)}):")
+            lines += [f"  {line}" for line in self.unrecovered[:12]]
+            if len(self.unrecovered) > 12:
+                lines.append(f"  ... and {len(self.unrecovered) - 12} more (report.unrecovered)")
         if self.parity is not None:
             lines.append(str(self.parity))
         if self.path is not None:
@@ -401,6 +414,80 @@ def _root_class(model: ir.Model) -> str:
     return root_class
 
 
+def _weightless_modules(model: ir.Model, tree: CallTree, keys: Mapping[ir.Node, tuple[str, ...]]) -> list[str]:
+    """Modules whose weights (``<path>.<attribute>`` initializers) are in the file but that have
+    no node: their ops were fused into another module's node or folded (before outlining)."""
+    paths = {call.module_path for call in tree.walk() if call.module_path}
+    lost: dict[str, list[str]] = {}
+    readers: dict[str, set[str]] = {}
+    for name, value in model.graph.initializers.items():
+        path = name.rpartition(".")[0]
+        if not path or path in paths or not all(_ATTRIBUTE.match(part) for part in path.split(".")):
+            continue
+        lost.setdefault(path, []).append(name)
+        for user, _ in value.uses():
+            stack = keys.get(user)
+            readers.setdefault(path, set()).add(stack[-1] if stack else "the main graph")
+    lines = []
+    for path, names in lost.items():
+        read = sorted(readers.get(path, ()))
+        lines.append(
+            f"{path}: its weights ({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}) are in the file but it has no "
+            "node of its own (torch's optimizer fused it into another module's node, e.g. Conv+BatchNorm, or folded it)"
+            + (f"; read by nodes of {', '.join(read[:3])}" if read else "")
+        )
+    return lines
+
+
+def _nodes_below(model: ir.Model, function: ir.Function) -> Iterable[ir.Node]:
+    """The nodes of ``function`` and of the functions it calls, nested."""
+    stack, seen = [function], set()
+    while stack:
+        for node in stack.pop():
+            inner = model.functions.get(node.op_identifier())
+            if inner is None:
+                yield node
+            elif id(inner) not in seen:
+                seen.add(id(inner))
+                stack.append(inner)
+
+
+def _above(call: ModuleCall) -> set[str]:
+    keys, parent = set(), call.parent
+    while parent is not None:
+        keys.add(parent.key)
+        parent = parent.parent
+    return keys
+
+
+def _merged_calls(model: ir.Model, tree: CallTree, scopes: Mapping[ir.Node, Scopes | None]) -> list[str]:
+    """Calls whose body took in nodes of other scopes (``_make_convex``): a module called more
+    than once, its calls merged into one, or code interleaved with it (after outlining)."""
+    serving: dict[tuple, list[ModuleCall]] = {}
+    for call in tree.walk():
+        if call.function is not None:
+            serving.setdefault((*call.function, call.overload), []).append(call)
+    lines = []
+    reported: set[str] = set()
+    for function_key, calls in serving.items():
+        function = model.functions.get(function_key)
+        if function is None or any(_above(call) & reported for call in calls):
+            continue  # an enclosing call merged already says it
+        own = {call.key for call in calls}
+        foreign = sorted({
+            (stack[-1][0] if stack else "") for node in _nodes_below(model, function)
+            if (stack := scopes.get(node)) is not None and not own & {path for path, _ in stack}
+        })
+        if foreign:
+            reported |= own
+            names = ", ".join(shown(key or "<root>") for key in foreign[:3]) + (" ..." if len(foreign) > 3 else "")
+            lines.append(
+                f"{calls[0].call_name}: its body took in nodes of {names} that run between its own: a module called "
+                "more than once (its calls merged into one; a flat file does not tell them apart) or code interleaved with it"
+            )
+    return lines
+
+
 def _domain(call: ModuleCall) -> str:
     if call.version and call.version != metadata.UNKNOWN_PACKAGE:
         return f"pkg.{call.package}.{call.version}"
@@ -505,6 +592,7 @@ def modularize(
     nodes = len(model.graph)
     unscoped_nodes = {node for node, stack in scopes.items() if stack is None}
 
+    weightless = _weightless_modules(model, tree, keys)
     passes = pipeline.modularize_passes(
         stacks=keys, selected=selected, tree=tree, signatures={}, dedupe=dedupe, domain_of=_domain
     )
@@ -552,6 +640,7 @@ def modularize(
         absorbed=[call.call_name for call in tree.walk() if call.key in scoped and call.selected and call.function is None],
         parity=parity,
         inferred=inference,
+        unrecovered=_merged_calls(model, tree, scopes) + weightless,
     )
 
 

@@ -28,11 +28,18 @@ saves and gives every node of it a call:
 - a node onnxruntime inserted without replacing any (a ``Transpose`` from layout
   propagation, a copy between devices): the innermost call containing its neighbours, the
   nodes it reads from and feeds (``kind="inserted"``).
+
+onnxruntime leaves some nodes it makes without a name (the ``Cast`` of a folded constant, a
+scalar or a norm's reshaped weight): its profiler names their kernels ``<op>_<node index>``,
+an index the saved graph does not hold. They are attributed as above and kept per op type with
+their input shapes (:class:`Attributions`); a kernel of that form is matched to them by op type,
+then by input shapes, then charged to the innermost call holding all that remain.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterator, Mapping
 
 import onnx
@@ -44,7 +51,7 @@ from onnx_modular.format.calltree import CallTree, ModuleCall
 from onnx_modular.format.text import first_line
 from onnx_modular.storage.proto import all_nodes, function_id, inline_functions, node_id, shown, subgraphs
 
-__all__ = ["NodeOrigin", "Attribution", "tagged_copy", "attribute", "innermost_common"]
+__all__ = ["NodeOrigin", "Attribution", "Attributions", "tagged_copy", "attribute", "innermost_common"]
 
 _TAG = metadata.PROFILE_ORIGIN
 
@@ -202,10 +209,76 @@ def innermost_common(tree: CallTree, keys) -> str:
     return common.key
 
 
+#: A profiler's name for the kernel of an unnamed node: ``<op type>_<node index>``.
+_UNNAMED_KERNEL = re.compile(r"(?P<op>[A-Za-z][A-Za-z0-9]*)_(?P<index>\d+)")
+
+
+class Attributions(dict):
+    """Node name -> :class:`Attribution`, and the unnamed nodes of the optimized graph, per op
+    type: ``(attribution, input shapes or None)`` (:meth:`unnamed_kernel`)."""
+
+    def __init__(self, tree: CallTree) -> None:
+        super().__init__()
+        self.tree = tree
+        self.unnamed: dict[str, list[tuple[Attribution, tuple | None]]] = {}
+
+    def unnamed_kernel(self, name: str, op_type: str, input_shapes: tuple | None = None) -> Attribution | None:
+        """The attribution of a kernel onnxruntime named ``<op>_<index>`` (an unnamed node)."""
+        match = _UNNAMED_KERNEL.fullmatch(name)
+        if match is None or match["op"] != (op_type or match["op"]):
+            return None
+        candidates = self.unnamed.get(match["op"], [])
+        if input_shapes is not None:
+            fitting = [c for c in candidates if c[1] is None or c[1] == input_shapes]
+            candidates = fitting or candidates
+        if not candidates:
+            return None
+        calls = {c[0].call for c in candidates}
+        if len(calls) == 1:
+            return candidates[0][0]
+        kinds = {c[0].kind for c in candidates}
+        return Attribution(innermost_common(self.tree, calls), kinds.pop() if len(kinds) == 1 else "fused", (), True)
+
+
+def _known_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, ...]]:
+    """Value name -> shape, where the graph says (initializers, value_info, inputs)."""
+    known = {t.name: tuple(t.dims) for t in graph.initializer}
+    for value in (*graph.value_info, *graph.input):
+        dims = value.type.tensor_type.shape.dim
+        if value.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            known.setdefault(value.name, tuple(d.dim_value for d in dims))
+    return known
+
+
+def _input_shapes(node: onnx.NodeProto, known: Mapping[str, tuple[int, ...]]) -> tuple | None:
+    """The shapes of ``node``'s inputs; ``None`` if any is unknown."""
+    shapes = tuple(known.get(v) for v in node.input if v)
+    return None if any(s is None for s in shapes) else shapes
+
+
+def _replaced(node: onnx.NodeProto, producer: Mapping[str, str], removed: set[str], copy_nodes: Mapping) -> list[str]:
+    """A new node's parts: the removed nodes that computed its outputs, back to its inputs."""
+    boundary = set(node.input)
+    parts: list[str] = []
+    seen: set[str] = set()
+    work = [producer[v] for v in node.output if v in producer and producer[v] in removed]
+    while work:
+        name = work.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts.append(name)
+        for value in copy_nodes[name].input:
+            if value and value not in boundary and producer.get(value) in removed:
+                work.append(producer[value])
+    return parts
+
+
 def attribute(
     copy: onnx.ModelProto, origins: Mapping[str, NodeOrigin], optimized: onnx.ModelProto, tree: CallTree
-) -> dict[str, Attribution]:
-    """The call of every node of ``optimized``, the graph onnxruntime made of ``copy`` (by node name)."""
+) -> Attributions:
+    """The call of every node of ``optimized``, the graph onnxruntime made of ``copy`` (by node
+    name; its unnamed nodes in :attr:`Attributions.unnamed`)."""
     producer: dict[str, str] = {}
     for node in all_nodes(copy.graph.node):
         for output in node.output:
@@ -215,34 +288,31 @@ def attribute(
     optimized_nodes = list(all_nodes(optimized.graph.node))
     kept = {node.name for node in optimized_nodes}
     removed = set(copy_nodes) - kept
-    result: dict[str, Attribution] = {}
+    result = Attributions(tree)
     inserted: list[onnx.NodeProto] = []
+    known: dict[str, tuple[int, ...]] = {}
+
+    def place(node: onnx.NodeProto, found: Attribution) -> None:
+        if node.name:
+            result[node.name] = found
+        else:  # matched to its kernel by op type and input shapes (Attributions.unnamed_kernel)
+            if not known:
+                known.update(_known_shapes(optimized.graph))
+            result.unnamed.setdefault(node.op_type, []).append((found, _input_shapes(node, known)))
+
     for node in optimized_nodes:
         origin = origins.get(node.name)
         if origin is not None:
             result[node.name] = Attribution(origin.call)
             continue
-        # A new node: the removed nodes that computed its outputs, back to its inputs.
-        boundary = set(node.input)
-        parts: list[str] = []
-        seen: set[str] = set()
-        work = [producer[v] for v in node.output if v in producer and producer[v] in removed]
-        while work:
-            name = work.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            parts.append(name)
-            for value in copy_nodes[name].input:
-                if value and value not in boundary and producer.get(value) in removed:
-                    work.append(producer[value])
+        parts = _replaced(node, producer, removed, copy_nodes)
         if not parts:
             inserted.append(node)
             continue
         # Constants folded into the fusion are data, not work: they do not widen its call.
         working = [part for part in parts if any(copy_nodes[part].input)] or parts
         calls = {origins[part].call for part in working}
-        result[node.name] = Attribution(innermost_common(tree, calls), "fused", tuple(sorted(parts)), len(calls) > 1)
+        place(node, Attribution(innermost_common(tree, calls), "fused", tuple(sorted(parts)), len(calls) > 1))
     if inserted:
         readers: dict[str, list[str]] = {}
         makers: dict[str, str] = {}
@@ -255,5 +325,5 @@ def attribute(
             neighbours = [makers[v] for v in node.input if v in makers]
             neighbours += [reader for v in node.output for reader in readers.get(v, [])]
             calls = {result[name].call for name in neighbours if name in result}
-            result[node.name] = Attribution(innermost_common(tree, calls), "inserted")
+            place(node, Attribution(innermost_common(tree, calls), "inserted"))
     return result

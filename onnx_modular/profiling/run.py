@@ -22,6 +22,7 @@ import json
 import numbers
 import os
 import pathlib
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -218,6 +219,9 @@ def profile(
 
 
 _EVENT_ARGS = ("op_name", "provider")
+#: A kernel of a node onnxruntime left unnamed (``Cast_60_kernel_time``): its input shapes are kept
+#: to tell it from the other unnamed nodes of its op type (:class:`~onnx_modular.profiling.attribution.Attributions`).
+_UNNAMED_EVENT = re.compile(r"[A-Za-z][A-Za-z0-9]*_\d+" + _KERNEL_SUFFIX)
 
 
 def _slim_event(item: dict) -> dict:
@@ -225,9 +229,29 @@ def _slim_event(item: dict) -> dict:
     parameters onnxruntime records per kernel are dropped as the JSON is parsed)."""
     if "cat" in item and "ts" in item:
         args = item.get("args")
-        args = {key: args[key] for key in _EVENT_ARGS if key in args} if isinstance(args, dict) else {}
+        keys = _EVENT_ARGS + (("input_type_shape",) if _UNNAMED_EVENT.fullmatch(str(item.get("name", ""))) else ())
+        args = {key: args[key] for key in keys if key in args} if isinstance(args, dict) else {}
         return {"cat": item["cat"], "name": item.get("name", ""), "ts": item["ts"], "dur": item.get("dur", 0), "args": args}
     return item
+
+
+def _kernel_attribution(attribution: Mapping[str, Attribution], name: str, args: Mapping, tree: CallTree) -> Attribution:
+    found = attribution.get(name)
+    if found is None and hasattr(attribution, "unnamed_kernel"):  # a node onnxruntime left unnamed
+        found = attribution.unnamed_kernel(name, args.get("op_name", ""), _event_shapes(args.get("input_type_shape")))
+    if found is None:  # not a node of the optimized graph: never guessed, kept visible
+        found = Attribution(tree.root.key, "unattributed")
+    return found
+
+
+def _event_shapes(shapes) -> tuple | None:
+    """``[{"float": [32, 1, 1]}, ...]`` (the profiler's input shapes) -> ``((32, 1, 1), ...)``."""
+    if not isinstance(shapes, list):
+        return None
+    try:
+        return tuple(tuple(next(iter(entry.values()))) for entry in shapes)
+    except (AttributeError, StopIteration, TypeError):
+        return None
 
 
 def read_events(path: pathlib.Path) -> list[dict]:
@@ -276,10 +300,8 @@ def _build(path, tree: CallTree, events, attribution: Mapping[str, Attribution],
         open_events.append(event)
         name = event["name"][: -len(_KERNEL_SUFFIX)]
         if name not in index:
-            found = attribution.get(name)
-            if found is None:  # not a node of the optimized graph: never guessed, kept visible
-                found = Attribution(tree.root.key, "unattributed")
             args = event.get("args", {})
+            found = _kernel_attribution(attribution, name, args, tree)
             index[name] = len(kernels)
             kernels.append(
                 KernelTime(name, args.get("op_name", ""), found.call, found.kind, found.parts, found.crosses,
