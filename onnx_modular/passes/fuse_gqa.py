@@ -288,12 +288,12 @@ def _caches(model: ir.Model, attention: _Attention, max_positions: int) -> tuple
     cache_call = ir.node(
         rotary.op_type, arguments, domain=rotary.domain, overload=rotary.overload,
         num_outputs=len(rotary.outputs), name=f"{rotary.name or rotary.op_type}.gqa_cache",
-        metadata_props={**rotary.metadata_props, "pkg.onnx_modular.call_index": "1"},
+        metadata_props=dict(rotary.metadata_props),  # the original call usually goes: nothing reads it any more
     )
     half = attention.head_size // 2
-    shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([-1, half], np.int64), name="gqa.cache_shape")})
-    bounds = [ir.node("Constant", [], attributes={"value": ir.tensor(np.array([v], np.int64), name=f"gqa.cache_{v}")})
-              for v in (0, half, 2)]
+    shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([-1, half], np.int64))}, name="gqa.cache_shape")
+    bounds = [ir.node("Constant", [], attributes={"value": ir.tensor(np.array([v], np.int64))}, name=f"gqa.cache_{role}")
+              for v, role in ((0, "start"), (half, "end"), (2, "axis"))]
     new = [positions, cache_call, shape, *bounds]
     caches = []
     for end, name in zip(ends, ("cos_cache", "sin_cache")):
@@ -304,9 +304,10 @@ def _caches(model: ir.Model, attention: _Attention, max_positions: int) -> tuple
         sliced.outputs[0].name, flat.outputs[0].name = f"gqa.{name}_half", f"gqa.{name}"
         new += [sliced, flat]
         caches.append(flat.outputs[0])
-    for node in (shape, *bounds, cache_call):
-        for output in node.outputs:
-            output.name = output.name or f"{node.name or 'gqa.const'}_{id(output) % 100000}"
+    for node in (shape, *bounds):
+        node.outputs[0].name = node.name
+    for index, output in enumerate(cache_call.outputs):
+        output.name = f"gqa.rotary_{index}"
     rotary.graph.insert_after(rotary, new)
     return caches[0], caches[1]
 
