@@ -55,6 +55,8 @@ _LAZY = {
     "Conversion": "onnx_modular.files.convert",
     "modularize": "onnx_modular.files.modularize",
     "ModularizeReport": "onnx_modular.files.modularize",
+    "optimize": "onnx_modular.files.optimize",
+    "OptimizeReport": "onnx_modular.files.optimize",
 }
 
 
@@ -93,6 +95,8 @@ __all__ = [
     "Conversion",
     "modularize",
     "ModularizeReport",
+    "optimize",
+    "OptimizeReport",
     "localize",
     "LocalizationReport",
     "profile",
