@@ -200,6 +200,16 @@ def feeds_from_arrays(model: onnx.ModelProto, arrays: Mapping[str, np.ndarray]) 
     return arrays
 
 
+def _gqa_dims(model: onnx.ModelProto) -> dict[str, int] | None:
+    """Batch 1 for files with onnxruntime's ``GroupQueryAttention`` (``onnx-modular optimize``'s):
+    the op refuses a batch above 1 when a prompt of several tokens comes with a past."""
+    bodies = [model.graph.node, *(f.node for f in model.functions)]
+    if not any(node.op_type == "GroupQueryAttention" for nodes in bodies for node in nodes):
+        return None
+    names = {d.dim_param for v in model.graph.input for d in v.type.tensor_type.shape.dim}
+    return {name: 1 for name in ("batch_size", "batch") if name in names} or None
+
+
 def feeds_for(
     model: onnx.ModelProto, inputs: str | os.PathLike | Mapping[str, np.ndarray] | None, *, seed: int = 0
 ) -> dict[str, np.ndarray]:
@@ -210,7 +220,7 @@ def feeds_for(
         InvalidInputError: The file cannot be read or the arrays do not fit the model.
     """
     if inputs is None:
-        return random_inputs(model, seed=seed)
+        return random_inputs(model, seed=seed, dims=_gqa_dims(model))
     arrays = load_arrays(inputs, "--inputs") if isinstance(inputs, (str, os.PathLike)) else dict(inputs)
     return feeds_from_arrays(model, arrays)
 

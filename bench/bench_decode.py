@@ -1,0 +1,107 @@
+"""Decode and prefill speed of decoder files in plain onnxruntime, side by side in one run.
+
+Files are named on the command line (``NAME=PATH``, the first is the baseline of the ratios);
+each must take ``input_ids``, ``attention_mask`` and ``past_key_values.N.key|value`` (our
+``export --task causal-lm-with-past --io-names optimum``, ``onnx-modular optimize``'s file, and
+onnxruntime-genai's builder file all do). One intra-op thread, sequential execution; the files
+alternate inside every round and each round's time is the median of ``--runs`` runs; the result
+is the median over rounds. Kernels per token: the nodes of onnxruntime's optimized model
+(``SessionOptions.optimized_model_filepath``) of each file.
+
+    python bench/bench_decode.py builder=b/model.onnx ours=m.onnx ours_opt=m.opt.onnx --past 16 64
+
+The machine is shared: read the ratios, not the milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+
+def _session(path: str, optimized: str | None = None) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3
+    if optimized:
+        options.optimized_model_filepath = optimized
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+
+def _kernels(path: str) -> int:
+    with tempfile.TemporaryDirectory() as folder:
+        target = os.path.join(folder, "optimized.onnx")
+        _session(path, target)
+        return len(onnx.load(target, load_external_data=False).graph.node)
+
+
+def _feeds(session: ort.InferenceSession, past: int, length: int, vocab: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for value in session.get_inputs():
+        if value.name == "input_ids":
+            feeds[value.name] = rng.integers(0, vocab, (1, length)).astype(np.int64)
+        elif value.name == "attention_mask":
+            feeds[value.name] = np.ones((1, past + length), np.int64)
+        elif value.name.startswith("past_key_values"):
+            heads, size = value.shape[1], value.shape[3]
+            feeds[value.name] = rng.standard_normal((1, heads, past, size)).astype(np.float32)
+        else:
+            raise SystemExit(f"bench_decode: no feed for input {value.name!r}")
+    return feeds
+
+
+def _time(session, feeds, runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        session.run(None, feeds)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="+", metavar="NAME=PATH")
+    parser.add_argument("--past", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--prefill", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--vocab", type=int, default=32000)
+    args = parser.parse_args()
+    files = dict(item.split("=", 1) for item in args.files)
+    sessions = {name: _session(path) for name, path in files.items()}
+    kernels = {name: _kernels(path) for name, path in files.items()}
+    cases = [(f"decode past {p}", p, 1, args.runs) for p in args.past]
+    if args.prefill:
+        cases.append((f"prefill {args.prefill}", 0, args.prefill, max(3, args.runs // 5)))
+    names = list(files)
+    print(f"onnxruntime {ort.__version__}, 1 intra-op thread, {args.rounds} alternating rounds, medians")
+    print("kernels per run (onnxruntime's optimized graph): " + ", ".join(f"{n} {kernels[n]}" for n in names))
+    header = f"{'case':<18}" + "".join(f"{n + ' ms':>16}" for n in names) + "".join(f"{n + '/' + names[0]:>22}" for n in names[1:])
+    print(header)
+    for label, past, length, runs in cases:
+        feeds = {n: _feeds(s, past, length, args.vocab) for n, s in sessions.items()}
+        for name in names:  # warm-up
+            sessions[name].run(None, feeds[name])
+        rounds = {n: [] for n in names}
+        for index in range(args.rounds):
+            order = names if index % 2 == 0 else names[::-1]
+            for name in order:
+                rounds[name].append(_time(sessions[name], feeds[name], runs))
+        medians = {n: statistics.median(v) * 1e3 for n, v in rounds.items()}
+        ratios = "".join(f"{medians[n] / medians[names[0]]:>21.2f}x" for n in names[1:])
+        print(f"{label:<18}" + "".join(f"{medians[n]:>16.2f}" for n in names) + ratios, flush=True)
+
+
+if __name__ == "__main__":
+    main()
