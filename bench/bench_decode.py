@@ -44,7 +44,7 @@ def _kernels(path: str) -> int:
         return len(onnx.load(target, load_external_data=False).graph.node)
 
 
-def _feeds(session: ort.InferenceSession, past: int, length: int, vocab: int, seed: int = 0) -> dict:
+def _feeds(session: ort.InferenceSession, past: int, length: int, vocab: int, head_size: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     feeds = {}
     for value in session.get_inputs():
@@ -53,7 +53,8 @@ def _feeds(session: ort.InferenceSession, past: int, length: int, vocab: int, se
         elif value.name == "attention_mask":
             feeds[value.name] = np.ones((1, past + length), np.int64)
         elif value.name.startswith("past_key_values"):
-            heads, size = value.shape[1], value.shape[3]
+            heads = value.shape[1]
+            size = value.shape[3] if isinstance(value.shape[3], int) else head_size  # the builder's 'kv_cache_dim'
             feeds[value.name] = rng.standard_normal((1, heads, past, size)).astype(np.float32)
         else:
             raise SystemExit(f"bench_decode: no feed for input {value.name!r}")
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--head-size", type=int, default=64, help="for cache inputs whose head size is symbolic")
     args = parser.parse_args()
     files = dict(item.split("=", 1) for item in args.files)
     sessions = {name: _session(path) for name, path in files.items()}
@@ -90,7 +92,7 @@ def main() -> None:
     header = f"{'case':<18}" + "".join(f"{n + ' ms':>16}" for n in names) + "".join(f"{n + '/' + names[0]:>22}" for n in names[1:])
     print(header)
     for label, past, length, runs in cases:
-        feeds = {n: _feeds(s, past, length, args.vocab) for n, s in sessions.items()}
+        feeds = {n: _feeds(s, past, length, args.vocab, args.head_size) for n, s in sessions.items()}
         for name in names:  # warm-up
             sessions[name].run(None, feeds[name])
         rounds = {n: [] for n in names}

@@ -127,7 +127,11 @@ def test_decoder_fused_inside_the_bodies_and_generates_as_transformers(kind, tmp
     assert len(gqa) == 1 and gqa[0].domain == "com.microsoft"
     assert gqa[0].attributes.get_int("num_heads") == 4 and gqa[0].attributes.get_int("kv_num_heads") == 2
     assert gqa[0].attributes.get_int("do_rotary") == 1
-    assert sum(1 for n in attention if n.op_identifier() in result.functions) == 4  # q, k, v, o projection calls
+    assert report["packed_qkv"] == [f"{prefix}Attention"]  # q, k, v: one MatMul on weights packed once per layer
+    assert [n.op_type for n in attention if n.op_identifier() not in result.functions][:1] == ["MatMul"]
+    assert sum(1 for n in attention if n.op_identifier() in result.functions) == 1  # o_proj stays a call
+    packed = [name for name in result.graph.initializers if "qkv_proj" in name]
+    assert len(packed) == (4 if kind == "qwen2" else 2)  # one weight (and bias) per layer
     assert [n.op_type for n in bodies[f"{prefix}RMSNorm"]] == ["SimplifiedLayerNormalization"]
     assert "SkipSimplifiedLayerNormalization" in [n.op_type for n in bodies[f"{prefix}DecoderLayer"]]
     assert [v.name for v in result.graph.inputs] == [v.name for v in ir.load(exported).graph.inputs]

@@ -67,6 +67,7 @@ class Fusion:
         reason: Why it was not fused (``None`` when fused).
         max_abs_diff: The largest difference between its calls' outputs before and after (verified runs).
         calls: How many calls of it were compared.
+        packed_qkv: (attention) its query, key and value projections became one MatMul.
     """
 
     step: str
@@ -77,6 +78,7 @@ class Fusion:
     reason: str | None = None
     max_abs_diff: float | None = None
     calls: int = 0
+    packed_qkv: bool = False
 
 
 @dataclasses.dataclass
@@ -107,12 +109,17 @@ class OptimizeReport:
         return sorted({f.module_class for f in self.fusions if f.fused})
 
     @property
+    def packed_qkv(self) -> list[str]:
+        return sorted({f.module_class for f in self.fusions if f.fused and f.packed_qkv})
+
+    @property
     def not_fused(self) -> list[Fusion]:
         return [f for f in self.fusions if not f.fused]
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
         data["fused_classes"] = self.fused_classes
+        data["packed_qkv"] = self.packed_qkv
         return data
 
     def text(self) -> str:
@@ -127,6 +134,8 @@ class OptimizeReport:
             lines.append("  nothing to fuse (no RMS norm, residual norm or attention with a KV cache found)")
         lines.append(f"Attention: {self.attention or 'not fused'}"
                      + (f"; inputs added to function signatures: {', '.join(self.added_inputs)}" if self.added_inputs else ""))
+        if self.packed_qkv:
+            lines.append(f"Query, key and value projections packed into one MatMul: {', '.join(self.packed_qkv)}")
         lines.append(f"Nodes per run (calls expanded): {self.nodes_before:,} -> {self.nodes_after:,}")
         return "\n".join(lines)
 
@@ -289,7 +298,9 @@ def _run_step(model, step, make_pass, reference, tolerance, max_positions) -> tu
         if failure is not None and not drifted:
             drifted = {name: failure for name in names}
         if not drifted:
-            kept = [Fusion(step, n, c, True, FUSED_OPS[step], None, diffs[n][0], diffs[n][1]) for n, c in names.items()]
+            packed = {key[1] for key in getattr(fusion_pass, "packed", [])}
+            kept = [Fusion(step, n, c, True, FUSED_OPS[step], None, diffs[n][0], diffs[n][1], n in packed)
+                    for n, c in names.items()]
             return candidate, refused + kept
         refused += [Fusion(step, n, names[n], False, FUSED_OPS[step], f"drifts past the tolerance: {why}",
                            diffs.get(n, (None, 0))[0], diffs.get(n, (None, 0))[1]) for n, why in drifted.items()]

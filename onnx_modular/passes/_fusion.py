@@ -16,7 +16,10 @@ import onnx_ir as ir
 
 from onnx_modular.passes.sink_constants import _call_sites, _constant_argument, _same
 
-__all__ = ["call_sites", "constant_of", "scalar_of", "sources_of", "thread_value", "owner_of", "body_of"]
+__all__ = [
+    "call_sites", "constant_of", "scalar_of", "sources_of", "thread_value", "owner_of", "body_of",
+    "remove_dead_nodes", "drop_unused_formals", "pack_formals",
+]
 
 #: The metadata key fusion passes put on the nodes they write (the fused op's origin).
 FUSED_FROM_KEY = "pkg.onnx_modular.fused_from"
@@ -189,3 +192,53 @@ def drop_unused_formals(model: ir.Model) -> int:
     for name in [name for name, value in model.graph.initializers.items() if not value.uses() and not value.is_graph_output()]:
         del model.graph.initializers[name]
     return dropped
+
+
+def _packed_initializer(model: ir.Model, arguments: list[ir.Value], name: str) -> ir.Value:
+    arrays = [np.asarray(a.const_value.numpy()) for a in arguments]
+    packed = np.concatenate(arrays, axis=-1)
+    base = arguments[0].name or name
+    candidate = base.replace("q_proj", "qkv_proj") if "q_proj" in base else f"{base}.{name}"
+    while candidate in model.graph.initializers:
+        candidate += "_"
+    value = ir.Value(name=candidate, shape=ir.Shape(packed.shape), type=ir.TensorType(arguments[0].dtype),
+                     const_value=ir.tensor(packed, name=candidate))
+    model.graph.register_initializer(value)
+    return value
+
+
+def pack_formals(model: ir.Model, function: ir.Function, formals: list[ir.Value], name: str,
+                 _memo: dict | None = None) -> ir.Value | None:
+    """A new formal input of ``function`` holding the concatenation (last axis) of what ``formals``
+    receive, built at every call: main-graph initializers are concatenated into one new initializer,
+    formal inputs of a caller are packed in the caller the same way, recursively. ``None`` when some
+    call passes anything else (what was added then goes unused: :func:`drop_unused_formals` drops it)."""
+    memo = {} if _memo is None else _memo
+    inputs = list(function.inputs)
+    if any(f not in inputs for f in formals):
+        return None
+    indices = [inputs.index(f) for f in formals]
+    placed = []
+    for site in call_sites(model).get(function.identifier(), []):
+        arguments = [site.inputs[i] if i < len(site.inputs) else None for i in indices]
+        if any(a is None for a in arguments):
+            return None
+        key = tuple(id(a) for a in arguments)
+        if key not in memo:
+            if site.graph is model.graph and all(a.is_initializer() and a.const_value is not None for a in arguments):
+                memo[key] = _packed_initializer(model, arguments, name)
+            else:
+                caller = body_of(model, site.graph)
+                memo[key] = pack_formals(model, caller, arguments, name, memo) if caller is not None else None
+        if memo[key] is None:
+            return None
+        placed.append((site, memo[key]))
+    if not placed:
+        return None
+    formal = ir.Value(name=_unique_input_name(function, name))
+    function.inputs.append(formal)
+    position = len(function.inputs) - 1
+    for site, value in placed:
+        site.resize_inputs(position + 1)
+        site.replace_input_with(position, value)
+    return formal

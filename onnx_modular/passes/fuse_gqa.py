@@ -9,8 +9,10 @@ second call of the file's own rotary module on positions ``0 .. max_positions - 
 folds it into a constant when it builds the session), so any rotary variant the module computes
 (scaling, partial frequencies) is the one the op uses.
 
-The body becomes: the three projection calls (weights, biases and later quantization unchanged),
-one ``com.microsoft.GroupQueryAttention``, the output projection call. The op takes the mask as
+The body becomes: one ``MatMul`` (and ``Add``) on the query, key and value weights (and biases)
+concatenated once per layer in the main graph (``model.layers.N.self_attn.qkv_proj.weight.T``,
+as the builder packs them; or the three projection calls when they cannot be packed), one
+``com.microsoft.GroupQueryAttention`` taking the packed projection, the output projection call. The op takes the mask as
 ``seqlens_k`` (``sum(attention_mask) - 1``, int32) and ``total_sequence_length`` (the mask's width,
 int32), computed once in the main graph from its 2-D ``attention_mask`` and passed down the call
 chain as new formal inputs (:data:`SEQLENS_K`, :data:`TOTAL_SEQUENCE_LENGTH`); formal inputs no
@@ -252,6 +254,55 @@ def _mask_values(model: ir.Model) -> tuple[ir.Value, ir.Value]:
     return seqlens.outputs[0], length.outputs[0]
 
 
+def _linear_parts(model: ir.Model, projection: ir.Node) -> tuple[ir.Value, ir.Value | None] | None:
+    """(weight, bias) as the attention body passes them to a projection ``x @ W (+ b)``, else ``None``."""
+    if projection.op_type == "MatMul" and projection.op_identifier() not in model.functions:
+        return projection.inputs[1], None
+    callee = model.functions.get(projection.op_identifier())
+    if callee is None:
+        return None
+    nodes, formals = list(callee), list(callee.inputs)
+    matmul = nodes[0] if nodes and nodes[0].op_type == "MatMul" else None
+    if matmul is None or len(nodes) > 2 or matmul.inputs[0] is not formals[0] or matmul.inputs[1] not in formals:
+        return None
+    weight = projection.inputs[formals.index(matmul.inputs[1])]
+    if len(nodes) == 1:
+        return (weight, None) if callee.outputs[0] is matmul.outputs[0] else None
+    add = nodes[1]
+    if add.op_type != "Add" or callee.outputs[0] is not add.outputs[0] or matmul.outputs[0] not in add.inputs:
+        return None
+    bias = next((v for v in add.inputs if v is not matmul.outputs[0]), None)
+    if bias not in formals:
+        return None
+    return weight, projection.inputs[formals.index(bias)]
+
+
+def _packed_projection(model: ir.Model, function: ir.Function, attention: _Attention) -> list[ir.Node] | None:
+    """One ``x @ W_qkv (+ b_qkv)`` for the three projections of one input (weights concatenated once,
+    in the main graph), or ``None`` when they cannot be packed (then GQA takes q, k, v apart)."""
+    parts = [_linear_parts(model, p) for p in (attention.q_proj, attention.k_proj, attention.v_proj)]
+    if any(p is None for p in parts) or len({p[1] is None for p in parts}) != 1:
+        return None
+    weight = _fusion.pack_formals(model, function, [p[0] for p in parts], "qkv_proj.weight.T")
+    bias = None
+    if weight is not None and parts[0][1] is not None:
+        bias = _fusion.pack_formals(model, function, [p[1] for p in parts], "qkv_proj.bias")
+        if bias is None:
+            return None
+    if weight is None:
+        return None
+    paths = ",".join(p.metadata_props.get("pkg.onnx_modular.module_path", p.name or p.op_type)
+                     for p in (attention.q_proj, attention.k_proj, attention.v_proj))
+    matmul = ir.node("MatMul", [attention.q_proj.inputs[0], weight], name="qkv_proj.MatMul",
+                     metadata_props={_fusion.FUSED_FROM_KEY: paths})
+    matmul.outputs[0].name = "qkv_proj"
+    if bias is None:
+        return [matmul]
+    add = ir.node("Add", [matmul.outputs[0], bias], name="qkv_proj.Add", metadata_props={_fusion.FUSED_FROM_KEY: paths})
+    add.outputs[0].name = "qkv_proj_bias"
+    return [matmul, add]
+
+
 def _computed_inputs(model: ir.Model, call: ir.Node) -> list[int]:
     """Indices of the call's arguments that are not weights or lifted constants."""
     computed = []
@@ -322,18 +373,23 @@ def _thread(model: ir.Model, function: ir.Function, name: str, value: ir.Value) 
 class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
     """Self-attention bodies with a KV cache into one ``com.microsoft.GroupQueryAttention`` each.
 
-    Attributes after a run: ``fused`` (the rewritten functions), ``reasons`` (function -> why not).
+    Attributes after a run: ``fused`` (the rewritten functions), ``reasons`` (function -> why not),
+    ``packed`` (those whose query, key and value projections became one ``MatMul`` on weights
+    concatenated once in the main graph, so that ``convert`` quantizes one MatMul, not three).
     """
 
-    def __init__(self, max_positions: int = 4096, functions: set[ir.OperatorIdentifier] | None = None):
+    def __init__(self, max_positions: int = 4096, functions: set[ir.OperatorIdentifier] | None = None,
+                 pack_qkv: bool = True):
         super().__init__()
+        self.pack_qkv = pack_qkv
         self.max_positions = max_positions
         self.functions = functions
         self.fused: list[ir.OperatorIdentifier] = []
         self.reasons: dict[ir.OperatorIdentifier, str] = {}
+        self.packed: list[ir.OperatorIdentifier] = []  # bodies whose q, k, v projections became one MatMul
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.fused, self.reasons = [], {}
+        self.fused, self.reasons, self.packed = [], {}, []
         found = []
         for key, function in list(model.functions.items()):
             if self.functions is not None and key not in self.functions:
@@ -375,10 +431,16 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
             "num_heads": attention.num_heads, "kv_num_heads": attention.kv_num_heads, "scale": attention.scale,
             "do_rotary": int(cos_cache is not None), "rotary_interleaved": 0, "local_window_size": -1, "softcap": 0.0,
         }
+        packed = _packed_projection(model, function, attention) if self.pack_qkv else None
+        if packed:
+            self.packed.append(function.identifier())
+            function.insert_before(attention.o_proj, packed)
+            query, key, value = packed[-1].outputs[0], None, None
+        else:
+            query, key, value = (p.outputs[0] for p in (attention.q_proj, attention.k_proj, attention.v_proj))
         gqa = ir.node(
             "GroupQueryAttention",
-            [attention.q_proj.outputs[0], attention.k_proj.outputs[0], attention.v_proj.outputs[0],
-             attention.past_key, attention.past_value, seqlens, total, cos_cache, sin_cache],
+            [query, key, value, attention.past_key, attention.past_value, seqlens, total, cos_cache, sin_cache],
             attributes=attributes, domain="com.microsoft", num_outputs=3, name="GroupQueryAttention",
         )
         names = [f"{attention.o_proj.inputs[0].name}_gqa", function.outputs[attention.present_key_index].name,
