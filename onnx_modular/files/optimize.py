@@ -243,7 +243,7 @@ class _Reference:
                 new_outputs, new_calls = _run_calls(candidate, feeds, self.folder)
             except Exception as error:  # onnxruntime refuses the rewrite: every rewritten class is suspect
                 text = str(error).splitlines()[0][:300]
-                return diffs, {name: f"onnxruntime cannot run the rewrite: {text}" for name in functions}, text
+                return diffs, dict.fromkeys(functions, f"onnxruntime cannot run the rewrite: {text}"), text
             for name, call in new_calls.items():
                 if call.function not in functions or name not in calls:
                     continue
@@ -296,7 +296,7 @@ def _run_step(model, step, make_pass, reference, tolerance, max_positions) -> tu
             return candidate, refused + [Fusion(step, n, c, True, FUSED_OPS[step]) for n, c in names.items()]
         diffs, drifted, failure = reference.compare(candidate, names, tolerance)
         if failure is not None and not drifted:
-            drifted = {name: failure for name in names}
+            drifted = dict.fromkeys(names, failure)
         if not drifted:
             packed = {key[1] for key in getattr(fusion_pass, "packed", [])}
             kept = [Fusion(step, n, c, True, FUSED_OPS[step], None, diffs[n][0], diffs[n][1], n in packed)

@@ -77,5 +77,5 @@ class FuseRMSNormPass(ir.passes.InPlacePass):
 
 def _apply(rules: pattern.RewriteRuleSet, model: ir.Model, function: ir.Function) -> int:
     # onnxscript applies a rule set to one function the way apply_to_model does for each function
-    return rules._apply_to_graph_or_function(model, function, verbose=None)  # noqa: SLF001
+    return rules._apply_to_graph_or_function(model, function, verbose=None)
 
