@@ -89,8 +89,10 @@ def main() -> None:
     names = list(files)
     print(f"onnxruntime {ort.__version__}, 1 intra-op thread, {args.rounds} alternating rounds, medians")
     print("kernels per run (onnxruntime's optimized graph): " + ", ".join(f"{n} {kernels[n]}" for n in names))
-    header = f"{'case':<18}" + "".join(f"{n + ' ms':>16}" for n in names) + "".join(f"{n + '/' + names[0]:>22}" for n in names[1:])
-    print(header)
+    width = max(len(n) for n in names) + 5
+    ratio_width = width + len(names[0]) + 2
+    print(f"{'case':<18}" + "".join(f"{n + ' ms':>{width}}" for n in names)
+          + "".join(f"{n + '/' + names[0]:>{ratio_width}}" for n in names[1:]))
     for label, past, length, runs in cases:
         feeds = {n: _feeds(s, past, length, args.vocab, args.head_size) for n, s in sessions.items()}
         for name in names:  # warm-up
@@ -101,8 +103,8 @@ def main() -> None:
             for name in order:
                 rounds[name].append(_time(sessions[name], feeds[name], runs))
         medians = {n: statistics.median(v) * 1e3 for n, v in rounds.items()}
-        ratios = "".join(f"{medians[n] / medians[names[0]]:>21.2f}x" for n in names[1:])
-        print(f"{label:<18}" + "".join(f"{medians[n]:>16.2f}" for n in names) + ratios, flush=True)
+        ratios = "".join(f"{medians[n] / medians[names[0]]:>{ratio_width - 1}.2f}x" for n in names[1:])
+        print(f"{label:<18}" + "".join(f"{medians[n]:>{width}.2f}" for n in names) + ratios, flush=True)
 
 
 if __name__ == "__main__":

@@ -125,11 +125,13 @@ class OptimizeReport:
     def text(self) -> str:
         lines = [f"Optimized {self.source} -> {self.output}"
                  + (" (each step verified in onnxruntime)" if self.verified else " (not verified)")]
-        width = max([len(f.module_class) for f in self.fusions] + [10])
+        width = max([len(f.module_class) + (0 if f.function == f.module_class else len(f.function) + 3)
+                     for f in self.fusions] + [10])
         for fusion in self.fusions:
             status = f"fused -> {fusion.op}" if fusion.fused else f"not fused: {fusion.reason}"
             drift = f"  max diff {fusion.max_abs_diff:.2e} over {fusion.calls} calls" if fusion.max_abs_diff is not None else ""
-            lines.append(f"  {fusion.step:<9} {fusion.module_class:<{width}}  {status}{drift}")
+            label = fusion.module_class if fusion.function == fusion.module_class else f"{fusion.module_class} ({fusion.function})"
+            lines.append(f"  {fusion.step:<9} {label:<{width}}  {status}{drift}")
         if not self.fusions:
             lines.append("  nothing to fuse (no RMS norm, residual norm or attention with a KV cache found)")
         lines.append(f"Attention: {self.attention or 'not fused'}"

@@ -55,6 +55,8 @@ class _Attention:
     k_proj: ir.Node
     v_proj: ir.Node
     o_proj: ir.Node
+    heads: list[ir.Value]  # query, key, value as [batch, seq, heads, head_size] (after any q/k norm)
+    plain: bool  # each is a reshape of its projection's output (no norm between): GQA takes the projections
     past_key: ir.Value
     past_value: ir.Value
     present_key_index: int
@@ -68,7 +70,27 @@ class _Attention:
 
 
 def _is_projection(node: ir.Node, model: ir.Model) -> bool:
-    return node.op_identifier() in model.functions or (node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx"))
+    """A ``MatMul`` or a call of a linear module (``x @ W (+ b)``)."""
+    if node.op_identifier() in model.functions:
+        return _linear_parts(model, node) is not None
+    return node.op_type == "MatMul" and node.domain in ("", "ai.onnx")
+
+
+def _heads(start: ir.Value) -> ir.Value:
+    """The ``[batch, seq, heads, head_size]`` value transposed to ``[batch, heads, seq, head_size]`` behind ``start``."""
+    for node in _producers_bfs(start, lambda n: n.op_type == "Transpose"):
+        perm = node.attributes.get_ints("perm", None) if node.op_type == "Transpose" else None
+        if perm is not None and list(perm) == [0, 2, 1, 3]:
+            return node.inputs[0]
+    raise _Refused("no transpose from [batch, seq, heads, head] to [batch, heads, seq, head] behind the query/key/value")
+
+
+def _gqa_input(heads: ir.Value, projection: ir.Node) -> ir.Value | None:
+    """The projection's output when ``heads`` is just its reshape (then it can be packed), else ``None``."""
+    producer = heads.producer()
+    if producer is not None and producer.op_type == "Reshape" and producer.inputs[0] is projection.outputs[0]:
+        return projection.outputs[0]
+    return None
 
 
 def _producers_bfs(start: ir.Value, stop) -> Iterable[ir.Node]:
@@ -200,6 +222,8 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     q_proj = _first_projection(model, q_side[0])
     if not (q_proj.inputs[0] is k_proj.inputs[0] is v_proj.inputs[0]):
         raise _Refused("query, key and value do not project one input (cross-attention is not fused)")
+    heads = [_heads(v) for v in (q_side[0], key.inputs[1], value.inputs[1])]
+    plain = [_gqa_input(h, p) for h, p in zip(heads, (q_proj, k_proj, v_proj))]
     o_proj = outputs[0].producer()
     if o_proj is None or not _is_projection(o_proj, model) or id(softmax) not in _ancestors(o_proj.inputs[0]):
         raise _Refused("the first output is not a projection of the attention")
@@ -212,7 +236,7 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
         raise _Refused("the projection widths do not match the cache's heads")
     cos, sin = _rotary(key.inputs[1], formals)
     return _Attention(
-        q_proj, k_proj, v_proj, o_proj, key.inputs[0], value.inputs[0],
+        q_proj, k_proj, v_proj, o_proj, heads, all(v is not None for v in plain), key.inputs[0], value.inputs[0],
         outputs.index(key.outputs[0]), outputs.index(value.outputs[0]),
         q_columns // head_size, kv_heads, head_size, _scale(model, scores, head_size), cos, sin,
     )
@@ -431,13 +455,21 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
             "num_heads": attention.num_heads, "kv_num_heads": attention.kv_num_heads, "scale": attention.scale,
             "do_rotary": int(cos_cache is not None), "rotary_interleaved": 0, "local_window_size": -1, "softcap": 0.0,
         }
-        packed = _packed_projection(model, function, attention) if self.pack_qkv else None
+        packed = _packed_projection(model, function, attention) if self.pack_qkv and attention.plain else None
         if packed:
             self.packed.append(function.identifier())
             function.insert_before(attention.o_proj, packed)
             query, key, value = packed[-1].outputs[0], None, None
-        else:
+        elif attention.plain:
             query, key, value = (p.outputs[0] for p in (attention.q_proj, attention.k_proj, attention.v_proj))
+        else:  # a norm between projection and heads (Qwen3's q_norm/k_norm): merge the heads back
+            shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([0, 0, -1], np.int64))}, name="gqa.merge_heads")
+            shape.outputs[0].name = "gqa.merge_heads"
+            merged = [ir.node("Reshape", [h, shape.outputs[0]], name=f"gqa.{role}") for h, role in zip(attention.heads, "qkv")]
+            for node in merged:
+                node.outputs[0].name = node.name
+            function.insert_before(attention.o_proj, [shape, *merged])
+            query, key, value = (node.outputs[0] for node in merged)
         gqa = ir.node(
             "GroupQueryAttention",
             [query, key, value, attention.past_key, attention.past_value, seqlens, total, cos_cache, sin_cache],
