@@ -144,22 +144,22 @@ def _weight_columns(model: ir.Model, projection: ir.Node) -> int:
     return shape[1]
 
 
-def _scale(model: ir.Model, scores: ir.Node, head_size: int) -> float:
+def _scale(model: ir.Model, scores: ir.Node) -> float:
+    """The product of the constant factors on the query and key before ``q @ k`` and on the scores after it."""
     scale = 1.0
-    found = False
     for operand in scores.inputs:
         producer = operand.producer() if operand is not None else None
         if producer is not None and producer.op_type == "Mul":
             for factor in producer.inputs:
                 number = _fusion.scalar_of(model, factor)
                 if number is not None:
-                    scale, found = scale * number, True
+                    scale *= number
     for use in scores.outputs[0].uses():
         if use.node.op_type in ("Mul", "Div"):
             number = _fusion.scalar_of(model, use.node.inputs[1 - use.idx])
             if number is not None:
-                scale, found = (scale * number if use.node.op_type == "Mul" else scale / number), True
-    return scale if found else 1.0 / math.sqrt(head_size)
+                scale = scale * number if use.node.op_type == "Mul" else scale / number
+    return scale  # no factor at all: the body computes softmax(q @ k) unscaled (Granite's multiplier 1)
 
 
 def _rotary(new_key: ir.Value, formals: list[ir.Value]) -> tuple[ir.Value | None, ir.Value | None]:
@@ -232,13 +232,19 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
         raise _Refused("the past key is not [batch, kv_heads, past, head_size] with static heads")
     kv_heads, head_size = past_shape[1], past_shape[3]
     q_columns = _weight_columns(model, q_proj)
-    if q_columns % head_size or _weight_columns(model, k_proj) != kv_heads * head_size:
+    one_projection = q_proj is k_proj is v_proj  # Phi-3's qkv_proj: GQA takes it whole ([q | k | v])
+    if one_projection:
+        q_columns -= 2 * kv_heads * head_size
+    if q_columns <= 0 or q_columns % head_size or (
+        not one_projection and _weight_columns(model, k_proj) != kv_heads * head_size
+    ):
         raise _Refused("the projection widths do not match the cache's heads")
     cos, sin = _rotary(key.inputs[1], formals)
     return _Attention(
-        q_proj, k_proj, v_proj, o_proj, heads, all(v is not None for v in plain), key.inputs[0], value.inputs[0],
+        q_proj, k_proj, v_proj, o_proj, heads, all(v is not None for v in plain) or one_projection,
+        key.inputs[0], value.inputs[0],
         outputs.index(key.outputs[0]), outputs.index(value.outputs[0]),
-        q_columns // head_size, kv_heads, head_size, _scale(model, scores, head_size), cos, sin,
+        q_columns // head_size, kv_heads, head_size, _scale(model, scores), cos, sin,
     )
 
 
@@ -455,8 +461,11 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
             "num_heads": attention.num_heads, "kv_num_heads": attention.kv_num_heads, "scale": attention.scale,
             "do_rotary": int(cos_cache is not None), "rotary_interleaved": 0, "local_window_size": -1, "softcap": 0.0,
         }
-        packed = _packed_projection(model, function, attention) if self.pack_qkv and attention.plain else None
-        if packed:
+        one_projection = attention.q_proj is attention.k_proj
+        packed = _packed_projection(model, function, attention) if self.pack_qkv and attention.plain and not one_projection else None
+        if one_projection:
+            query, key, value = attention.q_proj.outputs[0], None, None
+        elif packed:
             self.packed.append(function.identifier())
             function.insert_before(attention.o_proj, packed)
             query, key, value = packed[-1].outputs[0], None, None
