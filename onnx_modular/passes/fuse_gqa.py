@@ -432,6 +432,10 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
                 self.reasons[key] = str(refused)
         if not found:
             return ir.passes.PassResult(model, modified=False)
+        windows = [v.name for v in model.graph.inputs if "sliding_window" in v.name]
+        if windows:  # the file's mask applies the window; GroupQueryAttention would need local_window_size
+            self.reasons.update({key: f"sliding-window attention ({windows[0]}) is not fused" for key, _, _ in found})
+            return ir.passes.PassResult(model, modified=False)
         try:
             seqlens, total = _mask_values(model)
         except _Refused as refused:
