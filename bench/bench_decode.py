@@ -70,6 +70,21 @@ def _time(session, feeds, runs: int) -> float:
     return statistics.median(times)
 
 
+def _greedy(session: ort.InferenceSession, prompt: np.ndarray, steps: int, head_size: int) -> list[int]:
+    names = [o.name for o in session.get_outputs()]
+    feeds = _feeds(session, 0, prompt.shape[1], 1, head_size)
+    feeds["input_ids"] = prompt
+    tokens = []
+    for _ in range(steps):
+        outputs = dict(zip(names, session.run(None, feeds)))
+        token = int(outputs["logits"][0, -1].argmax())
+        tokens.append(token)
+        past = {n: outputs[n.replace("past_key_values", "present")] for n in feeds if n.startswith("past_key_values")}
+        length = next(iter(past.values())).shape[2] + 1
+        feeds = {"input_ids": np.array([[token]], np.int64), "attention_mask": np.ones((1, length), np.int64), **past}
+    return tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", metavar="NAME=PATH")
@@ -79,6 +94,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--head-size", type=int, default=64, help="for cache inputs whose head size is symbolic")
+    parser.add_argument("--greedy", type=int, default=0, metavar="N",
+                        help="also generate N greedy tokens from a 16-token prompt and report agreement with the first file")
     args = parser.parse_args()
     files = dict(item.split("=", 1) for item in args.files)
     sessions = {name: _session(path) for name, path in files.items()}
@@ -87,6 +104,16 @@ def main() -> None:
     if args.prefill:
         cases.append((f"prefill {args.prefill}", 0, args.prefill, max(3, args.runs // 5)))
     names = list(files)
+    if args.greedy:
+        prompt = np.random.default_rng(1).integers(0, args.vocab, (1, 16)).astype(np.int64)
+        generated = {n: _greedy(s, prompt, args.greedy, args.head_size) for n, s in sessions.items()}
+        for name in names[1:]:
+            same = sum(a == b for a, b in zip(generated[name], generated[names[0]]))
+            first = next((i for i, (a, b) in enumerate(zip(generated[name], generated[names[0]])) if a != b), None)
+            print(f"greedy tokens {name} vs {names[0]}: {same}/{args.greedy} equal"
+                  + (f" (first difference at token {first})" if first is not None else ""))
+    if args.rounds == 0:
+        return
     print(f"onnxruntime {ort.__version__}, 1 intra-op thread, {args.rounds} alternating rounds, medians")
     print("kernels per run (onnxruntime's optimized graph): " + ", ".join(f"{n} {kernels[n]}" for n in names))
     width = max(len(n) for n in names) + 5
