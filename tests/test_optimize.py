@@ -155,3 +155,37 @@ main (float[2] x) => (float[2] y) { y = Relu(x) }
     with pytest.raises(InvalidInputError, match="no local functions"):
         optimize(tmp_path / "flat.onnx", tmp_path / "out.onnx")
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_residual_add_and_fused_norm_call_become_one_skip_norm():
+    """After the RMS norm step, ``Add`` + a call of the lone-norm body: one SkipSimplifiedLayerNormalization
+    whose fourth output (the sum) keeps feeding the residual."""
+    import onnxruntime as ort
+
+    from onnx_modular.passes.fuse_skip_norm import FuseSkipNormPass
+
+    text = RMS_TEXT.replace("main (float[2,3,8] x) => (float[2,3,8] y)", "main (float[2,3,8] x, float[2,3,8] r) => (float[2,3,8] y)")
+    text = text.replace("y = pkg.test.Norm(x, w, two, axes, eps)",
+                        "s = pkg.test.Layer(x, r, w, two, axes, eps)\n    y = Identity(s)")
+    text += """
+<domain: "pkg.test", opset_import: ["" : 18, "pkg.test" : 1]>
+Layer (x, r, weight, two, axes, eps) => (out)
+{
+    h = Add(x, r)
+    n = pkg.test.Norm(h, weight, two, axes, eps)
+    out = Add(h, n)
+}
+"""
+    model = ir.from_onnx_text(text)
+    before = ir.to_proto(model).SerializeToString()
+    FuseRMSNormPass()(model)
+    fusion = FuseSkipNormPass()
+    fusion(model)
+    layer = model.functions[("pkg.test", "Layer", "")]
+    assert fusion.fused == [("pkg.test", "Layer", "")]
+    assert [n.op_type for n in layer] == ["SkipSimplifiedLayerNormalization", "Add"]
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((2, 3, 8)).astype(np.float32), "r": rng.standard_normal((2, 3, 8)).astype(np.float32)}
+    expected = ort.InferenceSession(before).run(None, feeds)[0]
+    got = ort.InferenceSession(ir.to_proto(model).SerializeToString()).run(None, feeds)[0]
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
