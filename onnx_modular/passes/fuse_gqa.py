@@ -30,7 +30,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable
 
 import numpy as np
