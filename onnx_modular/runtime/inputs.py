@@ -58,6 +58,7 @@ def random_inputs(
     floats are standard normal, integers uniform in ``[0, int_high)``, booleans fair coins.
     Integer and boolean inputs named like a mask (``attention_mask``, ``*mask*``) are all
     ones, so that no row is masked entirely (an input the model cannot have been meant for).
+    A file with onnxruntime's ``GroupQueryAttention`` gets batch 1 unless ``dims`` says otherwise.
 
     Raises:
         InvalidInputError: An input is not a tensor, has a type without random values
@@ -68,7 +69,7 @@ def random_inputs(
 
         feeds = random_inputs(model, dims={"batch": 1, "sequence": 16}, seed=0)
     """
-    dims = dict(dims or {})
+    dims = {**(_gqa_dims(model) or {}), **(dims or {})}
     if not isinstance(seed, numbers.Integral) or seed < 0:
         raise InvalidInputError(f"The seed of the random inputs must be an integer >= 0, got {seed!r}.")
     rng = np.random.default_rng(seed)
@@ -220,7 +221,7 @@ def feeds_for(
         InvalidInputError: The file cannot be read or the arrays do not fit the model.
     """
     if inputs is None:
-        return random_inputs(model, seed=seed, dims=_gqa_dims(model))
+        return random_inputs(model, seed=seed)
     arrays = load_arrays(inputs, "--inputs") if isinstance(inputs, (str, os.PathLike)) else dict(inputs)
     return feeds_from_arrays(model, arrays)
 
