@@ -65,8 +65,8 @@ def _checkpoint(kind: str, folder):
     import transformers
 
     torch.manual_seed(0)
-    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
-    config = config_class(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[kind]
+    config = config_class(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     if kind == "qwen2":  # random biases, so that they count
@@ -100,7 +100,7 @@ def _calls(model: ir.Model, name: str) -> int:
                and node.op_identifier() in model.functions)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_decoder_fused_inside_the_bodies_and_generates_as_transformers(kind, tmp_path, capsys):
     import torch
 
@@ -113,7 +113,7 @@ def test_decoder_fused_inside_the_bodies_and_generates_as_transformers(kind, tmp
     capsys.readouterr()
     assert main(["optimize", str(exported), "-o", str(optimized), "--max-positions", "128", "--json", "-"]) == 0
     report = json.loads(capsys.readouterr().out)
-    prefix = {"llama": "Llama", "qwen2": "Qwen2"}[kind]
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
     assert set(report["fused_classes"]) == {f"{prefix}RMSNorm", f"{prefix}DecoderLayer", f"{prefix}Attention"}
     assert report["attention"] == "GroupQueryAttention"
     assert report["added_inputs"] == ["cos_cache", "sin_cache", "seqlens_k", "total_sequence_length"]
@@ -127,12 +127,16 @@ def test_decoder_fused_inside_the_bodies_and_generates_as_transformers(kind, tmp
     assert len(gqa) == 1 and gqa[0].domain == "com.microsoft"
     assert gqa[0].attributes.get_int("num_heads") == 4 and gqa[0].attributes.get_int("kv_num_heads") == 2
     assert gqa[0].attributes.get_int("do_rotary") == 1
-    assert report["packed_qkv"] == [f"{prefix}Attention"]  # q, k, v: one MatMul on weights packed once per layer
-    assert [n.op_type for n in attention if n.op_identifier() not in result.functions][:1] == ["MatMul"]
-    assert sum(1 for n in attention if n.op_identifier() in result.functions) == 1  # o_proj stays a call
-    packed = [name for name in result.graph.initializers if "qkv_proj" in name]
-    assert len(packed) == (4 if kind == "qwen2" else 2)  # one weight (and bias) per layer
-    assert [n.op_type for n in bodies[f"{prefix}RMSNorm"]] == ["SimplifiedLayerNormalization"]
+    if kind == "qwen3":  # q_norm/k_norm between projections and heads: the projections and norms stay calls
+        assert report["packed_qkv"] == []
+        assert sum(1 for n in attention if n.op_identifier() in result.functions) == 6
+    else:
+        assert report["packed_qkv"] == [f"{prefix}Attention"]  # q, k, v: one MatMul on weights packed once per layer
+        assert [n.op_type for n in attention if n.op_identifier() not in result.functions][:1] == ["MatMul"]
+        assert sum(1 for n in attention if n.op_identifier() in result.functions) == 1  # o_proj stays a call
+        packed = [name for name in result.graph.initializers if "qkv_proj" in name]
+        assert len(packed) == (4 if kind == "qwen2" else 2)  # one weight (and bias) per layer
+    assert [n.op_type for n in bodies[f"{prefix}RMSNorm"]] == ["SimplifiedLayerNormalization"]  # the layers' norm
     assert "SkipSimplifiedLayerNormalization" in [n.op_type for n in bodies[f"{prefix}DecoderLayer"]]
     assert [v.name for v in result.graph.inputs] == [v.name for v in ir.load(exported).graph.inputs]
 
