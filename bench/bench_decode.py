@@ -4,8 +4,8 @@ Files are named on the command line (``NAME=PATH``, the first is the baseline of
 each must take ``input_ids``, ``attention_mask`` and ``past_key_values.N.key|value`` (our
 ``export --task causal-lm-with-past --io-names optimum``, ``onnx-modular optimize``'s file, and
 onnxruntime-genai's builder file all do). One intra-op thread, sequential execution; the files
-alternate inside every round and each round's time is the median of ``--runs`` runs; the result
-is the median over rounds. Kernels per token: the nodes of onnxruntime's optimized model
+take turns run by run (``--rounds`` x ``--runs`` runs each, the order reversed every turn), so that
+a change of the machine's load hits every file alike; the result is the median of each file's runs. Kernels per token: the nodes of onnxruntime's optimized model
 (``SessionOptions.optimized_model_filepath``) of each file.
 
     python bench/bench_decode.py builder=b/model.onnx ours=m.onnx ours_opt=m.opt.onnx --past 16 64
@@ -114,7 +114,8 @@ def main() -> None:
                   + (f" (first difference at token {first})" if first is not None else ""))
     if args.rounds == 0:
         return
-    print(f"onnxruntime {ort.__version__}, 1 intra-op thread, {args.rounds} alternating rounds, medians")
+    print(f"onnxruntime {ort.__version__}, 1 intra-op thread, files taking turns run by run, "
+          f"{args.rounds * args.runs} runs each (prefill: {args.rounds * max(3, args.runs // 5)}), medians")
     print("kernels per run (onnxruntime's optimized graph): " + ", ".join(f"{n} {kernels[n]}" for n in names))
     width = max(len(n) for n in names) + 5
     ratio_width = width + len(names[0]) + 2
@@ -124,12 +125,12 @@ def main() -> None:
         feeds = {n: _feeds(s, past, length, args.vocab, args.head_size) for n, s in sessions.items()}
         for name in names:  # warm-up
             sessions[name].run(None, feeds[name])
-        rounds = {n: [] for n in names}
-        for index in range(args.rounds):
+        times = {n: [] for n in names}
+        for index in range(args.rounds * runs):  # one run of each file in turn: the same load for all
             order = names if index % 2 == 0 else names[::-1]
             for name in order:
-                rounds[name].append(_time(sessions[name], feeds[name], runs))
-        medians = {n: statistics.median(v) * 1e3 for n, v in rounds.items()}
+                times[name].append(_time(sessions[name], feeds[name], 1))
+        medians = {n: statistics.median(v) * 1e3 for n, v in times.items()}
         ratios = "".join(f"{medians[n] / medians[names[0]]:>{ratio_width - 1}.2f}x" for n in names[1:])
         print(f"{label:<18}" + "".join(f"{medians[n]:>{width}.2f}" for n in names) + ratios, flush=True)
 
