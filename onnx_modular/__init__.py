@@ -56,6 +56,8 @@ _LAZY = {
     "modularize": "onnx_modular.files.modularize",
     "generate": "onnx_modular.runtime.generation",
     "ModularizeReport": "onnx_modular.files.modularize",
+    "optimize": "onnx_modular.files.optimize",
+    "OptimizeReport": "onnx_modular.files.optimize",
 }
 
 
@@ -95,6 +97,8 @@ __all__ = [
     "modularize",
     "ModularizeReport",
     "generate",
+    "optimize",
+    "OptimizeReport",
     "localize",
     "LocalizationReport",
     "profile",

@@ -528,6 +528,22 @@ def run_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- optimize ----------------------------------------------------------------------------
+
+
+def run_optimize(args: argparse.Namespace) -> int:
+    from onnx_modular.files.optimize import optimize, report_json
+
+    report = optimize(args.model, args.output, verify=not args.no_verify, max_positions=args.max_positions)
+    if args.json == "-":
+        print_json(report.to_dict())
+        return EXIT_OK
+    if args.json:
+        save.write_text(args.json, report_json(report))
+    stdout(report.text())
+    return EXIT_OK
+
+
 # -- modularize --------------------------------------------------------------------------
 
 

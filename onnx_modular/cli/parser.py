@@ -356,6 +356,23 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run nothing in onnxruntime (no drift report): for files larger than memory")
     conv.set_defaults(run=handlers.run_convert)
 
+    opt = commands.add_parser(
+        "optimize",
+        parents=[common],
+        help="rewrite module bodies into onnxruntime's fused kernels (RMS norm, skip norm, GroupQueryAttention)",
+        description="Rewrite the function bodies of a modular decoder file into onnxruntime's fused kernels, "
+        "keeping the hierarchy: RMS norms into SimplifiedLayerNormalization, residual add + norm into "
+        "SkipSimplifiedLayerNormalization, self-attention with a KV cache into GroupQueryAttention. Each step "
+        "runs in onnxruntime on a prompt and a decode step and is kept only for the classes whose calls agree.",
+    )
+    opt.add_argument("model", help="the modular .onnx file (export --task causal-lm-with-past)")
+    opt.add_argument("-o", "--output", required=True, metavar="NEW.onnx", help="the file to write")
+    opt.add_argument("--max-positions", type=_positive, default=None, metavar="N",
+                     help="rows of the rotary caches: the longest sequence the file will run (default 4096)")
+    opt.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-': print it instead)")
+    opt.add_argument("--no-verify", action="store_true", help="write the rewrite without running it in onnxruntime")
+    opt.set_defaults(run=handlers.run_optimize)
+
     modular = commands.add_parser(
         "modularize",
         parents=[common],

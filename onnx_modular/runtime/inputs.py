@@ -58,6 +58,7 @@ def random_inputs(
     floats are standard normal, integers uniform in ``[0, int_high)``, booleans fair coins.
     Integer and boolean inputs named like a mask (``attention_mask``, ``*mask*``) are all
     ones, so that no row is masked entirely (an input the model cannot have been meant for).
+    A file with onnxruntime's ``GroupQueryAttention`` gets batch 1 unless ``dims`` says otherwise.
 
     Raises:
         InvalidInputError: An input is not a tensor, has a type without random values
@@ -68,7 +69,7 @@ def random_inputs(
 
         feeds = random_inputs(model, dims={"batch": 1, "sequence": 16}, seed=0)
     """
-    dims = dict(dims or {})
+    dims = {**(_gqa_dims(model) or {}), **(dims or {})}
     if not isinstance(seed, numbers.Integral) or seed < 0:
         raise InvalidInputError(f"The seed of the random inputs must be an integer >= 0, got {seed!r}.")
     rng = np.random.default_rng(seed)
@@ -198,6 +199,16 @@ def feeds_from_arrays(model: onnx.ModelProto, arrays: Mapping[str, np.ndarray]) 
         arrays = {name: arrays[f"arr_{i}"] for i, name in enumerate(names) if f"arr_{i}" in arrays}
     check_feeds(model, arrays)
     return arrays
+
+
+def _gqa_dims(model: onnx.ModelProto) -> dict[str, int] | None:
+    """Batch 1 for files with onnxruntime's ``GroupQueryAttention`` (``onnx-modular optimize``'s):
+    the op refuses a batch above 1 when a prompt of several tokens comes with a past."""
+    bodies = [model.graph.node, *(f.node for f in model.functions)]
+    if not any(node.op_type == "GroupQueryAttention" for nodes in bodies for node in nodes):
+        return None
+    names = {d.dim_param for v in model.graph.input for d in v.type.tensor_type.shape.dim}
+    return {name: 1 for name in ("batch_size", "batch") if name in names} or None
 
 
 def feeds_for(

@@ -558,6 +558,7 @@ def write_checked(
     onnxruntime instead.
     """
     from onnx_modular.passes.function_order import SortFunctionsPass
+    from onnx_modular.storage import ort_schemas
 
     SortFunctionsPass()(model)  # every file callee-first: readers that resolve functions in file order
     external = wants_external_data(model, external_data)
@@ -569,6 +570,7 @@ def write_checked(
         )
     except OSError as e:
         raise SaveError(f"Writing {_shown(destination)} failed: {e}", hint="Check free disk space and permissions.") from e
+    ort_schemas.register()  # onnxruntime's SimplifiedLayerNormalization (ONNX domain) known to the checker
     try:
         onnx.checker.check_model(str(staged), full_check=full_check)
     except Exception as e:
