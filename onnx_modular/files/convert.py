@@ -1062,7 +1062,7 @@ def convert(
         raise InvalidInputError(f"block_size must be a power of two >= 16 (MatMulNBits), not {block_size!r}.")
     if auto_keep is not None and not verify:
         raise InvalidInputError("auto_keep ranks modules by the drift it measures: it needs verify.", hint="Drop --no-verify.")
-    destination = save.check_destination(output)
+    destination = save.check_destination(output, reads=[path, *([inputs] if isinstance(inputs, (str, os.PathLike)) else [])])
     source = pathlib.Path(path)
     model = _load(source, dtype)
     if not model.functions:  # a flat file: quantization by the nodes' module metadata

@@ -386,7 +386,7 @@ def modularize(
         ParityError: The modular file's outputs differ from the flat file's; nothing written.
     """
     source_path = pathlib.Path(path)
-    destination = save.check_destination(output)
+    destination = save.check_destination(output, reads=[path])
     if destination.resolve() == source_path.resolve():
         raise InvalidInputError(
             f"The output {shown(str(output))} is the input file.", hint="Write the modular file to another path."
