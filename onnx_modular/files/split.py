@@ -63,6 +63,7 @@ from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import locks, save
 from onnx_modular.storage.load import load_model_file
+from onnx_modular.storage.manifest import check_feeds, check_stage_file, read_manifest
 from onnx_modular.storage.proto import all_nodes, function_id, node_id
 
 __all__ = ["split", "run_stages", "Split", "Stage", "MANIFEST", "MODEL_FILE", "SHALLOW_PREFERENCE", "BALANCES"]
@@ -890,25 +891,9 @@ def _call_positions(model: onnx.ModelProto, cuts: list[_Cut]) -> list[tuple[int,
 # -- running the chain ---------------------------------------------------------------------
 
 
-def _read_manifest(folder: pathlib.Path) -> dict:
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise InvalidInputError(f"{str(folder)!r} holds no {MANIFEST}: it is not a folder written by split.")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        stages = manifest["stages"]
-        outputs = manifest["outputs"]
-        if not isinstance(stages, list) or not isinstance(outputs, dict):
-            raise TypeError("stages must be a list and outputs an object")
-        for stage in stages:
-            if not isinstance(stage["file"], str) or not isinstance(stage["inputs"], dict):
-                raise TypeError("each stage needs a file and an inputs object")
-            file = pathlib.Path(stage["file"])
-            if file.is_absolute() or ".." in file.parts:
-                raise ValueError(f"the stage file {stage['file']!r} is outside the folder")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InvalidInputError(f"{str(path)!r} is not a valid split manifest: {shown(str(e))}.") from None
-    return manifest
+def _read_manifest(folder: pathlib.Path) -> tuple[dict, list[pathlib.Path]]:
+    """The manifest read as untrusted input, and its stage files (:mod:`~onnx_modular.storage.manifest`)."""
+    return read_manifest(folder, MANIFEST)
 
 
 def run_stages(
@@ -937,8 +922,11 @@ def run_stages(
         outputs = run_stages("stages/", {"input_ids": ids, "attention_mask": mask}, ["cuda", None])
     """
     folder = pathlib.Path(folder)
-    manifest = _read_manifest(folder)
+    manifest, files = _read_manifest(folder)
     stages = manifest["stages"]
+    feeds = check_feeds(feeds, len(stages))
+    for k, file in enumerate(files):  # every stage with the bounds of every tool, before anything runs
+        check_stage_file(file, k)
     if execution_providers is None or isinstance(execution_providers, str):
         providers = [execution_providers] * len(stages)
     else:
@@ -961,7 +949,7 @@ def run_stages(
                     f"Stage {k} needs {shown(source)!r} (as its input {shown(name)!r}), which the inputs do not hold.",
                     hint=f"Give every model input the manifest names ({MANIFEST}).",
                 )
-        session = runtime.session(str(folder / stage["file"]), provider, what=f"stage {k}")
+        session = runtime.session(str(files[k]), provider, what=f"stage {k}")
         names, arrays = runtime.run(session, stage_feeds, what=f"stage {k}")
         produced.update({f"stage_{k}/{name}": array for name, array in zip(names, arrays)})
     return {name: produced[source] for name, source in manifest["outputs"].items()}

@@ -55,6 +55,7 @@ MAX_EXPANDED_CALLS = 20_000
 #: ``ONNX_MODULAR_MAX_LOOP_TRIPS`` raises it.
 MAX_LOOP_TRIPS = 2**14
 _TRIPS_VARIABLE = "ONNX_MODULAR_MAX_LOOP_TRIPS"
+_RUN_TIME_LOOPS_VARIABLE = "ONNX_MODULAR_RUN_TIME_LOOPS"
 _NODES_VARIABLE = "ONNX_MODULAR_MAX_EXPANDED_NODES"
 _CALLS_VARIABLE = "ONNX_MODULAR_MAX_EXPANDED_CALLS"
 
@@ -386,37 +387,34 @@ def _scalar(value: onnx.TensorProto | int | bool | None) -> int | None:
 
 
 def _check_loop_trips(model: onnx.ModelProto, name: str) -> None:
-    """Refuse a ``Loop`` that would run more than :data:`MAX_LOOP_TRIPS` iterations whatever its
-    inputs: a constant trip count, and a condition that cannot end it (absent or constant true at
-    entry, passed through unchanged or set to a constant true by the body)."""
+    """Refuse a ``Loop`` whose trip count is not a constant of at most :data:`MAX_LOOP_TRIPS`
+    (``ONNX_MODULAR_MAX_LOOP_TRIPS`` raises it), whatever its condition: a condition computed at
+    run time may never turn false (2**62 trips hung verify, split, run_stages and profile), and a trip
+    count computed at run time (or none: a ``while`` loop) can be anything; those run only when
+    ``ONNX_MODULAR_RUN_TIME_LOOPS=1`` says the user accepts it."""
     nodes = [n for n in all_nodes([*model.graph.node, *(n for f in model.functions for n in f.node)]) if n.op_type == "Loop"]
     if not nodes:
         return
     limit = _limit(_TRIPS_VARIABLE, MAX_LOOP_TRIPS)
     constants = _constant_values(model)
+    run_time_allowed = os.environ.get(_RUN_TIME_LOOPS_VARIABLE, "").strip() == "1"
     for node in nodes:
-        trips = _scalar(constants.get(node.input[0])) if len(node.input) > 0 and node.input[0] else None
-        if trips is None or trips <= limit:
+        count = node.input[0] if len(node.input) > 0 else ""
+        trips = _scalar(constants.get(count)) if count else None
+        if trips is not None and trips <= limit:
             continue
-        start = node.input[1] if len(node.input) > 1 else ""
-        if start and _scalar(constants.get(start)) != 1:
-            continue  # a condition computed at run time may stop it
-        body = next((a.g for a in node.attribute if a.name == "body"), None)
-        if body is None or len(body.output) < 1:
-            continue
-        condition_in = body.input[1].name if len(body.input) > 1 else None
-        condition_out = body.output[0].name
-        inner = {n.output[0]: n for n in body.node if n.output}
-        producer = inner.get(condition_out)
-        while producer is not None and producer.op_type == "Identity" and producer.input:
-            condition_out = producer.input[0]
-            producer = inner.get(condition_out)
-        if condition_out != condition_in and _scalar(constants.get(condition_out)) != 1:
-            continue
+        if trips is None:
+            if run_time_allowed or count in constants:  # a constant not read here (external, or values left out)
+                continue
+            raise InvalidModelFileError(
+                f"{name}: the Loop {shown(node.name)!r} has a trip count decided at run time (or none); nothing bounds "
+                "how long it runs, so it is not run.",
+                hint=f"If the model is genuine, allow it with the environment variable {_RUN_TIME_LOOPS_VARIABLE}=1.",
+            )
         raise InvalidModelFileError(
-            f"{name}: the Loop {shown(node.name)!r} runs {trips} iterations (more than the limit of {limit}) and "
-            "nothing can stop it earlier; running it would not end in reasonable time or memory. If the model is "
-            f"genuine, raise the limit with the environment variable {_TRIPS_VARIABLE}={trips}."
+            f"{name}: the Loop {shown(node.name)!r} may run {trips} iterations (more than the limit of {limit}); running "
+            "it would not end in reasonable time or memory. If the model is genuine, raise the limit with the "
+            f"environment variable {_TRIPS_VARIABLE}={trips}."
         )
 
 

@@ -158,7 +158,7 @@ def _neighbours(folder: pathlib.Path, names: set[str]) -> dict[str, str]:
     for entry in entries[:MAX_NEIGHBOUR_MODELS]:
         for location in data_locations(entry.path):
             for place in _places(folder, location):
-                owned.setdefault(place, f"the external data of {shown_path(entry.path)}")
+                owned.setdefault(place, f"the external data of {shown_path(entry.name)}, a model in the same folder")
     return owned
 
 

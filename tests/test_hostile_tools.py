@@ -1,0 +1,238 @@
+"""Hostile input on convert, diff, split / run_stages, modularize and generation folders (issue 53).
+
+One test (or a few) per failure class; each class also has a generator in
+``scripts/fuzz_files.py`` (named in the test's docstring). Tiny files built with onnx.helper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pathlib
+import shutil
+import sys
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper
+
+from onnx_modular.cli import main
+from onnx_modular.errors import InvalidInputError, InvalidModelFileError
+from onnx_modular.files.split import run_stages
+from onnx_modular.storage import guard, save
+from onnx_modular.storage.checks import check_expanded_size
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
+import fuzz_files
+
+block_model, save_external, loop_model = fuzz_files.block_model, fuzz_files.save_external, fuzz_files.loop_model
+
+
+def run_cli(*argv, cwd: pathlib.Path | None = None) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    previous = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(arg) for arg in argv])
+    finally:
+        os.chdir(previous)
+    return code, out.getvalue(), err.getvalue()
+
+
+def snapshot(folder: pathlib.Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+# -- 1. no output replaces a file a model reads --------------------------------------------
+
+
+def test_outputs_never_replace_the_input_or_any_models_data(tmp_path):
+    """``guard_outputs``: every tool's outputs (models, data files, JSON, HTML) are refused before any
+    work when they are the input, its data, or another model's data; every file stays byte-identical."""
+    for name in ("m", "a", "b"):
+        save_external(block_model(), tmp_path / f"{name}.onnx", f"{name}.onnx.data")
+    before = snapshot(tmp_path)
+    cases = [
+        (["convert", "m.onnx", "-o", "m.onnx", "--dtype", "float16"], "the input 'm.onnx'"),
+        (["convert", "m.onnx", "-o", "m.onnx.data", "--dtype", "float16"], "the external data of the input 'm.onnx'"),
+        (["convert", "a.onnx", "-o", "b.onnx.data", "--dtype", "float16"], "the external data of 'b.onnx'"),
+        (["convert", "m.onnx", "-o", "x.onnx", "--dtype", "float16", "--json", "m.onnx.data"], "m.onnx"),
+        (["diff", "a.onnx", "a.onnx", "--html", "a.onnx.data"], "a.onnx"),
+        (["diff", "a.onnx", "b.onnx", "--json", "b.onnx.data"], "b.onnx"),
+        (["modularize", "a.onnx", "-o", "a.onnx.data"], "a.onnx"),
+        (["modularize", "a.onnx", "-o", "b.onnx.data"], "b.onnx"),
+        (["inline", "m.onnx", "m.onnx.data"], "m.onnx"),
+        (["profile", "m.onnx", "--json", "m.onnx.data", "--runs", "1", "--warmup", "0"], "m.onnx"),
+    ]
+    for argv, owner in cases:
+        code, _, err = run_cli(*argv, cwd=tmp_path)
+        assert code == 2 and "[input] The output" in err and owner in err, (argv, err)
+        assert snapshot(tmp_path) == before, argv
+    assert not (tmp_path / "x.onnx").exists()  # convert's --json is checked before the model is written
+    assert run_cli("verify", "m.onnx", cwd=tmp_path)[0] == 0
+
+
+def test_a_generation_folder_is_guarded_as_a_unit(tmp_path):
+    """``guard_outputs`` (generation): ``decode.onnx`` reads its weights from ``prefill.onnx.data``:
+    no output may replace that file, whichever model is converted."""
+    save_external(block_model(), tmp_path / "prefill.onnx", "prefill.onnx.data")
+    shutil.copy(tmp_path / "prefill.onnx", tmp_path / "decode.onnx")  # reads prefill.onnx.data
+    before = snapshot(tmp_path)
+    for argv in (["convert", "decode.onnx", "-o", "prefill.onnx.data", "--dtype", "float16"],
+                 ["inline", "decode.onnx", "prefill.onnx.data"]):  # fmt: skip
+        code, _, err = run_cli(*argv, cwd=tmp_path)
+        assert code == 2 and "prefill.onnx.data" in err, err
+    with pytest.raises(InvalidInputError, match="decode.onnx|prefill.onnx"):
+        guard.check_outputs([tmp_path / "prefill.onnx.data"])  # the neighbours alone, no input declared
+    assert snapshot(tmp_path) == before
+    assert guard.data_locations(tmp_path / "decode.onnx") == {"prefill.onnx.data"}
+
+
+def test_a_folder_commit_moves_every_data_file_before_any_model(tmp_path, monkeypatch):
+    """``kill -9`` during a folder publish: ``decode.onnx`` is moved in only once ``prefill``'s new data
+    file is there (data files first, then models), so no model ever points at a missing file."""
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    save_external(block_model(), staged / "prefill.onnx", "prefill.onnx.data")
+    model = onnx.load(str(staged / "prefill.onnx"), load_external_data=False)
+    onnx.save(model, str(staged / "decode.onnx"))  # reads prefill.onnx.data
+    out = tmp_path / "out"
+    seen = []
+    real = save._move_model_in
+
+    def checked(entry, **kwargs):  # the model about to move in reads only data files already in place
+        for location in guard.data_locations(entry.staging.model_path):
+            assert (out / location).is_file(), (entry.staging.destination.name, location)
+        seen.append(entry.staging.destination.name)
+        return real(entry, **kwargs)
+
+    monkeypatch.setattr(save, "_move_model_in", checked)
+    save.publish_folder(staged, out)
+    assert seen[:2] == ["decode.onnx", "prefill.onnx"]
+    assert guard.data_locations(out / "decode.onnx") == guard.data_locations(out / "prefill.onnx")
+    assert run_cli("verify", out / "decode.onnx")[0] == 0 and run_cli("verify", out / "prefill.onnx")[0] == 0
+
+
+# -- 5. valid files that were refused or broken --------------------------------------------
+
+
+def test_a_small_model_still_reading_external_data_is_saved_with_its_weights(tmp_path):
+    """``small_external`` (issue 51's first item): a model small enough to hold its weights, whose
+    tensors are still read from the source's data file (``convert --quantize int4`` of a small
+    model), was refused by the checker at save ("should be stored in .onnx_modular-tmp-.../m.onnx.data,
+    but it is not regular file")."""
+    (tmp_path / "src").mkdir()
+    save_external(block_model(), tmp_path / "src" / "m.onnx", "m.onnx.data")
+    model = ir.load(tmp_path / "src" / "m.onnx")
+    assert isinstance(model.graph.initializers["w"].const_value, ir.ExternalTensor)
+    with save.staged_save(model, tmp_path / "out.onnx"):
+        pass
+    saved = onnx.load(str(tmp_path / "out.onnx"))
+    assert not onnx.external_data_helper.uses_external_data(saved.graph.initializer[0])
+    np.testing.assert_array_equal(onnx.numpy_helper.to_array(saved.graph.initializer[0]), np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+# -- 4. run_stages reads manifest.json as untrusted input ----------------------------------
+
+
+def _stage(path: pathlib.Path, nodes, inputs, outputs) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    graph = helper.make_graph(
+        nodes, "stage", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in inputs],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in outputs],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    onnx.save(model, str(path))
+
+
+def split_folder(folder: pathlib.Path) -> dict:
+    """Two stages: ``t = relu(x)``, then ``y = t + x``; the manifest split writes."""
+    _stage(folder / "stage_0" / "model.onnx", [helper.make_node("Relu", ["x"], ["t"])], ["x"], ["t"])
+    _stage(folder / "stage_1" / "model.onnx", [helper.make_node("Add", ["t", "x"], ["y"])], ["t", "x"], ["y"])
+    manifest = {
+        "stages": [
+            {"file": "stage_0/model.onnx", "inputs": {"x": "x"}, "outputs": ["t"]},
+            {"file": "stage_1/model.onnx", "inputs": {"t": "stage_0/t", "x": "x"}, "outputs": ["y"]},
+        ],
+        "outputs": {"y": "stage_1/y"},
+    }
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def test_run_stages_checks_its_manifest_before_running(tmp_path):
+    """``manifest``: nesting, types, unknown outputs, links out of the folder, FIFOs, shared files,
+    feeds that are not a mapping or named like a stage output: each a typed error, nothing run."""
+    folder = tmp_path / "split"
+    manifest = split_folder(folder)
+    x = np.array([[-1, 2, 3], [4, -5, 6]], dtype=np.float32)
+    np.testing.assert_array_equal(run_stages(folder, {"x": x})["y"], np.maximum(x, 0) + x)
+    bad = {
+        "nesting": {"stages": [[[[[[[[[[[[1]]]]]]]]]]]], "outputs": {}},
+        "a list for a name": {**manifest, "outputs": {"y": ["stage_1/y"]}},
+        "unknown output": {**manifest, "outputs": {"y": "stage_7/y"}},
+        "shared file": {**manifest, "stages": [manifest["stages"][0], {**manifest["stages"][1], "file": "stage_0/model.onnx"}]},
+        "outside": {**manifest, "stages": [{**manifest["stages"][0], "file": "../elsewhere.onnx"}, manifest["stages"][1]]},
+    }
+    for why, content in bad.items():
+        (folder / "manifest.json").write_text(json.dumps(content))
+        with pytest.raises(InvalidInputError, match="not a valid split manifest"):
+            run_stages(folder, {"x": x})
+    (folder / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(InvalidInputError, match="nests more than"):
+        run_stages(folder, {"x": x})
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(folder / "stage_1", elsewhere)
+    os.symlink(elsewhere, folder / "stage_1")  # a stage folder linking out of the split folder
+    with pytest.raises(InvalidInputError, match="symbolic link"):
+        run_stages(folder, {"x": x})
+    os.unlink(folder / "stage_1")
+    (folder / "stage_1").mkdir()
+    os.mkfifo(folder / "stage_1" / "model.onnx")  # a FIFO must not hang the run
+    with pytest.raises(InvalidInputError, match="not a regular file"):
+        run_stages(folder, {"x": x})
+    os.unlink(folder / "stage_1" / "model.onnx")
+    shutil.copy(elsewhere / "model.onnx", folder / "stage_1" / "model.onnx")
+    with pytest.raises(InvalidInputError, match="mapping"):
+        run_stages(folder, [x])
+    with pytest.raises(InvalidInputError, match="named like the output of stage 0"):
+        run_stages(folder, {"x": x, "stage_0/t": x})
+
+
+def test_run_stages_bounds_its_stage_files(tmp_path):
+    """``manifest`` (bombs): a stage that is a call bomb, or a Loop of 2**62 trips, is refused before
+    onnxruntime runs it."""
+    folder = tmp_path / "split"
+    split_folder(folder)
+    onnx.save(fuzz_files.bomb(depth=24), str(folder / "stage_1" / "model.onnx"))
+    with pytest.raises(InvalidModelFileError, match="stage 1"):
+        run_stages(folder, {"x": np.ones((2, 3), np.float32)})
+    onnx.save(loop_model(2**62, condition=True), str(folder / "stage_1" / "model.onnx"))
+    with pytest.raises(InvalidModelFileError, match="ONNX_MODULAR_MAX_LOOP_TRIPS"):
+        run_stages(folder, {"x": np.ones((2, 3), np.float32)})
+
+
+# -- 2. bounds on work --------------------------------------------------------------------
+
+
+def test_loops_not_bounded_by_a_small_constant_are_refused(tmp_path, monkeypatch):
+    """``loop_trips``: a trip count decided at run time (or a constant above the limit, whatever the
+    condition) is refused before anything runs, unless the user lifts the limit."""
+    model = loop_model(100)
+    model.graph.node.insert(0, helper.make_node("Shape", ["x"], ["shape"]))
+    model.graph.node.insert(1, helper.make_node("ReduceProd", ["shape"], ["M_run"], keepdims=0))
+    model.graph.node[2].input[0] = "M_run"
+    with pytest.raises(InvalidModelFileError, match="ONNX_MODULAR_RUN_TIME_LOOPS"):
+        check_expanded_size(model)
+    monkeypatch.setenv("ONNX_MODULAR_RUN_TIME_LOOPS", "1")
+    check_expanded_size(model)
+    monkeypatch.setenv("ONNX_MODULAR_MAX_LOOP_TRIPS", str(2**62))
+    check_expanded_size(loop_model(2**62, condition=True))
