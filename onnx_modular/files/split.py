@@ -62,6 +62,7 @@ from onnx_modular.format.text import first_line, shown
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import locks, save
+from onnx_modular.storage.limits import check_count
 from onnx_modular.storage.load import load_model_file
 from onnx_modular.storage.manifest import check_feeds, check_stage_file, read_manifest
 from onnx_modular.storage.proto import all_nodes, function_id, node_id
@@ -713,12 +714,14 @@ def _check_arguments(stages, at, balance) -> list[str] | None:
     if stages is not None:
         if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
             raise InvalidInputError(f"stages must be an integer >= 2, not {stages!r}.")
+        check_count("MAX_STAGES", stages, "stages")
         return None
     if isinstance(at, str):
         at = [at]
     at = list(at)
     if not at or not all(isinstance(a, str) and a for a in at):
         raise InvalidInputError(f"at must name one call path or more, not {at!r}.")
+    check_count("MAX_STAGES", len(at) + 1, "stages (the cuts of at= and one)")
     if balance != "bytes":
         raise InvalidInputError("balance= chooses the cuts of stages=N; with at= the cuts are named.")
     return at
