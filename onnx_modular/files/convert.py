@@ -60,6 +60,7 @@ from onnx_modular.format import metadata
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import save
+from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, node_id, uses_external_data
 
 __all__ = ["convert", "Conversion", "CallDrift", "ClassDrift", "FLOAT32_OPS", "DTYPES", "QUANTIZE_BITS"]
@@ -1058,13 +1059,14 @@ def convert(
         raise InvalidInputError("exclude names modules left unquantized: it needs quantize.", hint="Add --quantize int4.")
     if auto_keep is not None and (dtype is None or not (isinstance(auto_keep, (int, float)) and auto_keep > 0)):
         raise InvalidInputError(f"auto_keep must be a tolerance > 0 with dtype, not {auto_keep!r}.", hint="--dtype float16 --auto-keep 0.02")
-    if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
-        raise InvalidInputError(f"block_size must be a power of two >= 16 (MatMulNBits), not {block_size!r}.")
+    if isinstance(block_size, bool) or block_size not in (16, 32, 64, 128, 256):  # onnxruntime's MLAS quantizes these only
+        raise InvalidInputError(f"block_size must be 16, 32, 64, 128 or 256 (MatMulNBits), not {block_size!r}.")
     if auto_keep is not None and not verify:
         raise InvalidInputError("auto_keep ranks modules by the drift it measures: it needs verify.", hint="Drop --no-verify.")
     destination = save.check_destination(output, reads=[path, *([inputs] if isinstance(inputs, (str, os.PathLike)) else [])])
     source = pathlib.Path(path)
     model = _load(source, dtype)
+    check_expanded_size(model, name=repr(str(source)))  # call bombs and endless Loops, before any work
     if not model.functions:  # a flat file: quantization by the nodes' module metadata
         return _convert_flat(source, destination, model, quantize=quantize, exclude=exclude, block_size=block_size,
                              symmetric=symmetric, accuracy_level=accuracy_level, inputs=inputs, seed=seed)

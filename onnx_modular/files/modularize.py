@@ -57,6 +57,7 @@ from onnx_modular.passes import pipeline
 from onnx_modular.runtime import inputs as runtime_inputs
 from onnx_modular.runtime import sessions
 from onnx_modular.storage import save
+from onnx_modular.storage.limits import check_count
 from onnx_modular.storage.load import load_model_file
 from onnx_modular.storage.proto import uses_external_data
 
@@ -409,6 +410,7 @@ def modularize(
             "",
         )
     tree, keys = _build_tree(scopes, root_class, torch_version)
+    check_count("MAX_MODULES", sum(1 for _ in tree.walk()) - 1, "its module calls", from_file=shown(str(source_path)))
     selected = _selected(tree, modules)
     nodes = len(model.graph)
     unscoped_nodes = {node for node, stack in scopes.items() if stack is None}

@@ -62,6 +62,7 @@ from onnx_modular.format.text import first_line, shown
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import locks, save
+from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.limits import check_count
 from onnx_modular.storage.load import load_model_file
 from onnx_modular.storage.manifest import check_feeds, check_stage_file, read_manifest
@@ -773,6 +774,7 @@ def split(
     source = str(path)
     source_folder = os.path.dirname(os.path.abspath(source))
     model = load_model_file(path)  # external data stays where it is
+    check_expanded_size(model, name=repr(source))  # call bombs and endless Loops, before any work
     if not model.functions:
         raise InvalidInputError(
             f"{source!r} has no local functions: there are no module boundaries to cut at.",
