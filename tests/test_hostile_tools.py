@@ -236,3 +236,42 @@ def test_loops_not_bounded_by_a_small_constant_are_refused(tmp_path, monkeypatch
     check_expanded_size(model)
     monkeypatch.setenv("ONNX_MODULAR_MAX_LOOP_TRIPS", str(2**62))
     check_expanded_size(loop_model(2**62, condition=True))
+
+
+# -- 6. silently wrong answers, Ctrl-C ----------------------------------------------------
+
+
+def test_ctrl_c_while_the_command_line_imports_is_one_line(tmp_path):
+    """``Ctrl-C`` in the first half second of ``python -m onnx_modular`` (numpy, onnx importing): exit
+    130 and ``interrupted``, no import traceback; a library import keeps Python's KeyboardInterrupt."""
+    import signal
+    import subprocess
+
+    code = ("import sys, os, signal, time; sys.orig_argv = [sys.executable, '-m', 'onnx_modular']; import onnx_modular; "
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parent.parent)})  # fmt: skip
+    assert done.returncode == 130 and done.stderr.strip() == "interrupted", done.stderr
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process imported it as a library
+
+
+def test_diff_reads_an_external_tensor_without_length_by_its_size(tmp_path):
+    """``diff_trailing``: a reference without ``length`` into a data file with trailing bytes (or a
+    sparse 20 GiB one) reads the tensor's own bytes: the same weights are the same."""
+    save_external(block_model(), tmp_path / "a.onnx", "a.onnx.data")
+    model = onnx.load(str(tmp_path / "a.onnx"), load_external_data=False)
+    for tensor in model.graph.initializer:
+        kept = [(e.key, e.value) for e in tensor.external_data if e.key != "length"]
+        del tensor.external_data[:]
+        for key, value in kept:
+            tensor.external_data.add(key=key, value=value if key != "location" else "b.onnx.data")
+    onnx.save(model, str(tmp_path / "b.onnx"))
+    shutil.copy(tmp_path / "a.onnx.data", tmp_path / "b.onnx.data")
+    with open(tmp_path / "b.onnx.data", "ab") as data:
+        data.write(b"\x01" * 100)
+    code, out, err = run_cli("diff", "a.onnx", "b.onnx", "--structure-only", cwd=tmp_path)
+    assert code == 0, out + err
+    with open(tmp_path / "b.onnx.data", "r+b") as data:
+        data.truncate(20 * 2**30)
+    code, out, err = run_cli("diff", "a.onnx", "b.onnx", cwd=tmp_path)
+    assert code == 0, out + err

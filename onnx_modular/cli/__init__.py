@@ -42,7 +42,7 @@ from onnx_modular.cli.output import EXIT_INTERNAL, EXIT_MISMATCH, EXIT_OK, EXIT_
 from onnx_modular.cli.parser import build_parser
 from onnx_modular.errors import OnnxModularError, ParityError
 from onnx_modular.storage.guard import reading
-from onnx_modular.storage.signals import interrupt_on_sigterm, signals_deferred
+from onnx_modular.storage.signals import end_quiet_interrupt, interrupt_on_sigterm, signals_deferred
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_MISMATCH", "EXIT_USAGE", "EXIT_INTERNAL"]
 
@@ -74,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         main(["tree", "gpt2.onnx", "--depth", "1"])
     """
+    end_quiet_interrupt()  # from here Ctrl-C is a KeyboardInterrupt again: every cleanup runs
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
