@@ -275,3 +275,26 @@ def test_diff_reads_an_external_tensor_without_length_by_its_size(tmp_path):
         data.truncate(20 * 2**30)
     code, out, err = run_cli("diff", "a.onnx", "b.onnx", cwd=tmp_path)
     assert code == 0, out + err
+
+
+def test_convert_keeps_one_of_two_calls_sharing_a_weight_in_functions_without_types(tmp_path):
+    """``shared_weight``: ``w`` feeds a kept call and a converted one, and neither function declares
+    the types of its values (a hand-written file): the save's checker refused the result."""
+    from onnx_modular.files.convert import convert
+
+    domain = "pkg.fuzz.block"
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(domain, 1)]
+    add = helper.make_function(domain, "A", ["a", "w"], ["b"], [helper.make_node("Add", ["a", "w"], ["b"])], opsets[:1])
+    mul = helper.make_function(domain, "B", ["a", "w"], ["b"], [helper.make_node("Mul", ["a", "w"], ["b"])], opsets[:1])
+    graph = helper.make_graph(
+        [helper.make_node("A", ["x", "w"], ["t"], domain=domain, name="/a"), helper.make_node("B", ["t", "w"], ["y"], domain=domain, name="/b")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [onnx.numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3), "w")],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=opsets, functions=[add, mul])
+    model.ir_version = 10
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    for kept in ("A", "B"):
+        report = convert(tmp_path / "m.onnx", tmp_path / f"{kept}.onnx", dtype="float16", keep=[kept])
+        assert report.kept == [f"/{kept.lower()}"] and max(d for _, d in report.outputs.values()) < 1e-3
+        onnx.checker.check_model(str(tmp_path / f"{kept}.onnx"), full_check=True)

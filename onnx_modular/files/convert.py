@@ -61,7 +61,14 @@ from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import save
 from onnx_modular.storage.checks import check_expanded_size
-from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, node_id, uses_external_data
+from onnx_modular.storage.proto import (
+    FunctionId,
+    all_nodes,
+    declare_function_types,
+    function_id,
+    node_id,
+    uses_external_data,
+)
 
 __all__ = ["convert", "Conversion", "CallDrift", "ClassDrift", "FLOAT32_OPS", "DTYPES", "QUANTIZE_BITS"]
 
@@ -1067,6 +1074,7 @@ def convert(
     source = pathlib.Path(path)
     model = _load(source, dtype)
     check_expanded_size(model, name=repr(str(source)))  # call bombs and endless Loops, before any work
+    declare_function_types(model)  # a function that declares no types gets its call's (Casts at the seams)
     if not model.functions:  # a flat file: quantization by the nodes' module metadata
         return _convert_flat(source, destination, model, quantize=quantize, exclude=exclude, block_size=block_size,
                              symmetric=symmetric, accuracy_level=accuracy_level, inputs=inputs, seed=seed)
