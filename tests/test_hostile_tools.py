@@ -181,7 +181,7 @@ def test_run_stages_checks_its_manifest_before_running(tmp_path):
         "shared file": {**manifest, "stages": [manifest["stages"][0], {**manifest["stages"][1], "file": "stage_0/model.onnx"}]},
         "outside": {**manifest, "stages": [{**manifest["stages"][0], "file": "../elsewhere.onnx"}, manifest["stages"][1]]},
     }
-    for why, content in bad.items():
+    for _why, content in bad.items():
         (folder / "manifest.json").write_text(json.dumps(content))
         with pytest.raises(InvalidInputError, match="not a valid split manifest"):
             run_stages(folder, {"x": x})
@@ -298,3 +298,38 @@ def test_convert_keeps_one_of_two_calls_sharing_a_weight_in_functions_without_ty
         report = convert(tmp_path / "m.onnx", tmp_path / f"{kept}.onnx", dtype="float16", keep=[kept])
         assert report.kept == [f"/{kept.lower()}"] and max(d for _, d in report.outputs.values()) < 1e-3
         onnx.checker.check_model(str(tmp_path / f"{kept}.onnx"), full_check=True)
+
+
+def _scoped_loop(tmp_path: pathlib.Path) -> pathlib.Path:
+    model = loop_model(5)
+    model.graph.node[0].name = "/blk/Loop"
+    model.graph.node.insert(0, helper.make_node("Relu", ["x"], ["x0"], name="/pre/Relu"))
+    model.graph.node[1].input[2] = "x0"
+    onnx.save(model, str(tmp_path / "loop.onnx"))
+    return tmp_path / "loop.onnx"
+
+
+def test_modularize_outlines_a_loop_whose_body_holds_an_initializer(tmp_path):
+    """``loop_initializer``: the body's own initializer was taken for a value read from outside, and
+    the call read it before anything defined it (the checker refused the file)."""
+    from onnx_modular.files.modularize import modularize
+
+    report = modularize(_scoped_loop(tmp_path), tmp_path / "m.onnx")
+    assert report.parity.ok
+    model = onnx.load(str(tmp_path / "m.onnx"))
+    assert sorted(f.name for f in model.functions) == ["blk", "pre"]
+    assert [list(n.input) for n in model.graph.node if n.op_type == "blk"] == [["x0", "M"]]  # not the body's "one"
+
+
+def test_a_value_computed_twice_is_a_typed_error_for_every_tool(tmp_path):
+    """``duplicate_outputs``: two nodes (or one node twice) computing one name: modularize, convert,
+    split and diff failed in onnx_ir with a traceback."""
+    nodes = [helper.make_node("Relu", ["x"], ["t"], name="/a/Relu"), helper.make_node("Neg", ["x"], ["t"], name="/b/Neg"),
+             helper.make_node("Add", ["t", "x"], ["y"], name="/c/Add")]  # fmt: skip
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])  # fmt: skip
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), str(tmp_path / "d.onnx"))
+    for argv in (["modularize", "d.onnx", "-o", "m.onnx"], ["convert", "d.onnx", "-o", "c.onnx", "--quantize", "int8"],
+                 ["diff", "d.onnx", "d.onnx"], ["split", "d.onnx", "-o", "s", "--stages", "2"]):  # fmt: skip
+        code, _, err = run_cli(*argv, cwd=tmp_path)
+        assert code == 2 and "computed twice" in err, (argv, err)

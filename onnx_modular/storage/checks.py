@@ -85,6 +85,23 @@ def _check_value_infos(graph: onnx.GraphProto, where: str) -> None:
         _check_dimensions(f"{where} sparse initializer", sparse.dims, sparse.values.name)
 
 
+def _check_single_assignment(nodes: Iterable[onnx.NodeProto], inputs: list[str], where: str) -> None:
+    """Every value of a graph (or body) is computed once: by one node output, or given as an input
+    (ONNX graphs are in single assignment form; onnx_ir, the inliner and onnxruntime fail on a
+    value named twice with untyped errors)."""
+    seen = {name: "an input" for name in inputs if name}
+    for node in nodes:
+        for output in node.output:
+            if not output:
+                continue
+            if output in seen:
+                raise InvalidModelFileError(
+                    f"{where}: the value {shown(output)!r} is computed twice (by node {shown(node.name)!r} and by "
+                    f"{seen[output]}); an ONNX graph names each value once (the file is corrupted).",
+                )
+            seen[output] = f"node {shown(node.name)!r}"
+
+
 def check_model_structure(model: onnx.ModelProto, *, name: str = "the model") -> None:
     """Refuse models that cannot be inspected or run safely.
 
@@ -110,14 +127,17 @@ def check_model_structure(model: onnx.ModelProto, *, name: str = "the model") ->
     while graphs:
         graph, where = graphs.pop()
         _check_value_infos(graph, where)
+        _check_single_assignment(graph.node, [v.name for v in graph.input], where)
         for node in graph.node:
             for subgraph in subgraphs(node):
                 graphs.append((subgraph, f"{name}: subgraph of node {shown(node.name)!r}"))
     for function in model.functions:
         label = function_label(function_id(function))
+        _check_single_assignment(function.node, list(function.input), f"{name}: function {label}")
         for node in all_nodes(function.node):
             for subgraph in subgraphs(node):
                 _check_value_infos(subgraph, f"{name}: function {label}: subgraph")
+                _check_single_assignment(subgraph.node, [v.name for v in subgraph.input], f"{name}: function {label}: subgraph")
         for value in function.value_info:
             _check_dimensions(f"{name}: function {label} value", _declared_dims(value), value.name)
 
