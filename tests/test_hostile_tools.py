@@ -333,3 +333,29 @@ def test_a_value_computed_twice_is_a_typed_error_for_every_tool(tmp_path):
                  ["diff", "d.onnx", "d.onnx"], ["split", "d.onnx", "-o", "s", "--stages", "2"]):  # fmt: skip
         code, _, err = run_cli(*argv, cwd=tmp_path)
         assert code == 2 and "computed twice" in err, (argv, err)
+
+
+def test_convert_says_which_calls_overflow_when_the_outputs_hide_it(tmp_path):
+    """``overflow``: a call overflows float16 (inf on its row) while a later ``Tanh`` brings the output
+    back: the summary said a drift of a fraction of a percent and nothing else; it names the call."""
+    from onnx_modular.files.convert import convert
+
+    domain = "pkg.fuzz.block"
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(domain, 1)]
+    big = helper.make_function(domain, "Big", ["a", "w"], ["b"], [helper.make_node("Mul", ["a", "w"], ["c"]), helper.make_node("Mul", ["c", "w"], ["b"])], opsets[:1])
+    squash = helper.make_function(domain, "Squash", ["a"], ["b"], [helper.make_node("Tanh", ["a"], ["b"])], opsets[:1])
+    graph = helper.make_graph(
+        [helper.make_node("Big", ["x", "w"], ["t"], domain=domain, name="/big"), helper.make_node("Squash", ["t"], ["y"], domain=domain, name="/squash")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [onnx.numpy_helper.from_array(np.full((2, 3), 1e3, dtype=np.float32), "w")],  # x * 1e6: past float16's 65504
+    )  # fmt: skip
+    from onnx_modular.format import metadata
+
+    for function in (big, squash):  # module functions, as onnx_modular writes them (their class)
+        function.metadata_props.add(key=metadata.CLASS, value=function.name)
+    model = helper.make_model(graph, opset_imports=opsets, functions=[big, squash])
+    model.ir_version = 10
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    report = convert(tmp_path / "m.onnx", tmp_path / "f16.onnx", dtype="float16")
+    text = str(report)
+    assert "1 calls overflow" in text and "/big" in text.split("calls overflow", 1)[1].splitlines()[0], text

@@ -108,6 +108,7 @@ class CallDrift:
         quantized: ``MatMulNBits`` in the call's own body.
         max_abs: The largest absolute difference over the call's outputs.
         drift: ``max_abs`` over the range (max - min) of the original's output: ``0.01`` is 1%.
+        overflow: Some output is inf or NaN where the original's is finite (float16 overflowed).
     """
 
     call_name: str
@@ -116,6 +117,7 @@ class CallDrift:
     quantized: bool
     max_abs: float
     drift: float
+    overflow: bool = False
 
 
 @dataclasses.dataclass
@@ -222,6 +224,10 @@ class Conversion:
         width = name_column_width(self.outputs)
         for name, (max_abs, drift) in self.outputs.items():
             lines.append(f"  output {fit_name(name, width):<{width}} {max_abs:10.3g} {drift:8.3%}")
+        overflowed = [c.call_name for c in self.calls if c.overflow or not math.isfinite(c.max_abs)]
+        if overflowed:  # the outputs' drift alone would hide them (a later op can clip an inf)
+            lines.append(f"  {len(overflowed)} calls overflow (inf or NaN where the original is finite): {_short_list(overflowed)}; "
+                         "keep them in float32 (--keep) to convert without overflow")
         if not self.calls:  # a flat file: no module calls to compare
             return "\n".join(lines)
         lines.append("Per class, worst call:")
@@ -786,6 +792,14 @@ def _drift(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
     return max_abs, (max_abs / spread if spread > 0 else (0.0 if max_abs == 0 else math.inf))
 
 
+def _overflows(actual: np.ndarray, expected: np.ndarray) -> bool:
+    """Some value is inf or NaN in ``actual`` where ``expected`` holds a finite one."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    if actual.shape != expected.shape or actual.dtype.kind != "f" or expected.dtype.kind != "f":
+        return False
+    return bool(np.any(~np.isfinite(actual) & np.isfinite(expected)))
+
+
 def _load(path: str | os.PathLike, dtype: str | None) -> onnx.ModelProto:
     """The file, checked; a file without functions only for ``quantize``, by its nodes' module metadata."""
     from onnx_modular.storage.load import load_model_file
@@ -1171,6 +1185,7 @@ def convert(
         drifts.append(CallDrift(
             call.call_name, _class_of(all_calls[call.call_name]), plan.low, plan.quantize,
             max((p[0] for p in pairs), default=0.0), max((p[1] for p in pairs), default=0.0),
+            any(_overflows(a, e) for a, e in zip(other.outputs, call.outputs)),
         ))
     classes: dict[str, list[CallDrift]] = collections.defaultdict(list)
     for drift in drifts:
