@@ -59,7 +59,7 @@ def test_outputs_never_replace_the_input_or_any_models_data(tmp_path):
         save_external(block_model(), tmp_path / f"{name}.onnx", f"{name}.onnx.data")
     before = snapshot(tmp_path)
     cases = [
-        (["convert", "m.onnx", "-o", "m.onnx", "--dtype", "float16"], "the input 'm.onnx'"),
+        (["convert", "m.onnx", "-o", "m.onnx", "--dtype", "float16"], "the input file 'm.onnx'"),
         (["convert", "m.onnx", "-o", "m.onnx.data", "--dtype", "float16"], "the external data of the input 'm.onnx'"),
         (["convert", "a.onnx", "-o", "b.onnx.data", "--dtype", "float16"], "the external data of 'b.onnx'"),
         (["convert", "m.onnx", "-o", "x.onnx", "--dtype", "float16", "--json", "m.onnx.data"], "m.onnx"),
@@ -223,17 +223,26 @@ def test_run_stages_bounds_its_stage_files(tmp_path):
 # -- 2. bounds on work --------------------------------------------------------------------
 
 
-def test_loops_not_bounded_by_a_small_constant_are_refused(tmp_path, monkeypatch):
-    """``loop_trips``: a trip count decided at run time (or a constant above the limit, whatever the
-    condition) is refused before anything runs, unless the user lifts the limit."""
-    model = loop_model(100)
-    model.graph.node.insert(0, helper.make_node("Shape", ["x"], ["shape"]))
-    model.graph.node.insert(1, helper.make_node("ReduceProd", ["shape"], ["M_run"], keepdims=0))
-    model.graph.node[2].input[0] = "M_run"
-    with pytest.raises(InvalidModelFileError, match="ONNX_MODULAR_RUN_TIME_LOOPS"):
-        check_expanded_size(model)
-    monkeypatch.setenv("ONNX_MODULAR_RUN_TIME_LOOPS", "1")
-    check_expanded_size(model)
+def test_loops_over_the_limit_are_refused_and_run_time_ones_are_stopped(tmp_path, monkeypatch):
+    """``loop_trips``, ``tool_bounds``: a constant trip count above the limit is refused whatever the
+    condition; one computed from shapes is accepted; a ``while`` loop whose condition never turns
+    false (decided by the data) is stopped after ``ONNX_MODULAR_LOOP_SECONDS`` with a typed error."""
+    with pytest.raises(InvalidModelFileError, match="ONNX_MODULAR_MAX_LOOP_TRIPS"):
+        check_expanded_size(loop_model(2**62, condition=True))
+    shaped = loop_model(100)
+    shaped.graph.node.insert(0, helper.make_node("Shape", ["x"], ["shape"]))
+    shaped.graph.node.insert(1, helper.make_node("ReduceProd", ["shape"], ["M_run"], keepdims=0))
+    shaped.graph.node[2].input[0] = "M_run"
+    check_expanded_size(shaped)
+    endless = loop_model(100, condition=True)
+    endless.graph.node[2].input[0] = ""  # no trip count: while the condition holds
+    for tensor in endless.graph.initializer:
+        if tensor.name == "zero":
+            tensor.float_data[:] = [-1e9]  # sum(x) > -1e9: always
+    onnx.save(endless, str(tmp_path / "endless.onnx"))
+    monkeypatch.setenv("ONNX_MODULAR_LOOP_SECONDS", "1")
+    code, _, err = run_cli("verify", tmp_path / "endless.onnx")
+    assert code == 2 and "ran longer than 1 s" in err and "ONNX_MODULAR_LOOP_SECONDS" in err, err
     monkeypatch.setenv("ONNX_MODULAR_MAX_LOOP_TRIPS", str(2**62))
     check_expanded_size(loop_model(2**62, condition=True))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Iterable, Mapping
 
@@ -55,7 +56,12 @@ MAX_EXPANDED_CALLS = 20_000
 #: ``ONNX_MODULAR_MAX_LOOP_TRIPS`` raises it.
 MAX_LOOP_TRIPS = 2**14
 _TRIPS_VARIABLE = "ONNX_MODULAR_MAX_LOOP_TRIPS"
-_RUN_TIME_LOOPS_VARIABLE = "ONNX_MODULAR_RUN_TIME_LOOPS"
+LOOP_SECONDS_VARIABLE = "ONNX_MODULAR_LOOP_SECONDS"
+#: Seconds a run of a model may take when one of its ``Loop``s has a trip count decided at run time
+#: (a ``while`` loop): onnxruntime is then stopped (``RunOptions.terminate``) and the run is a typed
+#: error. Such loops in real exports (``EmbeddingBag``) take milliseconds. ``ONNX_MODULAR_LOOP_SECONDS`` raises it.
+LOOP_RUN_SECONDS = 30
+_LOOP_SECONDS: contextvars.ContextVar[int | None] = contextvars.ContextVar("onnx_modular_loop_seconds", default=None)
 _NODES_VARIABLE = "ONNX_MODULAR_MAX_EXPANDED_NODES"
 _CALLS_VARIABLE = "ONNX_MODULAR_MAX_EXPANDED_CALLS"
 
@@ -407,35 +413,84 @@ def _scalar(value: onnx.TensorProto | int | bool | None) -> int | None:
 
 
 def _check_loop_trips(model: onnx.ModelProto, name: str) -> None:
-    """Refuse a ``Loop`` whose trip count is not a constant of at most :data:`MAX_LOOP_TRIPS`
-    (``ONNX_MODULAR_MAX_LOOP_TRIPS`` raises it), whatever its condition: a condition computed at
-    run time may never turn false (2**62 trips hung verify, split, run_stages and profile), and a trip
-    count computed at run time (or none: a ``while`` loop) can be anything; those run only when
-    ``ONNX_MODULAR_RUN_TIME_LOOPS=1`` says the user accepts it."""
+    """Refuse a ``Loop`` whose trip count is a constant above :data:`MAX_LOOP_TRIPS`
+    (``ONNX_MODULAR_MAX_LOOP_TRIPS`` raises it), whatever its condition: a condition computed at run
+    time may never turn false (2**62 trips hung verify, split, run_stages and profile). A trip count
+    decided at run time (computed, or none: torch's ``EmbeddingBag`` exports a ``while`` loop) cannot
+    be told here: unless it comes from tensor shapes only, the runs that follow in this context (the
+    command) get a time limit (:func:`loop_run_seconds`, ``ONNX_MODULAR_LOOP_SECONDS``) after which
+    onnxruntime is stopped."""
     nodes = [n for n in all_nodes([*model.graph.node, *(n for f in model.functions for n in f.node)]) if n.op_type == "Loop"]
     if not nodes:
         return
     limit = _limit(_TRIPS_VARIABLE, MAX_LOOP_TRIPS)
     constants = _constant_values(model)
-    run_time_allowed = os.environ.get(_RUN_TIME_LOOPS_VARIABLE, "").strip() == "1"
+    producers: dict[str, onnx.NodeProto] = {}
+    for body in (model.graph.node, *(f.node for f in model.functions)):
+        producers.update({output: n for n in all_nodes(body) for output in n.output if output})
     for node in nodes:
         count = node.input[0] if len(node.input) > 0 else ""
         trips = _scalar(constants.get(count)) if count else None
         if trips is not None and trips <= limit:
             continue
         if trips is None:
-            if run_time_allowed or count in constants:  # a constant not read here (external, or values left out)
-                continue
-            raise InvalidModelFileError(
-                f"{name}: the Loop {shown(node.name)!r} has a trip count decided at run time (or none); nothing bounds "
-                "how long it runs, so it is not run.",
-                hint=f"If the model is genuine, allow it with the environment variable {_RUN_TIME_LOOPS_VARIABLE}=1.",
-            )
+            if count in constants or (count and _from_shapes(count, producers, constants, limit)):
+                continue  # a constant not read here (external, values left out), or bounded by tensor sizes
+            _LOOP_SECONDS.set(_limit(LOOP_SECONDS_VARIABLE, LOOP_RUN_SECONDS))
+            continue
         raise InvalidModelFileError(
             f"{name}: the Loop {shown(node.name)!r} may run {trips} iterations (more than the limit of {limit}); running "
             "it would not end in reasonable time or memory. If the model is genuine, raise the limit with the "
             f"environment variable {_TRIPS_VARIABLE}={trips}."
         )
+
+
+def loop_run_seconds() -> int | None:
+    """The time limit of a run in this context once :func:`check_expanded_size` checked a model holding
+    a ``Loop`` whose trip count is decided at run time; ``None`` before."""
+    return _LOOP_SECONDS.get()
+
+
+#: Ops through which a trip count computed from tensor shapes stays bounded by those shapes.
+_SHAPE_ARITHMETIC = frozenset({
+    "Gather", "Squeeze", "Unsqueeze", "Cast", "Concat", "Slice", "Reshape", "Identity", "Min", "Max", "Add", "Sub",
+    "Mul", "Div", "Floor", "Ceil", "Abs", "ReduceMax", "ReduceMin", "ReduceSum", "ReduceProd", "Expand", "Flatten",
+})  # fmt: skip
+
+
+def _from_shapes(value: str, producers: Mapping[str, onnx.NodeProto], constants, limit: int) -> bool:
+    """Whether ``value`` is computed only from tensor shapes (``Shape``, ``Size``) and small constants
+    through shape arithmetic: a trip count bounded by the sizes of real tensors, not by their values."""
+    pending, seen = [value], set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if len(seen) > 256:
+            return False
+        if name in constants:
+            constant = constants[name]
+            if isinstance(constant, (int, bool)):
+                if abs(int(constant)) > limit:
+                    return False
+                continue
+            try:
+                array = onnx.numpy_helper.to_array(constant)
+            except Exception:
+                return False
+            if array.size > 64 or array.dtype.kind not in "iub" or (array.size and abs(array).max() > limit):
+                return False
+            continue
+        node = producers.get(name)
+        if node is None or node.domain not in ("", "ai.onnx"):
+            return False  # an input, or a value computed by anything else: decided by data
+        if node.op_type in ("Shape", "Size"):
+            continue
+        if node.op_type not in _SHAPE_ARITHMETIC:
+            return False
+        pending.extend(i for i in node.input if i)
+    return True
 
 
 def _check_known_opsets(model: onnx.ModelProto, name: str) -> None:

@@ -139,7 +139,7 @@ def _reads_of(path: pathlib.Path) -> dict[str, str]:
                     owned[place] = f"a file of the input folder {shown}"
         return owned
     for place in _places(path.parent, path.name):
-        owned[place] = f"the input {shown}"
+        owned[place] = f"the input file {shown}"
     for location in data_locations(path):
         for place in _places(path.parent, location):
             owned.setdefault(place, f"the external data of the input {shown}")

@@ -75,7 +75,7 @@ def _stage_file(folder: pathlib.Path, name: str, path: pathlib.Path, k: int) -> 
     """The stage file ``name`` inside ``folder``: relative, through no link, a regular file."""
     relative = pathlib.PurePosixPath(name)
     if not name or "\x00" in name or relative.is_absolute() or ".." in relative.parts or "\\" in name:
-        raise _invalid(path, f"the file of stage {k} ({shown(name)!r}) is not a path inside the folder")
+        raise _invalid(path, f"the file of stage {k} ({shown(name)!r}) is outside the folder")
     current = folder
     for part in relative.parts:
         current = current / part
@@ -129,7 +129,7 @@ def read_manifest(folder: str | os.PathLike, name: str = "manifest.json") -> tup
     folder = pathlib.Path(folder)
     path = folder / name
     if not folder.is_dir():
-        raise InvalidInputError(f"{shown(str(folder))!r} is not a folder written by split.")
+        raise InvalidInputError(f"{shown(str(folder))!r} is no folder, so it holds no {name}: give a folder written by split.")
     try:
         info = os.lstat(path)
     except OSError:
