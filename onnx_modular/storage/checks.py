@@ -108,6 +108,17 @@ def _check_single_assignment(nodes: Iterable[onnx.NodeProto], inputs: list[str],
             seen[output] = f"node {shown(node.name)!r}"
 
 
+def _check_function_body(function: onnx.FunctionProto, name: str) -> None:
+    label = function_label(function_id(function))
+    _check_single_assignment(function.node, list(function.input), f"{name}: function {label}")
+    for node in all_nodes(function.node):
+        for subgraph in subgraphs(node):
+            _check_value_infos(subgraph, f"{name}: function {label}: subgraph")
+            _check_single_assignment(subgraph.node, [v.name for v in subgraph.input], f"{name}: function {label}: subgraph")
+    for value in function.value_info:
+        _check_dimensions(f"{name}: function {label} value", _declared_dims(value), value.name)
+
+
 def check_model_structure(model: onnx.ModelProto, *, name: str = "the model") -> None:
     """Refuse models that cannot be inspected or run safely.
 
@@ -138,14 +149,7 @@ def check_model_structure(model: onnx.ModelProto, *, name: str = "the model") ->
             for subgraph in subgraphs(node):
                 graphs.append((subgraph, f"{name}: subgraph of node {shown(node.name)!r}"))
     for function in model.functions:
-        label = function_label(function_id(function))
-        _check_single_assignment(function.node, list(function.input), f"{name}: function {label}")
-        for node in all_nodes(function.node):
-            for subgraph in subgraphs(node):
-                _check_value_infos(subgraph, f"{name}: function {label}: subgraph")
-                _check_single_assignment(subgraph.node, [v.name for v in subgraph.input], f"{name}: function {label}: subgraph")
-        for value in function.value_info:
-            _check_dimensions(f"{name}: function {label} value", _declared_dims(value), value.name)
+        _check_function_body(function, name)
 
     functions: dict[FunctionId, onnx.FunctionProto] = {}
     for function in model.functions:

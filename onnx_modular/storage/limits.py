@@ -2,8 +2,9 @@
 
 Each limit is checked before the work it bounds, and its error names the limit and, where a
 genuine model could need more, the environment variable that lifts it. The bounds on a model's
-structure (expanded nodes and calls, nesting, ``Loop`` trips, dimensions) are defined in
-:mod:`~onnx_modular.storage.checks` and re-exported here; the others are defined here.
+structure (expanded nodes and calls, nesting, ``Loop`` trips and the run time of a ``Loop`` decided
+at run time, dimensions) are defined in :mod:`~onnx_modular.storage.checks` and re-exported here;
+the others (stages, runs, modules, the guard's scan, ``manifest.json``) are defined here.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.storage.checks import (
+    LOOP_RUN_SECONDS,
     MAX_DIMENSION,
     MAX_EXPANDED_CALLS,
     MAX_EXPANDED_NODES,
@@ -25,13 +27,12 @@ __all__ = [
     "MAX_EXPANDED_NODES",
     "MAX_LOOP_TRIPS",
     "MAX_NESTING",
+    "LOOP_RUN_SECONDS",
     "MAX_NEIGHBOUR_MODELS",
     "MAX_SCANNED_FIELDS",
     "MAX_STAGES",
     "MAX_RUNS",
     "MAX_MODULES",
-    "MAX_DECLARED_BYTES",
-    "MAX_NAME_BYTES",
     "MAX_MANIFEST_BYTES",
     "MAX_MANIFEST_DEPTH",
     "limit",
@@ -51,12 +52,6 @@ MAX_RUNS = 100_000
 #: Most module calls ``modularize`` outlines (``ONNX_MODULAR_MAX_MODULES`` raises it): a 48-layer
 #: transformer has about 700; each outlined call costs a pass over its nodes.
 MAX_MODULES = 10_000
-#: Most bytes the external data of one model may claim (the sum of its tensors' sizes, from their
-#: shapes when a reference gives no ``length``): 1 TiB (``ONNX_MODULAR_MAX_DECLARED_BYTES``).
-MAX_DECLARED_BYTES = 2**40
-#: Longest value name, dimension name or call name the file tools accept (a 4 KB ``a+a+...``
-#: symbolic dimension is no real name): ``ONNX_MODULAR_MAX_NAME_BYTES`` raises it.
-MAX_NAME_BYTES = 1024
 #: Largest ``manifest.json`` ``run_stages`` reads, and its deepest nesting of lists and objects.
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_MANIFEST_DEPTH = 8
@@ -65,8 +60,6 @@ _VARIABLES = {
     "MAX_STAGES": "ONNX_MODULAR_MAX_STAGES",
     "MAX_RUNS": "ONNX_MODULAR_MAX_RUNS",
     "MAX_MODULES": "ONNX_MODULAR_MAX_MODULES",
-    "MAX_DECLARED_BYTES": "ONNX_MODULAR_MAX_DECLARED_BYTES",
-    "MAX_NAME_BYTES": "ONNX_MODULAR_MAX_NAME_BYTES",
     "MAX_LOOP_TRIPS": "ONNX_MODULAR_MAX_LOOP_TRIPS",
     "MAX_EXPANDED_CALLS": "ONNX_MODULAR_MAX_EXPANDED_CALLS",
     "MAX_EXPANDED_NODES": "ONNX_MODULAR_MAX_EXPANDED_NODES",
