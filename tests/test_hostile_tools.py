@@ -368,3 +368,12 @@ def test_convert_says_which_calls_overflow_when_the_outputs_hide_it(tmp_path):
     report = convert(tmp_path / "m.onnx", tmp_path / "f16.onnx", dtype="float16")
     text = str(report)
     assert "1 calls overflow" in text and "/big" in text.split("calls overflow", 1)[1].splitlines()[0], text
+
+
+def test_issue53_generators_find_no_failure(tmp_path):
+    """One case of each issue 53 kind (seed 69 draws each once in 7 cases), through the fuzzer's
+    child processes (limits, promises)."""
+    kinds = ["guard_outputs", "generation_guard", "manifest", "long_dims", "tool_bounds", "diff_trailing", "small_external"]
+    records = fuzz_files.run_campaign(7, seed=69, timeout=120, memory_mb=2048, only=kinds, workdir=tmp_path)
+    assert sorted(r["kind"] for r in records) == sorted(kinds)
+    assert not fuzz_files.failure_classes(records), fuzz_files.summary(records)
