@@ -1259,8 +1259,9 @@ def gen_manifest(rng, case, seeds):
     elif how == "huge_stages":
         manifest["stages"] = stages * 5000
     elif how == "bad_json":
-        text = rng.choice(['{"stages": [', "\udcff", '{"stages": NaN}'])
-    (folder / "manifest.json").write_text(text if text is not None else json.dumps(manifest))
+        text = rng.choice(['{"stages": [', None, '{"stages": NaN}'])
+    data = b"\xff\xfe{}" if how == "bad_json" and text is None else (text if text is not None else json.dumps(manifest)).encode()
+    (folder / "manifest.json").write_bytes(data)  # the None of bad_json: bytes that are not UTF-8
     _checks(case, commands=[["run_stages", "split", feeds]], must_succeed=[0] if how == "valid" else [])
     return "split"
 
