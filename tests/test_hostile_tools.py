@@ -377,3 +377,27 @@ def test_issue53_generators_find_no_failure(tmp_path):
     records = fuzz_files.run_campaign(7, seed=69, timeout=120, memory_mb=2048, only=kinds, workdir=tmp_path)
     assert sorted(r["kind"] for r in records) == sorted(kinds)
     assert not fuzz_files.failure_classes(records), fuzz_files.summary(records)
+
+
+def test_split_bounds_the_values_crossing_its_cuts(tmp_path, monkeypatch):
+    """``tool_bounds`` (split): a large activation crossing a cut (1 GiB took 15 times its size in
+    memory, then a traceback) is a typed error naming the limit, before the stages are written."""
+    domain = "pkg.fuzz.block"
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(domain, 1)]
+    big = helper.make_function(domain, "Big", ["a", "s"], ["b"], [helper.make_node("Expand", ["a", "s"], ["b"])], opsets[:1])
+    red = helper.make_function(domain, "Red", ["a"], ["b"], [helper.make_node("ReduceSum", ["a"], ["b"], keepdims=0)], opsets[:1])
+    graph = helper.make_graph(
+        [helper.make_node("Big", ["x", "s"], ["t"], domain=domain, name="/big"), helper.make_node("Red", ["t"], ["y"], domain=domain, name="/red")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+        [onnx.numpy_helper.from_array(np.array([4096], np.int64), "s")],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=opsets, functions=[big, red])
+    model.ir_version = 10
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    monkeypatch.setenv("ONNX_MODULAR_MAX_TEST_DATA_BYTES", "1000")
+    code, _, err = run_cli("split", "m.onnx", "-o", "s", "--stages", "2", cwd=tmp_path)
+    assert code == 2 and "ONNX_MODULAR_MAX_TEST_DATA_BYTES" in err and "16,392" in err, err
+    assert not (tmp_path / "s").exists()
+    monkeypatch.delenv("ONNX_MODULAR_MAX_TEST_DATA_BYTES")
+    code, _, err = run_cli("split", "m.onnx", "-o", "s", "--stages", "2", cwd=tmp_path)
+    assert code == 0, err

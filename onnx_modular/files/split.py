@@ -809,6 +809,9 @@ def split(
     cuts = _assign(model, cut_calls)
     count = len(cuts)
     values = _run_whole(model, path, cuts, feeds) if with_data else {}
+    crossing = {name for cut in cuts for name in (*cut.inputs, *cut.outputs)}
+    check_count("MAX_TEST_DATA_BYTES", sum(getattr(values.get(n), "nbytes", 0) for n in crossing),
+                "The test data of the stages (the values they pass each other; --no-data skips it), in bytes,")
     types = _types(model)
     positions = _call_positions(model, cuts)
     built = [

@@ -33,6 +33,7 @@ __all__ = [
     "MAX_STAGES",
     "MAX_RUNS",
     "MAX_MODULES",
+    "MAX_TEST_DATA_BYTES",
     "MAX_MANIFEST_BYTES",
     "MAX_MANIFEST_DEPTH",
     "limit",
@@ -52,6 +53,10 @@ MAX_RUNS = 100_000
 #: Most module calls ``modularize`` outlines (``ONNX_MODULAR_MAX_MODULES`` raises it): a 48-layer
 #: transformer has about 700; each outlined call costs a pass over its nodes.
 MAX_MODULES = 10_000
+#: Most bytes of the values ``split``'s stages pass each other, written as their test data (a 1 GiB
+#: activation crossing a cut took 15 times its size in memory): ``split --no-data`` skips them,
+#: ``ONNX_MODULAR_MAX_TEST_DATA_BYTES`` raises the limit.
+MAX_TEST_DATA_BYTES = 256 << 20
 #: Largest ``manifest.json`` ``run_stages`` reads, and its deepest nesting of lists and objects.
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_MANIFEST_DEPTH = 8
@@ -60,6 +65,7 @@ _VARIABLES = {
     "MAX_STAGES": "ONNX_MODULAR_MAX_STAGES",
     "MAX_RUNS": "ONNX_MODULAR_MAX_RUNS",
     "MAX_MODULES": "ONNX_MODULAR_MAX_MODULES",
+    "MAX_TEST_DATA_BYTES": "ONNX_MODULAR_MAX_TEST_DATA_BYTES",
     "MAX_LOOP_TRIPS": "ONNX_MODULAR_MAX_LOOP_TRIPS",
     "MAX_EXPANDED_CALLS": "ONNX_MODULAR_MAX_EXPANDED_CALLS",
     "MAX_EXPANDED_NODES": "ONNX_MODULAR_MAX_EXPANDED_NODES",
