@@ -558,11 +558,12 @@ class _Precision:
         for call in calls.values():
             by_function[function_id(call.function)].append(call)
         sources: dict[FunctionId, dict[str, set[str]]] = {}
+        main_names = _calls.main_graph_names(model)  # once: per call it made 10,000 calls quadratic
         for fid, its_calls in by_function.items():
             function = self.functions[fid]
             formals: dict[str, set[str]] = {}
             for index, formal in enumerate(function.input):
-                found = [_calls.initializer_source(model, call, index) for call in its_calls]
+                found = [_calls.initializer_source(model, call, index, main_names=main_names) for call in its_calls]
                 if found and all(found):
                     formals[formal] = set(found)
             sources[fid] = formals
