@@ -14,9 +14,13 @@ Example::
 
 import importlib
 
-from onnx_modular._version import __version__
-from onnx_modular.check.parity import OutputParity, ParityReport, Tolerance
-from onnx_modular.errors import (
+from onnx_modular.storage.signals import quiet_interrupt_while_importing
+
+quiet_interrupt_while_importing()  # the command line only: Ctrl-C during the imports exits 130 quietly
+
+from onnx_modular._version import __version__  # noqa: E402 - after the handler
+from onnx_modular.check.parity import OutputParity, ParityReport, Tolerance  # noqa: E402
+from onnx_modular.errors import (  # noqa: E402
     CaptureError,
     DecompositionError,
     ExecutionProviderError,
@@ -31,7 +35,7 @@ from onnx_modular.errors import (
     TranslationError,
     VerificationError,
 )
-from onnx_modular.format.calltree import CallTree, ModuleCall
+from onnx_modular.format.calltree import CallTree, ModuleCall  # noqa: E402
 
 #: name -> module that defines it, imported on first use (these modules import torch).
 _LAZY = {

@@ -192,14 +192,17 @@ def test_a_lock_name_taken_by_something_else_is_a_typed_error(tmp_path, squatter
     assert not outside.exists() and not (tmp_path / "m.onnx").exists()
 
 
-def test_inline_in_place_with_external_data_stays_correct(tmp_path):
+def test_inline_in_place_is_refused_and_leaves_the_source_as_it_was(tmp_path, capsys):
+    """The writer's guard (storage/guard.py): an output may not be the input or its data file."""
     path = external_pair(tmp_path, "m.onnx", "m.onnx.data", value=3.0)
-    for _ in range(3):  # each write moves between two data names; every result verifies
-        assert main(["inline", str(path), str(path)]) == 0
-        assert main(["verify", str(path)]) == 0
-        model = onnx.load(str(path))
-        assert np.all(onnx.numpy_helper.to_array(model.graph.initializer[0]) == 3.0)
-        assert sorted(os.listdir(tmp_path)) == sorted(["m.onnx", *_io.referenced_data(path)])
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    for output in (path, tmp_path / "m.onnx.data"):
+        assert main(["inline", str(path), str(output)]) == 2
+        assert "the input" in capsys.readouterr().err
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
+    assert main(["verify", str(path)]) == 0
+    model = onnx.load(str(path))
+    assert np.all(onnx.numpy_helper.to_array(model.graph.initializer[0]) == 3.0)
 
 
 def test_a_path_with_a_nul_byte_is_a_typed_error(tmp_path):

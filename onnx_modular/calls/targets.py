@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import difflib
+import fnmatch
 import json
 from collections.abc import Iterable
 
@@ -95,6 +96,8 @@ def resolve_target(model: onnx.ModelProto, text: str) -> Target:
             hint="Choose a call with a function (`onnx-modular tree` lists them).",
         )
     matched = {c.call_name for c in tree.walk() if not c.is_root and c.function is not None and c.matches(text)}
+    if any(char in text for char in "*?["):  # a glob of module paths too (`model.layers.1*`), as docs/convert.md shows
+        matched |= {name for name in calls if fnmatch.fnmatchcase(name, text)}
     names = [name for name in calls if name in matched]
     if not names:
         classes = {c.class_name for c in tree.walk() if not c.is_root and c.class_name}

@@ -41,7 +41,8 @@ from onnx_modular.cli.commands import run_diff, run_export, run_inline, run_veri
 from onnx_modular.cli.output import EXIT_INTERNAL, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, Mismatch, stderr
 from onnx_modular.cli.parser import build_parser
 from onnx_modular.errors import OnnxModularError, ParityError
-from onnx_modular.storage.signals import interrupt_on_sigterm, signals_deferred
+from onnx_modular.storage.guard import reading
+from onnx_modular.storage.signals import end_quiet_interrupt, interrupt_on_sigterm, signals_deferred
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_MISMATCH", "EXIT_USAGE", "EXIT_INTERNAL"]
 
@@ -73,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         main(["tree", "gpt2.onnx", "--depth", "1"])
     """
+    end_quiet_interrupt()  # from here Ctrl-C is a KeyboardInterrupt again: every cleanup runs
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -86,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with interrupt_on_sigterm():  # SIGTERM cleans up like Ctrl-C
             with signals_deferred():  # handled once the imports are done: exit 143, no abort
                 _import_what_runs(args)
-            return args.run(args)
+            with reading(_inputs_of(args)):  # every write of the command refuses these (storage/guard.py)
+                return args.run(args)
     except Mismatch as e:
         stderr(f"error: {e}")
         return EXIT_MISMATCH
@@ -109,6 +112,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         stderr("error: internal error (the traceback above); please report it with the command and the model.")
         return EXIT_INTERNAL
+
+
+def _inputs_of(args: argparse.Namespace) -> list:
+    """The files a command reads (its models, a checkpoint folder, ``--inputs``, ``--expected``)."""
+    names = ("model", "a", "b", "block", "factory", "inputs", "expected", "folder")
+    return [value for name in names if isinstance(value := getattr(args, name, None), str) and os.path.exists(value)]
 
 
 def _for_the_command_line(error: OnnxModularError, args: argparse.Namespace) -> str:

@@ -514,6 +514,8 @@ def run_diff(args: argparse.Namespace) -> int:
 def run_convert(args: argparse.Namespace) -> int:
     from onnx_modular.files.convert import convert
 
+    if args.json not in (None, "-"):
+        save.check_destination(args.json, reads=[args.model])  # before the work, as the model's path
     result = convert(
         args.model, args.output, dtype=args.dtype, keep=args.keep, quantize=args.quantize, exclude=args.exclude,
         block_size=args.block_size, symmetric=args.symmetric, accuracy_level=args.accuracy_level,

@@ -62,7 +62,15 @@ from onnx_modular.format import metadata
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import save
-from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, node_id, uses_external_data
+from onnx_modular.storage.checks import check_expanded_size
+from onnx_modular.storage.proto import (
+    FunctionId,
+    all_nodes,
+    declare_function_types,
+    function_id,
+    node_id,
+    uses_external_data,
+)
 
 __all__ = ["convert", "Conversion", "QuantizationWarning", "CallDrift", "ClassDrift", "FLOAT32_OPS", "DTYPES", "QUANTIZE_BITS"]
 
@@ -108,6 +116,7 @@ class CallDrift:
         quantized: ``MatMulNBits`` in the call's own body.
         max_abs: The largest absolute difference over the call's outputs.
         drift: ``max_abs`` over the range (max - min) of the original's output: ``0.01`` is 1%.
+        overflow: Some output is inf or NaN where the original's is finite (float16 overflowed).
     """
 
     call_name: str
@@ -116,6 +125,7 @@ class CallDrift:
     quantized: bool
     max_abs: float
     drift: float
+    overflow: bool = False
 
 
 @dataclasses.dataclass
@@ -228,6 +238,10 @@ class Conversion:
         width = name_column_width(self.outputs)
         for name, (max_abs, drift) in self.outputs.items():  # the file's names (output.past_key_values...) alone
             lines.append(f"  {fit_name(name, width):<{width}} {max_abs:10.3g} {drift:8.3%}")
+        overflowed = [c.call_name for c in self.calls if c.overflow or not math.isfinite(c.max_abs)]
+        if overflowed:  # the outputs' drift alone would hide them (a later op can clip an inf)
+            lines.append(f"  {len(overflowed)} calls overflow (inf or NaN where the original is finite): {_short_list(overflowed)}; "
+                         "keep them in float32 (--keep) to convert without overflow")
         if not self.calls:  # a flat file: no module calls to compare
             return "\n".join(lines)
         first = next((c for c in self.calls if c.drift > _LARGE_DRIFT and c.converted), None)
@@ -639,11 +653,12 @@ class _Precision:
         for call in calls.values():
             by_function[function_id(call.function)].append(call)
         sources: dict[FunctionId, dict[str, set[str]]] = {}
+        main_names = _calls.main_graph_names(model)  # once: per call it made 10,000 calls quadratic
         for fid, its_calls in by_function.items():
             function = self.functions[fid]
             formals: dict[str, set[str]] = {}
             for index, formal in enumerate(function.input):
-                found = [_calls.initializer_source(model, call, index) for call in its_calls]
+                found = [_calls.initializer_source(model, call, index, main_names=main_names) for call in its_calls]
                 if found and all(found):
                     formals[formal] = set(found)
             sources[fid] = formals
@@ -871,6 +886,14 @@ def _drift(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
     finite = expected[np.isfinite(expected)] if expected.dtype.kind == "f" else expected
     spread = float(finite.max() - finite.min()) if finite.size and expected.dtype.kind in "fiu" else 0.0
     return max_abs, (max_abs / spread if spread > 0 else (0.0 if max_abs == 0 else math.inf))
+
+
+def _overflows(actual: np.ndarray, expected: np.ndarray) -> bool:
+    """Some value is inf or NaN in ``actual`` where ``expected`` holds a finite one."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    if actual.shape != expected.shape or actual.dtype.kind != "f" or expected.dtype.kind != "f":
+        return False
+    return bool(np.any(~np.isfinite(actual) & np.isfinite(expected)))
 
 
 def _load(path: str | os.PathLike, dtype: str | None) -> onnx.ModelProto:
@@ -1171,13 +1194,15 @@ def convert(
         raise InvalidInputError("exclude names modules left unquantized: it needs quantize.", hint="Add --quantize int4.")
     if auto_keep is not None and (dtype is None or not (isinstance(auto_keep, (int, float)) and auto_keep > 0)):
         raise InvalidInputError(f"auto_keep must be a tolerance > 0 with dtype, not {auto_keep!r}.", hint="--dtype float16 --auto-keep 0.02")
-    if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
-        raise InvalidInputError(f"block_size must be a power of two >= 16 (MatMulNBits), not {block_size!r}.")
+    if isinstance(block_size, bool) or block_size not in (16, 32, 64, 128, 256):  # onnxruntime's MLAS quantizes these only
+        raise InvalidInputError(f"block_size must be 16, 32, 64, 128 or 256 (MatMulNBits), not {block_size!r}.")
     if auto_keep is not None and not verify:
         raise InvalidInputError("auto_keep ranks modules by the drift it measures: it needs verify.", hint="Drop --no-verify.")
-    destination = save.check_destination(output)
+    destination = save.check_destination(output, reads=[path, *([inputs] if isinstance(inputs, (str, os.PathLike)) else [])])
     source = pathlib.Path(path)
     model = _load(source, dtype)
+    check_expanded_size(model, name=repr(str(source)))  # call bombs and endless Loops, before any work
+    declare_function_types(model)  # a function that declares no types gets its call's (Casts at the seams)
     if not model.functions:  # a flat file: quantization by the nodes' module metadata
         return _convert_flat(source, destination, model, quantize=quantize, exclude=exclude, block_size=block_size,
                              symmetric=symmetric, accuracy_level=accuracy_level, inputs=inputs, seed=seed)
@@ -1292,6 +1317,7 @@ def convert(
         drifts.append(CallDrift(
             call.call_name, _class_of(all_calls[call.call_name]), plan.low, plan.quantize,
             max((p[0] for p in pairs), default=0.0), max((p[1] for p in pairs), default=0.0),
+            any(_overflows(a, e) for a, e in zip(other.outputs, call.outputs)),
         ))
     classes: dict[str, list[CallDrift]] = collections.defaultdict(list)
     for drift in drifts:

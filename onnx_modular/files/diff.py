@@ -61,7 +61,8 @@ from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import check_feeds, feeds_for, model_inputs
 from onnx_modular.storage import save as _save
 from onnx_modular.storage.checks import check_expanded_size
-from onnx_modular.storage.load import load_model_file
+from onnx_modular.storage.limits import check_count
+from onnx_modular.storage.load import external_byte_range, load_model_file
 from onnx_modular.storage.proto import FunctionId, function_id, function_label, is_standard_domain, node_id
 
 __all__ = ["diff", "ModelDiff", "CallDiff", "CHANGES", "tensor_digest"]
@@ -345,14 +346,12 @@ def tensor_digest(tensor: onnx.TensorProto, folder: str | os.PathLike, name: str
     chunks from the byte range it names (already checked by ``load_model_file``)."""
     digest = hashlib.sha256(f"{tensor.data_type}:{list(tensor.dims)}:".encode())
     if onnx.external_data_helper.uses_external_data(tensor):
-        fields = {entry.key: entry.value for entry in tensor.external_data}
-        offset = int(fields.get("offset") or 0)
-        length = fields.get("length")
-        path = pathlib.Path(folder) / fields["location"]
+        location, offset, length = external_byte_range(tensor)  # no length: the tensor's size, not the file's end
+        path = pathlib.Path(folder) / location
         try:
             with open(path, "rb") as handle:
                 handle.seek(offset)
-                remaining = int(length) if length is not None else None
+                remaining = length
                 while remaining is None or remaining > 0:
                     chunk = handle.read(_CHUNK if remaining is None else min(_CHUNK, remaining))
                     if not chunk:
@@ -915,6 +914,8 @@ def diff(
         result = diff("gpt2.onnx", "gpt2.fp16.onnx")
         print(result.first_drift.path, [c.path for c in result.ranked(3)])
     """
+    if profile and isinstance(runs, int) and not isinstance(runs, bool):
+        check_count("MAX_RUNS", runs, "--runs, the measured runs of the profile")  # before any work
     file_a, file_b = _File(a), _File(b)
     note = None
     if not file_a.model.functions or not file_b.model.functions:

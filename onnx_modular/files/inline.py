@@ -81,7 +81,7 @@ def inline_file(
 
     if opset_version is not None:
         opset.check_opset(opset_version, default=opset_version)  # before any work
-    destination = save.check_destination(destination)  # before the work: a bad path fails fast
+    destination = save.check_destination(destination, reads=[source])  # before the work: a bad path fails fast
     model = load_model_file(source)
     check_expanded_size(model, name=repr(str(source)))  # before onnx.inliner expands anything
     external = uses_external_data(model)

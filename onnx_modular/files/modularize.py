@@ -58,6 +58,7 @@ from onnx_modular.passes import pipeline
 from onnx_modular.runtime import inputs as runtime_inputs
 from onnx_modular.runtime import sessions
 from onnx_modular.storage import save
+from onnx_modular.storage.limits import check_count
 from onnx_modular.storage.load import load_model_file
 from onnx_modular.storage.proto import uses_external_data
 
@@ -543,7 +544,7 @@ def modularize(
         ParityError: The modular file's outputs differ from the flat file's; nothing written.
     """
     source_path = pathlib.Path(path)
-    destination = save.check_destination(output)
+    destination = save.check_destination(output, reads=[path])
     if destination.resolve() == source_path.resolve():
         raise InvalidInputError(
             f"The output {shown(str(output))} is the input file.", hint="Write the modular file to another path."
@@ -588,6 +589,7 @@ def modularize(
                 scopes.update(dict.fromkeys(more, ()))
             else:
                 inference = None
+    check_count("MAX_MODULES", sum(1 for _ in tree.walk()) - 1, "its module calls", from_file=shown(str(source_path)))
     selected = _selected(tree, modules)
     nodes = len(model.graph)
     unscoped_nodes = {node for node, stack in scopes.items() if stack is None}

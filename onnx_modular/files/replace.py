@@ -449,7 +449,7 @@ def replace(
 
     from onnx_modular.passes.remove_unused import RemoveUnusedPass
 
-    destination = save.check_destination(out)
+    destination = save.check_destination(out, reads=[path, block])
     text = str(block)
     model = load_model_file(path)
     edited = load_model_file(block)

@@ -63,7 +63,10 @@ from onnx_modular.format.text import first_line, shown
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import locks, save
+from onnx_modular.storage.checks import check_expanded_size
+from onnx_modular.storage.limits import check_count
 from onnx_modular.storage.load import load_model_file
+from onnx_modular.storage.manifest import check_feeds, check_stage_file, read_manifest
 from onnx_modular.storage.proto import all_nodes, function_id, node_id
 
 __all__ = ["split", "run_stages", "Split", "Stage", "MANIFEST", "MODEL_FILE", "SHALLOW_PREFERENCE", "BALANCES"]
@@ -788,12 +791,14 @@ def _check_arguments(stages, at, balance) -> list[str] | None:
     if stages is not None:
         if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
             raise InvalidInputError(f"stages must be an integer >= 2, not {stages!r}.")
+        check_count("MAX_STAGES", stages, "stages")
         return None
     if isinstance(at, str):
         at = [at]
     at = list(at)
     if not at or not all(isinstance(a, str) and a for a in at):
         raise InvalidInputError(f"at must name one call path or more, not {at!r}.")
+    check_count("MAX_STAGES", len(at) + 1, "stages (the cuts of at= and one)")
     if balance != "bytes":
         raise InvalidInputError("balance= chooses the cuts of stages=N; with at= the cuts are named.")
     return at
@@ -845,6 +850,7 @@ def split(
     source = str(path)
     source_folder = os.path.dirname(os.path.abspath(source))
     model = load_model_file(path)  # external data stays where it is
+    check_expanded_size(model, name=repr(source))  # call bombs and endless Loops, before any work
     if not model.functions:
         raise InvalidInputError(
             f"{source!r} has no local functions: there are no module boundaries to cut at.",
@@ -881,6 +887,9 @@ def split(
     cuts = _assign(model, cut_calls)
     count = len(cuts)
     values = _run_whole(model, path, cuts, feeds) if with_data else {}
+    crossing = {name for cut in cuts for name in (*cut.inputs, *cut.outputs)}
+    check_count("MAX_TEST_DATA_BYTES", sum(getattr(values.get(n), "nbytes", 0) for n in crossing),
+                "The test data of the stages (the values they pass each other; --no-data skips it), in bytes,")
     types = _types(model)
     positions = _call_positions(model, cuts)
     built = [
@@ -968,25 +977,9 @@ def _call_positions(model: onnx.ModelProto, cuts: list[_Cut]) -> list[tuple[int,
 # -- running the chain ---------------------------------------------------------------------
 
 
-def _read_manifest(folder: pathlib.Path) -> dict:
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise InvalidInputError(f"{str(folder)!r} holds no {MANIFEST}: it is not a folder written by split.")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        stages = manifest["stages"]
-        outputs = manifest["outputs"]
-        if not isinstance(stages, list) or not isinstance(outputs, dict):
-            raise TypeError("stages must be a list and outputs an object")
-        for stage in stages:
-            if not isinstance(stage["file"], str) or not isinstance(stage["inputs"], dict):
-                raise TypeError("each stage needs a file and an inputs object")
-            file = pathlib.Path(stage["file"])
-            if file.is_absolute() or ".." in file.parts:
-                raise ValueError(f"the stage file {stage['file']!r} is outside the folder")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InvalidInputError(f"{str(path)!r} is not a valid split manifest: {shown(str(e))}.") from None
-    return manifest
+def _read_manifest(folder: pathlib.Path) -> tuple[dict, list[pathlib.Path]]:
+    """The manifest read as untrusted input, and its stage files (:mod:`~onnx_modular.storage.manifest`)."""
+    return read_manifest(folder, MANIFEST)
 
 
 def run_stages(
@@ -1015,8 +1008,11 @@ def run_stages(
         outputs = run_stages("stages/", {"input_ids": ids, "attention_mask": mask}, ["cuda", None])
     """
     folder = pathlib.Path(folder)
-    manifest = _read_manifest(folder)
+    manifest, files = _read_manifest(folder)
     stages = manifest["stages"]
+    feeds = check_feeds(feeds, len(stages))
+    for k, file in enumerate(files):  # every stage with the bounds of every tool, before anything runs
+        check_stage_file(file, k)
     if execution_providers is None or isinstance(execution_providers, str):
         providers = [execution_providers] * len(stages)
     else:
@@ -1039,7 +1035,7 @@ def run_stages(
                     f"Stage {k} needs {shown(source)!r} (as its input {shown(name)!r}), which the inputs do not hold.",
                     hint=f"Give every model input the manifest names ({MANIFEST}).",
                 )
-        session = runtime.session(str(folder / stage["file"]), provider, what=f"stage {k}")
+        session = runtime.session(str(files[k]), provider, what=f"stage {k}")
         names, arrays = runtime.run(session, stage_feeds, what=f"stage {k}")
         produced.update({f"stage_{k}/{name}": array for name, array in zip(names, arrays)})
     return {name: produced[source] for name, source in manifest["outputs"].items()}

@@ -62,7 +62,24 @@ def _used_values(node: ir.Node) -> set[ir.Value]:
         defined.update(inner.outputs)
         if inner.graph is not None:
             defined.update(inner.graph.inputs)
+    for graph in _subgraphs_of(node):  # a Loop/If/Scan body's own initializers are not read from outside
+        defined.update(graph.initializers.values())
     return used - defined
+
+
+def _subgraphs_of(node: ir.Node):
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            yield from _graphs_in(attr.value)
+        elif attr.type == ir.AttributeType.GRAPHS:
+            for graph in attr.value:
+                yield from _graphs_in(graph)
+
+
+def _graphs_in(graph: ir.Graph):
+    yield graph
+    for inner in graph:
+        yield from _subgraphs_of(inner)
 
 
 class OutlineModuleCallsPass(ir.passes.InPlacePass):

@@ -39,6 +39,7 @@ from onnx_modular.profiling.report import CallTime, ClassTime, KernelTime, Profi
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_from_arrays, load_arrays, model_inputs, random_inputs
 from onnx_modular.storage.checks import check_expanded_size
+from onnx_modular.storage.limits import check_count
 from onnx_modular.storage.load import load_model_file
 from onnx_modular.storage.locks import scratch_folder
 
@@ -163,6 +164,7 @@ def profile(
     """
     runs = _count(runs, "runs", 1)
     warmup = _count(warmup, "warmup", 0)
+    check_count("MAX_RUNS", runs + warmup, "runs, the measured and warm-up runs of the profile")
     if threads is not None:
         threads = _count(threads, "threads", 1, MAX_THREADS)
     if optimization not in OPTIMIZATION_LEVELS:

@@ -122,15 +122,21 @@ def random_inputs(
     return feeds
 
 
+#: Longest symbolic dimension name read as a size expression (``past_sequence_length + sequence_length``).
+_MAX_EXPRESSION = 256
+
+
 def _dim_size(name: str, dims: Mapping[str, int], default: int) -> int:
     """The size of a symbolic dimension: given in ``dims``, else computed when ``name`` is a sum
     or product of other names and integers (``past_sequence_length + sequence_length``, the
     length of a with-past attention mask, as Optimum and torch name it), else ``default``."""
     if name in dims:
         return int(dims[name])
+    if len(name) > _MAX_EXPRESSION:  # a 4 KB `a+a+...` is no size expression (and would recurse 2,000 deep)
+        return default
     try:
         tree = ast.parse(name, mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return default
 
     def value(node: ast.AST) -> int | None:

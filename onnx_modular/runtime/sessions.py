@@ -11,6 +11,7 @@ one home of temporary files), removed afterwards whatever happens.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ import onnx
 
 from onnx_modular.errors import ExecutionProviderError, VerificationError
 from onnx_modular.format.text import first_line
+from onnx_modular.storage.checks import LOOP_SECONDS_VARIABLE, loop_run_seconds
 from onnx_modular.storage.locks import scratch_file
 from onnx_modular.storage.proto import inline_functions, uses_external_data
 
@@ -150,19 +152,39 @@ def run(
                 hint="Give one tensor per model input, in order.",
             )
         feeds = dict(zip(names, feeds))
+    seconds = loop_run_seconds()  # a Loop decided at run time: onnxruntime is stopped after this long
+    options = _run_options() if seconds else None
+    timer = threading.Timer(seconds, setattr, (options, "terminate", True)) if seconds else None
     try:
-        outputs = sess.run(None, {name: np.asarray(value) for name, value in feeds.items()})
+        if timer is not None:
+            timer.start()
+        outputs = sess.run(None, {name: np.asarray(value) for name, value in feeds.items()}, options)
     except Exception as e:
+        if options is not None and options.terminate:
+            raise VerificationError(
+                f"The {what} ran longer than {seconds} s and was stopped: it holds a Loop whose trip count is decided "
+                "at run time, which may never end.",
+                hint=f"If the model is genuine and slow, raise the limit with the environment variable {LOOP_SECONDS_VARIABLE}.",
+            ) from e
         raise VerificationError(
             f"onnxruntime failed to run the {what}: {first_line(e)}",
             hint="Check the inputs against the model's declared inputs (names, shapes, dtypes).",
         ) from e
+    finally:
+        if timer is not None:
+            timer.cancel()
     # onnxruntime's output arrays live in the session's memory arena and keep all of it (4.2 GB for
     # SegGPT at 448x448) alive as long as they do: copies free the arena with the session, so that
     # a second session (the inlined flat copy) does not run beside the first one's memory.
     outputs = [np.array(output, copy=True) if isinstance(output, np.ndarray) else output for output in outputs]
     return [o.name for o in sess.get_outputs()], outputs
 
+
+
+def _run_options():
+    import onnxruntime as ort
+
+    return ort.RunOptions()
 
 
 def flat_copy(path: str | os.PathLike, model: onnx.ModelProto | None = None) -> bytes:

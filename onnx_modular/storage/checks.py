@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Iterable, Mapping
 
@@ -55,6 +56,12 @@ MAX_EXPANDED_CALLS = 20_000
 #: ``ONNX_MODULAR_MAX_LOOP_TRIPS`` raises it.
 MAX_LOOP_TRIPS = 2**14
 _TRIPS_VARIABLE = "ONNX_MODULAR_MAX_LOOP_TRIPS"
+LOOP_SECONDS_VARIABLE = "ONNX_MODULAR_LOOP_SECONDS"
+#: Seconds a run of a model may take when one of its ``Loop``s has a trip count decided at run time
+#: (a ``while`` loop): onnxruntime is then stopped (``RunOptions.terminate``) and the run is a typed
+#: error. Such loops in real exports (``EmbeddingBag``) take milliseconds. ``ONNX_MODULAR_LOOP_SECONDS`` raises it.
+LOOP_RUN_SECONDS = 30
+_LOOP_SECONDS: contextvars.ContextVar[int | None] = contextvars.ContextVar("onnx_modular_loop_seconds", default=None)
 _NODES_VARIABLE = "ONNX_MODULAR_MAX_EXPANDED_NODES"
 _CALLS_VARIABLE = "ONNX_MODULAR_MAX_EXPANDED_CALLS"
 
@@ -84,6 +91,34 @@ def _check_value_infos(graph: onnx.GraphProto, where: str) -> None:
         _check_dimensions(f"{where} sparse initializer", sparse.dims, sparse.values.name)
 
 
+def _check_single_assignment(nodes: Iterable[onnx.NodeProto], inputs: list[str], where: str) -> None:
+    """Every value of a graph (or body) is computed once: by one node output, or given as an input
+    (ONNX graphs are in single assignment form; onnx_ir, the inliner and onnxruntime fail on a
+    value named twice with untyped errors)."""
+    seen = {name: "an input" for name in inputs if name}
+    for node in nodes:
+        for output in node.output:
+            if not output:
+                continue
+            if output in seen:
+                raise InvalidModelFileError(
+                    f"{where}: the value {shown(output)!r} is computed twice (by node {shown(node.name)!r} and by "
+                    f"{seen[output]}); an ONNX graph names each value once (the file is corrupted).",
+                )
+            seen[output] = f"node {shown(node.name)!r}"
+
+
+def _check_function_body(function: onnx.FunctionProto, name: str) -> None:
+    label = function_label(function_id(function))
+    _check_single_assignment(function.node, list(function.input), f"{name}: function {label}")
+    for node in all_nodes(function.node):
+        for subgraph in subgraphs(node):
+            _check_value_infos(subgraph, f"{name}: function {label}: subgraph")
+            _check_single_assignment(subgraph.node, [v.name for v in subgraph.input], f"{name}: function {label}: subgraph")
+    for value in function.value_info:
+        _check_dimensions(f"{name}: function {label} value", _declared_dims(value), value.name)
+
+
 def check_model_structure(model: onnx.ModelProto, *, name: str = "the model") -> None:
     """Refuse models that cannot be inspected or run safely.
 
@@ -109,16 +144,12 @@ def check_model_structure(model: onnx.ModelProto, *, name: str = "the model") ->
     while graphs:
         graph, where = graphs.pop()
         _check_value_infos(graph, where)
+        _check_single_assignment(graph.node, [v.name for v in graph.input], where)
         for node in graph.node:
             for subgraph in subgraphs(node):
                 graphs.append((subgraph, f"{name}: subgraph of node {shown(node.name)!r}"))
     for function in model.functions:
-        label = function_label(function_id(function))
-        for node in all_nodes(function.node):
-            for subgraph in subgraphs(node):
-                _check_value_infos(subgraph, f"{name}: function {label}: subgraph")
-        for value in function.value_info:
-            _check_dimensions(f"{name}: function {label} value", _declared_dims(value), value.name)
+        _check_function_body(function, name)
 
     functions: dict[FunctionId, onnx.FunctionProto] = {}
     for function in model.functions:
@@ -386,38 +417,84 @@ def _scalar(value: onnx.TensorProto | int | bool | None) -> int | None:
 
 
 def _check_loop_trips(model: onnx.ModelProto, name: str) -> None:
-    """Refuse a ``Loop`` that would run more than :data:`MAX_LOOP_TRIPS` iterations whatever its
-    inputs: a constant trip count, and a condition that cannot end it (absent or constant true at
-    entry, passed through unchanged or set to a constant true by the body)."""
+    """Refuse a ``Loop`` whose trip count is a constant above :data:`MAX_LOOP_TRIPS`
+    (``ONNX_MODULAR_MAX_LOOP_TRIPS`` raises it), whatever its condition: a condition computed at run
+    time may never turn false (2**62 trips hung verify, split, run_stages and profile). A trip count
+    decided at run time (computed, or none: torch's ``EmbeddingBag`` exports a ``while`` loop) cannot
+    be told here: unless it comes from tensor shapes only, the runs that follow in this context (the
+    command) get a time limit (:func:`loop_run_seconds`, ``ONNX_MODULAR_LOOP_SECONDS``) after which
+    onnxruntime is stopped."""
     nodes = [n for n in all_nodes([*model.graph.node, *(n for f in model.functions for n in f.node)]) if n.op_type == "Loop"]
     if not nodes:
         return
     limit = _limit(_TRIPS_VARIABLE, MAX_LOOP_TRIPS)
     constants = _constant_values(model)
+    producers: dict[str, onnx.NodeProto] = {}
+    for body in (model.graph.node, *(f.node for f in model.functions)):
+        producers.update({output: n for n in all_nodes(body) for output in n.output if output})
     for node in nodes:
-        trips = _scalar(constants.get(node.input[0])) if len(node.input) > 0 and node.input[0] else None
-        if trips is None or trips <= limit:
+        count = node.input[0] if len(node.input) > 0 else ""
+        trips = _scalar(constants.get(count)) if count else None
+        if trips is not None and trips <= limit:
             continue
-        start = node.input[1] if len(node.input) > 1 else ""
-        if start and _scalar(constants.get(start)) != 1:
-            continue  # a condition computed at run time may stop it
-        body = next((a.g for a in node.attribute if a.name == "body"), None)
-        if body is None or len(body.output) < 1:
-            continue
-        condition_in = body.input[1].name if len(body.input) > 1 else None
-        condition_out = body.output[0].name
-        inner = {n.output[0]: n for n in body.node if n.output}
-        producer = inner.get(condition_out)
-        while producer is not None and producer.op_type == "Identity" and producer.input:
-            condition_out = producer.input[0]
-            producer = inner.get(condition_out)
-        if condition_out != condition_in and _scalar(constants.get(condition_out)) != 1:
+        if trips is None:
+            if count in constants or (count and _from_shapes(count, producers, constants, limit)):
+                continue  # a constant not read here (external, values left out), or bounded by tensor sizes
+            _LOOP_SECONDS.set(_limit(LOOP_SECONDS_VARIABLE, LOOP_RUN_SECONDS))
             continue
         raise InvalidModelFileError(
-            f"{name}: the Loop {shown(node.name)!r} runs {trips} iterations (more than the limit of {limit}) and "
-            "nothing can stop it earlier; running it would not end in reasonable time or memory. If the model is "
-            f"genuine, raise the limit with the environment variable {_TRIPS_VARIABLE}={trips}."
+            f"{name}: the Loop {shown(node.name)!r} may run {trips} iterations (more than the limit of {limit}); running "
+            "it would not end in reasonable time or memory. If the model is genuine, raise the limit with the "
+            f"environment variable {_TRIPS_VARIABLE}={trips}."
         )
+
+
+def loop_run_seconds() -> int | None:
+    """The time limit of a run in this context once :func:`check_expanded_size` checked a model holding
+    a ``Loop`` whose trip count is decided at run time; ``None`` before."""
+    return _LOOP_SECONDS.get()
+
+
+#: Ops through which a trip count computed from tensor shapes stays bounded by those shapes.
+_SHAPE_ARITHMETIC = frozenset({
+    "Gather", "Squeeze", "Unsqueeze", "Cast", "Concat", "Slice", "Reshape", "Identity", "Min", "Max", "Add", "Sub",
+    "Mul", "Div", "Floor", "Ceil", "Abs", "ReduceMax", "ReduceMin", "ReduceSum", "ReduceProd", "Expand", "Flatten",
+})  # fmt: skip
+
+
+def _from_shapes(value: str, producers: Mapping[str, onnx.NodeProto], constants, limit: int) -> bool:
+    """Whether ``value`` is computed only from tensor shapes (``Shape``, ``Size``) and small constants
+    through shape arithmetic: a trip count bounded by the sizes of real tensors, not by their values."""
+    pending, seen = [value], set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if len(seen) > 256:
+            return False
+        if name in constants:
+            constant = constants[name]
+            if isinstance(constant, (int, bool)):
+                if abs(int(constant)) > limit:
+                    return False
+                continue
+            try:
+                array = onnx.numpy_helper.to_array(constant)
+            except Exception:
+                return False
+            if array.size > 64 or array.dtype.kind not in "iub" or (array.size and abs(array).max() > limit):
+                return False
+            continue
+        node = producers.get(name)
+        if node is None or node.domain not in ("", "ai.onnx"):
+            return False  # an input, or a value computed by anything else: decided by data
+        if node.op_type in ("Shape", "Size"):
+            continue
+        if node.op_type not in _SHAPE_ARITHMETIC:
+            return False
+        pending.extend(i for i in node.input if i)
+    return True
 
 
 def _check_known_opsets(model: onnx.ModelProto, name: str) -> None:

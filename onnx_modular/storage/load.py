@@ -420,9 +420,8 @@ def load_external_data(
                 files[location] = stack.enter_context(open_regular_file(root / location, f"{shown(location)} (external data of {name})"))
             fd = files[location]
             size = os.fstat(fd).st_size
-            offset = int(fields.get("offset") or 0)
-            length = fields.get("length")
-            end = size if length is None else offset + int(length)
+            _, offset, length = external_byte_range(tensor)
+            end = offset + length
             if end > size:
                 raise InvalidModelFileError(f"{name}: the external data {shown(location)!r} changed while being read.")
             tensor.raw_data = _read_range(fd, offset, end - offset, location, name)
@@ -461,6 +460,22 @@ def _read_range(fd: int, offset: int, length: int, location: str, name: str) -> 
     finally:
         view.release()
     return bytes(buffer)
+
+
+def external_byte_range(tensor: onnx.TensorProto) -> tuple[str, int, int]:
+    """``(location, offset, length)`` of an external tensor's bytes; without a ``length`` the
+    tensor's own size (its dims times its element size), never "to the end of the file": a data
+    file may hold trailing bytes, or be a sparse file far larger than the tensor."""
+    fields = _external_fields(tensor)
+    offset = int(fields.get("offset") or 0)
+    length = fields.get("length")
+    if length is None:
+        try:
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        except (KeyError, TypeError, ValueError):
+            itemsize = 0
+        return fields.get("location", ""), offset, numel(tensor.dims) * itemsize
+    return fields.get("location", ""), offset, int(length)
 
 
 _load_external_data = load_external_data  # the parameter of load_model_file shadows the name

@@ -127,3 +127,55 @@ def uses_external_data(model: onnx.ModelProto) -> bool:
 
 def numel(dims: Sequence[int]) -> int:
     return math.prod(int(d) for d in dims)
+
+
+def declare_function_types(model: onnx.ModelProto) -> list[str]:
+    """Give the local functions that declare no types of their values (no ``value_info``) the types
+    onnx's inference finds at their first call: each body is inferred as a graph whose inputs have
+    the types of that call's arguments (the model's other functions available to it), callers
+    first. Tools that read a body's declared types (``convert``) then see every function alike.
+    Functions that declare types, or that inference cannot type, are left as they are.
+
+    Returns:
+        The names of the functions given types.
+    """
+    import onnx.shape_inference
+
+    functions = {function_id(f): f for f in model.functions}
+    if not any(not f.value_info for f in functions.values()):
+        return []
+    done: set[FunctionId] = set()
+    typed: list[str] = []
+
+    def types_of(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
+        probe = onnx.helper.make_model(graph, opset_imports=list(model.opset_import), functions=list(model.functions))
+        probe.ir_version = model.ir_version
+        try:
+            inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=False).graph
+        except Exception:
+            return {}
+        known = {v.name: v.type for v in (*inferred.input, *inferred.output, *inferred.value_info)}
+        known.update({t.name: onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in inferred.initializer})
+        return known
+
+    def visit(nodes, known: dict[str, onnx.TypeProto]) -> None:
+        for node in nodes:
+            fid = node_id(node)
+            function = functions.get(fid)
+            if function is None or fid in done:
+                continue
+            done.add(fid)
+            if function.value_info or not all(value in known for value in node.input if value):
+                continue
+            inputs = [onnx.helper.make_value_info(formal, known[actual]) for formal, actual in zip(function.input, node.input) if actual]
+            body = onnx.helper.make_graph(list(function.node), "probe", inputs, [onnx.helper.make_value_info(o, onnx.TypeProto()) for o in function.output])
+            inner = types_of(body)
+            values = [onnx.helper.make_value_info(name, kind) for name, kind in inner.items()
+                      if kind.HasField("tensor_type") and kind.tensor_type.elem_type]  # fmt: skip
+            if values:
+                function.value_info.extend(values)
+                typed.append(function.name)
+            visit(function.node, inner)
+
+    visit(model.graph.node, types_of(model.graph))
+    return typed

@@ -36,12 +36,13 @@ import re
 import secrets
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import onnx
 import onnx_ir as ir
 
 from onnx_modular.errors import InvalidInputError, SaveError
+from onnx_modular.storage.guard import check_outputs
 from onnx_modular.storage.locks import (
     TEMP_PREFIX,
     destination_lock,
@@ -97,8 +98,11 @@ def _name_max(folder: pathlib.Path) -> int:
         return 255
 
 
-def check_destination(path: str | os.PathLike) -> pathlib.Path:
-    """Fail fast (before any export work) if ``path`` cannot be written."""
+def check_destination(path: str | os.PathLike, *, reads: Iterable[str | os.PathLike] = ()) -> pathlib.Path:
+    """Fail fast (before any export work) if ``path`` cannot be written, or if writing it would
+    destroy a file a model reads: the input (``reads``, and the files the running command declared
+    with :func:`~onnx_modular.storage.guard.reading`), its external data, or the external data of
+    another model in the destination's folder (:func:`~onnx_modular.storage.guard.check_outputs`)."""
     if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
         raise InvalidInputError(
             f"The output f must be a file path (str or os.PathLike), not {type(path).__name__}.",
@@ -136,6 +140,7 @@ def check_destination(path: str | os.PathLike) -> pathlib.Path:
             f"The output folder {_shown(parent)} is not writable.",
             hint="Choose a folder you can write to, or fix its permissions.",
         )
+    check_outputs([path], reads=reads)
     return path
 
 
@@ -435,20 +440,30 @@ def _move_without_replacing(source: pathlib.Path, target: pathlib.Path) -> None:
 
 
 class _Moved:
-    """One file of a set moved into place: its retired data files and journal, and the
-    previous model (a hard link in the temporary folder) to restore if a later file fails."""
+    """One file of a set moved into place: its retired data files and journal, whether its model
+    file moved yet, and the previous model (a hard link in the temporary folder) to restore if a
+    later file fails."""
 
-    def __init__(self, staging: Staging, retired: list[str], journal: pathlib.Path | None, backup: pathlib.Path | None):
-        self.staging, self.retired, self.journal, self.backup = staging, retired, journal, backup
+    def __init__(self, staging: Staging, retired: list[str], journal: pathlib.Path | None):
+        self.staging, self.retired, self.journal = staging, retired, journal
+        self.backup: pathlib.Path | None = None
+        self.model_moved = False
 
 
 def _commit_all(stagings: list[Staging]) -> None:
-    """Move every file of the set into place, then retire the previous data files; if a move
-    fails, the files already moved are restored first."""
+    """Move every data file of the set into place, then every model file, then retire the previous
+    data files; if a move fails, the files already moved are restored first.
+
+    Every data file goes in before any model: a model of the set may read another's data
+    (``decode.onnx`` reads ``prefill.onnx.data``), so a ``kill -9`` between two moves never leaves a
+    model pointing at a data file that is not there yet (the journal of each destination lists the
+    new data, so the next save there removes what no model reads)."""
     moved: list[_Moved] = []
     try:
         for staging in stagings:
-            moved.append(_move_in(staging, keep_previous=len(stagings) > 1))
+            moved.append(_move_data_in(staging))
+        for entry in moved:
+            _move_model_in(entry, keep_previous=len(stagings) > 1)
     except BaseException:
         for entry in reversed(moved):
             _restore(entry)
@@ -457,13 +472,10 @@ def _commit_all(stagings: list[Staging]) -> None:
         _retire(entry)
 
 
-def _move_in(staging: Staging, *, keep_previous: bool) -> _Moved:
-    """Data first, then the model: each step leaves a valid pair.
-
-    A journal lists the new data file and the previous model's data files (only those named
-    as this module names them) before anything moves, so the next save can finish a commit
-    that was killed half-way (:func:`_finish_interrupted_commit`).
-    """
+def _move_data_in(staging: Staging) -> _Moved:
+    """The data file of one staging, first: a journal lists the new data file and the previous
+    model's data files (only those named as this module names them) before anything moves, so the
+    next save can finish a commit that was killed half-way (:func:`_finish_interrupted_commit`)."""
     destination = staging.destination
     tmpdir, parent = staging.model_path.parent, _parent(destination)
     staged_data = tmpdir / staging.data_location
@@ -475,19 +487,26 @@ def _move_in(staging: Staging, *, keep_previous: bool) -> _Moved:
     retired = sorted(name for name in previous if name != staging.data_location and own.fullmatch(name))
     created = [staging.data_location] if staged_data is not None else []
     journal = _write_journal(destination, created + retired) if created or retired else None
+    entry = _Moved(staging, retired, journal)
     if staged_data is not None:
         _move_without_replacing(staged_data, parent / staging.data_location)
         _fsync(parent)
-    backup = None
+    return entry
+
+
+def _move_model_in(entry: _Moved, *, keep_previous: bool) -> None:
+    """Then the model file, in one rename (its previous version kept aside while the set commits)."""
+    staging = entry.staging
+    destination = staging.destination
     if keep_previous and os.path.lexists(destination):
-        backup = tmpdir / f".{secrets.token_hex(8)}.previous"
+        entry.backup = staging.model_path.parent / f".{secrets.token_hex(8)}.previous"
         try:
-            os.link(destination, backup)
+            os.link(destination, entry.backup)
         except OSError:
-            shutil.copy2(destination, backup)
+            shutil.copy2(destination, entry.backup)
     os.replace(staging.model_path, destination)
-    _fsync(parent)
-    return _Moved(staging, retired, journal, backup)
+    entry.model_moved = True
+    _fsync(_parent(destination))
 
 
 def _retire(entry: _Moved) -> None:
@@ -503,14 +522,15 @@ def _retire(entry: _Moved) -> None:
 
 
 def _restore(entry: _Moved) -> None:
-    """Undo one :func:`_move_in` (best effort): the previous model back (or the new one removed),
+    """Undo one commit's moves (best effort): the previous model back (or the new one removed),
     then the journal removes the new data file that no model refers to any more."""
     destination = entry.staging.destination
-    with contextlib.suppress(OSError):
-        if entry.backup is not None:
-            os.replace(entry.backup, destination)
-        else:
-            os.unlink(destination)
+    if entry.model_moved:
+        with contextlib.suppress(OSError):
+            if entry.backup is not None:
+                os.replace(entry.backup, destination)
+            else:
+                os.unlink(destination)
     with contextlib.suppress(OSError):
         _finish_interrupted_commit(destination)
         _fsync(_parent(destination))
@@ -562,6 +582,11 @@ def write_checked(
 
     SortFunctionsPass()(model)  # every file callee-first: readers that resolve functions in file order
     external = wants_external_data(model, external_data)
+    if not external:
+        # ir.save keeps a tensor still read from the source's data file as such a reference, relative
+        # to a folder it is not written to ("should be stored in .onnx_modular-tmp-.../m.onnx.data"):
+        # a model small enough to hold its weights reads them now.
+        ir.external_data.load_to_model(model)
     staged, destination = staging.model_path, staging.destination
     try:
         ir.save(

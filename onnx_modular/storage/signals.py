@@ -10,7 +10,32 @@ import signal
 import threading
 from collections.abc import Iterator
 
-__all__ = ["Terminated", "interrupt_on_sigterm", "signals_deferred"]
+__all__ = ["Terminated", "interrupt_on_sigterm", "signals_deferred", "quiet_interrupt_while_importing", "end_quiet_interrupt"]
+
+
+def _exit_interrupted(signum, frame):
+    os.write(2, b"interrupted\n")
+    os._exit(128 + signum)
+
+
+def quiet_interrupt_while_importing() -> None:
+    """For the command line only (``python -m onnx_modular``, ``onnx-modular``): Ctrl-C while the
+    libraries import (the first half second, before any file is touched) exits 130 with one line,
+    not an import traceback. :func:`end_quiet_interrupt` (the CLI's ``main``) gives SIGINT back to
+    Python's ``KeyboardInterrupt``, which every cleanup relies on."""
+    import sys
+
+    argv = list(getattr(sys, "orig_argv", []))
+    as_module = any(a == "-m" and b == "onnx_modular" for a, b in zip(argv, argv[1:]))
+    as_script = len(argv) > 1 and os.path.basename(argv[1]) == "onnx-modular" or bool(argv) and os.path.basename(argv[0]) == "onnx-modular"
+    if (as_module or as_script) and threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _exit_interrupted)
+
+
+def end_quiet_interrupt() -> None:
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is _exit_interrupted:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class Terminated(KeyboardInterrupt):
