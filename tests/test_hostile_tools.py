@@ -395,9 +395,9 @@ def test_split_bounds_the_values_crossing_its_cuts(tmp_path, monkeypatch):
     model.ir_version = 10
     onnx.save(model, str(tmp_path / "m.onnx"))
     monkeypatch.setenv("ONNX_MODULAR_MAX_TEST_DATA_BYTES", "1000")
-    code, _, err = run_cli("split", "m.onnx", "-o", "s", "--stages", "2", cwd=tmp_path)
+    code, _, err = run_cli("split", "m.onnx", "-o", "s", "--at", "/red", cwd=tmp_path)
     assert code == 2 and "ONNX_MODULAR_MAX_TEST_DATA_BYTES" in err and "16,392" in err, err
     assert not (tmp_path / "s").exists()
     monkeypatch.delenv("ONNX_MODULAR_MAX_TEST_DATA_BYTES")
-    code, _, err = run_cli("split", "m.onnx", "-o", "s", "--stages", "2", cwd=tmp_path)
+    code, _, err = run_cli("split", "m.onnx", "-o", "s", "--at", "/red", cwd=tmp_path)
     assert code == 0, err
