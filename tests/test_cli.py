@@ -102,7 +102,7 @@ def find_call(tree: dict, function: str) -> dict:
 def exported(tmp_path_factory):
     """The demo GPT-2, exported once through the CLI with --json (rc, stdout, stderr, path)."""
     path = tmp_path_factory.mktemp("export") / "gpt2.onnx"
-    code, out, err = run_cli("export", "onnx_modular.hf.demo:gpt2", "-o", path, "--json")
+    code, out, err = run_cli("export", "onnx_modular.hf.demo:gpt2", "-o", path, "--json", "-")
     return code, out, err, path
 
 
@@ -311,7 +311,7 @@ def test_export_factory_from_file(tmp_path):
         "    return {'model': Tiny().eval(), 'args': (torch.randn(4, 3),)}\n"
     )
     output = tmp_path / "tiny.onnx"
-    code, out, err = run_cli("export", f"{factory}:build", "-o", output, "--json")
+    code, out, err = run_cli("export", f"{factory}:build", "-o", output, "--json", "-")
     assert code == 0, err
     tree = json.loads(out)["tree"]
     assert [(c["name"], c["function"], c["parameters"]) for c in tree["children"]] == [("fc", "Linear", 8)]
@@ -381,7 +381,7 @@ def test_tree_depth_and_class_filter(gpt2):
     assert paths == ["h.0", "h.0.mlp", "h.1", "h.1.mlp"]  # matches plus their ancestors
 
     # A class name matches every function of that class (Conv1D, Conv1D_2, ...), through metadata.
-    code, out, _ = run_cli("tree", gpt2, "--class", "Conv1D", "--json")
+    code, out, _ = run_cli("tree", gpt2, "--class", "Conv1D", "--json", "-")
     tree = json.loads(out)
     leaves = [c for block in tree["children"] for sub in block["children"] for c in sub["children"]]
     assert {c["function"] for c in leaves} == {"Conv1D", "Conv1D_2", "Conv1D_3", "Conv1D_4"}
@@ -393,7 +393,7 @@ def test_tree_depth_and_class_filter(gpt2):
 
 def test_tree_json_structure(gpt2):
     model = onnx.load(gpt2, load_external_data=False)
-    code, out, _ = run_cli("tree", gpt2, "--json")
+    code, out, _ = run_cli("tree", gpt2, "--json", "-")
     assert code == 0
     tree = json.loads(out)
     assert tree["function"] is None
@@ -419,14 +419,14 @@ def test_tree_json_structure(gpt2):
     assert dropouts[0]["path"] == "drop"
     assert find_call(tree, "LayerNorm")["calls"] == 5
 
-    code, out, _ = run_cli("tree", gpt2, "--json", "--depth", "1")
+    code, out, _ = run_cli("tree", gpt2, "--json", "-", "--depth", "1")
     assert all(child["children"] == [] for child in json.loads(out)["children"])
 
 
 def test_tree_follows_if_branches_and_formal_inputs(tmp_path):
     path = tmp_path / "if.onnx"
     onnx.save(if_model(), path)
-    code, out, err = run_cli("tree", path, "--json")
+    code, out, err = run_cli("tree", path, "--json", "-")
     assert code == 0, err
     tree = json.loads(out)
     # Subgraphs in attribute order (onnx.helper sorts attributes: else_branch, then_branch).
@@ -537,7 +537,7 @@ def test_verify_passes_on_random_inputs(gpt2):
     code, out, err = run_cli("verify", gpt2, "--seed", "3")
     assert code == 0, err
     assert "inputs: input_ids[2, 8] (random, seed 3)" in out and "PASS" in out
-    code, out, _ = run_cli("verify", gpt2, "--json")
+    code, out, _ = run_cli("verify", gpt2, "--json", "-")
     report = json.loads(out)
     assert code == 0 and report["ok"] is True
     assert report["inputs"] == {"input_ids": {"shape": [2, 8], "dtype": "int64"}}
@@ -547,7 +547,7 @@ def test_verify_passes_on_random_inputs(gpt2):
 def test_verify_exits_1_when_modular_and_inlined_differ(tmp_path):
     path = tmp_path / "noisy.onnx"
     onnx.save(noisy_model(), path)
-    code, out, err = run_cli("verify", path, "--dim", "batch=3", "--json")
+    code, out, err = run_cli("verify", path, "--dim", "batch=3", "--json", "-")
     assert code == 1
     report = json.loads(out)
     assert report["ok"] is False and report["inputs"]["X"]["shape"] == [3, 4]
@@ -578,7 +578,7 @@ def test_verify_against_expected_outputs(gpt2, tmp_path):
     weight.CopyFrom(onnx.numpy_helper.from_array(values, weight.name))
     corrupted = tmp_path / "corrupted.onnx"
     onnx.save(proto, corrupted)
-    code, out, err = run_cli("verify", corrupted, "--inputs", inputs, "--expected", expected, "--json")
+    code, out, err = run_cli("verify", corrupted, "--inputs", inputs, "--expected", expected, "--json", "-")
     assert code == 1
     (result,) = json.loads(out)["outputs"]
     assert result["modular_vs_flat_max_abs"] == 0.0 and result["modular_max_abs"] > 0.01 and result["ok"] is False
@@ -679,7 +679,7 @@ def test_usage_errors_exit_2():
 def test_python_dash_m(gpt2, bad_files):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(
-        [sys.executable, "-m", "onnx_modular", "tree", str(gpt2), "--json", "--class", "GPT2Block"],
+        [sys.executable, "-m", "onnx_modular", "tree", str(gpt2), "--json", "-", "--class", "GPT2Block"],
         capture_output=True,
         text=True,
         timeout=120,

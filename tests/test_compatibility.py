@@ -216,7 +216,7 @@ def test_atomic_writes_puts_back_the_first_file_when_the_second_cannot_be_moved(
 def test_cli_flat_file_writes_and_reports_both_files(tmp_path, capsys):
     from onnx_modular.cli import main
 
-    code = main(["export", "models:resnet", "-o", str(tmp_path / "r.onnx"), "--flat-file", "--json"])
+    code = main(["export", "models:resnet", "-o", str(tmp_path / "r.onnx"), "--flat-file", "--json", "-"])
     summary = json.loads(capsys.readouterr().out)
     assert code == 0 and summary["ok"]
     assert summary["flat_path"] == str(tmp_path / "r.flat.onnx") and summary["flat_report"]["ok"]

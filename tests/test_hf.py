@@ -306,7 +306,7 @@ def test_cli_image_classification_static(checkpoints, tmp_path):
 )
 def test_cli_tasks_dynamic(checkpoints, tmp_path, checkpoint, task, functions):
     out = tmp_path / "m.onnx"
-    assert main(["export", str(checkpoints[checkpoint]), "--task", task, "-o", str(out), "--json"]) == 0
+    assert main(["export", str(checkpoints[checkpoint]), "--task", task, "-o", str(out), "--json", "-"]) == 0
     saved = onnx.load(str(out))
     _assert_modular(saved, functions)
     # Other batch and sequence sizes than the export's, against PyTorch.

@@ -100,7 +100,7 @@ def test_checkpoint_flat_file_is_reported(f32_folder, tmp_path, capsys):
     assert "Flat copy: Parity against PyTorch" in printed
     assert f"Wrote {flat} (" in printed and "every call inlined, optimized" in printed
     out2 = tmp_path / "j.onnx"
-    assert main(["export", str(f32_folder), "--task", "causal-lm", "-o", str(out2), "--flat-file", "--json"]) == 0
+    assert main(["export", str(f32_folder), "--task", "causal-lm", "-o", str(out2), "--flat-file", "--json", "-"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["flat_path"] == str(tmp_path / "j.flat.onnx") and report["flat_report"]["ok"] is True
     assert [o["name"] for o in report["flat_report"]["outputs"]] == ["logits"]

@@ -181,7 +181,7 @@ _NO_TORCH = textwrap.dedent(
 def test_file_tools_work_without_torch(qwen2, tmp_path):
     _, _, _, path = qwen2
     flat = tmp_path / "flat.onnx"
-    for argv in (["tree", path, "--depth", "2"], ["inline", path, flat], ["verify", path], ["verify", flat, "--json"]):
+    for argv in (["tree", path, "--depth", "2"], ["inline", path, flat], ["verify", path], ["verify", flat, "--json", "-"]):
         completed = subprocess.run(
             [sys.executable, "-c", _NO_TORCH, *map(str, argv)], capture_output=True, text=True, timeout=300
         )

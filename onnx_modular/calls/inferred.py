@@ -43,7 +43,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_modular.calls import inferred_order
-from onnx_modular.format import metadata
+from onnx_modular.format import metadata, records
 from onnx_modular.format.calltree import CallTree, ModuleCall
 
 __all__ = [
@@ -111,9 +111,9 @@ class Inference:
     """
 
     tree: CallTree
-    keys: dict[ir.Node, tuple[str, ...]]
-    regions: list[Region]
-    skeleton: int
+    keys: dict[ir.Node, tuple[str, ...]] = dataclasses.field(metadata=records.NOT_RECORDED)
+    regions: list[Region] = dataclasses.field(default_factory=list)
+    skeleton: int = 0
 
     @property
     def covered(self) -> int:

@@ -38,7 +38,15 @@ import traceback
 from collections.abc import Sequence
 
 from onnx_modular.cli.commands import run_diff, run_export, run_inline, run_verify
-from onnx_modular.cli.output import EXIT_INTERNAL, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, Mismatch, stderr
+from onnx_modular.cli.output import (
+    EXIT_INTERNAL,
+    EXIT_MISMATCH,
+    EXIT_OK,
+    EXIT_USAGE,
+    Mismatch,
+    check_json_destination,
+    stderr,
+)
 from onnx_modular.cli.parser import build_parser
 from onnx_modular.errors import OnnxModularError, ParityError
 from onnx_modular.storage.guard import reading
@@ -89,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with signals_deferred():  # handled once the imports are done: exit 143, no abort
                 _import_what_runs(args)
             with reading(_inputs_of(args)):  # every write of the command refuses these (storage/guard.py)
+                check_json_destination(getattr(args, "json", None))  # before the command's work
                 return args.run(args)
     except Mismatch as e:
         stderr(f"error: {e}")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from onnx_modular.check.parity import user_tolerance
-from onnx_modular.cli.output import EXIT_MISMATCH, EXIT_OK, Mismatch, print_json, stderr, stdout
+from onnx_modular.cli.output import EXIT_MISMATCH, EXIT_OK, Mismatch, emit_json, stderr, stdout
 from onnx_modular.cli.progress import EXPORT_STAGES, Progress
 from onnx_modular.errors import InvalidInputError, ParityError
 from onnx_modular.files import function_tree, inline_file, load_model_file, random_inputs
@@ -178,27 +178,27 @@ def run_export(args: argparse.Namespace) -> int:
         raise
     stderr(f"  {'total':<11} {time.perf_counter() - started:7.2f}s")
     tree = result.hierarchy
-    if args.json:
-        print_json(
-            {
-                "path": str(args.output),
-                "ok": True if result.report is None else result.report.ok,
-                "timings": result.timings,
-                "capture_strategy": result.capture_strategy,
-                "report": None if result.report is None else result.report.to_dict(),
-                "flat_path": None if result.flat_path is None else str(result.flat_path),
-                "flat_report": None if result.flat_report is None else result.flat_report.to_dict(),
-                "tree": tree.to_dict(),
-            }
-        )
-    else:
-        if result.report is not None:
-            stdout(result.blocks if result.blocks is not None else result.report)
-        size = stored_bytes(args.output)  # the .data file included
-        stdout(f"Wrote {args.output} ({size / 1e6:.1f} MB): {result.summary().splitlines()[0]}")
-        if result.flat_path is not None:
-            _print_flat(result.flat_path, result.flat_report)
-        _print_tree(args, tree, args.output)
+    if emit_json(
+        args.json,
+        {
+            "path": str(args.output),
+            "ok": True if result.report is None else result.report.ok,
+            "timings": result.timings,
+            "capture_strategy": result.capture_strategy,
+            "report": None if result.report is None else result.report.to_dict(),
+            "flat_path": None if result.flat_path is None else str(result.flat_path),
+            "flat_report": None if result.flat_report is None else result.flat_report.to_dict(),
+            "tree": tree.to_dict(),
+        },
+    ):
+        return EXIT_OK
+    if result.report is not None:
+        stdout(result.blocks if result.blocks is not None else result.report)
+    size = stored_bytes(args.output)  # the .data file included
+    stdout(f"Wrote {args.output} ({size / 1e6:.1f} MB): {result.summary().splitlines()[0]}")
+    if result.flat_path is not None:
+        _print_flat(result.flat_path, result.flat_report)
+    _print_tree(args, tree, args.output)
     return EXIT_OK
 
 
@@ -210,18 +210,15 @@ def _print_flat(path: pathlib.Path, report) -> None:
 
 
 def _report_mismatch(args: argparse.Namespace, error: ParityError, reports: dict) -> None:
-    if args.json:
-        kept = args.output if args.keep_on_mismatch and error.result is not None else None
-        first = next(iter(reports.values()), None)
-        print_json(
-            {
-                "path": kept,
-                "ok": False,
-                "report": None if first is None else first.to_dict(),
-                "reports": {name: report.to_dict() for name, report in reports.items()},
-            }
-        )
-    else:
+    kept = args.output if args.keep_on_mismatch and error.result is not None else None
+    first = next(iter(reports.values()), None)
+    data = {
+        "path": kept,
+        "ok": False,
+        "report": None if first is None else first.to_dict(),
+        "reports": {name: report.to_dict() for name, report in reports.items()},
+    }
+    if not emit_json(args.json, data):
         for report in reports.values():
             stdout(report)
 
@@ -265,23 +262,23 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
     output = pathlib.Path(args.output)
     files = [output] if output.suffix == ".onnx" else [output / f"{name}.onnx" for name in exported.components]
     flat = modular_result(exported) if output.suffix == ".onnx" and args.flat_file else None
-    if args.json:
-        print_json(
-            {
-                "path": str(output),
-                "ok": all(report.ok for report in reports.values()),
-                "flat_path": None if flat is None or flat.flat_path is None else str(flat.flat_path),
-                "flat_report": None if flat is None or flat.flat_report is None else flat.flat_report.to_dict(),
-                "components": {
-                    name: {
-                        "file": str(file),
-                        "report": reports[name].to_dict() if name in reports else None,
-                        "tree": function_tree(load_model_file(file, values=False)).to_dict(),
-                    }
-                    for name, file in zip(exported.components, files)
-                },
-            }
-        )
+    if emit_json(
+        args.json,
+        {
+            "path": str(output),
+            "ok": all(report.ok for report in reports.values()),
+            "flat_path": None if flat is None or flat.flat_path is None else str(flat.flat_path),
+            "flat_report": None if flat is None or flat.flat_report is None else flat.flat_report.to_dict(),
+            "components": {
+                name: {
+                    "file": str(file),
+                    "report": reports[name].to_dict() if name in reports else None,
+                    "tree": function_tree(load_model_file(file, values=False)).to_dict(),
+                }
+                for name, file in zip(exported.components, files)
+            },
+        },
+    ):
         return EXIT_OK
     written: set[str] = set()  # data files already counted: decode reads prefill's (one copy of shared weights)
     for name, file in zip(exported.components, files):
@@ -311,9 +308,7 @@ def run_tree(args: argparse.Namespace) -> int:
     model = load_model_file(args.model, values=False)  # names and shapes: the weights are not parsed
     tree = function_tree(model)
     depth = args.depth or None  # 0 = all, as for export --depth
-    if args.json:
-        print_json(tree.filtered(depth, args.class_name).to_dict())
-    else:
+    if not emit_json(args.json, tree.filtered(depth, args.class_name)):
         stdout(tree.format(max_depth=depth, class_filter=args.class_name))
     return EXIT_OK
 
@@ -322,6 +317,10 @@ def run_inline(args: argparse.Namespace) -> int:
     source = load_model_file(args.model)
     flat = inline_file(args.model, args.output, only=args.only, optimize=args.optimize, opset_version=args.opset)
     inlined = len(source.functions) - len(flat.functions)
+    data = {"path": str(args.model), "output": str(args.output), "nodes": len(flat.graph.node),
+            "functions_left": len(flat.functions), "functions_inlined": inlined}
+    if emit_json(args.json, data):
+        return EXIT_OK
     stdout(
         f"Wrote {args.output}: {len(flat.graph.node)} nodes in the main graph, "
         f"{len(flat.functions)} local functions left ({inlined} inlined)"
@@ -363,15 +362,12 @@ def run_verify(args: argparse.Namespace) -> int:
         feeds = random_inputs(model, dims=dims, seed=args.seed)
     expected = load_arrays(args.expected, "--expected") if args.expected else None
     report = check_file(args.model, feeds, expected=expected, tolerance=tolerance)
-    if args.json:
-        print_json(
-            {
-                "path": str(args.model),
-                "inputs": {name: {"shape": list(a.shape), "dtype": str(a.dtype)} for name, a in feeds.items()},
-                **report.to_dict(),
-            }
-        )
-    else:
+    data = {
+        "path": str(args.model),
+        "inputs": {name: {"shape": list(a.shape), "dtype": str(a.dtype)} for name, a in feeds.items()},
+        **report.to_dict(),
+    }
+    if not emit_json(args.json, data):
         shapes = ", ".join(f"{name}{list(a.shape)}" for name, a in feeds.items())
         stdout(f"inputs: {shapes or '(none)'}" + ("" if args.inputs else f" (random, seed {args.seed})"))
         stdout(report)
@@ -435,6 +431,8 @@ def run_extract(args: argparse.Namespace) -> int:
     if args.inputs and not args.with_data:
         raise InvalidInputError("--inputs gives the whole model's inputs for the test data: add --with-data.")
     result = extract(args.model, args.call, args.output, with_data=args.with_data, inputs=_npz_feeds(args))
+    if emit_json(args.json, result):
+        return EXIT_OK
     stdout(f"Wrote {len(result.models)} model(s) into {args.output}")
     stdout(result)  # call paths and output names come from the file: escaped
     return EXIT_OK
@@ -449,7 +447,8 @@ def run_split(args: argparse.Namespace) -> int:
             args.model, args.output, stages=args.stages, at=args.at, balance=args.balance, inputs=_npz_feeds(args),
             with_data=not args.no_data,
         )
-    print(result)
+    if not emit_json(args.json, result):
+        stdout(result)  # stage, call and tensor names come from the file: escaped
     return EXIT_OK
 
 
@@ -465,6 +464,9 @@ def run_generate(args: argparse.Namespace) -> int:
     if len({len(row) for row in rows}) != 1 or not rows[0]:
         raise InvalidInputError("Every --input-ids needs the same number of tokens (one or more).", hint="--input-ids 1,2,3 --input-ids 4,5,6")
     tokens = generate(args.model, rows, max_new_tokens=args.max_new_tokens)
+    data = [{"prompt": ids, "new": [int(t) for t in row[len(ids):]]} for row, ids in zip(tokens, rows)]
+    if emit_json(args.json, data):
+        return EXIT_OK
     for row, ids in zip(tokens, rows):
         stdout(f"prompt {','.join(map(str, ids))} -> new {','.join(str(int(t)) for t in row[len(ids):])}")
     return EXIT_OK
@@ -473,7 +475,9 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_replace(args: argparse.Namespace) -> int:
     from onnx_modular.files.replace import replace
 
-    stdout(replace(args.model, args.target, args.block, args.output, inputs=_npz_feeds(args)))  # names escaped
+    result = replace(args.model, args.target, args.block, args.output, inputs=_npz_feeds(args))
+    if not emit_json(args.json, result):
+        stdout(result)  # names escaped
     return EXIT_OK
 
 
@@ -521,12 +525,8 @@ def run_convert(args: argparse.Namespace) -> int:
         block_size=args.block_size, symmetric=args.symmetric, accuracy_level=args.accuracy_level,
         auto_keep=args.auto_keep, inputs=args.inputs, verify=not args.no_verify,
     )
-    if args.json == "-":
-        print_json(result.to_dict())
-        return EXIT_OK
-    if args.json:
-        save.write_text(args.json, result.to_json())
-    stdout(str(result))
+    if not emit_json(args.json, result):
+        stdout(str(result))
     return EXIT_OK
 
 
@@ -534,15 +534,11 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_optimize(args: argparse.Namespace) -> int:
-    from onnx_modular.files.optimize import optimize, report_json
+    from onnx_modular.files.optimize import optimize
 
     report = optimize(args.model, args.output, verify=not args.no_verify, max_positions=args.max_positions)
-    if args.json == "-":
-        print_json(report.to_dict())
-        return EXIT_OK
-    if args.json:
-        save.write_text(args.json, report_json(report))
-    stdout(report.text())
+    if not emit_json(args.json, report):
+        stdout(report.text())
     return EXIT_OK
 
 
@@ -554,15 +550,18 @@ def run_modularize(args: argparse.Namespace) -> int:
 
     if args.depth is not None and args.classes:
         raise InvalidInputError("--depth and --classes both choose the calls to outline: give one of them.")
-    modules = args.depth if args.depth is not None else (args.classes or "all")
+    # --depth as for tree: 0 = every call, N = calls down to depth N (1: the root's children)
+    modules = args.depth if args.depth else (args.classes or "all")
     if args.inputs and args.no_verify:
         raise InvalidInputError("--inputs are the inputs of the comparison with the flat file: drop --no-verify.")
     output_names = args.output_names.split(",") if args.output_names is not None else None
-    print(modularize(
+    report = modularize(
         args.model, args.output, dedupe=not args.no_dedupe, modules=modules, inputs=_npz_feeds(args), verify=not args.no_verify,
         infer=args.infer,
         output_names=output_names,
-    ))
+    )
+    if not emit_json(args.json, report):
+        stdout(report)  # call paths and classes come from the file: escaped
     return EXIT_OK
 
 

@@ -6,11 +6,10 @@ cannot drive the terminal.
 
 from __future__ import annotations
 
-import json
-import math
 import sys
 from typing import Any
 
+from onnx_modular.format import records
 from onnx_modular.format.text import shown
 
 EXIT_OK = 0
@@ -37,17 +36,30 @@ def stdout(text: Any) -> None:
     print(safe(text))
 
 
-def _json_safe(value: Any) -> Any:
-    """Infinities and NaNs (e.g. the difference of mismatched shapes) as strings: strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
-    return value
-
-
 def print_json(data: Any) -> None:
-    print(json.dumps(_json_safe(data), indent=2, allow_nan=False))
+    """``data`` (a report, a dict) as JSON on stdout: the package's one encoder (:mod:`format.records`)."""
+    print(records.to_json(data))
 
+
+def emit_json(destination: str | None, data: Any) -> bool:
+    """``--json PATH|-``, the same for every command: ``-`` prints the report as JSON instead of
+    the text (returns ``True``: print nothing else), a path gets it written (through the checked
+    writer) beside the text. ``None``: no JSON asked for."""
+    if destination is None:
+        return False
+    if destination == "-":
+        print_json(data)
+        return True
+    from onnx_modular.storage import save
+
+    save.write_text(destination, records.to_json(data) + "\n")
+    stderr(f"Wrote {destination}")
+    return False
+
+
+def check_json_destination(destination: str | None, reads=()) -> None:
+    """A ``--json`` path that cannot be written fails before the command's work."""
+    if destination is not None and destination != "-":
+        from onnx_modular.storage import save
+
+        save.check_destination(destination, reads=reads)

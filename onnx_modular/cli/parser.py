@@ -8,6 +8,14 @@ import argparse
 from onnx_modular.cli import commands as handlers
 
 
+def _json_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--json PATH|-``, the same for every command but ``view`` (docs/cli.md, "JSON")."""
+    parser.add_argument(
+        "--json", default=None, metavar="PATH",
+        help=f"write {what} as JSON to PATH ('-': print it on stdout instead of the text)",
+    )
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -119,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="depth of the printed tree (default 2; 0 = all); --json always has the whole tree",
     )
-    export.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    _json_option(export, "the summary (paths, parity report, tree)")
     export.set_defaults(run=handlers.run_export)
 
     tree = commands.add_parser(
@@ -141,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="keep calls whose function or class matches NAME (a glob such as 'GPT2*'), and their ancestors",
     )
-    tree.add_argument("--json", action="store_true", help="print the tree as JSON")
+    _json_option(tree, "the tree")
     tree.set_defaults(run=handlers.run_tree)
 
     inline = commands.add_parser(
@@ -169,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     inline.add_argument(
         "--opset", type=int, default=None, metavar="N", help="convert the copy to this opset, body by body (17 and up)"
     )
+    _json_option(inline, "what was inlined")
     inline.set_defaults(run=handlers.run_inline)
 
     verify = commands.add_parser(
@@ -197,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--rtol", type=float, default=None, help="relative tolerance (default: per output dtype, float32 1e-3)"
     )
-    verify.add_argument("--json", action="store_true", help="print the report as JSON")
+    _json_option(verify, "the report")
     verify.set_defaults(run=handlers.run_verify)
 
     prof = commands.add_parser(
@@ -224,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="onnxruntime graph optimization level (default all, as onnxruntime)")
     prof.add_argument("--depth", type=_positive, default=None, metavar="N", help="show calls down to depth N")
     prof.add_argument("--top", type=_positive, default=10, metavar="N", help="slowest calls by self time to list (default 10)")
-    prof.add_argument("--json", default=None, metavar="PATH", help="write the profile as JSON ('-': print it instead of the tree)")
+    _json_option(prof, "the profile")
     prof.add_argument("--trace", default=None, metavar="PATH", help="write a Chrome trace (Perfetto, speedscope)")
     prof.add_argument("--html", default=None, metavar="PATH", help="write a self-contained HTML page with a flame chart")
     prof.set_defaults(run=handlers.run_profile)
@@ -250,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument(
         "--inputs", default=None, metavar="FILE.npz", help="the whole model's inputs for --with-data (default: random, seed 0)"
     )
+    _json_option(extract, "what was written (models, calls, test data)")
     extract.set_defaults(run=handlers.run_extract)
 
     split = commands.add_parser(
@@ -280,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-data", action="store_true",
         help="no test data and no check of the stages: the whole model is not run (for a model onnxruntime cannot hold)",
     )
+    _json_option(split, "the stages")
     split.set_defaults(run=handlers.run_split)
 
     replace = commands.add_parser(
@@ -297,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     replace.add_argument(
         "--inputs", default=None, metavar="FILE.npz", help="inputs of the comparison with the original (default: random, seed 0)"
     )
+    _json_option(replace, "the replacement and its drift")
     replace.set_defaults(run=handlers.run_replace)
 
     compare = commands.add_parser(
@@ -322,8 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--depth", type=_positive, default=None, metavar="N", help="show calls down to depth N")
     compare.add_argument("--top", type=_positive, default=10, metavar="N",
                          help="calls listed where the drift is made (default 10)")
-    compare.add_argument("--json", default=None, metavar="PATH",
-                         help="write the call records as JSON ('-': print them instead of the tree)")
+    _json_option(compare, "the call records")
     compare.add_argument("--html", default=None, metavar="PATH", help="write a self-contained HTML page (the trees side by side)")
     compare.set_defaults(run=handlers.run_diff)
 
@@ -351,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the classes that move the outputs most in float32 until every output's drift (max abs difference / range) is <= TOL",
     )
     conv.add_argument("--inputs", default=None, metavar="FILE.npz", help="inputs of the comparison (default: random, seed 0)")
-    conv.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-': print it instead)")
+    _json_option(conv, "the report")
     conv.add_argument("--no-verify", action="store_true",
                       help="run nothing in onnxruntime (no drift report): for files larger than memory")
     conv.set_defaults(run=handlers.run_convert)
@@ -369,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("-o", "--output", required=True, metavar="NEW.onnx", help="the file to write")
     opt.add_argument("--max-positions", type=_positive, default=None, metavar="N",
                      help="rows of the rotary caches: the longest sequence the file will run (default 4096)")
-    opt.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-': print it instead)")
+    _json_option(opt, "the report")
     opt.add_argument("--no-verify", action="store_true", help="write the rewrite without running it in onnxruntime")
     opt.set_defaults(run=handlers.run_optimize)
 
@@ -385,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     modular.add_argument("model", help="the flat .onnx file")
     modular.add_argument("-o", "--output", required=True, metavar="M.onnx", help="the modular file to write")
     modular.add_argument("--depth", type=_positive, default=None, metavar="D",
-                         help="outline calls down to depth D only (1: the root's children)")
+                         help="outline calls down to depth D only (1: the root's children; 0 = all, as for tree --depth)")
     modular.add_argument("--classes", nargs="+", default=None, metavar="NAME",
                          help="outline only calls of these classes (names or globs: GPT2Block '*Attention')")
     modular.add_argument("--no-dedupe", action="store_true", help="one function per call, even for identical calls")
@@ -401,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     modular.add_argument("--infer", choices=("auto", "always", "never"), default="auto",
                          help="infer calls from repeated blocks where the file records no scopes (auto), "
                          "even where it does (always), or never (docs/modularize.md)")
+    _json_option(modular, "the report")
     modular.set_defaults(run=handlers.run_modularize)
 
     view = commands.add_parser(
@@ -436,5 +448,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="the prompt's token ids, comma-separated (1,306,4966); repeat for a batch of equal lengths",
     )
     gen.add_argument("--max-new-tokens", type=_positive, default=20, metavar="N", help="tokens to add (default 20)")
+    _json_option(gen, "the token ids")
     gen.set_defaults(run=handlers.run_generate)
     return parser

@@ -403,8 +403,3 @@ def _write(model: ir.Model, destination: pathlib.Path) -> None:
         sessions.session(str(staging.model_path), what="the optimized file")
 
 
-def report_json(report: OptimizeReport) -> str:
-    """The report as JSON (``--json``)."""
-    return json.dumps(report.to_dict(), indent=2)
-
-

@@ -8,7 +8,6 @@ what it returns (numbers, grouping, JSON, the tree text, the trace and the flame
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 import statistics
@@ -16,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from onnx_modular.errors import InvalidInputError
+from onnx_modular.format import records
 from onnx_modular.format.calltree import CallTree, ModuleCall
 from onnx_modular.storage import save as _save
 
@@ -372,7 +372,7 @@ class ProfileReport:
         }
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+        return records.to_json(self.to_dict(), indent=indent)
 
     def chrome_trace(self) -> dict[str, Any]:
         """A Chrome trace (Perfetto, speedscope, chrome://tracing): each run, the module calls
