@@ -54,7 +54,7 @@ _LAZY = {
     "diff": "onnx_modular.files.diff",
     "ModelDiff": "onnx_modular.files.diff",
     "split": "onnx_modular.files.split",
-    "run_stages": "onnx_modular.files.split",
+    "run_stages": "onnx_modular.files.stages",
     "convert": "onnx_modular.files.convert",
     "Conversion": "onnx_modular.files.convert",
     "modularize": "onnx_modular.files.modularize",

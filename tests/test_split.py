@@ -312,7 +312,7 @@ def test_cli_split(t5_file, tmp_path):
 def test_partition_is_the_best_linear_partition():
     import itertools
 
-    from onnx_modular.files.split import _partition
+    from onnx_modular.files.split_plan import _partition
 
     rng = np.random.default_rng(0)
     for _ in range(20):
