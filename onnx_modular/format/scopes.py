@@ -12,7 +12,10 @@ A node of a flat export records the module calls it ran under in one of three fo
 The readers take a node's metadata (a mapping: ``onnx_ir``'s ``node.metadata_props``, or
 :func:`onnx_modular.format.metadata.props` of a ``NodeProto``) or its name, and never raise on
 what a file holds: unreadable metadata reads as none. Used by ``modularize`` (the call tree of
-a flat file) and ``diff`` (the modules enclosing a flat copy's node). No torch.
+a flat file: :func:`torch_scopes`, :func:`namespace_scopes`, :func:`name_scopes`), ``diff`` (the
+modules enclosing a flat copy's node: :func:`enclosing_modules`) and ``tree``/``profile`` on a flat
+copy (its modules' classes: :func:`namespace_classes`). The lenient readers keep the behaviour
+their tools had; each says how it differs. No torch.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ __all__ = [
     "namespace_scopes",
     "name_scopes",
     "enclosing_modules",
+    "namespace_classes",
 ]
 
 #: A node's scopes: ((module path, qualified class or ""), ...), outermost first, root excluded.
@@ -148,3 +152,18 @@ def enclosing_modules(props: Mapping[str, str], path: str) -> list[tuple[str, st
         for index, scope in enumerate(paths[1:-1], 1)
         if isinstance(scope, str) and path.startswith(scope + ".")
     ]
+
+
+def namespace_classes(namespace: str) -> dict[str, str]:
+    """torch's ``namespace`` (``: GPT2Model/h.1: GPT2Block/h.1.attn: GPT2Attention/...``) -> {path: class}.
+
+    Every ``path: class`` segment counts, the root's (``""``) and the FX node's included, and a
+    malformed segment is skipped (:func:`namespace_scopes` refuses the whole chain instead): the
+    classes of a flat copy's modules (:func:`onnx_modular.calls.tree.module_path_tree`).
+    """
+    classes = {}
+    for scope in namespace.split("/"):
+        path, sep, cls = scope.partition(": ")
+        if sep:
+            classes[path] = cls
+    return classes
