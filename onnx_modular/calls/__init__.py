@@ -5,6 +5,9 @@
   its own; a call's values exposed as outputs of the main graph;
 * :mod:`~onnx_modular.calls.capture`: every call's outputs (or a few calls' inputs and outputs) from
   one onnxruntime run of the real model.
+* :mod:`~onnx_modular.calls.bodies`: a call's own body as a computation (names out, weights by
+  hash) and what differs between two (``diff``);
+* :mod:`~onnx_modular.calls.scoped`: the call tree a flat file's recorded scopes give (``modularize``).
 
 ``extract``, ``replace``, ``convert``, ``diff``, ``split``, ``modularize`` and ``localize`` use these,
 and nothing else reads a file's calls.

@@ -14,6 +14,7 @@ import onnx_ir as ir
 from onnx_modular.errors import InvalidModelFileError
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree, ModuleCall
+from onnx_modular.format.scopes import namespace_classes
 from onnx_modular.storage.checks import (
     MAX_EXPANDED_CALLS,
     check_model_structure,
@@ -254,16 +255,6 @@ def node_call(node: onnx.NodeProto) -> str | None:
     return metadata.call_name(path, int(index) if index.isdigit() else 0)
 
 
-def _namespace_classes(namespace: str) -> dict[str, str]:
-    """torch's ``namespace`` (``: GPT2Model/h.1: GPT2Block/h.1.attn: GPT2Attention/...``) -> {path: class}."""
-    classes = {}
-    for scope in namespace.split("/"):
-        path, sep, cls = scope.partition(": ")
-        if sep:
-            classes[path] = cls
-    return classes
-
-
 def module_path_tree(model: onnx.ModelProto) -> CallTree | None:
     """The call tree a flat file's nodes record (the flat copy, ``inline``): one call per distinct
     :func:`node_call` of the main graph's nodes, in the order the nodes come, nested as torch's
@@ -288,7 +279,7 @@ def module_path_tree(model: onnx.ModelProto) -> CallTree | None:
             continue
         if key not in made:
             props = {entry.key: entry.value for entry in node.metadata_props}
-            scopes = _namespace_classes(props.get(metadata.NAMESPACE, ""))
+            scopes = namespace_classes(props.get(metadata.NAMESPACE, ""))
             path = metadata.split_call_name(key)[0]
             if scopes:
                 ancestors = [scope for scope in scopes if scope and path.startswith(scope + ".")]

@@ -12,7 +12,9 @@ A flat file still carries its module structure, in one of three forms (read in t
                         paths only, no classes
 
 Each is translated into what the export pipeline's own passes read: a
-:class:`~onnx_modular.format.calltree.CallTree` and each main-graph node's stack of call keys.
+:class:`~onnx_modular.format.calltree.CallTree` and each main-graph node's stack of call keys
+(:mod:`onnx_modular.calls.scoped`, with the readers of :mod:`onnx_modular.format.scopes`; where no
+scope is recorded, :mod:`onnx_modular.calls.inferred` infers calls from repeated blocks).
 Then ``passes/pipeline.modularize_passes`` (helper inlining, outlining, dedupe, naming) runs as in
 ``export_modular``: weights are passed into the calls as formal inputs, identical bodies are
 shared (dedupe compares bodies, not names), a module whose nodes are interleaved with another's
@@ -30,29 +32,33 @@ Example::
 
     report = modularize("gpt2.flat.onnx", "gpt2.onnx")
     print(report)      # calls, functions, nodes moved into calls / left for lack of a scope, parity
+
+This module is the tool (reading the file, running the passes, the checked save); the report is
+:mod:`onnx_modular.files.modularize_report`.
 """
 
 from __future__ import annotations
 
-import ast
-import dataclasses
 import json
 import math
 import os
 import pathlib
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from onnx_modular.calls import inferred
+from onnx_modular.calls import inferred, scoped
+from onnx_modular.calls.scoped import SOURCES
 from onnx_modular.calls.tree import count_from_ir
 from onnx_modular.check.parity import ParityReport, Tolerance, compare_outputs
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError, ParityError
+from onnx_modular.files.modularize_report import ModularizeReport
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree, ModuleCall
+from onnx_modular.format.scopes import Scopes
 from onnx_modular.format.text import shown
 from onnx_modular.passes import pipeline
 from onnx_modular.runtime import inputs as runtime_inputs
@@ -64,182 +70,13 @@ from onnx_modular.storage.proto import uses_external_data
 
 __all__ = ["ModularizeReport", "modularize", "file_stacks", "SOURCES", "INFERRED_SOURCE", "DEFAULT_TOLERANCE"]
 
-#: Where a call tree can come from, in the order they are looked for.
-SOURCES = ("torch name_scopes", "namespace", "scope names")
 #: Outlining moves nodes, it does not change them: the outputs must agree to this (float32).
 DEFAULT_TOLERANCE = Tolerance(atol=1e-6, rtol=0.0)
-
-#: One attribute of a module path (``layers``, ``0``, ``self_attn``); TorchScript scopes use
-#: the attribute names, so anything else in a ``/``-separated name is not a scope.
-_ATTRIBUTE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$|^[0-9]+$")
-
-#: A node's scopes: ((module path, qualified class or ""), ...), outermost first, root excluded.
-Scopes = tuple[tuple[str, str], ...]
-
-
-@dataclasses.dataclass
-class ModularizeReport:
-    """What :func:`modularize` did.
-
-    Attributes:
-        path: The modular file written (``None`` when nothing was written).
-        source: Which of :data:`SOURCES` the call tree came from.
-        tree: The call tree of the written file (counts from the final model).
-        calls: Module calls outlined into functions.
-        functions: Distinct functions in the file (after dedupe).
-        max_depth: Deepest nesting of calls.
-        nodes: Main-graph nodes of the flat file.
-        nodes_in_calls: Nodes that went into calls.
-        nodes_in_parent: Nodes that stayed in the main graph.
-        unscoped: Of those, the nodes that carried no scope at all (an optimizer's constants,
-            names that are not scopes); the others belong to the root module.
-        unscoped_total: Nodes of the flat file without a scope; those between the nodes of one
-            call (reading from it and feeding it) went into it, as export places such nodes.
-        parity: The modular file against the flat one in onnxruntime.
-        inferred: The repeats found by structure (``calls/inferred.py``) when calls were
-            inferred (``source`` is :data:`INFERRED_SOURCE`, or a file with unscoped runs).
-        absorbed: Calls with nodes but no function of their own (their nodes inside another call).
-        unrecovered: What a flat file could not give back, one line each: a call whose body took
-            in nodes of other scopes between its own (a module called more than once: its calls
-            are merged into one; or code interleaved with it), and a module whose weights are in
-            the file but that has no node of its own (torch's optimizer fused it into another
-            module's node, Conv+BatchNorm, or folded it). A module whose every node was folded
-            into constants leaves no trace in the file and cannot be listed.
-    """
-
-    path: pathlib.Path | None
-    source: str
-    tree: CallTree
-    calls: int
-    functions: int
-    max_depth: int
-    nodes: int
-    nodes_in_calls: int
-    nodes_in_parent: int
-    unscoped: int
-    unscoped_total: int
-    parity: ParityReport | None
-    absorbed: list[str] = dataclasses.field(default_factory=list)
-    inferred: inferred.Inference | None = None
-    unrecovered: list[str] = dataclasses.field(default_factory=list)
-
-    def __str__(self) -> str:
-        lines = [
-            f"call tree from {self.source}: {_count(self.calls, 'module call')}, {_count(self.functions, 'function')}, "
-            f"nested {self.max_depth} deep",
-            f"nodes: {self.nodes} in the flat file, {self.nodes_in_calls} went into calls, "
-            f"{self.nodes_in_parent} stayed in the main graph ({self.unscoped} of them for lack of a scope)",
-        ]
-        if self.unscoped_total > self.unscoped:
-            moved = self.unscoped_total - self.unscoped
-            lines.append(f"{_count(moved, 'node')} without a scope went into the call whose nodes surround them")
-        if self.absorbed:
-            lines.append(
-                f"{_count(len(self.absorbed), 'call')} without a function of its own, its nodes inside another call "
-                f"(interleaved scopes, or a module called twice): {', '.join(shown(p) for p in self.absorbed[:8])}"
-                + (" ..." if len(self.absorbed) > 8 else "")
-            )
-        if self.inferred is not None:
-            lines += _inferred_lines(self.inferred)
-        if self.unrecovered:
-            lines.append(f"not recovered from the flat file ({len(self.unrecovered)}):")
-            lines += [f"  {line}" for line in self.unrecovered[:12]]
-            if len(self.unrecovered) > 12:
-                lines.append(f"  ... and {len(self.unrecovered) - 12} more (report.unrecovered)")
-        if self.parity is not None:
-            lines.append(str(self.parity))
-        if self.path is not None:
-            lines.append(f"wrote {shown(str(self.path))}")
-        return "\n".join(lines)
-
-
-def _inferred_lines(found: inferred.Inference) -> list[str]:
-    lines = []
-    for region in found.regions:
-        parts = ", ".join(f"{part} ({end - start})" for start, end, part in region.parts)
-        lines.append(
-            f"inferred: {region.count} copies of a {region.length}-node block ({region.name}.0 ... "
-            f"{region.name}.{region.count - 1})" + (f", parts {parts}" if parts else "")
-        )
-    lines.append(f"{found.covered} of the {found.skeleton} nodes that depend on an input are in repeated blocks")
-    return lines
-
-
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}{'' if n == 1 else 's'}"
+#: ``report.source`` of a call tree inferred from the graph's structure (no scopes recorded).
+INFERRED_SOURCE = "structure (inferred)"
 
 
 # -- reading the scopes ------------------------------------------------------------------------
-
-
-def _literal_list(text: str | None) -> list[str] | None:
-    if not text:
-        return None
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
-        return None
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return value
-    return None
-
-
-def _torch_scopes(node: ir.Node) -> Scopes | None:
-    """From ``name_scopes``/``class_hierarchy``: root first, the FX node last (both dropped)."""
-    paths = _literal_list(node.metadata_props.get(metadata.NAME_SCOPES))
-    classes = _literal_list(node.metadata_props.get(metadata.CLASS_HIERARCHY))
-    if paths is None or classes is None or len(paths) != len(classes) or len(paths) < 2:
-        return None
-    return tuple((path, cls) for path, cls in zip(paths[1:-1], classes[1:-1]) if path)
-
-
-def _namespace_scopes(node: ir.Node) -> Scopes | None:
-    """From ``: pkg.Model/h.0: pkg.Block/add: aten.add.Tensor`` (root first, the FX node last)."""
-    namespace = node.metadata_props.get(metadata.NAMESPACE)
-    if not namespace:
-        return None
-    segments = namespace.split("/")
-    if len(segments) < 2 or ": " not in segments[0]:
-        return None
-    scopes = []
-    for segment in segments[1:-1]:
-        path, sep, cls = segment.partition(": ")
-        if not sep or not path:
-            return None
-        scopes.append((path, cls))
-    return tuple(scopes)
-
-
-def _name_scopes(node: ir.Node, weights: frozenset[str] = frozenset()) -> Scopes | None:
-    """From a TorchScript node name ``/model/layers.0/self_attn/q_proj/MatMul``: module paths only.
-
-    Each part is the module's name in its owner, an item of a container prefixed by the
-    container's name: ``/model/layers.0`` (a ModuleList, not called itself) is
-    ``model.layers.0``, and ``/model/seq/seq.0`` (a called Sequential, a scope of its own) is
-    ``model.seq.0``. Where both readings are possible, the one that names weights of the file
-    (``model.seq.0.weight``) wins, else the container's.
-    """
-    name = node.name or ""
-    if not name.startswith("/"):
-        return None
-    parts = name.split("/")[1:-1]  # the last part names the op
-    if not parts or not all(part and all(_ATTRIBUTE.match(a) for a in part.split(".")) for part in parts):
-        return None if name.count("/") > 1 else ()  # ``/MatMul``: a node of the root
-    scopes: list[tuple[str, str]] = []
-    path = ""
-    for part in parts:
-        nested = f"{path}.{part}" if path else part
-        head = part.split(".", 1)[0]
-        if "." in part and (path == head or path.endswith("." + head)):
-            item = path[: len(path) - len(head)] + part  # an item of the enclosing container
-            if not any(w.startswith(nested + ".") for w in weights) or any(w.startswith(item + ".") for w in weights):
-                nested = item
-        path = nested
-        scopes.append((path, ""))
-    return tuple(scopes)
-
-
-_READERS = {"torch name_scopes": _torch_scopes, "namespace": _namespace_scopes, "scope names": _name_scopes}
 
 
 def file_stacks(model: ir.Model) -> tuple[str, dict[ir.Node, Scopes | None]]:
@@ -249,27 +86,10 @@ def file_stacks(model: ir.Model) -> tuple[str, dict[ir.Node, Scopes | None]]:
     Raises:
         InvalidModelFileError: No node carries any, or the file is modular already.
     """
-    found = _recorded_stacks(model)
+    found = scoped.recorded_stacks(model)
     if found is None:
         raise _no_scopes(len(model.graph))
     return found
-
-
-def _recorded_stacks(model: ir.Model) -> tuple[str, dict[ir.Node, Scopes | None]] | None:
-    ours = [f.name for f in model.functions.values() if metadata.is_module_function(f)]
-    if ours:
-        raise InvalidModelFileError(
-            f"The file is modular already: it has module functions ({', '.join(shown(n) for n in ours[:3])}).",
-            hint="Run `onnx-modular tree` on it; to start again from a flat copy, run `onnx-modular inline` first.",
-        )
-    nodes = list(model.graph)
-    weights = frozenset(model.graph.initializers)
-    for source, reader in _READERS.items():
-        stacks = {node: reader(node, weights) if reader is _name_scopes else reader(node) for node in nodes}
-        # A source counts when it places some node under a module, not only under the root.
-        if any(stack for stack in stacks.values()):
-            return source, stacks
-    return None
 
 
 def _no_scopes(nodes: int, repeats: bool | None = None) -> InvalidModelFileError:
@@ -294,79 +114,7 @@ def _no_scopes(nodes: int, repeats: bool | None = None) -> InvalidModelFileError
     return InvalidModelFileError(message, hint=hint)
 
 
-#: ``report.source`` of a call tree inferred from the graph's structure (no scopes recorded).
-INFERRED_SOURCE = "structure (inferred)"
-# -- the call tree -----------------------------------------------------------------------------
-
-
-def _package(qualified_class: str, torch_version: str | None) -> tuple[str, str]:
-    """(package, version): the top of the class's module path; the version only when the file tells it."""
-    if not qualified_class or "." not in qualified_class:
-        return metadata.UNKNOWN_PACKAGE, metadata.UNKNOWN_PACKAGE
-    package = qualified_class.split(".", 1)[0].strip("_") or metadata.UNKNOWN_PACKAGE
-    if package == "torch" and torch_version:
-        return package, torch_version
-    return package, metadata.UNKNOWN_PACKAGE
-
-
-def _name_hint(path: str) -> str:
-    """``model.layers.0`` -> ``layers``, ``model.layers.0.self_attn`` -> ``self_attn``."""
-    names = [part for part in path.split(".") if not part.isdigit()]
-    return names[-1] if names else "module"
-
-
-def _build_tree(
-    stacks: Mapping[ir.Node, Scopes | None], root_class: str, torch_version: str | None
-) -> tuple[CallTree, dict[ir.Node, tuple[str, ...]]]:
-    """The tree (keys are module paths: a file does not tell a module's repeated calls apart) and
-    each node's call keys."""
-    package, version = _package(root_class, torch_version)
-    root = ModuleCall("", "", 0, root_class, package, version)
-    by_path: dict[str, ModuleCall] = {}
-    keys: dict[ir.Node, tuple[str, ...]] = {}
-    for node, scopes in stacks.items():
-        if not scopes:
-            continue
-        parent = root
-        for path, cls in scopes:
-            call = by_path.get(path)
-            if call is None:
-                package, version = _package(cls, torch_version)
-                call = ModuleCall(path, path, 0, cls, package, version, parent=parent, name_hint="" if cls else _name_hint(path))
-                parent.children.append(call)
-                by_path[path] = call
-            parent = call
-        keys[node] = tuple(path for path, _ in scopes)
-    return CallTree(root), keys
-
-
-def _selected(tree: CallTree, modules: str | int | Iterable[str] | None) -> set[str]:
-    """The call keys that become functions: ``"all"``, a maximum depth, or class names/globs."""
-    if modules is None or modules == "all":
-        select = lambda call: True
-    elif isinstance(modules, bool):
-        raise InvalidInputError("modules must be 'all', a depth or class names, not a bool.")
-    elif isinstance(modules, int):
-        if modules < 1:
-            raise InvalidInputError(f"The depth must be >= 1 (1: the root's children only), got {modules}.")
-        select = lambda call: call.depth <= modules
-    else:
-        patterns = [modules] if isinstance(modules, str) else list(modules)
-        if not patterns or not all(isinstance(p, str) and p for p in patterns):
-            raise InvalidInputError(f"modules must be 'all', a depth or class names/globs, got {modules!r}.")
-        select = lambda call: any(call.matches(p) for p in patterns)
-        found = {p for p in patterns for call in tree.walk() if not call.is_root and call.matches(p)}
-        missing = [p for p in patterns if p not in found]
-        if missing:
-            known = sorted({call.class_name for call in tree.walk() if not call.is_root})
-            raise InvalidInputError(
-                f"No module of the file matches {', '.join(shown(p) for p in missing)}.",
-                hint=f"Classes in the file: {', '.join(known[:12])}{' ...' if len(known) > 12 else ''}.",
-            )
-    for call in tree.walk():
-        if not call.is_root:
-            call.selected = bool(select(call))
-    return {call.key for call in tree.walk() if not call.is_root and call.selected}
+# -- constants and domains -------------------------------------------------------------------
 
 
 #: Names exporters give the constants they store as initializers: torch's translator ``val_<n>``
@@ -397,102 +145,11 @@ def _constants(model: ir.Model, tree: CallTree, *, inferred_only: bool = False) 
     return constants
 
 
-def _torch_version(model: ir.Model) -> str | None:
-    return model.producer_version.split("+", 1)[0] if model.producer_name == "pytorch" else None
-
-
-def _root_class(model: ir.Model) -> str:
-    root_class = next(
-        (classes[0] for node in model.graph if (classes := _literal_list(node.metadata_props.get(metadata.CLASS_HIERARCHY)))),
-        "",
-    )
-    if not root_class:
-        root_class = next(
-            (seg.partition(": ")[2] for node in model.graph
-             if (seg := (node.metadata_props.get(metadata.NAMESPACE) or "").split("/")[0]).startswith(": ")),
-            "",
-        )
-    return root_class
-
-
-def _weightless_modules(model: ir.Model, tree: CallTree, keys: Mapping[ir.Node, tuple[str, ...]]) -> list[str]:
-    """Modules whose weights (``<path>.<attribute>`` initializers) are in the file but that have
-    no node: their ops were fused into another module's node or folded (before outlining)."""
-    paths = {call.module_path for call in tree.walk() if call.module_path}
-    lost: dict[str, list[str]] = {}
-    readers: dict[str, set[str]] = {}
-    for name, value in model.graph.initializers.items():
-        path = name.rpartition(".")[0]
-        if not path or path in paths or not all(_ATTRIBUTE.match(part) for part in path.split(".")):
-            continue
-        lost.setdefault(path, []).append(name)
-        for user, _ in value.uses():
-            stack = keys.get(user)
-            readers.setdefault(path, set()).add(stack[-1] if stack else "the main graph")
-    lines = []
-    for path, names in lost.items():
-        read = sorted(readers.get(path, ()))
-        lines.append(
-            f"{path}: its weights ({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}) are in the file but it has no "
-            "node of its own (torch's optimizer fused it into another module's node, e.g. Conv+BatchNorm, or folded it)"
-            + (f"; read by nodes of {', '.join(read[:3])}" if read else "")
-        )
-    return lines
-
-
-def _nodes_below(model: ir.Model, function: ir.Function) -> Iterable[ir.Node]:
-    """The nodes of ``function`` and of the functions it calls, nested."""
-    stack, seen = [function], set()
-    while stack:
-        for node in stack.pop():
-            inner = model.functions.get(node.op_identifier())
-            if inner is None:
-                yield node
-            elif id(inner) not in seen:
-                seen.add(id(inner))
-                stack.append(inner)
-
-
-def _above(call: ModuleCall) -> set[str]:
-    keys, parent = set(), call.parent
-    while parent is not None:
-        keys.add(parent.key)
-        parent = parent.parent
-    return keys
-
-
-def _merged_calls(model: ir.Model, tree: CallTree, scopes: Mapping[ir.Node, Scopes | None]) -> list[str]:
-    """Calls whose body took in nodes of other scopes (``_make_convex``): a module called more
-    than once, its calls merged into one, or code interleaved with it (after outlining)."""
-    serving: dict[tuple, list[ModuleCall]] = {}
-    for call in tree.walk():
-        if call.function is not None:
-            serving.setdefault((*call.function, call.overload), []).append(call)
-    lines = []
-    reported: set[str] = set()
-    for function_key, calls in serving.items():
-        function = model.functions.get(function_key)
-        if function is None or any(_above(call) & reported for call in calls):
-            continue  # an enclosing call merged already says it
-        own = {call.key for call in calls}
-        foreign = sorted({
-            (stack[-1][0] if stack else "") for node in _nodes_below(model, function)
-            if (stack := scopes.get(node)) is not None and not own & {path for path, _ in stack}
-        })
-        if foreign:
-            reported |= own
-            names = ", ".join(shown(key or "<root>") for key in foreign[:3]) + (" ..." if len(foreign) > 3 else "")
-            lines.append(
-                f"{calls[0].call_name}: its body took in nodes of {names} that run between its own: a module called "
-                "more than once (its calls merged into one; a flat file does not tell them apart) or code interleaved with it"
-            )
-    return lines
-
-
 def _domain(call: ModuleCall) -> str:
     if call.version and call.version != metadata.UNKNOWN_PACKAGE:
         return f"pkg.{call.package}.{call.version}"
     return f"pkg.{call.package}"
+
 
 
 # -- the tool ----------------------------------------------------------------------------------
@@ -557,7 +214,7 @@ def modularize(
     _rename_outputs(model, output_names)
     if infer not in ("auto", "always", "never"):
         raise InvalidInputError(f"infer must be 'auto', 'always' or 'never', got {infer!r}.")
-    found = _recorded_stacks(model)  # refuses a modular file, whatever ``infer`` says
+    found = scoped.recorded_stacks(model)  # refuses a modular file, whatever ``infer`` says
     inference = None
     if found is None or infer == "always":
         if infer == "never":
@@ -579,7 +236,7 @@ def modularize(
         scopes = {node: None for node in model.graph if node not in keys}
     else:
         source, scopes = found
-        tree, keys = _build_tree(scopes, _root_class(model), _torch_version(model))
+        tree, keys = scoped.build_tree(scopes, scoped.root_class(model), scoped.torch_version(model))
         if infer == "auto" and any(stack is None for stack in scopes.values()):
             inference = inferred.infer_calls(model, subset=inferred.unscoped_runs(model, scopes))
             more = inference.keys
@@ -590,11 +247,11 @@ def modularize(
             else:
                 inference = None
     check_count("MAX_MODULES", sum(1 for _ in tree.walk()) - 1, "its module calls", from_file=shown(str(source_path)))
-    selected = _selected(tree, modules)
+    selected = scoped.selected(tree, modules)
     nodes = len(model.graph)
     unscoped_nodes = {node for node, stack in scopes.items() if stack is None}
 
-    weightless = _weightless_modules(model, tree, keys)
+    weightless = scoped.weightless_modules(model, tree, keys)
     passes = pipeline.modularize_passes(
         stacks=keys, selected=selected, tree=tree, signatures={}, dedupe=dedupe, domain_of=_domain
     )
@@ -619,7 +276,7 @@ def modularize(
     if constants:
         model.metadata_props[metadata.LIFTED_CONSTANTS] = json.dumps(constants)
     functions = {call.function for call in tree.walk() if call.function is not None}
-    scoped = {key for stack in keys.values() for key in stack}  # the calls that had nodes
+    had_nodes = {key for stack in keys.values() for key in stack}  # the calls that had nodes
     stayed = [node for node in model.graph if node.op_identifier() not in model.functions]
     count_from_ir(tree, model)
 
@@ -639,10 +296,10 @@ def modularize(
         nodes_in_parent=len(stayed),
         unscoped=sum(1 for node in stayed if node in unscoped_nodes),
         unscoped_total=len(unscoped_nodes),
-        absorbed=[call.call_name for call in tree.walk() if call.key in scoped and call.selected and call.function is None],
+        absorbed=[call.call_name for call in tree.walk() if call.key in had_nodes and call.selected and call.function is None],
         parity=parity,
         inferred=inference,
-        unrecovered=_merged_calls(model, tree, scopes) + weightless,
+        unrecovered=scoped.merged_calls(model, tree, scopes) + weightless,
     )
 
 

@@ -6,4 +6,5 @@
   of an export (built from FX in :mod:`onnx_modular.capture.fx_call_tree`, read from a file in
   :mod:`onnx_modular.calls.tree`);
 * :mod:`~onnx_modular.format.text`: how names and values are shown in messages.
+* :mod:`~onnx_modular.format.scopes`: torch's scope metadata on a flat file's nodes, read.
 """

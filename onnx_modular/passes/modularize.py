@@ -190,28 +190,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
     def _extract(
         self, container: ir.Graph, members: list[ir.Node], call: ModuleCall
     ) -> tuple[ir.Function | None, ir.Node | None]:
-        inner: set[ir.Node] = set(members)
-        for node in members:
-            inner.update(_nested_nodes(node))
-
-        produced: set[ir.Value] = set()
-        for node in inner:
-            produced.update(node.outputs)
-        external: list[ir.Value] = []
-        seen: set[ir.Value] = set()
-        for node in members:
-            for value in sorted(_used_values(node), key=_first_use_order(node)):
-                if value not in produced and value not in seen:
-                    seen.add(value)
-                    external.append(value)
-
-        container_outputs = set(container.outputs)
-        outputs = [
-            value
-            for node in members
-            for value in node.outputs
-            if value in container_outputs or any(use.node not in inner for use in value.uses())
-        ]
+        inner, external, outputs = _boundary(container, members)
         if not outputs:
             return None, None  # nothing escapes: the call has no observable effect
         outputs, output_names, output_notes = self._formal_outputs(call, outputs)
@@ -250,14 +229,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         container.insert_before(members[0], call_node)
         container.remove(members, safe=False)
 
-        # Rewire: uses outside the body read the call's outputs.
-        for inner_value, outer_value in zip(outputs, call_node.outputs):
-            for use in list(inner_value.uses()):
-                if use.node not in inner:
-                    use.node.replace_input_with(use.idx, outer_value)
-            for i, graph_output in enumerate(container.outputs):
-                if graph_output is inner_value:
-                    container.outputs[i] = outer_value
+        _read_call_outputs(container, inner, outputs, call_node)
 
         function = ir.Function(
             domain,
@@ -344,6 +316,45 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
             names.append(name)
             notes.append(f"{name}: {why_unbound_output(value, signature, matched)}")
         return outputs, unique_names(names), notes
+
+
+def _boundary(container: ir.Graph, members: list[ir.Node]) -> tuple[set[ir.Node], list[ir.Value], list[ir.Value]]:
+    """A group's nodes (its subgraphs' included), the values it reads from outside (in order of
+    first use) and its values read outside it (or container outputs)."""
+    inner: set[ir.Node] = set(members)
+    for node in members:
+        inner.update(_nested_nodes(node))
+
+    produced: set[ir.Value] = set()
+    for node in inner:
+        produced.update(node.outputs)
+    external: list[ir.Value] = []
+    seen: set[ir.Value] = set()
+    for node in members:
+        for value in sorted(_used_values(node), key=_first_use_order(node)):
+            if value not in produced and value not in seen:
+                seen.add(value)
+                external.append(value)
+
+    container_outputs = set(container.outputs)
+    outputs = [
+        value
+        for node in members
+        for value in node.outputs
+        if value in container_outputs or any(use.node not in inner for use in value.uses())
+    ]
+    return inner, external, outputs
+
+
+def _read_call_outputs(container: ir.Graph, inner: set[ir.Node], outputs: list[ir.Value], call_node: ir.Node) -> None:
+    """Rewire: uses outside the body (and the container's outputs) read the call's outputs."""
+    for inner_value, outer_value in zip(outputs, call_node.outputs):
+        for use in list(inner_value.uses()):
+            if use.node not in inner:
+                use.node.replace_input_with(use.idx, outer_value)
+        for i, graph_output in enumerate(container.outputs):
+            if graph_output is inner_value:
+                container.outputs[i] = outer_value
 
 
 def _free_names(inner: set[ir.Node], outputs: set[ir.Value], wanted: list[str]) -> None:
