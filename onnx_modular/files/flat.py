@@ -23,7 +23,6 @@ Example::
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import json
 import math
@@ -35,7 +34,7 @@ import onnx
 import onnx.inliner
 
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
-from onnx_modular.format import metadata
+from onnx_modular.format import metadata, scopes
 from onnx_modular.format.text import first_line, shown
 from onnx_modular.storage import save
 from onnx_modular.storage.proto import all_nodes, inline_functions
@@ -114,11 +113,8 @@ def _relocate_node(node: onnx.NodeProto, home: str | None, call_segments: list[s
     for key, part in ((NAME_SCOPES, 0), (CLASS_HIERARCHY, 1)):
         if key not in props:
             continue
-        try:
-            old = ast.literal_eval(props[key])
-        except (ValueError, SyntaxError):
-            continue
-        if isinstance(old, list) and len(old) == len(segments):
+        old = scopes.literal_list(props[key])
+        if old is not None and len(old) == len(segments):
             _set(node, key, str([segment.partition(": ")[2 * part] for segment in new]))
 
 
