@@ -1,0 +1,87 @@
+"""The converted file runs: for :func:`onnx_modular.files.convert.convert`, whether onnxruntime
+opens it here, and when it does not run, the module whose conversion breaks it; the files' sizes."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from collections.abc import Callable, Mapping
+
+import onnx
+
+from onnx_modular.errors import InvalidInputError, VerificationError
+from onnx_modular.format import metadata
+from onnx_modular.runtime import sessions as runtime
+
+
+def runnable(path: pathlib.Path, dtype: str | None, quantize: str | None) -> None:
+    """The converted file opens in onnxruntime here, or a typed error says which dtype it lacks."""
+    try:
+        runtime.session(str(path), what="converted model")
+    except Exception as e:
+        what = " + ".join(x for x in (dtype, quantize and f"{quantize} MatMulNBits") if x)
+        raise InvalidInputError(
+            f"onnxruntime cannot run the {what} model here: {str(e).splitlines()[0][:300]}",
+            hint="Choose a dtype this onnxruntime provider has kernels for (float16 on CPU; bfloat16 needs "
+            "a provider with bfloat16 kernels, such as CUDA), or keep the modules whose ops it lacks.",
+        ) from e
+
+
+def culprit(all_calls: Mapping[str, metadata.ExpandedCall], class_calls: Mapping[str, set[str]], kept: set[str],
+             alone: Callable[[set[str]], float]) -> tuple[str, str, float] | None:
+    """The (class, call, drift alone) whose conversion alone breaks the file (drift inf), or else
+    moves the outputs most: classes in execution order, then that class's calls (up to 16)."""
+    order = {name: index for index, name in enumerate(all_calls)}
+    classes = sorted((c for c, names in class_calls.items() if names - kept), key=lambda c: min(order[n] for n in class_calls[c]))
+    drifts = {}
+    for name in classes:
+        drifts[name] = alone(class_calls[name] - kept)
+        if drifts[name] == math.inf:
+            break
+    if not drifts:
+        return None
+    worst = max(drifts, key=lambda c: drifts[c])  # the first failing class, or the one drifting most
+    calls = sorted(class_calls[worst] - kept, key=order.get)
+    first = calls[0]
+    if len(calls) > 1 and len(calls) <= 16:
+        for call in calls:
+            if alone({call}) >= drifts[worst]:
+                first = call
+                break
+    return worst, first, drifts[worst]
+
+
+def not_running(error: VerificationError, dtype: str, culprit: tuple[str, str, float] | None) -> VerificationError:
+    """The converted file does not run: the error names the module whose conversion breaks it."""
+    cause = str(error).split(": ", 1)[-1].splitlines()[0][:300]
+    if culprit is None:
+        return VerificationError(f"The {dtype} model does not run in onnxruntime: {cause}", hint="Keep modules in float32 (--keep NAME).")
+    cls, call, drift = culprit
+    what = ("converting it alone already makes the file fail" if drift == math.inf else
+            f"converted alone, it moves the outputs most ({drift:.3%} of their range)")
+    return VerificationError(
+        f"The {dtype} model does not run in onnxruntime ({cause}). Module {call!r} ({cls}): {what}; a value it computes "
+        f"(a count, an index, a bin edge) likely rounds in {dtype} and a later op refuses it.",
+        hint=f"Keep it in float32: --keep {cls} (or --keep {call}), or let --auto-keep TOLERANCE choose. Nothing was written.",
+    )
+
+
+
+def source_bytes(source: pathlib.Path, model: onnx.ModelProto) -> int:
+    """The size of ``source`` with its external data files."""
+    return source.stat().st_size + sum(
+        (source.parent / name).stat().st_size for name in _data_files(model) if (source.parent / name).is_file()
+    )
+
+
+def folder_bytes(folder: pathlib.Path) -> int:
+    """The size of the files of ``folder`` (a staged output with its data)."""
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
+def _data_files(model: onnx.ModelProto) -> set[str]:
+    files = set()
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            files |= {e.value for e in tensor.external_data if e.key == "location"}
+    return files

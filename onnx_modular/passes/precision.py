@@ -1,0 +1,403 @@
+"""Float32 -> float16 or bfloat16 inside the bodies of a ``ModelProto``, body by body.
+
+Each body (the main graph, every function) is either converted (low) or kept float32. A
+converted body computes in the new dtype: its float32 values, ``Cast``s to float32,
+``Constant``s and ``ConstantOfShape`` values and ``dtype`` attributes follow; the ops
+onnxconverter-common's float16 converter keeps in float32 (:data:`FLOAT32_OPS`: ``Resize``,
+``Range``, ``TopK``, ``CumSum``, ``Min``/``Max``, ...) and ops without a schema for the dtype at
+the model's opset run in float32 between ``Cast``s. ``Cast``s sit only where a converted call
+meets a kept one (its arguments and its results), and at the graph's inputs and outputs, which
+keep their types.
+
+Weights live in the main graph and reach the bodies as formal inputs (*weight formals*, found by
+the caller from the call tree and given as plain data). A weight goes to the new dtype when every
+body that reads it is converted; one a kept body reads (a tied embedding) stays float32 and a
+converted reader casts it where it reads it. The initializers' values are not touched here: the
+result says which dtype each one takes (the writer converts them one at a time with
+:func:`clip_for`).
+
+Entry: :func:`convert_precision`. The tool around it (which calls convert) is
+:mod:`onnx_modular.files.convert`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+import onnx.defs
+import onnx.helper
+import onnx.numpy_helper
+
+from onnx_modular.passes._proto_bodies import (
+    Body,
+    FunctionId,
+    all_nodes,
+    body_names,
+    declared_types,
+    ensure_default_opset,
+    function_id,
+    node_id,
+    unique_name,
+    uses,
+)
+
+__all__ = ["DTYPES", "FLOAT32_OPS", "PrecisionResult", "WeightSources", "clip_for", "convert_precision"]
+
+FLOAT = onnx.TensorProto.FLOAT
+#: The dtypes a body can be converted to.
+DTYPES = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
+#: Ops that stay float32 inside a converted body: onnxconverter-common's
+#: ``float16.DEFAULT_OP_BLOCK_LIST`` (ranges, resizes, sorting, cumulative sums, the ML ops).
+FLOAT32_OPS = frozenset({
+    "ArrayFeatureExtractor", "Binarizer", "CastMap", "CategoryMapper", "DictVectorizer", "FeatureVectorizer",
+    "Imputer", "LabelEncoder", "LinearClassifier", "LinearRegressor", "Normalizer", "OneHotEncoder",
+    "RandomUniformLike", "SVMClassifier", "SVMRegressor", "Scaler", "TreeEnsembleClassifier",
+    "TreeEnsembleRegressor", "ZipMap", "NonMaxSuppression", "TopK", "RoiAlign", "Resize", "Range", "CumSum",
+    "Min", "Max", "Upsample",
+})  # fmt: skip
+#: Ops whose ``dtype`` attribute names the type of what they make.
+_DTYPE_ATTRIBUTE_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "EyeLike", "Bernoulli", "Multinomial"})
+#: Name suffix of a value cast to a dtype.
+_SUFFIX = {FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16", onnx.TensorProto.BFLOAT16: "bf16"}
+
+#: Per function: formal input -> the main-graph initializers every call feeds it from (a weight formal).
+WeightSources = Mapping[FunctionId, Mapping[str, set[str]]]
+
+
+@dataclasses.dataclass
+class PrecisionResult:
+    """What :func:`convert_precision` did.
+
+    Attributes:
+        initializer_types: The dtype every float32 main-graph initializer takes (float32 or the target).
+        casts: ``Cast`` nodes added.
+    """
+
+    initializer_types: dict[str, int]
+    casts: int
+
+
+def convert_precision(model: onnx.ModelProto, target: int, low: Mapping[FunctionId, bool], *, root_low: bool = True,
+                      weight_sources: WeightSources | None = None) -> PrecisionResult:
+    """Rewrite the bodies of ``model`` in place: the functions ``low`` marks (and the main graph
+    when ``root_low``) compute in ``target`` (``onnx.TensorProto.FLOAT16`` or ``BFLOAT16``).
+
+    ``weight_sources``: the weight formals of each function (``{}`` for a model without functions).
+
+    Example::
+
+        done = convert_precision(model, onnx.TensorProto.FLOAT16, {})   # the main graph in float16
+    """
+    precision = _Precision(model, target, dict(low), root_low)
+    initializer_types = precision.convert(weight_sources or {})
+    return PrecisionResult(initializer_types, precision.casts)
+
+
+def clip_for(data_type: int, array: np.ndarray) -> np.ndarray:
+    """``array`` (float32) in ``data_type``, clipped to its finite range (infinities stay)."""
+    array = np.asarray(array, dtype=np.float32)
+    if data_type == onnx.TensorProto.FLOAT16:
+        finite = np.finfo(np.float16).max
+        clipped = np.where(np.isfinite(array), np.clip(array, -finite, finite), array)
+        return clipped.astype(np.float16)
+    import ml_dtypes
+
+    return array.astype(ml_dtypes.bfloat16)
+
+
+def _converted_tensor(tensor: onnx.TensorProto, data_type: int) -> onnx.TensorProto:
+    return onnx.numpy_helper.from_array(clip_for(data_type, onnx.numpy_helper.to_array(tensor)), tensor.name)
+
+
+@dataclasses.dataclass
+class _Rewrite:
+    """One body being rewritten: its dtype, the dtypes of the weights it reads, the nodes made."""
+
+    body: Body
+    mode: int
+    declared: Mapping[str, int]
+    weights: dict[str, int]
+    taken: set[str]
+    body_outputs: set[str]  # a function's outputs are in its own dtype
+    renamed_outputs: dict[str, str] = dataclasses.field(default_factory=dict)
+    out: list[onnx.NodeProto] = dataclasses.field(default_factory=list)
+    cast_of: dict[tuple[str, int], str] = dataclasses.field(default_factory=dict)
+
+
+class _Precision:
+    """Float32 -> ``target`` in the bodies of converted calls, Casts where converted meets kept."""
+
+    def __init__(self, model: onnx.ModelProto, target: int, low: dict[FunctionId, bool], root_low: bool):
+        self.model = model
+        self.target = target
+        self.low = low
+        self.root_low = root_low
+        self.casts = 0
+        self.functions = {function_id(f): f for f in model.functions}
+        self.types = {function_id(f): declared_types(f) for f in model.functions}
+        self.main_types = declared_types(model.graph)
+
+    def _mode_type(self, body) -> int:
+        low = self.root_low if body is self.model.graph else self.low.get(function_id(body), False)
+        return self.target if low else FLOAT
+
+    def _cast(self, body, value: str, to: int, taken: set[str]) -> tuple[onnx.NodeProto, str]:
+        name = unique_name(f"{value}_{_SUFFIX[to]}", taken)
+        self.casts += 1
+        return onnx.helper.make_node("Cast", [value], [name], to=to, name=f"convert_cast_{self.casts}_{name}"), name
+
+    # -- the weights' dtypes ------------------------------------------------------------
+
+    def weight_plan(self, sources: WeightSources) -> tuple[dict[str, int], dict[FunctionId, dict[str, int]]]:
+        """Target dtype of every float32 main-graph initializer, and of every weight formal.
+
+        An initializer goes to ``target`` when every body that reads it (other than passing it on
+        to a weight formal) is converted; the formals it reaches follow it; a formal reached by
+        initializers of both kinds makes them all float32.
+        """
+        initializers = {t.name: t for t in self.model.graph.initializer}
+        main_weights = {name: {name} for name, t in initializers.items() if t.data_type == FLOAT}
+        readers = self._reader_modes(sources, main_weights)
+        low = {name for name in main_weights if readers.get(name) and all(readers[name])}
+        low = _agreeing(low, sources, initializers)
+        initializer_types = {name: (self.target if name in low else FLOAT) for name in main_weights}
+        formal_types = {}
+        for fid, formals in sources.items():
+            formal_types[fid] = {}
+            for formal, origins in formals.items():
+                kinds = {initializer_types.get(o, initializers[o].data_type) for o in origins}
+                formal_types[fid][formal] = kinds.pop() if len(kinds) == 1 else initializers[next(iter(origins))].data_type
+        return initializer_types, formal_types
+
+    def _reader_modes(self, sources: WeightSources, main_weights: Mapping[str, set[str]]) -> dict[str, set[bool]]:
+        """Initializer -> the modes (low or not) of the bodies that read it."""
+        readers: dict[str, set[bool]] = collections.defaultdict(set)
+
+        def reads(body, weights: Mapping[str, set[str]], mode: bool) -> None:
+            for name, origins in weights.items():
+                for node, index in uses(body, name):
+                    callee = self.functions.get(node_id(node))
+                    if callee is not None and index >= 0 and callee.input[index] in sources.get(node_id(node), {}):
+                        continue  # passed on to a weight formal
+                    for origin in origins:
+                        readers[origin].add(mode)
+
+        reads(self.model.graph, main_weights, self.root_low)
+        for fid, formals in sources.items():
+            reads(self.functions[fid], formals, self.low.get(fid, False))
+        return readers
+
+    # -- the bodies -----------------------------------------------------------------------
+
+    def convert(self, sources: WeightSources) -> dict[str, int]:
+        """Rewrite every body; returns the dtype of every main-graph float32 initializer."""
+        initializer_types, formal_types = self.weight_plan(sources)
+        self._body(self.model.graph, initializer_types, formal_types, is_root=True)
+        for function in list(self.model.functions):
+            fid = function_id(function)
+            self._body(function, formal_types.get(fid, {}), formal_types, is_root=False)
+        return initializer_types
+
+    def _body(self, body, weight_types: Mapping[str, int], formal_types, *, is_root: bool) -> None:
+        rewrite = self._start(body, weight_types, is_root)
+        for node in list(body.node):
+            callee = self.functions.get(node_id(node))
+            if callee is not None:
+                self._call(rewrite, node, callee, formal_types)
+            else:
+                self._op(rewrite, node)
+        if rewrite.renamed_outputs:
+            self._cast_outputs(rewrite)
+        out = rewrite.out
+        if len(out) != len(body.node) or any(a is not b for a, b in zip(out, body.node)):
+            ensure_default_opset(self.model, body)
+        del body.node[:]
+        body.node.extend(out)
+        if rewrite.mode != FLOAT:
+            self._retype(body, rewrite.weights, rewrite.mode, is_root)
+
+    def _start(self, body, weight_types: Mapping[str, int], is_root: bool) -> _Rewrite:
+        mode = self._mode_type(body)
+        declared = self.main_types if is_root else self.types[function_id(body)]
+        rewrite = _Rewrite(body, mode, declared, dict(weight_types), body_names(body), set() if is_root else set(body.output))
+        if not is_root:
+            return rewrite
+        for value in body.input:  # graph inputs keep their types: read like float32 weights, cast where used
+            if declared.get(value.name) == FLOAT:
+                rewrite.weights.setdefault(value.name, FLOAT)
+        if mode != FLOAT:
+            for value in body.output:
+                if declared.get(value.name) == FLOAT and value.name not in rewrite.weights:
+                    rewrite.renamed_outputs[value.name] = unique_name(f"{value.name}_{_SUFFIX[mode]}", rewrite.taken)
+        return rewrite
+
+    def _as_type(self, rewrite: _Rewrite, value: str, to: int) -> str:
+        """``value`` cast to ``to`` (one Cast per value and type in a body)."""
+        key = (value, to)
+        if key not in rewrite.cast_of:
+            node, name = self._cast(rewrite.body, value, to, rewrite.taken)
+            rewrite.out.append(node)
+            rewrite.cast_of[key] = name
+        return rewrite.cast_of[key]
+
+    def _call(self, rewrite: _Rewrite, node: onnx.NodeProto, callee: onnx.FunctionProto, formal_types) -> None:
+        """A call: its arguments cast to the callee's dtype (weight formals are the same on both sides)."""
+        callee_fid = node_id(node)
+        callee_mode = self.target if self.low.get(callee_fid, False) else FLOAT
+        callee_types = self.types.get(callee_fid, {})
+        callee_weights = formal_types.get(callee_fid, {})
+        weights = rewrite.weights
+        for index, value in enumerate(node.input):
+            if not value or index >= len(callee.input) or callee.input[index] in callee_weights:
+                continue  # a weight formal: the same dtype on both sides
+            if value in weights:
+                have = weights[value] if weights[value] in (FLOAT, self.target) else None
+            else:
+                have = rewrite.mode if callee_types.get(callee.input[index]) == FLOAT else None
+            if have is not None and have != callee_mode:
+                node.input[index] = self._as_type(rewrite, value, callee_mode)
+        rewrite.out.append(node)
+        if callee_mode != rewrite.mode:
+            self._call_results(rewrite, node, callee, callee_mode, callee_types)
+
+    def _call_results(self, rewrite: _Rewrite, node: onnx.NodeProto, callee: onnx.FunctionProto, callee_mode: int,
+                      callee_types: Mapping[str, int]) -> None:
+        """The float32 results of a call in another dtype than its body's."""
+        for index, value in enumerate(node.output):
+            if not (value and index < len(callee.output) and callee_types.get(callee.output[index]) == FLOAT):
+                continue
+            if callee_mode == FLOAT and value not in rewrite.body_outputs:
+                # a kept call's float32 result: read like a float32 weight, cast by
+                # the readers that need it (a graph output stays float32 as it is)
+                rewrite.weights[value] = FLOAT
+                rewrite.renamed_outputs.pop(value, None)
+                continue
+            inner = unique_name(f"{value}_{_SUFFIX[callee_mode]}", rewrite.taken)
+            node.output[index] = inner
+            self.casts += 1
+            rewrite.out.append(onnx.helper.make_node("Cast", [inner], [value], to=rewrite.mode, name=f"convert_cast_{self.casts}_{value}"))
+
+    def _op(self, rewrite: _Rewrite, node: onnx.NodeProto) -> None:
+        """An op of this body reads weights (and graph inputs) in the body's dtype."""
+        weights, mode = rewrite.weights, rewrite.mode
+
+        def needs_cast(value: str) -> bool:
+            return value in weights and weights[value] in (FLOAT, self.target) and weights[value] != mode
+
+        for index, value in enumerate(node.input):
+            if needs_cast(value):
+                node.input[index] = self._as_type(rewrite, value, mode)
+        for sub in all_nodes([node]):  # subgraphs read the enclosing body's values by name
+            if sub is not node:
+                for index, value in enumerate(sub.input):
+                    if needs_cast(value):
+                        sub.input[index] = self._as_type(rewrite, value, mode)
+        if mode != FLOAT:
+            self._lower(node, rewrite.body, rewrite.declared, weights, mode, rewrite.taken, rewrite.out)
+        else:
+            rewrite.out.append(node)
+
+    def _cast_outputs(self, rewrite: _Rewrite) -> None:
+        """The main graph's float32 outputs computed in the low dtype: renamed, cast back."""
+        renamed = rewrite.renamed_outputs
+        for node in rewrite.out:
+            for index, value in enumerate(node.output):
+                if value in renamed:
+                    node.output[index] = renamed[value]
+            for sub in all_nodes([node]):
+                for index, value in enumerate(sub.input):
+                    if value in renamed:
+                        sub.input[index] = renamed[value]
+        for original, inner in renamed.items():
+            self.casts += 1
+            rewrite.out.append(onnx.helper.make_node("Cast", [inner], [original], to=FLOAT, name=f"convert_cast_{self.casts}_{original}"))
+
+    def _lower(self, node: onnx.NodeProto, body, declared: Mapping[str, int], weights, mode: int, taken: set[str], out: list) -> None:
+        """One op of a converted body, in ``mode`` (or float32 between Casts for FLOAT32_OPS)."""
+        for sub in all_nodes([node]):
+            self._lower_attributes(sub, mode)
+        if node.domain in ("", "ai.onnx") and (node.op_type in FLOAT32_OPS or not self._supports(node.op_type, mode)):
+            for index, value in enumerate(node.input):
+                if value and (declared.get(value) == FLOAT or weights.get(value) == mode) and weights.get(value) != FLOAT:
+                    node_cast, name = self._cast(body, value, FLOAT, taken)
+                    out.append(node_cast)
+                    node.input[index] = name
+            out.append(node)
+            for index, value in enumerate(node.output):
+                if value and declared.get(value) == FLOAT:
+                    inner = unique_name(f"{value}_f32", taken)
+                    node.output[index] = inner
+                    self.casts += 1
+                    out.append(onnx.helper.make_node("Cast", [inner], [value], to=mode, name=f"convert_cast_{self.casts}_{value}"))
+            return
+        out.append(node)
+
+    @functools.cache  # noqa: B019 (one per conversion)
+    def _supports(self, op_type: str, mode: int) -> bool:
+        """The op's schema at the model's opset takes ``mode`` wherever it takes float32 (Cos has
+        no bfloat16 before opset 22): otherwise it runs in float32 between Casts."""
+        version = next((o.version for o in self.model.opset_import if o.domain in ("", "ai.onnx")), 18)
+        try:
+            schema = onnx.defs.get_schema(op_type, version, "")
+        except onnx.defs.SchemaError:
+            return True
+        wanted = f"tensor({onnx.helper.tensor_dtype_to_np_dtype(mode).name if mode == onnx.TensorProto.FLOAT16 else 'bfloat16'})"
+        return all(wanted in c.allowed_type_strs for c in schema.type_constraints if "tensor(float)" in c.allowed_type_strs)
+
+    def _lower_attributes(self, node: onnx.NodeProto, mode: int) -> None:
+        for attribute in node.attribute:
+            if node.op_type in ("Cast",) and attribute.name == "to" and attribute.i == FLOAT:
+                attribute.i = mode
+            elif node.op_type in _DTYPE_ATTRIBUTE_OPS and attribute.name == "dtype" and attribute.i == FLOAT:
+                attribute.i = mode
+            elif attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_type == FLOAT and node.op_type in ("Constant", "ConstantOfShape"):
+                attribute.t.CopyFrom(_converted_tensor(attribute.t, mode))
+            elif node.op_type == "Constant" and attribute.name in ("value_float", "value_floats"):
+                values = [attribute.f] if attribute.name == "value_float" else list(attribute.floats)
+                tensor = onnx.numpy_helper.from_array(np.asarray(values if attribute.name == "value_floats" else values[0], np.float32))
+                attribute.CopyFrom(onnx.helper.make_attribute("value", _converted_tensor(tensor, mode)))
+
+    def _retype(self, body, weights: Mapping[str, int], mode: int, is_root: bool) -> None:
+        """Declared float32 values of a converted body now hold ``mode`` (weights keep theirs;
+        the main graph's inputs and outputs keep their types)."""
+        boundary = {v.name for v in body.input} | {v.name for v in body.output} if is_root else set()
+
+        def retype(values) -> None:
+            for value in values:
+                if value.name in boundary or (value.name in weights and weights[value.name] == FLOAT):
+                    continue
+                tensor_type = value.type.tensor_type
+                if value.type.HasField("tensor_type") and tensor_type.elem_type == FLOAT:
+                    tensor_type.elem_type = mode
+
+        retype(body.value_info)
+        for node in body.node:
+            for sub in all_nodes([node]):
+                for attribute in sub.attribute:
+                    for graph in [attribute.g, *attribute.graphs] if attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) else []:
+                        retype([*graph.input, *graph.output, *graph.value_info])
+                        for tensor in graph.initializer:
+                            if tensor.data_type == FLOAT:
+                                tensor.CopyFrom(_converted_tensor(tensor, mode))
+
+
+
+
+def _agreeing(low: set[str], sources: WeightSources, initializers: Mapping[str, onnx.TensorProto]) -> set[str]:
+    """``low`` without the initializers that share a weight formal with a float32 one."""
+    low = set(low)
+    changed = True
+    while changed:
+        changed = False
+        for formals in sources.values():
+            for origins in formals.values():
+                floats = {o for o in origins if initializers[o].data_type == FLOAT}
+                if floats & low and floats - low:
+                    low -= floats
+                    changed = True
+    return low

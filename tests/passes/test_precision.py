@@ -1,0 +1,162 @@
+"""convert_precision (passes/precision.py) on small ONNX text models: a converted body computes in
+float16, a float32-only op runs between Casts, Cast/dtype attributes and constants follow, a weight
+read twice is stored once in float16, a weight a kept body reads stays float32. The rewritten
+models run in onnxruntime against numpy in float32 (float16's rounding as the tolerance)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+import onnx.parser
+import onnx.shape_inference
+import onnxruntime as ort
+import pytest
+
+from onnx_modular.passes.precision import FLOAT32_OPS, clip_for, convert_precision
+from onnx_modular.storage.proto import declare_function_types
+
+FLOAT, FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+
+MAIN = """
+<ir_version: 10, opset_import: ["" : 18]>
+main (float[4] x) => (float[4] y) <float[4] w = {1.0, 2.0, 3.0, 4.0}> {
+  a = Mul(x, w)
+  b = Add(a, w)
+  axis = Constant <value = int64 {0}> ()
+  c = CumSum(b, axis)
+  y = Cast <to = 1> (c)
+}"""
+
+ATTRIBUTES = """
+<ir_version: 10, opset_import: ["" : 18]>
+main (float[2, 2] x) => (float[2, 2] y) {
+  s = Shape(x)
+  z = ConstantOfShape <value = float[1] {0.5}> (s)
+  e = EyeLike <dtype = 1> (x)
+  h = Constant <value_float = 2.0> ()
+  t = Add(z, e)
+  u = Mul(t, h)
+  y = Add(u, x)
+}"""
+
+CALLS = """
+<ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>
+main (float[4] x) => (float[4] y) <float[4] w = {0.5, 1.5, -2.0, 3.0}> {
+  a = pkg.test.Scale(x, w)
+  b = pkg.test.Scale(a, w)
+  y = Add(b, w)
+}
+<domain: "pkg.test", opset_import: ["" : 18]>
+Scale (input, weight) => (output) {
+  output = Mul(input, weight)
+}"""
+
+SCALE = ("pkg.test", "Scale", "")
+
+
+def _model(text: str) -> onnx.ModelProto:
+    model = onnx.shape_inference.infer_shapes(onnx.parser.parse_model(text))  # value_info, as an exported file has
+    declare_function_types(model)
+    return model
+
+
+def _store(model: onnx.ModelProto, initializer_types: dict[str, int]) -> None:
+    """The initializers in their planned dtypes (what the writer does one tensor at a time)."""
+    for tensor in model.graph.initializer:
+        if initializer_types.get(tensor.name, FLOAT) != FLOAT:
+            array = onnx.numpy_helper.to_array(tensor)
+            tensor.CopyFrom(onnx.numpy_helper.from_array(clip_for(initializer_types[tensor.name], array), tensor.name))
+
+
+def _run(model: onnx.ModelProto, **feeds: np.ndarray) -> np.ndarray:
+    onnx.checker.check_model(model, full_check=True)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+def _producer(model: onnx.ModelProto, name: str) -> onnx.NodeProto:
+    return next(n for n in model.graph.node if name in n.output)
+
+
+def _readers(body, name: str) -> list[onnx.NodeProto]:
+    return [n for n in body.node if name in n.input]
+
+
+def test_a_float32_only_op_runs_between_casts_and_cast_targets_follow():
+    model = _model(MAIN)
+    assert "CumSum" in FLOAT32_OPS
+    result = convert_precision(model, FLOAT16, {})
+    cumsum = next(n for n in model.graph.node if n.op_type == "CumSum")
+    before = _producer(model, cumsum.input[0])
+    assert before.op_type == "Cast" and before.attribute[0].i == FLOAT and before.input == ["b"]
+    (after,) = _readers(model.graph, cumsum.output[0])
+    assert after.op_type == "Cast" and after.attribute[0].i == FLOAT16 and after.output == ["c"]
+    # the body's own Cast to float32 now casts to float16; the graph output is cast back at the end
+    (own_cast,) = _readers(model.graph, "c")
+    assert own_cast.op_type == "Cast" and own_cast.attribute[0].i == FLOAT16
+    assert _producer(model, "y").op_type == "Cast" and _producer(model, "y").attribute[0].i == FLOAT
+    # graph inputs and outputs keep their types: x is cast where it is read
+    assert model.graph.input[0].type.tensor_type.elem_type == FLOAT
+    assert model.graph.output[0].type.tensor_type.elem_type == FLOAT
+    mul = _producer(model, "a")
+    assert _producer(model, mul.input[0]).op_type == "Cast" and _producer(model, mul.input[0]).input == ["x"]
+    types = {v.name: v.type.tensor_type.elem_type for v in model.graph.value_info}
+    assert types["a"] == types["b"] == types["c"] == FLOAT16
+    assert result.casts == 4  # x to float16, CumSum in and out, y back to float32
+    _store(model, result.initializer_types)
+    x = np.array([0.1, -0.2, 0.3, 0.25], np.float32)
+    w = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    np.testing.assert_allclose(_run(model, x=x), np.cumsum(x * w + w), rtol=2e-3, atol=2e-3)
+
+
+def test_a_weight_read_twice_is_stored_once_in_float16():
+    model = _model(MAIN)
+    result = convert_precision(model, FLOAT16, {})
+    assert result.initializer_types == {"w": FLOAT16}
+    readers = _readers(model.graph, "w")
+    assert sorted(n.op_type for n in readers) == ["Add", "Mul"]  # both read the stored weight, no Cast of it
+    assert not any(n.op_type == "Cast" and "w" in n.input for n in model.graph.node)
+
+
+def test_kept_body_changes_nothing():
+    model = _model(MAIN)
+    before = model.SerializeToString()
+    result = convert_precision(model, FLOAT16, {}, root_low=False)
+    assert result.casts == 0 and result.initializer_types == {"w": FLOAT}
+    assert model.SerializeToString() == before
+
+
+def test_dtype_attributes_and_constants_follow():
+    model = _model(ATTRIBUTES)
+    convert_precision(model, FLOAT16, {})
+    nodes = {n.op_type: n for n in model.graph.node}
+    assert nodes["EyeLike"].attribute[0].i == FLOAT16
+    assert nodes["ConstantOfShape"].attribute[0].t.data_type == FLOAT16
+    constant = nodes["Constant"].attribute[0]
+    assert constant.name == "value" and constant.t.data_type == FLOAT16  # value_float becomes a float16 tensor
+    x = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    np.testing.assert_allclose(_run(model, x=x), (0.5 + np.eye(2, dtype=np.float32)) * 2 + x, rtol=1e-3)
+
+
+@pytest.mark.parametrize("function_low", [True, False])
+def test_a_weight_shared_by_calls_follows_its_readers(function_low):
+    """Converted everywhere: the weight is stored in float16 once and passed as it is. Read by a
+    kept function too (a tied weight): it stays float32 and the converted reader casts it."""
+    model = _model(CALLS)
+    result = convert_precision(model, FLOAT16, {SCALE: function_low}, weight_sources={SCALE: {"weight": {"w"}}})
+    assert result.initializer_types == {"w": FLOAT16 if function_low else FLOAT}
+    calls = [n for n in model.graph.node if n.op_type == "Scale"]
+    assert [n.input[1] for n in calls] == ["w", "w"]  # a weight formal: the same dtype on both sides
+    casts_of_w = [n for n in model.graph.node if n.op_type == "Cast" and n.input == ["w"]]
+    add = next(n for n in model.graph.node if n.op_type == "Add")
+    if function_low:
+        assert casts_of_w == [] and add.input[1] == "w"
+    else:
+        assert len(casts_of_w) == 1 and casts_of_w[0].attribute[0].i == FLOAT16 and add.input[1] == casts_of_w[0].output[0]
+        # the kept calls' float32 results are cast where the converted main graph reads them
+        assert any(n.op_type == "Cast" and n.input == ["b"] for n in model.graph.node)
+    _store(model, result.initializer_types)
+    x = np.array([1.0, -1.0, 0.5, 0.25], np.float32)
+    w = np.array([0.5, 1.5, -2.0, 3.0], np.float32)
+    np.testing.assert_allclose(_run(model, x=x), x * w * w + w, rtol=2e-3, atol=2e-3)
