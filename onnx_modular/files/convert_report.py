@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -15,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from onnx_modular.check.parity import fit_name, max_differences, name_column_width
+from onnx_modular.format import records
 
 __all__ = ["CallDrift", "ClassDrift", "Conversion", "QuantizationWarning"]
 
@@ -111,18 +111,8 @@ class Conversion:
         return data
 
     def to_json(self) -> str:
-        """The report as strict JSON (a non-finite drift is ``null``)."""
-
-        def finite(value):
-            if isinstance(value, float):
-                return value if math.isfinite(value) else None
-            if isinstance(value, dict):
-                return {k: finite(v) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return [finite(v) for v in value]
-            return value
-
-        return json.dumps(finite(self.to_dict()), indent=2, allow_nan=False)
+        """The report as strict JSON (the package's one encoder: a non-finite drift is ``"inf"``)."""
+        return records.to_json(self.to_dict())
 
     def __str__(self) -> str:
         what = [f"{self.dtype}" if self.dtype else None, f"{self.quantize} weights (block {self.block_size})" if self.quantize else None]

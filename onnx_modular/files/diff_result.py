@@ -8,12 +8,11 @@ terminal tree and the HTML page are :mod:`onnx_modular.files.diff_views`. No tor
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 import pathlib
 from typing import Any
 
+from onnx_modular.format import records
 from onnx_modular.format.calltree import ModuleCall, TreeNode
 from onnx_modular.storage import save as _save
 from onnx_modular.storage.proto import function_label
@@ -220,7 +219,7 @@ class ModelDiff:
 
     def to_json(self, indent: int | None = 2) -> str:
         """The records as a JSON list (an infinite difference as the string ``"inf"``)."""
-        return json.dumps(_json_safe(self.records()), indent=indent, allow_nan=False)
+        return records.to_json(self.records(), indent=indent)
 
     def format(self, max_depth: int | None = None, *, top: int = 10) -> str:
         from onnx_modular.files.diff_views import text
@@ -244,12 +243,3 @@ class ModelDiff:
         texts = [(path, self.to_json() if kind == "json" else self.html()) for path, kind in targets]
         return [_save.write_text(path, text) for path, text in texts]
 
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(item) for item in value]
-    return value
