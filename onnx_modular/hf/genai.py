@@ -134,7 +134,11 @@ def check_drivable(config: Any, source: str | os.PathLike = "") -> None:
             "follow its builder's layout).",
             hint="Export with --task causal-lm-with-past --io-names optimum and run the file with onnxruntime.",
         )
-    per_layer = [name for name in ("global_head_dim", "num_global_key_value_heads") if getattr(text, name, None)]
+    per_layer = [
+        f"{name} {getattr(text, name)} (other layers: {getattr(text, same, None)})"
+        for name, same in (("global_head_dim", "head_dim"), ("num_global_key_value_heads", "num_key_value_heads"))
+        if getattr(text, name, None) and getattr(text, name) != getattr(text, same, None)
+    ]
     if per_layer:
         raise GenaiError(
             f"{str(source) or 'This model'} gives its global layers their own cache geometry ({', '.join(per_layer)}); "
