@@ -231,3 +231,17 @@ def test_more_decoders_generate_as_transformers(tmp_path, name, capsys):
     assert main(["export", str(checkpoint), "--genai", "-o", str(out)]) == 0
     assert "20 of 20 new tokens equal" in capsys.readouterr().out
     _assert_generates_as_transformers(checkpoint, out)
+
+
+def test_different_tokens_write_nothing_unless_kept(tmp_path, llama, capsys):
+    """The file checked against another checkpoint's weights: genai's tokens differ from
+    ``generate``'s, so the folder is not written (exit 1), or written with --keep-on-mismatch (exit 1)."""
+    checkpoint, out = llama
+    other = tmp_path / "other"
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES)).eval().save_pretrained(other)
+    assert main(["genai", str(out / "model.onnx"), "--checkpoint", str(other), "-o", str(tmp_path / "o")]) == 1
+    assert "differ from transformers' generate" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    assert main(["genai", str(out / "model.onnx"), "--checkpoint", str(other), "-o", str(tmp_path / "o"), "--keep-on-mismatch"]) == 1
+    assert (tmp_path / "o" / "genai_config.json").is_file() and (tmp_path / "o" / "model.onnx").is_file()

@@ -166,6 +166,13 @@ def genai_inputs(model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, An
             f"{type(model).__name__} keeps a cache of {', '.join(kinds)}, not keys and values per layer: genai cannot feed it.",
             hint="Export with --task causal-lm-with-past --io-names optimum and run the file with onnxruntime.",
         )
+    geometry = sorted({(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1]) for layer in layers})
+    if len(geometry) != 1 or geometry[0][1] != geometry[0][2]:
+        raise GenaiError(
+            f"{type(model).__name__}'s cache layers have (KV heads, key size, value size) {geometry}: genai's config has one "
+            "num_key_value_heads and one head_size for every layer (it allocates every layer's cache alike).",
+            hint="Export with --task causal-lm-with-past --io-names optimum and run the file with onnxruntime.",
+        )
     out = {**{k: v for k, v in inputs.items() if k != argument}, argument: cache}
     if "position_ids" in inspect.signature(model.forward).parameters:
         out["position_ids"] = torch.arange(past, past + length).unsqueeze(0).expand(batch, -1).contiguous()
