@@ -206,7 +206,10 @@ def check_generation(
     try:
         runtime = og.Model(str(folder))
         params = og.GeneratorParams(runtime)
-        params.set_search_options(do_sample=False, num_beams=1, max_length=len(prompt) + steps, repetition_penalty=1.0)
+        params.set_search_options(
+            do_sample=False, num_beams=1, max_length=len(prompt) + steps, min_length=0, repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+        )
         generator = og.Generator(runtime, params)
         generator.append_tokens(np.array([prompt], dtype=np.int32))
         while not generator.is_done():
@@ -222,8 +225,14 @@ def check_generation(
         do_sample=False, num_beams=1, max_new_tokens=steps, repetition_penalty=1.0,
         eos_token_id=config["model"]["eos_token_id"], pad_token_id=config["model"]["pad_token_id"],
     )
-    with torch.no_grad():
-        expected = model.generate(torch.tensor([prompt]), generation_config=settings)[0].tolist()
+    # The model's own generation settings out of the way (a forced end-of-sequence token at max_length
+    # in MBart's and Marian's, suppressed tokens): genai applies none of them in a greedy search.
+    own, model.generation_config = model.generation_config, settings
+    try:
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), generation_config=settings)[0].tolist()
+    finally:
+        model.generation_config = own
     return GenerationCheck(prompt, tokens, expected, steps, config["model"]["type"])
 
 
