@@ -165,7 +165,7 @@ def test_what_genai_cannot_drive_is_refused_before_any_work(tmp_path, llama, cap
     assert not (tmp_path / "o").exists()
 
 
-def _decoder_text(layers=2, head_sizes=(8, 8), gqa=False, names=("past_key_values.{i}.{kind}", "present.{i}.{kind}")) -> onnx.ModelProto:
+def _decoder_text(layers=2, head_sizes=(8, 8), gqa=False, value_sizes=None, names=("past_key_values.{i}.{kind}", "present.{i}.{kind}")) -> onnx.ModelProto:
     """A stand-in decoder: the inputs and outputs genai reads (a body that is never run), and with
     ``gqa`` a local function running ``com.microsoft.GroupQueryAttention``."""
     from onnx import TensorProto, helper
@@ -177,8 +177,9 @@ def _decoder_text(layers=2, head_sizes=(8, 8), gqa=False, names=("past_key_value
     outs = [tensor("logits", TensorProto.FLOAT, ["b", "s", 32])]
     for i in range(layers):
         for kind, kinds in (("key", "keys"), ("value", "values")):
-            ins.append(tensor(names[0].format(i=i, kind=kind, kinds=kinds), TensorProto.FLOAT, ["b", 2, "p", head_sizes[i]]))
-            outs.append(tensor(names[1].format(i=i, kind=kind, kinds=kinds), TensorProto.FLOAT, ["b", 2, "t", head_sizes[i]]))
+            size = (value_sizes or head_sizes)[i] if kind == "value" else head_sizes[i]
+            ins.append(tensor(names[0].format(i=i, kind=kind, kinds=kinds), TensorProto.FLOAT, ["b", 2, "p", size]))
+            outs.append(tensor(names[1].format(i=i, kind=kind, kinds=kinds), TensorProto.FLOAT, ["b", 2, "t", size]))
     nodes = [helper.make_node("Cast", ["input_ids"], ["logits"], to=TensorProto.FLOAT)]
     functions = []
     if gqa:
@@ -206,8 +207,13 @@ def test_genai_config_from_the_file_torch_free():
     assert fused["model"]["decoder"]["session_options"]["intra_op_num_threads"] == 1
     assert genai_config(_decoder_text(), hf, share_buffer=True)["search"]["past_present_share_buffer"] is True
     assert genai_type("qwen2") == "qwen2" and genai_type("gemma3_text") == "gemma3_text" and genai_type("olmo3") == "llama"
-    with pytest.raises(GenaiError, match="one num_key_value_heads and one head_size"):
-        genai_config(_decoder_text(head_sizes=(8, 16)), hf)
+    # Layers of different head sizes: genai reads each layer's from the file, unless the buffer is shared.
+    mixed = genai_config(_decoder_text(head_sizes=(8, 16)), hf)["model"]["decoder"]
+    assert (mixed["head_size"], mixed["num_hidden_layers"]) == (8, 2)
+    with pytest.raises(GenaiError, match="shared past/present buffer"):
+        genai_config(_decoder_text(head_sizes=(8, 16), gqa=True), hf)
+    with pytest.raises(GenaiError, match="one head size"):  # keys 8 wide, values 16 (latent attention)
+        decoder_io(_decoder_text(head_sizes=(8, 8), value_sizes=(16, 16)))
     with pytest.raises(GenaiError, match="eos_token_id"):
         genai_config(_decoder_text(), {"model_type": "llama"})
 

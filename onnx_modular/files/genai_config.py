@@ -87,6 +87,7 @@ class DecoderIO:
     kv_heads: int
     head_size: int
     vocab_size: int | None
+    uniform: bool = True  # every layer has the same KV heads and head size
 
 
 def _dims(value: onnx.ValueInfoProto) -> list[int | str]:
@@ -100,7 +101,8 @@ def decoder_io(model: onnx.ModelProto) -> DecoderIO:
         GenaiError: An input or output genai does not feed or read (a cache of another layout:
             a sliding window's size tensor, a recurrent state), cache names that are not
             ``past_key_values.N.key/value`` and ``present.N.key/value`` for N = 0..L-1, or layers
-            whose KV heads or head size differ (genai's config holds one of each for every layer).
+            whose keys and values differ in size (genai gives both the key's). Layers of different KV heads
+            or head sizes are driven (genai reads each layer's from the file) unless the buffer is shared.
     """
     inputs = [v.name for v in model.graph.input]
     outputs = [v.name for v in model.graph.output]
@@ -125,17 +127,20 @@ def decoder_io(model: onnx.ModelProto) -> DecoderIO:
             f"this file's cache inputs are {[v.name for v in past][:6]}.",
             hint=hint,
         )
-    shapes = {tuple(_dims(v)[1:2] + _dims(v)[3:4]) for v in past}
-    if len(shapes) != 1 or any(not isinstance(d, int) or d <= 0 for d in next(iter(shapes))):
+    by_name = {v.name: _dims(v) for v in past}
+    geometry = [tuple(by_name[PAST_NAMES[0] % i][1::2] + by_name[PAST_NAMES[1] % i][3:4]) for i in range(layers)]
+    odd = [i for i, (heads, key, value) in enumerate(geometry) if key != value or not all(isinstance(d, int) and d > 0 for d in (heads, key))]
+    if odd:
         raise GenaiError(
-            "genai's config gives one num_key_value_heads and one head_size for every layer (it allocates every "
-            f"layer's cache alike); this file's cache layers have (KV heads, head size) {sorted(map(str, shapes))}.",
+            "genai allocates a layer's key and value caches with one head size (the key's); this file's layers "
+            f"{odd[:6]} have (KV heads, key size, value size) {sorted({str(geometry[i]) for i in odd})[:4]} "
+            "(keys and values of different sizes, as multi-head latent attention has them, or sizes not fixed).",
             hint="Not supported by onnxruntime-genai: run the file with onnxruntime (Optimum's ORTModelForCausalLM).",
         )
-    kv_heads, head_size = next(iter(shapes))
+    kv_heads, head_size, _ = geometry[0]
     logits = _dims(next(v for v in model.graph.output if v.name == "logits"))
     vocab = logits[-1] if logits and isinstance(logits[-1], int) and logits[-1] > 0 else None
-    return DecoderIO(tuple(n for n in FED_INPUTS if n in inputs), layers, kv_heads, head_size, vocab)
+    return DecoderIO(tuple(n for n in FED_INPUTS if n in inputs), layers, kv_heads, head_size, vocab, len(set(geometry)) == 1)
 
 
 def _nodes(model: onnx.ModelProto) -> Iterable[onnx.NodeProto]:
@@ -213,6 +218,12 @@ def genai_config(
     io = decoder_io(model)
     if share_buffer is None:
         share_buffer = uses_group_query_attention(model)
+    if share_buffer and not io.uniform:
+        raise GenaiError(
+            "A shared past/present buffer is allocated alike for every layer from the config's num_key_value_heads and "
+            "head_size, and this file's layers differ in them.",
+            hint="Write the folder with share_buffer=False (genai then feeds each layer's present back as its past).",
+        )
     context = context_length or _first(config, "max_position_embeddings", "seq_length", "n_positions") or 4096
     hidden = _first(config, "hidden_size", "n_embd", "d_model")
     heads = _first(config, "num_attention_heads", "n_head")

@@ -10,11 +10,12 @@ files and ``generation_config.json``. Before it is published it is run through g
 :class:`GenerationCheck` goes into the report; different tokens are a :class:`ParityError`
 (nothing written, unless ``keep_on_mismatch``).
 
-What genai can drive, it drives as a plain decoder: a cache of keys and values per layer, one
-KV-head count and head size for every layer. Sliding-window layers keep their whole past in
-this file (the graph masks the window, as transformers' mask does), so genai needs no
-``sliding_window`` section. Layers of other kinds (recurrent states, convolutions) or of
-different cache geometries are refused before the export (:class:`GenaiError`).
+What genai can drive, it drives as a plain decoder: a cache of keys and values per layer (layers
+may differ in KV heads and head size: genai reads each layer's from the file when the buffer is
+not shared). Sliding-window layers keep their whole past in this file (the graph masks the
+window, as transformers' mask does), so genai needs no ``sliding_window`` section. Layers of
+other kinds (recurrent states, convolutions), or keys and values of different sizes (multi-head
+latent attention), are refused before the export (:class:`GenaiError`).
 
 Example::
 
@@ -122,8 +123,7 @@ def _genai():
 def check_drivable(config: Any, source: str | os.PathLike = "") -> None:
     """Refuse, before any work, a decoder genai cannot drive: layers that are not attention over
     keys and values (genai's runtime feeds recurrent or convolution states only to its builder's
-    own graphs), or attention layers with their own KV-head count or head size (genai's config
-    has one of each for every layer)."""
+    own graphs)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     kinds = set(getattr(text, "layer_types", None) or ())
     other = sorted(kinds - ATTENTION_LAYERS)
@@ -132,17 +132,6 @@ def check_drivable(config: Any, source: str | os.PathLike = "") -> None:
             f"{str(source) or 'This model'} has {', '.join(other)} layers: onnxruntime-genai's Generator drives a cache "
             "of keys and values only with the files it builds itself (its states for recurrent and convolution layers "
             "follow its builder's layout).",
-            hint="Export with --task causal-lm-with-past --io-names optimum and run the file with onnxruntime.",
-        )
-    per_layer = [
-        f"{name} {getattr(text, name)} (other layers: {getattr(text, same, None)})"
-        for name, same in (("global_head_dim", "head_dim"), ("num_global_key_value_heads", "num_key_value_heads"))
-        if getattr(text, name, None) and getattr(text, name) != getattr(text, same, None)
-    ]
-    if per_layer:
-        raise GenaiError(
-            f"{str(source) or 'This model'} gives its global layers their own cache geometry ({', '.join(per_layer)}); "
-            "genai's config has one num_key_value_heads and one head_size for every layer.",
             hint="Export with --task causal-lm-with-past --io-names optimum and run the file with onnxruntime.",
         )
 
@@ -166,11 +155,11 @@ def genai_inputs(model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, An
             f"{type(model).__name__} keeps a cache of {', '.join(kinds)}, not keys and values per layer: genai cannot feed it.",
             hint="Export with --task causal-lm-with-past --io-names optimum and run the file with onnxruntime.",
         )
-    geometry = sorted({(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1]) for layer in layers})
-    if len(geometry) != 1 or geometry[0][1] != geometry[0][2]:
+    odd = sorted({(layer.keys.shape[-1], layer.values.shape[-1]) for layer in layers if layer.keys.shape[-1] != layer.values.shape[-1]})
+    if odd:
         raise GenaiError(
-            f"{type(model).__name__}'s cache layers have (KV heads, key size, value size) {geometry}: genai's config has one "
-            "num_key_value_heads and one head_size for every layer (it allocates every layer's cache alike).",
+            f"{type(model).__name__}'s cache keeps keys and values of different sizes (key, value) {odd} (multi-head latent "
+            "attention): genai allocates a layer's key and value caches with one head size.",
             hint="Export with --task causal-lm-with-past --io-names optimum and run the file with onnxruntime.",
         )
     out = {**{k: v for k, v in inputs.items() if k != argument}, argument: cache}
