@@ -7,6 +7,7 @@ then run through onnxruntime-genai's ``Generator`` (greedy, 20 new tokens) again
 ``docs/coverage-genai.json`` as it ends (``--resume`` keeps the rows there).
 
     python scripts/sweep_genai.py [--budget-minutes 60] [--timeout 240] [--resume] [--types llama,olmo3]
+    python scripts/sweep_genai.py --resume --redo-classes BartForCausalLM,Gemma4ForCausalLM
 
 Outcomes: ``ok`` (genai's tokens equal generate's), ``differ``, ``refused`` (a GenaiError: what
 genai lacks), ``error`` (the export or the check failed otherwise), ``timeout``.
@@ -85,12 +86,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=240)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--types", default=None)
+    parser.add_argument("--redo-classes", default=None, help="with --resume: sweep these classes (comma-separated) again")
     args = parser.parse_args()
     catalogue = json.loads((ROOT / "docs" / "coverage.json").read_text())["rows"]
     rows = [(r["model_type"], r["class_name"]) for r in catalogue if r["task"] == "causal-lm" and r["modular_ok"]]
     if args.types:
         rows = [r for r in rows if r[0] in args.types.split(",")]
     done = json.loads(OUT.read_text())["rows"] if args.resume and OUT.exists() else []
+    redo = set((args.redo_classes or "").split(","))
+    done = [r for r in done if r["class_name"] not in redo]
     seen = {(r["model_type"], r["class_name"]) for r in done}
     deadline = time.time() + args.budget_minutes * 60
     context = multiprocessing.get_context("spawn")
