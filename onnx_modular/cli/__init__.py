@@ -13,6 +13,7 @@ Subcommands::
     onnx-modular diff a.onnx b.onnx [--profile] [--html P]  # two files compared call by call (exit 1: differ)
     onnx-modular split m.onnx --stages 2 -o DIR [--balance time]  # stages cut at module boundaries (or --at PATH ...)
     onnx-modular modularize flat.onnx -o m.onnx [--depth D] [--classes NAME ...]  # hierarchy of a flat file
+    onnx-modular genai m.onnx --checkpoint CKPT -o DIR     # onnxruntime-genai folder of a with-past file
 
 Exit codes: 0 success; 1 verification failure (outputs differ beyond tolerance), or ``diff``
 found a difference;

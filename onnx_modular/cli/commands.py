@@ -130,6 +130,13 @@ def run_export(args: argparse.Namespace) -> int:
             "--fixed-input applies to a factory's keyword inputs, not to a checkpoint folder.",
             hint="Write a factory returning {'model': ..., 'kwargs': {...}} and name the input to fix.",
         )
+    if getattr(args, "optimize", False) and not getattr(args, "genai", False):
+        raise InvalidInputError(
+            "export --optimize goes with --genai (the folder carries the fused file).",
+            hint="Export, then run `onnx-modular optimize M.onnx -o M.opt.onnx` (docs/optimize.md).",
+        )
+    if getattr(args, "genai", False):
+        return _export_genai(args, checkpoint)
     if checkpoint and not args.stream_weights:
         return _export_checkpoint(args)
     for option in ("static", "generation", "stream_weights", "dtype"):
@@ -299,6 +306,76 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
             _print_flat(flat.flat_path, flat.flat_report)
         _print_tree(args, function_tree(load_model_file(file, values=False)), str(file))
     return EXIT_OK
+
+
+def _export_genai(args: argparse.Namespace, checkpoint: bool) -> int:
+    """``export CKPT --genai -o DIR``: see :mod:`onnx_modular.hf.genai`."""
+    conflicts = [f"--{o.replace('_', '-')}" for o in ("generation", "stream_weights", "static", "flat_file", "fixed_input")
+                 if getattr(args, o, None)]
+    task = args.task and args.task.replace("text-generation-with-past", "causal-lm-with-past")
+    if not checkpoint or conflicts or task not in (None, "causal-lm-with-past"):
+        raise InvalidInputError(
+            "--genai exports a checkpoint folder's decoder with its cache (task causal-lm-with-past, Optimum's names) "
+            f"into one folder; {' '.join(conflicts) or 'this export'} does not combine with it.",
+            hint="onnx-modular export CKPT --genai -o DIR (docs/genai.md).",
+        )
+    from onnx_modular.hf import command, genai  # imports transformers: a clear error without the [hf] extra
+
+    started = time.perf_counter()
+    command.quiet_progress_bars(getattr(args, "verbose", False))
+    stderr(f"Exporting {args.factory} to {args.output} for onnxruntime-genai")
+    try:
+        with _quiet_warnings(args), Progress(sys.stderr, genai.GENAI_STAGES, output=args.output) as progress:
+            folder = genai.export_genai(
+                args.factory, args.output, verify=not args.no_verify, keep_on_mismatch=args.keep_on_mismatch,
+                opset_version=args.opset, dedupe=not args.no_dedupe, dtype=args.dtype, rtol=args.rtol,
+                atol=args.atol, progress=progress, optimize=args.optimize,
+            )
+    except ParityError as e:
+        if e.report is not None:
+            stdout(e.report)
+        raise
+    stderr(f"  {'total':<11} {time.perf_counter() - started:7.2f}s")
+    return _print_genai(args, folder)
+
+
+def _print_genai(args: argparse.Namespace, folder: Any) -> int:
+    model = pathlib.Path(folder.path) / "model.onnx"
+    data = {
+        "path": str(folder.path),
+        "ok": (folder.report is None or folder.report.ok) and (folder.check is None or folder.check.ok),
+        "report": None if folder.report is None else folder.report.to_dict(),
+        "genai_check": None if folder.check is None else folder.check.to_dict(),
+        "genai_config": folder.config,
+        "optimized": None if folder.optimized is None else folder.optimized.to_dict(),
+    }
+    if emit_json(args.json, data):
+        return EXIT_OK
+    if folder.optimized is not None:
+        stdout(folder.optimized.text())
+    if folder.report is not None:
+        stdout(folder.report)
+    if folder.check is not None:
+        stdout(f"Generation: {folder.check}")
+    stdout(f"Wrote {folder.path}/ (model.onnx {stored_bytes(model) / 1e6:.1f} MB, genai_config.json: "
+           f"type {folder.config['model']['type']!r}, past_present_share_buffer "
+           f"{str(folder.config['search']['past_present_share_buffer']).lower()})")
+    if hasattr(args, "depth"):
+        _print_tree(args, function_tree(load_model_file(model, values=False)), str(model))
+    return EXIT_OK
+
+
+def run_genai(args: argparse.Namespace) -> int:
+    """``genai M.onnx --checkpoint CKPT -o DIR``: the folder of a file already exported."""
+    from onnx_modular.hf import command, genai  # imports transformers
+
+    command.quiet_progress_bars(getattr(args, "verbose", False))
+    with _quiet_warnings(args):
+        folder = genai.write_genai_folder(
+            args.model, args.checkpoint, args.output, check=not args.no_check, steps=args.steps,
+            keep_on_mismatch=args.keep_on_mismatch, optimize=args.optimize,
+        )
+    return _print_genai(args, folder)
 
 
 # -- tree, inline ------------------------------------------------------------------------

@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(input.past_key_values.layers.0.keys, what ExportedModel binds; default) or optimum (past_key_values.0.key "
         "in, present.0.key out, on every transformers release: what Optimum's ORTModelForCausalLM feeds)",
     )
+    export.add_argument("--genai", action="store_true", help="checkpoint: write a folder onnxruntime-genai runs (model.onnx "
+                        "with Optimum's names, genai_config.json, tokenizer files), checked through genai's Generator "
+                        "against transformers' generate (docs/genai.md)")
+    export.add_argument("--optimize", action="store_true", help="with --genai: the folder carries the file rewritten by "
+                        "`optimize` (onnxruntime's fused kernels; GroupQueryAttention lets genai share the cache buffers)")
     export.add_argument("--stream-weights", action="store_true", help="checkpoint: never load the weights whole "
                         "(model on meta, each tensor streamed to <output>.data, verified block by block)")
     export.add_argument("--keep-on-mismatch", action="store_true", help="write the model even when parity fails (exit code 1)")
@@ -414,6 +419,25 @@ def build_parser() -> argparse.ArgumentParser:
                          "even where it does (always), or never (docs/modularize.md)")
     _json_option(modular, "the report")
     modular.set_defaults(run=handlers.run_modularize)
+
+    genai = commands.add_parser(
+        "genai",
+        parents=[common],
+        help="make an onnxruntime-genai folder from a decoder file exported with --io-names optimum",
+        description="Copy a with-past decoder file (export CKPT --task causal-lm-with-past --io-names optimum, or an "
+        "optimized copy) into a folder as model.onnx, write genai_config.json from its inputs and outputs and the "
+        "checkpoint's config.json and generation_config.json, copy the tokenizer files, and check the folder through "
+        "onnxruntime-genai's Generator against transformers' generate (greedy). docs/genai.md.",
+    )
+    genai.add_argument("model", help="the .onnx file (past_key_values.N.key/value in, present.N.key/value out)")
+    genai.add_argument("--checkpoint", required=True, metavar="CKPT", help="the checkpoint folder it was exported from")
+    genai.add_argument("-o", "--output", required=True, metavar="DIR", help="the folder to write")
+    genai.add_argument("--no-check", action="store_true", help="do not run the folder through genai")
+    genai.add_argument("--steps", type=_positive, default=20, metavar="N", help="new tokens of the check (default 20)")
+    genai.add_argument("--keep-on-mismatch", action="store_true", help="write the folder even when the tokens differ (exit code 1)")
+    genai.add_argument("--optimize", action="store_true", help="copy in the file rewritten by `optimize` (fused kernels; GroupQueryAttention lets genai share the past and present buffers)")
+    _json_option(genai, "the summary (parity, genai check, genai_config.json)")
+    genai.set_defaults(run=handlers.run_genai)
 
     view = commands.add_parser(
         "view",

@@ -49,6 +49,7 @@ from onnx_modular.hf.exporter import (  # noqa: E402
     modular_result,
     register,
 )
+from onnx_modular.hf.genai import export_genai, write_genai_folder  # noqa: E402
 from onnx_modular.hf.generation import greedy_generate  # noqa: E402
 from onnx_modular.hf.meta import model_on_meta, zero_cache  # noqa: E402
 
@@ -59,6 +60,8 @@ __all__ = [
     "ModularOnnxModelRunner",
     "TASKS",
     "export_checkpoint",
+    "export_genai",
+    "write_genai_folder",
     "model_and_inputs",
     "greedy_generate",
     "load_checkpoint",
