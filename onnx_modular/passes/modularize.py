@@ -44,6 +44,46 @@ __all__ = [
     "OutlineModuleCallsPass",
 ]
 
+
+def _boundary(container: ir.Graph, members: list[ir.Node]) -> tuple[set[ir.Node], list[ir.Value], list[ir.Value]]:
+    """What a call's nodes ``members`` share with the rest of ``container``: every node inside
+    (subgraphs included), the values they read from outside (in first-use order), and the values
+    they produce that are read outside (or are graph outputs)."""
+    inner: set[ir.Node] = set(members)
+    for node in members:
+        inner.update(_nested_nodes(node))
+
+    produced: set[ir.Value] = set()
+    for node in inner:
+        produced.update(node.outputs)
+    external: list[ir.Value] = []
+    seen: set[ir.Value] = set()
+    for node in members:
+        for value in sorted(_used_values(node), key=_first_use_order(node)):
+            if value not in produced and value not in seen:
+                seen.add(value)
+                external.append(value)
+
+    container_outputs = set(container.outputs)
+    outputs = [
+        value
+        for node in members
+        for value in node.outputs
+        if value in container_outputs or any(use.node not in inner for use in value.uses())
+    ]
+    return inner, external, outputs
+
+
+def _rewire_outside(container: ir.Graph, inner: set[ir.Node], outputs: list[ir.Value], call_outputs) -> None:
+    """Rewire: uses outside the body (and the graph's outputs) read the call's outputs."""
+    for inner_value, outer_value in zip(outputs, call_outputs):
+        for use in list(inner_value.uses()):
+            if use.node not in inner:
+                use.node.replace_input_with(use.idx, outer_value)
+        for i, graph_output in enumerate(container.outputs):
+            if graph_output is inner_value:
+                container.outputs[i] = outer_value
+
 def _nested_nodes(node: ir.Node) -> Iterable[ir.Node]:
     for attr in node.attributes.values():
         if attr.type == ir.AttributeType.GRAPH:
@@ -190,28 +230,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
     def _extract(
         self, container: ir.Graph, members: list[ir.Node], call: ModuleCall
     ) -> tuple[ir.Function | None, ir.Node | None]:
-        inner: set[ir.Node] = set(members)
-        for node in members:
-            inner.update(_nested_nodes(node))
-
-        produced: set[ir.Value] = set()
-        for node in inner:
-            produced.update(node.outputs)
-        external: list[ir.Value] = []
-        seen: set[ir.Value] = set()
-        for node in members:
-            for value in sorted(_used_values(node), key=_first_use_order(node)):
-                if value not in produced and value not in seen:
-                    seen.add(value)
-                    external.append(value)
-
-        container_outputs = set(container.outputs)
-        outputs = [
-            value
-            for node in members
-            for value in node.outputs
-            if value in container_outputs or any(use.node not in inner for use in value.uses())
-        ]
+        inner, external, outputs = _boundary(container, members)
         if not outputs:
             return None, None  # nothing escapes: the call has no observable effect
         outputs, output_names, output_notes = self._formal_outputs(call, outputs)
@@ -250,14 +269,7 @@ class OutlineModuleCallsPass(ir.passes.InPlacePass):
         container.insert_before(members[0], call_node)
         container.remove(members, safe=False)
 
-        # Rewire: uses outside the body read the call's outputs.
-        for inner_value, outer_value in zip(outputs, call_node.outputs):
-            for use in list(inner_value.uses()):
-                if use.node not in inner:
-                    use.node.replace_input_with(use.idx, outer_value)
-            for i, graph_output in enumerate(container.outputs):
-                if graph_output is inner_value:
-                    container.outputs[i] = outer_value
+        _rewire_outside(container, inner, outputs, call_node.outputs)
 
         function = ir.Function(
             domain,
