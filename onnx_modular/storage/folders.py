@@ -1,24 +1,71 @@
-"""Publishing a folder written aside (``save_pretrained`` into a private folder) into its output:
-:func:`publish_folder`, every file through the journaled commit of
-:mod:`~onnx_modular.storage.commit`, a model's external data (and the references other models of
-the folder hold to it) following the name its staging chose.
+"""Every output folder: written aside in a private folder next to it, then moved into place.
+
+* :func:`publish_folder`: into a folder that may hold files already (a checkpoint export):
+  every file through the journaled commit of :mod:`~onnx_modular.storage.commit`, a model's
+  external data (and the references other models of the folder hold to it) following the name
+  its staging chose;
+* :func:`new_folder`: into a new (or empty) folder, checked first by :func:`check_output_folder`
+  (extract's cases, split's stages): the whole folder in one rename, so nothing is replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
 import stat
+from collections.abc import Iterator
 
 import onnx
 
-from onnx_modular.errors import SaveError
+from onnx_modular.errors import InvalidInputError, SaveError
 from onnx_modular.storage.commit import Staging, atomic_writes
 from onnx_modular.storage.destination import _data_pattern, data_name, referenced_data
 from onnx_modular.storage.locks import shown_path as _shown
+from onnx_modular.storage.locks import temp_folder
+from onnx_modular.storage.signals import interrupt_on_sigterm
 
-__all__ = ["publish_folder"]
+__all__ = ["publish_folder", "check_output_folder", "new_folder"]
+
+
+def check_output_folder(out: str | os.PathLike) -> pathlib.Path:
+    """``out`` as a folder that does not exist yet, or is empty, in an existing folder."""
+    if not isinstance(out, (str, os.PathLike)) or isinstance(os.fspath(out), bytes):
+        raise InvalidInputError(f"The output folder must be a path, not {type(out).__name__}.")
+    folder = pathlib.Path(out)
+    parent = folder.parent if str(folder.parent) else pathlib.Path(".")
+    if folder.name in ("", ".", ".."):
+        folder = folder.resolve()
+        parent = folder.parent
+    if folder.exists() or folder.is_symlink():
+        if not folder.is_dir() or folder.is_symlink():
+            raise InvalidInputError(f"The output {str(out)!r} exists and is not a folder.", hint="Give a new folder.")
+        if any(folder.iterdir()):
+            raise InvalidInputError(
+                f"The output folder {str(out)!r} exists and is not empty; nothing was written.",
+                hint="Give a new or empty folder (nothing is overwritten).",
+            )
+    if not parent.is_dir():
+        raise InvalidInputError(f"The folder {str(parent)!r} of the output does not exist.", hint="Create it first.")
+    return folder
+
+
+@contextlib.contextmanager
+def new_folder(folder: pathlib.Path, what: str, *, hint: str | None = None) -> Iterator[pathlib.Path]:
+    """A private folder next to ``folder`` (a :func:`check_output_folder`) to write into; on a normal
+    exit it is renamed to ``folder`` (which does not exist or is empty: rename(2) replaces it). If the
+    body raises, nothing is moved and the private folder is removed. SIGTERM is handled as SIGINT
+    meanwhile. ``what`` names the content in the error (``"the stages"``)."""
+    parent = folder.parent if str(folder.parent) else pathlib.Path(".")
+    with interrupt_on_sigterm(), temp_folder(parent) as tmp:
+        staged = tmp / "out"
+        staged.mkdir()
+        yield staged
+        try:
+            os.replace(staged, folder)
+        except OSError as e:
+            raise SaveError(f"Moving {what} into {str(folder)!r} failed: {e}", hint=hint) from e
 
 
 def _link_or_copy(source: pathlib.Path, target: pathlib.Path) -> None:

@@ -1,13 +1,13 @@
 """The checked model writer: :func:`write_checked` and :func:`staged_save` write an ``ir.Model``
 (functions callee-first, external data by size) into a staging of the commit, check it with
 ``onnx.checker``, and let the commit move it into place; :func:`write_text` writes a report the
-same way; :func:`scratch_model_file` writes a model to a private scratch folder for onnxruntime.
+same way.
 
 Every file goes through the journaled atomic commit of :mod:`~onnx_modular.storage.commit`
 (staged next to the destination, checked there, moved into place; a failure leaves nothing
 behind), guarded by :func:`~onnx_modular.storage.guard.check_outputs`. Folders are published by
-:mod:`~onnx_modular.storage.folders`; destinations and the names of data files are
-:mod:`~onnx_modular.storage.destination`'s. This module re-exports those entry points, so
+:mod:`~onnx_modular.storage.folders`, scratch models (run, never published) by :mod:`~onnx_modular.storage.scratch`;
+destinations and the names of data files are :mod:`~onnx_modular.storage.destination`'s. This module re-exports those entry points, so
 ``from onnx_modular.storage import save`` reaches every writer.
 """
 
@@ -25,7 +25,7 @@ from onnx_modular.errors import SaveError
 from onnx_modular.storage.commit import _JOURNAL_PREFIX, Staging, atomic_write, atomic_writes
 from onnx_modular.storage.destination import check_destination, data_name, referenced_data
 from onnx_modular.storage.folders import publish_folder
-from onnx_modular.storage.locks import TEMP_PREFIX, scratch_folder
+from onnx_modular.storage.locks import TEMP_PREFIX
 from onnx_modular.storage.locks import shown_path as _shown
 from onnx_modular.storage.signals import interrupt_on_sigterm
 
@@ -42,7 +42,6 @@ __all__ = [
     "data_name",
     "referenced_data",
     "publish_folder",
-    "scratch_model_file",
     "Staging",
     "wants_external_data",
     "_JOURNAL_PREFIX",
@@ -73,17 +72,6 @@ def _initializer_bytes(model: ir.Model) -> int:
 
 def wants_external_data(model: ir.Model, external_data: bool | None) -> bool:
     return _initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD if external_data is None else external_data
-
-
-@contextlib.contextmanager
-def scratch_model_file(model: ir.Model, purpose: str = "") -> Iterator[pathlib.Path]:
-    """``model`` written to a private temporary folder (:func:`~onnx_modular.storage.locks.scratch_folder`)
-    for the duration, its weights in ``model.onnx.data`` when they are large: an in-memory export
-    run by onnxruntime, checked or profiled."""
-    with scratch_folder(purpose) as folder:
-        path = folder / "model.onnx"
-        ir.save(model, path, external_data="model.onnx.data" if wants_external_data(model, None) else None)
-        yield path
 
 
 @contextlib.contextmanager
