@@ -6,10 +6,10 @@ same way.
 Every file goes through the journaled atomic commit of :mod:`~onnx_modular.storage.commit`
 (staged next to the destination, checked there, moved into place; a failure leaves nothing
 behind), guarded by :func:`~onnx_modular.storage.guard.check_outputs`. Folders are published by
-:mod:`~onnx_modular.storage.folders`, scratch models (run, never published) by :mod:`~onnx_modular.storage.scratch`;
-destinations and the names of data files are :mod:`~onnx_modular.storage.destination`'s. This module re-exports those entry points, so
-``from onnx_modular.storage import save`` reaches every writer.
-"""
+:mod:`~onnx_modular.storage.folders`; destinations and the names of data files are
+:mod:`~onnx_modular.storage.destination`'s; scratch models (run, never published) are written by
+:mod:`~onnx_modular.storage.scratch`. This module re-exports the entry points of the commit,
+destinations and folders, so ``from onnx_modular.storage import save`` reaches every writer of outputs."""
 
 from __future__ import annotations
 
