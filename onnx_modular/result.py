@@ -20,7 +20,7 @@ from onnx_modular.check.dispatch import verify_export
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree
-from onnx_modular.storage import save
+from onnx_modular.storage.scratch import scratch_model_file
 
 __all__ = ["ModularExport"]
 
@@ -225,7 +225,7 @@ def model_file(result: ModularExport) -> Iterator[pathlib.Path]:
     if result.path is not None and result.path.exists():
         yield result.path
         return
-    with save.scratch_model_file(result.model) as path:
+    with scratch_model_file(result.model) as path:
         yield path
 
 

@@ -118,7 +118,7 @@ def test_the_export_reports_the_generation_check(tmp_path, llama, capsys):
     makes the same folder from the exported file."""
     checkpoint, out = llama
     again = tmp_path / "again"
-    assert main(["genai", str(out / "model.onnx"), "--checkpoint", str(checkpoint), "-o", str(again), "--json"]) == 0
+    assert main(["genai", str(out / "model.onnx"), "--checkpoint", str(checkpoint), "-o", str(again), "--json", "-"]) == 0
     summary = json.loads(capsys.readouterr().out)
     check = summary["genai_check"]
     assert check["ok"] is True and check["equal"] == len(check["transformers"]) - len(check["prompt"]) > 5
@@ -126,6 +126,26 @@ def test_the_export_reports_the_generation_check(tmp_path, llama, capsys):
     assert summary["genai_config"] == json.loads((out / "genai_config.json").read_text())
     assert (again / "model.onnx").read_bytes() == (out / "model.onnx").read_bytes()
     assert (again / "tokenizer.json").read_bytes() == (checkpoint / "tokenizer.json").read_bytes()
+
+
+def test_the_optimized_folder_shares_the_cache_buffers_and_generates_as_transformers(tmp_path, llama, capsys):
+    """``genai M.onnx --optimize``: the folder carries the fused file (GroupQueryAttention inside
+    the attention body, the decoder layer still one function), genai shares the past and present
+    buffers, and its greedy tokens are still ``generate``'s."""
+    checkpoint, out = llama
+    fused = tmp_path / "fused"
+    assert main(["genai", str(out / "model.onnx"), "--checkpoint", str(checkpoint), "-o", str(fused), "--optimize",
+                 "--json", "-"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["optimized"]["attention"] == "GroupQueryAttention"
+    config = json.loads((fused / "genai_config.json").read_text())
+    assert config["search"]["past_present_share_buffer"] is True
+    saved = onnx.load(str(fused / "model.onnx"), load_external_data=False)
+    layers = [f for f in saved.functions if f.name.startswith("LlamaDecoderLayer")]
+    attention = [f for f in saved.functions if f.name.startswith("LlamaAttention")]
+    assert len(layers) == 1 and len(attention) == 1
+    assert [n.op_type for n in attention[0].node if n.domain == "com.microsoft"] == ["GroupQueryAttention"]
+    _assert_generates_as_transformers(checkpoint, fused)
 
 
 def test_olmo3_the_builder_refuses_generates_as_transformers(tmp_path, capsys):

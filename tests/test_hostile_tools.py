@@ -23,7 +23,7 @@ from onnx import TensorProto, helper
 from onnx_modular.cli import main
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.files.split import run_stages
-from onnx_modular.storage import guard, save
+from onnx_modular.storage import commit, guard, save
 from onnx_modular.storage.checks import check_expanded_size
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
@@ -104,7 +104,7 @@ def test_a_folder_commit_moves_every_data_file_before_any_model(tmp_path, monkey
     onnx.save(model, str(staged / "decode.onnx"))  # reads prefill.onnx.data
     out = tmp_path / "out"
     seen = []
-    real = save._move_model_in
+    real = commit._move_model_in
 
     def checked(entry, **kwargs):  # the model about to move in reads only data files already in place
         for location in guard.data_locations(entry.staging.model_path):
@@ -112,7 +112,7 @@ def test_a_folder_commit_moves_every_data_file_before_any_model(tmp_path, monkey
         seen.append(entry.staging.destination.name)
         return real(entry, **kwargs)
 
-    monkeypatch.setattr(save, "_move_model_in", checked)
+    monkeypatch.setattr(commit, "_move_model_in", checked)
     save.publish_folder(staged, out)
     assert seen[:2] == ["decode.onnx", "prefill.onnx"]
     assert guard.data_locations(out / "decode.onnx") == guard.data_locations(out / "prefill.onnx")

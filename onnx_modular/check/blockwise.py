@@ -48,7 +48,7 @@ from onnx_modular.errors import ParityError, VerificationError
 from onnx_modular.format import metadata
 from onnx_modular.passes.widen import WidenFloatPass
 from onnx_modular.runtime import sessions as runtime
-from onnx_modular.storage.locks import scratch_file
+from onnx_modular.storage.scratch import scratch_model_file
 from onnx_modular.weights.streaming import Blocks
 
 __all__ = ["BlockReport", "verify_blocks", "assert_blocks"]
@@ -278,17 +278,11 @@ class _Evaluator:
         runs = [[feeds[i.name] for i in inputs]]
         runs += [[variant.get(value, feeds[i.name]) for value, i in zip(sources, inputs)] for variant in variants]
         # next to the model: external initializers keep pointing into the file's data
-        with scratch_file(self.workdir / "model.onnx", "block.onnx") as path:
-            try:
-                if widened:  # the widened weights go to the piece's own data, removed with it
-                    ir.save(piece, path, external_data=f"{path.name}.data")
-                else:
-                    ir.save(piece, path)
-                session = runtime.session(path, self.execution_provider, prepacking=False)
-                results = [runtime.run(session, inputs, what="block of the model")[1] for inputs in runs]
-                return results if variants else results[0]
-            finally:
-                path.with_name(f"{path.name}.data").unlink(missing_ok=True)
+        # (the widened weights go to the piece's own data, removed with it)
+        with scratch_model_file(piece, near=self.workdir / "model.onnx", name="block.onnx", external_data=widened) as path:
+            session = runtime.session(path, self.execution_provider, prepacking=False)
+            results = [runtime.run(session, inputs, what="block of the model")[1] for inputs in runs]
+            return results if variants else results[0]
 
 
 def _copy_attr(attr: ir.Attr) -> ir.Attr:

@@ -154,12 +154,12 @@ def _reference(result: Any, args: Any, kwargs: Any, model: Any) -> tuple[list, l
 @contextlib.contextmanager
 def _file(result: Any, path: str | os.PathLike | None) -> Iterator[pathlib.Path]:
     """``path``, the export's saved file, or its model in a private temporary folder."""
-    from onnx_modular.storage import save
+    from onnx_modular.storage.scratch import scratch_model_file
 
     if path is not None:
         yield pathlib.Path(path)
     elif result.path is not None and pathlib.Path(result.path).exists():
         yield pathlib.Path(result.path)
     else:
-        with save.scratch_model_file(result.model) as file:
+        with scratch_model_file(result.model) as file:
             yield file

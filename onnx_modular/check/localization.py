@@ -30,6 +30,7 @@ from onnx_modular.format import metadata
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.load import load_model_file
+from onnx_modular.storage.scratch import scratch_model_file
 
 __all__ = [
     "LocalizationReport",
@@ -248,8 +249,7 @@ def localize(
         for t in tensors.flatten_inputs(args, {key: value for key, value in kwargs.items() if key not in fixed})
     ]
     if near is None:
-        with runtime.scratch_file(None, "instrumented.onnx") as path:
-            ir.save(model, path)
+        with scratch_model_file(model, name="instrumented.onnx", external_data=False) as path:
             values = runtime.run(
                 path, feeds, what="instrumented model", execution_provider=execution_provider
             )[1][original_outputs:]

@@ -153,7 +153,7 @@ def verify_bfloat16(
 
     from onnx_modular.passes.widen import WidenFloatPass
     from onnx_modular.runtime import sessions as runtime
-    from onnx_modular.storage.locks import scratch_folder
+    from onnx_modular.storage.scratch import scratch_model_file
 
     if tolerance is None:
         tolerance = widened_tolerance(expected)
@@ -162,11 +162,9 @@ def verify_bfloat16(
         loads = "onnxruntime loads the bfloat16 file"
     except Exception as e:  # onnxruntime's CPU provider: no bfloat16 MatMul, Add, ...
         loads = f"onnxruntime does not load the bfloat16 file ({first_line(e)[:160]})"
-    with scratch_folder("bf16") as folder:
-        widened = ir.load(path)
-        WidenFloatPass()(widened)
-        copy_path = folder / "float32.onnx"
-        ir.save(widened, copy_path, external_data="float32.onnx.data")
+    widened = ir.load(path)
+    WidenFloatPass()(widened)
+    with scratch_model_file(widened, "bf16", name="float32.onnx", external_data=True) as copy_path:
         report = verify_file(copy_path, inputs, expected, flat=flat, tolerance=tolerance, execution_provider=execution_provider)
     report.reference = "PyTorch float32"
     report.note = (

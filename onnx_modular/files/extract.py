@@ -48,8 +48,9 @@ from onnx_modular.format import metadata
 from onnx_modular.format.text import shown
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
-from onnx_modular.storage import locks, save
+from onnx_modular.storage import save
 from onnx_modular.storage.checks import check_expanded_size
+from onnx_modular.storage.folders import check_output_folder, new_folder
 from onnx_modular.storage.load import load_model_file
 from onnx_modular.storage.proto import function_label
 
@@ -103,28 +104,6 @@ class Extraction:
                 worst = max(data.max_abs.values(), default=0.0)
                 lines.append(f"  {data.folder.name}: call {data.call_name}, max abs difference {worst:.3g}")
         return "\n".join(lines)
-
-
-def check_output_folder(out: str | os.PathLike) -> pathlib.Path:
-    """``out`` as a folder that does not exist yet, or is empty, in an existing folder."""
-    if not isinstance(out, (str, os.PathLike)) or isinstance(os.fspath(out), bytes):
-        raise InvalidInputError(f"The output folder must be a path, not {type(out).__name__}.")
-    folder = pathlib.Path(out)
-    parent = folder.parent if str(folder.parent) else pathlib.Path(".")
-    if folder.name in ("", ".", ".."):
-        folder = folder.resolve()
-        parent = folder.parent
-    if folder.exists() or folder.is_symlink():
-        if not folder.is_dir() or folder.is_symlink():
-            raise InvalidInputError(f"The output {str(out)!r} exists and is not a folder.", hint="Give a new folder.")
-        if any(folder.iterdir()):
-            raise InvalidInputError(
-                f"The output folder {str(out)!r} exists and is not empty; nothing was written.",
-                hint="Give a new or empty folder (nothing is overwritten).",
-            )
-    if not parent.is_dir():
-        raise InvalidInputError(f"The folder {str(parent)!r} of the output does not exist.", hint="Create it first.")
-    return folder
 
 
 #: Longest folder name made from a call or function name: room for a ``_<n>`` suffix under the
@@ -475,10 +454,7 @@ def extract(
         sites = [calls[name] for name in names]
         built.append(_build(model, source, function, sites, formals, captured))
     models: list[ExtractedModel] = []
-    parent = folder.parent if str(folder.parent) else pathlib.Path(".")
-    with save.interrupt_on_sigterm(), locks.temp_folder(parent) as tmp:
-        staged = tmp / "out"
-        staged.mkdir()
+    with new_folder(folder, "the extracted models") as staged:
         taken: set[str] = set()
         for (function, names, formals), extracted in zip(cases, built):
             case = _case_name(function.name if target.is_class else names[0], taken)
@@ -493,9 +469,5 @@ def extract(
                     data_sets=[DataSet(n, folder / case / d.name, diffs) for n, d, diffs in results],
                 )
             )
-        try:
-            os.replace(staged, folder)  # a folder that exists is empty (checked): rename(2) replaces it
-        except OSError as e:
-            raise SaveError(f"Moving the extracted models into {str(folder)!r} failed: {e}") from e
     return Extraction(source, call, folder, models)
 

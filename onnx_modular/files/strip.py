@@ -17,6 +17,7 @@ import pathlib
 
 import onnx
 
+from onnx_modular.storage import save
 from onnx_modular.storage.load import load_model_file
 
 __all__ = ["strip_names", "strip_proto"]
@@ -75,9 +76,12 @@ def strip_proto(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def strip_names(path: str | os.PathLike, output: str | os.PathLike) -> pathlib.Path:
     """Write a stripped copy of the ONNX file ``path`` to ``output`` (weights inline below 2 GB,
-    else in ``<output>.data``)."""
+    else in ``<output>.data``, or a name of its own when that one is taken), atomically."""
     model = strip_proto(load_model_file(pathlib.Path(path), load_external_data=True))
     output = pathlib.Path(output)
     large = model.ByteSize() > 1_900_000_000
-    onnx.save(model, str(output), save_as_external_data=large, location=output.name + ".data" if large else None)
+    with save.atomic_write(output) as staging:  # the one commit (and its guard), as every file
+        onnx.save(
+            model, str(staging.model_path), save_as_external_data=large, location=staging.data_location if large else None
+        )
     return output

@@ -44,7 +44,7 @@ from onnx_modular.hf.exporter import (
 )
 from onnx_modular.hf.meta import checkpoint_weights
 from onnx_modular.passes.dynamic_axes import RenameDynamicAxesPass
-from onnx_modular.storage import locks, save
+from onnx_modular.storage import folders, locks, save
 from onnx_modular.storage.shared_data import share_external_data
 
 __all__ = ["RUNTIME_FILES", "export_checkpoint", "streamed"]
@@ -111,32 +111,7 @@ def export_checkpoint(
     output = pathlib.Path(output)
     single_file = output.suffix == ".onnx"
     task = resolve_task(task)
-    if generation and single_file:
-        raise InvalidInputError(
-            f"--generation writes several components, so {str(output)!r} must be a folder, not a .onnx file.",
-            hint="Give a folder: -o out/ (prefill.onnx, decode.onnx, export.json, config.json).",
-        )
-    if flat_file and not single_file:
-        raise InvalidInputError(
-            "--flat-file writes the flat copy beside one .onnx file; a folder export writes several.",
-            hint="Give a file (-o model.onnx), or run `onnx-modular inline --optimize` on a file of the folder.",
-        )
-    if io_names not in IO_NAMINGS:
-        raise InvalidInputError(f"io_names={io_names!r}: expected one of {', '.join(IO_NAMINGS)}.")
-    if io_names == "optimum" and task != "causal-lm-with-past":
-        raise InvalidInputError(
-            f"Optimum's input and output names (past_key_values.N.key, present.N.key) are those of a decoder with its "
-            f"cache; task {task!r} has no cache.",
-            hint="Use --task causal-lm-with-past (text-generation-with-past), or drop --io-names optimum.",
-        )
-    if io_names == "optimum" and not single_file:
-        raise InvalidInputError(
-            "Optimum's input and output names are for one .onnx file: a folder is loaded by ExportedModel.from_pretrained, "
-            "which binds inputs by transformers' names.",
-            hint="Give a file (-o model.onnx), or drop --io-names optimum.",
-        )
-    if output.is_file() and not single_file:
-        raise InvalidInputError(f"{str(output)!r} is a file; the export of a checkpoint to a folder needs a folder.")
+    _check_arguments(output, task, generation=generation, flat_file=flat_file, io_names=io_names)
     # Before any work: the file's folder, or the output folder (or its parent), must exist and be writable.
     save.check_destination(output / "export.json" if output.is_dir() else output)
     check_checkpoint_links(source)
@@ -171,15 +146,7 @@ def export_checkpoint(
                 except ParityError as e:
                     reports[name] = result.report
                     failure = failure or e
-    for name, component in exported.components.items():  # export.json says what was done
-        used = _tolerance_used(reports.get(name), tolerance)
-        component.metadata.export_config.update(
-            verify=name in reports,
-            verified=bool(name in reports and reports[name].ok),
-            rtol=None if used is None else used.rtol,
-            atol=None if used is None else used.atol,
-            task=task,
-        )
+    _record_checks(exported, reports, tolerance, task)
     if failure is not None:
         failure.reports = reports  # every component's report, for the command line
     if failure is not None and not keep_on_mismatch:
@@ -192,6 +159,50 @@ def export_checkpoint(
     if failure is not None:
         raise failure
     return exported, reports
+
+
+def _check_arguments(output: pathlib.Path, task: str, *, generation: bool, flat_file: Any, io_names: str) -> None:
+    """Refuse, before any work, options that do not fit the output (a file or a folder) or the task."""
+    single_file = output.suffix == ".onnx"
+    if generation and single_file:
+        raise InvalidInputError(
+            f"--generation writes several components, so {str(output)!r} must be a folder, not a .onnx file.",
+            hint="Give a folder: -o out/ (prefill.onnx, decode.onnx, export.json, config.json).",
+        )
+    if flat_file and not single_file:
+        raise InvalidInputError(
+            "--flat-file writes the flat copy beside one .onnx file; a folder export writes several.",
+            hint="Give a file (-o model.onnx), or run `onnx-modular inline --optimize` on a file of the folder.",
+        )
+    if io_names not in IO_NAMINGS:
+        raise InvalidInputError(f"io_names={io_names!r}: expected one of {', '.join(IO_NAMINGS)}.")
+    if io_names == "optimum" and task != "causal-lm-with-past":
+        raise InvalidInputError(
+            f"Optimum's input and output names (past_key_values.N.key, present.N.key) are those of a decoder with its "
+            f"cache; task {task!r} has no cache.",
+            hint="Use --task causal-lm-with-past (text-generation-with-past), or drop --io-names optimum.",
+        )
+    if io_names == "optimum" and not single_file:
+        raise InvalidInputError(
+            "Optimum's input and output names are for one .onnx file: a folder is loaded by ExportedModel.from_pretrained, "
+            "which binds inputs by transformers' names.",
+            hint="Give a file (-o model.onnx), or drop --io-names optimum.",
+        )
+    if output.is_file() and not single_file:
+        raise InvalidInputError(f"{str(output)!r} is a file; the export of a checkpoint to a folder needs a folder.")
+
+
+def _record_checks(exported: Any, reports: dict[str, verification.ParityReport], tolerance, task: str) -> None:
+    """What was done, in each component's ``export.json``: whether it was checked, passed, and with which tolerance."""
+    for name, component in exported.components.items():
+        used = _tolerance_used(reports.get(name), tolerance)
+        component.metadata.export_config.update(
+            verify=name in reports,
+            verified=bool(name in reports and reports[name].ok),
+            rtol=None if used is None else used.rtol,
+            atol=None if used is None else used.atol,
+            task=task,
+        )
 
 
 def _rename_io(model: Any, naming: Callable[[list[str]], dict[str, str]]) -> None:
@@ -228,7 +239,7 @@ def _logged_stage(log: Callable[[str], None]):
 def _save_folder(exported: Any, source: str, output: pathlib.Path) -> list[str]:
     """``save_pretrained`` into a private folder beside ``output``, the components' shared weights
     stored once (``decode.onnx`` reads the tensors it has in common with ``prefill.onnx`` from
-    ``prefill.onnx.data``), the runtime files of the checkpoint copied there, then every file moved into ``output`` by :func:`~onnx_modular.storage.save.publish_folder`
+    ``prefill.onnx.data``), the runtime files of the checkpoint copied there, then every file moved into ``output`` by :func:`~onnx_modular.storage.folders.publish_folder`
     (one commit: all or nothing, no other model's data overwritten, links in ``output`` replaced, not
     followed, modes kept)."""
     parent = output.parent if str(output.parent) else pathlib.Path(".")
@@ -240,7 +251,7 @@ def _save_folder(exported: Any, source: str, output: pathlib.Path) -> list[str]:
             files = [manifest["components"][name]["file"] for name in exported.components]
             share_external_data(staged, files, keep_data_file=True)  # from_pretrained needs each <file>.data
         modes = _copy_runtime_files(source, staged)
-        return save.publish_folder(staged, output, modes=modes)
+        return folders.publish_folder(staged, output, modes=modes)
 
 
 def check_checkpoint_links(source: str | os.PathLike) -> None:

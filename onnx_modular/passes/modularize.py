@@ -44,6 +44,7 @@ __all__ = [
     "OutlineModuleCallsPass",
 ]
 
+
 def _nested_nodes(node: ir.Node) -> Iterable[ir.Node]:
     for attr in node.attributes.values():
         if attr.type == ir.AttributeType.GRAPH:

@@ -8,7 +8,7 @@ An output (a model, its data file, a JSON or HTML report, a folder) may not be:
   shared weights from ``prefill.onnx.data``, ``b.onnx`` and ``b.onnx.data``).
 
 :func:`check_outputs` is called by each tool before any work (``save.check_destination(path,
-reads=[input])``) and again by the writer itself (:func:`~onnx_modular.storage.save.atomic_writes`)
+reads=[input])``) and again by the writer itself (:func:`~onnx_modular.storage.commit.atomic_writes`)
 for every file it is about to move in, with the files the running command declared it reads
 (:func:`reading`, which the command line sets for every command). The error names the model
 that owns the file.

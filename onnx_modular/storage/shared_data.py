@@ -9,7 +9,7 @@ removed when nothing is left in it. Tensors are read one at a time, in pieces: m
 with the model.
 
 It rewrites the folder in place, so it runs on a folder written aside (``save_pretrained`` into a
-private staging folder) before :func:`~onnx_modular.storage.save.publish_folder` moves it into place.
+private staging folder) before :func:`~onnx_modular.storage.folders.publish_folder` moves it into place.
 """
 
 from __future__ import annotations
@@ -88,6 +88,24 @@ def _copy(file, offset: int, length: int, target) -> None:
         left -= len(piece)
 
 
+def _external_tensors(model: onnx.ModelProto, folder: pathlib.Path, name: str, handles: dict) -> list[tuple]:
+    """``(tensor, location, offset, length, content)`` of every external tensor of ``model`` (the
+    model file ``name`` of ``folder``), the data files opened into ``handles`` (the caller closes them)."""
+    found = []
+    for tensor in all_tensors(model):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location, offset, length = _reference(tensor)
+        if os.path.isabs(location) or pathlib.Path(location).name != location:
+            raise SaveError(f"{shown(name)} refers to external data {shown(location)} outside its folder.")
+        if location not in handles:
+            handles[location] = open(folder / location, "rb")
+        if length is None:
+            length = _byte_size(tensor)
+        found.append((tensor, location, offset, length, _digest(handles[location], offset, length)))
+    return found
+
+
 def share_external_data(folder: str | os.PathLike, models: list[str], *, keep_data_file: bool = False) -> SharedData:
     """Point each model of ``models`` (file names in ``folder``, in order) at the bytes an earlier
     model already stores, and keep only the others in its own data file.
@@ -112,18 +130,7 @@ def share_external_data(folder: str | os.PathLike, models: list[str], *, keep_da
         own_location = f"{name}.data"
         handles: dict[str, object] = {}
         try:
-            found = []  # (tensor, location, offset, length, content)
-            for tensor in all_tensors(model):
-                if tensor.data_location != onnx.TensorProto.EXTERNAL:
-                    continue
-                location, offset, length = _reference(tensor)
-                if os.path.isabs(location) or pathlib.Path(location).name != location:
-                    raise SaveError(f"{shown(name)} refers to external data {shown(location)} outside its folder.")
-                if location not in handles:
-                    handles[location] = open(folder / location, "rb")
-                if length is None:
-                    length = _byte_size(tensor)
-                found.append((tensor, location, offset, length, _digest(handles[location], offset, length)))
+            found = _external_tensors(model, folder, name, handles)
             if index == 0:
                 for _, location, offset, length, content in found:
                     stored.setdefault(content, (location, offset, length))

@@ -1,5 +1,5 @@
 """Signals around a save: SIGTERM handled like Ctrl-C while a save runs, and both deferred
-through the few renames of a commit (:mod:`onnx_modular.storage.save`), and through the CLI's
+through the few renames of a commit (:mod:`onnx_modular.storage.commit`), and through the CLI's
 heavy imports (a signal inside a C extension's initialisation aborts the process)."""
 
 from __future__ import annotations
