@@ -38,7 +38,8 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from onnx_modular.cli.commands import run_diff, run_export, run_inline, run_verify
+from onnx_modular.cli.commands import run_diff, run_inline, run_verify
+from onnx_modular.cli.exporting import run_export
 from onnx_modular.cli.output import (
     EXIT_INTERNAL,
     EXIT_MISMATCH,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from onnx_modular.cli import commands as handlers
+from onnx_modular.cli import exporting
 
 
 def _json_option(parser: argparse.ArgumentParser, what: str) -> None:
@@ -133,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="depth of the printed tree (default 2; 0 = all); --json always has the whole tree",
     )
     _json_option(export, "the summary (paths, parity report, tree)")
-    export.set_defaults(run=handlers.run_export)
+    export.set_defaults(run=exporting.run_export)
 
     tree = commands.add_parser(
         "tree",
@@ -437,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     genai.add_argument("--keep-on-mismatch", action="store_true", help="write the folder even when the tokens differ (exit code 1)")
     genai.add_argument("--optimize", action="store_true", help="copy in the file rewritten by `optimize` (fused kernels; GroupQueryAttention lets genai share the past and present buffers)")
     _json_option(genai, "the summary (parity, genai check, genai_config.json)")
-    genai.set_defaults(run=handlers.run_genai)
+    genai.set_defaults(run=exporting.run_genai)
 
     view = commands.add_parser(
         "view",
