@@ -101,7 +101,7 @@ def _calls(model: ir.Model, name: str) -> int:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", pytest.param("qwen3", marks=pytest.mark.slow)])
-def test_decoder_fused_inside_the_bodies_and_generates_as_transformers(kind, tmp_path, capsys):
+def test_decoder_fused_inside_the_bodies_and_generates_as_transformers(kind, tmp_path, capsys, monkeypatch):
     import torch
 
     from onnx_modular.cli import main
@@ -145,6 +145,18 @@ def test_decoder_fused_inside_the_bodies_and_generates_as_transformers(kind, tmp
         expected = model.generate(torch.tensor(prompt), do_sample=False, max_new_tokens=6, min_new_tokens=6,
                                   eos_token_id=None, pad_token_id=0)
     np.testing.assert_array_equal(_greedy(optimized, prompt, 6, 2, 2, 16), expected.numpy())
+    if kind == "llama":  # weights in external data are read beside the file, whatever the working folder
+        import onnx
+
+        from onnx_modular import optimize
+
+        other = tmp_path / "elsewhere"
+        other.mkdir()
+        onnx.save(onnx.load(str(exported)), str(other / "e.onnx"), save_as_external_data=True, location="e.onnx.data",
+                  size_threshold=0)
+        monkeypatch.chdir(tmp_path)
+        again = optimize(other / "e.onnx", other / "e.opt.onnx", max_positions=128, verify=False)
+        assert again.attention == "GroupQueryAttention"
 
 
 def test_file_without_functions_refused(tmp_path):

@@ -316,6 +316,9 @@ def _load(path: str | os.PathLike) -> ir.Model:
     load_model_file(path)  # the project's checks: not a model, malformed, recursive, huge
     try:
         model = ir.load(path)
+        # Weights in memory: each step works on a serialized copy, which would lose the folder its
+        # external data is read from (and the checks run every weight in onnxruntime anyway).
+        ir.external_data.load_to_model(model)
     except Exception as error:  # a file onnx can read but onnx_ir cannot
         raise InvalidModelFileError(f"onnx_ir cannot read {str(path)!r}: {error}") from error
     if not model.functions:
