@@ -21,6 +21,7 @@ import onnx
 from onnx_modular.calls.tree import function_tree
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.format import metadata
+from onnx_modular.passes.proto_bodies import body_names, unique_name
 from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.proto import FunctionId, all_nodes, function_id, node_id
 
@@ -147,26 +148,6 @@ def chain(call: metadata.ExpandedCall) -> list[metadata.ExpandedCall]:
     return out[::-1]
 
 
-def body_names(body: onnx.GraphProto | onnx.FunctionProto) -> set[str]:
-    """Every value name a body uses (inputs, outputs, node inputs and outputs, subgraphs included)."""
-    if isinstance(body, onnx.FunctionProto):
-        names = set(body.input) | set(body.output)
-    else:
-        names = {v.name for v in body.input} | {v.name for v in body.output} | {t.name for t in body.initializer}
-    for node in all_nodes(body.node):
-        names.update(node.input)
-        names.update(node.output)
-    return names
-
-
-def unique_name(name: str, taken: set[str]) -> str:
-    """``name``, or ``name_1``, ``name_2``, ... not in ``taken`` (the exporter's value naming,
-    :func:`~onnx_modular.passes.signatures.unique_names`); the result is added to ``taken``."""
-    candidate, suffix = name, 1
-    while candidate in taken:  # as unique_names, without copying ``taken`` (a call per probe was quadratic)
-        candidate, suffix = f"{name}_{suffix}", suffix + 1
-    taken.add(candidate)
-    return candidate
 
 
 def function_name(name: str, taken: set[str]) -> str:

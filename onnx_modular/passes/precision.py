@@ -33,7 +33,7 @@ import onnx.defs
 import onnx.helper
 import onnx.numpy_helper
 
-from onnx_modular.passes._proto_bodies import (
+from onnx_modular.passes.proto_bodies import (
     Body,
     FunctionId,
     all_nodes,

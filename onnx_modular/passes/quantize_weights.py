@@ -26,7 +26,7 @@ import onnx
 import onnx.helper
 import onnx.numpy_helper
 
-from onnx_modular.passes._proto_bodies import Body, call_sites, ensure_opset, function_id, uses
+from onnx_modular.passes.proto_bodies import Body, call_sites, ensure_opset, function_id, uses
 
 __all__ = ["QUANTIZE_BITS", "QuantizeSettings", "QuantizedWeights", "quantize_weights", "root_logging_kept"]
 

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import onnx
 
 from onnx_modular.format.metadata import subgraphs
 from onnx_modular.format.text import shown
-
-#: ``(domain, name, overload)``, as ``onnx_ir.OperatorIdentifier``.
-FunctionId = tuple[str, str, str]
+from onnx_modular.passes.proto_bodies import FunctionId, all_nodes, function_id, node_id  # the one home of these walks
 
 
 def function_label(function_id: FunctionId) -> str:
@@ -58,25 +56,7 @@ def inline_functions(model: onnx.ModelProto, function_ids: Sequence[tuple[str, s
     return onnx.inliner.inline_selected_functions(model, list(function_ids))
 
 
-def all_nodes(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
-    """The nodes and, depth first, the nodes of their If/Loop/Scan subgraphs."""
-    stack = [iter(nodes)]
-    while stack:
-        node = next(stack[-1], None)
-        if node is None:
-            stack.pop()
-            continue
-        yield node
-        for graph in subgraphs(node):
-            stack.append(iter(graph.node))
 
-
-def node_id(node: onnx.NodeProto) -> FunctionId:
-    return (node.domain, node.op_type, node.overload)
-
-
-def function_id(function: onnx.FunctionProto) -> FunctionId:
-    return (function.domain, function.name, function.overload)
 
 
 def all_graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:

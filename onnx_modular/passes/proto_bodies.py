@@ -2,9 +2,9 @@
 :mod:`~onnx_modular.passes.precision` and :mod:`~onnx_modular.passes.quantize_weights`: who
 calls a function, who reads a value, what types a body declares, fresh value names, opset imports.
 
-``function_id``, ``node_id``, ``all_nodes`` are those of :mod:`onnx_modular.storage.proto`,
-``body_names`` and ``unique_name`` those of :mod:`onnx_modular.calls.targets`: ``passes/`` cannot
-import either folder (both import ``passes/``).
+The one home of the proto walks ``function_id``, ``node_id``, ``all_nodes``, ``body_names`` and
+``unique_name``: :mod:`onnx_modular.storage.proto` and :mod:`onnx_modular.calls.targets` use these
+(``passes/`` sits below both folders, so the walks live here).
 """
 
 from __future__ import annotations
