@@ -128,7 +128,8 @@ def test_shown_names_hold_no_control_or_format_characters(value):
 # -- issue 25: hostile checkpoint folders through `export <folder>` ------------------------------
 
 
-def test_checkpoint_folders_find_no_new_failure_class(tmp_path):
+@pytest.mark.parametrize("cases", [4, pytest.param(16, marks=pytest.mark.slow)])  # the campaign itself: --runslow
+def test_checkpoint_folders_find_no_new_failure_class(tmp_path, cases):
     """A fixed-seed sample of the ``checkpoint`` case kind (broken config.json, lying weights,
     code or pickles in the folder), each exported with and without --stream-weights: a typed
     error or a verified file, the folder unchanged, nothing from it run. The campaign is
@@ -137,11 +138,11 @@ def test_checkpoint_folders_find_no_new_failure_class(tmp_path):
     server = fuzz_files.ForkServer(torch=True)
     try:
         records = fuzz_files.run_campaign(
-            16, seed=3, timeout=240, memory_mb=8192, only=["checkpoint"], workdir=tmp_path, server=server
+            cases, seed=3, timeout=240, memory_mb=8192, only=["checkpoint"], workdir=tmp_path, server=server
         )
     finally:
         server.close()
-    assert len(records) == 16 and not any("generator_error" in r for r in records), records
+    assert len(records) == cases and not any("generator_error" in r for r in records), records
     assert all(r["kind"] == "checkpoint" and len(r["results"]) == 2 for r in records)
     assert any(res["exitcode"] == 2 for r in records for res in r["results"])  # the breakage is reported
     new = fuzz_files.new_failures(records)
