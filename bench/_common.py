@@ -55,8 +55,11 @@ def feeds_for(session, inputs):
     return {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)}
 
 
-def run_latency(session, feeds, runs: int) -> float:
-    session.run(None, feeds)  # warm-up
+def run_latency(session, feeds, runs: int, warmup: bool = True) -> float:
+    """The median seconds of ``runs`` runs (after one warm-up run unless ``warmup`` is false:
+    a benchmark that takes turns between files warms them up once, before its rounds)."""
+    if warmup:
+        session.run(None, feeds)
     times = []
     for _ in range(runs):
         start = time.perf_counter()

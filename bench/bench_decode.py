@@ -19,8 +19,8 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 
+import _common
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -59,15 +59,6 @@ def _feeds(session: ort.InferenceSession, past: int, length: int, vocab: int, he
         else:
             raise SystemExit(f"bench_decode: no feed for input {value.name!r}")
     return feeds
-
-
-def _time(session, feeds, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        session.run(None, feeds)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _greedy(session: ort.InferenceSession, prompt: np.ndarray, steps: int, head_size: int) -> list[int]:
@@ -129,7 +120,7 @@ def main() -> None:
         for index in range(args.rounds * runs):  # one run of each file in turn: the same load for all
             order = names if index % 2 == 0 else names[::-1]
             for name in order:
-                times[name].append(_time(sessions[name], feeds[name], 1))
+                times[name].append(_common.run_latency(sessions[name], feeds[name], 1, warmup=False))
         medians = {n: statistics.median(v) * 1e3 for n, v in times.items()}
         ratios = "".join(f"{medians[n] / medians[names[0]]:>{ratio_width - 1}.2f}x" for n in names[1:])
         print(f"{label:<18}" + "".join(f"{medians[n]:>{width}.2f}" for n in names) + ratios, flush=True)
