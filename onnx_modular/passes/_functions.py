@@ -6,8 +6,7 @@ from collections.abc import Iterator, Mapping
 
 import onnx_ir as ir
 
-__all__ = ["bodies", "all_nodes", "redirect_calls", "callees", "function_cycle"]
-
+__all__ = ["bodies", "all_nodes", "redirect_calls", "callees", "function_cycle", "keep_formal_inputs"]
 
 
 def bodies(model: ir.Model) -> list[ir.Graph | ir.Function]:
@@ -69,3 +68,18 @@ def function_cycle(model: ir.Model) -> list[ir.OperatorIdentifier] | None:
         if identifier not in state and (cycle := visit(identifier)) is not None:
             return cycle
     return None
+
+
+def keep_formal_inputs(function: ir.Function, calls, keep: list[int]) -> None:
+    """``function`` keeps only its formal inputs at positions ``keep`` (in order), and each call
+    of it the matching arguments (trailing omitted ones dropped)."""
+    for call in calls:
+        arguments = [call.inputs[i] if i < len(call.inputs) else None for i in keep]
+        while arguments and arguments[-1] is None:
+            arguments.pop()
+        for position, argument in enumerate(arguments):
+            call.replace_input_with(position, argument)
+        call.resize_inputs(len(arguments))
+    remaining = [function.inputs[i] for i in keep]
+    function.inputs.clear()
+    function.inputs.extend(remaining)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
+from onnx_modular.passes._functions import keep_formal_inputs
 from onnx_modular.passes.sink_constants import _call_sites, _constant_argument, _same
 
 __all__ = [
@@ -172,17 +173,7 @@ def drop_unused_formals(model: ir.Model) -> int:
             unused = {i for i, v in enumerate(function.inputs) if not v.uses() and not v.is_graph_output()}
             if not unused:
                 continue
-            keep = [i for i in range(len(function.inputs)) if i not in unused]
-            for call in sites.get(key, []):
-                arguments = [call.inputs[i] if i < len(call.inputs) else None for i in keep]
-                while arguments and arguments[-1] is None:
-                    arguments.pop()
-                for position, argument in enumerate(arguments):
-                    call.replace_input_with(position, argument)
-                call.resize_inputs(len(arguments))
-            remaining = [function.inputs[i] for i in keep]
-            function.inputs.clear()
-            function.inputs.extend(remaining)
+            keep_formal_inputs(function, sites.get(key, []), [i for i in range(len(function.inputs)) if i not in unused])
             dropped += len(unused)
             changed = True
         for body in [model.graph, *model.functions.values()]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from onnx_modular.format import metadata
+from onnx_modular.passes._functions import keep_formal_inputs
 
 __all__ = ["SinkLiftedConstantsPass"]
 
@@ -103,17 +104,7 @@ class SinkLiftedConstantsPass(ir.passes.InPlacePass):
                     output.name, output.dtype, output.shape = name, tensor.dtype, ir.Shape(tuple(tensor.shape))
                     use.node.graph.insert_before(use.node, constant)
                     use.node.replace_input_with(use.idx, output)
-            kept = [i for i in range(len(function.inputs)) if i not in sunk]
-            for call in calls:
-                arguments = [call.inputs[i] if i < len(call.inputs) else None for i in kept]
-                while arguments and arguments[-1] is None:
-                    arguments.pop()
-                for position, argument in enumerate(arguments):
-                    call.replace_input_with(position, argument)
-                call.resize_inputs(len(arguments))
-            remaining = [function.inputs[i] for i in kept]
-            function.inputs.clear()
-            function.inputs.extend(remaining)
+            keep_formal_inputs(function, calls, [i for i in range(len(function.inputs)) if i not in sunk])
             changed = True
         return changed
 
