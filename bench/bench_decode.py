@@ -3,7 +3,8 @@
 Files are named on the command line (``NAME=PATH``, the first is the baseline of the ratios);
 each must take ``input_ids``, ``attention_mask`` and ``past_key_values.N.key|value`` (our
 ``export --task causal-lm-with-past --io-names optimum``, ``onnx-modular optimize``'s file, and
-onnxruntime-genai's builder file all do). One intra-op thread, sequential execution; the files
+onnxruntime-genai's builder file all do) or ``input.past_key_values.layers.N.keys|values``
+(transformers' own exporter, ``transformers.exporters``). One intra-op thread, sequential execution; the files
 take turns run by run (``--rounds`` x ``--runs`` runs each, the order reversed every turn), so that
 a change of the machine's load hits every file alike; the result is the median of each file's runs. Kernels per token: the nodes of onnxruntime's optimized model
 (``SessionOptions.optimized_model_filepath``) of each file.
@@ -44,6 +45,18 @@ def _kernels(path: str) -> int:
         return len(onnx.load(target, load_external_data=False).graph.node)
 
 
+def _static(dim, default: int | None) -> int:
+    """A cache axis: a number, a symbol spelled as one (transformers' exporter names its KV heads ``"4"``), or
+    ``default``."""
+    if isinstance(dim, int):
+        return dim
+    if isinstance(dim, str) and dim.isdigit():
+        return int(dim)
+    if default is None:
+        raise SystemExit(f"bench_decode: the cache's head count is symbolic ({dim!r})")
+    return default
+
+
 def _feeds(session: ort.InferenceSession, past: int, length: int, vocab: int, head_size: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     feeds = {}
@@ -52,13 +65,22 @@ def _feeds(session: ort.InferenceSession, past: int, length: int, vocab: int, he
             feeds[value.name] = rng.integers(0, vocab, (1, length)).astype(np.int64)
         elif value.name == "attention_mask":
             feeds[value.name] = np.ones((1, past + length), np.int64)
-        elif value.name.startswith("past_key_values"):
-            heads = value.shape[1]
-            size = value.shape[3] if isinstance(value.shape[3], int) else head_size  # the builder's 'kv_cache_dim'
+        elif "past_key_values" in value.name:
+            heads = _static(value.shape[1], None)
+            size = _static(value.shape[3], head_size)  # the builder's 'kv_cache_dim'
             feeds[value.name] = rng.standard_normal((1, heads, past, size)).astype(np.float32)
         else:
             raise SystemExit(f"bench_decode: no feed for input {value.name!r}")
     return feeds
+
+
+def _present(past: str, outputs: dict) -> str:
+    """The output that carries a past input's next value: ``present.N.key`` (ours, the builder's) or
+    ``output.past_key_values.layers.N.keys`` for ``input.past_key_values.layers.N.keys`` (transformers' exporter)."""
+    for name in (past.replace("past_key_values", "present"), past.replace("input.", "output.", 1)):
+        if name in outputs:
+            return name
+    raise SystemExit(f"bench_decode: no output carries {past!r} on")
 
 
 def _greedy(session: ort.InferenceSession, prompt: np.ndarray, steps: int, head_size: int) -> list[int]:
@@ -70,7 +92,7 @@ def _greedy(session: ort.InferenceSession, prompt: np.ndarray, steps: int, head_
         outputs = dict(zip(names, session.run(None, feeds)))
         token = int(outputs["logits"][0, -1].argmax())
         tokens.append(token)
-        past = {n: outputs[n.replace("past_key_values", "present")] for n in feeds if n.startswith("past_key_values")}
+        past = {n: outputs[_present(n, outputs)] for n in feeds if "past_key_values" in n}
         length = next(iter(past.values())).shape[2] + 1
         feeds = {"input_ids": np.array([[token]], np.int64), "attention_mask": np.ones((1, length), np.int64), **past}
     return tokens

@@ -21,6 +21,7 @@ from onnx_modular.cli import main  # noqa: E402
 from onnx_modular.errors import InvalidInputError  # noqa: E402
 from onnx_modular.format import metadata  # noqa: E402
 from onnx_modular.hf import checkpoint as hf_checkpoint  # noqa: E402
+from onnx_modular.hf.command import export_checkpoint  # noqa: E402
 
 CACHE_ARG = cache_argument()  # `cache` from transformers 5.24, `past_key_values` before
 
@@ -237,3 +238,30 @@ def test_optimum_io_names_decode_as_optimum_feeds_them(tmp_path, capsys):
     assert "--stream-weights" in capsys.readouterr().err
     with pytest.raises(InvalidInputError, match="decoder"):
         hf_checkpoint.optimum_io_names(["input.past_key_values.self_attention_cache.layers.0.keys", "logits"])
+
+
+def test_with_past_of_an_encoder_configured_bert_says_to_set_is_decoder(tmp_path):
+    """BertLMHeadModel with is_decoder false runs as an encoder and returns no cache: a typed error naming
+    the class and the config key, before anything is written."""
+    config = transformers.BertConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                     num_attention_heads=4, is_decoder=False)
+    transformers.BertLMHeadModel(config).eval().save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(InvalidInputError, match=r"BertLMHeadModel returned no cache.*is_decoder") as error:
+        export_checkpoint(str(tmp_path / "ckpt"), "causal-lm-with-past", tmp_path / "m.onnx")
+    assert '"is_decoder": true' in error.value.hint
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_checkpoint_whose_forward_fails_names_the_module_and_the_config(tmp_path):
+    """A config that does not fit its class (Helium's o_proj is hidden x hidden, its heads are head_dim wide):
+    the checkpoint's own forward fails before any export, and the error says so, naming the module."""
+    if not hasattr(transformers, "HeliumConfig"):
+        pytest.skip("this transformers has no Helium")
+    config = transformers.HeliumConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    transformers.HeliumForCausalLM(config).eval().save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(onnx_modular.errors.CaptureError, match="HeliumForCausalLM failed to run in PyTorch") as error:
+        export_checkpoint(str(tmp_path / "ckpt"), "causal-lm-with-past", tmp_path / "m.onnx")
+    assert error.value.module_path == "model.layers.0.self_attn.o_proj"
+    assert "config.json" in error.value.hint
+    assert not (tmp_path / "m.onnx").exists()

@@ -21,7 +21,8 @@ import torch
 import transformers
 from transformers.exporters.exporter_dynamo import get_auto_dynamic_shapes
 
-from onnx_modular.errors import InvalidInputError, OnnxModularError
+from onnx_modular.capture.diagnostics import module_path_from_traceback
+from onnx_modular.errors import CaptureError, InvalidInputError, OnnxModularError
 from onnx_modular.format.text import first_line
 from onnx_modular.hf.meta import (
     check_checkpoint_config,
@@ -334,10 +335,38 @@ def sample_inputs(model: torch.nn.Module, task: str, *, generation: bool = False
             cache = zero_cache(model, BATCH, PAST)
         else:
             with torch.no_grad():
-                cache = returned_cache(model(input_ids=prefix, use_cache=True))
+                try:
+                    cache = returned_cache(model(input_ids=prefix, use_cache=True))
+                except Exception as exc:  # the checkpoint's own forward: a config that does not fit the class
+                    raise _forward_failed(model, exc) from exc
+            if cache is None:
+                raise _no_cache(model)
         inputs["attention_mask"] = torch.ones(BATCH, PAST + SEQUENCE, dtype=torch.long)
         inputs[cache_argument(model)] = cache
     return inputs
+
+
+def _forward_failed(model: torch.nn.Module, exc: Exception) -> CaptureError:
+    return CaptureError(
+        f"{type(model).__name__} failed to run in PyTorch on token ids, before any export: {type(exc).__name__}: "
+        f"{first_line(exc)}",
+        module_path=module_path_from_traceback(exc, model),
+        hint="The checkpoint's config.json may not fit its class (hidden_size, num_attention_heads, head_dim, "
+             "vocab_size): check that transformers runs the model on token ids.")
+
+
+def _no_cache(model: torch.nn.Module) -> InvalidInputError:
+    """The model ran with ``use_cache=True`` and returned no cache: a class that is a decoder only when its
+    config says so (BERT-family ``*ForCausalLM`` with ``is_decoder`` false attends both ways)."""
+    name = type(model).__name__
+    if getattr(model.config, "is_decoder", None) is False:
+        return InvalidInputError(
+            f"{name} returned no cache for task 'causal-lm-with-past': its config has is_decoder=false, so it runs "
+            "as an encoder (every token attends to every other) and keeps no keys and values.",
+            hint='Set "is_decoder": true in config.json to export it as a decoder with its cache, '
+                 "or export it with --task causal-lm.")
+    return InvalidInputError(f"{name} returned no cache (past_key_values) when run with use_cache=True.",
+                             hint="Export it with --task causal-lm (no cache), or check the config's use_cache.")
 
 
 #: Axis names, as Optimum names them: one name per meaning, shared by every input and output.
