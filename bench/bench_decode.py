@@ -5,7 +5,8 @@ each must take ``input_ids``, ``attention_mask`` and ``past_key_values.N.key|val
 ``export --task causal-lm-with-past --io-names optimum``, ``onnx-modular optimize``'s file, and
 onnxruntime-genai's builder file all do) or ``input.past_key_values.layers.N.keys|values``
 (transformers' own exporter, ``transformers.exporters``). One intra-op thread, sequential execution; the files
-take turns run by run (``--rounds`` x ``--runs`` runs each, the order reversed every turn), so that
+take turns run by run (``--rounds`` x ``--runs`` runs each, the order rotated every turn: a file run second in a turn runs
+2-20% faster, so each file takes each place equally often), so that
 a change of the machine's load hits every file alike; the result is the median of each file's runs. Kernels per token: the nodes of onnxruntime's optimized model
 (``SessionOptions.optimized_model_filepath``) of each file.
 
@@ -140,7 +141,8 @@ def main() -> None:
             sessions[name].run(None, feeds[name])
         times = {n: [] for n in names}
         for index in range(args.rounds * runs):  # one run of each file in turn: the same load for all
-            order = names if index % 2 == 0 else names[::-1]
+            shift = index % len(names)  # rotated, so that each file takes each place in the turn equally often
+            order = names[shift:] + names[:shift]
             for name in order:
                 times[name].append(_common.run_latency(sessions[name], feeds[name], 1, warmup=False))
         medians = {n: statistics.median(v) * 1e3 for n, v in times.items()}
