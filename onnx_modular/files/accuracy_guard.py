@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 
 from onnx_modular.calls import targets as _calls
 from onnx_modular.format import metadata
@@ -57,6 +56,9 @@ MAIN_GRAPH = "<main graph>"
 GUARD_KEY = metadata.PREFIX + "accuracy_guard"
 #: Tokens of the reference prompt.
 PROMPT_LENGTH = 16
+#: The reference inputs: ``(tokens, past caches or None, seed) -> feeds`` (a prompt with an empty
+#: cache, or a decode step on the caches given); ``optimize``'s own (:func:`onnx_modular.files.optimize._prompt_feeds`).
+FeedMaker = Callable[[int, "list[np.ndarray] | None", int], "dict[str, np.ndarray]"]
 
 
 @dataclasses.dataclass
@@ -151,14 +153,14 @@ class _Trials:
     """Runs of the file with chosen candidates at ``level`` and the others at ``safe_level``."""
 
     def __init__(self, model: onnx.ModelProto, folder: str | os.PathLike | None, candidates: list[str],
-                 level: int, safe_level: int, seed: int):
+                 level: int, safe_level: int, feeds: FeedMaker, seed: int):
         self.work = onnx.ModelProto()
         self.work.CopyFrom(model)
         self.nodes, _ = _own_bodies(self.work, candidates)
         self.folder = folder
         self.level, self.safe_level = level, safe_level
         self.count = 0
-        self.view = ir.serde.deserialize_model(model)  # the inputs' names, types and shapes
+        self.feeds = feeds
         self.seed = seed
         self.reference: np.ndarray | None = None
         self.reference = self.logits([])
@@ -166,21 +168,17 @@ class _Trials:
     def logits(self, at_level: Sequence[str]) -> np.ndarray:
         """Logits at every position (rows) with the calls ``at_level`` at the file's level, the other
         candidates at the safe level."""
-        from onnx_modular.files.optimize import _cache_inputs, _prompt_feeds
-
         chosen = set(at_level)
         for name, nodes in self.nodes.items():
             _set_level(nodes, self.level if name in chosen else self.safe_level)
         self.count += 1
         session = runtime.session(self.work.SerializeToString(), external_data_folder=self.folder, what="the guard's trial file")
-        names = [o.name for o in session.get_outputs()]
-        prompt = _prompt_feeds(self.view, PROMPT_LENGTH, None, self.seed)
-        outputs = dict(zip(names, runtime.run(session, prompt, what="the guard's trial file")[1]))
-        rows = [outputs[names[0]].reshape(-1, outputs[names[0]].shape[-1])]
-        caches = _cache_inputs(self.view)
+        prompt = self.feeds(PROMPT_LENGTH, None, self.seed)
+        outputs = runtime.run(session, prompt, what="the guard's trial file")[1]
+        rows = [outputs[0].reshape(-1, outputs[0].shape[-1])]
+        caches = sum(1 for name, value in prompt.items() if value.ndim == 4)
         if caches:
-            presents = [outputs[v.name] for v in self.view.graph.outputs[1: 1 + len(caches)]]
-            step = _prompt_feeds(self.view, 1, presents, self.seed + 1)
+            step = self.feeds(1, list(outputs[1: 1 + caches]), self.seed + 1)
             ids = next(k for k, v in step.items() if v.ndim == 2 and "mask" not in k and "position" not in k)
             # every trial decodes the reference's next token (the reference run: its own)
             following = self.reference[PROMPT_LENGTH - 1].argmax() if self.reference is not None else rows[0][-1].argmax()
@@ -235,13 +233,14 @@ def _apply(model: onnx.ModelProto, kept: Sequence[str], safe_level: int) -> int:
     return copied
 
 
-def guard_accuracy(model: onnx.ModelProto, folder: str | os.PathLike | None, *, level: int = INT8_COMPUTE,
-                   safe_level: int = SAFE_LEVEL, seed: int = 0) -> GuardReport:
+def guard_accuracy(model: onnx.ModelProto, folder: str | os.PathLike | None, feeds: FeedMaker, *,
+                   level: int = INT8_COMPUTE, safe_level: int = SAFE_LEVEL, seed: int = 0) -> GuardReport:
     """Keep at ``safe_level`` the calls of ``model`` whose MatMulNBits at ``level`` flip a top token.
 
     Args:
         model: A quantized modular file (``MatMulNBits`` at ``level`` in its bodies); changed in place.
         folder: Where its external data is.
+        feeds: The reference inputs (:data:`FeedMaker`): a prompt of :data:`PROMPT_LENGTH` tokens, then one decode step.
         level / safe_level: The file's accuracy level and the one kept calls get.
         seed: Of the reference prompt.
 
@@ -250,14 +249,14 @@ def guard_accuracy(model: onnx.ModelProto, folder: str | os.PathLike | None, *, 
 
     Example::
 
-        report = guard_accuracy(onnx.load("m.q4.onnx", load_external_data=False), "folder/of/m")
+        report = guard_accuracy(onnx.load("m.q4.onnx", load_external_data=False), "folder/of/m", feeds)
     """
     import json
 
     candidates = _candidates(model, level)
     if not candidates:
         return GuardReport(level, safe_level, 0, [], False, 0, 0, 0, 0)
-    trials = _Trials(model, folder, candidates, level, safe_level, seed)
+    trials = _Trials(model, folder, candidates, level, safe_level, feeds, seed)
     kept, whole_file, unguarded, alone = _search(trials, candidates)
     guarded = 0  # the search stops when the calls left at ``level`` flip nothing (or all are at the safe level)
     if whole_file:

@@ -413,7 +413,9 @@ def optimize(
     else:
         from onnx_modular.files.optimize_quantize import quantize_fused
 
-        report.quantization = quantize_fused(model, recipe, lambda result: _write(result, destination))
+        # the guard's reference inputs: the ones the steps were verified on (the graph's inputs do not change)
+        report.quantization = quantize_fused(model, recipe, lambda result: _write(result, destination),
+                                             lambda length, past, seed: _prompt_feeds(model, length, past, seed))
     return report
 
 

@@ -21,7 +21,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_modular.errors import InvalidInputError
-from onnx_modular.files.accuracy_guard import INT8_COMPUTE, GuardReport, guard_accuracy
+from onnx_modular.files.accuracy_guard import INT8_COMPUTE, FeedMaker, GuardReport, guard_accuracy
 from onnx_modular.format import metadata
 from onnx_modular.passes.quantize_weights import QUANTIZE_BITS
 from onnx_modular.storage.locks import scratch_folder
@@ -114,9 +114,11 @@ def _lm_head_bits(path: pathlib.Path) -> dict[str, int]:
     return found
 
 
-def quantize_fused(model: ir.Model, recipe: Recipe, write: Callable[[ir.Model], None], *, seed: int = 0) -> Quantization:
+def quantize_fused(model: ir.Model, recipe: Recipe, write: Callable[[ir.Model], None], feeds: FeedMaker, *,
+                   seed: int = 0) -> Quantization:
     """Quantize ``model`` (the fused file, weights in memory) with ``recipe``, guard it, and ``write`` the result.
 
+    ``feeds``: the guard's reference inputs (``optimize``'s, for the graph inputs of ``model``).
     ``write`` receives the final model, its weights in memory.
 
     Raises:
@@ -144,7 +146,7 @@ def quantize_fused(model: ir.Model, recipe: Recipe, write: Callable[[ir.Model], 
         proto = onnx.load(str(quantized), load_external_data=False)
         guard = None
         if recipe.guard and recipe.accuracy_level == INT8_COMPUTE:
-            guard = guard_accuracy(proto, folder, level=INT8_COMPUTE, seed=seed)
+            guard = guard_accuracy(proto, folder, feeds, level=INT8_COMPUTE, seed=seed)
         proto.metadata_props.add(key=RECIPE_KEY, value=json.dumps(dataclasses.asdict(recipe)))
         result = ir.serde.deserialize_model(proto)
         ir.external_data.set_base_dir(result.graph, str(folder))
