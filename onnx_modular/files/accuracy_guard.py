@@ -76,6 +76,7 @@ class GuardReport:
         trials: Files run (one onnxruntime session each).
         split: Functions copied so that kept calls have bodies of their own.
         drift: Per kept call, the largest logit difference when it alone computes at ``level``.
+        seconds: The guard's time (its trial runs).
     """
 
     level: int
@@ -89,10 +90,11 @@ class GuardReport:
     trials: int
     split: int = 0
     drift: dict[str, float] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
 
     def text(self) -> str:
         head = (f"Accuracy guard (int8 compute, accuracy_level={self.level}): {self.positions} top tokens compared "
-                f"with the same int4 weights at accuracy_level={self.safe_level}; {self.trials} trial runs")
+                f"with the same int4 weights at accuracy_level={self.safe_level}; {self.trials} trial runs, {self.seconds:.1f} s")
         if not self.flipped_unguarded:
             return head + f"\n  no token flips: all {self.candidates} calls stay at accuracy_level={self.level}"
         lines = [head, f"  unguarded: {self.flipped_unguarded} of {self.positions} top tokens flip"]
@@ -252,7 +254,9 @@ def guard_accuracy(model: onnx.ModelProto, folder: str | os.PathLike | None, fee
         report = guard_accuracy(onnx.load("m.q4.onnx", load_external_data=False), "folder/of/m", feeds)
     """
     import json
+    import time
 
+    start = time.perf_counter()
     candidates = _candidates(model, level)
     if not candidates:
         return GuardReport(level, safe_level, 0, [], False, 0, 0, 0, 0)
@@ -268,4 +272,5 @@ def guard_accuracy(model: onnx.ModelProto, folder: str | os.PathLike | None, fee
     _calls.set_prop(model, GUARD_KEY, json.dumps({"level": level, "safe_level": safe_level, "kept": kept,
                                                   "whole_file": whole_file}))
     return GuardReport(level, safe_level, len(candidates), kept, whole_file, int(trials.reference.shape[0]), unguarded,
-                       guarded, trials.count, split, {n: alone[n] for n in kept if n in alone})
+                       guarded, trials.count, split, {n: alone[n] for n in kept if n in alone},
+                       time.perf_counter() - start)
