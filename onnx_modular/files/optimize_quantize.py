@@ -57,7 +57,7 @@ class Quantization:
 
     Attributes:
         recipe: The settings.
-        matmul_nbits: The ``MatMulNBits`` made (``lm_head``'s included).
+        matmul_nbits: The ``MatMulNBits`` made, in the (shared) bodies (``lm_head``'s included).
         lm_head: ``int4``/``int8`` when the ``lm_head`` call was quantized, else ``None``.
         skipped: Weights left float, as ``(call, node, reason)``.
         guard: The accuracy guard's report (``None`` when off or not needed: level other than 4).
@@ -70,7 +70,7 @@ class Quantization:
     guard: GuardReport | None
 
     def text(self) -> str:
-        head = (f"Quantized ({self.recipe.command()}): {self.matmul_nbits} MatMulNBits"
+        head = (f"Quantized ({self.recipe.command()}): {self.matmul_nbits} MatMulNBits in the bodies"
                 + (f", lm_head {self.lm_head}" if self.lm_head else ", lm_head not quantized")
                 + (f"; {len(self.skipped)} weights left float" if self.skipped else ""))
         if self.guard is not None:
