@@ -3,10 +3,12 @@ guard of ``MatMulNBits``' int8 compute (``accuracy_level=4``, onnxruntime #29849
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 
 from onnx_modular.errors import InvalidInputError
@@ -97,13 +99,14 @@ def _decoder_calls(path) -> dict[str, int]:
 def test_guard_keeps_the_massive_activation_call_at_level_0(tmp_path, capsys):
     from onnx_modular import optimize
     from onnx_modular.cli import main
-    from onnx_modular.files.accuracy_guard import GUARD_KEY
+    from onnx_modular.files.accuracy_guard import GUARD_KEY, guard_accuracy
+    from onnx_modular.files.optimize import _prompt_feeds
 
     exported = _export(tmp_path, massive=True)
     capsys.readouterr()
     guarded = tmp_path / "m.q4.onnx"
     assert main(["optimize", str(exported), "-o", str(guarded), "--max-positions", "128", "--quantize", "int4",
-                 "--json", "-"]) == 0
+                 "--no-verify", "--json", "-"]) == 0  # the fusions' own check is test_fused_kernels.py's
     report = json.loads(capsys.readouterr().out)
     quantization = report["quantization"]
     assert quantization["recipe"] == {"quantize": "int4", "block_size": 32, "symmetric": True, "accuracy_level": 4,
@@ -129,6 +132,15 @@ def test_guard_keeps_the_massive_activation_call_at_level_0(tmp_path, capsys):
     expected = _greedy(level0)
     assert not np.array_equal(_greedy(unguarded), expected)
     np.testing.assert_array_equal(_greedy(guarded), expected)
+
+    # no more than max_kept calls kept: past that, the whole file goes to level 0
+    proto = onnx.load(str(unguarded), load_external_data=False)
+    whole = guard_accuracy(proto, tmp_path, functools.partial(_prompt_feeds, ir.load(unguarded)), max_kept=0)
+    assert whole.whole_file and len(whole.kept) == 11 and whole.flipped_unguarded > 0
+    levels = [next((a.i for a in n.attribute if a.name == "accuracy_level"), 0)
+              for body in [proto.graph, *proto.functions] for n in body.node if n.op_type == "MatMulNBits"]
+    assert levels == [0] * 5
+    assert "every MatMulNBits at accuracy_level=0" in whole.text()
 
 
 def test_normal_model_keeps_every_call_at_level_4_and_int8_lm_head(tmp_path):

@@ -198,7 +198,7 @@ class _Trials:
         return float(np.abs(self.logits(at_level) - self.reference).max())
 
 
-def _search(trials: _Trials, candidates: list[str]) -> tuple[list[str], bool, int, dict[str, float]]:
+def _search(trials: _Trials, candidates: list[str], max_kept: int) -> tuple[list[str], bool, int, dict[str, float]]:
     """The calls to keep at the safe level, whether the whole file goes there, the unguarded flips
     and the logits' drift of each candidate alone at the file's level (when needed)."""
     unguarded = trials.flipped(candidates)
@@ -207,7 +207,7 @@ def _search(trials: _Trials, candidates: list[str]) -> tuple[list[str], bool, in
     alone = {name: trials.drift([name]) for name in candidates}  # each call's own int8 compute
     kept: list[str] = []
     for name in sorted(candidates, key=lambda n: -alone[n]):
-        if len(kept) == MAX_KEPT:
+        if len(kept) == max_kept:
             return list(candidates), True, unguarded, alone
         kept.append(name)
         if not trials.flipped([n for n in candidates if n not in kept]):
@@ -236,7 +236,8 @@ def _apply(model: onnx.ModelProto, kept: Sequence[str], safe_level: int) -> int:
 
 
 def guard_accuracy(model: onnx.ModelProto, folder: str | os.PathLike | None, feeds: FeedMaker, *,
-                   level: int = INT8_COMPUTE, safe_level: int = SAFE_LEVEL, seed: int = 0) -> GuardReport:
+                   level: int = INT8_COMPUTE, safe_level: int = SAFE_LEVEL, seed: int = 0,
+                   max_kept: int = MAX_KEPT) -> GuardReport:
     """Keep at ``safe_level`` the calls of ``model`` whose MatMulNBits at ``level`` flip a top token.
 
     Args:
@@ -245,6 +246,7 @@ def guard_accuracy(model: onnx.ModelProto, folder: str | os.PathLike | None, fee
         feeds: The reference inputs (:data:`FeedMaker`): a prompt of :data:`PROMPT_LENGTH` tokens, then one decode step.
         level / safe_level: The file's accuracy level and the one kept calls get.
         seed: Of the reference prompt.
+        max_kept: Past this many kept calls, every MatMulNBits goes to ``safe_level`` (``whole_file``).
 
     Returns:
         A :class:`GuardReport`; the guard's choice is also recorded in the file's metadata (:data:`GUARD_KEY`).
@@ -261,7 +263,7 @@ def guard_accuracy(model: onnx.ModelProto, folder: str | os.PathLike | None, fee
     if not candidates:
         return GuardReport(level, safe_level, 0, [], False, 0, 0, 0, 0)
     trials = _Trials(model, folder, candidates, level, safe_level, feeds, seed)
-    kept, whole_file, unguarded, alone = _search(trials, candidates)
+    kept, whole_file, unguarded, alone = _search(trials, candidates, max_kept)
     guarded = 0  # the search stops when the calls left at ``level`` flip nothing (or all are at the safe level)
     if whole_file:
         for body in [model.graph, *model.functions]:
