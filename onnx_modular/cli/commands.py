@@ -253,7 +253,9 @@ def run_convert(args: argparse.Namespace) -> int:
 def run_optimize(args: argparse.Namespace) -> int:
     from onnx_modular.files.optimize import optimize
 
-    report = optimize(args.model, args.output, verify=not args.no_verify, max_positions=args.max_positions)
+    report = optimize(args.model, args.output, verify=not args.no_verify, max_positions=args.max_positions,
+                      quantize=args.quantize, accuracy_level=args.accuracy_level, int8_lm_head=args.int8_lm_head,
+                      accuracy_guard=not args.no_accuracy_guard)
     if not emit_json(args.json, report):
         stdout(report.text())
     return EXIT_OK

@@ -388,6 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="rows of the rotary caches: the longest sequence the file will run (default 4096)")
     _json_option(opt, "the report")
     opt.add_argument("--no-verify", action="store_true", help="write the rewrite without running it in onnxruntime")
+    opt.add_argument("--quantize", choices=["int4", "int8"], default=None,
+                     help="then quantize with onnxruntime-genai's builder recipe: MatMulNBits, block 32, symmetric, "
+                     "accuracy level 4, lm_head included (convert's passes)")
+    opt.add_argument("--accuracy-level", type=int, choices=range(5), default=4, metavar="N",
+                     help="with --quantize: MatMulNBits compute, 4 = int8 (default, the builder's), 0 = float")
+    opt.add_argument("--int8-lm-head", action="store_true", help="with --quantize int4: lm_head to int8 instead")
+    opt.add_argument("--no-accuracy-guard", action="store_true",
+                     help="with accuracy level 4: do not keep at level 0 the calls whose int8 compute flips a top token")
     opt.set_defaults(run=handlers.run_optimize)
 
     modular = commands.add_parser(

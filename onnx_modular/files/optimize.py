@@ -30,6 +30,7 @@ import json
 import os
 import pathlib
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -93,6 +94,7 @@ class OptimizeReport:
             computed there from ``attention_mask``); the main graph's own inputs are unchanged.
         verified: Whether the steps were checked in onnxruntime (``verify=True``).
         nodes_before, nodes_after: Nodes per run with every call expanded (``onnx-modular tree``'s counts).
+        quantization: With ``quantize``: what was quantized and the accuracy guard's report.
     """
 
     source: str
@@ -103,6 +105,7 @@ class OptimizeReport:
     verified: bool
     nodes_before: int = 0
     nodes_after: int = 0
+    quantization: Any = None  # optimize_quantize.Quantization with quantize=
 
     @property
     def fused_classes(self) -> list[str]:
@@ -139,6 +142,8 @@ class OptimizeReport:
         if self.packed_qkv:
             lines.append(f"Query, key and value projections packed into one MatMul: {', '.join(self.packed_qkv)}")
         lines.append(f"Nodes per run (calls expanded): {self.nodes_before:,} -> {self.nodes_after:,}")
+        if self.quantization is not None:
+            lines.append(self.quantization.text())
         return "\n".join(lines)
 
 
@@ -337,6 +342,10 @@ def optimize(
     max_positions: int | None = None,
     tolerance: Tolerance | None = None,
     steps: tuple[str, ...] = ("rms_norm", "skip_norm", "attention"),
+    quantize: str | None = None,
+    accuracy_level: int = 4,
+    int8_lm_head: bool = False,
+    accuracy_guard: bool = True,
 ) -> OptimizeReport:
     """Rewrite the bodies of ``path`` into onnxruntime's fused kernels and write ``output``.
 
@@ -349,6 +358,13 @@ def optimize(
             longest sequence (prompt plus generated tokens) the file will run. Default: the file's
             ``max_position_embeddings`` metadata when present, else 4096.
         steps: Which steps to run (``rms_norm``, ``skip_norm``, ``attention``).
+        quantize: ``"int4"``: then quantize the fused file with onnxruntime-genai's builder recipe
+            (``convert``'s passes: blocks of 32, symmetric, ``accuracy_level``, lm_head included;
+            :mod:`onnx_modular.files.optimize_quantize`). ``"int8"`` likewise with 8 bits.
+        accuracy_level: ``MatMulNBits``'s compute (4: int8 activations, the builder's; 0: float).
+        int8_lm_head: Quantize ``lm_head`` to int8 instead (the rest int4).
+        accuracy_guard: At accuracy level 4, keep at level 0 the calls whose int8 compute flips a
+            top token on a random prompt (:mod:`onnx_modular.files.accuracy_guard`; ``report.quantization.guard``).
 
     Returns:
         An :class:`OptimizeReport` (``fused_classes``, ``attention``, ``added_inputs``, ``fusions``).
@@ -360,6 +376,12 @@ def optimize(
     unknown = sorted(set(steps) - set(FUSED_OPS))
     if unknown:
         raise InvalidInputError(f"optimize: unknown steps {unknown}; the steps are {sorted(FUSED_OPS)}.")
+    recipe = None
+    if quantize is not None or int8_lm_head:
+        from onnx_modular.files.optimize_quantize import Recipe, check_recipe
+
+        recipe = Recipe(quantize or "", accuracy_level=accuracy_level, int8_lm_head=int8_lm_head, guard=accuracy_guard)
+        check_recipe(recipe)
     destination = save.check_destination(output)
     model = _load(path)
     if max_positions is None:
@@ -386,7 +408,14 @@ def optimize(
     )
     report = OptimizeReport(str(path), str(destination), fusions, attention, added, verify,
                             nodes_before, _expanded_nodes(model))
-    _write(model, destination)
+    if recipe is None:
+        _write(model, destination)
+    else:
+        from onnx_modular.files.optimize_quantize import quantize_fused
+
+        # the guard's reference inputs: the ones the steps were verified on (the graph's inputs do not change)
+        report.quantization = quantize_fused(model, recipe, lambda result: _write(result, destination),
+                                             lambda length, past, seed: _prompt_feeds(model, length, past, seed))
     return report
 
 
