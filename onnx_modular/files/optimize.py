@@ -12,7 +12,9 @@ order (passes in ``onnx_modular/passes/``):
 4. residual ``Add`` + ``LayerNormalization`` call -> ``com.microsoft.SkipLayerNormalization``
    (the same pass, ``layer_norm=True``);
 5. attention without a cache (encoders, cross-attention) -> ``com.microsoft.MultiHeadAttention``
-   (:class:`~onnx_modular.passes.fuse_mha.FuseMultiHeadAttentionPass`).
+   (:class:`~onnx_modular.passes.fuse_mha.FuseMultiHeadAttentionPass`);
+6. erf GELU and quick GELU bodies -> ``com.microsoft.Gelu`` / ``QuickGelu``
+   (:class:`~onnx_modular.passes.fuse_activation.FuseActivationPass`).
 
 Each step is verified before it is kept: the file before and after the step runs in onnxruntime
 on reference feeds (a prompt with an empty cache, then one decode step on the cache that prompt
@@ -43,6 +45,7 @@ from onnx_modular.calls.capture import call_outputs
 from onnx_modular.check.parity import Tolerance, default_tolerance, max_differences
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError, SaveError, VerificationError
 from onnx_modular.format import metadata
+from onnx_modular.passes.fuse_activation import FuseActivationPass
 from onnx_modular.passes.fuse_gqa import SEQLENS_K, TOTAL_SEQUENCE_LENGTH, FuseGroupQueryAttentionPass
 from onnx_modular.passes.fuse_mha import FuseMultiHeadAttentionPass
 from onnx_modular.passes.fuse_rms_norm import FuseRMSNormPass
@@ -59,6 +62,7 @@ FUSED_OPS = {
     "attention": "com.microsoft.GroupQueryAttention",
     "skip_layer_norm": "com.microsoft.SkipLayerNormalization",
     "mha": "com.microsoft.MultiHeadAttention",
+    "activation": "com.microsoft.Gelu",  # or QuickGelu: the pass says which (its ``ops``)
 }
 
 #: The attention steps and the op each names in :attr:`OptimizeReport.attention`.
@@ -70,7 +74,7 @@ class Fusion:
     """One class's body (one local function) and what a step did with it.
 
     Attributes:
-        step: ``rms_norm``, ``skip_norm``, ``attention``, ``skip_layer_norm`` or ``mha``.
+        step: ``rms_norm``, ``skip_norm``, ``attention``, ``skip_layer_norm``, ``mha`` or ``activation``.
         function: The function's name (``LlamaAttention``).
         module_class: Its module class when the file records it, else the function name.
         fused: Whether the rewrite was kept.
@@ -315,6 +319,7 @@ _STEPS: list[tuple[str, Callable[..., ir.passes.InPlacePass]]] = [
     ("attention", lambda allowed, max_positions: FuseGroupQueryAttentionPass(max_positions, functions=allowed)),
     ("skip_layer_norm", lambda allowed, max_positions: FuseSkipNormPass(functions=allowed, layer_norm=True)),
     ("mha", lambda allowed, max_positions: FuseMultiHeadAttentionPass(functions=allowed)),
+    ("activation", lambda allowed, max_positions: FuseActivationPass(functions=allowed)),
 ]
 
 
@@ -333,14 +338,15 @@ def _run_step(model, step, make_pass, reference, tolerance, max_positions) -> tu
         if not keys:
             return model, refused
         names = {key[1]: _class_of(candidate.functions[key]) for key in keys}
+        ops = {key[1]: op for key, op in getattr(fusion_pass, "ops", {}).items()}
         if reference is None:
-            return candidate, refused + [Fusion(step, n, c, True, FUSED_OPS[step]) for n, c in names.items()]
+            return candidate, refused + [Fusion(step, n, c, True, ops.get(n) or FUSED_OPS[step]) for n, c in names.items()]
         diffs, drifted, failure = reference.compare(candidate, names, tolerance)
         if failure is not None and not drifted:
             drifted = dict.fromkeys(names, failure)
         if not drifted:
             packed = {key[1] for key in getattr(fusion_pass, "packed", [])}
-            kept = [Fusion(step, n, c, True, FUSED_OPS[step], None, diffs[n][0], diffs[n][1], n in packed)
+            kept = [Fusion(step, n, c, True, ops.get(n) or FUSED_OPS[step], None, diffs[n][0], diffs[n][1], n in packed)
                     for n, c in names.items()]
             return candidate, refused + kept
         refused += [Fusion(step, n, names[n], False, FUSED_OPS[step], f"drifts past the tolerance: {why}",
@@ -375,7 +381,7 @@ def optimize(
     verify: bool = True,
     max_positions: int | None = None,
     tolerance: Tolerance | None = None,
-    steps: tuple[str, ...] = ("rms_norm", "skip_norm", "attention", "skip_layer_norm", "mha"),
+    steps: tuple[str, ...] = ("rms_norm", "skip_norm", "attention", "skip_layer_norm", "mha", "activation"),
 ) -> OptimizeReport:
     """Rewrite the bodies of ``path`` into onnxruntime's fused kernels and write ``output``.
 
@@ -388,7 +394,8 @@ def optimize(
         max_positions: Rows of the rotary cos/sin caches given to ``GroupQueryAttention``: the
             longest sequence (prompt plus generated tokens) the file will run. Default: the file's
             ``max_position_embeddings`` metadata when present, else 4096.
-        steps: Which steps to run (``rms_norm``, ``skip_norm``, ``attention``, ``skip_layer_norm``, ``mha``).
+        steps: Which steps to run (``rms_norm``, ``skip_norm``, ``attention``, ``skip_layer_norm``, ``mha``,
+            ``activation``).
 
     Returns:
         An :class:`OptimizeReport` (``fused_classes``, ``attention``, ``added_inputs``, ``fusions``).
