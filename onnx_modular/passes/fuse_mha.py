@@ -83,12 +83,20 @@ def _perm(node: ir.Node) -> list[int] | None:
     return list(perm) if perm is not None else None
 
 
+def _number(model: ir.Model, value: ir.Value | None) -> float | None:
+    """The constant scalar ``value`` holds, looking through a ``Cast``/``CastLike`` of it."""
+    producer = value.producer() if value is not None else None
+    if _is_op(producer, "Cast", "CastLike"):
+        value = producer.inputs[0]
+    return _fusion.scalar_of(model, value)
+
+
 def _constant_factor(model: ir.Model, node: ir.Node) -> tuple[ir.Value, float] | None:
     """(the other operand, the factor) for ``x * c`` or ``x / c`` with a constant scalar ``c``."""
     if not _is_op(node, "Mul", "Div"):
         return None
     for index in ((1, 0) if node.op_type == "Mul" else (1,)):
-        number = _fusion.scalar_of(model, node.inputs[index])
+        number = _number(model, node.inputs[index])
         if number is not None and number != 0:
             return node.inputs[1 - index], (number if node.op_type == "Mul" else 1.0 / number)
     return None
@@ -109,6 +117,10 @@ def _side(model: ir.Model, value: ir.Value, role: str) -> _Side:
         if _is_op(node, "Transpose") and _perm(node) == _HEADS_PERM:
             reshape = node.inputs[0].producer()
             projection = reshape.inputs[0].producer() if _is_op(reshape, "Reshape") else None
+            scaled = _constant_factor(model, projection) if projection is not None else None
+            if scaled is not None:  # Whisper scales the query's projection before the heads
+                factor *= scaled[1]
+                projection = scaled[0].producer()
             if projection is None or not _is_projection(projection, model):
                 raise _Refused(f"the {role}'s heads are not a reshape of a projection")
             return _Side(projection, reshape, factor)
