@@ -11,7 +11,8 @@ order (passes in ``onnx_modular/passes/``):
    (:class:`~onnx_modular.passes.fuse_gqa.FuseGroupQueryAttentionPass`);
 4. residual ``Add`` + ``LayerNormalization`` call -> ``com.microsoft.SkipLayerNormalization``
    (the same pass, ``layer_norm=True``);
-5. attention without a cache (encoders, cross-attention) -> ``com.microsoft.MultiHeadAttention``
+5. attention without a cache (encoders, cross-attention) -> ``com.microsoft.Attention`` (query,
+   key and value projections of one input, packed, with biases) or ``MultiHeadAttention``
    (:class:`~onnx_modular.passes.fuse_mha.FuseMultiHeadAttentionPass`);
 6. erf GELU and quick GELU bodies -> ``com.microsoft.Gelu`` / ``QuickGelu``
    (:class:`~onnx_modular.passes.fuse_activation.FuseActivationPass`).
@@ -65,8 +66,8 @@ FUSED_OPS = {
     "activation": "com.microsoft.Gelu",  # or QuickGelu: the pass says which (its ``ops``)
 }
 
-#: The attention steps and the op each names in :attr:`OptimizeReport.attention`.
-_ATTENTION_STEPS = {"attention": "GroupQueryAttention", "mha": "MultiHeadAttention"}
+#: The attention steps (their ops make :attr:`OptimizeReport.attention`).
+_ATTENTION_STEPS = ("attention", "mha")
 
 
 @dataclasses.dataclass
@@ -103,9 +104,9 @@ class OptimizeReport:
     Attributes:
         source, output: The files.
         fusions: One entry per class body a step rewrote or refused.
-        attention: ``"GroupQueryAttention"`` when every self-attention with a cache was fused,
-            ``"MultiHeadAttention"`` when every attention without one was (both, joined by ``+``,
-            for a file with both), else ``None``.
+        attention: The fused attention ops (``"GroupQueryAttention"``; ``"Attention"`` for packed
+            self-attention without a cache, ``"MultiHeadAttention"`` for the rest; joined by ``+``
+            when several) when every attention body was fused, else ``None``.
         added_inputs: Formal inputs added to function signatures (threaded from the main graph,
             computed there from ``attention_mask``); the main graph's own inputs are unchanged.
         verified: Whether the steps were checked in onnxruntime (``verify=True``).
@@ -155,7 +156,7 @@ class OptimizeReport:
         lines.append(f"Attention: {self.attention or 'not fused'}"
                      + (f"; inputs added to function signatures: {', '.join(self.added_inputs)}" if self.added_inputs else ""))
         if self.packed_qkv:
-            lines.append(f"Query, key and value projections packed into one MatMul: {', '.join(self.packed_qkv)}")
+            lines.append(f"Query, key and value projections packed (one weight, one GEMM): {', '.join(self.packed_qkv)}")
         lines.append(f"Nodes per run (calls expanded): {self.nodes_before:,} -> {self.nodes_after:,}")
         return "\n".join(lines)
 
@@ -427,7 +428,7 @@ def optimize(
         if failure is not None:
             raise VerificationError(f"optimize: the optimized file of {str(path)!r} fails its final check: {failure}.")
     attention_fused = [f for f in fusions if f.step in _ATTENTION_STEPS]
-    attention = "+".join(op for step, op in _ATTENTION_STEPS.items() if any(f.step == step for f in attention_fused)) \
+    attention = "+".join(sorted({f.op.rsplit(".", 1)[-1] for f in attention_fused})) \
         if attention_fused and all(f.fused for f in attention_fused) else None
     added = [name for name in ("cos_cache", "sin_cache", SEQLENS_K, TOTAL_SEQUENCE_LENGTH)
              if any(v.name == name for f in model.functions.values() for v in f.inputs)]

@@ -1,4 +1,4 @@
-"""ONNX IR pass: encoder self-attention and cross-attention bodies into ``com.microsoft.MultiHeadAttention``.
+"""ONNX IR pass: encoder self-attention and cross-attention bodies into ``com.microsoft.Attention`` / ``MultiHeadAttention``.
 
 A body is recognised by what it computes, not by its class: a ``Softmax`` over ``query @ key``
 (times constant factors, plus at most one additive bias: the mask), ``softmax @ value``, the heads
@@ -11,13 +11,16 @@ and are skipped without a reason.
 
 The rewrite, inside the body:
 
-- when query, key and value project one input with weights (and biases) the body reads as formal
-  inputs, their weights are concatenated once per call site in the main graph
+- when query, key and value project one input with weights and biases the body reads as formal
+  inputs, their weights and biases are concatenated once per call site in the main graph
   (``...query.weight.T`` -> ``...qkv_proj.weight.T``, as the GroupQueryAttention step packs
-  them) and one ``MatMul`` plus a ``Split`` in three replaces the three projections; the packed
-  bias goes to the op's ``bias`` input. Otherwise (cross-attention: the key and value read the
-  encoder's states; or a projection without a bias, Whisper's ``k_proj``) the op takes the three
-  projections' outputs as they are.
+  them) and ``com.microsoft.Attention`` takes the input, the packed weights and the packed bias:
+  the op runs the one GEMM and writes its output in the head layout itself (on a BERT-base layer
+  at 128 tokens, one thread: 10.9 ms against 13.0 ms for ``MatMul`` + ``Split`` +
+  ``MultiHeadAttention`` or the unfused ops). Without biases (``attention_op=False`` too) one
+  ``MatMul`` and a ``Split`` in three feed ``MultiHeadAttention``. Otherwise (cross-attention: the
+  key and value read the encoder's states; a projection without a bias, Whisper's ``k_proj``)
+  ``MultiHeadAttention`` takes the three projections' outputs as they are.
 - the additive mask (``softmax(q @ k * scale + mask)``) becomes the op's ``attention_bias``
   (``[batch or 1, 1, seq, total]``: what torch's boolean mask becomes, ``-3.4e38`` where masked);
 - torch's guard for rows with every key masked (``Where(all masked, 0, attention)``) is kept,
@@ -258,22 +261,26 @@ def _constant(name: str, array: np.ndarray) -> ir.Node:
 
 
 class FuseMultiHeadAttentionPass(ir.passes.InPlacePass):
-    """Attention bodies without a KV cache into one ``com.microsoft.MultiHeadAttention`` each.
+    """Attention bodies without a KV cache into one ``com.microsoft.Attention`` or ``MultiHeadAttention`` each.
 
     Attributes after a run: ``fused`` (the rewritten functions), ``reasons`` (function -> why not),
-    ``packed`` (those whose query, key and value projections became one ``MatMul``).
+    ``packed`` (those whose query, key and value projections became one GEMM on packed weights),
+    ``ops`` (function -> the op written).
     """
 
-    def __init__(self, functions: set[ir.OperatorIdentifier] | None = None, pack_qkv: bool = True):
+    def __init__(self, functions: set[ir.OperatorIdentifier] | None = None, pack_qkv: bool = True,
+                 attention_op: bool = True):
         super().__init__()
         self.functions = functions
         self.pack_qkv = pack_qkv
+        self.attention_op = attention_op  # packed projections with biases: com.microsoft.Attention
         self.fused: list[ir.OperatorIdentifier] = []
         self.reasons: dict[ir.OperatorIdentifier, str] = {}
         self.packed: list[ir.OperatorIdentifier] = []
+        self.ops: dict[ir.OperatorIdentifier, str] = {}  # the op written into each body
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.fused, self.reasons, self.packed = [], {}, []
+        self.fused, self.reasons, self.packed, self.ops = [], {}, [], {}
         for key, function in list(model.functions.items()):
             if self.functions is not None and key not in self.functions:
                 continue
@@ -292,7 +299,8 @@ class FuseMultiHeadAttentionPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=bool(self.fused))
 
     def _projections(self, model, function, attention: _Attention) -> tuple[list[ir.Node], list[ir.Value | None]]:
-        """New nodes and the op's (query, key, value, bias): packed when the three read one input."""
+        """New nodes and the op's (query, key, value, bias): packed when the three read one input.
+        For ``Attention`` (packed weights and biases), the (input, weights, bias) it takes instead."""
         q, k, v = (s.projection for s in (attention.query, attention.key, attention.value))
         one_input = q.inputs[0] is k.inputs[0] is v.inputs[0] and len({id(q), id(k), id(v)}) == 3
         if self.pack_qkv and one_input:
@@ -300,23 +308,29 @@ class FuseMultiHeadAttentionPass(ir.passes.InPlacePass):
             if packed:
                 bias = packed[1].inputs[1] if len(packed) == 2 else None
                 matmul = packed[0]
+                self.packed.append(function.identifier())
+                if self.attention_op and bias is not None:  # the GEMM inside the op, written in its head layout
+                    return [], [matmul.inputs[0], matmul.inputs[1], bias]
                 sizes = _constant("qkv_proj.split", np.array([_width(model, p) for p in (q, k, v)], np.int64))
                 split = ir.node("Split", [matmul.outputs[0], sizes.outputs[0]], attributes={"axis": -1}, num_outputs=3,
                                 name="qkv_proj.Split", metadata_props=dict(matmul.metadata_props))
                 for output, role in zip(split.outputs, "qkv"):
                     output.name = f"qkv_proj_{role}"
-                self.packed.append(function.identifier())
                 return [matmul, sizes, split], [*split.outputs, bias]
         return [], [q.outputs[0], k.outputs[0], v.outputs[0], None]
 
     def _rewrite(self, model: ir.Model, function: ir.Function, attention: _Attention) -> None:
-        new, (query, key, value, bias) = self._projections(model, function, attention)
-        mha = ir.node(
-            "MultiHeadAttention",
-            [query, key, value, bias, None, attention.bias],
-            attributes={"num_heads": attention.num_heads, "scale": attention.scale},
-            domain="com.microsoft", name="MultiHeadAttention",
-        )
+        new, operands = self._projections(model, function, attention)
+        attributes = {"num_heads": attention.num_heads, "scale": attention.scale}
+        if len(operands) == 3:  # Attention(input, packed weights, packed bias, mask_index, past, attention_bias)
+            op, inputs = "Attention", [*operands, None, None, attention.bias]
+            widths = [_width(model, s.projection) for s in (attention.query, attention.key, attention.value)]
+            if len(set(widths)) != 1:
+                attributes["qkv_hidden_sizes"] = widths
+        else:  # MultiHeadAttention(query, key, value, bias, key_padding_mask, attention_bias)
+            op, inputs = "MultiHeadAttention", [*operands, None, attention.bias]
+        mha = ir.node(op, inputs, attributes=attributes, domain="com.microsoft", name=op)
+        self.ops[function.identifier()] = f"com.microsoft.{op}"
         new.append(mha)
         result = mha.outputs[0]
         if attention.guard is not None:  # torch's rows with every key masked give 0: [b, 1, s, 1] -> [b, s, 1]
