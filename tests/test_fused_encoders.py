@@ -1,6 +1,7 @@
-"""``optimize`` on encoders: attention bodies without a cache into ``MultiHeadAttention`` (self- and
-cross-attention), residual add + ``LayerNorm`` into ``SkipLayerNormalization``, inside the bodies;
-the calls stay functions and the optimized file computes what torch computes."""
+"""``optimize`` on encoders: attention bodies without a cache into ``Attention`` (packed self-attention)
+or ``MultiHeadAttention`` (cross-attention), residual add + ``LayerNorm`` into
+``SkipLayerNormalization``, GELU into ``Gelu``, inside the bodies; the calls stay functions and the
+optimized file computes what torch computes (a padded row included)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,50 @@ def test_residual_add_and_layer_norm_call_become_one_skip_layer_norm():
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
 
 
+GELU_TEXT = """
+<ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>
+main (float[2,3,8] x) => (float[2,3,8] y)
+<float root = {1.4142135}, float one = {1.0}, float half = {0.5}, float other = {0.4}>
+{
+    g = pkg.test.Gelu(x, root, one, half)
+    y = pkg.test.Gelu(g, root, one, HALF)
+}
+<domain: "pkg.test", opset_import: ["" : 18]>
+Gelu (input, root, one, half) => (out)
+{
+    d = Div(input, root)
+    e = Erf(d)
+    a = Add(e, one)
+    m = Mul(half, a)
+    out = Mul(input, m)
+}
+"""
+
+
+@pytest.mark.parametrize("second", ["half", "other"])
+def test_gelu_body_fused_when_its_constants_are_gelus_at_every_call(second):
+    """transformers' ``x * (0.5 * (1 + erf(x / sqrt(2))))`` with lifted constants; a call passing
+    another factor leaves the body as it is."""
+    import onnxruntime as ort
+
+    from onnx_modular.passes.fuse_activation import FuseActivationPass
+
+    model = ir.from_onnx_text(GELU_TEXT.replace("HALF", second))
+    before = ir.to_proto(model).SerializeToString()
+    fusion = FuseActivationPass()
+    fusion(model)
+    body = model.functions[("pkg.test", "Gelu", "")]
+    if second == "other":
+        assert fusion.fused == [] and "Erf" in [n.op_type for n in body]
+        return
+    assert [(n.op_type, n.domain) for n in body] == [("Gelu", "com.microsoft")]
+    assert fusion.ops == {("pkg.test", "Gelu", ""): "com.microsoft.Gelu"}
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
+    expected = ort.InferenceSession(before).run(None, {"x": x})[0]
+    got = ort.InferenceSession(ir.to_proto(model).SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def _model(kind: str):
     import torch
     import transformers
@@ -83,16 +128,16 @@ def _feeds(kind: str) -> dict[str, np.ndarray]:
     return {"input_ids": rng.integers(3, 96, (2, 9)).astype(np.int64), "attention_mask": mask}
 
 
-#: kind -> (attention function, its class, the bodies with a SkipLayerNormalization)
+#: kind -> (attention function, its class, the bodies with a SkipLayerNormalization, the report's attention)
 CASES = {
-    "bert": ("BertSelfAttention", "BertLayer", {"BertSelfOutput", "BertOutput", "BertEmbeddings"}),
-    "vit": ("ViTAttention", "ViTLayer", {"ViTLayer"}),
-    "bart": ("BartAttention", "BartEncoderLayer", {"BartEncoderLayer", "BartDecoderLayer"}),
+    "bert": ("BertSelfAttention", "BertLayer", {"BertSelfOutput", "BertOutput", "BertEmbeddings"}, "Attention"),
+    "vit": ("ViTAttention", "ViTLayer", {"ViTLayer"}, "Attention"),
+    "bart": ("BartAttention", "BartEncoderLayer", {"BartEncoderLayer", "BartDecoderLayer"}, "Attention+MultiHeadAttention"),
 }
 
 
 @pytest.mark.parametrize("kind", ["bert", "vit", pytest.param("bart", marks=pytest.mark.slow)])
-def test_encoder_attention_fused_into_multi_head_attention(kind, tmp_path, capsys):
+def test_encoder_attention_fused_inside_the_bodies(kind, tmp_path, capsys):
     import onnxruntime as ort
     import torch
 
@@ -105,11 +150,13 @@ def test_encoder_attention_fused_into_multi_head_attention(kind, tmp_path, capsy
     capsys.readouterr()
     assert main(["optimize", str(exported), "-o", str(optimized), "--json", "-"]) == 0
     report = json.loads(capsys.readouterr().out)
-    attention_class, layer_class, skip_bodies = CASES[kind]
-    assert report["attention"] == "MultiHeadAttention"
-    assert attention_class in report["packed_qkv"]  # self-attention: one MatMul on the packed weights
+    attention_class, layer_class, skip_bodies, attention_ops = CASES[kind]
+    assert report["attention"] == attention_ops
+    assert attention_class in report["packed_qkv"]  # self-attention: one GEMM on the packed weights
     mha = [f for f in report["fusions"] if f["step"] == "mha"]
     assert mha and all(f["fused"] and f["calls"] > 0 and f["max_abs_diff"] < 1e-4 for f in mha)
+    activation = [f for f in report["fusions"] if f["step"] == "activation"]
+    assert [(f["module_class"], f["op"], f["fused"]) for f in activation] == [("GELUActivation", "com.microsoft.Gelu", True)]
     assert {f["function"] for f in report["fusions"] if f["step"] == "skip_layer_norm" and f["fused"]} >= skip_bodies
     assert report["nodes_after"] < report["nodes_before"]
 
@@ -118,14 +165,18 @@ def test_encoder_attention_fused_into_multi_head_attention(kind, tmp_path, capsy
     calls = sum(1 for body in [result.graph, *result.functions.values()] for n in body if n.op_type == layer_class)
     assert calls == 2  # the layer is still one function, called once per layer
     ops = [(n.op_type, n.domain) for n in bodies[attention_class]]
-    assert ("MultiHeadAttention", "com.microsoft") in ops and ("Softmax", "") not in ops
-    node = next(n for n in bodies[attention_class] if n.op_type == "MultiHeadAttention")
+    assert ("Attention", "com.microsoft") in ops and ("Softmax", "") not in ops
+    node = next(n for n in bodies[attention_class] if n.op_type == "Attention")
     assert node.attributes.get_int("num_heads") == 4
+    packed = node.inputs[1].name  # the packed weights, a formal input fed from one main-graph initializer a layer
+    assert packed.endswith("qkv_proj.weight.T") and node.inputs[2] is not None and node.inputs[5] is not None
     assert node.attributes.get_float("scale") == pytest.approx(0.25)  # 1 / sqrt(16)
     for name in skip_bodies:
         assert "SkipLayerNormalization" in [n.op_type for n in bodies[name]]
-    if kind == "bart":  # the cross-attention (key and value from the encoder): fused, not packed
-        assert sum(1 for f in mha if f["fused"] and not f["packed_qkv"]) == 1
+    assert "Gelu" in [n.op_type for n in bodies["GELUActivation"]]
+    if kind == "bart":  # the cross-attention (key and value from the encoder): MultiHeadAttention, not packed
+        cross = [f for f in mha if not f["packed_qkv"]]
+        assert [(f["op"], f["fused"]) for f in cross] == [("com.microsoft.MultiHeadAttention", True)]
 
     feeds = _feeds(kind)
     with torch.no_grad():
