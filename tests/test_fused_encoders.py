@@ -146,7 +146,7 @@ def test_encoder_attention_fused_inside_the_bodies(kind, tmp_path, capsys):
     model = _model(kind)
     model.save_pretrained(tmp_path / "ckpt")
     exported, optimized = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
-    assert main(["export", str(tmp_path / "ckpt"), "-o", str(exported)]) == 0
+    assert main(["export", str(tmp_path / "ckpt"), "-o", str(exported), "--no-verify"]) == 0  # the test checks torch
     capsys.readouterr()
     assert main(["optimize", str(exported), "-o", str(optimized), "--json", "-"]) == 0
     report = json.loads(capsys.readouterr().out)
