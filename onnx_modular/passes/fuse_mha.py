@@ -75,6 +75,7 @@ class _Attention:
     bias: ir.Value | None  # the additive mask
     scale: float
     num_heads: int
+    widths: list[int] | None  # the query's, key's and value's projection widths (None: not all known)
 
 
 def _is_op(node: ir.Node | None, *types_: str) -> bool:
@@ -246,7 +247,11 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
         raise _Refused("the value is scaled")
     merged, guard = _merged(model, weighted.outputs[0])
     num_heads = _head_count(model, query)
-    return _Attention(query, key, value, merged, guard, bias, query.factor * key.factor * after, num_heads)
+    try:
+        widths = [_width(model, side.projection) for side in (query, key, value)]
+    except _Refused:
+        widths = None  # not packed then
+    return _Attention(query, key, value, merged, guard, bias, query.factor * key.factor * after, num_heads, widths)
 
 
 def _has_cache(function: ir.Function) -> bool:
@@ -295,6 +300,7 @@ class FuseMultiHeadAttentionPass(ir.passes.InPlacePass):
             self.fused.append(key)
         if self.fused:
             model.opset_imports.setdefault("com.microsoft", 1)
+        if self.fused or self.reasons:  # formals the rewrites (or a refused packing) left unread
             _fusion.drop_unused_formals(model)
         return ir.passes.PassResult(model, modified=bool(self.fused))
 
@@ -303,7 +309,7 @@ class FuseMultiHeadAttentionPass(ir.passes.InPlacePass):
         For ``Attention`` (packed weights and biases), the (input, weights, bias) it takes instead."""
         q, k, v = (s.projection for s in (attention.query, attention.key, attention.value))
         one_input = q.inputs[0] is k.inputs[0] is v.inputs[0] and len({id(q), id(k), id(v)}) == 3
-        if self.pack_qkv and one_input:
+        if self.pack_qkv and one_input and attention.widths is not None:
             packed = _packed_projection(model, function, types.SimpleNamespace(q_proj=q, k_proj=k, v_proj=v))
             if packed:
                 bias = packed[1].inputs[1] if len(packed) == 2 else None
@@ -311,7 +317,7 @@ class FuseMultiHeadAttentionPass(ir.passes.InPlacePass):
                 self.packed.append(function.identifier())
                 if self.attention_op and bias is not None:  # the GEMM inside the op, written in its head layout
                     return [], [matmul.inputs[0], matmul.inputs[1], bias]
-                sizes = _constant("qkv_proj.split", np.array([_width(model, p) for p in (q, k, v)], np.int64))
+                sizes = _constant("qkv_proj.split", np.array(attention.widths, np.int64))
                 split = ir.node("Split", [matmul.outputs[0], sizes.outputs[0]], attributes={"axis": -1}, num_outputs=3,
                                 name="qkv_proj.Split", metadata_props=dict(matmul.metadata_props))
                 for output, role in zip(split.outputs, "qkv"):
@@ -324,9 +330,8 @@ class FuseMultiHeadAttentionPass(ir.passes.InPlacePass):
         attributes = {"num_heads": attention.num_heads, "scale": attention.scale}
         if len(operands) == 3:  # Attention(input, packed weights, packed bias, mask_index, past, attention_bias)
             op, inputs = "Attention", [*operands, None, None, attention.bias]
-            widths = [_width(model, s.projection) for s in (attention.query, attention.key, attention.value)]
-            if len(set(widths)) != 1:
-                attributes["qkv_hidden_sizes"] = widths
+            if len(set(attention.widths)) != 1:
+                attributes["qkv_hidden_sizes"] = attention.widths
         else:  # MultiHeadAttention(query, key, value, bias, key_padding_mask, attention_bias)
             op, inputs = "MultiHeadAttention", [*operands, None, attention.bias]
         mha = ir.node(op, inputs, attributes=attributes, domain="com.microsoft", name=op)
