@@ -1,4 +1,4 @@
-"""``optimize``: function bodies of a modular decoder file rewritten into onnxruntime's fused kernels.
+"""``optimize``: function bodies of a modular decoder or encoder file rewritten into onnxruntime's fused kernels.
 
 The file stays modular: each fusion rewrites the shared body of a class (every call of it at
 once), and the decoder-layer function is still one function called once per layer. The steps, in
