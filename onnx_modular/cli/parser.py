@@ -376,13 +376,16 @@ def build_parser() -> argparse.ArgumentParser:
     opt = commands.add_parser(
         "optimize",
         parents=[common],
-        help="rewrite module bodies into onnxruntime's fused kernels (RMS norm, skip norm, GroupQueryAttention)",
-        description="Rewrite the function bodies of a modular decoder file into onnxruntime's fused kernels, "
+        help="rewrite module bodies into onnxruntime's fused kernels (RMS norm, skip norm, GroupQueryAttention, "
+        "MultiHeadAttention, GELU)",
+        description="Rewrite the function bodies of a modular decoder or encoder file into onnxruntime's fused kernels, "
         "keeping the hierarchy: RMS norms into SimplifiedLayerNormalization, residual add + norm into "
-        "SkipSimplifiedLayerNormalization, self-attention with a KV cache into GroupQueryAttention. Each step "
-        "runs in onnxruntime on a prompt and a decode step and is kept only for the classes whose calls agree.",
+        "SkipSimplifiedLayerNormalization (SkipLayerNormalization for a LayerNorm), self-attention with a KV cache "
+        "into GroupQueryAttention, attention without one (encoders, cross-attention) into MultiHeadAttention, GELU "
+        "into Gelu/QuickGelu. Each step runs in onnxruntime on a prompt and a decode step (an encoder: random "
+        "inputs, then padded) and is kept only for the classes whose calls agree.",
     )
-    opt.add_argument("model", help="the modular .onnx file (export --task causal-lm-with-past)")
+    opt.add_argument("model", help="the modular .onnx file (export --task causal-lm-with-past, or an encoder's)")
     opt.add_argument("-o", "--output", required=True, metavar="NEW.onnx", help="the file to write")
     opt.add_argument("--max-positions", type=_positive, default=None, metavar="N",
                      help="rows of the rotary caches: the longest sequence the file will run (default 4096)")

@@ -1,4 +1,4 @@
-"""``optimize``: function bodies of a modular decoder file rewritten into onnxruntime's fused kernels.
+"""``optimize``: function bodies of a modular decoder or encoder file rewritten into onnxruntime's fused kernels.
 
 The file stays modular: each fusion rewrites the shared body of a class (every call of it at
 once), and the decoder-layer function is still one function called once per layer. The steps, in
@@ -8,11 +8,19 @@ order (passes in ``onnx_modular/passes/``):
 2. residual ``Add`` + norm call -> ``com.microsoft.SkipSimplifiedLayerNormalization``
    (:class:`~onnx_modular.passes.fuse_skip_norm.FuseSkipNormPass`);
 3. self-attention with a KV cache -> ``com.microsoft.GroupQueryAttention``
-   (:class:`~onnx_modular.passes.fuse_gqa.FuseGroupQueryAttentionPass`).
+   (:class:`~onnx_modular.passes.fuse_gqa.FuseGroupQueryAttentionPass`);
+4. residual ``Add`` + ``LayerNormalization`` call -> ``com.microsoft.SkipLayerNormalization``
+   (the same pass, ``layer_norm=True``);
+5. attention without a cache (encoders, cross-attention) -> ``com.microsoft.Attention`` (query,
+   key and value projections of one input, packed, with biases) or ``MultiHeadAttention``
+   (:class:`~onnx_modular.passes.fuse_mha.FuseMultiHeadAttentionPass`);
+6. erf GELU and quick GELU bodies -> ``com.microsoft.Gelu`` / ``QuickGelu``
+   (:class:`~onnx_modular.passes.fuse_activation.FuseActivationPass`).
 
 Each step is verified before it is kept: the file before and after the step runs in onnxruntime
 on reference feeds (a prompt with an empty cache, then one decode step on the cache that prompt
-made), with every module call's outputs exposed (:func:`onnx_modular.calls.capture.call_outputs`),
+made; for a file without a cache, random inputs at batch 2 and the same with the second row's
+mask half padding), with every module call's outputs exposed (:func:`onnx_modular.calls.capture.call_outputs`),
 and every call of a rewritten class must agree with the original file's call within the
 tolerance, as must the file's outputs. A class whose calls drift is put back as it was and the
 step is redone without it; the report says why.
@@ -39,7 +47,9 @@ from onnx_modular.calls.capture import call_outputs
 from onnx_modular.check.parity import Tolerance, default_tolerance, max_differences
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError, SaveError, VerificationError
 from onnx_modular.format import metadata
+from onnx_modular.passes.fuse_activation import FuseActivationPass
 from onnx_modular.passes.fuse_gqa import SEQLENS_K, TOTAL_SEQUENCE_LENGTH, FuseGroupQueryAttentionPass
+from onnx_modular.passes.fuse_mha import FuseMultiHeadAttentionPass
 from onnx_modular.passes.fuse_rms_norm import FuseRMSNormPass
 from onnx_modular.passes.fuse_skip_norm import FuseSkipNormPass
 from onnx_modular.storage import save
@@ -52,7 +62,13 @@ FUSED_OPS = {
     "rms_norm": "SimplifiedLayerNormalization",
     "skip_norm": "com.microsoft.SkipSimplifiedLayerNormalization",
     "attention": "com.microsoft.GroupQueryAttention",
+    "skip_layer_norm": "com.microsoft.SkipLayerNormalization",
+    "mha": "com.microsoft.MultiHeadAttention",
+    "activation": "com.microsoft.Gelu",  # or QuickGelu: the pass says which (its ``ops``)
 }
+
+#: The attention steps (their ops make :attr:`OptimizeReport.attention`).
+_ATTENTION_STEPS = ("attention", "mha")
 
 
 @dataclasses.dataclass
@@ -60,7 +76,7 @@ class Fusion:
     """One class's body (one local function) and what a step did with it.
 
     Attributes:
-        step: ``rms_norm``, ``skip_norm`` or ``attention``.
+        step: ``rms_norm``, ``skip_norm``, ``attention``, ``skip_layer_norm``, ``mha`` or ``activation``.
         function: The function's name (``LlamaAttention``).
         module_class: Its module class when the file records it, else the function name.
         fused: Whether the rewrite was kept.
@@ -89,7 +105,9 @@ class OptimizeReport:
     Attributes:
         source, output: The files.
         fusions: One entry per class body a step rewrote or refused.
-        attention: ``"GroupQueryAttention"`` when every self-attention with a cache was fused, else ``None``.
+        attention: The fused attention ops (``"GroupQueryAttention"``; ``"Attention"`` for packed
+            self-attention without a cache, ``"MultiHeadAttention"`` for the rest; joined by ``+``
+            when several) when every attention body was fused, else ``None``.
         added_inputs: Formal inputs added to function signatures (threaded from the main graph,
             computed there from ``attention_mask``); the main graph's own inputs are unchanged.
         verified: Whether the steps were checked in onnxruntime (``verify=True``).
@@ -130,17 +148,18 @@ class OptimizeReport:
                  + (" (each step verified in onnxruntime)" if self.verified else " (not verified)")]
         width = max([len(f.module_class) + (0 if f.function == f.module_class else len(f.function) + 3)
                      for f in self.fusions] + [10])
+        step_width = max([len(f.step) for f in self.fusions] + [9])
         for fusion in self.fusions:
             status = f"fused -> {fusion.op}" if fusion.fused else f"not fused: {fusion.reason}"
             drift = f"  max diff {fusion.max_abs_diff:.2e} over {fusion.calls} calls" if fusion.max_abs_diff is not None else ""
             label = fusion.module_class if fusion.function == fusion.module_class else f"{fusion.module_class} ({fusion.function})"
-            lines.append(f"  {fusion.step:<9} {label:<{width}}  {status}{drift}")
+            lines.append(f"  {fusion.step:<{step_width}} {label:<{width}}  {status}{drift}")
         if not self.fusions:
-            lines.append("  nothing to fuse (no RMS norm, residual norm or attention with a KV cache found)")
+            lines.append("  nothing to fuse (no RMS norm, residual norm or attention found)")
         lines.append(f"Attention: {self.attention or 'not fused'}"
                      + (f"; inputs added to function signatures: {', '.join(self.added_inputs)}" if self.added_inputs else ""))
         if self.packed_qkv:
-            lines.append(f"Query, key and value projections packed into one MatMul: {', '.join(self.packed_qkv)}")
+            lines.append(f"Query, key and value projections packed (one weight, one GEMM): {', '.join(self.packed_qkv)}")
         lines.append(f"Nodes per run (calls expanded): {self.nodes_before:,} -> {self.nodes_after:,}")
         if self.quantization is not None:
             lines.append(self.quantization.text())
@@ -179,7 +198,27 @@ def _copy(model: ir.Model) -> ir.Model:
 
 def _cache_inputs(model: ir.Model) -> list[ir.Value]:
     return [v for v in model.graph.inputs if v.dtype is not None and v.dtype.is_floating_point()
-            and v.shape is not None and len(v.shape) == 4]
+            and v.shape is not None and len(v.shape) == 4 and ("past" in v.name or "cache" in v.name)]
+
+
+def _encoder_runs(model: ir.Model) -> list[dict[str, np.ndarray]]:
+    """A file without a cache (an encoder): random inputs at batch 2, sequence 7 (masks all ones,
+    token ids below 10, token types 0), then the same with the second row's 2-D masks half padding."""
+    from onnx_modular.runtime.inputs import random_inputs
+
+    dims = {d: (2 if i == 0 else 7) for v in model.graph.inputs if v.shape is not None
+            for i, d in enumerate(v.shape) if isinstance(d, ir.SymbolicDim) and d.value}
+    feeds = random_inputs(ir.to_proto(model), dims=dims, default_dim=2, seed=0)
+    for name, array in feeds.items():
+        if "token_type" in name:
+            feeds[name] = np.zeros_like(array)
+    padded = {}
+    for name, array in feeds.items():
+        if "mask" in name and array.ndim == 2 and array.shape[0] > 1:
+            array = array.copy()
+            array[1, array.shape[1] // 2 + 1:] = 0
+        padded[name] = array
+    return [feeds, padded] if any(p is not feeds[n] for n, p in padded.items()) else [feeds]
 
 
 def _vocab(model: ir.Model) -> int:
@@ -230,6 +269,9 @@ class _Reference:
 
     def __init__(self, model: ir.Model, folder: str | None):
         self.folder = folder
+        if not _cache_inputs(model):
+            self.runs = [(feeds, *_run_calls(model, feeds, folder)) for feeds in _encoder_runs(model)]
+            return
         prompt = _prompt_feeds(model, 6, None, 0)
         outputs, calls = _run_calls(model, prompt, folder)
         self.runs = [(prompt, outputs, calls)]
@@ -281,6 +323,9 @@ _STEPS: list[tuple[str, Callable[..., ir.passes.InPlacePass]]] = [
     ("rms_norm", lambda allowed, max_positions: FuseRMSNormPass(functions=allowed)),
     ("skip_norm", lambda allowed, max_positions: FuseSkipNormPass(functions=allowed)),
     ("attention", lambda allowed, max_positions: FuseGroupQueryAttentionPass(max_positions, functions=allowed)),
+    ("skip_layer_norm", lambda allowed, max_positions: FuseSkipNormPass(functions=allowed, layer_norm=True)),
+    ("mha", lambda allowed, max_positions: FuseMultiHeadAttentionPass(functions=allowed)),
+    ("activation", lambda allowed, max_positions: FuseActivationPass(functions=allowed)),
 ]
 
 
@@ -299,14 +344,15 @@ def _run_step(model, step, make_pass, reference, tolerance, max_positions) -> tu
         if not keys:
             return model, refused
         names = {key[1]: _class_of(candidate.functions[key]) for key in keys}
+        ops = {key[1]: op for key, op in getattr(fusion_pass, "ops", {}).items()}
         if reference is None:
-            return candidate, refused + [Fusion(step, n, c, True, FUSED_OPS[step]) for n, c in names.items()]
+            return candidate, refused + [Fusion(step, n, c, True, ops.get(n) or FUSED_OPS[step]) for n, c in names.items()]
         diffs, drifted, failure = reference.compare(candidate, names, tolerance)
         if failure is not None and not drifted:
             drifted = dict.fromkeys(names, failure)
         if not drifted:
             packed = {key[1] for key in getattr(fusion_pass, "packed", [])}
-            kept = [Fusion(step, n, c, True, FUSED_OPS[step], None, diffs[n][0], diffs[n][1], n in packed)
+            kept = [Fusion(step, n, c, True, ops.get(n) or FUSED_OPS[step], None, diffs[n][0], diffs[n][1], n in packed)
                     for n, c in names.items()]
             return candidate, refused + kept
         refused += [Fusion(step, n, names[n], False, FUSED_OPS[step], f"drifts past the tolerance: {why}",
@@ -341,7 +387,7 @@ def optimize(
     verify: bool = True,
     max_positions: int | None = None,
     tolerance: Tolerance | None = None,
-    steps: tuple[str, ...] = ("rms_norm", "skip_norm", "attention"),
+    steps: tuple[str, ...] = ("rms_norm", "skip_norm", "attention", "skip_layer_norm", "mha", "activation"),
     quantize: str | None = None,
     accuracy_level: int = 4,
     int8_lm_head: bool = False,
@@ -350,14 +396,16 @@ def optimize(
     """Rewrite the bodies of ``path`` into onnxruntime's fused kernels and write ``output``.
 
     Args:
-        path: A modular ONNX file (``onnx-modular export ... --task causal-lm-with-past``).
+        path: A modular ONNX file (``onnx-modular export ... --task causal-lm-with-past``, or an encoder's).
         output: Where to write the optimized file (atomically; nothing is left on failure).
-        verify: Check every step in onnxruntime on a prompt and a decode step and keep only the
+        verify: Check every step in onnxruntime on a prompt and a decode step (an encoder: random
+            inputs, then with padding) and keep only the
             classes whose calls agree (within ``tolerance``; float32 defaults: atol 1e-4, rtol 1e-3).
         max_positions: Rows of the rotary cos/sin caches given to ``GroupQueryAttention``: the
             longest sequence (prompt plus generated tokens) the file will run. Default: the file's
             ``max_position_embeddings`` metadata when present, else 4096.
-        steps: Which steps to run (``rms_norm``, ``skip_norm``, ``attention``).
+        steps: Which steps to run (``rms_norm``, ``skip_norm``, ``attention``, ``skip_layer_norm``, ``mha``,
+            ``activation``).
         quantize: ``"int4"``: then quantize the fused file with onnxruntime-genai's builder recipe
             (``convert``'s passes: blocks of 32, symmetric, ``accuracy_level``, lm_head included;
             :mod:`onnx_modular.files.optimize_quantize`). ``"int8"`` likewise with 8 bits.
@@ -395,12 +443,15 @@ def optimize(
         if step in steps:
             model, records = _run_step(model, step, make_pass, reference, tolerance, max_positions)
             fusions += records
+    taken = {f.function for f in fusions if f.fused and f.step == "mha"}  # the cache-less attention GQA refused
+    fusions = [f for f in fusions if not (f.step == "attention" and not f.fused and f.function in taken)]
     if reference is not None and any(f.fused for f in fusions):
         _, drifted, failure = reference.compare(model, {}, tolerance)
         if failure is not None:
             raise VerificationError(f"optimize: the optimized file of {str(path)!r} fails its final check: {failure}.")
-    attention_fused = [f for f in fusions if f.step == "attention"]
-    attention = "GroupQueryAttention" if attention_fused and all(f.fused for f in attention_fused) else None
+    attention_fused = [f for f in fusions if f.step in _ATTENTION_STEPS]
+    attention = "+".join(sorted({f.op.rsplit(".", 1)[-1] for f in attention_fused})) \
+        if attention_fused and all(f.fused for f in attention_fused) else None
     added = [name for name in ("cos_cache", "sin_cache", SEQLENS_K, TOTAL_SEQUENCE_LENGTH)
              if any(v.name == name for f in model.functions.values() for v in f.inputs)]
     model.metadata_props[OPTIMIZED_KEY] = json.dumps(
