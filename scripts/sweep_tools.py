@@ -20,7 +20,9 @@ What passes, per tool (:data:`CRITERIA`, rendered under the table's totals):
   (its own check, modular against flat, passes) and at least :data:`RECOVERED` of our file's
   module paths are recovered as calls or named in the report's ``unrecovered`` list (a module
   torch's optimizer fused away, Conv+BatchNorm); a module called several times counts once
-  (``modularize`` merges such calls, as documented). ``ok (r of n recovered, ...)`` says how many.
+  (``modularize`` merges such calls, as documented); a call of ours that computes nothing (only
+  ``Identity``: a Dropout in eval) is not counted, torch's file has no node of it.
+  ``ok (r of n recovered, ...)`` says how many.
 - ``diff``: ``diff(file, file)`` on the row's inputs reports no difference.
 - ``profile``: ``profile`` (3 runs, 1 thread) attributes at least :data:`ATTRIBUTED` of the kernel
   time to module calls (``unattributed`` kernels are the rest).
@@ -144,17 +146,44 @@ def _paths(tree) -> set[str]:
     return {call.module_path for call in tree.walk() if not call.is_root and call.module_path}
 
 
+def _computing_paths(model) -> set[str]:
+    """The module paths of our file's calls that compute something: a call whose body (with
+    everything it calls) holds only ``Identity`` nodes (a Dropout in eval) leaves no node in
+    torch's flat file, so nothing can recover it."""
+    from onnx_modular.calls.tree import function_tree
+
+    bodies = {(f.domain, f.name, f.overload): f for f in model.functions}
+    memo: dict[tuple, bool] = {}
+
+    def computes(key) -> bool:
+        if key not in memo:
+            memo[key] = False
+            function = bodies.get(key)
+            memo[key] = function is not None and any(
+                (node.domain, node.op_type, node.overload) in bodies and computes((node.domain, node.op_type, node.overload))
+                or (node.domain, node.op_type, node.overload) not in bodies and node.op_type != "Identity"
+                for node in function.node
+            )
+        return memo[key]
+
+    tree = function_tree(model)
+    return {
+        call.module_path for call in tree.walk()
+        if not call.is_root and call.module_path and call.function is not None
+        and computes((*call.function, call.overload))
+    }
+
+
 def _modularize(folder: pathlib.Path) -> str:
     import onnx
 
     from onnx_modular import modularize
-    from onnx_modular.calls.tree import function_tree
 
     flat = folder / FLAT
     if not flat.exists():
         return "n/a: torch's flat export failed"
     report = modularize(flat, folder / "remodular.onnx", inputs=feeds(folder, flat))
-    ours = _paths(function_tree(onnx.load(str(folder / MODULAR), load_external_data=False)))
+    ours = _computing_paths(onnx.load(str(folder / MODULAR), load_external_data=False))
     if not ours:
         return "ok"
     recovered = ours & _paths(report.tree)
