@@ -76,7 +76,10 @@ def feeds(folder: pathlib.Path, path: pathlib.Path) -> dict[str, Any] | None:
     if not (folder / INPUTS).exists():
         return None
     saved = dict(np.load(folder / INPUTS))
-    names = [value.name for value in onnx.load(str(path), load_external_data=False).graph.input]
+    try:
+        names = [value.name for value in onnx.load(str(path), load_external_data=False).graph.input]
+    except Exception:  # not a file onnx reads: the tool says so itself
+        return None
     if not set(names) <= set(saved):
         return None
     return {name: saved[name] for name in names}
