@@ -2237,9 +2237,9 @@ def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, s
         f"| {t['tried']} | {planned} | {t['built']} | {t['flat_ok']} | {t['modular_ok']} | {t['both_ok']} | {t['flat_only']} | {t['modular_only']} |",
         "",
     ]
+    lines += sweep_tools.markdown(rows)
     if notes:
         lines += [notes.strip(), ""]
-    lines += sweep_tools.markdown(rows)
     flat_only = [r for r in rows if r.flat_ok and not r.modular_ok]
     lines += ["## Flat exports, modular does not", ""]
     lines += [f"- `{r.class_name}` ({r.model_type}): {r.stage}: {_cell(r.error)}" for r in flat_only] or ["None."]
