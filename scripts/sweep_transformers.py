@@ -2420,6 +2420,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit:
         planned = planned[: args.limit]
     rows: list[Row] = read_rows(json_path) if args.resume and json_path.exists() else []
+    every = list(rows)  # a row swept again stays until its new row replaces it: a sweep cut short loses none
     if args.redo:
         stages = set(args.redo.split(","))
         rows = [r for r in rows if not ("failed" in stages and not r.modular_ok or r.stage in stages)]
@@ -2440,8 +2441,8 @@ def main(argv: list[str] | None = None) -> int:
         again = set(differing(rows, read_rows(pathlib.Path(args.redo_differing))))
         print(f"{len(again)} rows differ from {args.redo_differing}: swept again", flush=True)
         rows = [r for r in rows if r.key not in again]
-    rows = unique_rows(rows)
-    done = {r.key for r in rows}
+    done = {r.key for r in unique_rows(rows)}
+    rows = unique_rows(every)
     environment = _environment()
     todo = [row for row in planned if (row[0], row[1]) not in done]
     if args.redo_classes:  # in the order given: the most wanted first
