@@ -41,12 +41,17 @@ import pathlib
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT / "scripts") not in sys.path:  # the tools phase beside this script
+    sys.path.insert(0, str(ROOT / "scripts"))
+
+import sweep_tools  # noqa: E402
 
 #: Architectures of the default test suite's sample (tests/test_sweep.py): decoder, encoder,
 #: encoder-decoder, vision, audio, multimodal, state-space, mixture of experts.
@@ -1830,7 +1835,7 @@ def _depth(call, level: int = 0) -> int:
 # -- one exporter in a child ---------------------------------------------------------------
 
 
-def _job_modular(model_type: str, class_name: str) -> dict[str, Any]:
+def _job_modular(model_type: str, class_name: str, folder: str | None = None) -> dict[str, Any]:
     from onnx_modular import export_modular
 
     record: dict[str, Any] = {}
@@ -1859,6 +1864,9 @@ def _job_modular(model_type: str, class_name: str) -> dict[str, Any]:
         depth=_depth(result.hierarchy.root),
         max_abs=_max_abs(result.report),
     )
+    if folder and record["ok"]:  # the file and inputs of the tools phase (sweep_tools)
+        result.save(pathlib.Path(folder) / sweep_tools.MODULAR)
+        sweep_tools.save_inputs(pathlib.Path(folder), inputs)
     return record
 
 
@@ -1877,7 +1885,7 @@ def _max_abs(report) -> float | None:
     return max(values) if values else None
 
 
-def _job_flat(model_type: str, class_name: str) -> dict[str, Any]:
+def _job_flat(model_type: str, class_name: str, folder: str | None = None) -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -1917,6 +1925,8 @@ def _job_flat(model_type: str, class_name: str) -> dict[str, Any]:
             worst = max(worst, float(np.max(np.abs(got - want))))
             ok = ok and bool(np.allclose(got, want, rtol=1e-3, atol=1e-4))  # onnx_modular's float32 default
     record.update(ok=ok, max_abs=worst)
+    if folder and ok:  # modularize's input in the tools phase
+        program.save(str(pathlib.Path(folder) / sweep_tools.FLAT))
     if not ok:
         record.setdefault("stage", "verify")
         record.setdefault("error", f"max abs difference {worst:.3g}")
@@ -1935,10 +1945,14 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {line[:300]}"
 
 
-_JOBS = {"flat": _job_flat, "modular": _job_modular}
+def _job_tool(model_type: str, class_name: str, tool: str, folder: str) -> dict[str, Any]:
+    return sweep_tools.run_tool(tool, folder)
 
 
-def _child(kind: str, model_type: str, class_name: str, memory_bytes: int, connection) -> None:
+_JOBS = {"flat": _job_flat, "modular": _job_modular, "tool": _job_tool}
+
+
+def _child(kind: str, model_type: str, class_name: str, memory_bytes: int, connection, extra: tuple = ()) -> None:
     os.nice(0)
     try:
         if memory_bytes:
@@ -1948,7 +1962,7 @@ def _child(kind: str, model_type: str, class_name: str, memory_bytes: int, conne
         import logging
 
         logging.disable(logging.WARNING)
-        record = _JOBS[kind](model_type, class_name)
+        record = _JOBS[kind](model_type, class_name, *extra)
     except MemoryError:
         record = {"ok": False, "stage": "memory", "error": "MemoryError: over the memory limit"}
     except BaseException as e:
@@ -1959,13 +1973,14 @@ def _child(kind: str, model_type: str, class_name: str, memory_bytes: int, conne
         connection.close()
 
 
-def run_child(kind: str, model_type: str, class_name: str, timeout: float, memory_gb: float) -> dict[str, Any]:
-    """One exporter on one architecture in a forked child, bounded in time and address space."""
+def run_child(kind: str, model_type: str, class_name: str, timeout: float, memory_gb: float, *extra) -> dict[str, Any]:
+    """One exporter (or one file tool, ``kind="tool"``) on one architecture in a forked child,
+    bounded in time and address space; ``extra``: more arguments of the job."""
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
     memory = int(memory_gb * 2**30) + _address_space() if memory_gb else 0
     start = time.perf_counter()
-    process = context.Process(target=_child, args=(kind, model_type, class_name, memory, send), daemon=True)
+    process = context.Process(target=_child, args=(kind, model_type, class_name, memory, send, extra), daemon=True)
     process.start()
     send.close()
     record = None
@@ -2054,6 +2069,7 @@ class Row:
     fixed: str | None = None  # the inputs the modular export fixed into the program (LAYOUT_INPUTS)
     reference_max_abs: float | None = None  # the largest |PyTorch output| compared (a pass on ~0 outputs says nothing)
     jittered: bool = False  # the weights got seeded noise: PyTorch's outputs were all ~0 (with_signal)
+    tools: dict[str, str] | None = None  # modular-ok rows: each file tool's status (sweep_tools; None: not run)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -2061,13 +2077,23 @@ class Row:
         return (self.model_type, self.class_name)
 
 
-def sweep_one(model_type: str, class_name: str, task: str, timeout: float, memory_gb: float) -> Row:
-    flat = run_child("flat", model_type, class_name, timeout, memory_gb)
-    if flat.get("stage") == "build":  # the same build would fail the same way: not run twice
-        modular = dict(flat, seconds=0.0)
-    else:
-        modular = run_child("modular", model_type, class_name, timeout, memory_gb)
-    return row_of(model_type, class_name, task, flat, modular)
+def sweep_one(model_type: str, class_name: str, task: str, timeout: float, memory_gb: float, tools: bool = True) -> Row:
+    """One row: torch's flat export, ours, then (``tools``, a modular-ok row) every file tool on
+    the files they wrote, each tool in a child of its own (``sweep_tools``)."""
+    with tempfile.TemporaryDirectory(prefix="sweep-tools-") as scratch:
+        folder = (scratch,) if tools else ()
+        flat = run_child("flat", model_type, class_name, timeout, memory_gb, *folder)
+        if flat.get("stage") == "build":  # the same build would fail the same way: not run twice
+            modular = dict(flat, seconds=0.0)
+        else:
+            modular = run_child("modular", model_type, class_name, timeout, memory_gb, *folder)
+        row = row_of(model_type, class_name, task, flat, modular)
+        if tools and row.modular_ok and (pathlib.Path(scratch) / sweep_tools.MODULAR).exists():
+            row.tools = {}
+            for tool in sweep_tools.TOOLS:
+                record = run_child("tool", model_type, class_name, timeout, memory_gb, tool, scratch)
+                row.tools[tool] = record.get("status") or f"{record.get('stage')}: {record.get('error')}"
+    return row
 
 
 def row_of(model_type: str, class_name: str, task: str, flat: dict[str, Any], modular: dict[str, Any]) -> Row:
@@ -2211,6 +2237,7 @@ def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, s
         f"| {t['tried']} | {planned} | {t['built']} | {t['flat_ok']} | {t['modular_ok']} | {t['both_ok']} | {t['flat_only']} | {t['modular_only']} |",
         "",
     ]
+    lines += sweep_tools.markdown(rows)
     if notes:
         lines += [notes.strip(), ""]
     flat_only = [r for r in rows if r.flat_ok and not r.modular_ok]
@@ -2220,8 +2247,8 @@ def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, s
         "",
         "## Every architecture",
         "",
-        "| model type | class | task | built | flat | modular | functions | depth | max abs (modular) | max abs (flat) | max \\|PyTorch output\\| | failing stage | first error line | inputs | config | note | s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model type | class | task | built | flat | modular | functions | depth | max abs (modular) | max abs (flat) | max \\|PyTorch output\\| | failing stage | first error line | inputs | config | note | tools | s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         stage = r.stage or (f"flat: {r.flat_stage}" if r.flat_stage else "")
@@ -2230,7 +2257,8 @@ def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, s
             f"| {r.model_type} | {r.class_name} | {r.task} | {_cell(r.built)} | {_cell(r.flat_ok)} | {_cell(r.modular_ok)} | "
             f"{_cell(r.functions)} | {_cell(r.depth)} | {_cell(r.max_abs)} | {_cell(r.flat_max_abs)} | "
             f"{_cell(r.reference_max_abs)}{' (jittered)' if r.jittered else ''} | {_cell(stage)} | "
-            f"{_cell((error or '')[:160])} | {_cell(r.inputs)}{f' (fixed: {r.fixed})' if r.fixed else ''} | {_cell(r.config)} | {_cell(r.note or classify(r))} | {r.seconds:.0f} |"
+            f"{_cell((error or '')[:160])} | {_cell(r.inputs)}{f' (fixed: {r.fixed})' if r.fixed else ''} | {_cell(r.config)} | {_cell(r.note or classify(r))} | "
+            f"{_cell(sweep_tools.cell(r.tools)[:200])} | {r.seconds:.0f} |"
         )
     tmp = path.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + "\n")
@@ -2238,7 +2266,8 @@ def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, s
 
 
 def write_json(path: pathlib.Path, rows: list[Row], environment: dict[str, str], planned: int) -> None:
-    data = {"environment": environment, "planned": planned, "totals": totals(rows), "rows": [dataclasses.asdict(r) for r in rows]}
+    data = {"environment": environment, "planned": planned, "totals": totals(rows), "tools": sweep_tools.tool_totals(rows),
+            "rows": [dataclasses.asdict(r) for r in rows]}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     os.replace(tmp, path)
@@ -2356,6 +2385,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redo-classes", help="with --resume: sweep again the kept rows of these classes (comma-separated)")
     parser.add_argument("--redo-differing", help="with --resume: sweep again the kept rows whose outcome or inputs differ from "
                         "the same row of this JSON (another torch's run on the current commit)")
+    parser.add_argument("--no-tools", action="store_true", help="skip the tools phase (every file tool on a modular-ok row's files)")
+    parser.add_argument("--redo-untooled", type=int, metavar="N",
+                        help="with --resume: sweep again N kept modular-ok rows the tools phase has not run on "
+                        "(a seeded random sample across model types)")
     parser.add_argument("--jobs", type=int, default=1, help="architectures swept at once (each in its own children)")
     parser.add_argument("--order", choices=("shuffled", "alphabetical"), default="shuffled",
                         help="shuffled (default): the sample, then base models, then heads, each in a fixed random order")
@@ -2387,6 +2420,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit:
         planned = planned[: args.limit]
     rows: list[Row] = read_rows(json_path) if args.resume and json_path.exists() else []
+    every = list(rows)  # a row swept again stays until its new row replaces it: a sweep cut short loses none
     if args.redo:
         stages = set(args.redo.split(","))
         rows = [r for r in rows if not ("failed" in stages and not r.modular_ok or r.stage in stages)]
@@ -2396,12 +2430,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.redo_classes:  # a class (every model type it serves) or model_type/class
         again = set(args.redo_classes.split(","))
         rows = [r for r in rows if r.class_name not in again and f"{r.model_type}/{r.class_name}" not in again]
+    if args.redo_untooled:
+        import random
+
+        untooled = [r.key for r in rows if r.modular_ok and not r.tools]
+        again = set(random.Random(51).sample(untooled, min(args.redo_untooled, len(untooled))))
+        print(f"{len(again)} of {len(untooled)} modular-ok rows without tools: swept again", flush=True)
+        rows = [r for r in rows if r.key not in again]
     if args.redo_differing:
         again = set(differing(rows, read_rows(pathlib.Path(args.redo_differing))))
         print(f"{len(again)} rows differ from {args.redo_differing}: swept again", flush=True)
         rows = [r for r in rows if r.key not in again]
-    rows = unique_rows(rows)
-    done = {r.key for r in rows}
+    done = {r.key for r in unique_rows(rows)}
+    rows = unique_rows(every)
     environment = _environment()
     todo = [row for row in planned if (row[0], row[1]) not in done]
     if args.redo_classes:  # in the order given: the most wanted first
@@ -2417,7 +2458,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.sort(key=lambda r: order.get(r.key, len(order)))
         print(
             f"{row.model_type:24} {row.class_name:48} built={_cell(row.built):3} flat={_cell(row.flat_ok):3} "
-            f"modular={_cell(row.modular_ok):3} {row.seconds:5.0f}s {row.stage or ''} {(row.error or '')[:100]}",
+            f"modular={_cell(row.modular_ok):3} {row.seconds:5.0f}s {row.stage or ''} {(row.error or '')[:100]}"
+            f"{' tools: ' + sweep_tools.cell(row.tools)[:160] if row.tools else ''}",
             flush=True,
         )
         write_json(json_path, rows, environment, len(planned))
@@ -2425,12 +2467,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.jobs <= 1:
         for model_type, class_name, task in todo:
-            finished(sweep_one(model_type, class_name, task, args.timeout, args.memory_gb))
+            finished(sweep_one(model_type, class_name, task, args.timeout, args.memory_gb, not args.no_tools))
     else:  # threads only wait on their forked children: the exports run in parallel processes
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
         with ThreadPoolExecutor(args.jobs) as pool:
-            futures = [pool.submit(sweep_one, *row, args.timeout, args.memory_gb) for row in todo]
+            futures = [pool.submit(sweep_one, *row, args.timeout, args.memory_gb, not args.no_tools) for row in todo]
             for future in as_completed(futures):
                 finished(future.result())
     print(json.dumps(totals(rows)))

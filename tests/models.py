@@ -291,26 +291,32 @@ class Expert(nn.Module):
 
 
 class HistcRouter(nn.Module):
-    """Top-1 routing that counts the tokens per expert with ``histc`` (bin edges 0 .. experts-1)."""
+    """Top-1 routing that counts the tokens per expert with ``histc`` (bin edges 0 .. experts-1);
+    ``nudge``: a count ``c > 0`` goes through ``floor(c * (1 - nudge)) + 1`` (exact in float32 for
+    a small nudge; a constant ``0.9999`` is ``1.0`` in float16, and every count is one too many)."""
 
-    def __init__(self, d: int, experts: int):
+    def __init__(self, d: int, experts: int, nudge: float | None = None):
         super().__init__()
         self.gate = nn.Linear(d, experts, bias=False)
         self.experts = experts
+        self.nudge = nudge
 
     def forward(self, x):
         weights, index = self.gate(x).softmax(-1).max(-1)
         counts = torch.histc(index.float(), bins=self.experts, min=0, max=self.experts - 1)
+        if self.nudge is not None:
+            counts = torch.where(counts > 0, torch.floor(counts * (1 - self.nudge)) + 1, counts)
         return weights, index, counts
 
 
 class HistcMoE(nn.Module):
     """A mixture of experts that splits the tokens sorted by expert by the router's counts: a count
-    off by one (float16 bin edges round: 3.0000002 -> 3.0) makes onnxruntime's Split refuse to run."""
+    off by one (float16 bin edges round: 3.0000002 -> 3.0, before comparisons ran in float32) or
+    rounded by float16 elsewhere (``nudge``) makes onnxruntime's Split refuse to run."""
 
-    def __init__(self, d: int = 16, experts: int = 4):
+    def __init__(self, d: int = 16, experts: int = 4, nudge: float | None = None):
         super().__init__()
-        self.router = HistcRouter(d, experts)
+        self.router = HistcRouter(d, experts, nudge)
         self.experts = nn.ModuleList(Expert(d) for _ in range(experts))
 
     def forward(self, x):
@@ -325,9 +331,9 @@ class HistcMoE(nn.Module):
         return torch.empty_like(outputs).index_copy(0, order, outputs)
 
 
-def histc_moe():
+def histc_moe(nudge: float | None = None):
     torch.manual_seed(0)
-    return HistcMoE().eval(), (torch.randn(32, 16),), {}
+    return HistcMoE(nudge=nudge).eval(), (torch.randn(32, 16),), {}
 
 
 class Twice(nn.Module):

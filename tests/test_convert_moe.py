@@ -1,6 +1,8 @@
 """float16 ``convert`` of a mixture of experts whose router counts tokens with ``histc``
-(tests/models.HistcMoE): the converted file does not run (a count rounds, Split refuses); the
-error names the router and what to keep, nothing is written, and ``auto_keep`` finds it."""
+(tests/models.HistcMoE). Its bin edges (``0 .. 3.0000002``) stay float32 and the comparisons run in
+float32, so the float16 file counts as PyTorch does. With counts nudged where float16 rounds
+(``floor(count * 0.9999) + 1``) the converted file does not run (a count is one off, Split refuses): the error names the router and
+what to keep, nothing is written, and ``auto_keep`` finds it."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import math
 
 import models
 import onnx
+import onnx.numpy_helper
 import pytest
 
 from onnx_modular import export_modular
@@ -15,13 +18,31 @@ from onnx_modular.errors import VerificationError
 from onnx_modular.files.convert import convert
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    model, args, _ = models.histc_moe()
-    path = tmp_path_factory.mktemp("moe") / "moe.onnx"
+def _export(folder, nudge=None):
+    model, args, _ = models.histc_moe(nudge)
+    path = folder / "moe.onnx"
     export_modular(model, args, path)
     assert any("Histc" in f.name or "Router" in f.name for f in onnx.load(str(path)).functions)
     return path
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """Counts nudged by a constant that float16 rounds (0.9999 -> 1.0): one off in float16."""
+    return _export(tmp_path_factory.mktemp("moe"), nudge=1e-4)
+
+
+def test_histc_bin_edges_stay_float32_and_the_float16_file_counts_right(tmp_path):
+    # The edges 0, 0.75, 1.5, 2.25, 3.0000002 rounded to 3.0 in float16, the last expert's
+    # tokens dropped out of the count and Split refused (issue 51, Mixtral in the sweep).
+    path = _export(tmp_path)
+    report = convert(path, tmp_path / "moe.f16.onnx", dtype="float16")
+    assert report.max_drift < 0.01 and not report.kept
+    converted = onnx.load(str(tmp_path / "moe.f16.onnx"))
+    edges = [onnx.numpy_helper.to_array(t) for t in converted.graph.initializer if math.prod(t.dims) == 5]
+    assert len(edges) == 1 and edges[0].dtype == "float32" and edges[0][-1] > 3  # the bin edges, 3.0000002
+    router = next(f for f in converted.functions if f.name.startswith("HistcRouter"))
+    assert any(n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.FLOAT16 for n in router.node)  # converted
 
 
 def test_float16_refusal_names_the_module_to_keep(moe, tmp_path):

@@ -396,3 +396,50 @@ def test_a_call_inside_control_flow_cannot_be_a_cut(chain, tmp_path):
     with pytest.raises(InvalidInputError, match="inside an If/Loop/Scan body"):
         onnx_modular.split(chain, tmp_path / "out", at=["inner"], with_data=False)
     assert not (tmp_path / "out").exists()
+
+
+class _Encoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)))
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, 8)
+        self.mix = torch.nn.Linear(8, 8)
+
+    def forward(self, ids, memory):
+        return self.mix(self.embed(ids) + memory.mean(1, keepdim=True))
+
+
+class _EncoderDecoder(torch.nn.Module):
+    """Whisper's and CLIP's shape: an encoder with weights of its own beside a decoder whose
+    vocabulary table outweighs it (here 1024 x 8 against 2 x 8 x 8: the encoder is 1/7 of 5%)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.decoder = _Encoder(), _Decoder(1024)
+
+    def forward(self, x, ids):
+        return self.decoder(ids, self.encoder(x))
+
+
+def test_an_encoder_outweighed_by_a_vocabulary_table_is_still_a_stage(tmp_path):
+    # Before, a call under 5% of the heaviest call's bytes counted as a table (a rotary table, a
+    # norm) and joined the next call: the encoder joined the decoder, and 2 stages were refused.
+    # A call with calls of its own is never a table.
+    torch.manual_seed(0)
+    feeds = {"x": torch.randn(2, 3, 8), "ids": torch.randint(0, 1024, (2, 4))}
+    path = tmp_path / "ed.onnx"
+    export_modular(_EncoderDecoder().eval(), (), kwargs=feeds).save(path)
+    result = onnx_modular.split(path, tmp_path / "stages", stages=2)
+    assert [s.calls for s in result.stages] == [["encoder"], ["decoder"]]
+    arrays = {name: value.numpy() for name, value in feeds.items()}
+    chained = onnx_modular.run_stages(tmp_path / "stages", arrays)
+    names, whole = sessions.run(str(path), arrays)
+    np.testing.assert_allclose(chained[names[0]], whole[0], atol=ATOL)

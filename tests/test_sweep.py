@@ -677,3 +677,35 @@ def test_overrides_for_keys_a_config_class_does_not_tie_or_declare():
     assert sweep.tiny_config("t5gemma2_encoder").text_config.dropout_rate == 0.0
     moonshine = sweep.tiny_config("moonshine_streaming")
     assert moonshine.num_key_value_heads == moonshine.num_attention_heads
+
+
+def test_the_tools_phase_gives_every_tool_a_status(tmp_path):
+    # issue 51: a modular-ok row's files (ours, torch's flat file, the inputs) go through every
+    # file tool by the package's API; the row's tools field, the table's cell and totals say how
+    import sweep_tools
+
+    folder = str(tmp_path)
+    modular = sweep._job_modular("llama", "LlamaModel", folder)
+    flat = sweep._job_flat("llama", "LlamaModel", folder)
+    assert modular["ok"] and flat["ok"]
+    assert {p.name for p in tmp_path.iterdir()} >= {sweep_tools.MODULAR, sweep_tools.FLAT, sweep_tools.INPUTS}
+    tools = {name: sweep_tools.run_tool(name, folder)["status"] for name in sweep_tools.TOOLS}
+    assert tools == dict.fromkeys(sweep_tools.TOOLS, "ok"), tools
+    # a tool that cannot run says why instead of failing the row; no flat file: modularize is n/a
+    (tmp_path / sweep_tools.FLAT).unlink()
+    assert sweep_tools.run_tool("modularize", folder)["status"].startswith("n/a: torch's flat export failed")
+    (tmp_path / sweep_tools.MODULAR).write_bytes(b"not onnx")
+    assert sweep_tools.run_tool("diff", folder)["status"].startswith("InvalidModelFileError")
+    row = sweep.row_of("llama", "LlamaModel", "base", flat, modular)
+    row.tools = dict(tools, profile="97.0% of kernel time attributed")
+    other = sweep.Row("bert", "BertModel", "base", True, True, True)  # a row the tools phase did not run on
+    environment = {"commit": "abc", "torch": "t", "transformers": "x", "onnxscript": "o", "onnxruntime": "r", "date": "d"}
+    sweep.write_markdown(tmp_path / "c.md", [row, other], environment, planned=2)
+    sweep.write_json(tmp_path / "c.json", [row, other], environment, planned=2)
+    text = (tmp_path / "c.md").read_text()
+    assert "Every file tool on the files of 1 of the 2 modular-ok rows" in text
+    assert "| convert_f16 | 1 | 1 | 0 |" in text and "| profile | 0 | 1 | 0 |" in text
+    assert "profile: 97.0% of kernel time attributed" in text
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["tools"]["split"] == {"passed": 1, "run": 1, "n/a": 0} and data["tools"]["rows"]["run"] == 1
+    assert [r.tools for r in sweep.read_rows(tmp_path / "c.json")] == [row.tools, None]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence, Set
 
 import onnx
 
@@ -93,18 +93,20 @@ def _partition(costs: Sequence[float], parts: int) -> tuple[float, list[int]]:
     return best[parts][n], sorted(starts)[1:]
 
 
-def _groups(calls: Sequence[str], bytes_of) -> list[int]:
+def _groups(calls: Sequence[str], bytes_of, callers: Set[str] = frozenset()) -> list[int]:
     """The first index of each group of calls that stages may not separate. A call whose weights
     are a table next to the graph's big calls (under :data:`TABLE_SHARE` of the heaviest call's
-    bytes: a rotary table, a norm's scale, no weights at all) joins the next call that holds more
-    (trailing ones join the last group), so that no stage holds nothing but a table. Every call is
-    its own group when none holds weights."""
+    bytes: a rotary table, a norm's scale, no weights at all) and that calls no module of its own
+    joins the next call that holds more (trailing ones join the last group), so that no stage
+    holds nothing but a table. A call in ``callers`` (one with calls of its own: an encoder
+    beside a decoder whose vocabulary table outweighs it twenty times) is never a table. Every
+    call is its own group when none holds weights."""
     heaviest = max((bytes_of(name) for name in calls), default=0)
     if heaviest <= 0:
         return list(range(len(calls)))
     starts, open_start = [], 0
     for i, name in enumerate(calls):
-        if bytes_of(name) > TABLE_SHARE * heaviest:
+        if name in callers or bytes_of(name) > TABLE_SHARE * heaviest:
             starts.append(open_start)
             open_start = i + 1
     return starts
@@ -149,9 +151,10 @@ def plan_stages(model: onnx.ModelProto, stages: int, cost_of, bytes_of=None) -> 
     feasible: list[tuple[_Level, float, list[int]]] = []
     last = None
     allowed: list[tuple[_Level, int]] = []
+    callers = {c.caller.call_name for c in metadata.expanded_calls(model, module_calls_only=False) if c.caller is not None}
     for level in _levels(model, cost_of):
         last = level
-        groups = _groups(level.calls, bytes_of or cost_of)
+        groups = _groups(level.calls, bytes_of or cost_of, callers)
         allowed.append((level, len(groups)))
         if len(groups) < stages:
             continue

@@ -46,7 +46,7 @@ from onnx_modular.passes.proto_bodies import (
     uses,
 )
 
-__all__ = ["DTYPES", "FLOAT32_OPS", "PrecisionResult", "WeightSources", "clip_for", "convert_precision"]
+__all__ = ["COMPARE_OPS", "DTYPES", "FLOAT32_OPS", "PrecisionResult", "WeightSources", "clip_for", "convert_precision"]
 
 FLOAT = onnx.TensorProto.FLOAT
 #: The dtypes a body can be converted to.
@@ -60,6 +60,10 @@ FLOAT32_OPS = frozenset({
     "TreeEnsembleRegressor", "ZipMap", "NonMaxSuppression", "TopK", "RoiAlign", "Resize", "Range", "CumSum",
     "Min", "Max", "Upsample",
 })  # fmt: skip
+#: Comparisons run in float32 too, and a weight they read (a threshold, a histogram's bin edges)
+#: stays float32: ``histc``'s last edge ``3.0000002`` is ``3.0`` in float16, the count of the last
+#: bin drops, and what it sizes no longer fits (a mixture of experts' tokens per expert).
+COMPARE_OPS = frozenset({"Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Equal"})
 #: Ops whose ``dtype`` attribute names the type of what they make.
 _DTYPE_ATTRIBUTE_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "EyeLike", "Bernoulli", "Multinomial"})
 #: Name suffix of a value cast to a dtype.
@@ -184,8 +188,8 @@ class _Precision:
                     callee = self.functions.get(node_id(node))
                     if callee is not None and index >= 0 and callee.input[index] in sources.get(node_id(node), {}):
                         continue  # passed on to a weight formal
-                    for origin in origins:
-                        readers[origin].add(mode)
+                    for origin in origins:  # a comparison reads its weight in float32
+                        readers[origin].add(mode and not _compares(node))
 
         reads(self.model.graph, main_weights, self.root_low)
         for fid, formals in sources.items():
@@ -289,8 +293,9 @@ class _Precision:
         def needs_cast(value: str) -> bool:
             return value in weights and weights[value] in (FLOAT, self.target) and weights[value] != mode
 
+        own_inputs = not (mode != FLOAT and self._in_float32(node, mode))  # else _lower casts them to float32
         for index, value in enumerate(node.input):
-            if needs_cast(value):
+            if own_inputs and needs_cast(value):
                 node.input[index] = self._as_type(rewrite, value, mode)
         for sub in all_nodes([node]):  # subgraphs read the enclosing body's values by name
             if sub is not node:
@@ -321,9 +326,12 @@ class _Precision:
         """One op of a converted body, in ``mode`` (or float32 between Casts for FLOAT32_OPS)."""
         for sub in all_nodes([node]):
             self._lower_attributes(sub, mode)
-        if node.domain in ("", "ai.onnx") and (node.op_type in FLOAT32_OPS or not self._supports(node.op_type, mode)):
+        if self._in_float32(node, mode):
+            # a comparison's inputs share one type: one known float makes them all float (a value
+            # computed here may have no declared type)
+            floats = _compares(node) and any(declared.get(v) == FLOAT or weights.get(v) in (FLOAT, mode) for v in node.input)
             for index, value in enumerate(node.input):
-                if value and (declared.get(value) == FLOAT or weights.get(value) == mode) and weights.get(value) != FLOAT:
+                if value and (floats or declared.get(value) == FLOAT or weights.get(value) == mode) and weights.get(value) != FLOAT:
                     node_cast, name = self._cast(body, value, FLOAT, taken)
                     out.append(node_cast)
                     node.input[index] = name
@@ -336,6 +344,11 @@ class _Precision:
                     out.append(onnx.helper.make_node("Cast", [inner], [value], to=mode, name=f"convert_cast_{self.casts}_{value}"))
             return
         out.append(node)
+
+    def _in_float32(self, node: onnx.NodeProto, mode: int) -> bool:
+        """An op of a converted body that runs in float32 between Casts."""
+        return node.domain in ("", "ai.onnx") and (
+            node.op_type in FLOAT32_OPS or _compares(node) or not self._supports(node.op_type, mode))
 
     @functools.cache  # noqa: B019 (one per conversion)
     def _supports(self, op_type: str, mode: int) -> bool:
@@ -386,6 +399,10 @@ class _Precision:
                                 tensor.CopyFrom(_converted_tensor(tensor, mode))
 
 
+
+
+def _compares(node: onnx.NodeProto) -> bool:
+    return node.domain in ("", "ai.onnx") and node.op_type in COMPARE_OPS
 
 
 def _agreeing(low: set[str], sources: WeightSources, initializers: Mapping[str, onnx.TensorProto]) -> set[str]:

@@ -160,3 +160,41 @@ def test_a_weight_shared_by_calls_follows_its_readers(function_low):
     x = np.array([1.0, -1.0, 0.5, 0.25], np.float32)
     w = np.array([0.5, 1.5, -2.0, 3.0], np.float32)
     np.testing.assert_allclose(_run(model, x=x), x * w * w + w, rtol=2e-3, atol=2e-3)
+
+
+
+HISTC = """
+<ir_version: 10, opset_import: ["" : 18]>
+main (int64[6] i, float[6] x) => (float[4] counts, float[6] y) <float[5, 1] edges = {0.0, 0.75, 1.5, 2.25, 3.0000002}> {
+  zero = Constant <value = int64[1] {0}> ()
+  one = Constant <value = int64[1] {1}> ()
+  four = Constant <value = int64[1] {4}> ()
+  five = Constant <value = int64[1] {5}> ()
+  f = Cast <to = 1> (i)
+  u = Unsqueeze(f, zero)
+  below = Less(u, edges)
+  ones = Cast <to = 1> (below)
+  cumulative = ReduceSum <keepdims = 0> (ones, one)
+  hi = Slice(cumulative, one, five)
+  lo = Slice(cumulative, zero, four)
+  counts = Sub(hi, lo)
+  y = Mul(x, f)
+}"""
+
+
+def test_comparisons_run_in_float32_and_read_their_weights_in_float32():
+    # torch.histc's bin edges: 3.0000002 is 3.0 in float16, and the index 3 fell out of the last bin
+    model = _model(HISTC)
+    result = convert_precision(model, FLOAT16, {})
+    assert result.initializer_types == {"edges": FLOAT}  # read by a comparison only: stays float32
+    less = next(n for n in model.graph.node if n.op_type == "Less")
+    assert less.input[1] == "edges"
+    cast = _producer(model, less.input[0])
+    assert cast.op_type == "Cast" and cast.attribute[0].i == FLOAT  # the compared value: float32
+    assert next(n for n in model.graph.node if n.op_type == "Mul").output[0] != "y"  # the rest in float16, cast back
+    _store(model, result.initializer_types)
+    onnx.checker.check_model(model, full_check=True)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    counts, y = session.run(None, {"i": np.array([0, 1, 2, 3, 3, 1], np.int64), "x": np.ones(6, np.float32)})
+    np.testing.assert_array_equal(counts, [1, 2, 1, 2])  # the last bin keeps its two 3s
+    np.testing.assert_array_equal(y, [0, 1, 2, 3, 3, 1])
