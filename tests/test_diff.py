@@ -319,3 +319,35 @@ def test_bad_input_is_typed_and_exits_2(files, tmp_path):
     assert _cli(files / "gpt2.onnx", tmp_path / "flat.onnx")[0] == 2
     code, _, err = _cli(files / "gpt2.onnx", tmp_path / "renamed.onnx", "--html", tmp_path / "never.html")
     assert code == 2 and "error:" in err and not (tmp_path / "never.html").exists()
+
+
+class _GatedConv(torch.nn.Module):
+    """Wav2Vec2-BERT's convolution module in small: a GLU whose output a Pad reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.pointwise = torch.nn.Conv1d(4, 8, 1)
+        self.glu = torch.nn.GLU(dim=1)
+        self.depthwise = torch.nn.Conv1d(4, 4, 3, groups=4)
+
+    def forward(self, x):
+        return self.depthwise(torch.nn.functional.pad(self.glu(self.pointwise(x)), (2, 0)))
+
+
+def test_call_outputs_of_a_call_whose_output_a_later_node_reads(tmp_path):
+    """onnxruntime's EliminateIdentity would drop the probe on the GLU's output (read by the Pad too) and
+    leave the Pad without its input: the instrumented copy keeps its probes and runs."""
+    from onnx_modular.calls.capture import call_outputs
+
+    model = torch.nn.Sequential(_GatedConv(), _GatedConv()).eval()
+    x = torch.randn(2, 4, 16)
+    export_modular(model, (x,), tmp_path / "gated.onnx")
+    outputs, calls = call_outputs(onnx.load(tmp_path / "gated.onnx"), [x.numpy()])
+    with torch.no_grad():
+        np.testing.assert_allclose(next(iter(outputs.values())), model(x).numpy(), atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(_calls_by(calls)["0.glu"][0], model[0].glu(model[0].pointwise(x)).numpy(), atol=1e-5)
+    assert diff(tmp_path / "gated.onnx", tmp_path / "gated.onnx").root.change == "same"
+
+
+def _calls_by(calls):
+    return {c.call_name: c.outputs for c in calls}

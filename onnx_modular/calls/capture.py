@@ -229,13 +229,17 @@ def call_outputs(
     entries = flatten_probes(probes, None, "", 1, [], counter, metadata.NoOpCalls(copy.graph, None, None, counter, True))
     proto = ir.serde.serialize_model(copy)
     del copy
-    _, values = runtime.run(
+    # onnxruntime's EliminateIdentity drops a probe's Identity whose input also feeds a node after the call
+    # is inlined, leaving that node without its input (a GLU's output read by a Pad: Wav2Vec2-BERT): the probes
+    # keep their Identity nodes.
+    probed_session = runtime.session(
         proto.SerializeToString(),
-        feeds,
-        what=what,
-        execution_provider=execution_provider,
+        execution_provider,
         external_data_folder=external_data_folder,
+        disabled_optimizers=("EliminateIdentity",),
+        what=what,
     )
+    _, values = runtime.run(probed_session, feeds, what=what)
     outputs = dict(zip(original, values[: len(original)]))
     probed = values[len(original) :]
     calls = [

@@ -67,6 +67,7 @@ def session(
     external_data_folder: str | os.PathLike | None = None,
     configure: Callable[[Any], None] | None = None,
     prepacking: bool = True,
+    disabled_optimizers: Sequence[str] = (),
     what: str = "model",
 ):
     """An ``onnxruntime.InferenceSession`` (CPU unless ``execution_provider``) with warnings silenced.
@@ -76,6 +77,7 @@ def session(
     threads, optimization level).
     ``prepacking=False``: no pre-packed copies of the weights (the block-wise check holds one
     block's weights once).
+    ``disabled_optimizers``: onnxruntime graph transformers not to run, by name.
 
     Raises:
         ExecutionProviderError: This onnxruntime build lacks the provider.
@@ -99,7 +101,8 @@ def session(
     if configure is not None:
         configure(options)
     try:
-        return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options, providers=providers)
+        return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options, providers=providers,
+                                    disabled_optimizers=list(disabled_optimizers) or None)
     except Exception as e:  # onnxruntime raises its own exception types
         raise VerificationError(f"onnxruntime cannot load the {what}: {first_line(e)}", hint=_load_hint(e, what)) from e
 
