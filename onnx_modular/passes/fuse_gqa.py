@@ -66,6 +66,9 @@ class _Attention:
     scale: float
     cos: ir.Value | None
     sin: ir.Value | None
+    rotary_dim: int = 0  # the head's leading channels the rotary turns (partial rotary: fewer than head_size)
+    softcap: float = 0.0  # softcap * tanh(scores / softcap) on the scaled scores (Gemma 2)
+    masks: tuple[int, ...] = ()  # formal inputs (indices) that only mask the scores (a window may hide in them)
 
 
 def _is_projection(node: ir.Node, model: ir.Model) -> bool:
@@ -143,9 +146,25 @@ def _weight_columns(model: ir.Model, projection: ir.Node) -> int:
     return shape[1]
 
 
-def _scale(model: ir.Model, scores: ir.Node) -> float:
-    """The product of the constant factors on the query and key before ``q @ k`` and on the scores after it."""
-    scale = 1.0
+def _factor(model: ir.Model, node: ir.Node, index: int) -> float | None:
+    """The constant factor ``node`` (a ``Mul``, or a ``Div`` of its first input) applies to its input ``index``."""
+    if node.op_type not in ("Mul", "Div") or (node.op_type == "Div" and index != 0):
+        return None
+    number = _fusion.scalar_of(model, node.inputs[1 - index])
+    if number is None or number == 0:
+        return None
+    return number if node.op_type == "Mul" else 1.0 / number
+
+
+def _only_use(value: ir.Value) -> tuple[ir.Node, int] | None:
+    uses = list(value.uses())
+    return (uses[0].node, uses[0].idx) if len(uses) == 1 else None
+
+
+def _scale(model: ir.Model, scores: ir.Node) -> tuple[float, float]:
+    """The product of the constant factors on the query and key before ``q @ k`` and on the scores
+    after it, and the soft-cap ``c`` of ``c * tanh(scores / c)`` on the scaled scores (0: none)."""
+    scale, softcap = 1.0, 0.0
     for operand in scores.inputs:
         producer = operand.producer() if operand is not None else None
         if producer is not None and producer.op_type == "Mul":
@@ -153,21 +172,42 @@ def _scale(model: ir.Model, scores: ir.Node) -> float:
                 number = _fusion.scalar_of(model, factor)
                 if number is not None:
                     scale *= number
-    for use in scores.outputs[0].uses():
-        if use.node.op_type in ("Mul", "Div"):
-            number = _fusion.scalar_of(model, use.node.inputs[1 - use.idx])
-            if number is not None:
-                scale = scale * number if use.node.op_type == "Mul" else scale / number
-    return scale  # no factor at all: the body computes softmax(q @ k) unscaled (Granite's multiplier 1)
+    value, last = scores.outputs[0], None
+    while (use := _only_use(value)) is not None:
+        node, index = use
+        if node.op_type == "Tanh":
+            after = _only_use(node.outputs[0])
+            cap = _factor(model, *after) if after is not None else None
+            if softcap or last is None or cap is None or cap <= 0 or abs(cap * last - 1.0) > 1e-6:
+                raise _Refused("a Tanh on the scores that is not softcap * tanh(scores / softcap)")
+            scale /= last  # the division by the cap is not part of the scale
+            softcap, value, last = cap, after[0].outputs[0], None
+            continue
+        factor = _factor(model, node, index)
+        if factor is None:
+            break
+        if softcap:
+            raise _Refused("a factor on the scores after the soft-cap (GroupQueryAttention scales before it)")
+        scale, last, value = scale * factor, factor, node.outputs[0]
+    return scale, softcap  # no factor at all: the body computes softmax(q @ k) unscaled (Granite's multiplier 1)
 
 
-def _rotary(new_key: ir.Value, formals: list[ir.Value]) -> tuple[ir.Value | None, ir.Value | None]:
-    add = new_key.producer()
+def _rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value]) -> tuple[ir.Value | None, ir.Value | None, int | None]:
+    """cos, sin and the rotary width of ``x * cos + rotate_half(x) * sin`` on the key (``None``s: no
+    rotary); the width is ``None`` for the whole head, else the channels of a partial rotary
+    (``concat(rotary(x[..., :d]), x[..., d:])``: Phi, StableLM, GPT-NeoX)."""
+    add, width = new_key.producer(), None
+    if add is not None and add.op_type == "Concat" and len(add.inputs) == 2 and add.attributes.get_int("axis", 0) in (-1, 3):
+        rest = add.inputs[1].producer() if add.inputs[1] is not None else None
+        start = _fusion.scalar_of(model, rest.inputs[1]) if rest is not None and rest.op_type == "Slice" else None
+        if start is None:
+            return None, None, None
+        add, width = add.inputs[0].producer(), int(start)
     if add is None or add.op_type != "Add":
-        return None, None
+        return None, None, None
     muls = [v.producer() for v in add.inputs]
     if any(m is None or m.op_type != "Mul" for m in muls):
-        return None, None
+        return None, None, None
     cos = sin = None
     for mul in muls:
         for index, operand in enumerate(mul.inputs):
@@ -184,13 +224,21 @@ def _rotary(new_key: ir.Value, formals: list[ir.Value]) -> tuple[ir.Value | None
                 cos = formal
     if cos is None or sin is None:
         raise _Refused("the key goes through a product with cos/sin that is not rotate-half rotary")
-    return cos, sin
+    return cos, sin, width
+
+
+def _mask_formals(model: ir.Model, function: ir.Function, softmax: ir.Node, scores: ir.Node) -> tuple[int, ...]:
+    """The formal inputs that reach the scores only after ``q @ k`` (the attention mask), not constants."""
+    between = _ancestors(softmax.inputs[0]) - _ancestors(scores.outputs[0])
+    found = []
+    for index, formal in enumerate(function.inputs):
+        if any(id(use.node) in between for use in formal.uses()) and _fusion.constant_of(model, formal) is None:
+            found.append(index)
+    return tuple(found)
 
 
 def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     nodes = list(function)
-    if any(n.op_type == "Tanh" for n in nodes):
-        raise _Refused("soft-capped scores (Tanh) are not fused")
     softmaxes = [n for n in nodes if n.op_type == "Softmax"]
     if len(softmaxes) != 1:
         raise _Refused(f"{len(softmaxes)} Softmax nodes (one expected)")
@@ -238,12 +286,21 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
         not one_projection and _weight_columns(model, k_proj) != kv_heads * head_size
     ):
         raise _Refused("the projection widths do not match the cache's heads")
-    cos, sin = _rotary(key.inputs[1], formals)
+    cos, sin, width = _rotary(model, key.inputs[1], formals)
+    if width is not None and (width <= 0 or width % 2 or width > head_size):
+        raise _Refused(f"a partial rotary over {width} of the head's {head_size} channels")
+    if width is not None and width < head_size and (width // 2) % 8:
+        raise _Refused(f"a partial rotary over {width} of the head's {head_size} channels: onnxruntime's "
+                       "GroupQueryAttention takes cos/sin caches whose width (rotary channels / 2) is a multiple of 8")
+    scale, softcap = _scale(model, scores)
+    if softcap == 0.0 and any(n.op_type == "Tanh" for n in nodes):
+        raise _Refused("a Tanh in the body that is not a soft-cap of the scores")
     return _Attention(
         q_proj, k_proj, v_proj, o_proj, heads, all(v is not None for v in plain) or one_projection,
         key.inputs[0], value.inputs[0],
         outputs.index(key.outputs[0]), outputs.index(value.outputs[0]),
-        q_columns // head_size, kv_heads, head_size, _scale(model, scores), cos, sin,
+        q_columns // head_size, kv_heads, head_size, scale, cos, sin,
+        head_size if width is None else width, softcap, _mask_formals(model, function, softmax, scores),
     )
 
 
@@ -344,8 +401,9 @@ def _computed_inputs(model: ir.Model, call: ir.Node) -> list[int]:
     return computed
 
 
-def _caches(model: ir.Model, attention: _Attention, max_positions: int) -> tuple[ir.Value, ir.Value]:
-    """cos/sin caches ``[max_positions, head_size / 2]`` from a second call of the rotary module."""
+def _caches(model: ir.Model, attention: _Attention, max_positions: int, made: dict) -> tuple[ir.Value, ir.Value]:
+    """cos/sin caches ``[max_positions, rotary_dim / 2]`` from a second call of the rotary module
+    (one per rotary call and width: ``made`` keeps those already written)."""
     ends = []
     for formal in (attention.cos, attention.sin):
         sources = {id(s): s for s in _fusion.sources_of(model, formal)}
@@ -358,45 +416,88 @@ def _caches(model: ir.Model, attention: _Attention, max_positions: int) -> tuple
     computed = _computed_inputs(model, rotary)
     if len(computed) != 1:
         raise _Refused(f"the rotary call takes {len(computed)} computed inputs (position ids alone expected)")
+    half = attention.rotary_dim // 2
+    memo = (id(rotary), tuple(list(rotary.outputs).index(e) for e in ends), half)
+    if memo in made:
+        return made[memo]
+    tag = "gqa" if not made else f"gqa{len(made) + 1}"
     positions = ir.node(
-        "Constant", [], attributes={"value": ir.tensor(np.arange(max_positions, dtype=np.int64)[None], name="gqa.positions")},
-        name="gqa.positions",
+        "Constant", [], attributes={"value": ir.tensor(np.arange(max_positions, dtype=np.int64)[None], name=f"{tag}.positions")},
+        name=f"{tag}.positions",
     )
-    positions.outputs[0].name = "gqa.positions"
+    positions.outputs[0].name = f"{tag}.positions"
     arguments = list(rotary.inputs)
     arguments[computed[0]] = positions.outputs[0]
     cache_call = ir.node(
         rotary.op_type, arguments, domain=rotary.domain, overload=rotary.overload,
-        num_outputs=len(rotary.outputs), name=f"{rotary.name or rotary.op_type}.gqa_cache",
+        num_outputs=len(rotary.outputs), name=f"{rotary.name or rotary.op_type}.{tag}_cache",
         metadata_props=dict(rotary.metadata_props),  # the original call usually goes: nothing reads it any more
     )
-    half = attention.head_size // 2
-    shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([-1, half], np.int64))}, name="gqa.cache_shape")
-    bounds = [ir.node("Constant", [], attributes={"value": ir.tensor(np.array([v], np.int64))}, name=f"gqa.cache_{role}")
+    shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([-1, half], np.int64))}, name=f"{tag}.cache_shape")
+    bounds = [ir.node("Constant", [], attributes={"value": ir.tensor(np.array([v], np.int64))}, name=f"{tag}.cache_{role}")
               for v, role in ((0, "start"), (half, "end"), (2, "axis"))]
     new = [positions, cache_call, shape, *bounds]
     caches = []
     for end, name in zip(ends, ("cos_cache", "sin_cache")):
         index = list(rotary.outputs).index(end)
         sliced = ir.node("Slice", [cache_call.outputs[index], bounds[0].outputs[0], bounds[1].outputs[0], bounds[2].outputs[0]],
-                         name=f"gqa.{name}_half")
-        flat = ir.node("Reshape", [sliced.outputs[0], shape.outputs[0]], name=f"gqa.{name}")
-        sliced.outputs[0].name, flat.outputs[0].name = f"gqa.{name}_half", f"gqa.{name}"
+                         name=f"{tag}.{name}_half")
+        flat = ir.node("Reshape", [sliced.outputs[0], shape.outputs[0]], name=f"{tag}.{name}")
+        sliced.outputs[0].name, flat.outputs[0].name = f"{tag}.{name}_half", f"{tag}.{name}"
         new += [sliced, flat]
         caches.append(flat.outputs[0])
     for node in (shape, *bounds):
         node.outputs[0].name = node.name
     for index, output in enumerate(cache_call.outputs):
-        output.name = f"gqa.rotary_{index}"
+        output.name = f"{tag}.rotary_{index}"
     rotary.graph.insert_after(rotary, new)
+    made[memo] = (caches[0], caches[1])
     return caches[0], caches[1]
 
 
-def _thread(model: ir.Model, function: ir.Function, name: str, value: ir.Value) -> ir.Value:
-    formal = _fusion.thread_value(model, function, name, lambda graph: value if graph is value.graph else None)
+def _thread(model: ir.Model, function: ir.Function, name: str, value: ir.Value, done: dict) -> ir.Value:
+    memo = done.setdefault((name, id(value)), {})  # callers already given this value keep the formal they got
+    formal = _fusion.thread_value(model, function, name, lambda graph: value if graph is value.graph else None, memo)
     if formal is None:
         raise _Refused(f"a chain of calls to the attention does not reach the body that computes {name}")
     return formal
+
+
+#: A mask whose window cannot be read (``_window_of``): the calls are left unfused.
+_UNREADABLE = "unreadable"
+#: Comparisons of a key position with ``query position - c``: (the operand holding the ``Sub``, window - c).
+_WINDOW_COMPARISONS = {"Greater": (1, 0), "GreaterOrEqual": (1, 1), "Less": (0, 0), "LessOrEqual": (0, 1)}
+
+
+def _window_of(model: ir.Model, mask: ir.Value) -> int | str | None:
+    """The sliding window ``W`` of a mask computed in its body (keys with ``kv > q - W``:
+    transformers' ``sliding_window_overlay``), ``None`` without one, :data:`_UNREADABLE` when the
+    mask compares positions with a constant offset in another way or divides them (chunked attention)."""
+    windows = set()
+    for node in _producers_bfs(mask, lambda n: False):
+        if node.op_type in ("Div", "Mod") and node.outputs[0].dtype is not None and not node.outputs[0].dtype.is_floating_point():
+            return _UNREADABLE
+        if node.op_type not in _WINDOW_COMPARISONS:
+            continue
+        side, extra = _WINDOW_COMPARISONS[node.op_type]
+        for index, operand in enumerate(node.inputs):
+            producer = operand.producer() if operand is not None else None
+            if producer is None or producer.op_type != "Sub":
+                continue
+            offset = _fusion.scalar_of(model, producer.inputs[1])
+            if offset is None:
+                continue
+            if index != side or offset != int(offset):
+                return _UNREADABLE
+            windows.add(int(offset) + extra)
+    if len(windows) > 1:
+        return _UNREADABLE
+    return windows.pop() if windows else None
+
+
+def _rotary_source(value: ir.Value) -> int:
+    producer = value.producer()
+    return id(producer) if producer is not None else id(value)
 
 
 class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
@@ -432,37 +533,83 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
         if not found:
             return ir.passes.PassResult(model, modified=False)
         windows = [v.name for v in model.graph.inputs if "sliding_window" in v.name]
-        if windows:  # the file's mask applies the window; GroupQueryAttention would need local_window_size
-            self.reasons.update({key: f"sliding-window attention ({windows[0]}) is not fused" for key, _, _ in found})
+        if windows:  # transformers' sliding-window cache (a rolling buffer): the past is not every position's
+            self.reasons.update({key: f"a sliding-window cache ({windows[0]}) keeps only the window's past; export "
+                                 "with `export --genai` (every position's keys and values, the window a mask)"
+                                 for key, _, _ in found})
             return ir.passes.PassResult(model, modified=False)
         try:
             seqlens, total = _mask_values(model)
         except _Refused as refused:
             self.reasons.update({key: str(refused) for key, _, _ in found})
             return ir.passes.PassResult(model, modified=False)
+        self._made, self._threaded, self._windows = {}, {}, {}
         for key, function, attention in found:
             try:
-                self._rewrite(model, function, attention, seqlens, total)
+                parts = self._specialized(model, function, attention)
             except _Refused as refused:
                 self.reasons[key] = str(refused)
                 continue
-            self.fused.append(key)
+            for part, part_attention, window in parts:
+                try:
+                    self._rewrite(model, part, part_attention, seqlens, total, window)
+                except _Refused as refused:
+                    self.reasons[part.identifier()] = str(refused)
+                    continue
+                self.fused.append(part.identifier())
         if self.fused:
             model.opset_imports.setdefault("com.microsoft", 1)
         _fusion.drop_unused_formals(model)
         return ir.passes.PassResult(model, modified=True)
 
-    def _rewrite(self, model, function, attention: _Attention, seqlens, total) -> None:
+    def _window(self, model: ir.Model, value: ir.Value) -> int | str | None:
+        if id(value) not in self._windows:
+            self._windows[id(value)] = _window_of(model, value)
+        return self._windows[id(value)]
+
+    def _specialized(self, model: ir.Model, function: ir.Function, attention: _Attention) -> list[tuple]:
+        """(function, analysis, window) for each kind of call of ``function``: calls whose masks have
+        different sliding windows, or whose cos/sin come from different rotary calls (Olmo 3's and
+        Gemma 3's local and global rope), get copies of the body (and of their callers' bodies:
+        :func:`_fusion.split_calls`), since the window is an attribute and the caches an input."""
+        splits = [(index, lambda v: self._window(model, v), lambda w: "full" if w is None else f"window{w}")
+                  for index in attention.masks]
+        if attention.cos is not None:
+            splits.append((list(function.inputs).index(attention.cos), _rotary_source, lambda key: "rope"))
+        functions = [function]
+        for index, key_of, suffix in splits:
+            parts = []
+            for part in functions:
+                groups = _fusion.split_calls(model, part, index, key_of, suffix)
+                if groups is None:
+                    raise _Refused("calls of this body with different masks or rotary cannot be told apart")
+                parts += groups.values()
+            functions = parts
+        result = []
+        for part in functions:
+            analysis = attention if part is function else _analyse(model, part)
+            windows = {self._window(model, source) for index in analysis.masks
+                       for source in _fusion.sources_of(model, part.inputs[index])} - {None}
+            if _UNREADABLE in windows or len(windows) > 1:
+                raise _Refused("the attention mask limits the keys in a way GroupQueryAttention cannot take "
+                               "(not a causal sliding window: chunked, or several windows)")
+            result.append((part, analysis, windows.pop() if windows else None))
+        return result
+
+    def _rewrite(self, model, function, attention: _Attention, seqlens, total, window: int | None = None) -> None:
         cos_cache = sin_cache = None
         if attention.cos is not None:
-            cos_cache, sin_cache = _caches(model, attention, self.max_positions)
-            cos_cache = _thread(model, function, "cos_cache", cos_cache)
-            sin_cache = _thread(model, function, "sin_cache", sin_cache)
-        seqlens = _thread(model, function, SEQLENS_K, seqlens)
-        total = _thread(model, function, TOTAL_SEQUENCE_LENGTH, total)
+            cos_cache, sin_cache = _caches(model, attention, self.max_positions, self._made)
+            cos_cache = _thread(model, function, "cos_cache", cos_cache, self._threaded)
+            sin_cache = _thread(model, function, "sin_cache", sin_cache, self._threaded)
+        seqlens = _thread(model, function, SEQLENS_K, seqlens, self._threaded)
+        total = _thread(model, function, TOTAL_SEQUENCE_LENGTH, total, self._threaded)
         attributes = {
             "num_heads": attention.num_heads, "kv_num_heads": attention.kv_num_heads, "scale": attention.scale,
-            "do_rotary": int(cos_cache is not None), "rotary_interleaved": 0, "local_window_size": -1, "softcap": 0.0,
+            "do_rotary": int(cos_cache is not None), "rotary_interleaved": 0,
+            # transformers' window W (keys kv > q - W: W positions, the query's own included) is
+            # onnxruntime's local_window_size W, as the builder sets it (checked: W - 1 drifts)
+            "local_window_size": -1 if window is None else window, "softcap": attention.softcap,
         }
         one_projection = attention.q_proj is attention.k_proj
         packed = _packed_projection(model, function, attention) if self.pack_qkv and attention.plain and not one_projection else None
