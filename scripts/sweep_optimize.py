@@ -33,6 +33,7 @@ import traceback
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 OUT = ROOT / "docs" / "coverage-optimize.json"
+GENAI = ROOT / "docs" / "coverage-genai.json"
 
 from sweep_genai import BUILDER_CLASSES  # noqa: E402
 
@@ -127,6 +128,22 @@ def _row(model_type: str, class_name: str, queue) -> None:
     queue.put(result)
 
 
+def _warm_up() -> None:
+    """Imports paid once in this process: the children are forked from it."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import onnxruntime  # noqa: F401
+    import sweep_transformers  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import onnx_modular
+    import onnx_modular.cli
+    import onnx_modular.files.optimize
+    import onnx_modular.hf.genai  # noqa: F401
+
+
 def _totals(rows: list[dict]) -> dict:
     totals: dict = {}
     for row in rows:
@@ -148,6 +165,8 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--types", default=None)
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--genai-first", action=argparse.BooleanOptionalAction, default=True,
+                        help="sweep first the rows scripts/sweep_genai.py ran through genai (docs/coverage-genai.json)")
     parser.add_argument("--redo-classes", default=None, help="with --resume: sweep these classes (comma-separated) again")
     parser.add_argument("--redo-outcomes", default=None, help="with --resume: sweep rows with these outcomes again")
     args = parser.parse_args()
@@ -160,8 +179,12 @@ def main() -> None:
     redo, outcomes = set((args.redo_classes or "").split(",")), set((args.redo_outcomes or "").split(","))
     done = [r for r in done if r["class_name"] not in redo and r["outcome"] not in outcomes]
     seen = {(r["model_type"], r["class_name"]) for r in done}
+    if args.genai_first and GENAI.exists():  # the rows genai's sweep drove first: decoders with a KV cache
+        drivable = {r["class_name"] for r in json.loads(GENAI.read_text())["rows"] if r["outcome"] == "ok"}
+        rows.sort(key=lambda r: r[1] not in drivable)
     deadline = time.time() + args.budget_minutes * 60
-    context = multiprocessing.get_context("spawn")
+    _warm_up()
+    context = multiprocessing.get_context("fork")
     for model_type, class_name in rows:
         if (model_type, class_name) in seen:
             continue

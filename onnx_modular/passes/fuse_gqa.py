@@ -272,6 +272,8 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     heads = [_heads(v) for v in (q_side[0], key.inputs[1], value.inputs[1])]
     plain = [_gqa_input(h, p) for h, p in zip(heads, (q_proj, k_proj, v_proj))]
     o_proj = outputs[0].producer()
+    while o_proj is not None and o_proj.op_type in ("Identity", "Dropout") and o_proj.inputs[0] is not None:
+        o_proj = o_proj.inputs[0].producer()  # Starcoder2's residual dropout, an Identity in eval mode
     if o_proj is None or not _is_projection(o_proj, model) or id(softmax) not in _ancestors(o_proj.inputs[0]):
         raise _Refused("the first output is not a projection of the attention")
     past_shape = _static_shape(model, key.inputs[0])
