@@ -48,6 +48,10 @@ class _Refused(Exception):
     """Why a body is not rewritten."""
 
 
+class _NotAttention(_Refused):
+    """A body with a ``Softmax`` that is no attention with a cache (a mixture-of-experts router)."""
+
+
 @dataclasses.dataclass
 class _Attention:
     q_proj: ir.Node
@@ -251,7 +255,7 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
         and n.attributes.get_int("axis", 0) in (-2, 2)
     ]
     if len(concats) != 2:
-        raise _Refused("no key/value cache (two Concat of a past input returned as present)")
+        raise _NotAttention("no key/value cache (two Concat of a past input returned as present)")
     behind_softmax = _ancestors(softmax.outputs[0])
     keyed = [c for c in concats if id(c) in behind_softmax]
     if len(keyed) != 1:
@@ -506,6 +510,7 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
     """Self-attention bodies with a KV cache into one ``com.microsoft.GroupQueryAttention`` each.
 
     Attributes after a run: ``fused`` (the rewritten functions), ``reasons`` (function -> why not),
+    ``skipped`` (bodies with a ``Softmax`` but no key/value cache, such as routers: not attention),
     ``packed`` (those whose query, key and value projections became one ``MatMul`` on weights
     concatenated once in the main graph, so that ``convert`` quantizes one MatMul, not three).
     """
@@ -519,9 +524,10 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
         self.fused: list[ir.OperatorIdentifier] = []
         self.reasons: dict[ir.OperatorIdentifier, str] = {}
         self.packed: list[ir.OperatorIdentifier] = []  # bodies whose q, k, v projections became one MatMul
+        self.skipped: dict[ir.OperatorIdentifier, str] = {}  # bodies with a Softmax that are no attention with a cache
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.fused, self.reasons, self.packed = [], {}, []
+        self.fused, self.reasons, self.packed, self.skipped = [], {}, [], {}
         found = []
         for key, function in list(model.functions.items()):
             if self.functions is not None and key not in self.functions:
@@ -530,6 +536,8 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
                 continue
             try:
                 found.append((key, function, _analyse(model, function)))
+            except _NotAttention as refused:
+                self.skipped[key] = str(refused)
             except _Refused as refused:
                 self.reasons[key] = str(refused)
         if not found:
