@@ -52,7 +52,7 @@ PROMPT = [5, 9, 13, 7, 3, 11]
 NEW_TOKENS = 4
 
 
-def _export(ckpt: pathlib.Path, out: pathlib.Path) -> tuple[pathlib.Path, str]:
+def _export(ckpt: pathlib.Path, out: pathlib.Path) -> tuple[pathlib.Path, str, str | None]:
     """The with-past file: genai's export when genai drives the model, else the optimum one."""
     from onnx_modular.cli import main as cli
     from onnx_modular.files.genai_config import GenaiError
@@ -60,14 +60,14 @@ def _export(ckpt: pathlib.Path, out: pathlib.Path) -> tuple[pathlib.Path, str]:
 
     try:
         export_genai(ckpt, out / "genai", verify=False, check=False)
-        return out / "genai" / "model.onnx", "genai"
-    except GenaiError:
+        return out / "genai" / "model.onnx", "genai", None
+    except GenaiError as refused:
         path = out / "m.onnx"
         code = cli(["export", str(ckpt), "--task", "causal-lm-with-past", "-o", str(path), "--io-names", "optimum",
                     "--no-verify"])
         if code != 0 or not path.exists():
-            raise RuntimeError(f"export --task causal-lm-with-past exited with {code}") from None
-        return path, "optimum"
+            raise RuntimeError(f"export --task causal-lm-with-past exited with {code} (genai: {refused})") from None
+        return path, "optimum", str(refused).splitlines()[0][:200]
 
 
 def _row(model_type: str, class_name: str, queue) -> None:
@@ -94,7 +94,9 @@ def _row(model_type: str, class_name: str, queue) -> None:
             model.save_pretrained(tmp / "ckpt")
             torch.manual_seed(0)
             stage = "export"
-            path, result["export"] = _export(tmp / "ckpt", tmp)
+            path, result["export"], genai_refused = _export(tmp / "ckpt", tmp)
+            if genai_refused:
+                result["genai_refused"] = genai_refused
             stage = "optimize"
             report = onnx_modular.optimize(path, tmp / "opt.onnx", max_positions=64)
             attention = [f for f in report.fusions if f.step == "attention"]
