@@ -30,26 +30,25 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 
 import numpy as np
 import onnx_ir as ir
 
 from onnx_modular.passes import _fusion
+from onnx_modular.passes._gqa_scores import UNREADABLE as _UNREADABLE
+from onnx_modular.passes._gqa_scores import NotAttention as _NotAttention
+from onnx_modular.passes._gqa_scores import Refused as _Refused
+from onnx_modular.passes._gqa_scores import ancestors as _ancestors
+from onnx_modular.passes._gqa_scores import mask_formals as _mask_formals
+from onnx_modular.passes._gqa_scores import producers_bfs as _producers_bfs
+from onnx_modular.passes._gqa_scores import scale_and_softcap as _scale
+from onnx_modular.passes._gqa_scores import window_of as _window_of
 
 __all__ = ["FuseGroupQueryAttentionPass", "SEQLENS_K", "TOTAL_SEQUENCE_LENGTH"]
 
 SEQLENS_K = "seqlens_k"
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
 _SOFTMAX_SIDE = {"Add", "Mul", "Div", "Where", "Cast", "Sub"}
-
-
-class _Refused(Exception):
-    """Why a body is not rewritten."""
-
-
-class _NotAttention(_Refused):
-    """A body with a ``Softmax`` that is no attention with a cache (a mixture-of-experts router)."""
 
 
 @dataclasses.dataclass
@@ -99,29 +98,11 @@ def _gqa_input(heads: ir.Value, projection: ir.Node) -> ir.Value | None:
     return None
 
 
-def _producers_bfs(start: ir.Value, stop) -> Iterable[ir.Node]:
-    seen: set[int] = set()
-    queue = [start]
-    while queue:
-        value = queue.pop(0)
-        node = value.producer() if value is not None else None
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        yield node
-        if not stop(node):
-            queue.extend(v for v in node.inputs if v is not None)
-
-
 def _first_projection(model: ir.Model, start: ir.Value) -> ir.Node:
     for node in _producers_bfs(start, lambda n: _is_projection(n, model)):
         if _is_projection(node, model):
             return node
     raise _Refused("no projection found behind the key/value/query")
-
-
-def _ancestors(value: ir.Value) -> set[int]:
-    return {id(node) for node in _producers_bfs(value, lambda n: False)}
 
 
 def _formal_behind(value: ir.Value, formals: list[ir.Value]) -> ir.Value | None:
@@ -148,52 +129,6 @@ def _weight_columns(model: ir.Model, projection: ir.Node) -> int:
     if len(shape) != 2 or shape[1] is None:
         raise _Refused("a projection weight that is not a 2-D matrix")
     return shape[1]
-
-
-def _factor(model: ir.Model, node: ir.Node, index: int) -> float | None:
-    """The constant factor ``node`` (a ``Mul``, or a ``Div`` of its first input) applies to its input ``index``."""
-    if node.op_type not in ("Mul", "Div") or (node.op_type == "Div" and index != 0):
-        return None
-    number = _fusion.scalar_of(model, node.inputs[1 - index])
-    if number is None or number == 0:
-        return None
-    return number if node.op_type == "Mul" else 1.0 / number
-
-
-def _only_use(value: ir.Value) -> tuple[ir.Node, int] | None:
-    uses = list(value.uses())
-    return (uses[0].node, uses[0].idx) if len(uses) == 1 else None
-
-
-def _scale(model: ir.Model, scores: ir.Node) -> tuple[float, float]:
-    """The product of the constant factors on the query and key before ``q @ k`` and on the scores
-    after it, and the soft-cap ``c`` of ``c * tanh(scores / c)`` on the scaled scores (0: none)."""
-    scale, softcap = 1.0, 0.0
-    for operand in scores.inputs:
-        producer = operand.producer() if operand is not None else None
-        if producer is not None and producer.op_type == "Mul":
-            for factor in producer.inputs:
-                number = _fusion.scalar_of(model, factor)
-                if number is not None:
-                    scale *= number
-    value, last = scores.outputs[0], None
-    while (use := _only_use(value)) is not None:
-        node, index = use
-        if node.op_type == "Tanh":
-            after = _only_use(node.outputs[0])
-            cap = _factor(model, *after) if after is not None else None
-            if softcap or last is None or cap is None or cap <= 0 or abs(cap * last - 1.0) > 1e-6:
-                raise _Refused("a Tanh on the scores that is not softcap * tanh(scores / softcap)")
-            scale /= last  # the division by the cap is not part of the scale
-            softcap, value, last = cap, after[0].outputs[0], None
-            continue
-        factor = _factor(model, node, index)
-        if factor is None:
-            break
-        if softcap:
-            raise _Refused("a factor on the scores after the soft-cap (GroupQueryAttention scales before it)")
-        scale, last, value = scale * factor, factor, node.outputs[0]
-    return scale, softcap  # no factor at all: the body computes softmax(q @ k) unscaled (Granite's multiplier 1)
 
 
 def _rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value]) -> tuple[ir.Value | None, ir.Value | None, int | None]:
@@ -229,16 +164,6 @@ def _rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value]) -> tupl
     if cos is None or sin is None:
         raise _Refused("the key goes through a product with cos/sin that is not rotate-half rotary")
     return cos, sin, width
-
-
-def _mask_formals(model: ir.Model, function: ir.Function, softmax: ir.Node, scores: ir.Node) -> tuple[int, ...]:
-    """The formal inputs that reach the scores only after ``q @ k`` (the attention mask), not constants."""
-    between = _ancestors(softmax.inputs[0]) - _ancestors(scores.outputs[0])
-    found = []
-    for index, formal in enumerate(function.inputs):
-        if any(id(use.node) in between for use in formal.uses()) and _fusion.constant_of(model, formal) is None:
-            found.append(index)
-    return tuple(found)
 
 
 def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
@@ -467,38 +392,6 @@ def _thread(model: ir.Model, function: ir.Function, name: str, value: ir.Value, 
     if formal is None:
         raise _Refused(f"a chain of calls to the attention does not reach the body that computes {name}")
     return formal
-
-
-#: A mask whose window cannot be read (``_window_of``): the calls are left unfused.
-_UNREADABLE = "unreadable"
-#: Comparisons of a key position with ``query position - c``: (the operand holding the ``Sub``, window - c).
-_WINDOW_COMPARISONS = {"Greater": (1, 0), "GreaterOrEqual": (1, 1), "Less": (0, 0), "LessOrEqual": (0, 1)}
-
-
-def _window_of(model: ir.Model, mask: ir.Value) -> int | str | None:
-    """The sliding window ``W`` of a mask computed in its body (keys with ``kv > q - W``:
-    transformers' ``sliding_window_overlay``), ``None`` without one, :data:`_UNREADABLE` when the
-    mask compares positions with a constant offset in another way or divides them (chunked attention)."""
-    windows = set()
-    for node in _producers_bfs(mask, lambda n: False):
-        if node.op_type in ("Div", "Mod") and node.outputs[0].dtype is not None and not node.outputs[0].dtype.is_floating_point():
-            return _UNREADABLE
-        if node.op_type not in _WINDOW_COMPARISONS:
-            continue
-        side, extra = _WINDOW_COMPARISONS[node.op_type]
-        for index, operand in enumerate(node.inputs):
-            producer = operand.producer() if operand is not None else None
-            if producer is None or producer.op_type != "Sub":
-                continue
-            offset = _fusion.scalar_of(model, producer.inputs[1])
-            if offset is None:
-                continue
-            if index != side or offset != int(offset):
-                return _UNREADABLE
-            windows.add(int(offset) + extra)
-    if len(windows) > 1:
-        return _UNREADABLE
-    return windows.pop() if windows else None
 
 
 def _rotary_source(value: ir.Value) -> int:
