@@ -218,6 +218,8 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     ):
         raise _Refused("the projection widths do not match the cache's heads")
     cos, sin, width = _rotary(model, key.inputs[1], formals)
+    if cos is None and any(n.op_type == "Neg" for n in _producers_bfs(key.inputs[1], lambda n: False)):
+        raise _Refused("the key's rotary is not the last step before the cache (a norm after it, or another form)")
     if width is not None and (width <= 0 or width % 2 or width > head_size):
         raise _Refused(f"a partial rotary over {width} of the head's {head_size} channels")
     if width is not None and width < head_size and (width // 2) % 8:
