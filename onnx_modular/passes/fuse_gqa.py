@@ -213,6 +213,9 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     one_projection = q_proj is k_proj is v_proj  # Phi-3's qkv_proj: GQA takes it whole ([q | k | v])
     if one_projection:
         q_columns -= 2 * kv_heads * head_size
+        if any(h.producer() is not None and h.producer().op_type in ("Slice", "Split") for h in heads):
+            raise _Refused("one projection sliced after the split into heads (query, key and value interleaved "
+                           "head by head: GPT-NeoX); GroupQueryAttention takes [query | key | value]")
     if q_columns <= 0 or q_columns % head_size or (
         not one_projection and _weight_columns(model, k_proj) != kv_heads * head_size
     ):
