@@ -113,9 +113,13 @@ def _row(model_type: str, class_name: str, queue) -> None:
             vocab = model.config.get_text_config().vocab_size
             prompt = [t % vocab for t in PROMPT]
             got = onnx_modular.generate(tmp / "opt.onnx", [prompt], NEW_TOKENS)[0].tolist()
+        # the model's own generation settings out of the way (Marian's bad_words_ids, forced tokens):
+        # the loop of onnx_modular.generate applies none of them
+        settings = transformers.GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=NEW_TOKENS,
+                                                 min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+        model.generation_config = settings
         with torch.no_grad():
-            expected = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                      min_new_tokens=NEW_TOKENS, num_beams=1, pad_token_id=0)[0].tolist()
+            expected = model.generate(torch.tensor([prompt]), generation_config=settings)[0].tolist()
         result["tokens_equal"] = got == expected
         if not result["tokens_equal"]:
             result["outcome"] = "differ"
