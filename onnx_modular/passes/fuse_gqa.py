@@ -58,6 +58,7 @@ class _Attention:
     v_proj: ir.Node
     o_proj: ir.Node
     heads: list[ir.Value]  # query, key, value as [batch, seq, heads, head_size] (after any q/k norm)
+    transposed: list[bool]  # those heads [batch, heads, seq, head_size] instead (a norm after the transpose)
     plain: bool  # each is a reshape of its projection's output (no norm between): GQA takes the projections
     past_key: ir.Value
     past_value: ir.Value
@@ -81,12 +82,21 @@ def _is_projection(node: ir.Node, model: ir.Model) -> bool:
     return node.op_type == "MatMul" and node.domain in ("", "ai.onnx")
 
 
-def _heads(start: ir.Value) -> ir.Value:
-    """The ``[batch, seq, heads, head_size]`` value transposed to ``[batch, heads, seq, head_size]`` behind ``start``."""
-    for node in _producers_bfs(start, lambda n: n.op_type == "Transpose"):
+def _heads(model: ir.Model, start: ir.Value) -> tuple[ir.Value, bool]:
+    """The ``[batch, seq, heads, head_size]`` value transposed to ``[batch, heads, seq, head_size]``
+    behind ``start`` (``False``), or the output of a norm call on the transposed heads when one comes
+    first (``True``: Exaone 4's q/k norms, after the transpose)."""
+    def stop(node: ir.Node) -> bool:
+        return node.op_type == "Transpose" or node.op_identifier() in model.functions
+
+    for node in _producers_bfs(start, stop):
+        if node.op_identifier() in model.functions:
+            if _is_projection(node, model) or len(node.outputs) != 1:
+                break
+            return node.outputs[0], True
         perm = node.attributes.get_ints("perm", None) if node.op_type == "Transpose" else None
         if perm is not None and list(perm) == [0, 2, 1, 3]:
-            return node.inputs[0]
+            return node.inputs[0], False
     raise _Refused("no transpose from [batch, seq, heads, head] to [batch, heads, seq, head] behind the query/key/value")
 
 
@@ -198,8 +208,9 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     q_proj = _first_projection(model, q_side[0])
     if not (q_proj.inputs[0] is k_proj.inputs[0] is v_proj.inputs[0]):
         raise _Refused("query, key and value do not project one input (cross-attention is not fused)")
-    heads = [_heads(v) for v in (q_side[0], key.inputs[1], value.inputs[1])]
-    plain = [_gqa_input(h, p) for h, p in zip(heads, (q_proj, k_proj, v_proj))]
+    found = [_heads(model, v) for v in (q_side[0], key.inputs[1], value.inputs[1])]
+    heads, transposed = [h for h, _ in found], [t for _, t in found]
+    plain = [None if t else _gqa_input(h, p) for h, t, p in zip(heads, transposed, (q_proj, k_proj, v_proj))]
     o_proj = outputs[0].producer()
     while o_proj is not None and o_proj.op_type in ("Identity", "Dropout") and o_proj.inputs[0] is not None:
         o_proj = o_proj.inputs[0].producer()  # Starcoder2's residual dropout, an Identity in eval mode
@@ -232,7 +243,7 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     if softcap == 0.0 and any(n.op_type == "Tanh" for n in nodes):
         raise _Refused("a Tanh in the body that is not a soft-cap of the scores")
     return _Attention(
-        q_proj, k_proj, v_proj, o_proj, heads, all(v is not None for v in plain) or one_projection,
+        q_proj, k_proj, v_proj, o_proj, heads, transposed, all(v is not None for v in plain) or one_projection,
         key.inputs[0], value.inputs[0],
         outputs.index(key.outputs[0]), outputs.index(value.outputs[0]),
         q_columns // head_size, kv_heads, head_size, scale, cos, sin,
@@ -532,10 +543,14 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
         else:  # a norm between projection and heads (Qwen3's q_norm/k_norm): merge the heads back
             shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([0, 0, -1], np.int64))}, name="gqa.merge_heads")
             shape.outputs[0].name = "gqa.merge_heads"
-            merged = [ir.node("Reshape", [h, shape.outputs[0]], name=f"gqa.{role}") for h, role in zip(attention.heads, "qkv")]
-            for node in merged:
+            turned = [ir.node("Transpose", [h], attributes={"perm": [0, 2, 1, 3]}, name=f"gqa.{role}_bshd")
+                      for h, t, role in zip(attention.heads, attention.transposed, "qkv") if t]
+            heads = iter(node.outputs[0] for node in turned)
+            merged = [ir.node("Reshape", [next(heads) if t else h, shape.outputs[0]], name=f"gqa.{role}")
+                      for h, t, role in zip(attention.heads, attention.transposed, "qkv")]
+            for node in turned + merged:
                 node.outputs[0].name = node.name
-            function.insert_before(attention.o_proj, [shape, *merged])
+            function.insert_before(attention.o_proj, [shape, *turned, *merged])
             query, key, value = (node.outputs[0] for node in merged)
         gqa = ir.node(
             "GroupQueryAttention",
