@@ -179,7 +179,7 @@ def _rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value]) -> tupl
 def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     nodes = list(function)
     if any(n.op_type == "ReduceLogSumExp" for n in nodes):
-        raise _Refused("attention sinks (a learned logit beside the scores: GPT-OSS, Granite SWA) are not fused")
+        raise _Refused("attention sinks (a learned logit beside the scores, a ReduceLogSumExp: GraniteMoeSWA) are not fused")
     softmaxes = [n for n in nodes if n.op_type == "Softmax"]
     if len(softmaxes) != 1:
         raise _Refused(f"{len(softmaxes)} Softmax nodes (one expected)")
