@@ -126,3 +126,22 @@ def window_of(model: ir.Model, mask: ir.Value) -> int | str | None:
     if len(windows) > 1:
         return UNREADABLE
     return windows.pop() if windows else None
+
+
+def head_sink(function: ir.Function, softmax: ir.Node) -> ir.Value | None:
+    """The per-head sink logit of ``softmax(s) @ v * sigmoid(logsumexp(s) - sink)`` (attention sinks:
+    the softmax over the scores and one learned logit per head, the sink's column dropped), which is
+    ``GroupQueryAttention``'s ``head_sink``; ``None`` without a ``ReduceLogSumExp``."""
+    sums = [n for n in function if n.op_type == "ReduceLogSumExp"]
+    if not sums:
+        return None
+    if len(sums) != 1 or sums[0].inputs[0] is not softmax.inputs[0]:
+        raise Refused("a ReduceLogSumExp that is not over the scores the Softmax takes")
+    use = _only_use(sums[0].outputs[0])
+    if use is None or use[0].op_type != "Sub" or use[1] != 0:
+        raise Refused("a ReduceLogSumExp of the scores that is not the log-sum-exp minus a sink logit")
+    sub = use[0]
+    chain = _only_use(sub.outputs[0])
+    if chain is None or chain[0].op_type != "Sigmoid":
+        raise Refused("attention sinks in a form other than sigmoid(logsumexp(scores) - sink)")
+    return sub.inputs[1]

@@ -39,6 +39,7 @@ from onnx_modular.passes._gqa_scores import UNREADABLE as _UNREADABLE
 from onnx_modular.passes._gqa_scores import NotAttention as _NotAttention
 from onnx_modular.passes._gqa_scores import Refused as _Refused
 from onnx_modular.passes._gqa_scores import ancestors as _ancestors
+from onnx_modular.passes._gqa_scores import head_sink as _head_sink
 from onnx_modular.passes._gqa_scores import mask_formals as _mask_formals
 from onnx_modular.passes._gqa_scores import producers_bfs as _producers_bfs
 from onnx_modular.passes._gqa_scores import scale_and_softcap as _scale
@@ -73,6 +74,7 @@ class _Attention:
     rotary_dim: int = 0  # the head's leading channels the rotary turns (partial rotary: fewer than head_size)
     softcap: float = 0.0  # softcap * tanh(scores / softcap) on the scaled scores (Gemma 2)
     masks: tuple[int, ...] = ()  # formal inputs (indices) that only mask the scores (a window may hide in them)
+    sink: ir.Value | None = None  # one learned logit per head beside the scores (attention sinks): head_sink
 
 
 def _is_projection(node: ir.Node, model: ir.Model) -> bool:
@@ -178,12 +180,11 @@ def _rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value]) -> tupl
 
 def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     nodes = list(function)
-    if any(n.op_type == "ReduceLogSumExp" for n in nodes):
-        raise _Refused("attention sinks (a learned logit beside the scores, a ReduceLogSumExp: GraniteMoeSWA) are not fused")
     softmaxes = [n for n in nodes if n.op_type == "Softmax"]
     if len(softmaxes) != 1:
         raise _Refused(f"{len(softmaxes)} Softmax nodes (one expected)")
     softmax = softmaxes[0]
+    sink = _head_sink(function, softmax)
     formals = list(function.inputs)
     outputs = list(function.outputs)
     concats = [
@@ -249,7 +250,7 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
         key.inputs[0], value.inputs[0],
         outputs.index(key.outputs[0]), outputs.index(value.outputs[0]),
         q_columns // head_size, kv_heads, head_size, scale, cos, sin,
-        head_size if width is None else width, softcap, _mask_formals(model, function, softmax, scores),
+        head_size if width is None else width, softcap, _mask_formals(model, function, softmax, scores), sink,
     )
 
 
@@ -517,6 +518,17 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
             result.append((part, analysis, windows.pop() if windows else None))
         return result
 
+    @staticmethod
+    def _flat(function: ir.Function, value: ir.Value | None) -> ir.Value | None:
+        """``value`` reshaped to one dimension (the sink logits: ``head_sink`` is ``[num_heads]``)."""
+        if value is None:
+            return None
+        shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([-1], np.int64))}, name="gqa.sink_shape")
+        flat = ir.node("Reshape", [value, shape.outputs[0]], name="gqa.head_sink")
+        shape.outputs[0].name, flat.outputs[0].name = "gqa.sink_shape", "gqa.head_sink"
+        function.insert_before(function[0], [shape, flat])
+        return flat.outputs[0]
+
     def _rewrite(self, model, function, attention: _Attention, seqlens, total, window: int | None = None) -> None:
         cos_cache = sin_cache = None
         if attention.cos is not None:
@@ -556,7 +568,8 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
             query, key, value = (node.outputs[0] for node in merged)
         gqa = ir.node(
             "GroupQueryAttention",
-            [query, key, value, attention.past_key, attention.past_value, seqlens, total, cos_cache, sin_cache],
+            [query, key, value, attention.past_key, attention.past_value, seqlens, total, cos_cache, sin_cache,
+             None, None, self._flat(function, attention.sink)],
             attributes=attributes, domain="com.microsoft", num_outputs=3, name="GroupQueryAttention",
         )
         names = [f"{attention.o_proj.inputs[0].name}_gqa", function.outputs[attention.present_key_index].name,
