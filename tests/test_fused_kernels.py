@@ -220,14 +220,21 @@ def _windowed_checkpoint(kind: str, folder):
     elif kind == "olmo3":  # a window of 4 on layer 0; each layer type its own rotary module call
         config = transformers.Olmo3Config(**sizes, hidden_size=64, head_dim=16, sliding_window=4,
                                           layer_types=["sliding_attention", "full_attention"])
+    elif kind == "granitemoe_swa":  # attention sinks; layer 1 a window of 4
+        config = transformers.GraniteMoeSWAConfig(**sizes, hidden_size=64, num_local_experts=2, num_experts_per_tok=1,
+                                                  sliding_window=4, layer_types=["full_attention", "sliding_attention"])
     else:  # phi: rotary over the first 16 channels of heads of 32
         config = transformers.PhiConfig(**sizes, hidden_size=128, partial_rotary_factor=0.5)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for name, parameter in model.named_parameters():
+        if name.endswith("sinks"):  # random sink logits, so that they count
+            torch.nn.init.normal_(parameter, std=1.0)
     model.save_pretrained(folder)
     return model
 
 
-@pytest.mark.parametrize("kind", ["gemma2", pytest.param("olmo3", marks=pytest.mark.slow), "phi"])
+@pytest.mark.parametrize("kind", ["gemma2", pytest.param("olmo3", marks=pytest.mark.slow), "phi",
+                                  pytest.param("granitemoe_swa", marks=pytest.mark.slow)])
 def test_sliding_window_softcap_and_partial_rotary_fused(kind, tmp_path):
     """The window becomes ``local_window_size`` (bodies split per window: the decoder layer stays a
     function, one per kind of layer), Gemma 2's cap ``softcap``, Phi's partial rotary narrower
@@ -247,8 +254,12 @@ def test_sliding_window_softcap_and_partial_rotary_fused(kind, tmp_path):
     result = ir.load(tmp_path / "opt.onnx")
     gqa = {key[1]: node for key, function in result.functions.items() for node in function
            if node.op_type == "GroupQueryAttention"}
-    prefix = {"gemma2": "Gemma2", "olmo3": "Olmo3", "phi": "Phi"}[kind]
-    if kind == "phi":
+    prefix = {"gemma2": "Gemma2", "olmo3": "Olmo3", "phi": "Phi", "granitemoe_swa": "GraniteMoeSWA"}[kind]
+    if kind == "granitemoe_swa":  # the sink logits: the op's head_sink input; layer 0 full, layer 1 windowed
+        assert {name: n.attributes.get_int("local_window_size") for name, n in gqa.items()} == {
+            f"{prefix}Attention": -1, f"{prefix}Attention_window4": 4}
+        assert all(len(n.inputs) == 12 and n.inputs[11] is not None for n in gqa.values())
+    elif kind == "phi":
         assert list(gqa) == ["PhiAttention"] and gqa["PhiAttention"].attributes.get_int("do_rotary") == 1
     else:
         assert sorted(n.attributes.get_int("local_window_size") for n in gqa.values()) == [-1, 4]
