@@ -88,6 +88,9 @@ def _row(model_type: str, class_name: str, queue) -> None:
     stage = "build"
     try:
         model = sweep.build(model_type, class_name)[0].eval()
+        config = model.config.get_text_config()
+        if getattr(config, "eos_token_id", None) is None and getattr(model.generation_config, "eos_token_id", None) is None:
+            model.generation_config.eos_token_id = config.vocab_size - 1  # genai's export needs one (as sweep_genai)
         with tempfile.TemporaryDirectory() as tmp:
             tmp = pathlib.Path(tmp)
             model.config.architectures = [class_name]
