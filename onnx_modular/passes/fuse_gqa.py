@@ -178,6 +178,19 @@ def _rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value]) -> tupl
     return cos, sin, width
 
 
+def _checked_rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value], head_size: int):
+    """:func:`_rotary`, refused where GroupQueryAttention cannot take it."""
+    cos, sin, width = _rotary(model, new_key, formals)
+    if cos is None and any(n.op_type == "Neg" for n in _producers_bfs(new_key, lambda n: False)):
+        raise _Refused("the key's rotary is not the last step before the cache (a norm after it, or another form)")
+    if width is not None and (width <= 0 or width % 2 or width > head_size):
+        raise _Refused(f"a partial rotary over {width} of the head's {head_size} channels")
+    if width is not None and width < head_size and (width // 2) % 8:
+        raise _Refused(f"a partial rotary over {width} of the head's {head_size} channels: onnxruntime's "
+                       "GroupQueryAttention takes cos/sin caches whose width (rotary channels / 2) is a multiple of 8")
+    return cos, sin, width
+
+
 def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     nodes = list(function)
     softmaxes = [n for n in nodes if n.op_type == "Softmax"]
@@ -234,14 +247,7 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
         not one_projection and _weight_columns(model, k_proj) != kv_heads * head_size
     ):
         raise _Refused("the projection widths do not match the cache's heads")
-    cos, sin, width = _rotary(model, key.inputs[1], formals)
-    if cos is None and any(n.op_type == "Neg" for n in _producers_bfs(key.inputs[1], lambda n: False)):
-        raise _Refused("the key's rotary is not the last step before the cache (a norm after it, or another form)")
-    if width is not None and (width <= 0 or width % 2 or width > head_size):
-        raise _Refused(f"a partial rotary over {width} of the head's {head_size} channels")
-    if width is not None and width < head_size and (width // 2) % 8:
-        raise _Refused(f"a partial rotary over {width} of the head's {head_size} channels: onnxruntime's "
-                       "GroupQueryAttention takes cos/sin caches whose width (rotary channels / 2) is a multiple of 8")
+    cos, sin, width = _checked_rotary(model, key.inputs[1], formals, head_size)
     scale, softcap = _scale(model, scores)
     if softcap == 0.0 and any(n.op_type == "Tanh" for n in nodes):
         raise _Refused("a Tanh in the body that is not a soft-cap of the scores")
