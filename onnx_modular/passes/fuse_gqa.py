@@ -75,6 +75,7 @@ class _Attention:
     softcap: float = 0.0  # softcap * tanh(scores / softcap) on the scaled scores (Gemma 2)
     masks: tuple[int, ...] = ()  # formal inputs (indices) that only mask the scores (a window may hide in them)
     sink: ir.Value | None = None  # one learned logit per head beside the scores (attention sinks): head_sink
+    interleaved: bool = False  # rotary pairs channels 2i and 2i + 1 (the module's cos/sin repeat each frequency twice)
 
 
 def _is_projection(node: ir.Node, model: ir.Model) -> bool:
@@ -143,23 +144,25 @@ def _weight_columns(model: ir.Model, projection: ir.Node) -> int:
     return shape[1]
 
 
-def _rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value]) -> tuple[ir.Value | None, ir.Value | None, int | None]:
+def _rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value]) -> tuple:
     """cos, sin and the rotary width of ``x * cos + rotate_half(x) * sin`` on the key (``None``s: no
     rotary); the width is ``None`` for the whole head, else the channels of a partial rotary
-    (``concat(rotary(x[..., :d]), x[..., d:])``: Phi, StableLM, GPT-NeoX)."""
+    (``concat(rotary(x[..., :d]), x[..., d:])``: Phi, StableLM, GPT-NeoX), and whether the pairs
+    are interleaved (channels ``2i, 2i + 1``: Cohere) rather than the two halves."""
     add, width = new_key.producer(), None
     if add is not None and add.op_type == "Concat" and len(add.inputs) == 2 and add.attributes.get_int("axis", 0) in (-1, 3):
         rest = add.inputs[1].producer() if add.inputs[1] is not None else None
         start = _fusion.scalar_of(model, rest.inputs[1]) if rest is not None and rest.op_type == "Slice" else None
         if start is None:
-            return None, None, None
+            return None, None, None, False
         add, width = add.inputs[0].producer(), int(start)
     if add is None or add.op_type != "Add":
-        return None, None, None
+        return None, None, None, False
     muls = [v.producer() for v in add.inputs]
     if any(m is None or m.op_type != "Mul" for m in muls):
-        return None, None, None
+        return None, None, None, False
     cos = sin = None
+    interleaved = False
     for mul in muls:
         for index, operand in enumerate(mul.inputs):
             formal = _formal_behind(operand, formals)
@@ -169,18 +172,34 @@ def _rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value]) -> tupl
             rotated = other is not None and other.op_type == "Concat" and any(
                 v is not None and v.producer() is not None and v.producer().op_type == "Neg" for v in other.inputs
             )
+            if not rotated and _rotated_pairs(other):
+                rotated = interleaved = True
             if rotated:
                 sin = formal
             else:
                 cos = formal
     if cos is None or sin is None:
         raise _Refused("the key goes through a product with cos/sin that is not rotate-half rotary")
-    return cos, sin, width
+    return cos, sin, width, interleaved
+
+
+def _rotated_pairs(node: ir.Node | None) -> bool:
+    """``stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)``: the interleaved rotate-half (Cohere, GPT-J)."""
+    if node is None or node.op_type != "Reshape" or node.inputs[0] is None:
+        return False
+    stack = node.inputs[0].producer()
+    if stack is None or stack.op_type != "Concat" or len(stack.inputs) != 2:
+        return False
+    parts = [v.producer() if v is not None else None for v in stack.inputs]
+    if any(p is None or p.op_type != "Unsqueeze" for p in parts):
+        return False
+    first = parts[0].inputs[0].producer()
+    return first is not None and first.op_type == "Neg"
 
 
 def _checked_rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value], head_size: int):
     """:func:`_rotary`, refused where GroupQueryAttention cannot take it."""
-    cos, sin, width = _rotary(model, new_key, formals)
+    cos, sin, width, interleaved = _rotary(model, new_key, formals)
     if cos is None and any(n.op_type == "Neg" for n in _producers_bfs(new_key, lambda n: False)):
         raise _Refused("the key's rotary is not the last step before the cache (a norm after it, or another form)")
     if width is not None and (width <= 0 or width % 2 or width > head_size):
@@ -188,7 +207,7 @@ def _checked_rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value],
     if width is not None and width < head_size and (width // 2) % 8:
         raise _Refused(f"a partial rotary over {width} of the head's {head_size} channels: onnxruntime's "
                        "GroupQueryAttention takes cos/sin caches whose width (rotary channels / 2) is a multiple of 8")
-    return cos, sin, width
+    return cos, sin, width, interleaved
 
 
 def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
@@ -247,7 +266,7 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
         not one_projection and _weight_columns(model, k_proj) != kv_heads * head_size
     ):
         raise _Refused("the projection widths do not match the cache's heads")
-    cos, sin, width = _checked_rotary(model, key.inputs[1], formals, head_size)
+    cos, sin, width, interleaved = _checked_rotary(model, key.inputs[1], formals, head_size)
     scale, softcap = _scale(model, scores)
     if softcap == 0.0 and any(n.op_type == "Tanh" for n in nodes):
         raise _Refused("a Tanh in the body that is not a soft-cap of the scores")
@@ -257,6 +276,7 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
         outputs.index(key.outputs[0]), outputs.index(value.outputs[0]),
         q_columns // head_size, kv_heads, head_size, scale, cos, sin,
         head_size if width is None else width, softcap, _mask_formals(model, function, softmax, scores), sink,
+        interleaved,
     )
 
 
@@ -373,7 +393,7 @@ def _caches(model: ir.Model, attention: _Attention, max_positions: int, made: di
     if len(computed) != 1:
         raise _Refused(f"the rotary call takes {len(computed)} computed inputs (position ids alone expected)")
     half = attention.rotary_dim // 2
-    memo = (id(rotary), tuple(list(rotary.outputs).index(e) for e in ends), half)
+    memo = (id(rotary), tuple(list(rotary.outputs).index(e) for e in ends), half, attention.interleaved)
     if memo in made:
         return made[memo]
     tag = "gqa" if not made else f"gqa{len(made) + 1}"
@@ -391,12 +411,13 @@ def _caches(model: ir.Model, attention: _Attention, max_positions: int, made: di
     )
     shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([-1, half], np.int64))}, name=f"{tag}.cache_shape")
     bounds = [ir.node("Constant", [], attributes={"value": ir.tensor(np.array([v], np.int64))}, name=f"{tag}.cache_{role}")
-              for v, role in ((0, "start"), (half, "end"), (2, "axis"))]
+              for v, role in ((0, "start"), (2 * half if attention.interleaved else half, "end"), (2, "axis"),
+                              (2 if attention.interleaved else 1, "step"))]
     new = [positions, cache_call, shape, *bounds]
     caches = []
     for end, name in zip(ends, ("cos_cache", "sin_cache")):
         index = list(rotary.outputs).index(end)
-        sliced = ir.node("Slice", [cache_call.outputs[index], bounds[0].outputs[0], bounds[1].outputs[0], bounds[2].outputs[0]],
+        sliced = ir.node("Slice", [cache_call.outputs[index], *(b.outputs[0] for b in bounds)],
                          name=f"{tag}.{name}_half")
         flat = ir.node("Reshape", [sliced.outputs[0], shape.outputs[0]], name=f"{tag}.{name}")
         sliced.outputs[0].name, flat.outputs[0].name = f"{tag}.{name}_half", f"{tag}.{name}"
@@ -545,7 +566,7 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
         total = _thread(model, function, TOTAL_SEQUENCE_LENGTH, total, self._threaded)
         attributes = {
             "num_heads": attention.num_heads, "kv_num_heads": attention.kv_num_heads, "scale": attention.scale,
-            "do_rotary": int(cos_cache is not None), "rotary_interleaved": 0,
+            "do_rotary": int(cos_cache is not None), "rotary_interleaved": int(attention.interleaved),
             # transformers' window W (keys kv > q - W: W positions, the query's own included) is
             # onnxruntime's local_window_size W, as the builder sets it (checked: W - 1 drifts)
             "local_window_size": -1 if window is None else window, "softcap": attention.softcap,
