@@ -212,11 +212,6 @@ def _checked_rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value],
 
 def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     nodes = list(function)
-    softmaxes = [n for n in nodes if n.op_type == "Softmax"]
-    if len(softmaxes) != 1:
-        raise _Refused(f"{len(softmaxes)} Softmax nodes (one expected)")
-    softmax = softmaxes[0]
-    sink = _head_sink(function, softmax)
     formals = list(function.inputs)
     outputs = list(function.outputs)
     concats = [
@@ -224,8 +219,13 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
         if n.op_type == "Concat" and n.outputs[0] in outputs and len(n.inputs) == 2 and n.inputs[0] in formals
         and n.attributes.get_int("axis", 0) in (-2, 2)
     ]
-    if len(concats) != 2:
+    if len(concats) != 2:  # first: a router's softmaxes are no attention left unfused
         raise _NotAttention("no key/value cache (two Concat of a past input returned as present)")
+    softmaxes = [n for n in nodes if n.op_type == "Softmax"]
+    if len(softmaxes) != 1:
+        raise _Refused(f"{len(softmaxes)} Softmax nodes (one expected)")
+    softmax = softmaxes[0]
+    sink = _head_sink(function, softmax)
     behind_softmax = _ancestors(softmax.outputs[0])
     keyed = [c for c in concats if id(c) in behind_softmax]
     if len(keyed) != 1:
