@@ -182,6 +182,7 @@ def main() -> None:
     out = pathlib.Path(args.out)
     catalogue = json.loads((ROOT / "docs" / "coverage.json").read_text())["rows"]
     rows = [(r["model_type"], r["class_name"]) for r in catalogue if r["task"] == "causal-lm" and r["modular_ok"]]
+    planned = len(rows)  # the catalogue's rows, whatever --types sweeps this time
     if args.types:
         rows = [r for r in rows if r[0] in args.types.split(",")]
     done = json.loads(out.read_text())["rows"] if args.resume and out.exists() else []
@@ -214,7 +215,7 @@ def main() -> None:
                                                               "error": f"child exited with {child.exitcode}"}
         done.append(result)
         print(json.dumps(result), flush=True)
-        out.write_text(json.dumps({"planned": len(rows), "totals": _totals(done), "rows": done}, indent=1) + "\n")
+        out.write_text(json.dumps({"planned": planned, "totals": _totals(done), "rows": done}, indent=1) + "\n")
     print(json.dumps(_totals(done), indent=1))
 
 

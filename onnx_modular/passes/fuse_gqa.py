@@ -428,6 +428,9 @@ def _caches(model: ir.Model, attention: _Attention, max_positions: int, made: di
     for index, output in enumerate(cache_call.outputs):
         output.name = f"{tag}.rotary_{index}"
     rotary.graph.insert_after(rotary, new)
+    owner = _fusion.body_of(model, rotary.graph)
+    if owner is not None:  # a body of calls only may import no standard opset (Gemma3TextModel)
+        owner.opset_imports.setdefault("", model.opset_imports.get("", 18))
     made[memo] = (caches[0], caches[1])
     return caches[0], caches[1]
 
