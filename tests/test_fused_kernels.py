@@ -205,3 +205,73 @@ Layer (x, r, weight, two, axes, eps) => (out)
     expected = ort.InferenceSession(before).run(None, feeds)[0]
     got = ort.InferenceSession(ir.to_proto(model).SerializeToString()).run(None, feeds)[0]
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def _windowed_checkpoint(kind: str, folder):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=96, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=64)
+    if kind == "gemma2":  # soft-capped scores, layers alternating a window of 4 and full attention
+        config = transformers.Gemma2Config(**sizes, hidden_size=64, head_dim=16, sliding_window=4,
+                                           attn_logit_softcapping=5.0, final_logit_softcapping=None)
+    elif kind == "olmo3":  # a window of 4 on layer 0; each layer type its own rotary module call
+        config = transformers.Olmo3Config(**sizes, hidden_size=64, head_dim=16, sliding_window=4,
+                                          layer_types=["sliding_attention", "full_attention"])
+    elif kind == "granitemoe_swa":  # attention sinks; layer 1 a window of 4
+        config = transformers.GraniteMoeSWAConfig(**sizes, hidden_size=64, num_local_experts=2, num_experts_per_tok=1,
+                                                  sliding_window=4, layer_types=["full_attention", "sliding_attention"])
+    else:  # phi: rotary over the first 16 channels of heads of 32
+        config = transformers.PhiConfig(**sizes, hidden_size=128, partial_rotary_factor=0.5)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for name, parameter in model.named_parameters():
+        if name.endswith("sinks"):  # random sink logits, so that they count
+            torch.nn.init.normal_(parameter, std=1.0)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["gemma2", pytest.param("olmo3", marks=pytest.mark.slow), "phi",
+                                  pytest.param("granitemoe_swa", marks=pytest.mark.slow)])
+def test_sliding_window_softcap_and_partial_rotary_fused(kind, tmp_path):
+    """The window becomes ``local_window_size`` (bodies split per window: the decoder layer stays a
+    function, one per kind of layer), Gemma 2's cap ``softcap``, Phi's partial rotary narrower
+    cos/sin caches; each call checked, and greedy tokens past the window equal ``generate``."""
+    import torch
+
+    import onnx_modular
+    from onnx_modular.hf.genai import export_genai
+
+    model = _windowed_checkpoint(kind, tmp_path / "ckpt")
+    export_genai(tmp_path / "ckpt", tmp_path / "genai", verify=False, check=False)
+    report = onnx_modular.optimize(tmp_path / "genai" / "model.onnx", tmp_path / "opt.onnx", max_positions=64)
+    assert report.attention == "GroupQueryAttention"
+    attention = [f for f in report.fusions if f.step == "attention"]
+    assert attention and all(f.fused and f.max_abs_diff < 1e-4 and f.calls > 0 for f in attention)
+
+    result = ir.load(tmp_path / "opt.onnx")
+    gqa = {key[1]: node for key, function in result.functions.items() for node in function
+           if node.op_type == "GroupQueryAttention"}
+    prefix = {"gemma2": "Gemma2", "olmo3": "Olmo3", "phi": "Phi", "granitemoe_swa": "GraniteMoeSWA"}[kind]
+    if kind == "granitemoe_swa":  # the sink logits: the op's head_sink input; layer 0 full, layer 1 windowed
+        assert {name: n.attributes.get_int("local_window_size") for name, n in gqa.items()} == {
+            f"{prefix}Attention": -1, f"{prefix}Attention_window4": 4}
+        assert all(len(n.inputs) == 12 and n.inputs[11] is not None for n in gqa.values())
+    elif kind == "phi":
+        assert list(gqa) == ["PhiAttention"] and gqa["PhiAttention"].attributes.get_int("do_rotary") == 1
+    else:
+        assert sorted(n.attributes.get_int("local_window_size") for n in gqa.values()) == [-1, 4]
+        assert sorted(gqa) == [f"{prefix}Attention", f"{prefix}Attention_full"]
+        layers = [key[1] for key in result.functions if key[1].startswith(f"{prefix}DecoderLayer")]
+        assert sorted(layers) == [f"{prefix}DecoderLayer", f"{prefix}DecoderLayer_full"]
+        assert all(_calls(result, name) == 1 for name in layers)
+    softcaps = {n.attributes.get_float("softcap") for n in gqa.values()}
+    assert softcaps == ({5.0} if kind == "gemma2" else {0.0})
+
+    prompt = [5, 17, 33, 2, 9, 41, 7]  # longer than the window of 4
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6, min_new_tokens=6,
+                                  eos_token_id=None, pad_token_id=0)
+    np.testing.assert_array_equal(onnx_modular.generate(tmp_path / "opt.onnx", [prompt], 6), expected.numpy())

@@ -233,3 +233,52 @@ def pack_formals(model: ir.Model, function: ir.Function, formals: list[ir.Value]
         site.resize_inputs(position + 1)
         site.replace_input_with(position, value)
     return formal
+
+
+def _clone_function(model: ir.Model, function: ir.Function, suffix: str) -> ir.Function:
+    """A copy of ``function`` under a new name (``<name>_<suffix>``) in the same domain, added to the model."""
+    copy = function.clone()
+    taken = {key[1] for key in model.functions if key[0] == function.domain}
+    name = f"{function.name}_{suffix}"
+    while name in taken:
+        name += "_"
+    copy.name = name
+    model.functions[copy.identifier()] = copy
+    return copy
+
+
+def split_calls(model: ir.Model, function: ir.Function, index: int, key_of: Callable[[ir.Value], object],
+                suffix: Callable[[object], str], _depth: int = 0) -> dict[object, ir.Function] | None:
+    """Copies of ``function`` such that all the calls of each one pass, at formal input ``index``,
+    values with one ``key_of`` (read on the values they stand for in the bodies that compute them,
+    :func:`sources_of`). A caller whose own calls disagree is split first, the same way, so a
+    decoder layer called with two kinds of mask becomes two functions, each called for its kind.
+    Returns key -> function (``function`` itself for the first key), or ``None`` when the calls
+    cannot be told apart (nothing is changed then... except callers already split, which stay valid)."""
+    if _depth > 16:
+        return None
+    for site in call_sites(model).get(function.identifier(), []):
+        argument = site.inputs[index] if index < len(site.inputs) else None
+        if argument is None:
+            return None
+        if len({key_of(s) for s in sources_of(model, argument)}) > 1:
+            caller = body_of(model, site.graph)
+            position = _formal_index(caller, argument) if caller is not None else None
+            if position is None or split_calls(model, caller, position, key_of, suffix, _depth + 1) is None:
+                return None
+    groups: dict[object, list[ir.Node]] = {}
+    for site in call_sites(model).get(function.identifier(), []):
+        keys = {key_of(s) for s in sources_of(model, site.inputs[index])}
+        if len(keys) != 1:
+            return None
+        groups.setdefault(keys.pop(), []).append(site)
+    result: dict[object, ir.Function] = {}
+    for key, sites in groups.items():
+        if not result:
+            result[key] = function
+            continue
+        copy = _clone_function(model, function, suffix(key))
+        for site in sites:
+            site.op_type = copy.name
+        result[key] = copy
+    return result
