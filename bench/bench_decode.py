@@ -66,6 +66,8 @@ def _feeds(session: ort.InferenceSession, past: int, length: int, vocab: int, he
             feeds[value.name] = rng.integers(0, vocab, (1, length)).astype(np.int64)
         elif value.name == "attention_mask":
             feeds[value.name] = np.ones((1, past + length), np.int64)
+        elif value.name == "position_ids":  # onnxruntime-genai folders of models that take them
+            feeds[value.name] = np.arange(past, past + length, dtype=np.int64)[None]
         elif "past_key_values" in value.name:
             heads = _static(value.shape[1], None)
             size = _static(value.shape[3], head_size)  # the builder's 'kv_cache_dim'
@@ -86,6 +88,7 @@ def _present(past: str, outputs: dict) -> str:
 
 def _greedy(session: ort.InferenceSession, prompt: np.ndarray, steps: int, head_size: int) -> list[int]:
     names = [o.name for o in session.get_outputs()]
+    names_in = {i.name for i in session.get_inputs()}
     feeds = _feeds(session, 0, prompt.shape[1], 1, head_size)
     feeds["input_ids"] = prompt
     tokens = []
@@ -96,6 +99,8 @@ def _greedy(session: ort.InferenceSession, prompt: np.ndarray, steps: int, head_
         past = {n: outputs[_present(n, outputs)] for n in feeds if "past_key_values" in n}
         length = next(iter(past.values())).shape[2] + 1
         feeds = {"input_ids": np.array([[token]], np.int64), "attention_mask": np.ones((1, length), np.int64), **past}
+        if "position_ids" in names_in:
+            feeds["position_ids"] = np.array([[length - 1]], np.int64)
     return tokens
 
 

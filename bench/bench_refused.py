@@ -12,7 +12,8 @@ heads, intermediate 2048, vocabulary 32000, random weights, seed 0) is saved wit
 - ``transformers``: ``transformers.exporters`` ``"onnx"`` with ``OnnxConfig(dynamic=True,
   ort_fusions="cpu")`` (torch's exporter, onnxscript's optimizer, onnxscript's onnxruntime fusions:
   RMS norm, skip norm, rotary, attention where its patterns match), exported with a past;
-- ``ours``: ``onnx-modular export CKPT --task causal-lm-with-past --io-names optimum``;
+- ``ours``: ``onnx-modular export CKPT --task causal-lm-with-past --io-names optimum`` (``export CKPT
+  --genai``'s model for a sliding-window model, which that export refuses);
 - ``ours_opt``: ``onnx-modular optimize`` of that file.
 
 Then ``bench/bench_decode.py`` on the three files (``transformers`` first: the ratios are to it):
@@ -97,6 +98,21 @@ def quantize_transformers_file(path: pathlib.Path, target: pathlib.Path) -> path
     return target
 
 
+def export_with_past(root: pathlib.Path) -> pathlib.Path:
+    """``export --task causal-lm-with-past --io-names optimum``; for a sliding-window model, whose
+    transformers cache that export refuses, the model of ``export --genai`` (every position's keys and
+    values kept, the window in the mask; the same names, and ``position_ids``)."""
+    try:
+        cli("export", str(root / "ckpt"), "--task", "causal-lm-with-past", "--io-names", "optimum",
+            "-o", str(root / "ours.onnx"))
+        return root / "ours.onnx"
+    except subprocess.CalledProcessError as error:
+        print(f"  ours: export --task causal-lm-with-past refused ({error.stderr.strip().splitlines()[-1][:160]}); "
+              "export --genai instead", flush=True)
+    cli("export", str(root / "ckpt"), "--genai", "-o", str(root / "genai"))
+    return root / "genai" / "model.onnx"
+
+
 def cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "onnx_modular", *args], check=True, capture_output=True, text=True)
 
@@ -124,9 +140,8 @@ def main() -> None:
             print(f"  transformers' exporter (ort_fusions='cpu'): {time.perf_counter() - start:.0f}s", flush=True)
             del model
             try:
-                cli("export", str(root / "ckpt"), "--task", "causal-lm-with-past", "--io-names", "optimum",
-                    "-o", str(root / "ours.onnx"))
-                cli("optimize", str(root / "ours.onnx"), "-o", str(root / "ours.opt.onnx"), "--max-positions", "2048",
+                ours = export_with_past(root)
+                cli("optimize", str(ours), "-o", str(root / "ours.opt.onnx"), "--max-positions", "2048",
                     "--json", str(root / "optimize.json"))
             except subprocess.CalledProcessError as error:
                 print(f"  ours: failed: {error.stderr.strip().splitlines()[-1] if error.stderr else error}", flush=True)
@@ -135,7 +150,7 @@ def main() -> None:
             unfused = {f["module_class"]: f["reason"] for f in report["fusions"] if not f["fused"]}
             print(f"  optimize: attention {report['attention']}, fused {report['fused_classes']}"
                   + (f", left {unfused}" if unfused else ""), flush=True)
-            files.update(ours=root / "ours.onnx", ours_opt=root / "ours.opt.onnx")
+            files.update(ours=ours, ours_opt=root / "ours.opt.onnx")
             bench(files, args.rounds)
             if args.int4:
                 quantized = {"transformers": quantize_transformers_file(files["transformers"], root / "transformers.q4.onnx")}
