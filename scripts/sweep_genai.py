@@ -80,6 +80,20 @@ def _row(model_type: str, class_name: str, queue) -> None:
     queue.put(result)
 
 
+def run_row(context, target, model_type: str, class_name: str, timeout: float, base: dict) -> dict:
+    """``target(model_type, class_name, queue)`` in a child process of ``context``: the row it put on the
+    queue, or ``base`` with outcome ``timeout`` (killed after ``timeout`` seconds) or ``error``."""
+    queue = context.Queue()
+    child = context.Process(target=target, args=(model_type, class_name, queue))
+    child.start()
+    child.join(timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        return {**base, "outcome": "timeout", "seconds": timeout}
+    return queue.get() if not queue.empty() else {**base, "outcome": "error", "error": f"child exited with {child.exitcode}"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-minutes", type=float, default=60)
@@ -103,19 +117,8 @@ def main() -> None:
             continue
         if time.time() > deadline:
             break
-        queue = context.Queue()
-        child = context.Process(target=_row, args=(model_type, class_name, queue))
-        child.start()
-        child.join(args.timeout)
-        if child.is_alive():
-            child.kill()
-            child.join()
-            result = {"model_type": model_type, "class_name": class_name, "builder": class_name in BUILDER_CLASSES,
-                      "outcome": "timeout", "seconds": args.timeout}
-        else:
-            result = queue.get() if not queue.empty() else {
-                "model_type": model_type, "class_name": class_name, "builder": class_name in BUILDER_CLASSES,
-                "outcome": "error", "error": f"child exited with {child.exitcode}"}
+        base = {"model_type": model_type, "class_name": class_name, "builder": class_name in BUILDER_CLASSES}
+        result = run_row(context, _row, model_type, class_name, args.timeout, base)
         done.append(result)
         print(json.dumps(result), flush=True)
         totals: dict[str, int] = {}

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 OUT = ROOT / "docs" / "coverage-optimize.json"
 GENAI = ROOT / "docs" / "coverage-genai.json"
 
-from sweep_genai import BUILDER_CLASSES  # noqa: E402
+from sweep_genai import BUILDER_CLASSES, run_row  # noqa: E402
 
 
 def _ort_optimizer_types() -> frozenset[str]:
@@ -200,19 +200,9 @@ def main() -> None:
             continue
         if time.time() > deadline:
             break
-        queue = context.Queue()
-        child = context.Process(target=_row, args=(model_type, class_name, queue))
-        child.start()
-        child.join(args.timeout)
         base = {"model_type": model_type, "class_name": class_name, "builder": class_name in BUILDER_CLASSES,
                 "ort_optimizer": model_type in ORT_OPTIMIZER_TYPES}
-        if child.is_alive():
-            child.kill()
-            child.join()
-            result = {**base, "outcome": "timeout", "seconds": args.timeout}
-        else:
-            result = queue.get() if not queue.empty() else {**base, "outcome": "error",
-                                                              "error": f"child exited with {child.exitcode}"}
+        result = run_row(context, _row, model_type, class_name, args.timeout, base)
         done.append(result)
         print(json.dumps(result), flush=True)
         out.write_text(json.dumps({"planned": planned, "totals": _totals(done), "rows": done}, indent=1) + "\n")
