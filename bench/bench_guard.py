@@ -52,14 +52,9 @@ def _checkpoint(folder: str, layers: int, massive_layer: int | None) -> None:
 
 
 def _with_level(path: str, output: str, level: int) -> None:
-    model = onnx.load(path, load_external_data=False)
-    for body in [model.graph, *model.functions]:
-        for node in body.node:
-            if node.op_type == "MatMulNBits":
-                kept = [a for a in node.attribute if a.name != "accuracy_level"]
-                del node.attribute[:]
-                node.attribute.extend([*kept, onnx.helper.make_attribute("accuracy_level", level)])
-    onnx.save(model, output)  # beside path: reads its external data file
+    from onnx_modular.files.accuracy_guard import set_accuracy_level
+
+    onnx.save(set_accuracy_level(onnx.load(path, load_external_data=False), level), output)  # beside path: its data file
 
 
 def main() -> None:

@@ -76,14 +76,9 @@ def _levels(path) -> dict[str, list[int]]:
 
 def _with_level(path, output, level: int) -> None:
     """``path`` with every MatMulNBits at ``level``."""
-    model = onnx.load(str(path))
-    for body in [model.graph, *model.functions]:
-        for node in body.node:
-            if node.op_type == "MatMulNBits":
-                kept = [a for a in node.attribute if a.name != "accuracy_level"]
-                del node.attribute[:]
-                node.attribute.extend([*kept, onnx.helper.make_attribute("accuracy_level", level)])
-    onnx.save(model, str(output))
+    from onnx_modular.files.accuracy_guard import set_accuracy_level
+
+    onnx.save(set_accuracy_level(onnx.load(str(path)), level), str(output))
 
 
 def _decoder_calls(path) -> dict[str, int]:

@@ -132,6 +132,13 @@ def _set_level(nodes: Sequence[onnx.NodeProto], level: int) -> None:
             node.attribute.append(onnx.helper.make_attribute("accuracy_level", level))
 
 
+def set_accuracy_level(model: onnx.ModelProto, level: int) -> onnx.ModelProto:
+    """Every ``MatMulNBits`` of ``model`` (main graph and functions) at ``level``, in place; returns ``model``."""
+    for body in [model.graph, *model.functions]:
+        _set_level(_nbits(body), level)
+    return model
+
+
 def _candidates(model: onnx.ModelProto, level: int) -> list[str]:
     """Calls with MatMulNBits at ``level`` in their own body, in execution order (the main graph first)."""
     names = [MAIN_GRAPH] if _nbits(model.graph, level) else []
