@@ -2265,9 +2265,9 @@ def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, s
     os.replace(tmp, path)
 
 
-def write_json(path: pathlib.Path, rows: list[Row], environment: dict[str, str], planned: int) -> None:
+def write_json(path: pathlib.Path, rows: list[Row], environment: dict[str, str], planned: int, notes: str = "") -> None:
     data = {"environment": environment, "planned": planned, "totals": totals(rows), "tools": sweep_tools.tool_totals(rows),
-            "rows": [dataclasses.asdict(r) for r in rows]}
+            "notes": notes, "rows": [dataclasses.asdict(r) for r in rows]}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     os.replace(tmp, path)
@@ -2398,7 +2398,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         data = json.loads(pathlib.Path(args.render).read_text())
         rows = read_rows(pathlib.Path(args.render))
-        write_markdown(pathlib.Path(args.output), rows, data["environment"], data["planned"], args.notes)
+        write_markdown(pathlib.Path(args.output), rows, data["environment"], data["planned"], args.notes or data.get("notes", ""))
         return 0
 
     _warm_up()
@@ -2406,6 +2406,9 @@ def main(argv: list[str] | None = None) -> int:
     output = pathlib.Path(args.output)
     json_path = pathlib.Path(args.json) if args.json else output.with_suffix(".json")
     heads = not args.no_heads and (args.heads or not (args.types or args.sample))
+    # a resumed sweep of some types keeps the whole catalogue's planned count and the notes of the table
+    previous = json.loads(json_path.read_text()) if args.resume and json_path.exists() else {}
+    notes = args.notes or previous.get("notes", "")
     planned = architectures(heads=heads)
     if args.sample or args.types:
         wanted = list(SAMPLE) if args.sample else args.types.split(",")
@@ -2462,8 +2465,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{' tools: ' + sweep_tools.cell(row.tools)[:160] if row.tools else ''}",
             flush=True,
         )
-        write_json(json_path, rows, environment, len(planned))
-        write_markdown(output, rows, environment, len(planned), args.notes)
+        count = max(len(planned), previous.get("planned", 0)) if args.sample or args.types or args.limit else len(planned)
+        write_json(json_path, rows, environment, count, notes)
+        write_markdown(output, rows, environment, count, notes)
 
     if args.jobs <= 1:
         for model_type, class_name, task in todo:
