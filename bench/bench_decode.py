@@ -46,6 +46,11 @@ def _kernels(path: str) -> int:
         return len(onnx.load(target, load_external_data=False).graph.node)
 
 
+#: The window fed to transformers' files of sliding-window models (transformers' default for Olmo3,
+#: wider than any case here, so that every file computes the same).
+SLIDING_WINDOW = 4096
+
+
 def _static(dim, default: int | None) -> int:
     """A cache axis: a number, a symbol spelled as one (transformers' exporter names its KV heads ``"4"``), or
     ``default``."""
@@ -68,6 +73,8 @@ def _feeds(session: ort.InferenceSession, past: int, length: int, vocab: int, he
             feeds[value.name] = np.ones((1, past + length), np.int64)
         elif value.name == "position_ids":  # onnxruntime-genai folders of models that take them
             feeds[value.name] = np.arange(past, past + length, dtype=np.int64)[None]
+        elif value.name.endswith("_sliding_window_tensor"):  # transformers' exporter: a sliding layer's window
+            feeds[value.name] = np.array(SLIDING_WINDOW, np.int64)
         elif "past_key_values" in value.name:
             heads = _static(value.shape[1], None)
             size = _static(value.shape[3], head_size)  # the builder's 'kv_cache_dim'
