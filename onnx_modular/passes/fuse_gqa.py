@@ -44,6 +44,8 @@ from onnx_modular.passes._gqa_scores import mask_formals as _mask_formals
 from onnx_modular.passes._gqa_scores import producers_bfs as _producers_bfs
 from onnx_modular.passes._gqa_scores import scale_and_softcap as _scale
 from onnx_modular.passes._gqa_scores import window_of as _window_of
+from onnx_modular.passes._projections import is_projection as _is_projection
+from onnx_modular.passes._projections import packed_projection as _packed_projection
 
 __all__ = ["FuseGroupQueryAttentionPass", "SEQLENS_K", "TOTAL_SEQUENCE_LENGTH"]
 
@@ -76,13 +78,6 @@ class _Attention:
     masks: tuple[int, ...] = ()  # formal inputs (indices) that only mask the scores (a window may hide in them)
     sink: ir.Value | None = None  # one learned logit per head beside the scores (attention sinks): head_sink
     interleaved: bool = False  # rotary pairs channels 2i and 2i + 1 (the module's cos/sin repeat each frequency twice)
-
-
-def _is_projection(node: ir.Node, model: ir.Model) -> bool:
-    """A ``MatMul`` or a call of a linear module (``x @ W (+ b)``)."""
-    if node.op_identifier() in model.functions:
-        return _linear_parts(model, node) is not None
-    return node.op_type == "MatMul" and node.domain in ("", "ai.onnx")
 
 
 def _heads(model: ir.Model, start: ir.Value) -> tuple[ir.Value, bool]:
@@ -314,55 +309,6 @@ def _mask_values(model: ir.Model) -> tuple[ir.Value, ir.Value]:
     else:
         graph.insert_before(first, new)
     return seqlens.outputs[0], length.outputs[0]
-
-
-def _linear_parts(model: ir.Model, projection: ir.Node) -> tuple[ir.Value, ir.Value | None] | None:
-    """(weight, bias) as the attention body passes them to a projection ``x @ W (+ b)``, else ``None``."""
-    if projection.op_type == "MatMul" and projection.op_identifier() not in model.functions:
-        return projection.inputs[1], None
-    callee = model.functions.get(projection.op_identifier())
-    if callee is None:
-        return None
-    nodes, formals = list(callee), list(callee.inputs)
-    matmul = nodes[0] if nodes and nodes[0].op_type == "MatMul" else None
-    if matmul is None or len(nodes) > 2 or matmul.inputs[0] is not formals[0] or matmul.inputs[1] not in formals:
-        return None
-    weight = projection.inputs[formals.index(matmul.inputs[1])]
-    if len(nodes) == 1:
-        return (weight, None) if callee.outputs[0] is matmul.outputs[0] else None
-    add = nodes[1]
-    if add.op_type != "Add" or callee.outputs[0] is not add.outputs[0] or matmul.outputs[0] not in add.inputs:
-        return None
-    bias = next((v for v in add.inputs if v is not matmul.outputs[0]), None)
-    if bias not in formals:
-        return None
-    return weight, projection.inputs[formals.index(bias)]
-
-
-def _packed_projection(model: ir.Model, function: ir.Function, attention: _Attention) -> list[ir.Node] | None:
-    """One ``x @ W_qkv (+ b_qkv)`` for the three projections of one input (weights concatenated once,
-    in the main graph), or ``None`` when they cannot be packed (then GQA takes q, k, v apart)."""
-    parts = [_linear_parts(model, p) for p in (attention.q_proj, attention.k_proj, attention.v_proj)]
-    if any(p is None for p in parts) or len({p[1] is None for p in parts}) != 1:
-        return None
-    weight = _fusion.pack_formals(model, function, [p[0] for p in parts], "qkv_proj.weight.T")
-    bias = None
-    if weight is not None and parts[0][1] is not None:
-        bias = _fusion.pack_formals(model, function, [p[1] for p in parts], "qkv_proj.bias")
-        if bias is None:
-            return None
-    if weight is None:
-        return None
-    paths = ",".join(p.metadata_props.get("pkg.onnx_modular.module_path", p.name or p.op_type)
-                     for p in (attention.q_proj, attention.k_proj, attention.v_proj))
-    matmul = ir.node("MatMul", [attention.q_proj.inputs[0], weight], name="qkv_proj.MatMul",
-                     metadata_props={_fusion.FUSED_FROM_KEY: paths})
-    matmul.outputs[0].name = "qkv_proj"
-    if bias is None:
-        return [matmul]
-    add = ir.node("Add", [matmul.outputs[0], bias], name="qkv_proj.Add", metadata_props={_fusion.FUSED_FROM_KEY: paths})
-    add.outputs[0].name = "qkv_proj_bias"
-    return [matmul, add]
 
 
 def _computed_inputs(model: ir.Model, call: ir.Node) -> list[int]:

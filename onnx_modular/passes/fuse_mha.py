@@ -45,7 +45,9 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_modular.passes import _fusion
-from onnx_modular.passes.fuse_gqa import _is_projection, _linear_parts, _packed_projection
+from onnx_modular.passes._projections import is_projection as _is_projection
+from onnx_modular.passes._projections import linear_parts as _linear_parts
+from onnx_modular.passes._projections import packed_projection as _packed_projection
 
 __all__ = ["FuseMultiHeadAttentionPass"]
 
