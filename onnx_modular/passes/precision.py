@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 
 import numpy as np
 import onnx
@@ -46,7 +46,8 @@ from onnx_modular.passes.proto_bodies import (
     uses,
 )
 
-__all__ = ["COMPARE_OPS", "DTYPES", "FLOAT32_OPS", "PrecisionResult", "WeightSources", "clip_for", "convert_precision"]
+__all__ = ["COMPARE_OPS", "DTYPES", "FLOAT32_OPS", "INDEX_INPUTS", "RANGE_MARK", "PrecisionResult", "WeightSources", "clip_for",
+           "convert_precision", "float32_values"]
 
 FLOAT = onnx.TensorProto.FLOAT
 #: The dtypes a body can be converted to.
@@ -64,6 +65,18 @@ FLOAT32_OPS = frozenset({
 #: stays float32: ``histc``'s last edge ``3.0000002`` is ``3.0`` in float16, the count of the last
 #: bin drops, and what it sizes no longer fits (a mixture of experts' tokens per expert).
 COMPARE_OPS = frozenset({"Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Equal"})
+#: Float inputs that are sizes, counts or positions (besides a comparison's inputs and a ``Cast``
+#: to an integer or bool type): ``Resize``'s scales, ``Range``'s bounds. A float value computed
+#: for such uses alone is *index arithmetic* and stays float32 (:func:`float32_values`): a
+#: ``Conv1d``'s padding, ``ceil(length / stride)``, rounds in float16 past 2048 and the shapes no
+#: longer match.
+INDEX_INPUTS = {"Resize": frozenset({2}), "Upsample": frozenset({1}), "Range": frozenset({0, 1, 2})}
+#: ``ValueInfoProto`` metadata on a value whose float32 values leave the target's finite range
+#: (its largest finite magnitude, measured by ``convert``): the ops that read or write it stay float32.
+RANGE_MARK = "onnx_modular.float32_range"
+#: Ops that read any type: a value held in float32 needs no Cast before them.
+_READS_ANY = frozenset({"Cast", "Shape", "Size"})
+_FLOATS = frozenset({FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
 #: Ops whose ``dtype`` attribute names the type of what they make.
 _DTYPE_ATTRIBUTE_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "EyeLike", "Bernoulli", "Multinomial"})
 #: Name suffix of a value cast to a dtype.
@@ -128,6 +141,8 @@ class _Rewrite:
     weights: dict[str, int]
     taken: set[str]
     body_outputs: set[str]  # a function's outputs are in its own dtype
+    held: set[str] = dataclasses.field(default_factory=set)  # index arithmetic (float32_values)
+    wide: set[str] = dataclasses.field(default_factory=set)  # values past the target's range
     renamed_outputs: dict[str, str] = dataclasses.field(default_factory=dict)
     out: list[onnx.NodeProto] = dataclasses.field(default_factory=list)
     cast_of: dict[tuple[str, int], str] = dataclasses.field(default_factory=dict)
@@ -182,18 +197,21 @@ class _Precision:
         """Initializer -> the modes (low or not) of the bodies that read it."""
         readers: dict[str, set[bool]] = collections.defaultdict(set)
 
-        def reads(body, weights: Mapping[str, set[str]], mode: bool) -> None:
+        def reads(body, declared: Mapping[str, int], weights: Mapping[str, set[str]], mode: bool) -> None:
+            held, wide = float32_values(body, declared, self.functions) if mode else (set(), set())
             for name, origins in weights.items():
                 for node, index in uses(body, name):
                     callee = self.functions.get(node_id(node))
                     if callee is not None and index >= 0 and callee.input[index] in sources.get(node_id(node), {}):
                         continue  # passed on to a weight formal
-                    for origin in origins:  # a comparison reads its weight in float32
-                        readers[origin].add(mode and not _compares(node))
+                    # a comparison, a Cast to an integer, index arithmetic read their weight in float32
+                    in_float32 = index >= 0 and _index_use(node, index) or _holds(node, held, wide, self.functions)
+                    for origin in origins:
+                        readers[origin].add(mode and not in_float32)
 
-        reads(self.model.graph, main_weights, self.root_low)
+        reads(self.model.graph, self.main_types, main_weights, self.root_low)
         for fid, formals in sources.items():
-            reads(self.functions[fid], formals, self.low.get(fid, False))
+            reads(self.functions[fid], self.types[fid], formals, self.low.get(fid, False))
         return readers
 
     # -- the bodies -----------------------------------------------------------------------
@@ -227,8 +245,11 @@ class _Precision:
 
     def _start(self, body, weight_types: Mapping[str, int], is_root: bool) -> _Rewrite:
         mode = self._mode_type(body)
-        declared = self.main_types if is_root else self.types[function_id(body)]
+        declared = dict(self.main_types if is_root else self.types[function_id(body)])
+        declared.update({value: FLOAT for node in body.node for value in _float_constants(node)})  # typed or not
         rewrite = _Rewrite(body, mode, declared, dict(weight_types), body_names(body), set() if is_root else set(body.output))
+        if mode != FLOAT:
+            rewrite.held, rewrite.wide = float32_values(body, declared, self.functions)
         if not is_root:
             return rewrite
         for value in body.input:  # graph inputs keep their types: read like float32 weights, cast where used
@@ -293,7 +314,9 @@ class _Precision:
         def needs_cast(value: str) -> bool:
             return value in weights and weights[value] in (FLOAT, self.target) and weights[value] != mode
 
-        own_inputs = not (mode != FLOAT and self._in_float32(node, mode))  # else _lower casts them to float32
+        held = mode != FLOAT and _holds(node, rewrite.held, rewrite.wide, self.functions)
+        # else _lower or _hold casts them to float32; a Cast reads any type
+        own_inputs = not (mode != FLOAT and (held or self._in_float32(node, mode)) or _reads_any(node))
         for index, value in enumerate(node.input):
             if own_inputs and needs_cast(value):
                 node.input[index] = self._as_type(rewrite, value, mode)
@@ -302,10 +325,33 @@ class _Precision:
                 for index, value in enumerate(sub.input):
                     if needs_cast(value):
                         sub.input[index] = self._as_type(rewrite, value, mode)
-        if mode != FLOAT:
+        if held:
+            self._hold(rewrite, node)
+        elif mode != FLOAT:
             self._lower(node, rewrite.body, rewrite.declared, weights, mode, rewrite.taken, rewrite.out)
         else:
             rewrite.out.append(node)
+
+    def _hold(self, rewrite: _Rewrite, node: onnx.NodeProto) -> None:
+        """An op of index arithmetic, or one that reads or writes values past the target's range,
+        in a converted body: it runs in float32 and its float results stay float32, read like
+        float32 weights (a converted reader casts them where it reads them)."""
+        weights, declared = rewrite.weights, rewrite.declared
+        for index, value in enumerate(node.input):
+            if value and (declared.get(value) == FLOAT or weights.get(value) == rewrite.mode) and weights.get(value) != FLOAT:
+                node.input[index] = self._as_type(rewrite, value, FLOAT)
+        rewrite.out.append(node)
+        for index, value in enumerate(node.output):
+            if not value or declared.get(value) != FLOAT:
+                continue
+            if value in rewrite.body_outputs:  # a function's results are in its dtype
+                inner = unique_name(f"{value}_f32", rewrite.taken)
+                node.output[index] = inner
+                self.casts += 1
+                rewrite.out.append(onnx.helper.make_node("Cast", [inner], [value], to=rewrite.mode, name=f"convert_cast_{self.casts}_{value}"))
+                continue
+            weights[value] = FLOAT
+            rewrite.renamed_outputs.pop(value, None)  # a float32 graph output as it is
 
     def _cast_outputs(self, rewrite: _Rewrite) -> None:
         """The main graph's float32 outputs computed in the low dtype: renamed, cast back."""
@@ -403,6 +449,79 @@ class _Precision:
 
 def _compares(node: onnx.NodeProto) -> bool:
     return node.domain in ("", "ai.onnx") and node.op_type in COMPARE_OPS
+
+
+def float32_values(body, declared: Mapping[str, int], functions: Container[FunctionId]) -> tuple[set[str], set[str]]:
+    """The float values a converted ``body`` holds in float32, as (index arithmetic, past the range).
+
+    *Index arithmetic*: the float values whose every reader reads them as a size, count or
+    position (:func:`_index_use`: a comparison, a ``Cast`` to an integer or bool type,
+    :data:`INDEX_INPUTS`) or is index arithmetic itself; a body's results are not. *Past the
+    range*: the values marked :data:`RANGE_MARK`. The ops that make the first, and that read or
+    make the second, run in float32 (:func:`_holds`).
+    """
+    values = [*body.value_info, *(body.input if isinstance(body, onnx.GraphProto) else ()), *(body.output if isinstance(body, onnx.GraphProto) else ())]
+    wide = {v.name for v in values if any(p.key == RANGE_MARK for p in v.metadata_props)}
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = collections.defaultdict(list)
+    for node in body.node:
+        for index, value in enumerate(node.input):
+            readers[value].append((node, index))
+        for sub in all_nodes([node]):
+            for value in sub.input if sub is not node else ():
+                readers[value].append((node, -1))  # a subgraph's read: not an index use
+    results = {v if isinstance(v, str) else v.name for v in body.output}
+    held: set[str] = set()
+    for node in reversed(body.node):  # readers before the values they read
+        if not _may_hold(node, functions):
+            continue
+        floats = [v for v in node.output if v and declared.get(v) == FLOAT]
+        if floats and all(v not in results and readers[v] and all(
+                index >= 0 and _index_use(reader, index) or any(o in held for o in reader.output)
+                for reader, index in readers[v]) for v in floats):
+            held.update(floats)
+    return held, wide
+
+
+def _index_use(node: onnx.NodeProto, index: int) -> bool:
+    """``node`` reads its input ``index`` as a size, count or position, or whatever its type."""
+    if node.domain not in ("", "ai.onnx"):
+        return False
+    if node.op_type in COMPARE_OPS or node.op_type in ("Shape", "Size"):
+        return True
+    if node.op_type == "Cast":
+        return next((a.i for a in node.attribute if a.name == "to"), FLOAT) not in _FLOATS
+    return index in INDEX_INPUTS.get(node.op_type, ())
+
+
+def _may_hold(node: onnx.NodeProto, functions: Container[FunctionId]) -> bool:
+    """An op (not a call, no subgraphs) that can run in float32 inside a converted body."""
+    return (node.domain in ("", "ai.onnx") and node_id(node) not in functions
+            and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute))
+
+
+def _holds(node: onnx.NodeProto, held: set[str], wide: set[str], functions: Container[FunctionId]) -> bool:
+    """``node`` runs in float32 in a converted body (see :func:`float32_values`)."""
+    if not (held or wide) or not _may_hold(node, functions):
+        return False
+    return any(v in held for v in node.output) or any(v in wide for v in (*node.input, *node.output) if v)
+
+
+def _reads_any(node: onnx.NodeProto) -> bool:
+    return node.domain in ("", "ai.onnx") and node.op_type in _READS_ANY
+
+
+def _float_constants(node: onnx.NodeProto) -> list[str]:
+    """The outputs of a ``Constant`` or ``ConstantOfShape`` that makes float32 values."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("Constant", "ConstantOfShape") or not node.output:
+        return []
+    attribute = next(iter(node.attribute), None)
+    if node.op_type == "ConstantOfShape" and attribute is None:
+        return [node.output[0]]  # float32 zeros
+    if attribute is None:
+        return []
+    if attribute.name in ("value_float", "value_floats") or attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_type == FLOAT:
+        return [node.output[0]]
+    return []
 
 
 def _agreeing(low: set[str], sources: WeightSources, initializers: Mapping[str, onnx.TensorProto]) -> set[str]:

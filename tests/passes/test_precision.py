@@ -189,8 +189,10 @@ def test_comparisons_run_in_float32_and_read_their_weights_in_float32():
     assert result.initializer_types == {"edges": FLOAT}  # read by a comparison only: stays float32
     less = next(n for n in model.graph.node if n.op_type == "Less")
     assert less.input[1] == "edges"
-    cast = _producer(model, less.input[0])
-    assert cast.op_type == "Cast" and cast.attribute[0].i == FLOAT  # the compared value: float32
+    unsqueeze = _producer(model, less.input[0])  # read by the comparison alone: index arithmetic, float32
+    assert unsqueeze.op_type == "Unsqueeze" and unsqueeze.output[0] == less.input[0]
+    cast = _producer(model, unsqueeze.input[0])
+    assert cast.op_type == "Cast" and cast.attribute[0].i == FLOAT  # f (Mul reads it too) in float32 here
     assert next(n for n in model.graph.node if n.op_type == "Mul").output[0] != "y"  # the rest in float16, cast back
     _store(model, result.initializer_types)
     onnx.checker.check_model(model, full_check=True)
@@ -198,3 +200,43 @@ def test_comparisons_run_in_float32_and_read_their_weights_in_float32():
     counts, y = session.run(None, {"i": np.array([0, 1, 2, 3, 3, 1], np.int64), "x": np.ones(6, np.float32)})
     np.testing.assert_array_equal(counts, [1, 2, 1, 2])  # the last bin keeps its two 3s
     np.testing.assert_array_equal(y, [0, 1, 2, 3, 3, 1])
+
+
+PADDING = """
+<ir_version: 10, opset_import: ["" : 18]>
+main (float[1, 3665] x, int64 length) => (float[1, N] y) <float stride = {1.0}, int64 kernel = {7}> {
+  one = Constant <value_float = 1.0> ()
+  zero = Constant <value = int64[1] {0}> ()
+  minus = Constant <value = int64[1] {-1}> ()
+  edge = Sub(length, kernel)
+  f = Cast <to = 1> (edge)
+  per = Div(f, stride)
+  frames = Add(per, one)
+  up = Ceil(frames)
+  whole = Cast <to = 7> (up)
+  extra = Sub(whole, edge)
+  e = Reshape(extra, minus)
+  pads = Concat <axis = 0> (zero, zero, zero, e)
+  t = Tanh(x)
+  y = Pad(t, pads)
+}"""
+
+
+def test_index_arithmetic_stays_float32_and_its_weights_too():
+    # a Conv1d's padding from the length (PocketTTS's audio tokenizer, issue 51): 3658 / 1 + 1 is
+    # 3660 in float16, the pad amount comes out one too long and the shapes no longer match
+    model = _model(PADDING)
+    result = convert_precision(model, FLOAT16, {})
+    assert result.initializer_types == {"stride": FLOAT}  # read by index arithmetic only
+    ops = {n.output[0]: n for n in model.graph.node}
+    for name in ("f", "per", "frames", "up"):  # the float chain from the length to the Cast to int64
+        assert name in ops and not any(n.op_type == "Cast" and n.input[0] == name for n in model.graph.node if n.output[0] != "whole")
+    assert onnx.helper.get_attribute_value(ops["f"].attribute[0]) == FLOAT  # not lowered to float16
+    assert onnx.helper.get_attribute_value(ops["one"].attribute[0]) == 1.0 and ops["one"].attribute[0].name == "value_float"
+    types = {v.name: v.type.tensor_type.elem_type for v in model.graph.value_info}
+    assert types["per"] == types["frames"] == types["up"] == FLOAT and types["t"] == FLOAT16  # the data: float16
+    _store(model, result.initializer_types)
+    x = np.random.default_rng(0).standard_normal((1, 3665)).astype(np.float32)
+    y = _run(model, x=x, length=np.array(3665, np.int64))
+    assert y.shape == (1, 3665 + 1)  # ceil(3658 / 1 + 1) - 3658 = 1 in float32; 2 in float16
+    np.testing.assert_allclose(y[:, :-1], np.tanh(x), atol=2e-3)
