@@ -57,6 +57,9 @@ from onnx_modular.calls.capture import call_outputs
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError, VerificationError
 from onnx_modular.files.convert_build import BuildFacts, build, class_of, selected, under
 from onnx_modular.files.convert_flat import convert_flat, node_modules
+from onnx_modular.files.convert_ranges import mark as mark_ranges
+from onnx_modular.files.convert_ranges import measure as measure_ranges
+from onnx_modular.files.convert_ranges import wide_functions
 from onnx_modular.files.convert_report import (
     CallDrift,
     ClassDrift,
@@ -76,7 +79,7 @@ from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import save
 from onnx_modular.storage.checks import check_expanded_size
-from onnx_modular.storage.proto import declare_function_types, uses_external_data
+from onnx_modular.storage.proto import declare_function_types, function_id, uses_external_data
 
 __all__ = ["convert", "Conversion", "QuantizationWarning", "CallDrift", "ClassDrift", "FLOAT32_OPS", "DTYPES", "QUANTIZE_BITS"]
 
@@ -146,8 +149,9 @@ def convert(
                settings=QuantizeSettings(QUANTIZE_BITS[quantize], block_size, symmetric, accuracy_level) if quantize else None)
     if verify:
         job.run_original(inputs, seed)
+        job.keep_ranges()
     own, auto_kept = job.auto_keep(auto_keep) if auto_keep is not None else (set(), [])
-    kept = job.kept_below() | own
+    kept = job.kept_below() | own | set(job.range_kept)
     result, facts = job.build(own, {"auto_kept": [n for n, _ in auto_kept]} if auto_keep is not None else None)
     # onnx has no schema for MatMulNBits: no strict type inference; onnxruntime opens and runs it below
     actual: dict[str, np.ndarray] = {}
@@ -165,6 +169,7 @@ def convert(
     return Conversion(
         source=str(source), output=str(destination), dtype=dtype, quantize=quantize, block_size=block_size,
         kept=[name for name in job.all_calls if name in kept], auto_kept=auto_kept, tolerance=auto_keep,
+        range_kept=list(job.range_kept.items()), range_values=job.range_values,
         excluded=[name for name in job.all_calls if name in job.excluded_calls],
         quantized=facts.quantized, skipped=facts.skipped, weights=facts.weights, float32_weights=facts.float32_weights,
         casts=facts.casts, split=facts.split, outputs=output_drifts(actual, job.reference), calls=drifts,
@@ -212,6 +217,8 @@ class _Job:
         self.class_calls: dict[str, set[str]] = collections.defaultdict(set)
         for call in self.all_calls.values():
             self.class_calls[class_of(call)].add(call.call_name)
+        self.range_kept: dict[str, float] = {}  # call -> the magnitude past float16's range at its inputs or outputs
+        self.range_values = 0  # values marked past float16's range (their ops stay float32)
         self.feeds: dict[str, np.ndarray] = {}
         self.reference: dict[str, np.ndarray] = {}
         self.reference_calls: list = []
@@ -223,12 +230,24 @@ class _Job:
         names, values = runtime.run(str(self.source), self.feeds, what="original model")
         self.reference = dict(zip(names, values))
 
+    def keep_ranges(self) -> None:
+        """float16: mark the values past its finite range (the precision pass runs their ops in
+        float32) and keep the calls whose inputs or outputs are past it (:mod:`.convert_ranges`)."""
+        if self.target != DTYPES["float16"]:
+            return  # bfloat16 has float32's range
+        ranges = measure_ranges(self.model, self.feeds, external_data_folder=self.folder)
+        limit = float(np.finfo(np.float16).max)
+        self.range_values = mark_ranges(self.model, ranges, limit)
+        wide = wide_functions(self.model, ranges, limit)
+        self.range_kept = {c.call_name: wide[function_id(c.function)] for c in self.all_calls.values() if function_id(c.function) in wide}
+
     def kept_below(self) -> set[str]:
         """The calls ``keep`` keeps: the chosen calls and everything they call."""
         return {c.call_name for c in self.all_calls.values() if under(c, self.kept_calls)}
 
     def build(self, own: set[str], note_extra: Mapping[str, Any] | None = None):
         """``keep`` keeps calls with everything they call; ``auto_keep`` keeps a class's own calls (``own``)."""
+        own = own | set(self.range_kept)
         kept = self.kept_calls | own
         settings = self.settings
         note = {"source": self.source.name, "dtype": self.dtype, "kept": sorted(kept), "quantize": self.quantize,
@@ -258,7 +277,7 @@ class _Job:
 
     def alone(self, names: set[str]) -> float:
         """The worst output drift when only the calls ``names`` are converted."""
-        others = set(self.all_calls) - names
+        others = set(self.all_calls) - (names - set(self.range_kept))
         return self.worst_drift(build(
             self.model, self.folder, dtype=self.target, low_calls=lambda call, o=others: call.call_name not in o, root_low=False,
             quant=lambda call: False, root_quant=False, quantize=None, note={})[0])

@@ -61,9 +61,13 @@ class Conversion:
 
     Attributes:
         dtype / quantize: As asked (``None`` when not).
-        kept: The calls left in the original precision (``keep`` and ``auto_keep``).
+        kept: The calls left in the original precision (``keep``, ``auto_keep`` and ``range_kept``).
         auto_kept: The classes ``auto_keep`` kept, worst first, with why: the drift of the
             outputs when that class alone is converted.
+        range_kept: float16: the calls kept float32 because a value at their inputs or outputs
+            leaves float16's finite range (65504) in the original run, with that value's magnitude.
+        range_values: float16: the values past its range; the ops that read or write them run in
+            float32 inside converted bodies.
         excluded: The calls left unquantized.
         quantized: The ``MatMulNBits`` made, as ``(call or <main graph>, node)``.
         skipped: MatMuls of quantized calls left as they were, with the reason.
@@ -95,6 +99,8 @@ class Conversion:
     classes: list[ClassDrift]
     source_bytes: int = 0
     output_bytes: int = 0
+    range_kept: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+    range_values: int = 0
 
     @property
     def max_drift(self) -> float:
@@ -106,6 +112,7 @@ class Conversion:
         data["max_drift"] = self.max_drift
         data["outputs"] = {k: {"max_abs": a, "drift": d} for k, (a, d) in self.outputs.items()}
         data["auto_kept"] = [{"class": c, "drift_alone": d} for c, d in self.auto_kept]
+        data["range_kept"] = [{"call": c, "magnitude": m} for c, m in self.range_kept]
         data["quantized"] = [{"call": c, "node": n} for c, n in self.quantized]
         data["skipped"] = [{"call": c, "node": n, "reason": r} for c, n, r in self.skipped]
         return data
@@ -134,6 +141,11 @@ class Conversion:
             lines.append(f"  {self.weights} weights in {self.dtype}, {len(self.float32_weights)} kept float32; {self.casts} Casts added")
             if self.kept:
                 lines.append(f"  kept in float32: {len(self.kept)} calls ({_short_list(self.kept)})")
+            if self.range_values:
+                largest = max((m for _, m in self.range_kept), default=0.0)
+                lines.append(f"  {self.range_values} values leave {self.dtype}'s range in the original run: their ops run in float32"
+                             + (f"; {len(self.range_kept)} calls kept float32 for it ({_short_list([c for c, _ in self.range_kept])}; "
+                                f"values up to {largest:.4g})" if self.range_kept else ""))
         for name, drift in self.auto_kept:
             lines.append(f"  auto-keep kept {name}: " + ("converted alone, the file does not run in onnxruntime" if drift == math.inf
                          else f"converted alone, it moves the outputs by {drift:.3%} of their range"))

@@ -1,0 +1,209 @@
+"""The float32 values of a modular file that leave float16's finite range, for
+:func:`onnx_modular.files.convert.convert`.
+
+float16's largest finite value is 65504: a value past it becomes ``inf`` and the outputs follow
+(BROS scales its box coordinates by 100 before a sinusoid: 941 x 100 is ``inf`` in float16). One
+onnxruntime run of an *instrumented* copy of the original measures, for every declared float32
+value of every body (a function's formal inputs and every top-level node's outputs; the main
+graph's inputs and node outputs), its largest finite magnitude over every call of the body.
+Magnitudes of :data:`SENTINEL` and more are mask sentinels (``torch.finfo(float32).min``), which
+the conversion clips to float16's range like infinities, and are not counted.
+
+How the copy exposes them, body by body: each value's magnitude is reduced to one number, the
+body's numbers are concatenated into one vector, and the body returns it as an extra output,
+with the vectors of every function it reaches (the elementwise ``Max`` over its calls); every call
+node gets the matching extra outputs, up to the main graph's outputs. A function called only from
+inside a subgraph (an ``If`` branch) is measured through its other calls, or not at all.
+
+:func:`mark` then writes :data:`~onnx_modular.passes.precision.RANGE_MARK` on the values past the
+range (the precision pass runs the ops that read or write them in float32), and :func:`wide_functions`
+names the functions whose inputs or outputs are past it (convert keeps their calls in float32).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+import onnx.helper
+
+from onnx_modular.passes.precision import RANGE_MARK
+from onnx_modular.passes.proto_bodies import ensure_default_opset, node_id
+from onnx_modular.runtime import sessions as runtime
+from onnx_modular.storage.proto import FunctionId, function_id
+
+__all__ = ["SENTINEL", "Ranges", "measure", "mark", "wide_functions"]
+
+FLOAT = onnx.TensorProto.FLOAT
+#: Magnitudes from here on are mask sentinels (``finfo(float32).min`` is -3.4e38), not values.
+SENTINEL = 1e30
+#: A body's values by name with their largest finite magnitude; ``None`` is the main graph.
+Ranges = dict[FunctionId | None, dict[str, float]]
+
+
+def measure(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], *, external_data_folder: str | None = None) -> Ranges:
+    """The largest finite magnitude (under :data:`SENTINEL`) of every declared float32 value of
+    every body of ``model`` (not changed) on ``feeds``, over all the calls of the body."""
+    probe = _Probe(model)
+    copy, names = probe.instrumented()
+    session = runtime.session(copy.SerializeToString(), external_data_folder=external_data_folder, what="range measurement")
+    output_names, values = runtime.run(session, feeds, what="range measurement")
+    by_name = dict(zip(output_names, values))
+    ranges: Ranges = {}
+    for key, output in names.items():
+        vector = np.asarray(by_name[output], dtype=np.float64).ravel()[1:]  # after the leading 0
+        ranges[key] = {value: float(size) for value, size in zip(probe.own[key], vector)}
+    return ranges
+
+
+def mark(model: onnx.ModelProto, ranges: Ranges, limit: float) -> int:
+    """Mark the values whose magnitude is over ``limit`` (:data:`RANGE_MARK`, the magnitude as
+    text) in ``model``'s value_info; returns how many."""
+    functions = {function_id(f): f for f in model.functions}
+    count = 0
+    for key, sizes in ranges.items():
+        body = model.graph if key is None else functions.get(key)
+        if body is None:
+            continue
+        infos = {v.name: v for v in body.value_info}
+        if key is None:
+            infos.update({v.name: v for v in (*body.input, *body.output)})
+        for value, size in sizes.items():
+            info = infos.get(value)
+            if size > limit and info is not None and not any(p.key == RANGE_MARK for p in info.metadata_props):
+                info.metadata_props.add(key=RANGE_MARK, value=f"{size:.6g}")
+                count += 1
+    return count
+
+
+def wide_functions(model: onnx.ModelProto, ranges: Ranges, limit: float) -> dict[FunctionId, float]:
+    """The functions with a formal input or output over ``limit``, with the largest magnitude
+    there: converted, such a call would cast that value to the new dtype at its boundary."""
+    found = {}
+    for function in model.functions:
+        sizes = ranges.get(function_id(function), {})
+        edge = max((sizes.get(v, 0.0) for v in (*function.input, *function.output)), default=0.0)
+        if edge > limit:
+            found[function_id(function)] = edge
+    return found
+
+
+class _Probe:
+    """The instrumented copy of one model: every body returns its values' magnitudes."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.functions = {function_id(f): f for f in model.functions}
+        self.own: dict[FunctionId | None, list[str]] = {None: _float_values(model.graph, is_root=True)}
+        for fid, function in self.functions.items():
+            self.own[fid] = _float_values(function, is_root=False)
+
+    def _callees(self, body) -> list[FunctionId]:
+        return list(dict.fromkeys(node_id(n) for n in body.node if node_id(n) in self.functions))
+
+    @functools.cache  # noqa: B019 (one per probe)
+    def reach(self, fid: FunctionId) -> tuple[FunctionId, ...]:
+        """``fid`` and every function it calls, directly or not (top-level call nodes)."""
+        found = dict.fromkeys([fid])
+        for callee in self._callees(self.functions[fid]):
+            found.update(dict.fromkeys(self.reach(callee)))
+        return tuple(found)
+
+    def instrumented(self) -> tuple[onnx.ModelProto, dict[FunctionId | None, str]]:
+        """The copy, and the main-graph output holding each body's vector."""
+        copy = onnx.ModelProto()
+        copy.CopyFrom(self.model)
+        reached: dict[FunctionId | None, str] = {}
+        for function in copy.functions:
+            exposed = self._expose(copy, function, function_id(function))
+            function.output.extend(exposed[f] for f in self.reach(function_id(function)))
+        exposed = self._expose(copy, copy.graph, None)
+        for key, name in exposed.items():
+            copy.graph.output.append(onnx.helper.make_tensor_value_info(name, FLOAT, None))
+            reached[key] = name
+        return copy, reached
+
+    def _expose(self, model: onnx.ModelProto, body, key: FunctionId | None) -> dict[FunctionId | None, str]:
+        """Add to ``body`` its own vector and its callees' (max over calls): ``{body: name}``."""
+        taken = {o for n in body.node for o in n.output} | {v.name if hasattr(v, "name") else v for v in body.input}
+        nodes: list[onnx.NodeProto] = []
+        made = _Names(taken, "range")
+        per_function: dict[FunctionId, list[str]] = collections.defaultdict(list)
+        for node in body.node:
+            callee = node_id(node)
+            if callee not in self.functions:
+                continue
+            width = len(self.functions[callee].output)
+            while len(node.output) < width:
+                node.output.append("")
+            for reached in self.reach(callee):
+                name = made.new()
+                node.output.append(name)
+                per_function[reached].append(name)
+        exposed = {key: self._own_vector(key, made, nodes)}
+        order = self.reach(key) if key is not None else list(per_function)  # as its call nodes expect
+        for reached in order:
+            names = per_function.get(reached, [])
+            if len(names) == 1:
+                exposed[reached] = names[0]
+            elif names:
+                exposed[reached] = made.new()
+                nodes.append(onnx.helper.make_node("Max", names, [exposed[reached]]))
+        body.node.extend(nodes)
+        ensure_default_opset(model, body)
+        return exposed
+
+    def _own_vector(self, key: FunctionId | None, made: _Names, nodes: list[onnx.NodeProto]) -> str:
+        """One magnitude per own float value, after a 0 (a body with none has a vector too)."""
+        zero, sentinel, minus = made.new(), made.new(), made.new()
+        nodes.append(onnx.helper.make_node("Constant", [], [zero], value=onnx.helper.make_tensor("z", FLOAT, [1], [0.0])))
+        nodes.append(onnx.helper.make_node("Constant", [], [sentinel], value=onnx.helper.make_tensor("s", FLOAT, [], [SENTINEL])))
+        nodes.append(onnx.helper.make_node("Constant", [], [minus], value=onnx.helper.make_tensor("m", onnx.TensorProto.INT64, [1], [-1])))
+        parts = [zero]
+        for value in self.own[key]:
+            size, below, kept, flat, padded, part = (made.new() for _ in range(6))
+            nodes += [
+                onnx.helper.make_node("Abs", [value], [size]),
+                onnx.helper.make_node("Less", [size, sentinel], [below]),  # inf, NaN and sentinels: not values
+                onnx.helper.make_node("Where", [below, size, zero], [kept]),
+                onnx.helper.make_node("Reshape", [kept, minus], [flat]),
+                onnx.helper.make_node("Concat", [flat, zero], [padded], axis=0),  # an empty tensor: 0
+                onnx.helper.make_node("ReduceMax", [padded], [part], keepdims=1),
+            ]
+            parts.append(part)
+        vector = made.new()
+        nodes.append(onnx.helper.make_node("Concat", parts, [vector], axis=0))
+        return vector
+
+
+class _Names:
+    """Fresh value names in one body."""
+
+    def __init__(self, taken: set[str], stem: str):
+        self.taken = taken
+        self.stem = stem
+        self.count = 0
+
+    def new(self) -> str:
+        while True:
+            self.count += 1
+            name = f"__{self.stem}_{self.count}"
+            if name not in self.taken:
+                self.taken.add(name)
+                return name
+
+
+def _float_values(body, *, is_root: bool) -> list[str]:
+    """The declared float32 values of a body: its formal inputs (the main graph's inputs) and the
+    outputs of its top-level nodes, in order."""
+    types = {v.name: v.type.tensor_type.elem_type for v in body.value_info if v.type.HasField("tensor_type")}
+    if is_root:
+        types.update({v.name: v.type.tensor_type.elem_type for v in (*body.input, *body.output) if v.type.HasField("tensor_type")})
+        inputs = [v.name for v in body.input]
+    else:
+        inputs = list(body.input)
+    produced = [o for n in body.node for o in n.output if o]
+    return list(dict.fromkeys(v for v in (*inputs, *produced) if types.get(v) == FLOAT))
