@@ -12,8 +12,8 @@ the conversion clips to float16's range like infinities, and are not counted.
 How the copy exposes them, body by body: each value's magnitude is reduced to one number, the
 body's numbers are concatenated into one vector, and the body returns it as an extra output,
 with the vectors of every function it reaches (the elementwise ``Max`` over its calls); every call
-node gets the matching extra outputs, up to the main graph's outputs. A function called only from
-inside a subgraph (an ``If`` branch) is measured through its other calls, or not at all.
+node gets the matching extra outputs, up to the main graph's outputs. A function called from inside
+a subgraph (an ``If`` branch) is not measured, nor what only it calls: its values are not marked.
 
 :func:`mark` then writes :data:`~onnx_modular.passes.precision.RANGE_MARK` on the values past the
 range (the precision pass runs the ops that read or write them in float32), and :func:`wide_functions`
@@ -31,7 +31,7 @@ import onnx
 import onnx.helper
 
 from onnx_modular.passes.precision import RANGE_MARK
-from onnx_modular.passes.proto_bodies import ensure_default_opset, node_id
+from onnx_modular.passes.proto_bodies import all_nodes, ensure_default_opset, node_id
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.storage.proto import FunctionId, function_id
 
@@ -100,9 +100,13 @@ class _Probe:
         self.own: dict[FunctionId | None, list[str]] = {None: _float_values(model.graph, is_root=True)}
         for fid, function in self.functions.items():
             self.own[fid] = _float_values(function, is_root=False)
+        # a call node inside a subgraph cannot get extra outputs (onnxruntime refuses a call with
+        # fewer outputs than its function): the functions it calls are not instrumented
+        self.nested = {node_id(sub) for body in (model.graph, *model.functions) for node in body.node
+                       for sub in all_nodes([node]) if sub is not node and node_id(sub) in self.functions}
 
     def _callees(self, body) -> list[FunctionId]:
-        return list(dict.fromkeys(node_id(n) for n in body.node if node_id(n) in self.functions))
+        return list(dict.fromkeys(node_id(n) for n in body.node if node_id(n) in self.functions and node_id(n) not in self.nested))
 
     @functools.cache  # noqa: B019 (one per probe)
     def reach(self, fid: FunctionId) -> tuple[FunctionId, ...]:
@@ -119,7 +123,8 @@ class _Probe:
         reached: dict[FunctionId | None, str] = {}
         for function in copy.functions:
             exposed = self._expose(copy, function, function_id(function))
-            function.output.extend(exposed[f] for f in self.reach(function_id(function)))
+            if function_id(function) not in self.nested:
+                function.output.extend(exposed[f] for f in self.reach(function_id(function)))
         exposed = self._expose(copy, copy.graph, None)
         for key, name in exposed.items():
             copy.graph.output.append(onnx.helper.make_tensor_value_info(name, FLOAT, None))
@@ -134,7 +139,7 @@ class _Probe:
         per_function: dict[FunctionId, list[str]] = collections.defaultdict(list)
         for node in body.node:
             callee = node_id(node)
-            if callee not in self.functions:
+            if callee not in self.functions or callee in self.nested:
                 continue
             width = len(self.functions[callee].output)
             while len(node.output) < width:
