@@ -71,7 +71,14 @@ from onnx_modular.files.convert_report import (
     output_drifts,
     warn_left,
 )
-from onnx_modular.files.convert_verify import culprit, folder_bytes, not_running, runnable, source_bytes
+from onnx_modular.files.convert_verify import (
+    culprit,
+    folder_bytes,
+    not_running,
+    refuse_overflow,
+    runnable,
+    source_bytes,
+)
 from onnx_modular.format import metadata
 from onnx_modular.passes.precision import DTYPES, FLOAT32_OPS
 from onnx_modular.passes.quantize_weights import QUANTIZE_BITS, QuantizeSettings
@@ -163,6 +170,8 @@ def convert(
     with save.staged_save(result, destination, external_data=external, full_check=quantize is None) as staged:
         if verify:
             actual, actual_calls = job.run_converted(staged, kept)
+            refuse_overflow(dtype, actual, job.reference, actual_calls, job.reference_calls,
+                            {name: class_of(call) for name, call in job.all_calls.items()})
         output_bytes = folder_bytes(staged.parent)
     drifts = job.call_drifts(actual_calls, facts)
     warn_left(quantize, facts.quantized, facts.skipped)

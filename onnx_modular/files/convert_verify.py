@@ -1,15 +1,18 @@
 """The converted file runs: for :func:`onnx_modular.files.convert.convert`, whether onnxruntime
-opens it here, and when it does not run, the module whose conversion breaks it; the files' sizes."""
+opens it here, and when it does not run (or its outputs overflow), the module whose conversion
+breaks it; the files' sizes."""
 
 from __future__ import annotations
 
 import math
 import pathlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import onnx
 
 from onnx_modular.errors import InvalidInputError, VerificationError
+from onnx_modular.files.convert_report import overflows
 from onnx_modular.format import metadata
 from onnx_modular.runtime import sessions as runtime
 
@@ -65,6 +68,27 @@ def not_running(error: VerificationError, dtype: str, culprit: tuple[str, str, f
         hint=f"Keep it in float32: --keep {cls} (or --keep {call}), or let --auto-keep TOLERANCE choose. Nothing was written.",
     )
 
+
+
+def refuse_overflow(dtype: str | None, actual: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
+                    actual_calls: Sequence, reference_calls: Sequence, class_of: Mapping[str, str]) -> None:
+    """A converted file whose outputs hold inf or NaN where the original's are finite is not
+    written: the error names the outputs and the first call (in finishing order) that overflows."""
+    outputs = [name for name, value in actual.items() if name in reference and overflows(value, reference[name])]
+    if dtype is None or not outputs:
+        return
+    expected = {c.call_name: c for c in reference_calls}
+    first = next((c.call_name for c in actual_calls if c.call_name in expected and c.call_name in class_of
+                  and any(overflows(a, e) for a, e in zip(c.outputs, expected[c.call_name].outputs))), None)
+    where = f" The first call that overflows: {first!r} ({class_of[first]})." if first else ""
+    keep = f"--keep {class_of[first]} (or --keep {first})" if first else "--keep NAME"
+    raise VerificationError(
+        f"The {dtype} model's outputs {', '.join(outputs[:4])} hold inf or NaN where the original's are finite: "
+        f"{dtype} overflowed.{where} Nothing was written.",
+        module_path=first,
+        hint=f"Keep it in float32: {keep}, or let --auto-keep TOLERANCE choose. Values past {dtype}'s range on the "
+        "verification inputs are kept float32 already: pass --inputs like the ones the model will see.",
+    )
 
 
 def source_bytes(source: pathlib.Path, model: onnx.ModelProto) -> int:
