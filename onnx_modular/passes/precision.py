@@ -9,6 +9,14 @@ the model's opset run in float32 between ``Cast``s. ``Cast``s sit only where a c
 meets a kept one (its arguments and its results), and at the graph's inputs and outputs, which
 keep their types.
 
+Some values of a converted body stay float32 (:func:`float32_values`): comparisons read float32
+(:data:`COMPARE_OPS`); *index arithmetic*, float values computed only for sizes, counts and
+positions (a ``Cast`` to int64, :data:`INDEX_INPUTS`), is computed in float32, since float16 holds
+integers exactly only up to 2048; and the ops that read or write a value marked
+:data:`RANGE_MARK` (past the target's finite range on the original run, measured by
+:mod:`onnx_modular.files.convert_ranges`) run in float32. Such results are read like float32
+weights: a converted reader casts them where it reads them.
+
 Weights live in the main graph and reach the bodies as formal inputs (*weight formals*, found by
 the caller from the call tree and given as plain data). A weight goes to the new dtype when every
 body that reads it is converted; one a kept body reads (a tied embedding) stays float32 and a
@@ -161,6 +169,12 @@ class _Precision:
         self.types = {function_id(f): declared_types(f) for f in model.functions}
         self.main_types = declared_types(model.graph)
 
+    def _declared(self, body) -> dict[str, int]:
+        """The declared types of a body's values, with the float32 constants it makes (typed or not)."""
+        declared = dict(self.main_types if body is self.model.graph else self.types[function_id(body)])
+        declared.update({value: FLOAT for node in body.node for value in _float_constants(node)})
+        return declared
+
     def _mode_type(self, body) -> int:
         low = self.root_low if body is self.model.graph else self.low.get(function_id(body), False)
         return self.target if low else FLOAT
@@ -209,9 +223,9 @@ class _Precision:
                     for origin in origins:
                         readers[origin].add(mode and not in_float32)
 
-        reads(self.model.graph, self.main_types, main_weights, self.root_low)
+        reads(self.model.graph, self._declared(self.model.graph), main_weights, self.root_low)
         for fid, formals in sources.items():
-            reads(self.functions[fid], self.types[fid], formals, self.low.get(fid, False))
+            reads(self.functions[fid], self._declared(self.functions[fid]), formals, self.low.get(fid, False))
         return readers
 
     # -- the bodies -----------------------------------------------------------------------
@@ -245,8 +259,7 @@ class _Precision:
 
     def _start(self, body, weight_types: Mapping[str, int], is_root: bool) -> _Rewrite:
         mode = self._mode_type(body)
-        declared = dict(self.main_types if is_root else self.types[function_id(body)])
-        declared.update({value: FLOAT for node in body.node for value in _float_constants(node)})  # typed or not
+        declared = self._declared(body)
         rewrite = _Rewrite(body, mode, declared, dict(weight_types), body_names(body), set() if is_root else set(body.output))
         if mode != FLOAT:
             rewrite.held, rewrite.wide = float32_values(body, declared, self.functions)
