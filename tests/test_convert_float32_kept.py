@@ -13,6 +13,7 @@ Small modules of our own with the same patterns, exported here (a few seconds ea
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -25,6 +26,7 @@ from torch import nn
 from onnx_modular import export_modular
 from onnx_modular.files.convert import convert
 from onnx_modular.files.convert_ranges import SENTINEL, measure
+from onnx_modular.format import metadata
 from onnx_modular.passes.precision import RANGE_MARK
 from onnx_modular.storage.proto import declare_function_types, function_id
 
@@ -165,6 +167,8 @@ def test_values_past_float16_range_keep_their_ops_and_calls_in_float32(boxes, tm
     assert report.range_values >= 3  # scaled, relative, angles
     assert not any(c.overflow for c in report.calls)
     assert "values leave float16's range" in str(report) and "boxes.sinusoid" in str(report)
+    note = json.loads(next(p.value for p in onnx.load(str(out), load_external_data=False).metadata_props if p.key == metadata.CONVERTED))
+    assert note["range_kept"] == ["boxes", "boxes.sinusoid"] and note["kept"] == ["boxes", "boxes.sinusoid"]
     converted = onnx.load(str(out))
     scale = next(n for n in converted.graph.node if n.op_type == "Mul")
     marked = {v.name: v for v in converted.graph.value_info}[scale.output[0]]

@@ -262,6 +262,8 @@ class _Job:
         note = {"source": self.source.name, "dtype": self.dtype, "kept": sorted(kept), "quantize": self.quantize,
                 "bits": settings.bits if settings else None, "block_size": settings.block_size if settings else None,
                 "excluded": sorted(self.excluded_calls)}
+        if self.range_kept:
+            note["range_kept"] = sorted(self.range_kept)
         note.update(note_extra or {})
         return build(
             self.model, self.folder, dtype=self.target,
