@@ -352,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(or bfloat16) except --keep NAME; --quantize turns the MatMul weights of every module but --exclude "
         "NAME into onnxruntime's MatMulNBits (packed by onnxruntime's own quantizer). A NAME is a class "
         "(LlamaRMSNorm), a module path (model.layers.0) or a glob. The result is run in onnxruntime against "
-        "the original on the same inputs, and the drift of every module call and class is reported.",
+        "the original on the same inputs, and the drift of every module call and class is reported. "
+        "Index arithmetic, and (float16) values past its range on those inputs, stay float32 by themselves.",
     )
     conv.add_argument("model", help="the modular .onnx file")
     conv.add_argument("-o", "--output", required=True, metavar="NEW.onnx", help="the file to write")

@@ -81,7 +81,7 @@ COMPARE_OPS = frozenset({"Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Eq
 INDEX_INPUTS = {"Resize": frozenset({2}), "Upsample": frozenset({1}), "Range": frozenset({0, 1, 2})}
 #: ``ValueInfoProto`` metadata on a value whose float32 values leave the target's finite range
 #: (its largest finite magnitude, measured by ``convert``): the ops that read or write it stay float32.
-RANGE_MARK = "onnx_modular.float32_range"
+RANGE_MARK = "pkg.onnx_modular.float32_range"
 #: Ops that read any type: a value held in float32 needs no Cast before them.
 _READS_ANY = frozenset({"Cast", "Shape", "Size"})
 _FLOATS = frozenset({FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
