@@ -469,7 +469,8 @@ def float32_values(body, declared: Mapping[str, int], functions: Container[Funct
 
     *Index arithmetic*: the float values whose every reader reads them as a size, count or
     position (:func:`_index_use`: a comparison, a ``Cast`` to an integer or bool type,
-    :data:`INDEX_INPUTS`) or is index arithmetic itself; a body's results are not. *Past the
+    :data:`INDEX_INPUTS`), is index arithmetic itself, or reads only their shape (``Shape``,
+    ``Size``: then another reader must be one of the others); a body's results are not. *Past the
     range*: the values marked :data:`RANGE_MARK`. The ops that make the first, and that read or
     make the second, run in float32 (:func:`_holds`).
     """
@@ -484,22 +485,32 @@ def float32_values(body, declared: Mapping[str, int], functions: Container[Funct
                 readers[value].append((node, -1))  # a subgraph's read: not an index use
     results = {v if isinstance(v, str) else v.name for v in body.output}
     held: set[str] = set()
+
+    def for_indices(value: str) -> bool:
+        """Every reader takes ``value`` as an index (or only its shape), and one does."""
+        kinds = [_reads_shape(reader) or ("index" if index >= 0 and _index_use(reader, index) or any(o in held for o in reader.output) else "")
+                 for reader, index in readers[value]]
+        return value not in results and all(kinds) and "index" in kinds
+
     for node in reversed(body.node):  # readers before the values they read
         if not _may_hold(node, functions):
             continue
         floats = [v for v in node.output if v and declared.get(v) == FLOAT]
-        if floats and all(v not in results and readers[v] and all(
-                index >= 0 and _index_use(reader, index) or any(o in held for o in reader.output)
-                for reader, index in readers[v]) for v in floats):
+        if floats and all(for_indices(v) for v in floats):
             held.update(floats)
     return held, wide
 
 
+def _reads_shape(node: onnx.NodeProto) -> str:
+    """``"shape"`` when ``node`` reads only the shape of what it reads (its contents do not matter)."""
+    return "shape" if node.domain in ("", "ai.onnx") and node.op_type in ("Shape", "Size") else ""
+
+
 def _index_use(node: onnx.NodeProto, index: int) -> bool:
-    """``node`` reads its input ``index`` as a size, count or position, or whatever its type."""
+    """``node`` reads its input ``index`` as a size, count or position."""
     if node.domain not in ("", "ai.onnx"):
         return False
-    if node.op_type in COMPARE_OPS or node.op_type in ("Shape", "Size"):
+    if node.op_type in COMPARE_OPS:
         return True
     if node.op_type == "Cast":
         return next((a.i for a in node.attribute if a.name == "to"), FLOAT) not in _FLOATS
