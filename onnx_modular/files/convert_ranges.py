@@ -55,7 +55,7 @@ def measure(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], *, external
     ranges: Ranges = {}
     for key, output in names.items():
         vector = np.asarray(by_name[output], dtype=np.float64).ravel()[1:]  # after the leading 0
-        ranges[key] = {value: float(size) for value, size in zip(probe.own[key], vector)}
+        ranges[key] = {value: max(float(size), 0.0) for value, size in zip(probe.own[key], vector)}
     return ranges
 
 
@@ -96,6 +96,7 @@ class _Probe:
 
     def __init__(self, model: onnx.ModelProto):
         self.model = model
+        self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
         self.functions = {function_id(f): f for f in model.functions}
         self.own: dict[FunctionId | None, list[str]] = {None: _float_values(model.graph, is_root=True)}
         for fid, function in self.functions.items():
@@ -162,21 +163,24 @@ class _Probe:
         return exposed
 
     def _own_vector(self, key: FunctionId | None, made: _Names, nodes: list[onnx.NodeProto]) -> str:
-        """One magnitude per own float value, after a 0 (a body with none has a vector too)."""
-        zero, sentinel, minus = made.new(), made.new(), made.new()
+        """One magnitude per own float value, after a 0 (a body with none has a vector too); an
+        empty value's is ``-inf``."""
+        zero, sentinel = made.new(), made.new()
         nodes.append(onnx.helper.make_node("Constant", [], [zero], value=onnx.helper.make_tensor("z", FLOAT, [1], [0.0])))
         nodes.append(onnx.helper.make_node("Constant", [], [sentinel], value=onnx.helper.make_tensor("s", FLOAT, [], [SENTINEL])))
-        nodes.append(onnx.helper.make_node("Constant", [], [minus], value=onnx.helper.make_tensor("m", onnx.TensorProto.INT64, [1], [-1])))
+        axes: list[str] = []
+        if self.opset >= 18:  # ReduceMax takes its axes as an input from opset 18
+            axes = [made.new()]
+            nodes.append(onnx.helper.make_node("Constant", [], axes, value=onnx.helper.make_tensor("a", onnx.TensorProto.INT64, [1], [1])))
         parts = [zero]
         for value in self.own[key]:
-            size, below, kept, flat, padded, part = (made.new() for _ in range(6))
+            flat, size, below, kept, part = (made.new() for _ in range(5))
             nodes += [
-                onnx.helper.make_node("Abs", [value], [size]),
+                onnx.helper.make_node("Flatten", [value], [flat], axis=0),  # (1, n) whatever the rank
+                onnx.helper.make_node("Abs", [flat], [size]),
                 onnx.helper.make_node("Less", [size, sentinel], [below]),  # inf, NaN and sentinels: not values
                 onnx.helper.make_node("Where", [below, size, zero], [kept]),
-                onnx.helper.make_node("Reshape", [kept, minus], [flat]),
-                onnx.helper.make_node("Concat", [flat, zero], [padded], axis=0),  # an empty tensor: 0
-                onnx.helper.make_node("ReduceMax", [padded], [part], keepdims=1),
+                onnx.helper.make_node("ReduceMax", [kept, *axes], [part], keepdims=0, **({} if axes else {"axes": [1]})),
             ]
             parts.append(part)
         vector = made.new()
