@@ -42,9 +42,10 @@ __all__ = [
 #: A node's scopes: ((module path, qualified class or ""), ...), outermost first, root excluded.
 Scopes = tuple[tuple[str, str], ...]
 
-#: One attribute of a module path (``layers``, ``0``, ``self_attn``); TorchScript scopes use
-#: the attribute names, so anything else in a ``/``-separated name is not a scope.
-ATTRIBUTE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$|^[0-9]+$")
+#: One part of a module path, a module's name in its owner (``layers``, ``0``, ``self_attn``).
+#: ``add_module`` takes any string without a dot, and torchvision's RegNet names its blocks
+#: ``block1-0``; a part with a ``/``, a ``:`` or a space is not a module's name (``onnx::Add``).
+ATTRIBUTE = re.compile(r"^[^./:\s]+$")
 
 
 def literal_list(text: str | None) -> list | None:
