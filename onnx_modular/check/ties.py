@@ -62,7 +62,7 @@ def _sorted(x: torch.Tensor, dim: int, largest: bool) -> tuple[torch.Tensor, tor
 def _tie(x: torch.Tensor, k: int, dim: int, largest: bool) -> Tie | None:
     """The tie of one ``topk`` call: equal values among the first ``k + 1`` sorted (which elements
     are kept, and their order, depends on the tie-break); ``None`` when there is none."""
-    if not x.is_floating_point() or x.dim() == 0 or k == 0:
+    if x.dim() == 0 or k == 0 or x.dtype == torch.bool:
         return None
     size = x.shape[dim]
     values = _sorted(x, dim, largest)[0].narrow(dim, 0, min(k + 1, size))
