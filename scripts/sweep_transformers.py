@@ -1050,6 +1050,10 @@ def make_inputs(model, config, images: bool = True) -> dict[str, Any]:
         inputs.update(_waveform(model, config, generator))
     if "use_cache" in parameters:  # no cache object in the outputs: torch.export needs its pytree registered
         inputs["use_cache"] = False
+    if "sample" in parameters and inspect.signature(model.forward).parameters["sample"].default is True:
+        # a VAE that draws its latents by default (VibeVoice's acoustic tokenizer: noise from torch.randn, which
+        # no file reproduces): the encoder's mean, deterministic, as its decoding path takes it
+        inputs["sample"] = False
     if "decoder_input_values" in parameters and isinstance(getattr(config, "hidden_size", None), int):
         # a speech decoder (SpeechT5's): mel frames when a layer reads them (its speech pre-net), else
         # hidden states; and the speaker's embedding its pre-net reads beside them
@@ -1801,12 +1805,85 @@ def with_signal(model, inputs: dict[str, Any], expected: list) -> tuple[list, bo
     magnitude = reference_max_abs(expected)
     if magnitude is None or magnitude > NEAR_ZERO:
         return expected, False
+    _jitter(model)
+    with torch.no_grad():
+        return _tensors(model(**inputs)), True
+
+
+def _jitter(model) -> None:
+    """Seeded noise (std 0.02, as transformers' init) on every floating parameter, in name order."""
+    import torch
+
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _, parameter in sorted(model.named_parameters(), key=lambda item: item[0]):
             if parameter.is_floating_point():
                 parameter.add_(torch.randn(parameter.shape, generator=generator).to(parameter.dtype) * 0.02)
-        return _tensors(model(**inputs)), True
+
+
+def _unit_batch_norms(model) -> int:
+    """Every batch norm's scale at 1 (PyTorch's own init; transformers draws some, RT-DETR's among
+    them, from N(0, 0.02), and a dozen such layers in a row take the features to ~1e-17). The
+    number of layers set."""
+    import torch
+
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if "BatchNorm" in type(module).__name__ and isinstance(weight, torch.Tensor) and weight.is_floating_point():
+                weight.fill_(1.0)
+                count += 1
+    return count
+
+
+def _watched(model, inputs: dict[str, Any]) -> tuple[list, list]:
+    """``(outputs, ties)``: the model's outputs, and each ``torch.topk`` whose input ties (check/ties.py)."""
+    import torch
+
+    from onnx_modular.check.ties import TieWatch
+
+    with TieWatch() as watch, torch.no_grad():
+        outputs = _tensors(model(**inputs))
+    return outputs, watch.ties
+
+
+def without_ties(model, inputs: dict[str, Any], expected: list) -> tuple[list, bool, str | None]:
+    """``(expected, changed, ties)``: when PyTorch's reference selects with ``torch.topk`` among
+    equal values (random weights whose features vanish: every query's score is the bias), torch's
+    kernel and ONNX's TopK pick different elements among the ties, both rightly, and the outputs
+    differ by whole units: a parity check on them says nothing. The weights are then made to
+    give distinct scores, seeded (the same in both children): jittered as :func:`with_signal`
+    does, then, if ties remain, every batch norm's scale at 1 as well. ``ties`` says what was
+    found and done (``None``: no tie; it ends in "remain" when neither broke them)."""
+    outputs, ties = _watched(model, inputs)
+    if not ties:
+        return expected, False, None
+    found = "; ".join(str(tie) for tie in ties[:3]) + ("; ..." if len(ties) > 3 else "")
+    _jitter(model)
+    outputs, left = _watched(model, inputs)
+    if not left:
+        return outputs, True, f"torch.topk on ties ({found}): broken by jittered weights"
+    norms = _unit_batch_norms(model)
+    outputs, left = _watched(model, inputs) if norms else (outputs, left)
+    if not left:
+        return outputs, True, f"torch.topk on ties ({found}): broken by jittered weights and {norms} batch norm scales at 1"
+    rest = "; ".join(str(tie) for tie in left[:3])
+    return outputs, True, f"torch.topk on ties ({found}): {TIES_REMAIN} ({rest})"
+
+
+#: How :func:`without_ties` ends when no re-draw of the weights broke the ties.
+TIES_REMAIN = "ties remain after jittered weights and batch norm scales at 1"
+
+
+def reference(model, inputs: dict[str, Any], expected: list, record: dict[str, Any]) -> tuple[list, bool]:
+    """PyTorch's reference as both children compare it (:func:`with_signal`, :func:`without_ties`),
+    recorded (:func:`_signal_record`); ``(expected, False)`` when a parity check on it says nothing."""
+    expected, jittered = with_signal(model, inputs, expected)
+    expected, redrawn, ties = without_ties(model, inputs, expected)
+    if ties:
+        record["ties"] = ties
+    return expected, _signal_record(record, expected, jittered or redrawn)
 
 
 def _signal_record(record: dict[str, Any], expected: list, jittered: bool) -> bool:
@@ -1842,10 +1919,10 @@ def _job_modular(model_type: str, class_name: str, folder: str | None = None) ->
     start = time.perf_counter()
     model, inputs, expected, tier = build_with_tier(model_type, class_name)
     record.update(built=True, config=tier)
-    expected, jittered = with_signal(model, inputs, expected)
+    expected, informative = reference(model, inputs, expected, record)
     record["build_seconds"] = time.perf_counter() - start
     record["inputs"] = input_names(inputs)
-    if not _signal_record(record, expected, jittered):
+    if not informative:
         return record
     fixed = layout_inputs(inputs)
     if fixed:
@@ -1856,6 +1933,8 @@ def _job_modular(model_type: str, class_name: str, folder: str | None = None) ->
         error = _first_line(e)
         if getattr(getattr(e, "report", None), "captured_differently", False):
             error += f" ({_CAPTURED_SO})"
+        elif getattr(getattr(e, "report", None), "ties", None):
+            error += f" ({_TIED_SO})"
         record.update(ok=False, stage=getattr(e, "stage", "export"), error=error, report=_report_of(e))
         return record
     record.update(
@@ -1893,10 +1972,10 @@ def _job_flat(model_type: str, class_name: str, folder: str | None = None) -> di
     start = time.perf_counter()
     model, inputs, expected, tier = build_with_tier(model_type, class_name)
     record.update(built=True, config=tier)
-    expected, jittered = with_signal(model, inputs, expected)
+    expected, informative = reference(model, inputs, expected, record)
     record["build_seconds"] = time.perf_counter() - start
     record["inputs"] = input_names(inputs)
-    if not _signal_record(record, expected, jittered):
+    if not informative:
         return record
     from onnx_modular.capture import torch_export
 
@@ -2068,7 +2147,8 @@ class Row:
     commit: str | None = None  # the commit the row was swept on (a table resumed across commits mixes them)
     fixed: str | None = None  # the inputs the modular export fixed into the program (LAYOUT_INPUTS)
     reference_max_abs: float | None = None  # the largest |PyTorch output| compared (a pass on ~0 outputs says nothing)
-    jittered: bool = False  # the weights got seeded noise: PyTorch's outputs were all ~0 (with_signal)
+    jittered: bool = False  # the weights got seeded noise: PyTorch's outputs were all ~0 (with_signal) or tied (without_ties)
+    ties: str | None = None  # torch.topk picked among equal values in PyTorch's reference: what the sweep did (without_ties)
     tools: dict[str, str] | None = None  # modular-ok rows: each file tool's status (sweep_tools; None: not run)
 
     @property
@@ -2109,6 +2189,7 @@ def row_of(model_type: str, class_name: str, task: str, flat: dict[str, Any], mo
     row.max_abs = modular["max_abs"] if modular.get("max_abs") is not None else modular.get("report")  # an exact 0 stays 0
     row.reference_max_abs = modular.get("reference_max_abs", flat.get("reference_max_abs"))
     row.jittered = bool(modular.get("jittered") or flat.get("jittered"))
+    row.ties = modular.get("ties") or flat.get("ties")
     if not row.modular_ok:
         row.stage, row.error = modular.get("stage"), modular.get("error")
     row.seconds = round(flat.get("seconds", 0) + modular.get("seconds", 0), 1)
@@ -2122,8 +2203,16 @@ def row_of(model_type: str, class_name: str, task: str, flat: dict[str, Any], mo
 #: What a modular row's error adds when torch.export's program is itself as far from PyTorch.
 _CAPTURED_SO = "the captured program differs as much in PyTorch"
 
+#: What a modular row's error adds when PyTorch's reference picks among ties (check/ties.py).
+_TIED_SO = "torch.topk picks among equal values; with ties broken as ONNX's TopK does, PyTorch equals the file"
+
 #: (what the error says, the note): why neither exporter, or no build, gets through
 _NOTES = (
+    ((_TIED_SO, TIES_REMAIN),
+     "PyTorch's reference selects among equal values (torch.topk on ties: random weights whose scores are all "
+     "the bias): torch's kernel leaves the order of tied elements unspecified, ONNX's TopK takes the lowest index "
+     "first, so both files pick other elements than PyTorch and differ by whole units; not an export error "
+     "(with ties broken the ONNX way PyTorch equals the file: check/ties.py)"),
     ((_CAPTURED_SO,),
      "the model's own limit: the program torch.export captures differs from eager PyTorch as much (a path only "
      "tracing takes, such as a mask built only when traced); both files compute what was captured"),
@@ -2147,7 +2236,7 @@ def classify(row: Row) -> str | None:
     when the error names a known cause (a torch limit, a package missing here); else None."""
     if row.modular_ok or row.flat_ok:
         return None
-    text = " ".join(filter(None, (row.error, row.flat_error)))
+    text = " ".join(filter(None, (row.error, row.flat_error, row.ties)))
     for needles, note in _NOTES:
         if any(needle in text for needle in needles):
             return note
@@ -2219,6 +2308,13 @@ def _cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+def _jitter_cell(row: Row) -> str:
+    """What the reference cell adds when the weights were re-drawn: jittered, and why when for ties."""
+    if not row.jittered:
+        return ""
+    return " (jittered: top-k ties)" if row.ties else " (jittered)"
+
+
 def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, str], planned: int, notes: str = "") -> None:
     t = totals(rows)
     lines = [
@@ -2256,7 +2352,7 @@ def write_markdown(path: pathlib.Path, rows: list[Row], environment: dict[str, s
         lines.append(
             f"| {r.model_type} | {r.class_name} | {r.task} | {_cell(r.built)} | {_cell(r.flat_ok)} | {_cell(r.modular_ok)} | "
             f"{_cell(r.functions)} | {_cell(r.depth)} | {_cell(r.max_abs)} | {_cell(r.flat_max_abs)} | "
-            f"{_cell(r.reference_max_abs)}{' (jittered)' if r.jittered else ''} | {_cell(stage)} | "
+            f"{_cell(r.reference_max_abs)}{_jitter_cell(r)} | {_cell(stage)} | "
             f"{_cell((error or '')[:160])} | {_cell(r.inputs)}{f' (fixed: {r.fixed})' if r.fixed else ''} | {_cell(r.config)} | {_cell(r.note or classify(r))} | "
             f"{_cell(sweep_tools.cell(r.tools)[:200])} | {r.seconds:.0f} |"
         )

@@ -173,6 +173,37 @@ def test_a_head_whose_outputs_are_zero_gets_jittered_weights():
     assert not sweep._signal_record(still_zero, [torch.zeros(3)], True) and still_zero["stage"] == "reference"
 
 
+def test_a_reference_that_picks_among_ties_gets_redrawn_weights():
+    import torch
+
+    class Picker(torch.nn.Module):  # RT-DETR's query selection on vanished features: every score is the bias
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.Sequential(*(torch.nn.BatchNorm1d(8) for _ in range(12)))
+            self.score = torch.nn.Linear(8, 1)
+            for norm in self.norm:  # transformers draws them ~N(0, 0.02): the features vanish, jittered too
+                torch.nn.init.zeros_(norm.weight)
+
+        def forward(self, x):
+            features = self.norm(x.transpose(1, 2)).transpose(1, 2)
+            _, index = torch.topk(self.score(features).squeeze(-1), 4, dim=1)
+            return x.gather(1, index.unsqueeze(-1).expand(-1, -1, 8))
+
+    torch.manual_seed(0)
+    model, inputs = Picker().eval(), {"x": torch.randn(2, 6, 8)}
+    expected = [model(**inputs)]
+    record = {}
+    again, informative = sweep.reference(model, inputs, expected, record)
+    assert informative and record["jittered"]
+    assert record["ties"] == "torch.topk on ties (top 4 of 6 with 8 tied): broken by jittered weights and 12 batch norm scales at 1"
+    assert sweep._watched(model, inputs)[1] == [] and not torch.equal(again[0], expected[0])
+    plain, feed = torch.nn.Linear(8, 2), {"input": inputs["x"]}
+    unchanged = [plain(**feed)]
+    assert sweep.without_ties(plain, feed, unchanged) == (unchanged, False, None)
+    row = sweep.row_of("p", "P", "base", {"built": True}, {"built": True, "ok": True, "jittered": True, "ties": record["ties"]})
+    assert row.ties == record["ties"] and sweep._jitter_cell(row) == " (jittered: top-k ties)"
+
+
 @pytest.mark.slow
 def test_sweep_script_on_the_sample_in_children(tmp_path):
     # both exporters in bounded children; nothing torch's flat export handles fails in ours
@@ -301,6 +332,10 @@ def test_notes_name_the_limit_where_both_exporters_fail():
     assert "differ from PyTorch" in sweep.classify(both)
     captured = dataclasses.replace(both, error=f"ParityError: drift ({sweep._CAPTURED_SO})")  # PaliGemma's prefix mask
     assert "torch.export captures differs from eager PyTorch" in sweep.classify(captured)
+    tied = dataclasses.replace(both, error=f"ParityError: drift ({sweep._TIED_SO})")  # RT-DETR on random weights
+    assert "torch.topk on ties" in sweep.classify(tied) and "lowest index first" in sweep.classify(tied)
+    remain = dataclasses.replace(both, ties=f"torch.topk on ties (top 16 of 21 with 32 tied): {sweep.TIES_REMAIN} (...)")
+    assert sweep.classify(remain) == sweep.classify(tied)
 
 
 def test_towers_time_series_codebooks_and_stacked_features():

@@ -396,6 +396,8 @@ def test_perception_lm_gets_the_pe_tower_its_checkpoints_name():
 
 
 def test_codec_decoders_read_latents_of_their_width():
+    import torch
+
     # Mimi's decoder (main input `latents`) and VibeVoice's (`hidden_states`): (batch, latent width, frames)
     model, inputs, expected = sweep.build("mimi_decoder", "MimiDecoderModel")
     assert set(inputs) == {"latents"} and inputs["latents"].shape == (sweep.BATCH, model.config.hidden_size, sweep.SEQUENCE)
@@ -404,6 +406,11 @@ def test_codec_decoders_read_latents_of_their_width():
     assert inputs["hidden_states"].shape[1] == model.config.hidden_size != model.config.channels
     _, inputs, _ = sweep.build("mimi", "MimiModel")  # the codec itself still reads audio
     assert inputs["input_values"].shape[:2] == (sweep.BATCH, 1)
+    # VibeVoice's tokenizer draws its latents (torch.randn) unless told not to: no file reproduces the draw
+    model, inputs, expected = sweep.build("vibevoice_acoustic_tokenizer", "VibeVoiceAcousticTokenizerModel")
+    assert inputs["sample"] is False
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(sweep._tensors(model(**inputs)), expected))
 
 
 def test_spectrograms_and_features_as_their_extractors_give_them():

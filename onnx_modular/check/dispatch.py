@@ -86,6 +86,10 @@ def verify_export(
                     verification.add_program_differences(report, result, expected)
                 if not report.ok and not widened:  # on failure: only where an attention mask pads?
                     report.padding = padding.explain(file, inputs, expected, report)
+                if not report.ok and not widened and args is None and kwargs is None and not report.padding:
+                    from onnx_modular.check import ties  # on failure: a selection among equal values?
+
+                    report.ties = ties.explain(result, file, inputs, report, execution_provider)
     if flat_copy is not None:
         flat_report = _run(flat_copy, inputs, expected, widened, flat=False, tolerance=tolerance, provider=execution_provider)
     if record:

@@ -247,6 +247,7 @@ class ParityReport:
     modules: Any = None  # onnx_modular.check.localization.LocalizationReport
     note: str | None = None
     padding: str | None = None  # the outputs differ only where an attention mask pads (check/padding.py)
+    ties: str | None = None  # the outputs differ because torch.topk picks among equal values (check/ties.py)
 
     @property
     def ok(self) -> bool:
@@ -288,6 +289,7 @@ class ParityReport:
             "modules": self.modules.to_dict() if self.modules is not None else None,
             "note": self.note,
             "padding": self.padding,
+            "ties": self.ties,
             "captured_differently": self.captured_differently,
         }
 

@@ -224,6 +224,11 @@ def assert_parity(report: ParityReport, *, result=None) -> None:
 
         lines.append(report.padding)
         hint = padding.HINT
+    elif report.ties:
+        from onnx_modular.check import ties
+
+        lines.append(report.ties)
+        hint = ties.HINT
     elif report.captured_differently:
         lines.append(
             "The program torch.export captured is as far from PyTorch when PyTorch runs it: the ONNX files compute "
