@@ -30,7 +30,7 @@ How the file changes:
 
 Weights are converted one tensor at a time while the file is written (external data in and out),
 the result is checked, run in onnxruntime against the original on the same inputs with every
-module call's outputs captured (:func:`onnx_modular.calls.capture.call_outputs`), and saved
+module call's outputs captured a batch at a time (:func:`onnx_modular.calls.capture.paired_calls`), and saved
 atomically. The :class:`Conversion` report gives the drift of every call and class.
 
 Where the parts live: the precision change is :mod:`onnx_modular.passes.precision`, the weight
@@ -53,7 +53,7 @@ import numpy as np
 import onnx
 
 from onnx_modular.calls import targets as _calls
-from onnx_modular.calls.capture import call_outputs
+from onnx_modular.calls.capture import PROBE_BUDGET, Instrumented, paired_calls
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError, VerificationError
 from onnx_modular.files.convert_build import BuildFacts, build, class_of, selected, under
 from onnx_modular.files.convert_flat import convert_flat, node_modules
@@ -151,16 +151,15 @@ def convert(
     result, facts = job.build(own, {"auto_kept": [n for n, _ in auto_kept]} if auto_keep is not None else None)
     # onnx has no schema for MatMulNBits: no strict type inference; onnxruntime opens and runs it below
     actual: dict[str, np.ndarray] = {}
-    actual_calls: list = []
+    drifts: list[CallDrift] = []
     # a source with external data gives one with external data: tensors left as they are stay
     # references into the source's data (a `--generation` decode.onnx reads prefill.onnx.data), which
     # an inline save cannot keep; writing them to the output's own data file can
     external = True if job.folder else None
     with save.staged_save(result, destination, external_data=external, full_check=quantize is None) as staged:
         if verify:
-            actual, actual_calls = job.run_converted(staged, kept)
+            actual, drifts = job.run_converted(staged, kept, facts)
         output_bytes = folder_bytes(staged.parent)
-    drifts = job.call_drifts(actual_calls, facts)
     warn_left(quantize, facts.quantized, facts.skipped)
     return Conversion(
         source=str(source), output=str(destination), dtype=dtype, quantize=quantize, block_size=block_size,
@@ -214,12 +213,13 @@ class _Job:
             self.class_calls[class_of(call)].add(call.call_name)
         self.feeds: dict[str, np.ndarray] = {}
         self.reference: dict[str, np.ndarray] = {}
-        self.reference_calls: list = []
+        self.original: Instrumented | None = None
 
     def run_original(self, inputs, seed: int) -> None:
         """The original's outputs and every call's outputs on the inputs (random ones when ``None``)."""
         self.feeds = feeds_for(self.model, inputs, seed=seed)
-        _, self.reference_calls = call_outputs(self.model, self.feeds, external_data_folder=self.folder, what="original model")
+        # every call's outputs are run later, a batch at a time beside the converted file's (paired_calls)
+        self.original = Instrumented(self.model, self.feeds, external_data_folder=self.folder, what="original model")
         names, values = runtime.run(str(self.source), self.feeds, what="original model")
         self.reference = dict(zip(names, values))
 
@@ -279,8 +279,9 @@ class _Job:
                 break
         return own, auto_kept
 
-    def run_converted(self, staged: pathlib.Path, kept: set[str]) -> tuple[dict[str, np.ndarray], list]:
-        """The staged file's outputs and every call's outputs on the same inputs."""
+    def run_converted(self, staged: pathlib.Path, kept: set[str], facts: BuildFacts) -> tuple[dict[str, np.ndarray], list[CallDrift]]:
+        """The staged file's outputs on the same inputs, and the drift of every call of the original
+        that it also runs, in execution order (both files' call outputs a batch at a time)."""
         runnable(staged, self.dtype, self.quantize)
         staged_model = onnx.load(str(staged), load_external_data=False)
         staged_folder = str(staged.parent) if uses_external_data(staged_model) else None
@@ -291,24 +292,20 @@ class _Job:
             if self.dtype is None:
                 raise
             raise not_running(e, self.dtype, culprit(self.all_calls, self.class_calls, kept, self.alone)) from e
-        try:
-            _, actual_calls = call_outputs(staged_model, self.feeds, external_data_folder=staged_folder, what="converted model")
-        except Exception as e:
-            raise VerificationError(f"The converted model does not run in onnxruntime: {str(e).splitlines()[0][:300]}") from e
-        return dict(zip(names, values)), actual_calls
-
-    def call_drifts(self, actual_calls: list, facts: BuildFacts) -> list[CallDrift]:
-        """Every call of the original that the converted file also runs, in execution order."""
-        converted = {c.call_name: c for c in actual_calls}
+        assert self.original is not None
         drifts = []
-        for call in self.reference_calls:
-            other = converted.get(call.call_name)
-            if other is None or call.call_name not in self.all_calls:
-                continue
-            plan = facts.plan_of(call.call_name)
-            drifts.append(call_drift(call.call_name, class_of(self.all_calls[call.call_name]), plan.low, plan.quantize,
-                                     other.outputs, call.outputs))
-        return drifts
+        try:
+            converted = Instrumented(staged_model, self.feeds, external_data_folder=staged_folder, what="converted model")
+            for call, other in paired_calls(self.original, converted, PROBE_BUDGET,
+                                            select=lambda x, _: x.call_name in self.all_calls):
+                plan = facts.plan_of(call.call_name)
+                drifts.append(call_drift(call.call_name, class_of(self.all_calls[call.call_name]), plan.low, plan.quantize,
+                                         other.outputs, call.outputs))
+        except VerificationError as e:
+            if "converted model" not in str(e):
+                raise
+            raise VerificationError(f"The converted model does not run in onnxruntime: {str(e).splitlines()[0][:300]}") from e
+        return dict(zip(names, values)), drifts
 
 
 def _load(path: str | os.PathLike, dtype: str | None) -> onnx.ModelProto:
