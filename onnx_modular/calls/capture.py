@@ -327,8 +327,6 @@ class Instrumented:
     def _segment(self, start: int, end: int, probes: Sequence[int], extra=((), ()), keep: bool = True) -> list[np.ndarray]:
         """Run the main graph's nodes ``start:end`` (fed the values earlier runs left) and return the
         ``probes``' values (then ``extra``'s outputs); the model's own outputs made are kept."""
-        import onnxruntime as ort
-
         first = len(self.output_names)
         frontier = self._frontier if start else {}
         nodes = self._nodes[start:end] + [self._nodes[self._main + i] for i in probes] + list(extra[0])
@@ -354,14 +352,13 @@ class Instrumented:
         # onnxruntime's EliminateIdentity drops a probe's Identity whose input also feeds a node after the call
         # is inlined, leaving that node without its input (a GLU's output read by a Pad: Wav2Vec2-BERT): the probes
         # keep their Identity nodes.
-        session = runtime.session(
-            serialized, self.execution_provider, external_data_folder=self.folder, disabled_optimizers=("EliminateIdentity",),
-            configure=lambda options: setattr(options, "execution_order", ort.ExecutionOrder.PRIORITY_BASED), what=self.what,
-        )
+        session = runtime.session(serialized, self.execution_provider, external_data_folder=self.folder,
+                                  disabled_optimizers=("EliminateIdentity",), configure=_low_memory, what=self.what)
         del serialized
         feeds = {name: self.feeds[name] for name in self._inputs if name in read and name in self.feeds}
         feeds.update((name, frontier[name]) for name in fed)
-        _, values = runtime.run(session, feeds, what=self.what)
+        # without the arena, onnxruntime's output arrays hold only their own memory: no copies
+        _, values = runtime.run(session, feeds, what=self.what, copy=False)
         self.runs += 1
         count = len(probes) + len(extra[1])
         self.outputs.update(zip(originals, values[count: count + len(originals)]))
@@ -405,6 +402,14 @@ class Instrumented:
     def together(self, call: CallEntry, other: CallEntry) -> bool:
         """Two calls made by one call of the main graph (a run makes all of its calls' values or none)."""
         return bool(call.probes and other.probes) and self._maker[call.probes[0]] == self._maker[other.probes[0]]
+
+
+def _low_memory(options) -> None:
+    """A probe session's options: dangling probes freed as they are made, memory given back as it is freed."""
+    import onnxruntime as ort
+
+    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    options.enable_cpu_mem_arena = False
 
 
 def _copied(message):

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from onnx_modular.check.parity import fit_name, max_differences, name_column_width
+from onnx_modular.check.parity import blocks, fit_name, max_differences, name_column_width
 from onnx_modular.format import records
 
 __all__ = ["CallDrift", "ClassDrift", "Conversion", "QuantizationWarning"]
@@ -210,14 +210,23 @@ def drift(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
     expected = np.asarray(expected)
     actual = np.asarray(actual)
     if expected.dtype.kind == "f" or expected.dtype.kind == "V":
-        expected = expected.astype(np.float32)
-        actual = actual.astype(np.float32)
+        expected = expected.astype(np.float32, copy=False)
+        actual = actual.astype(np.float32, copy=False)
     elif actual.dtype != expected.dtype and actual.dtype.kind in "fV":
-        actual = actual.astype(np.float32)
+        actual = actual.astype(np.float32, copy=False)
     max_abs, _ = max_differences(actual, expected)
-    finite = expected[np.isfinite(expected)] if expected.dtype.kind == "f" else expected
-    spread = float(finite.max() - finite.min()) if finite.size and expected.dtype.kind in "fiu" else 0.0
+    spread = _spread(expected) if expected.dtype.kind in "fiu" else 0.0
     return max_abs, (max_abs / spread if spread > 0 else (0.0 if max_abs == 0 else math.inf))
+
+
+def _spread(values: np.ndarray) -> float:
+    """max - min of the finite values (0 when none), a block at a time."""
+    low, high = math.inf, -math.inf
+    for (block,) in blocks(values):
+        finite = block[np.isfinite(block)] if values.dtype.kind == "f" else block
+        if finite.size:
+            low, high = min(low, float(finite.min())), max(high, float(finite.max()))
+    return high - low if high >= low else 0.0
 
 
 def overflows(actual: np.ndarray, expected: np.ndarray) -> bool:
@@ -225,7 +234,7 @@ def overflows(actual: np.ndarray, expected: np.ndarray) -> bool:
     actual, expected = np.asarray(actual), np.asarray(expected)
     if actual.shape != expected.shape or actual.dtype.kind != "f" or expected.dtype.kind != "f":
         return False
-    return bool(np.any(~np.isfinite(actual) & np.isfinite(expected)))
+    return any(bool(np.any(~np.isfinite(a) & np.isfinite(e))) for a, e in blocks(actual, expected))
 
 
 def call_drift(call_name: str, module_class: str, converted: bool, quantized: bool,

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from onnx_modular.calls.capture import PROBE_BUDGET, Instrumented, paired_calls
-from onnx_modular.check.parity import default_tolerance, max_differences
+from onnx_modular.check.parity import blocks, default_tolerance, max_differences
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.files.diff_result import CallDiff
 from onnx_modular.format.text import shown
@@ -116,9 +116,12 @@ def _magnitude(values: np.ndarray) -> float:
     """The largest finite ``|value|`` (0 for empty, non-numeric or all non-finite values)."""
     if values.size == 0 or values.dtype.kind not in "biufc":
         return 0.0
-    magnitude = np.abs(values.astype(np.complex128 if values.dtype.kind == "c" else np.float64))
-    finite = magnitude[np.isfinite(magnitude)]
-    return float(finite.max()) if finite.size else 0.0
+    largest = 0.0
+    for (block,) in blocks(values):
+        magnitude = np.abs(block.astype(np.complex128 if values.dtype.kind == "c" else np.float64))
+        finite = magnitude[np.isfinite(magnitude)]
+        largest = max(largest, float(finite.max()) if finite.size else 0.0)
+    return largest
 
 
 def call_drift(root: CallDiff, file_a: Side, file_b: Side, feeds: Mapping[str, np.ndarray], feeds_b) -> None:
