@@ -137,8 +137,10 @@ def max_differences(actual: np.ndarray, expected: np.ndarray, *, rel_above: floa
 BLOCK = 1 << 20
 
 
-def blocks(*arrays: np.ndarray, size: int = BLOCK):
-    """The arrays (of one shape) flattened, ``size`` elements at a time, side by side (views when contiguous)."""
+def blocks(*arrays: np.ndarray, size: int | None = None):
+    """The arrays (of one shape) flattened, ``size`` (:data:`BLOCK`) elements at a time, side by side
+    (views when contiguous)."""
+    size = size or BLOCK
     flat = [np.asarray(a).reshape(-1) for a in arrays]
     for start in range(0, flat[0].size if flat else 0, size):
         yield tuple(a[start: start + size] for a in flat)
