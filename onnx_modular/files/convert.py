@@ -68,6 +68,7 @@ from onnx_modular.files.convert_report import (
     output_drifts,
     warn_left,
 )
+from onnx_modular.files.convert_select import Selection, flipped, run_with_selections
 from onnx_modular.files.convert_verify import culprit, folder_bytes, not_running, runnable, source_bytes
 from onnx_modular.format import metadata
 from onnx_modular.passes.precision import DTYPES, FLOAT32_OPS
@@ -147,7 +148,8 @@ def convert(
     if verify:
         job.run_original(inputs, seed)
     own, auto_kept = job.auto_keep(auto_keep) if auto_keep is not None else (set(), [])
-    kept = job.kept_below() | own
+    kept = job.kept_below() | (own if dtype else set())  # quantize alone: auto_keep leaves calls unquantized
+    job.excluded_calls |= set() if dtype else own
     result, facts = job.build(own, {"auto_kept": [n for n, _ in auto_kept]} if auto_keep is not None else None)
     # onnx has no schema for MatMulNBits: no strict type inference; onnxruntime opens and runs it below
     actual: dict[str, np.ndarray] = {}
@@ -168,6 +170,7 @@ def convert(
         quantized=facts.quantized, skipped=facts.skipped, weights=facts.weights, float32_weights=facts.float32_weights,
         casts=facts.casts, split=facts.split, outputs=output_drifts(actual, job.reference), calls=drifts,
         classes=class_drifts(drifts), source_bytes=source_bytes(source, model), output_bytes=output_bytes,
+        selections=job.selections, flipped_before=job.first_selections,
     )
 
 
@@ -184,8 +187,8 @@ def _check_request(*, dtype: str | None, keep: Sequence[str], quantize: str | No
         raise InvalidInputError("keep names modules left in float32: it needs dtype.", hint="Add --dtype float16.")
     if exclude and quantize is None:
         raise InvalidInputError("exclude names modules left unquantized: it needs quantize.", hint="Add --quantize int4.")
-    if auto_keep is not None and (dtype is None or not (isinstance(auto_keep, (int, float)) and auto_keep > 0)):
-        raise InvalidInputError(f"auto_keep must be a tolerance > 0 with dtype, not {auto_keep!r}.", hint="--dtype float16 --auto-keep 0.02")
+    if auto_keep is not None and not (isinstance(auto_keep, (int, float)) and not isinstance(auto_keep, bool) and auto_keep > 0):
+        raise InvalidInputError(f"auto_keep must be a tolerance > 0, not {auto_keep!r}.", hint="--dtype float16 --auto-keep 0.02")
     if isinstance(block_size, bool) or block_size not in (16, 32, 64, 128, 256):  # onnxruntime's MLAS quantizes these only
         raise InvalidInputError(f"block_size must be 16, 32, 64, 128 or 256 (MatMulNBits), not {block_size!r}.")
     if auto_keep is not None and not verify:
@@ -214,14 +217,18 @@ class _Job:
         self.feeds: dict[str, np.ndarray] = {}
         self.reference: dict[str, np.ndarray] = {}
         self.original: Instrumented | None = None
+        self.reference_selections: dict[str, np.ndarray] = {}
+        self.selections: list[Selection] = []  # the selections the conversion flips (convert_select)
+        self.trial_selections: list[Selection] = []
+        self.first_selections: list[Selection] = []  # those auto_keep's first trial flipped
 
     def run_original(self, inputs, seed: int) -> None:
         """The original's outputs and every call's outputs on the inputs (random ones when ``None``)."""
         self.feeds = feeds_for(self.model, inputs, seed=seed)
         # every call's outputs are run later, a batch at a time beside the converted file's (paired_calls)
         self.original = Instrumented(self.model, self.feeds, external_data_folder=self.folder, what="original model")
-        names, values = runtime.run(str(self.source), self.feeds, what="original model")
-        self.reference = dict(zip(names, values))
+        self.reference, self.reference_selections = run_with_selections(self.model, self.feeds, folder=self.folder,
+                                                                        what="original model")
 
     def kept_below(self) -> set[str]:
         """The calls ``keep`` keeps: the chosen calls and everything they call."""
@@ -235,10 +242,11 @@ class _Job:
                 "bits": settings.bits if settings else None, "block_size": settings.block_size if settings else None,
                 "excluded": sorted(self.excluded_calls)}
         note.update(note_extra or {})
+        unquantized = self.excluded_calls | (set() if self.dtype else own)  # quantize alone: auto_keep's calls
         return build(
             self.model, self.folder, dtype=self.target,
             low_calls=lambda call: not under(call, self.kept_calls) and call.call_name not in own, root_low=True,
-            quant=lambda call: not under(call, self.excluded_calls), root_quant=True, quantize=settings, note=note,
+            quant=lambda call: not under(call, unquantized), root_quant=True, quantize=settings, note=note,
         )
 
     def output_drift(self, result) -> dict[str, tuple[float, float]]:
@@ -246,8 +254,10 @@ class _Job:
 
         with runtime.scratch_file(None) as scratch:
             ir.save(result, scratch, external_data=scratch.name + ".data")
-            names, values = runtime.run(str(scratch), self.feeds, what="trial conversion")
-        return {n: drift(v, self.reference[n]) for n, v in zip(names, values)}
+            outputs, selections = run_with_selections(onnx.load(str(scratch), load_external_data=False), self.feeds,
+                                                      folder=str(scratch.parent), what="trial conversion")
+        self.trial_selections = flipped(self.model, self.reference_selections, selections)
+        return {n: drift(v, self.reference[n]) for n, v in outputs.items()}
 
     def worst_drift(self, result) -> float:
         """The worst output drift of a trial conversion (inf: onnxruntime does not run it)."""
@@ -264,10 +274,20 @@ class _Job:
             quant=lambda call: False, root_quant=False, quantize=None, note={})[0])
 
     def auto_keep(self, tolerance: float) -> tuple[set[str], list[tuple[str, float]]]:
-        """Keep classes in float32, the most harmful alone first, until the outputs drift at most ``tolerance``."""
+        """Keep classes in float32, the most harmful alone first, until the outputs drift at most ``tolerance``;
+        first (and alone, for quantization alone) the calls that feed a selection the conversion flips."""
         own: set[str] = set()
         auto_kept: list[tuple[str, float]] = []
-        if self.worst_drift(self.build(own)[0]) <= tolerance:
+        worst = self.worst_drift(self.build(own)[0])
+        self.first_selections = list(self.trial_selections)
+        feeding = list(dict.fromkeys(c for s in self.trial_selections for c in s.feeding))
+        for name in feeding:  # nearest first: a selection's scores moved by a call's small drift
+            if worst <= tolerance:
+                return own, auto_kept
+            own |= {name} if self.dtype is None else {c for c in self.all_calls if c == name or c.startswith(name + ".")}
+            worst = self.worst_drift(self.build(own)[0])
+            auto_kept.append((name, worst))
+        if worst <= tolerance or self.dtype is None:
             return own, auto_kept
         kept_below = self.kept_below()
         candidates = [name for name, names in self.class_calls.items() if not names <= kept_below]
@@ -287,11 +307,12 @@ class _Job:
         staged_folder = str(staged.parent) if uses_external_data(staged_model) else None
         # the outputs from the file as users run it (capturing every call can change onnxruntime's fusions)
         try:
-            names, values = runtime.run(str(staged), self.feeds, what="converted model")
+            outputs, selections = run_with_selections(staged_model, self.feeds, folder=staged_folder, what="converted model")
         except VerificationError as e:
             if self.dtype is None:
                 raise
             raise not_running(e, self.dtype, culprit(self.all_calls, self.class_calls, kept, self.alone)) from e
+        self.selections = flipped(self.model, self.reference_selections, selections)
         assert self.original is not None
         drifts = []
         try:
@@ -305,7 +326,7 @@ class _Job:
             if "converted model" not in str(e):
                 raise
             raise VerificationError(f"The converted model does not run in onnxruntime: {str(e).splitlines()[0][:300]}") from e
-        return dict(zip(names, values)), drifts
+        return outputs, drifts
 
 
 def _load(path: str | os.PathLike, dtype: str | None) -> onnx.ModelProto:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from onnx_modular.check.parity import blocks, fit_name, max_differences, name_column_width
+from onnx_modular.files.convert_select import Selection
 from onnx_modular.format import records
 
 __all__ = ["CallDrift", "ClassDrift", "Conversion", "QuantizationWarning"]
@@ -73,6 +74,11 @@ class Conversion:
         split: Functions given to some calls alone so that their plans differ.
         outputs: Per model output: ``(max_abs, drift)`` against the original.
         calls / classes: Per module call and class, in execution order / worst first.
+        selections: ``TopK``/``ArgMax``/``ArgMin`` of the main graph whose indices differ from the
+            original's (:class:`~onnx_modular.files.convert_select.Selection`): outputs downstream
+            of a flipped selection move by whole elements (another box, another token), whatever
+            the precision of the rest. ``flipped_before``: those ``auto_keep``'s first trial
+            flipped (it then keeps the calls feeding them first).
     """
 
     source: str
@@ -95,6 +101,8 @@ class Conversion:
     classes: list[ClassDrift]
     source_bytes: int = 0
     output_bytes: int = 0
+    selections: list[Selection] = dataclasses.field(default_factory=list)
+    flipped_before: list[Selection] = dataclasses.field(default_factory=list)
 
     @property
     def max_drift(self) -> float:
@@ -134,7 +142,12 @@ class Conversion:
             lines.append(f"  {self.weights} weights in {self.dtype}, {len(self.float32_weights)} kept float32; {self.casts} Casts added")
             if self.kept:
                 lines.append(f"  kept in float32: {len(self.kept)} calls ({_short_list(self.kept)})")
+        feeding = {c for s in self.flipped_before for c in s.feeding}
         for name, drift in self.auto_kept:
+            if name in feeding:
+                lines.append(f"  auto-keep {'kept' if self.dtype else 'left unquantized'} {name}: it feeds the scores of a "
+                             f"selection the conversion flipped; then the outputs drift {drift:.3%} of their range")
+                continue
             lines.append(f"  auto-keep kept {name}: " + ("converted alone, the file does not run in onnxruntime" if drift == math.inf
                          else f"converted alone, it moves the outputs by {drift:.3%} of their range"))
         if self.tolerance is not None:
@@ -161,6 +174,12 @@ class Conversion:
         width = name_column_width(self.outputs)
         for name, (max_abs, drift) in self.outputs.items():  # the file's names (output.past_key_values...) alone
             lines.append(f"  {fit_name(name, width):<{width}} {max_abs:10.3g} {drift:8.3%}")
+        for s in self.selections:
+            how = "the same elements in another order" if s.same_members else "other elements"
+            lines.append(f"  selection flipped: {s.op_type} {s.node} picks {how} ({s.changed} of {s.total} indices differ): the "
+                         "outputs it selects for move by whole elements, not by the precision lost; its scores come from "
+                         f"{_short_list(s.feeding) if s.feeding else 'no module call'}. Keep those unconverted (--auto-keep "
+                         "keeps them first, --exclude/--keep by name)")
         overflowed = [c.call_name for c in self.calls if c.overflow or not math.isfinite(c.max_abs)]
         if overflowed:  # the outputs' drift alone would hide them (a later op can clip an inf)
             lines.append(f"  {len(overflowed)} calls overflow (inf or NaN where the original is finite): {_short_list(overflowed)}; "
