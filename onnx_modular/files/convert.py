@@ -116,7 +116,10 @@ def convert(
             ``onnx.checker`` only, and the report has no drift.
         auto_keep: A tolerance: convert, then keep classes in float32, the most harmful first
             (ranked by the drift of the outputs when that class alone is converted), until every
-            output's drift (max abs difference over its range) is at most this.
+            output's drift (max abs difference over its range) is at most this. First, the calls
+            feeding a selection the conversion flips (``TopK``/``ArgMax``/``ArgMin`` of the main
+            graph, :mod:`.convert_select`), nearest first; with ``quantize`` alone, only those,
+            left unquantized with everything they call.
         inputs: The model's inputs for the comparison (``.npz`` or arrays by name); random ones
             from the declared input types when ``None``.
 
