@@ -372,7 +372,7 @@ class Instrumented:
     def model_outputs(self) -> dict[str, np.ndarray]:
         """The model's own outputs (kept from the runs so far; the rest of the main graph runs for the others)."""
         if any(name not in self.outputs for name in self.output_names):
-            self._segment(self._until, self._main, [])
+            self._segment(self._resume(self._until), self._main, [])
         if any(name not in self.outputs for name in self.output_names):  # an initializer, say
             self._segment(0, self._main, [], keep=False)
         return {name: self.outputs[name] for name in self.output_names if name in self.outputs}
@@ -383,11 +383,16 @@ class Instrumented:
         makers = [self._maker[i] for i in indices]
         values = []
         if indices:
-            start = self._until if min(makers) >= self._until and all(isinstance(v, np.ndarray) for v in self._frontier.values()) else 0
-            values = self._segment(start, max(makers) + 1, indices)
+            values = self._segment(self._resume(min(makers)), max(makers) + 1, indices)
         by_probe = dict(zip(indices, values))
         return [CallValues(c.call_name, c.module_path, c.call_index, c.function, c.depth, [by_probe[i] for i in c.probes])
                 for c in calls]
+
+    def _resume(self, first: int) -> int:
+        """Where a run that needs the main graph's nodes from ``first`` on starts: where the last one
+        stopped, or at the beginning (a node before it, or a value not a tensor to feed back)."""
+        fed_back = all(isinstance(v, np.ndarray) for v in self._frontier.values())
+        return self._until if first >= self._until and fed_back else 0
 
     def batches(self, budget: int | None, calls: Sequence[CallEntry] | None = None) -> list[list[CallEntry]]:
         """``calls`` (all by default) in consecutive batches whose outputs fit ``budget`` bytes (a call
