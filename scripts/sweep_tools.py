@@ -116,7 +116,8 @@ def _convert(folder: pathlib.Path, name: str) -> str:
            if not (math.isfinite(drift) and drift <= limit or max_abs <= ABS_FLOOR)}
     if far:
         name, (max_abs, drift) = max(far.items(), key=lambda item: item[1][1])
-        return f"drift {drift:.3g} > {limit:g} (output {name}, max abs {max_abs:.3g})"
+        flips = [f"{s.op_type} {s.node} flipped, fed by {', '.join(s.feeding[:3]) or 'no call'}" for s in report.selections]
+        return f"drift {drift:.3g} > {limit:g} (output {name}, max abs {max_abs:.3g})" + (f"; {flips[0]}" if flips else "")
     return "ok"
 
 

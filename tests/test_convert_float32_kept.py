@@ -195,18 +195,18 @@ def test_measure_ignores_mask_sentinels_and_takes_the_largest_over_calls(boxes):
 def test_outputs_that_overflow_are_not_written():
     # what the range measure cannot see (values past the range only in a subgraph's calls, or on
     # other inputs than the verification's): a file whose outputs hold inf is refused, not written
-    from onnx_modular.calls.capture import CallValues
     from onnx_modular.errors import VerificationError
     from onnx_modular.files.convert_verify import refuse_overflow
 
     finite, overflowed = np.array([1.0, 7e4], np.float32), np.array([1.0, np.inf], np.float32)
-    calls = [CallValues("inner", "inner", 0, "Inner", 2, [overflowed]), CallValues("outer", "outer", 0, "Outer", 1, [overflowed])]
-    expected = [CallValues("inner", "inner", 0, "Inner", 2, [finite]), CallValues("outer", "outer", 0, "Outer", 1, [finite])]
     classes = {"inner": "Inner", "outer": "Outer"}
-    with pytest.raises(VerificationError) as caught:
-        refuse_overflow("float16", {"y": overflowed}, {"y": finite}, calls, expected, classes)
+    with pytest.raises(VerificationError) as caught:  # "inner": the first call convert found overflowing
+        refuse_overflow("float16", {"y": overflowed}, {"y": finite}, "inner", classes)
     text = str(caught.value)
     assert "outputs y hold inf or NaN" in text and "'inner' (Inner)" in text and "--keep Inner" in text
     assert "Nothing was written" in text and caught.value.module_path == "inner"
-    refuse_overflow("float16", {"y": finite}, {"y": finite}, calls, expected, classes)  # outputs finite: written
-    refuse_overflow("float16", {"y": overflowed}, {"y": overflowed}, calls, calls, classes)  # inf in the original too
+    with pytest.raises(VerificationError) as caught:  # no call found: the outputs still refuse the file
+        refuse_overflow("float16", {"y": overflowed}, {"y": finite}, None, classes)
+    assert "--keep NAME" in str(caught.value) and caught.value.module_path is None
+    refuse_overflow("float16", {"y": finite}, {"y": finite}, "inner", classes)  # outputs finite: written
+    refuse_overflow("float16", {"y": overflowed}, {"y": overflowed}, "inner", classes)  # inf in the original too

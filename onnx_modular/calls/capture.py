@@ -7,7 +7,9 @@ Two ways to look inside a file, both running the model as it is (no inlining, no
   graph: each function body gets extra outputs for the calls it makes (and, recursively, for what
   those calls expose), and every call node gets matching extra outputs. A function shared by
   several calls is instrumented once, yet each call site yields its own values, so every call in
-  the expanded hierarchy is observed exactly once. ``localize``, ``diff`` and ``convert`` use it.
+  the expanded hierarchy is observed exactly once. ``localize``, ``diff``, ``convert`` and ``optimize``
+  use it. :class:`Instrumented` runs the copy for a few calls at a time, so that a comparison of two
+  files (:func:`paired_calls`) holds at most :data:`PROBE_BUDGET` bytes of call outputs at once.
 * :func:`call_values`: the inputs and outputs of a few chosen calls (``extract``): each chosen
   call's chain of callers gets bodies of its own that also return the call's values.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +31,10 @@ from onnx_modular.calls import targets
 from onnx_modular.format import metadata
 from onnx_modular.runtime import sessions as runtime
 
-__all__ = ["CallValues", "instrument", "flatten_probes", "call_outputs", "call_values"]
+__all__ = [
+    "PROBE_BUDGET", "CallEntry", "CallValues", "Instrumented", "batches", "call_batches", "call_outputs", "call_values",
+    "flatten_probes", "instrument", "paired_calls",
+]
 
 
 
@@ -203,6 +208,341 @@ class CallValues:
     outputs: list[np.ndarray]
 
 
+#: The bytes of call outputs one run of an instrumented copy holds at once (of both files together
+#: when two are compared, :func:`paired_calls`): the calls whose outputs do not fit run in further
+#: batches, each one run of its own. ``None`` in the functions below: every call in one run.
+PROBE_BUDGET = 1 << 30
+
+#: Bytes per element assumed for a probe whose element type the file does not declare.
+_UNKNOWN_ITEMSIZE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class CallEntry:
+    """One module call of an instrumented copy, before its values are run (see :class:`CallValues`)."""
+
+    call_name: str
+    module_path: str
+    call_index: int
+    function: str
+    depth: int
+    probes: range  # its outputs among the copy's probes
+
+
+class Instrumented:
+    """An instrumented copy of ``model`` (:func:`instrument`) that runs the outputs of chosen calls.
+
+    onnxruntime holds every graph output of a run until the run ends, so a copy that exposes every
+    call's outputs at once holds them all (13.6 GB for SAM 2's Hiera at 1024x1024). Here a run
+    (:meth:`run`) returns only the chosen calls' outputs, and runs only the part of the main graph
+    they need: the main graph's nodes from where the previous run stopped to the last chosen
+    call, fed the values that earlier runs made and later nodes read (each node of the main graph
+    runs once over a pass of consecutive batches). The probes that are not chosen are freed as
+    they are made (onnxruntime's priority-based order; its default order runs such dangling probes
+    last and keeps them all). :meth:`batches` chooses the calls of each run under a byte budget
+    (:meth:`call_bytes`: from the declared shapes, onnx's shape inference with the inputs' shapes
+    fixed, else a run that returns only every probe's ``Shape``).
+
+    ``model`` is not changed (the copy runs in memory; its external data is read from
+    ``external_data_folder``, the model's folder, so nothing is written next to it).
+    """
+
+    def __init__(self, model: onnx.ModelProto | ir.Model, feeds: Mapping[str, np.ndarray] | Sequence[np.ndarray], *,
+                 external_data_folder: str | os.PathLike | None = None, execution_provider: str | None = None,
+                 what: str = "instrumented model"):
+        copy = ir.serde.deserialize_model(model) if isinstance(model, onnx.ModelProto) else (
+            ir.serde.deserialize_model(ir.serde.serialize_model(model))
+        )
+        self.output_names = [v.name for v in copy.graph.outputs]
+        functions = _module_functions(copy)
+        called = [i for i, node in enumerate(copy.graph) if node.op_identifier() in functions]
+        probes = instrument(copy)
+        counter = metadata.CallCounter()
+        entries = flatten_probes(probes, None, "", 1, [], counter, metadata.NoOpCalls(copy.graph, None, None, counter, True))
+        self.calls = [CallEntry(name, path, index, function, depth, range(begin, end))
+                      for name, path, index, function, depth, (begin, end) in entries]
+        # the main-graph node whose run makes each probe (instrument keeps the main graph's node order)
+        self._maker = [node for node, probe in zip(called, probes) for _ in range(probe.width)]
+        if not isinstance(feeds, Mapping):
+            feeds = dict(zip([v.name for v in copy.graph.inputs], feeds))
+        self.feeds = dict(feeds)
+        self._static = [_static_bytes(v, _bindings(copy.graph.inputs, self.feeds)) for v in copy.graph.outputs[len(self.output_names):]]
+        self.proto = ir.serde.serialize_model(copy)
+        del copy
+        graph = self.proto.graph
+        self._graph_outputs = [_copied(v) for v in graph.output]
+        self._inputs = {v.name: _copied(v) for v in graph.input}
+        self._nodes = [_copied(n) for n in graph.node]
+        self._main = len(self._nodes) - (len(self._graph_outputs) - len(self.output_names))  # then the probes' Identity
+        self._reads = [_reads(n) for n in self._nodes[: self._main]]
+        del graph.node[:], graph.input[:], graph.output[:]
+        self._probe_bytes: list[int] | None = None
+        self.folder, self.execution_provider, self.what = external_data_folder, execution_provider, what
+        self.outputs: dict[str, np.ndarray] = {name: self.feeds[name] for name in self.output_names if name in self.feeds}
+        self._until = 0  # the main graph's nodes before this ran already; the values of theirs later nodes read:
+        self._frontier: dict[str, np.ndarray] = {}
+        self.runs = 0
+
+    def call_bytes(self) -> dict[str, int]:
+        """Each call's output bytes on these feeds."""
+        if self._probe_bytes is None:
+            sizes = list(self._static)
+            if None in sizes:
+                sizes = [s if s is not None else inferred for s, inferred in zip(sizes, self._inferred())]
+            if None in sizes:
+                sizes = self._measured(sizes)
+            self._probe_bytes = [int(s or 0) for s in sizes]
+        return {c.call_name: sum(self._probe_bytes[i] for i in c.probes) for c in self.calls}
+
+    def _inferred(self) -> list[int | None]:
+        """The probes' bytes by onnx's shape inference on the copy with the inputs' shapes fixed."""
+        probe = onnx.ModelProto()
+        probe.CopyFrom(self.proto)
+        graph = probe.graph
+        graph.node.extend(self._nodes)
+        graph.output.extend(self._graph_outputs[len(self.output_names):])
+        for value in self._inputs.values():
+            graph.input.append(_fixed(value, self.feeds.get(value.name)))
+        try:
+            inferred = onnx.shape_inference.infer_shapes(probe, data_prop=True)
+        except Exception:  # onnx's inference stops at what it does not know: the probes' shapes are then run
+            return [None] * len(self._static)
+        return [_declared_bytes(v) for v in inferred.graph.output]
+
+    def _measured(self, sizes: list[int | None]) -> list[int | None]:
+        """The probes' bytes from one run of the whole copy that returns only every probe's ``Shape``."""
+        first = len(self.output_names)
+        wanted = [i for i, size in enumerate(sizes) if size is None]
+        shapes = [onnx.helper.make_node("Shape", [self._graph_outputs[first + i].name], [f"_onnx_modular_shape_{i}"])
+                  for i in wanted]
+        infos = [onnx.helper.make_tensor_value_info(n.output[0], onnx.TensorProto.INT64, None) for n in shapes]
+        identities = [self._nodes[self._main + i] for i in wanted]
+        values = self._segment(0, self._main, [], extra=(identities + shapes, infos), keep=False)
+        out = list(sizes)
+        for i, shape in zip(wanted, values):
+            itemsize = _itemsize(self._graph_outputs[first + i].type.tensor_type.elem_type)
+            out[i] = int(np.prod(shape)) * (itemsize or _UNKNOWN_ITEMSIZE)
+        return out
+
+    def _segment(self, start: int, end: int, probes: Sequence[int], extra=((), ()), keep: bool = True) -> list[np.ndarray]:
+        """Run the main graph's nodes ``start:end`` (fed the values earlier runs left) and return the
+        ``probes``' values (then ``extra``'s outputs); the model's own outputs made are kept."""
+        first = len(self.output_names)
+        frontier = self._frontier if start else {}
+        nodes = self._nodes[start:end] + [self._nodes[self._main + i] for i in probes] + list(extra[0])
+        later = set(self.output_names).union(*self._reads[end: self._main]) if keep else set()
+        made = {name for n in self._nodes[start:end] for name in n.output if name}
+        read = set().union(*(_reads(n) for n in nodes))
+        inputs = [self._inputs[n] for n in self._inputs if n in read]
+        fed = [name for name in frontier if name in read and name not in self._inputs]
+        inputs += [_info_of(name, frontier[name]) for name in fed]
+        originals = [name for name in self.output_names if name in made and name not in self.outputs]
+        passed = [name for name in made if name in later and name not in originals] if keep else []
+        outputs = ([self._graph_outputs[first + i] for i in probes] + list(extra[1])
+                   + [self._graph_outputs[self.output_names.index(n)] for n in originals]
+                   + [onnx.ValueInfoProto(name=n) for n in passed])
+        if not outputs:
+            return []
+        graph = self.proto.graph
+        graph.node.extend(nodes), graph.input.extend(inputs), graph.output.extend(outputs)
+        try:
+            serialized = self.proto.SerializeToString()
+        finally:
+            del graph.node[:], graph.input[:], graph.output[:]
+        # onnxruntime's EliminateIdentity drops a probe's Identity whose input also feeds a node after the call
+        # is inlined, leaving that node without its input (a GLU's output read by a Pad: Wav2Vec2-BERT): the probes
+        # keep their Identity nodes.
+        session = runtime.session(serialized, self.execution_provider, external_data_folder=self.folder,
+                                  disabled_optimizers=("EliminateIdentity",), configure=_low_memory, what=self.what)
+        del serialized
+        feeds = {name: self.feeds[name] for name in self._inputs if name in read and name in self.feeds}
+        feeds.update((name, frontier[name]) for name in fed)
+        # without the arena, onnxruntime's output arrays hold only their own memory: no copies
+        _, values = runtime.run(session, feeds, what=self.what, copy=False)
+        self.runs += 1
+        count = len(probes) + len(extra[1])
+        self.outputs.update(zip(originals, values[count: count + len(originals)]))
+        if keep:
+            carried = {name: value for name, value in frontier.items() if name in later}
+            carried.update((name, self.outputs[name]) for name in originals if name in later)
+            carried.update(zip(passed, values[count + len(originals):]))
+            self._frontier, self._until = carried, end
+        return values[:count]
+
+    def model_outputs(self) -> dict[str, np.ndarray]:
+        """The model's own outputs (kept from the runs so far; the rest of the main graph runs for the others)."""
+        if any(name not in self.outputs for name in self.output_names):
+            self._segment(self._resume(self._until), self._main, [])
+        if any(name not in self.outputs for name in self.output_names):  # an initializer, say
+            self._segment(0, self._main, [], keep=False)
+        return {name: self.outputs[name] for name in self.output_names if name in self.outputs}
+
+    def run(self, calls: Sequence[CallEntry]) -> list[CallValues]:
+        """The outputs of ``calls`` (of :attr:`calls`) from one run, in the order given."""
+        indices = [i for c in calls for i in c.probes]
+        makers = [self._maker[i] for i in indices]
+        values = []
+        if indices:
+            values = self._segment(self._resume(min(makers)), max(makers) + 1, indices)
+        by_probe = dict(zip(indices, values))
+        return [CallValues(c.call_name, c.module_path, c.call_index, c.function, c.depth, [by_probe[i] for i in c.probes])
+                for c in calls]
+
+    def _resume(self, first: int) -> int:
+        """Where a run that needs the main graph's nodes from ``first`` on starts: where the last one
+        stopped, or at the beginning (a node before it, or a value not a tensor to feed back)."""
+        fed_back = all(isinstance(v, np.ndarray) for v in self._frontier.values())
+        return self._until if first >= self._until and fed_back else 0
+
+    def batches(self, budget: int | None, calls: Sequence[CallEntry] | None = None) -> list[list[CallEntry]]:
+        """``calls`` (all by default) in consecutive batches whose outputs fit ``budget`` bytes (a call
+        over it alone, the calls one call of the main graph makes together); one batch when
+        ``budget`` is ``None``."""
+        calls = self.calls if calls is None else list(calls)
+        if budget is None:
+            return [list(calls)] if calls else []
+        sizes = self.call_bytes()
+        return batches(calls, [sizes[c.call_name] for c in calls], budget, self.together)
+
+    def together(self, call: CallEntry, other: CallEntry) -> bool:
+        """Two calls made by one call of the main graph (a run makes all of its calls' values or none)."""
+        return bool(call.probes and other.probes) and self._maker[call.probes[0]] == self._maker[other.probes[0]]
+
+
+def _low_memory(options) -> None:
+    """A probe session's options: dangling probes freed as they are made, memory given back as it is freed."""
+    import onnxruntime as ort
+
+    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    options.enable_cpu_mem_arena = False
+
+
+def _copied(message):
+    copy = type(message)()
+    copy.CopyFrom(message)
+    return copy
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The names a node reads, those its subgraphs read from outside included."""
+    names = {name for name in node.input if name}
+    for attribute in node.attribute:
+        for graph in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+            inner = {name for n in graph.node for name in n.output} | {v.name for v in graph.input} | {
+                t.name for t in graph.initializer}
+            names |= {name for n in graph.node for name in _reads(n) if name not in inner}
+            names |= {v.name for v in graph.output if v.name not in inner}
+    return names
+
+
+def _info_of(name: str, value: np.ndarray) -> onnx.ValueInfoProto:
+    return onnx.helper.make_tensor_value_info(name, onnx.helper.np_dtype_to_tensor_dtype(value.dtype), value.shape)
+
+
+def _fixed(value: onnx.ValueInfoProto, feed: np.ndarray | None) -> onnx.ValueInfoProto:
+    """A graph input's declaration with the feed's shape."""
+    if feed is None or not isinstance(feed, np.ndarray) or not value.type.HasField("tensor_type"):
+        return value
+    return onnx.helper.make_tensor_value_info(value.name, value.type.tensor_type.elem_type, feed.shape)
+
+
+def _declared_bytes(value: onnx.ValueInfoProto) -> int | None:
+    tensor = value.type.tensor_type
+    if not value.type.HasField("tensor_type") or not tensor.HasField("shape") or not tensor.elem_type:
+        return None
+    if not all(d.HasField("dim_value") for d in tensor.shape.dim):
+        return None
+    itemsize = _itemsize(tensor.elem_type)
+    return int(np.prod([d.dim_value for d in tensor.shape.dim])) * itemsize if itemsize else None
+
+
+def batches(items: Sequence[Any], costs: Sequence[int], budget: int,
+            together: Callable[[Any, Any], bool] | None = None) -> list[list[Any]]:
+    """``items`` in order, cut into consecutive batches whose costs add up to at most ``budget``
+    (more when an item alone, or items that must stay ``together`` with the one before, cost more)."""
+    out: list[list[Any]] = []
+    total = 0
+    for item, cost in zip(items, costs):
+        if not out or total + cost > budget and not (together is not None and together(out[-1][-1], item)):
+            out.append([])
+            total = 0
+        out[-1].append(item)
+        total += cost
+    return out
+
+
+def _bindings(inputs: Sequence[ir.Value], feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """The symbolic dims of the graph's inputs, fixed by the feeds' shapes."""
+    bound: dict[str, int] = {}
+    for value in inputs:
+        feed = feeds.get(value.name or "")
+        if value.shape is None or feed is None or len(value.shape) != np.ndim(feed):
+            continue
+        for dim, size in zip(value.shape, np.shape(feed)):
+            if isinstance(dim, ir.SymbolicDim) and dim.value is not None:
+                bound.setdefault(dim.value, int(size))
+    return bound
+
+
+def _static_bytes(value: ir.Value, bound: Mapping[str, int]) -> int | None:
+    """``value``'s bytes from its declared type and shape, or ``None`` when not declared or not fixed."""
+    if value.shape is None or not isinstance(value.type, ir.TensorType):
+        return None
+    itemsize = _itemsize(value.dtype.value if value.dtype is not None else 0)
+    count = 1
+    for dim in value.shape:
+        if isinstance(dim, int):
+            count *= dim
+        elif dim.value is not None and dim.value in bound:
+            count *= bound[dim.value]
+        else:
+            return None
+    return count * itemsize if itemsize else None
+
+
+def _itemsize(elem_type: int) -> int | None:
+    """Bytes per element of an ONNX element type (``None``: undeclared or sub-byte)."""
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).itemsize if elem_type else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def call_batches(instrumented: Instrumented, budget: int | None = PROBE_BUDGET) -> Iterator[CallValues]:
+    """Every call's outputs, one batch of runs under ``budget`` at a time, in the order the calls
+    finish: a batch's arrays are dropped when the caller lets go of them."""
+    for batch in instrumented.batches(budget):
+        yield from instrumented.run(batch)
+
+
+def paired_calls(
+    a: Instrumented,
+    b: Instrumented,
+    budget: int | None = PROBE_BUDGET,
+    select: Callable[[CallEntry, CallEntry], bool] | None = None,
+) -> Iterator[tuple[CallValues, CallValues]]:
+    """The calls of ``a`` that ``b`` also makes (by call name, ``select`` of both if given), each
+    with ``b``'s values, in ``a``'s order: both files run once per batch of calls whose outputs in
+    both fit ``budget`` bytes, so that a comparison holds one batch of each file at a time.
+
+    The model outputs of both are :meth:`Instrumented.model_outputs` (the first batch returns them).
+    """
+    others = {c.call_name: c for c in b.calls}
+    pairs = [(c, others[c.call_name]) for c in a.calls
+             if c.call_name in others and (select is None or select(c, others[c.call_name]))]
+    if budget is None:
+        groups = [pairs] if pairs else []
+    else:
+        sizes_a, sizes_b = a.call_bytes(), b.call_bytes()
+        groups = batches(pairs, [sizes_a[x.call_name] + sizes_b[y.call_name] for x, y in pairs], budget,
+                         lambda p, q: a.together(p[0], q[0]) or b.together(p[1], q[1]))
+    for group in groups:
+        values_a = a.run([x for x, _ in group])
+        values_b = b.run([y for _, y in group])
+        yield from zip(values_a, values_b)
+        del values_a, values_b
+
+
 def call_outputs(
     model: onnx.ModelProto | ir.Model,
     feeds: Mapping[str, np.ndarray] | Sequence[np.ndarray],
@@ -210,8 +550,11 @@ def call_outputs(
     external_data_folder: str | os.PathLike | None = None,
     execution_provider: str | None = None,
     what: str = "instrumented model",
+    budget: int | None = None,
 ) -> tuple[dict[str, np.ndarray], list[CallValues]]:
-    """Run ``model`` once on ``feeds`` with every module call's outputs exposed.
+    """Run ``model`` on ``feeds`` with every module call's outputs exposed, all of them returned at
+    once (in runs of ``budget`` bytes of outputs each when given; :func:`call_batches` and
+    :func:`paired_calls` hold one batch at a time).
 
     ``model`` is not changed (an instrumented copy runs, in memory; its external data is read
     from ``external_data_folder``, the model's folder, so nothing is written next to it).
@@ -220,33 +563,10 @@ def call_outputs(
         The model's own outputs by name, and one :class:`CallValues` per module call in the order
         the calls finish (children before their parent).
     """
-    copy = ir.serde.deserialize_model(model) if isinstance(model, onnx.ModelProto) else (
-        ir.serde.deserialize_model(ir.serde.serialize_model(model))
-    )
-    original = [v.name for v in copy.graph.outputs]
-    probes = instrument(copy)
-    counter = metadata.CallCounter()
-    entries = flatten_probes(probes, None, "", 1, [], counter, metadata.NoOpCalls(copy.graph, None, None, counter, True))
-    proto = ir.serde.serialize_model(copy)
-    del copy
-    # onnxruntime's EliminateIdentity drops a probe's Identity whose input also feeds a node after the call
-    # is inlined, leaving that node without its input (a GLU's output read by a Pad: Wav2Vec2-BERT): the probes
-    # keep their Identity nodes.
-    probed_session = runtime.session(
-        proto.SerializeToString(),
-        execution_provider,
-        external_data_folder=external_data_folder,
-        disabled_optimizers=("EliminateIdentity",),
-        what=what,
-    )
-    _, values = runtime.run(probed_session, feeds, what=what)
-    outputs = dict(zip(original, values[: len(original)]))
-    probed = values[len(original) :]
-    calls = [
-        CallValues(name, path, index, function, depth, list(probed[begin:end]))
-        for name, path, index, function, depth, (begin, end) in entries
-    ]
-    return outputs, calls
+    instrumented = Instrumented(model, feeds, external_data_folder=external_data_folder,
+                                execution_provider=execution_provider, what=what)
+    calls = list(call_batches(instrumented, budget))
+    return instrumented.model_outputs(), calls
 
 
 def call_values_by_name(calls: Sequence[CallValues]) -> dict[str, CallValues]:

@@ -30,7 +30,7 @@ How the file changes:
 
 Weights are converted one tensor at a time while the file is written (external data in and out),
 the result is checked, run in onnxruntime against the original on the same inputs with every
-module call's outputs captured (:func:`onnx_modular.calls.capture.call_outputs`), and saved
+module call's outputs captured a batch at a time (:func:`onnx_modular.calls.capture.paired_calls`), and saved
 atomically. The :class:`Conversion` report gives the drift of every call and class.
 
 Where the parts live: the precision change is :mod:`onnx_modular.passes.precision`, the weight
@@ -53,7 +53,7 @@ import numpy as np
 import onnx
 
 from onnx_modular.calls import targets as _calls
-from onnx_modular.calls.capture import call_outputs
+from onnx_modular.calls.capture import PROBE_BUDGET, Instrumented, paired_calls
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError, VerificationError
 from onnx_modular.files.convert_build import BuildFacts, build, class_of, selected, under
 from onnx_modular.files.convert_flat import convert_flat, node_modules
@@ -69,8 +69,10 @@ from onnx_modular.files.convert_report import (
     class_drifts,
     drift,
     output_drifts,
+    overflows,
     warn_left,
 )
+from onnx_modular.files.convert_select import Selection, flipped, run_with_selections
 from onnx_modular.files.convert_verify import (
     culprit,
     folder_bytes,
@@ -125,7 +127,10 @@ def convert(
             ``onnx.checker`` only, and the report has no drift.
         auto_keep: A tolerance: convert, then keep classes in float32, the most harmful first
             (ranked by the drift of the outputs when that class alone is converted), until every
-            output's drift (max abs difference over its range) is at most this.
+            output's drift (max abs difference over its range) is at most this. First, the calls
+            feeding a selection the conversion flips (``TopK``/``ArgMax``/``ArgMin`` of the main
+            graph, :mod:`.convert_select`), nearest first; with ``quantize`` alone, only those,
+            left unquantized with everything they call.
         inputs: The model's inputs for the comparison (``.npz`` or arrays by name); random ones
             from the declared input types when ``None``.
 
@@ -158,22 +163,22 @@ def convert(
         job.run_original(inputs, seed)
         job.keep_ranges()
     own, auto_kept = job.auto_keep(auto_keep) if auto_keep is not None else (set(), [])
-    kept = job.kept_below() | own | set(job.range_kept)
+    kept = job.kept_below() | (own if dtype else set()) | set(job.range_kept)  # quantize alone: auto_keep leaves calls unquantized
+    job.excluded_calls |= set() if dtype else own
     result, facts = job.build(own, {"auto_kept": [n for n, _ in auto_kept]} if auto_keep is not None else None)
     # onnx has no schema for MatMulNBits: no strict type inference; onnxruntime opens and runs it below
     actual: dict[str, np.ndarray] = {}
-    actual_calls: list = []
+    drifts: list[CallDrift] = []
     # a source with external data gives one with external data: tensors left as they are stay
     # references into the source's data (a `--generation` decode.onnx reads prefill.onnx.data), which
     # an inline save cannot keep; writing them to the output's own data file can
     external = True if job.folder else None
     with save.staged_save(result, destination, external_data=external, full_check=quantize is None) as staged:
         if verify:
-            actual, actual_calls = job.run_converted(staged, kept)
-            refuse_overflow(dtype, actual, job.reference, actual_calls, job.reference_calls,
+            actual, drifts = job.run_converted(staged, kept, facts)
+            refuse_overflow(dtype, actual, job.reference, job.first_overflow,
                             {name: class_of(call) for name, call in job.all_calls.items()})
         output_bytes = folder_bytes(staged.parent)
-    drifts = job.call_drifts(actual_calls, facts)
     warn_left(quantize, facts.quantized, facts.skipped)
     return Conversion(
         source=str(source), output=str(destination), dtype=dtype, quantize=quantize, block_size=block_size,
@@ -183,6 +188,7 @@ def convert(
         quantized=facts.quantized, skipped=facts.skipped, weights=facts.weights, float32_weights=facts.float32_weights,
         casts=facts.casts, split=facts.split, outputs=output_drifts(actual, job.reference), calls=drifts,
         classes=class_drifts(drifts), source_bytes=source_bytes(source, model), output_bytes=output_bytes,
+        selections=job.selections, flipped_before=job.first_selections,
     )
 
 
@@ -199,8 +205,8 @@ def _check_request(*, dtype: str | None, keep: Sequence[str], quantize: str | No
         raise InvalidInputError("keep names modules left in float32: it needs dtype.", hint="Add --dtype float16.")
     if exclude and quantize is None:
         raise InvalidInputError("exclude names modules left unquantized: it needs quantize.", hint="Add --quantize int4.")
-    if auto_keep is not None and (dtype is None or not (isinstance(auto_keep, (int, float)) and auto_keep > 0)):
-        raise InvalidInputError(f"auto_keep must be a tolerance > 0 with dtype, not {auto_keep!r}.", hint="--dtype float16 --auto-keep 0.02")
+    if auto_keep is not None and not (isinstance(auto_keep, (int, float)) and not isinstance(auto_keep, bool) and auto_keep > 0):
+        raise InvalidInputError(f"auto_keep must be a tolerance > 0, not {auto_keep!r}.", hint="--dtype float16 --auto-keep 0.02")
     if isinstance(block_size, bool) or block_size not in (16, 32, 64, 128, 256):  # onnxruntime's MLAS quantizes these only
         raise InvalidInputError(f"block_size must be 16, 32, 64, 128 or 256 (MatMulNBits), not {block_size!r}.")
     if auto_keep is not None and not verify:
@@ -230,14 +236,20 @@ class _Job:
         self.range_values = 0  # values marked past float16's range (their ops stay float32)
         self.feeds: dict[str, np.ndarray] = {}
         self.reference: dict[str, np.ndarray] = {}
-        self.reference_calls: list = []
+        self.original: Instrumented | None = None
+        self.reference_selections: dict[str, np.ndarray] = {}
+        self.selections: list[Selection] = []  # the selections the conversion flips (convert_select)
+        self.trial_selections: list[Selection] = []
+        self.first_selections: list[Selection] = []  # those auto_keep's first trial flipped
+        self.first_overflow: str | None = None  # the first call whose converted outputs overflow (run_converted)
 
     def run_original(self, inputs, seed: int) -> None:
         """The original's outputs and every call's outputs on the inputs (random ones when ``None``)."""
         self.feeds = feeds_for(self.model, inputs, seed=seed)
-        _, self.reference_calls = call_outputs(self.model, self.feeds, external_data_folder=self.folder, what="original model")
-        names, values = runtime.run(str(self.source), self.feeds, what="original model")
-        self.reference = dict(zip(names, values))
+        # every call's outputs are run later, a batch at a time beside the converted file's (paired_calls)
+        self.original = Instrumented(self.model, self.feeds, external_data_folder=self.folder, what="original model")
+        self.reference, self.reference_selections = run_with_selections(self.model, self.feeds, folder=self.folder,
+                                                                        what="original model")
 
     def keep_ranges(self) -> None:
         """float16: mark the values past its finite range (the precision pass runs their ops in
@@ -265,10 +277,11 @@ class _Job:
         if self.range_kept:
             note["range_kept"] = sorted(self.range_kept)
         note.update(note_extra or {})
+        unquantized = self.excluded_calls | (set() if self.dtype else own)  # quantize alone: auto_keep's calls
         return build(
             self.model, self.folder, dtype=self.target,
             low_calls=lambda call: not under(call, self.kept_calls) and call.call_name not in own, root_low=True,
-            quant=lambda call: not under(call, self.excluded_calls), root_quant=True, quantize=settings, note=note,
+            quant=lambda call: not under(call, unquantized), root_quant=True, quantize=settings, note=note,
         )
 
     def output_drift(self, result) -> dict[str, tuple[float, float]]:
@@ -276,8 +289,10 @@ class _Job:
 
         with runtime.scratch_file(None) as scratch:
             ir.save(result, scratch, external_data=scratch.name + ".data")
-            names, values = runtime.run(str(scratch), self.feeds, what="trial conversion")
-        return {n: drift(v, self.reference[n]) for n, v in zip(names, values)}
+            outputs, selections = run_with_selections(onnx.load(str(scratch), load_external_data=False), self.feeds,
+                                                      folder=str(scratch.parent), what="trial conversion")
+        self.trial_selections = flipped(self.model, self.reference_selections, selections)
+        return {n: drift(v, self.reference[n]) for n, v in outputs.items()}
 
     def worst_drift(self, result) -> float:
         """The worst output drift of a trial conversion (inf: onnxruntime does not run it)."""
@@ -294,10 +309,20 @@ class _Job:
             quant=lambda call: False, root_quant=False, quantize=None, note={})[0])
 
     def auto_keep(self, tolerance: float) -> tuple[set[str], list[tuple[str, float]]]:
-        """Keep classes in float32, the most harmful alone first, until the outputs drift at most ``tolerance``."""
+        """Keep classes in float32, the most harmful alone first, until the outputs drift at most ``tolerance``;
+        first (and alone, for quantization alone) the calls that feed a selection the conversion flips."""
         own: set[str] = set()
         auto_kept: list[tuple[str, float]] = []
-        if self.worst_drift(self.build(own)[0]) <= tolerance:
+        worst = self.worst_drift(self.build(own)[0])
+        self.first_selections = list(self.trial_selections)
+        feeding = list(dict.fromkeys(c for s in self.trial_selections for c in s.feeding))
+        for name in feeding:  # nearest first: a selection's scores moved by a call's small drift
+            if worst <= tolerance:
+                return own, auto_kept
+            own |= {name} if self.dtype is None else {c for c in self.all_calls if c == name or c.startswith(name + ".")}
+            worst = self.worst_drift(self.build(own)[0])
+            auto_kept.append((name, worst))
+        if worst <= tolerance or self.dtype is None:
             return own, auto_kept
         kept_below = self.kept_below()
         candidates = [name for name, names in self.class_calls.items() if not names <= kept_below]
@@ -309,36 +334,36 @@ class _Job:
                 break
         return own, auto_kept
 
-    def run_converted(self, staged: pathlib.Path, kept: set[str]) -> tuple[dict[str, np.ndarray], list]:
-        """The staged file's outputs and every call's outputs on the same inputs."""
+    def run_converted(self, staged: pathlib.Path, kept: set[str], facts: BuildFacts) -> tuple[dict[str, np.ndarray], list[CallDrift]]:
+        """The staged file's outputs on the same inputs, and the drift of every call of the original
+        that it also runs, in execution order (both files' call outputs a batch at a time)."""
         runnable(staged, self.dtype, self.quantize)
         staged_model = onnx.load(str(staged), load_external_data=False)
         staged_folder = str(staged.parent) if uses_external_data(staged_model) else None
         # the outputs from the file as users run it (capturing every call can change onnxruntime's fusions)
         try:
-            names, values = runtime.run(str(staged), self.feeds, what="converted model")
+            outputs, selections = run_with_selections(staged_model, self.feeds, folder=staged_folder, what="converted model")
         except VerificationError as e:
             if self.dtype is None:
                 raise
             raise not_running(e, self.dtype, culprit(self.all_calls, self.class_calls, kept, self.alone)) from e
-        try:
-            _, actual_calls = call_outputs(staged_model, self.feeds, external_data_folder=staged_folder, what="converted model")
-        except Exception as e:
-            raise VerificationError(f"The converted model does not run in onnxruntime: {str(e).splitlines()[0][:300]}") from e
-        return dict(zip(names, values)), actual_calls
-
-    def call_drifts(self, actual_calls: list, facts: BuildFacts) -> list[CallDrift]:
-        """Every call of the original that the converted file also runs, in execution order."""
-        converted = {c.call_name: c for c in actual_calls}
+        self.selections = flipped(self.model, self.reference_selections, selections)
+        assert self.original is not None
         drifts = []
-        for call in self.reference_calls:
-            other = converted.get(call.call_name)
-            if other is None or call.call_name not in self.all_calls:
-                continue
-            plan = facts.plan_of(call.call_name)
-            drifts.append(call_drift(call.call_name, class_of(self.all_calls[call.call_name]), plan.low, plan.quantize,
-                                     other.outputs, call.outputs))
-        return drifts
+        try:
+            converted = Instrumented(staged_model, self.feeds, external_data_folder=staged_folder, what="converted model")
+            for call, other in paired_calls(self.original, converted, PROBE_BUDGET,
+                                            select=lambda x, _: x.call_name in self.all_calls):
+                plan = facts.plan_of(call.call_name)
+                if self.first_overflow is None and any(overflows(a, e) for a, e in zip(other.outputs, call.outputs)):
+                    self.first_overflow = call.call_name  # in finishing order: refuse_overflow names it
+                drifts.append(call_drift(call.call_name, class_of(self.all_calls[call.call_name]), plan.low, plan.quantize,
+                                         other.outputs, call.outputs))
+        except VerificationError as e:
+            if "converted model" not in str(e):
+                raise
+            raise VerificationError(f"The converted model does not run in onnxruntime: {str(e).splitlines()[0][:300]}") from e
+        return outputs, drifts
 
 
 def _load(path: str | os.PathLike, dtype: str | None) -> onnx.ModelProto:

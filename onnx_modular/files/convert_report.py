@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from onnx_modular.check.parity import fit_name, max_differences, name_column_width
+from onnx_modular.check.parity import blocks, fit_name, max_differences, name_column_width
+from onnx_modular.files.convert_select import Selection
 from onnx_modular.format import records
 
 __all__ = ["CallDrift", "ClassDrift", "Conversion", "QuantizationWarning"]
@@ -77,6 +78,11 @@ class Conversion:
         split: Functions given to some calls alone so that their plans differ.
         outputs: Per model output: ``(max_abs, drift)`` against the original.
         calls / classes: Per module call and class, in execution order / worst first.
+        selections: ``TopK``/``ArgMax``/``ArgMin`` of the main graph whose indices differ from the
+            original's (:class:`~onnx_modular.files.convert_select.Selection`): outputs downstream
+            of a flipped selection move by whole elements (another box, another token), whatever
+            the precision of the rest. ``flipped_before``: those ``auto_keep``'s first trial
+            flipped (it then keeps the calls feeding them first).
     """
 
     source: str
@@ -101,6 +107,8 @@ class Conversion:
     output_bytes: int = 0
     range_kept: list[tuple[str, float]] = dataclasses.field(default_factory=list)
     range_values: int = 0
+    selections: list[Selection] = dataclasses.field(default_factory=list)
+    flipped_before: list[Selection] = dataclasses.field(default_factory=list)
 
     @property
     def max_drift(self) -> float:
@@ -146,7 +154,12 @@ class Conversion:
                 lines.append(f"  {self.range_values} values leave {self.dtype}'s range in the original run: their ops run in float32"
                              + (f"; {len(self.range_kept)} calls kept float32 for it ({_short_list([c for c, _ in self.range_kept])}; "
                                 f"values up to {largest:.4g})" if self.range_kept else ""))
+        feeding = {c for s in self.flipped_before for c in s.feeding}
         for name, drift in self.auto_kept:
+            if name in feeding:
+                lines.append(f"  auto-keep {'kept' if self.dtype else 'left unquantized'} {name}: it feeds the scores of a "
+                             f"selection the conversion flipped; then the outputs drift {drift:.3%} of their range")
+                continue
             lines.append(f"  auto-keep kept {name}: " + ("converted alone, the file does not run in onnxruntime" if drift == math.inf
                          else f"converted alone, it moves the outputs by {drift:.3%} of their range"))
         if self.tolerance is not None:
@@ -173,6 +186,12 @@ class Conversion:
         width = name_column_width(self.outputs)
         for name, (max_abs, drift) in self.outputs.items():  # the file's names (output.past_key_values...) alone
             lines.append(f"  {fit_name(name, width):<{width}} {max_abs:10.3g} {drift:8.3%}")
+        for s in self.selections:
+            how = "the same elements in another order" if s.same_members else "other elements"
+            lines.append(f"  selection flipped: {s.op_type} {s.node} picks {how} ({s.changed} of {s.total} indices differ): the "
+                         "outputs it selects for move by whole elements, not by the precision lost; its scores come from "
+                         f"{_short_list(s.feeding) if s.feeding else 'no module call'}. Keep those unconverted (--auto-keep "
+                         "keeps them first, --exclude/--keep by name)")
         overflowed = [c.call_name for c in self.calls if c.overflow or not math.isfinite(c.max_abs)]
         if overflowed:  # the outputs' drift alone would hide them (a later op can clip an inf)
             lines.append(f"  {len(overflowed)} calls overflow (inf or NaN where the original is finite): {_short_list(overflowed)}; "
@@ -222,14 +241,23 @@ def drift(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
     expected = np.asarray(expected)
     actual = np.asarray(actual)
     if expected.dtype.kind == "f" or expected.dtype.kind == "V":
-        expected = expected.astype(np.float32)
-        actual = actual.astype(np.float32)
+        expected = expected.astype(np.float32, copy=False)
+        actual = actual.astype(np.float32, copy=False)
     elif actual.dtype != expected.dtype and actual.dtype.kind in "fV":
-        actual = actual.astype(np.float32)
+        actual = actual.astype(np.float32, copy=False)
     max_abs, _ = max_differences(actual, expected)
-    finite = expected[np.isfinite(expected)] if expected.dtype.kind == "f" else expected
-    spread = float(finite.max() - finite.min()) if finite.size and expected.dtype.kind in "fiu" else 0.0
+    spread = _spread(expected) if expected.dtype.kind in "fiu" else 0.0
     return max_abs, (max_abs / spread if spread > 0 else (0.0 if max_abs == 0 else math.inf))
+
+
+def _spread(values: np.ndarray) -> float:
+    """max - min of the finite values (0 when none), a block at a time."""
+    low, high = math.inf, -math.inf
+    for (block,) in blocks(values):
+        finite = block[np.isfinite(block)] if values.dtype.kind == "f" else block
+        if finite.size:
+            low, high = min(low, float(finite.min())), max(high, float(finite.max()))
+    return high - low if high >= low else 0.0
 
 
 def overflows(actual: np.ndarray, expected: np.ndarray) -> bool:
@@ -237,7 +265,7 @@ def overflows(actual: np.ndarray, expected: np.ndarray) -> bool:
     actual, expected = np.asarray(actual), np.asarray(expected)
     if actual.shape != expected.shape or actual.dtype.kind != "f" or expected.dtype.kind != "f":
         return False
-    return bool(np.any(~np.isfinite(actual) & np.isfinite(expected)))
+    return any(bool(np.any(~np.isfinite(a) & np.isfinite(e))) for a, e in blocks(actual, expected))
 
 
 def call_drift(call_name: str, module_class: str, converted: bool, quantized: bool,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import pathlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnx
@@ -71,15 +71,14 @@ def not_running(error: VerificationError, dtype: str, culprit: tuple[str, str, f
 
 
 def refuse_overflow(dtype: str | None, actual: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
-                    actual_calls: Sequence, reference_calls: Sequence, class_of: Mapping[str, str]) -> None:
+                    first: str | None, class_of: Mapping[str, str]) -> None:
     """A converted file whose outputs hold inf or NaN where the original's are finite is not
-    written: the error names the outputs and the first call (in finishing order) that overflows."""
+    written: the error names the outputs and ``first``, the first call (in finishing order) whose
+    outputs overflow (found while both files' calls are compared, a batch at a time)."""
     outputs = [name for name, value in actual.items() if name in reference and overflows(value, reference[name])]
     if dtype is None or not outputs:
         return
-    expected = {c.call_name: c for c in reference_calls}
-    first = next((c.call_name for c in actual_calls if c.call_name in expected and c.call_name in class_of
-                  and any(overflows(a, e) for a, e in zip(c.outputs, expected[c.call_name].outputs))), None)
+    first = first if first in class_of else None
     where = f" The first call that overflows: {first!r} ({class_of[first]})." if first else ""
     keep = f"--keep {class_of[first]} (or --keep {first})" if first else "--keep NAME"
     raise VerificationError(

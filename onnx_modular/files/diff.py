@@ -14,7 +14,7 @@ class, and says for each call:
   differs (``GPT2Block`` -> ``GPT2Block_2``) is said, and is not by itself a change.
 * numerics: both files run once in onnxruntime on the same inputs (given, or random from the
   declared input types, seed 0) with every call's outputs captured
-  (:func:`~onnx_modular.calls.capture.call_outputs`); per call the largest absolute and relative
+  (:func:`~onnx_modular.calls.capture.paired_calls`, a batch at a time); per call the largest absolute and relative
   difference of its outputs (:func:`~onnx_modular.check.parity.max_differences`), the first call
   in execution order whose outputs differ, and the calls ranked by the drift they add
   (:attr:`CallDiff.added_drift`).

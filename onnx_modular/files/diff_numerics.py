@@ -3,7 +3,7 @@
 :func:`feeds_for_both` checks that the two files take the same inputs (floating-point types may
 differ: B gets the same values cast to its type) and makes them (given, or random from A's
 declared types); :func:`call_drift` runs both files once in onnxruntime with every call's outputs
-captured (:func:`~onnx_modular.calls.capture.call_outputs`) and sets each matched call's drift
+captured a batch at a time (:func:`~onnx_modular.calls.capture.paired_calls`) and sets each matched call's drift
 (:func:`drift`), execution order and the first drifting call on the merged tree;
 :func:`output_drift` the model outputs' only (files compared by module); :func:`times` each call's
 inclusive kernel time in both files (:func:`~onnx_modular.profiling.run.profile`). No torch.
@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import numpy as np
 import onnx
 
-from onnx_modular.calls.capture import call_outputs
-from onnx_modular.check.parity import default_tolerance, max_differences
+from onnx_modular.calls.capture import PROBE_BUDGET, Instrumented, paired_calls
+from onnx_modular.check.parity import blocks, default_tolerance, max_differences
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.files.diff_result import CallDiff
 from onnx_modular.format.text import shown
@@ -116,36 +116,34 @@ def _magnitude(values: np.ndarray) -> float:
     """The largest finite ``|value|`` (0 for empty, non-numeric or all non-finite values)."""
     if values.size == 0 or values.dtype.kind not in "biufc":
         return 0.0
-    magnitude = np.abs(values.astype(np.complex128 if values.dtype.kind == "c" else np.float64))
-    finite = magnitude[np.isfinite(magnitude)]
-    return float(finite.max()) if finite.size else 0.0
+    largest = 0.0
+    for (block,) in blocks(values):
+        magnitude = np.abs(block.astype(np.complex128 if values.dtype.kind == "c" else np.float64))
+        finite = magnitude[np.isfinite(magnitude)]
+        largest = max(largest, float(finite.max()) if finite.size else 0.0)
+    return largest
 
 
 def call_drift(root: CallDiff, file_a: Side, file_b: Side, feeds: Mapping[str, np.ndarray], feeds_b) -> None:
-    outputs_a, calls_a = call_outputs(
-        file_a.model, feeds, external_data_folder=runtime.external_data_folder(file_a.path, file_a.model),
-        what=f"instrumented copy of {file_a.path!r}",
-    )
-    outputs_b, calls_b = call_outputs(
-        file_b.model, feeds_b, external_data_folder=runtime.external_data_folder(file_b.path, file_b.model),
-        what=f"instrumented copy of {file_b.path!r}",
-    )
-    _set_output_drift(root, outputs_a, outputs_b)
+    """Each matched call's drift, both files run with their calls' outputs exposed a batch at a time
+    (:func:`~onnx_modular.calls.capture.paired_calls`: at most ``PROBE_BUDGET`` bytes of both at once)."""
+    a = Instrumented(file_a.model, feeds, external_data_folder=runtime.external_data_folder(file_a.path, file_a.model),
+                     what=f"instrumented copy of {file_a.path!r}")
+    b = Instrumented(file_b.model, feeds_b, external_data_folder=runtime.external_data_folder(file_b.path, file_b.model),
+                     what=f"instrumented copy of {file_b.path!r}")
     by_path = {call.path: call for call in root.walk() if call.change != "added" and call.change != "removed"}
-    values_b = {c.call_name: c for c in calls_b}
+    order = {c.call_name: i for i, c in enumerate(a.calls)}
     seen = 0.0
     first = True
-    for order, values in enumerate(calls_a):
-        node = by_path.get(values.call_name)
-        other = values_b.get(values.call_name)
-        if node is None or other is None:
-            continue
+    for values, other in paired_calls(a, b, PROBE_BUDGET, select=lambda x, _: x.call_name in by_path):
+        node = by_path[values.call_name]
         node.max_abs, node.max_rel, node.scaled_drift = drift(values.outputs, other.outputs)
-        node.order = order
+        node.order = order[values.call_name]
         node.drift_before = seen
         seen = max(seen, node.scaled_drift)
         if first and node.max_abs:
             node.first_drift, first = True, False
+    _set_output_drift(root, a.model_outputs(), b.model_outputs())
     root.drift_before = seen  # the model outputs come last
 
 

@@ -130,10 +130,13 @@ def run(
     what: str = "model",
     execution_provider: str | None = None,
     external_data_folder: str | os.PathLike | None = None,
+    copy: bool = True,
 ) -> tuple[list[str], list[np.ndarray]]:
     """Run a model on ``feeds`` (by name, or one array per input in order).
 
     ``model`` is a file path, a serialized model, or an open session (which is reused).
+    ``copy=False``: the output arrays are onnxruntime's own (for a session without the CPU memory
+    arena, whose outputs hold only their own memory; see below).
 
     Returns:
         (output names, output arrays).
@@ -179,7 +182,8 @@ def run(
     # onnxruntime's output arrays live in the session's memory arena and keep all of it (4.2 GB for
     # SegGPT at 448x448) alive as long as they do: copies free the arena with the session, so that
     # a second session (the inlined flat copy) does not run beside the first one's memory.
-    outputs = [np.array(output, copy=True) if isinstance(output, np.ndarray) else output for output in outputs]
+    if copy:
+        outputs = [np.array(output, copy=True) if isinstance(output, np.ndarray) else output for output in outputs]
     return [o.name for o in sess.get_outputs()], outputs
 
 

@@ -1,0 +1,131 @@
+"""Every call's outputs in bounded memory (onnx_modular.calls.capture.Instrumented): a budget small
+enough to force several runs gives exactly the values of one run, alone and paired, and convert's
+and diff's reports are the same whatever the budget; comparisons of large arrays in blocks equal
+the whole-array ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from onnx_modular import convert, diff, export_modular
+from onnx_modular.calls import capture
+from onnx_modular.check import parity
+from onnx_modular.files import convert as convert_module
+from onnx_modular.files import diff_numerics
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Stack(torch.nn.Module):
+    """Blocks in the main graph, a value (the scaled input) that every block reads, an output after them."""
+
+    def __init__(self, width: int = 16, depth: int = 4):
+        super().__init__()
+        self.embed = torch.nn.Linear(width, width)
+        self.blocks = torch.nn.ModuleList(_Block(width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 3)
+
+    def forward(self, x):
+        skip = x * 0.5
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h) + skip
+        return self.head(h).softmax(-1), h
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("batches")
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    export_modular(_Stack().eval(), (x,), folder / "stack.onnx")
+    return folder / "stack.onnx", {"x": x.numpy()}
+
+
+def _values(calls):
+    return [(c.call_name, c.module_path, c.call_index, c.function, c.depth, c.outputs) for c in calls]
+
+
+def _assert_same(got, expected):
+    assert [g[:5] for g in got] == [e[:5] for e in expected]
+    for g, e in zip(got, expected):
+        assert len(g[5]) == len(e[5])
+        for x, y in zip(g[5], e[5]):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_a_tiny_budget_runs_several_segments_with_the_values_of_one_run(stack):
+    path, feeds = stack
+    model = onnx.load(path)
+    outputs, whole = capture.call_outputs(model, feeds)
+    assert len(whole) == 14  # embed, 4 x (up, down, block), head
+
+    instrumented = capture.Instrumented(model, feeds)
+    sizes = instrumented.call_bytes()
+    assert sizes["blocks.0.up"] == 2 * 5 * 32 * 4  # float32 (2, 5, 32), from the declared shapes
+    budget = 2 * sizes["blocks.0"]  # not one block's three calls: one main-graph call a run
+    batches = instrumented.batches(budget)
+    assert len(batches) == 6 and [c.call_name for c in batches[1]] == ["blocks.0.up", "blocks.0.down", "blocks.0"]
+    batched = list(capture.call_batches(instrumented, budget))
+    _assert_same(_values(batched), _values(whole))
+    assert instrumented.runs == 6  # one run per batch, each from where the last stopped
+    assert instrumented._until == instrumented._main - 1  # the softmax after the head not run yet
+    got = instrumented.model_outputs()
+    assert list(got) == list(outputs) and instrumented.runs == 7
+    for name in outputs:
+        np.testing.assert_array_equal(got[name], outputs[name])
+
+
+def test_paired_calls_under_a_budget_equal_one_run_of_each(stack):
+    path, feeds = stack
+    model = onnx.load(path)
+    _, whole = capture.call_outputs(model, feeds)
+    a, b = capture.Instrumented(model, feeds), capture.Instrumented(model, feeds)
+    pairs = list(capture.paired_calls(a, b, budget=1, select=lambda x, _: x.call_name != "head"))
+    assert a.runs == b.runs == 5  # every main-graph call its own run; the head not asked for
+    expected = [c for c in _values(whole) if c[0] != "head"]
+    _assert_same(_values([x for x, _ in pairs]), expected)
+    _assert_same(_values([y for _, y in pairs]), expected)
+
+
+def test_convert_and_diff_reports_do_not_depend_on_the_budget(stack, tmp_path, monkeypatch):
+    """float32 activations (int8 weights): the values are the same whatever the segments. (A float16
+    file's are not bit for bit: onnxruntime removes Cast pairs within a run that a segment's edge
+    keeps, one float16 step at a time.)"""
+    path, feeds = stack
+    reports = []
+    for budget in (None, 1):
+        monkeypatch.setattr(convert_module, "PROBE_BUDGET", budget)
+        monkeypatch.setattr(diff_numerics, "PROBE_BUDGET", budget)
+        conversion = convert(path, tmp_path / f"q-{budget}.onnx", quantize="int8", block_size=16, inputs=feeds)
+        compared = diff(path, tmp_path / f"q-{budget}.onnx", inputs=feeds)
+        reports.append((conversion.calls, conversion.outputs,
+                        [(c.path, c.max_abs, c.max_rel, c.scaled_drift, c.order, c.first_drift) for c in compared.root.walk()]))
+    assert reports[0] == reports[1]
+    assert len(reports[0][0]) == 14 and max(c.max_abs for c in reports[0][0]) > 0  # int8 moved the calls a little
+
+
+def test_differences_in_blocks_equal_the_whole_arrays(monkeypatch):
+    rng = np.random.default_rng(0)
+    expected = rng.normal(size=(7, 11, 13)).astype(np.float32)
+    actual = expected + rng.normal(scale=1e-3, size=expected.shape).astype(np.float32)
+    actual[3, 4, 5], expected[1, 2, 3], actual[1, 2, 3] = np.inf, np.nan, np.nan
+    whole = parity.max_differences(actual, expected, rel_above=1e-4)
+    close = parity.allclose(actual, expected, parity.Tolerance(1e-2, 1e-2))
+    monkeypatch.setattr(parity, "BLOCK", 10)  # 101 blocks
+    assert len(list(parity.blocks(actual, expected))) == 101
+    assert parity.max_differences(actual, expected, rel_above=1e-4) == whole and whole[0] == np.inf
+    assert parity.allclose(actual, expected, parity.Tolerance(1e-2, 1e-2)) == close is False
+    actual[3, 4, 5] = expected[3, 4, 5]
+    assert parity.allclose(actual, expected, parity.Tolerance(1e-2, 1e-2))
