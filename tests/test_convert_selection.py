@@ -60,3 +60,18 @@ def test_auto_keep_leaves_the_feeding_calls_unquantized(proposals, tmp_path):
     assert any(call == "box" for call, _ in report.quantized)  # the rest is still quantized
     assert "auto-keep left unquantized score: it feeds the scores of a selection" in str(report)
     np.testing.assert_array_equal(report.flipped_before[0].feeding[:1], ["score"])
+
+
+class _Ranked(_Proposals):
+    def forward(self, x):  # the indices themselves are an output of the model
+        scores = self.score(self.encoder(x)).max(-1).values
+        return scores.topk(scores.shape[-1]).indices
+
+
+def test_a_selection_whose_indices_are_a_model_output_is_named(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, 16) + 1e-4 * torch.randn(2, 24, 16)
+    export_modular(_Ranked().eval(), (x,), tmp_path / "ranked.onnx")
+    report = convert(tmp_path / "ranked.onnx", tmp_path / "q.onnx", quantize="int8", block_size=16, inputs={"x": x.numpy()})
+    assert report.max_drift > 0.25
+    assert [s.op_type for s in report.selections] == ["TopK"] and report.selections[0].feeding[:2] == ["score", "encoder"]

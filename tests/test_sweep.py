@@ -739,8 +739,11 @@ def test_the_tools_phase_gives_every_tool_a_status(tmp_path):
     sweep.write_json(tmp_path / "c.json", [row, other], environment, planned=2)
     text = (tmp_path / "c.md").read_text()
     assert "Every file tool on the files of 1 of the 2 modular-ok rows" in text
-    assert "| convert_f16 | 1 | 1 | 0 |" in text and "| profile | 0 | 1 | 0 |" in text
+    assert "| convert_f16 | 1 | 0 | 1 | 0 |" in text and "| profile | 0 | 0 | 1 | 0 |" in text
     assert "profile: 97.0% of kernel time attributed" in text
     data = json.loads((tmp_path / "c.json").read_text())
-    assert data["tools"]["split"] == {"passed": 1, "run": 1, "n/a": 0} and data["tools"]["rows"]["run"] == 1
+    assert data["tools"]["split"] == {"passed": 1, "run": 1, "n/a": 0, "auto-keep": 0} and data["tools"]["rows"]["run"] == 1
+    # a conversion that passes only with --auto-keep at its budget is a pass, counted apart
+    auto = dataclasses.replace(row, tools=dict(row.tools, convert_int8="ok (--auto-keep 0.25 kept 1: score; without it: drift 1.02)"))
+    assert sweep_tools.tool_totals([auto])["convert_int8"] == {"passed": 1, "run": 1, "n/a": 0, "auto-keep": 1}
     assert [r.tools for r in sweep.read_rows(tmp_path / "c.json")] == [row.tools, None]

@@ -72,7 +72,9 @@ def run_with_selections(
     names, values = runtime.run(copy.SerializeToString(), feeds, what=what, external_data_folder=folder)
     del copy
     count = len(model.graph.output)
-    return dict(zip(names[:count], values[:count])), dict(zip(names[count:], values[count:]))
+    outputs = dict(zip(names[:count], values[:count]))
+    selections = {name: outputs[name] for name in selection_values(model) if name in outputs}  # a model output itself
+    return outputs, selections | dict(zip(names[count:], values[count:]))
 
 
 def upstream_calls(model: onnx.ModelProto, value: str, call_names: Mapping[str, str], limit: int = _UPSTREAM) -> list[str]:

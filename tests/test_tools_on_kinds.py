@@ -1,0 +1,59 @@
+"""Every file tool on models of the hold-outs' kinds (issue 51): torchvision, timm, diffusers and
+hand-written structures (`tests/kinds.py`), each through the catalogue sweep's own tools phase
+(`scripts/sweep_tools.py`: the package's public API per tool, with the sweep's pass criteria).
+
+Each model is exported twice (ours, and torch's flat file that ``modularize`` reads), then
+convert float16 and int8, split into 2 stages chained, modularize, diff against itself and profile
+must all pass. Three kinds run by default; the rest are ``slow``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from onnx_modular import export_modular
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import kinds  # noqa: E402
+import sweep_tools  # noqa: E402
+
+DEFAULT = ("timm_convnext", "detection_head", "recurrent_tagger")
+PARAMS = [pytest.param(name, marks=() if name in DEFAULT else pytest.mark.slow) for name in kinds.KINDS]
+
+
+def _files(name: str, folder: pathlib.Path) -> tuple[torch.nn.Module, dict]:
+    """The three files of a sweep row: ours, torch's flat file, the inputs."""
+    model, inputs = kinds.build(name)
+    result = export_modular(model, (), folder / sweep_tools.MODULAR, kwargs=inputs)
+    assert result.report.ok, result.report
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False).save(str(folder / sweep_tools.FLAT))
+    sweep_tools.save_inputs(folder, inputs)
+    return model, inputs
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_every_tool_passes_on_the_kind(name, tmp_path):
+    model, inputs = _files(name, tmp_path)
+    # the file itself: onnxruntime against PyTorch (float32 tolerance of the exporter)
+    with torch.no_grad():
+        expected = model(**inputs)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    session = ort.InferenceSession(str(tmp_path / sweep_tools.MODULAR), providers=["CPUExecutionProvider"])
+    got = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e.numpy(), rtol=1e-3, atol=1e-4)
+    statuses = {tool: sweep_tools.run_tool(tool, str(tmp_path))["status"] for tool in sweep_tools.TOOLS}
+    failed = {tool: status for tool, status in statuses.items() if not sweep_tools.passed(status)}
+    assert not failed, failed
