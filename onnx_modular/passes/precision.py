@@ -73,6 +73,11 @@ FLOAT32_OPS = frozenset({
 #: stays float32: ``histc``'s last edge ``3.0000002`` is ``3.0`` in float16, the count of the last
 #: bin drops, and what it sizes no longer fits (a mixture of experts' tokens per expert).
 COMPARE_OPS = frozenset({"Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Equal"})
+#: Ops onnxruntime's CPU provider runs in float16 only without an attribute: a scatter that
+#: accumulates (``reduction`` add, mul, max or min) has no float16 kernel ("MLFloat16 data type is
+#: not supported with ScatterND ... when reduction is 'add'", JetMoE's attention): it runs in
+#: float32 between Casts.
+REDUCING_SCATTERS = frozenset({"ScatterND", "ScatterElements"})
 #: Float inputs that are sizes, counts or positions (besides a comparison's inputs and a ``Cast``
 #: to an integer or bool type): ``Resize``'s scales, ``Range``'s bounds. A float value computed
 #: for such uses alone is *index arithmetic* and stays float32 (:func:`float32_values`): a
@@ -387,16 +392,17 @@ class _Precision:
             self._lower_attributes(sub, mode)
         if self._in_float32(node, mode):
             # a comparison's inputs share one type: one known float makes them all float (a value
-            # computed here may have no declared type)
-            floats = _compares(node) and any(declared.get(v) == FLOAT or weights.get(v) in (FLOAT, mode) for v in node.input)
+            # computed here may have no declared type); a scatter's data, updates and output likewise
+            shared = range(len(node.input)) if _compares(node) else (0, 2) if _accumulates(node) else ()
+            floats = any(declared.get(v) == FLOAT or weights.get(v) in (FLOAT, mode) for i, v in enumerate(node.input) if i in shared)
             for index, value in enumerate(node.input):
-                if value and (floats or declared.get(value) == FLOAT or weights.get(value) == mode) and weights.get(value) != FLOAT:
+                if value and (floats and index in shared or declared.get(value) == FLOAT or weights.get(value) == mode) and weights.get(value) != FLOAT:
                     node_cast, name = self._cast(body, value, FLOAT, taken)
                     out.append(node_cast)
                     node.input[index] = name
             out.append(node)
             for index, value in enumerate(node.output):
-                if value and declared.get(value) == FLOAT:
+                if value and (declared.get(value) == FLOAT or floats and _accumulates(node)):
                     inner = unique_name(f"{value}_f32", taken)
                     node.output[index] = inner
                     self.casts += 1
@@ -407,7 +413,7 @@ class _Precision:
     def _in_float32(self, node: onnx.NodeProto, mode: int) -> bool:
         """An op of a converted body that runs in float32 between Casts."""
         return node.domain in ("", "ai.onnx") and (
-            node.op_type in FLOAT32_OPS or _compares(node) or not self._supports(node.op_type, mode))
+            node.op_type in FLOAT32_OPS or _compares(node) or _accumulates(node) or not self._supports(node.op_type, mode))
 
     @functools.cache  # noqa: B019 (one per conversion)
     def _supports(self, op_type: str, mode: int) -> bool:
@@ -462,6 +468,12 @@ class _Precision:
 
 def _compares(node: onnx.NodeProto) -> bool:
     return node.domain in ("", "ai.onnx") and node.op_type in COMPARE_OPS
+
+
+def _accumulates(node: onnx.NodeProto) -> bool:
+    """A scatter with a ``reduction`` (:data:`REDUCING_SCATTERS`)."""
+    return node.op_type in REDUCING_SCATTERS and any(
+        a.name == "reduction" and a.s not in (b"", b"none") for a in node.attribute)
 
 
 def float32_values(body, declared: Mapping[str, int], functions: Container[FunctionId]) -> tuple[set[str], set[str]]:

@@ -240,3 +240,33 @@ def test_index_arithmetic_stays_float32_and_its_weights_too():
     y = _run(model, x=x, length=np.array(3665, np.int64))
     assert y.shape == (1, 3665 + 1)  # ceil(3658 / 1 + 1) - 3658 = 1 in float32; 2 in float16
     np.testing.assert_allclose(y[:, :-1], np.tanh(x), atol=2e-3)
+
+
+SCATTER_ADD = """
+<ir_version: 10, opset_import: ["" : 18]>
+main (float[4] x, int64[3, 1] i) => (float[4] y) <float[4] w = {0.5, 1.5, -2.0, 3.0}> {
+  d = Mul(x, w)
+  two = Constant <value = int64[1] {0}> ()
+  three = Constant <value = int64[1] {3}> ()
+  u = Slice(d, two, three)
+  s = ScatterND <reduction = "add"> (d, i, u)
+  y = Add(s, w)
+}"""
+
+
+def test_a_scatter_that_accumulates_runs_in_float32():
+    # onnxruntime's CPU provider has no float16 ScatterND/ScatterElements with a reduction (JetMoE):
+    # data, updates and output go through Casts, whether or not shape inference typed them
+    model = _model(SCATTER_ADD)
+    result = convert_precision(model, FLOAT16, {})
+    scatter = next(n for n in model.graph.node if n.op_type == "ScatterND")
+    for index in (0, 2):
+        cast = _producer(model, scatter.input[index])
+        assert cast.op_type == "Cast" and cast.attribute[0].i == FLOAT
+    assert [n.op_type for n in _readers(model.graph, scatter.output[0])] == ["Cast"]
+    x, i = np.array([1.0, 2.0, 3.0, 4.0], np.float32), np.array([[0], [0], [3]], np.int64)
+    d = x * np.array([0.5, 1.5, -2.0, 3.0], np.float32)
+    expected = d.copy()
+    np.add.at(expected, i[:, 0], d[:3])
+    _store(model, result.initializer_types)
+    np.testing.assert_allclose(_run(model, x=x, i=i), expected + [0.5, 1.5, -2.0, 3.0], rtol=2e-3)
