@@ -33,7 +33,7 @@ from onnx_modular.runtime import sessions as runtime
 
 __all__ = [
     "PROBE_BUDGET", "CallEntry", "CallValues", "Instrumented", "batches", "call_batches", "call_outputs", "call_values",
-    "flatten_probes", "instrument", "paired_calls",
+    "flatten_probes", "instrument", "low_memory", "paired_calls",
 ]
 
 
@@ -353,7 +353,7 @@ class Instrumented:
         # is inlined, leaving that node without its input (a GLU's output read by a Pad: Wav2Vec2-BERT): the probes
         # keep their Identity nodes.
         session = runtime.session(serialized, self.execution_provider, external_data_folder=self.folder,
-                                  disabled_optimizers=("EliminateIdentity",), configure=_low_memory, what=self.what)
+                                  disabled_optimizers=("EliminateIdentity",), configure=low_memory, what=self.what)
         del serialized
         feeds = {name: self.feeds[name] for name in self._inputs if name in read and name in self.feeds}
         feeds.update((name, frontier[name]) for name in fed)
@@ -409,7 +409,7 @@ class Instrumented:
         return bool(call.probes and other.probes) and self._maker[call.probes[0]] == self._maker[other.probes[0]]
 
 
-def _low_memory(options) -> None:
+def low_memory(options) -> None:
     """A probe session's options: dangling probes freed as they are made, memory given back as it is freed."""
     import onnxruntime as ort
 
