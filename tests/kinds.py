@@ -14,28 +14,11 @@ from __future__ import annotations
 import math
 
 import torch
+from models import BasicBlock  # torchvision's block, shared with the suite's ResNet-like model
 from torch import nn
 from torch.nn import functional as F
 
 # -- torchvision: a ResNet (Conv+BatchNorm+ReLU, a strided downsample, adaptive pooling) ----
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int = 1):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        return self.relu(self.bn2(self.conv2(out)) + identity)
 
 
 class ResNet(nn.Module):
