@@ -171,8 +171,9 @@ class _Precision:
         self.root_low = root_low
         self.casts = 0
         self.functions = {function_id(f): f for f in model.functions}
-        self.types = {function_id(f): declared_types(f) for f in model.functions}
-        self.main_types = declared_types(model.graph)
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
+        self.types = {function_id(f): declared_types(f, opset) for f in model.functions}
+        self.main_types = declared_types(model.graph, opset)
 
     def _declared(self, body) -> dict[str, int]:
         """The declared types of a body's values, with the float32 constants it makes (typed or not)."""

@@ -67,8 +67,10 @@ def uses(body: Body, name: str) -> list[tuple[onnx.NodeProto, int]]:
     return found
 
 
-def declared_types(body: Body) -> dict[str, int]:
-    """Element types a body declares (value_info, graph inputs/outputs, initializers)."""
+def declared_types(body: Body, opset: int | None = None) -> dict[str, int]:
+    """Element types a body declares (value_info, graph inputs/outputs, initializers); with the
+    default domain's ``opset``, also those onnx's node inference finds for the outputs of standard
+    ops that declare none (a value a pass added: an ``Expand`` between two typed values)."""
     types: dict[str, int] = {}
     values = list(body.value_info)
     if isinstance(body, onnx.GraphProto):
@@ -77,7 +79,31 @@ def declared_types(body: Body) -> dict[str, int]:
     for value in values:
         if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
             types[value.name] = value.type.tensor_type.elem_type
+    if opset is not None:
+        _infer_undeclared(body, types, opset)
     return types
+
+
+def _infer_undeclared(body: Body, types: dict[str, int], opset: int) -> None:
+    """``types`` completed, in node order, by ``onnx.shape_inference.infer_node_outputs`` for the
+    standard ops (no subgraphs) whose inputs are all typed and some output is not."""
+    import onnx.defs
+    import onnx.shape_inference
+
+    imports = [onnx.helper.make_opsetid("", opset)]
+    for node in body.node:
+        if (node.domain not in ("", "ai.onnx") or all(not o or o in types for o in node.output)
+                or any(i and i not in types for i in node.input) or any(subgraphs(node))):
+            continue
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opset, "")
+            inputs = {i: onnx.helper.make_tensor_type_proto(types[i], None) for i in node.input if i}
+            found = onnx.shape_inference.infer_node_outputs(schema, node, inputs, opset_imports=imports)
+        except Exception:  # noqa: BLE001 - onnx's inference errors have no common type; the value stays untyped
+            continue
+        for name, proto in found.items():
+            if name not in types and proto.HasField("tensor_type") and proto.tensor_type.elem_type:
+                types[name] = proto.tensor_type.elem_type
 
 
 def ensure_default_opset(model: onnx.ModelProto, body: Body) -> None:

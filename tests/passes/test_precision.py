@@ -270,3 +270,43 @@ def test_a_scatter_that_accumulates_runs_in_float32():
     np.add.at(expected, i[:, 0], d[:3])
     _store(model, result.initializer_types)
     np.testing.assert_allclose(_run(model, x=x, i=i), expected + [0.5, 1.5, -2.0, 3.0], rtol=2e-3)
+
+
+UNTYPED_MASK = """
+<ir_version: 10, opset_import: ["" : 18]>
+main (float[2, 3] x) => (float[2, 3] y) <float half = {0.5}> {
+  m = Mul(x, x)
+  axis = Constant <value = int64[1] {0}> ()
+  u = Unsqueeze(m, axis)
+  shape = Constant <value = int64[3] {1, 1, 1}> ()
+  e = Expand(u, shape)
+  reps = Constant <value = int64[3] {2, 1, 1}> ()
+  t = Tile(e, reps)
+  flat = Constant <value = int64[2] {4, 3}> ()
+  r = Reshape(t, flat)
+  low = Less(r, half)
+  lowf = Cast <to = 1> (low)
+  start = Constant <value = int64[1] {0}> ()
+  stop = Constant <value = int64[1] {2}> ()
+  head = Slice(lowf, start, stop, axis)
+  y = Add(head, m)
+}"""
+
+
+def test_a_value_a_pass_left_untyped_takes_the_type_onnx_infers():
+    # OneFormer's decoder (issue 51): a mask chain Unsqueeze -> Expand -> Tile -> Reshape -> Less,
+    # where the Expand's output has no value_info (a pass made it). The chain is index arithmetic
+    # (float32); without a type for the Expand's output, it was read in float16 by a float32 Tile
+    # and the checker refused the Less (float16 against float32)
+    model = _model(UNTYPED_MASK)
+    expand = next(n for n in model.graph.node if n.op_type == "Expand").output[0]
+    kept = [v for v in model.graph.value_info if v.name != expand]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(kept)
+    result = convert_precision(model, FLOAT16, {})
+    types = {v.name: v.type.tensor_type.elem_type for v in model.graph.value_info}
+    assert types["t"] == types["r"] == FLOAT and types["m"] == FLOAT16  # the mask's chain float32, the data float16
+    assert _producer(model, "u").op_type == "Unsqueeze" and _producer(model, "u").input[0] != "m"  # m cast to float32
+    _store(model, result.initializer_types)
+    x = np.array([[0.1, 0.9, -0.5], [0.7, 0.2, 1.5]], np.float32)
+    np.testing.assert_allclose(_run(model, x=x), (x * x < 0.5).astype(np.float32) + x * x, atol=2e-3)
