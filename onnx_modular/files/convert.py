@@ -128,9 +128,11 @@ def convert(
         auto_keep: A tolerance: convert, then keep classes in float32, the most harmful first
             (ranked by the drift of the outputs when that class alone is converted), until every
             output's drift (max abs difference over its range) is at most this. First, the calls
-            feeding a selection the conversion flips (``TopK``/``ArgMax``/``ArgMin`` of the main
-            graph, :mod:`.convert_select`), nearest first; with ``quantize`` alone, only those,
-            left unquantized with everything they call.
+            feeding a selection the conversion flips (``TopK``/``ArgMax``/``ArgMin``, in the main
+            graph or in a module's body, :mod:`.convert_select`), nearest first. With ``quantize``
+            alone, calls are left unquantized with everything they call: those, then *roles*
+            (the calls a class makes under one attribute, ``LlamaMLP.down_proj`` in every layer),
+            the one that moves the outputs most when quantized alone first.
         inputs: The model's inputs for the comparison (``.npz`` or arrays by name); random ones
             from the declared input types when ``None``.
 
@@ -309,8 +311,9 @@ class _Job:
             quant=lambda call: False, root_quant=False, quantize=None, note={})[0])
 
     def auto_keep(self, tolerance: float) -> tuple[set[str], list[tuple[str, float]]]:
-        """Keep classes in float32, the most harmful alone first, until the outputs drift at most ``tolerance``;
-        first (and alone, for quantization alone) the calls that feed a selection the conversion flips."""
+        """Keep classes in float32 (roles unquantized, for quantization alone), the most harmful alone
+        first, until the outputs drift at most ``tolerance``; first the calls that feed a selection
+        the conversion flips."""
         own: set[str] = set()
         auto_kept: list[tuple[str, float]] = []
         worst = self.worst_drift(self.build(own)[0])
@@ -322,14 +325,46 @@ class _Job:
             own |= {name} if self.dtype is None else {c for c in self.all_calls if c == name or c.startswith(name + ".")}
             worst = self.worst_drift(self.build(own)[0])
             auto_kept.append((name, worst))
-        if worst <= tolerance or self.dtype is None:
+        if worst <= tolerance:
             return own, auto_kept
+        if self.dtype is None:
+            return self.unquantize_roles(tolerance, own, auto_kept)
         kept_below = self.kept_below()
         candidates = [name for name, names in self.class_calls.items() if not names <= kept_below]
         alone_drift = {name: self.alone(self.class_calls[name]) for name in candidates}  # each class converted alone
         for name in sorted(candidates, key=lambda n: -alone_drift[n]):
             own |= self.class_calls[name]
             auto_kept.append((name, alone_drift[name]))
+            if self.worst_drift(self.build(own)[0]) <= tolerance:
+                break
+        return own, auto_kept
+
+    def quantized_roles(self) -> dict[str, set[str]]:
+        """The calls whose own body has a MatMul or Gemm, by role: the caller's class and the call's
+        attribute (``LlamaMLP.down_proj``: every layer's; ``MoeBlock.experts[]``: every expert), a
+        call of the main graph by its name."""
+        roles: dict[str, set[str]] = collections.defaultdict(set)
+        for name, call in self.all_calls.items():
+            if call.function is None or not any(n.op_type in ("MatMul", "Gemm") and n.domain in ("", "ai.onnx") for n in call.function.node):
+                continue
+            parts = metadata.split_call_name(name)[0].split(".")
+            attribute = f"{parts[-2]}[]" if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
+            roles[f"{class_of(call.caller)}.{attribute}" if call.caller is not None else ".".join(parts)].add(name)
+        return roles
+
+    def unquantize_roles(self, tolerance: float, own: set[str], auto_kept: list[tuple[str, float]]):
+        """``quantize`` alone, past the selections: leave roles unquantized (:meth:`quantized_roles`),
+        the one that moves the outputs most when quantized alone first, until within ``tolerance``."""
+        roles = {role: names - own for role, names in self.quantized_roles().items() if names - own}
+        alone = {role: self.worst_drift(build(
+            self.model, self.folder, dtype=None, low_calls=lambda call: False, root_low=False,
+            quant=lambda call, n=names: call.call_name in n and not under(call, self.excluded_calls), root_quant=False,
+            quantize=self.settings, note={})[0]) for role, names in roles.items()}
+        for role in sorted(roles, key=lambda r: -alone[r]):
+            if alone[role] == 0:
+                break  # quantized alone, it moves nothing
+            own |= roles[role]
+            auto_kept.append((role, alone[role]))
             if self.worst_drift(self.build(own)[0]) <= tolerance:
                 break
         return own, auto_kept

@@ -160,8 +160,10 @@ class Conversion:
                 lines.append(f"  auto-keep {'kept' if self.dtype else 'left unquantized'} {name}: it feeds the scores of a "
                              f"selection the conversion flipped; then the outputs drift {drift:.3%} of their range")
                 continue
-            lines.append(f"  auto-keep kept {name}: " + ("converted alone, the file does not run in onnxruntime" if drift == math.inf
-                         else f"converted alone, it moves the outputs by {drift:.3%} of their range"))
+            done = "converted" if self.dtype else "quantized"
+            lines.append(f"  auto-keep {'kept' if self.dtype else 'left unquantized'} {name}: " + (
+                f"{done} alone, the file does not run in onnxruntime" if drift == math.inf
+                else f"{done} alone, it moves the outputs by {drift:.3%} of their range"))
         if self.tolerance is not None:
             verdict = "within" if self.max_drift <= self.tolerance else "NOT within"
             lines.append(f"  outputs {verdict} --auto-keep {self.tolerance:g} ({self.max_drift:.3%} of their range)")
