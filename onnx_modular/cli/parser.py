@@ -367,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument(
         "--auto-keep", type=float, default=None, metavar="TOL",
         help="keep the classes that move the outputs most in float32 until every output's drift (max abs difference / range) is <= TOL; "
-        "first the modules feeding a TopK/ArgMax the conversion flips (with --quantize alone: those, unquantized)",
+        "first the modules feeding a TopK/ArgMax the conversion flips; with --quantize alone, modules are left "
+        "unquantized instead: those, then roles (a class's calls under one attribute), the worst first",
     )
     conv.add_argument("--inputs", default=None, metavar="FILE.npz", help="inputs of the comparison (default: random, seed 0)")
     _json_option(conv, "the report")
