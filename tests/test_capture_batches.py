@@ -74,17 +74,36 @@ def test_a_tiny_budget_runs_several_segments_with_the_values_of_one_run(stack):
     instrumented = capture.Instrumented(model, feeds)
     sizes = instrumented.call_bytes()
     assert sizes["blocks.0.up"] == 2 * 5 * 32 * 4  # float32 (2, 5, 32), from the declared shapes
-    budget = 2 * sizes["blocks.0"]  # not one block's three calls: one main-graph call a run
-    batches = instrumented.batches(budget)
-    assert len(batches) == 6 and [c.call_name for c in batches[1]] == ["blocks.0.up", "blocks.0.down", "blocks.0"]
+    group = sizes["blocks.0.up"] + sizes["blocks.0.down"] + sizes["blocks.0"]
+    batches = instrumented.batches(group)  # a block's three calls fit: one main-graph call's calls in one run
+    assert [[c.call_name for c in batch] for batch in batches[1:4]] == [
+        [f"blocks.{i}.up", f"blocks.{i}.down", f"blocks.{i}"] for i in (1, 2, 3)]
+    assert len(batches) == 5 and [c.call_name for c in batches[0]] == ["embed", "blocks.0.up", "blocks.0.down", "blocks.0"]
+    budget = group
     batched = list(capture.call_batches(instrumented, budget))
     _assert_same(_values(batched), _values(whole))
-    assert instrumented.runs == 6  # one run per batch, each from where the last stopped
+    assert instrumented.runs == 5  # one run per batch, each from where the last stopped
     assert instrumented._until == instrumented._main - 1  # the softmax after the head not run yet
     got = instrumented.model_outputs()
-    assert list(got) == list(outputs) and instrumented.runs == 7
+    assert list(got) == list(outputs) and instrumented.runs == 6
     for name in outputs:
         np.testing.assert_array_equal(got[name], outputs[name])
+
+
+def test_a_main_graph_call_whose_calls_exceed_the_budget_is_cut(stack):
+    # one call of the main graph holding every other (EfficientNet's encoder: 19 GB of outputs in one
+    # run): its calls are cut into batches under the budget, each run making that call again
+    path, feeds = stack
+    model = onnx.load(path)
+    _, whole = capture.call_outputs(model, feeds)
+    instrumented = capture.Instrumented(model, feeds)
+    sizes = instrumented.call_bytes()
+    budget = sizes["blocks.0.up"] + sizes["blocks.0.down"]  # less than a block's three calls
+    batches = instrumented.batches(budget)
+    assert max(sum(sizes[c.call_name] for c in batch) for batch in batches) <= budget
+    assert len([batch for batch in batches if any(c.call_name.startswith("blocks.0") for c in batch)]) == 2
+    _assert_same(_values(list(capture.call_batches(instrumented, budget))), _values(whole))
+    assert instrumented.runs == len(batches)
 
 
 def test_paired_calls_under_a_budget_equal_one_run_of_each(stack):
@@ -93,7 +112,7 @@ def test_paired_calls_under_a_budget_equal_one_run_of_each(stack):
     _, whole = capture.call_outputs(model, feeds)
     a, b = capture.Instrumented(model, feeds), capture.Instrumented(model, feeds)
     pairs = list(capture.paired_calls(a, b, budget=1, select=lambda x, _: x.call_name != "head"))
-    assert a.runs == b.runs == 5  # every main-graph call its own run; the head not asked for
+    assert a.runs == b.runs == 13  # every call its own run (a block's calls over the budget are cut); the head not asked for
     expected = [c for c in _values(whole) if c[0] != "head"]
     _assert_same(_values([x for x, _ in pairs]), expected)
     _assert_same(_values([y for _, y in pairs]), expected)

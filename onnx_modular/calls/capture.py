@@ -281,6 +281,7 @@ class Instrumented:
         self.outputs: dict[str, np.ndarray] = {name: self.feeds[name] for name in self.output_names if name in self.feeds}
         self._until = 0  # the main graph's nodes before this ran already; the values of theirs later nodes read:
         self._frontier: dict[str, np.ndarray] = {}
+        self._previous: tuple[int, dict[str, np.ndarray]] = (0, {})  # the last run's start and what it was fed
         self.runs = 0
 
     def call_bytes(self) -> dict[str, int]:
@@ -363,6 +364,7 @@ class Instrumented:
         count = len(probes) + len(extra[1])
         self.outputs.update(zip(originals, values[count: count + len(originals)]))
         if keep:
+            self._previous = (start, frontier)  # where this run began: a group cut in parts runs again from there
             carried = {name: value for name, value in frontier.items() if name in later}
             carried.update((name, self.outputs[name]) for name in originals if name in later)
             carried.update(zip(passed, values[count + len(originals):]))
@@ -392,12 +394,18 @@ class Instrumented:
         """Where a run that needs the main graph's nodes from ``first`` on starts: where the last one
         stopped, or at the beginning (a node before it, or a value not a tensor to feed back)."""
         fed_back = all(isinstance(v, np.ndarray) for v in self._frontier.values())
-        return self._until if first >= self._until and fed_back else 0
+        if first >= self._until and fed_back:
+            return self._until
+        start, frontier = self._previous
+        if start <= first and all(isinstance(v, np.ndarray) for v in frontier.values()):
+            self._frontier, self._until = frontier, start  # the next part of a group cut in parts
+            return start
+        return 0
 
     def batches(self, budget: int | None, calls: Sequence[CallEntry] | None = None) -> list[list[CallEntry]]:
         """``calls`` (all by default) in consecutive batches whose outputs fit ``budget`` bytes (a call
-        over it alone, the calls one call of the main graph makes together); one batch when
-        ``budget`` is ``None``."""
+        over it alone, the calls one call of the main graph makes together when they fit in it:
+        :func:`batches`); one batch when ``budget`` is ``None``."""
         calls = self.calls if calls is None else list(calls)
         if budget is None:
             return [list(calls)] if calls else []
@@ -459,11 +467,25 @@ def _declared_bytes(value: onnx.ValueInfoProto) -> int | None:
 def batches(items: Sequence[Any], costs: Sequence[int], budget: int,
             together: Callable[[Any, Any], bool] | None = None) -> list[list[Any]]:
     """``items`` in order, cut into consecutive batches whose costs add up to at most ``budget``
-    (more when an item alone, or items that must stay ``together`` with the one before, cost more)."""
+    (more when an item alone costs more). Items ``together`` with the one before (a group) stay in
+    its batch, past the budget, when the whole group fits in it; a group over the budget is cut
+    like the rest (each part's run makes the group's node again: one main-graph call holding
+    every call of an EfficientNet made 19 GB of outputs in one run)."""
+    groups: list[int] = []  # the group of each item, and each group's cost
+    group_cost: list[int] = []
+    previous = None
+    for item, cost in zip(items, costs):
+        if not groups or together is None or not together(previous, item):
+            group_cost.append(0)
+        groups.append(len(group_cost) - 1)
+        group_cost[-1] += cost
+        previous = item
     out: list[list[Any]] = []
     total = 0
-    for item, cost in zip(items, costs):
-        if not out or total + cost > budget and not (together is not None and together(out[-1][-1], item)):
+    for index, (item, cost) in enumerate(zip(items, costs)):
+        same = index > 0 and groups[index] == groups[index - 1]
+        over = group_cost[groups[index]] > budget  # a group cut in parts starts a batch of its own
+        if not out or total + cost > budget and not (same and not over) or over and not same and total:
             out.append([])
             total = 0
         out[-1].append(item)
