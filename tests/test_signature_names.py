@@ -175,3 +175,41 @@ def test_equal_shaped_outputs_are_told_apart_block_by_block(monkeypatch):
     result = export_modular(_Model().eval(), (torch.randn(2, 3), torch.randn(2, 3)))
     pair = functions_by_name(result.model)["_Pair"]
     assert [v.name for v in pair.outputs] == ["sum", "diff"]
+
+
+class _Scores(torch.nn.Module):
+    def forward(self, x, y):
+        scores = (x @ y.transpose(-1, -2)).softmax(-1)  # inside the module only
+        return scores @ y, scores @ x
+
+
+class _Twice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attend = _Scores()
+
+    def forward(self, x, y):
+        a, b = self.attend(x, y)
+        c, d = self.attend(a, b)
+        return c + d
+
+
+def test_the_reference_run_records_only_values_that_cross_a_module():
+    # match_by_value's reference run kept every value of the program: SegGpt's attentions held
+    # 10 GB of them (issue 51's sweep). Only a call's inputs and outputs can be asked for
+    from onnx_modular.capture import reference_run
+
+    x, y = torch.randn(2, 4, 3), torch.randn(2, 4, 3)
+    program = torch.export.export(_Twice().eval(), (x, y)).run_decompositions()
+    values = reference_run.program_values(program, (x, y), {})
+    nodes = list(program.graph.nodes)
+    softmax = [n.name for n in nodes if n.target == torch.ops.aten._softmax.default]
+    assert len(softmax) == 2 and not set(softmax) & set(values)  # the scores stay inside: not recorded
+    stack = {n.name: list(n.meta.get("nn_module_stack", {})) for n in nodes}
+    handed = [n for n in nodes if stack[n.name][-1:] == ["L__self__attend"] and any(stack[u.name][-1:] == ["L__self__attend@1"] for u in n.users)]
+    assert len(handed) == 2 and all(n.name in values for n in handed)  # the first call's outputs, the second's inputs
+    result = export_modular(_Twice().eval(), (x, y))  # equal-shaped inputs and outputs, told apart by value
+    attend = functions_by_name(result.model)["_Scores"]
+    assert [v.name for v in without_lifted_constants(attend.inputs)] == ["x", "y"]
+    first, second = [n for n in result.model.graph if n.op_type == "_Scores"]
+    assert list(without_lifted_constants(second.inputs)) == list(first.outputs)  # a -> x, b -> y

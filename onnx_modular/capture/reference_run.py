@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import operator
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -262,6 +263,7 @@ def program_values(
         if spec.kind == InputKind.USER_INPUT
     }
     depends: set[str] = set()
+    crossing = _crossing(program.graph)
 
     class _Recorder(torch.fx.Interpreter):
         def fetch_args_kwargs_from_env(self, n):
@@ -277,6 +279,8 @@ def program_values(
                     depends.add(node.name)
                 else:
                     return result  # a function of the weights alone: not recorded
+            if crossing is not None and node.name not in crossing:
+                return result  # a module's inner value (an attention's scores): never a call's input or output
             if isinstance(result, (tuple, list)):
                 for i, item in enumerate(result):
                     values[f"{node.name}__{i}"] = item
@@ -286,6 +290,29 @@ def program_values(
     with torch.no_grad():
         _Recorder(program.graph_module).run(*flat)
     return values
+
+
+def _crossing(graph: torch.fx.Graph) -> set[str] | None:
+    """The nodes whose values cross a module boundary (a user in another module, a graph output,
+    an input): the only values a call's inputs and outputs are made of. SegGpt's program holds
+    10 GB of values inside its attentions; recording them all was the export's peak. ``None``
+    when the program names no module (every value is then recorded)."""
+
+    def stack(node: torch.fx.Node) -> tuple:
+        return tuple((node.meta.get("nn_module_stack") or {}).keys())
+
+    if not any(node.meta.get("nn_module_stack") for node in graph.nodes):
+        return None
+    found = set()
+    for node in graph.nodes:
+        mine = stack(node)
+        users = list(node.users)
+        if node.op == "placeholder" or any(u.op == "output" or stack(u) != mine for u in users):
+            found.add(node.name)
+    for node in reversed(list(graph.nodes)):  # a tuple whose item crosses: its items are recorded by the tuple's name too
+        if node.op == "call_function" and node.target is operator.getitem and node.name in found:
+            found.add(node.args[0].name)
+    return found
 
 
 class _Load:
