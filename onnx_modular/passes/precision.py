@@ -91,7 +91,11 @@ RANGE_MARK = "pkg.onnx_modular.float32_range"
 _READS_ANY = frozenset({"Cast", "Shape", "Size"})
 _FLOATS = frozenset({FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
 #: Ops whose ``dtype`` attribute names the type of what they make.
-_DTYPE_ATTRIBUTE_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "EyeLike", "Bernoulli", "Multinomial"})
+_DTYPE_ATTRIBUTE_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "EyeLike", "Bernoulli",
+                                  "Multinomial", "SequenceEmpty"})
+#: Those whose ``dtype`` is float32 when not given (a converted body gives it: Kimi-K2.5's position
+#: table fills an empty sequence with float16 tensors in a Loop).
+_FLOAT_BY_DEFAULT = frozenset({"RandomNormal", "RandomUniform", "SequenceEmpty"})
 #: Name suffix of a value cast to a dtype.
 _SUFFIX = {FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16", onnx.TensorProto.BFLOAT16: "bf16"}
 
@@ -429,6 +433,8 @@ class _Precision:
         return all(wanted in c.allowed_type_strs for c in schema.type_constraints if "tensor(float)" in c.allowed_type_strs)
 
     def _lower_attributes(self, node: onnx.NodeProto, mode: int) -> None:
+        if node.op_type in _FLOAT_BY_DEFAULT and node.domain in ("", "ai.onnx") and not any(a.name == "dtype" for a in node.attribute):
+            node.attribute.append(onnx.helper.make_attribute("dtype", FLOAT))  # made explicit, lowered below
         for attribute in node.attribute:
             if node.op_type in ("Cast",) and attribute.name == "to" and attribute.i == FLOAT:
                 attribute.i = mode
@@ -450,9 +456,9 @@ class _Precision:
             for value in values:
                 if value.name in boundary or (value.name in weights and weights[value.name] == FLOAT):
                     continue
-                tensor_type = value.type.tensor_type
-                if value.type.HasField("tensor_type") and tensor_type.elem_type == FLOAT:
-                    tensor_type.elem_type = mode
+                kind = value.type.sequence_type.elem_type if value.type.HasField("sequence_type") else value.type
+                if kind.HasField("tensor_type") and kind.tensor_type.elem_type == FLOAT:  # a tensor, or a sequence of them
+                    kind.tensor_type.elem_type = mode
 
         retype(body.value_info)
         for node in body.node:

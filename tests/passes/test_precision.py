@@ -310,3 +310,26 @@ def test_a_value_a_pass_left_untyped_takes_the_type_onnx_infers():
     _store(model, result.initializer_types)
     x = np.array([[0.1, 0.9, -0.5], [0.7, 0.2, 1.5]], np.float32)
     np.testing.assert_allclose(_run(model, x=x), (x * x < 0.5).astype(np.float32) + x * x, atol=2e-3)
+
+
+EMPTY_SEQUENCE = """
+<ir_version: 10, opset_import: ["" : 18]>
+main (float[2, 3] x) => (float[4, 3] y) <float[3] w = {0.5, 1.5, -2.0}> {
+  s = SequenceEmpty ()
+  a = Mul(x, w)
+  t = SequenceInsert(s, a)
+  u = SequenceInsert(t, x)
+  y = ConcatFromSequence <axis = 0> (u)
+}"""
+
+
+def test_an_empty_sequence_takes_the_converted_dtype():
+    # SequenceEmpty's dtype is float32 when not given; a converted body's tensors inserted in it are
+    # float16 (Kimi-K2.5's vision position table, issue 51's sweep: the checker refused the file)
+    model = _model(EMPTY_SEQUENCE)
+    result = convert_precision(model, FLOAT16, {})
+    empty = next(n for n in model.graph.node if n.op_type == "SequenceEmpty")
+    assert onnx.helper.get_attribute_value(empty.attribute[0]) == FLOAT16
+    _store(model, result.initializer_types)
+    x = np.array([[0.1, 0.9, -0.5], [0.7, 0.2, 1.5]], np.float32)
+    np.testing.assert_allclose(_run(model, x=x), np.concatenate([x * [0.5, 1.5, -2.0], x]), rtol=2e-3)
