@@ -14,7 +14,9 @@ What passes, per tool (:data:`CRITERIA`, rendered under the table's totals):
   :data:`ABS_FLOOR` (an output whose range is under float16's step).
 - ``convert_int8``: ``convert(quantize="int8")`` likewise, within :data:`INT8_DRIFT`; a file with
   no MatMul weight to quantize is ``n/a`` (the tool says so: a ``QuantizationWarning``).
-- either conversion over its budget is tried again as the tool's guide says to meet a budget:
+- either conversion over its budget, or refused with the advice to let ``--auto-keep`` choose
+  (outputs that overflow float16, a converted file that does not run), is tried again as the
+  tool's guide says to meet a budget:
   ``auto_keep=<the budget>`` (the classes that move the outputs most kept, the calls feeding a
   selection the conversion flips first). It passes ``ok (--auto-keep ...)`` when the file is then
   within the budget with something still converted (a float16 call, an int8 MatMul), the classes
@@ -57,7 +59,8 @@ CRITERIA = {
     "convert_f16": f"file written after its own onnxruntime check, every output's drift (max abs / range) <= {F16_DRIFT:g} "
                    f"or its max abs <= {ABS_FLOOR:g}",
     "convert_int8": f"as float16, drift <= {INT8_DRIFT:g}; n/a when no MatMul weight is quantizable; either passes "
-                    "with --auto-keep at its budget when the plain file is over it and something stays converted (counted apart)",
+                    "with --auto-keep at its budget when the plain file is over it (or refused with the advice to use it: float16 "
+                    "outputs that overflow) and something stays converted (counted apart)",
     "split": f"2 stages; run_stages chained = the whole file in onnxruntime (atol {ATOL:g}, rtol {RTOL:g})",
     "modularize": f"torch's flat file: written (its parity check passes), >= {RECOVERED:.0%} of our module paths "
                   "recovered or named unrecovered in its report; n/a where torch's export fails",
@@ -117,19 +120,27 @@ def _convert(folder: pathlib.Path, name: str) -> str:
     source = folder / MODULAR
     f16 = name == "convert_f16"
     request = {"dtype": "float16" if f16 else None, "quantize": None if f16 else "int8", "inputs": feeds(folder, source)}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        report = convert(source, folder / f"{name}.onnx", **request)
-    if not f16 and not report.quantized:
-        said = [str(w.message) for w in caught if type(w.message).__name__ == "QuantizationWarning"]
-        return "n/a: no MatMul weight quantized" + (f" ({said[0][:120]})" if said else " and no warning")
+    from onnx_modular.errors import VerificationError
+
     limit = F16_DRIFT if f16 else INT8_DRIFT
-    far = _far(report, limit)
-    if not far:
-        return "ok"
-    output, (max_abs, drift) = max(far.items(), key=lambda item: item[1][1])
-    flips = [f"{s.op_type} {s.node} flipped, fed by {', '.join(s.feeding[:3]) or 'no call'}" for s in report.selections]
-    status = f"drift {drift:.3g} > {limit:g} (output {output}, max abs {max_abs:.3g})" + (f"; {flips[0]}" if flips else "")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = convert(source, folder / f"{name}.onnx", **request)
+    except VerificationError as e:
+        if "--auto-keep" not in str(e):
+            raise
+        status = _short(e)  # refused (outputs that overflow, a file that does not run): the tool says to let --auto-keep choose
+    else:
+        if not f16 and not report.quantized:
+            said = [str(w.message) for w in caught if type(w.message).__name__ == "QuantizationWarning"]
+            return "n/a: no MatMul weight quantized" + (f" ({said[0][:120]})" if said else " and no warning")
+        far = _far(report, limit)
+        if not far:
+            return "ok"
+        output, (max_abs, drift) = max(far.items(), key=lambda item: item[1][1])
+        flips = [f"{s.op_type} {s.node} flipped, fed by {', '.join(s.feeding[:3]) or 'no call'}" for s in report.selections]
+        status = f"drift {drift:.3g} > {limit:g} (output {output}, max abs {max_abs:.3g})" + (f"; {flips[0]}" if flips else "")
     # the tool's own answer to a drift budget (docs/convert.md): --auto-keep keeps the classes that
     # move the outputs most (the calls feeding a flipped selection first) until the file is within it
     with warnings.catch_warnings():
