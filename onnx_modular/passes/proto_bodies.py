@@ -99,7 +99,7 @@ def _infer_undeclared(body: Body, types: dict[str, int], opset: int) -> None:
             schema = onnx.defs.get_schema(node.op_type, opset, "")
             inputs = {i: onnx.helper.make_tensor_type_proto(types[i], None) for i in node.input if i}
             found = onnx.shape_inference.infer_node_outputs(schema, node, inputs, opset_imports=imports)
-        except Exception:  # noqa: BLE001 - onnx's inference errors have no common type; the value stays untyped
+        except Exception:  # onnx's inference errors have no common type: the value stays untyped
             continue
         for name, proto in found.items():
             if name not in types and proto.HasField("tensor_type") and proto.tensor_type.elem_type:
