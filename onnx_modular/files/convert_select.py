@@ -21,6 +21,7 @@ calls before it in its callers. Torch-free.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections.abc import Mapping
 
@@ -60,18 +61,22 @@ class Selection:
 
 def selection_values(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
     """The index outputs of the main graph's selections, by value name."""
-    return {
-        node.output[SELECTION_OPS[node.op_type]]: node
-        for node in model.graph.node
-        if node.domain in ("", "ai.onnx") and node.op_type in SELECTION_OPS
-        and len(node.output) > SELECTION_OPS[node.op_type] and node.output[SELECTION_OPS[node.op_type]]
-    }
+    return {_index(node): node for node in _own_selections(model.graph.node)}
+
+
+def _selects(node: onnx.NodeProto) -> bool:
+    """A selection node whose index output is used."""
+    return (node.domain in ("", "ai.onnx") and node.op_type in SELECTION_OPS
+            and len(node.output) > SELECTION_OPS[node.op_type] and bool(node.output[SELECTION_OPS[node.op_type]]))
+
+
+def _index(node: onnx.NodeProto) -> str:
+    return node.output[SELECTION_OPS[node.op_type]]
 
 
 def _own_selections(nodes) -> list[onnx.NodeProto]:
     """A body's top-level selection nodes whose index output is used."""
-    return [node for node in nodes if node.domain in ("", "ai.onnx") and node.op_type in SELECTION_OPS
-            and len(node.output) > SELECTION_OPS[node.op_type] and node.output[SELECTION_OPS[node.op_type]]]
+    return [node for node in nodes if _selects(node)]
 
 
 class _Inner:
@@ -102,12 +107,17 @@ class _Inner:
         fid = (node.domain, node.op_type, node.overload)
         return fid if fid in self.functions and self.count(fid) else None
 
+    def selections(self) -> dict[str, tuple[str, onnx.NodeProto]]:
+        """The selections inside bodies by key (``call/node``) -> (call name, node), in the order
+        :func:`exposed` adds their outputs."""
+        return {f"{call}/{node.name or _index(node)}": (call, node) for call, node in self.keys(self.model.graph.node, None)}
+
     def keys(self, nodes, caller: str | None) -> list[tuple[str, onnx.NodeProto]]:
         """``(call name, selection node)`` of what a body exposes, in the order :func:`exposed` adds
         its outputs: node order, a call's own selections and its calls' as they come."""
         out = []
         for node in nodes:
-            if caller is not None and node in _own_selections([node]):
+            if caller is not None and _selects(node):
                 out.append((caller, node))
             fid = self.callee(node)
             if fid is not None:
@@ -126,19 +136,19 @@ def exposed(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str], di
     outputs = {v.name for v in model.graph.output}
     found = {name: name for name in selection_values(model)}
     copy.graph.output.extend(onnx.ValueInfoProto(name=name) for name in found if name not in outputs)
-    keys = {f"{call}/{node.name or node.output[SELECTION_OPS[node.op_type]]}": (call, node) for call, node in inner.keys(model.graph.node, None)}
+    keys = inner.selections()
     if not keys:
         return copy, found, {}
-    fresh = iter(f"onnx_modular_selection_{i}" for i in range(10**9))
+    fresh = (f"onnx_modular_selection_{i}" for i in itertools.count())
 
     def extend(nodes, is_function: bool) -> list[str]:
         """Extra outputs on the calls of ``nodes`` (and Identity copies of own selections)."""
         extra: list[str] = []
         added = []
         for node in nodes:
-            if is_function and node in _own_selections([node]):
+            if is_function and _selects(node):
                 name = next(fresh)
-                added.append(onnx.helper.make_node("Identity", [node.output[SELECTION_OPS[node.op_type]]], [name]))
+                added.append(onnx.helper.make_node("Identity", [_index(node)], [name]))
                 extra.append(name)
             fid = inner.callee(node)
             if fid is not None:
@@ -252,7 +262,7 @@ def flipped(model: onnx.ModelProto, reference: Mapping[str, np.ndarray], actual:
         return []
     calls = main_calls(model) if any(key in nodes for key in changed) else {}
     inner = _Inner(model) if any(key not in nodes for key in changed) else None
-    inner_keys = {f"{c}/{n.name or n.output[SELECTION_OPS[n.op_type]]}": (c, n) for c, n in inner.keys(model.graph.node, None)} if inner else {}
+    inner_keys = inner.selections() if inner else {}
     out = []
     for key in changed:
         got, expected = actual[key], reference[key]
