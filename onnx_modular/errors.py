@@ -19,6 +19,7 @@ __all__ = [
     "SaveError",
     "ParityError",
     "VerificationError",
+    "RuntimeCrashError",
     "InvalidModelFileError",
     "MissingDependencyError",
     "ExecutionProviderError",
@@ -128,6 +129,11 @@ class VerificationError(OnnxModularError):
     """Verification could not run (onnxruntime cannot load or run the model, bad inputs)."""
 
     stage = "verify"
+
+
+class RuntimeCrashError(VerificationError):
+    """onnxruntime ended the process that opened a model with a signal (a crash in its graph
+    optimizers on a valid file): the file was opened in a child process, so this one goes on."""
 
 
 class InvalidModelFileError(OnnxModularError, ValueError):

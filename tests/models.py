@@ -435,3 +435,38 @@ class FusedAndShared(nn.Module):
     def forward(self, x):
         y = self.bn(self.conv(x)).mean((2, 3))
         return self.shared(self.shared(y) + 1)
+
+
+class RelativePosition(nn.Module):
+    """Gemma 3n audio's relative position term: a projected position table, reshaped per head and
+    transposed, multiplies the queries. In float16, onnxruntime 1.32's NCHWc transformer crashes
+    (SIGSEGV) creating a session for the ``MatMul -> Reshape -> Transpose -> MatMul`` chain."""
+
+    def __init__(self, width: int = 32, heads: int = 8):
+        super().__init__()
+        self.heads = heads
+        self.pos_proj = nn.Linear(width, width, bias=False)
+
+    def forward(self, queries, table):
+        keys = self.pos_proj(table).reshape(table.shape[0], self.heads, -1).permute(1, 2, 0)
+        return torch.matmul(queries, keys)
+
+
+class RelativeAttention(nn.Module):
+    """Queries from a projection, scored against a relative position table (``RelativePosition``)."""
+
+    def __init__(self, width: int = 32, heads: int = 8):
+        super().__init__()
+        self.heads = heads
+        self.q_proj = nn.Linear(width, width)
+        self.relative = RelativePosition(width, heads)
+
+    def forward(self, x, table):
+        batch, length, width = x.shape
+        queries = self.q_proj(x).reshape(batch, length, self.heads, width // self.heads).transpose(1, 2)
+        return self.relative(queries, table).softmax(-1)
+
+
+def relative_attention():
+    torch.manual_seed(0)
+    return RelativeAttention().eval(), (torch.randn(2, 24, 32), torch.randn(13, 32)), {}

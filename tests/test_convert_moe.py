@@ -61,4 +61,4 @@ def test_keep_and_auto_keep_write_a_file_that_runs(moe, tmp_path):
     auto = convert(moe, tmp_path / "auto.onnx", dtype="float16", auto_keep=0.01)
     assert auto.auto_kept[0] == ("HistcRouter", math.inf)
     assert auto.max_drift <= 0.01
-    assert "converted alone, the file does not run in onnxruntime" in str(auto)
+    assert "converted (alone, or with the rest), the file does not run in onnxruntime" in str(auto)

@@ -46,7 +46,7 @@ import collections
 import math
 import os
 import pathlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,7 +54,7 @@ import onnx
 
 from onnx_modular.calls import targets as _calls
 from onnx_modular.calls.capture import PROBE_BUDGET, Instrumented, paired_calls
-from onnx_modular.errors import InvalidInputError, InvalidModelFileError, VerificationError
+from onnx_modular.errors import InvalidInputError, InvalidModelFileError, RuntimeCrashError, VerificationError
 from onnx_modular.files.convert_build import BuildFacts, build, class_of, selected, under
 from onnx_modular.files.convert_flat import convert_flat, node_modules
 from onnx_modular.files.convert_ranges import mark as mark_ranges
@@ -74,6 +74,7 @@ from onnx_modular.files.convert_report import (
 )
 from onnx_modular.files.convert_select import Selection, flipped, run_with_selections
 from onnx_modular.files.convert_verify import (
+    crash_culprit,
     culprit,
     folder_bytes,
     not_running,
@@ -243,6 +244,7 @@ class _Job:
         self.selections: list[Selection] = []  # the selections the conversion flips (convert_select)
         self.trial_selections: list[Selection] = []
         self.first_selections: list[Selection] = []  # those auto_keep's first trial flipped
+        self.crashed = False  # onnxruntime crashed on a trial conversion (worst_drift)
         self.first_overflow: str | None = None  # the first call whose converted outputs overflow (run_converted)
 
     def run_original(self, inputs, seed: int) -> None:
@@ -291,6 +293,7 @@ class _Job:
 
         with runtime.scratch_file(None) as scratch:
             ir.save(result, scratch, external_data=scratch.name + ".data")
+            runtime.opens_in_child(scratch, what="trial conversion")  # onnxruntime may crash on it (worst_drift: inf)
             outputs, selections = run_with_selections(onnx.load(str(scratch), load_external_data=False), self.feeds,
                                                       folder=str(scratch.parent), what="trial conversion")
         self.trial_selections = flipped(self.model, self.reference_selections, selections)
@@ -300,8 +303,15 @@ class _Job:
         """The worst output drift of a trial conversion (inf: onnxruntime does not run it)."""
         try:
             return max((d for _, d in self.output_drift(result).values()), default=0.0)
+        except RuntimeCrashError:
+            self.crashed = True
+            return math.inf
         except VerificationError:
             return math.inf
+
+    def opens_keeping(self, kept: set[str]) -> Callable[[set[str]], bool]:
+        """Whether onnxruntime opens (and runs) the conversion that also keeps ``names`` in float32."""
+        return lambda names: self.worst_drift(self.build(kept | names)[0]) < math.inf
 
     def alone(self, names: set[str]) -> float:
         """The worst output drift when only the calls ``names`` are converted."""
@@ -330,7 +340,13 @@ class _Job:
         if self.dtype is None:
             return self.unquantize_roles(tolerance, own, auto_kept)
         kept_below = self.kept_below()
-        candidates = [name for name, names in self.class_calls.items() if not names <= kept_below]
+        crash = crash_culprit(self.all_calls, self.class_calls, kept_below | own, self.opens_keeping(own)) if self.crashed and worst == math.inf else None
+        if crash is not None:  # onnxruntime crashes on the file: the class whose calls kept let it open, first
+            own |= self.class_calls[crash[0]]
+            auto_kept.append((crash[0], crash[2]))
+            if self.worst_drift(self.build(own)[0]) <= tolerance:
+                return own, auto_kept
+        candidates = [name for name, names in self.class_calls.items() if not names <= kept_below | own]
         alone_drift = {name: self.alone(self.class_calls[name]) for name in candidates}  # each class converted alone
         for name in sorted(candidates, key=lambda n: -alone_drift[n]):
             own |= self.class_calls[name]
@@ -372,7 +388,13 @@ class _Job:
     def run_converted(self, staged: pathlib.Path, kept: set[str], facts: BuildFacts) -> tuple[dict[str, np.ndarray], list[CallDrift]]:
         """The staged file's outputs on the same inputs, and the drift of every call of the original
         that it also runs, in execution order (both files' call outputs a batch at a time)."""
-        runnable(staged, self.dtype, self.quantize)
+        try:
+            runnable(staged, self.dtype, self.quantize)
+        except RuntimeCrashError as e:
+            if self.dtype is None:
+                raise
+            opens = self.opens_keeping(kept)
+            raise not_running(e, self.dtype, crash_culprit(self.all_calls, self.class_calls, kept, opens)) from e
         staged_model = onnx.load(str(staged), load_external_data=False)
         staged_folder = str(staged.parent) if uses_external_data(staged_model) else None
         # the outputs from the file as users run it (capturing every call can change onnxruntime's fusions)

@@ -162,7 +162,7 @@ class Conversion:
                 continue
             done = "converted" if self.dtype else "quantized"
             lines.append(f"  auto-keep {'kept' if self.dtype else 'left unquantized'} {name}: " + (
-                f"{done} alone, the file does not run in onnxruntime" if drift == math.inf
+                f"{done} (alone, or with the rest), the file does not run in onnxruntime" if drift == math.inf
                 else f"{done} alone, it moves the outputs by {drift:.3%} of their range"))
         if self.tolerance is not None:
             verdict = "within" if self.max_drift <= self.tolerance else "NOT within"

@@ -11,17 +11,20 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import onnx
 
-from onnx_modular.errors import InvalidInputError, VerificationError
+from onnx_modular.errors import InvalidInputError, RuntimeCrashError, VerificationError
 from onnx_modular.files.convert_report import overflows
 from onnx_modular.format import metadata
 from onnx_modular.runtime import sessions as runtime
 
 
 def runnable(path: pathlib.Path, dtype: str | None, quantize: str | None) -> None:
-    """The converted file opens in onnxruntime here, or a typed error says which dtype it lacks."""
+    """The converted file opens in onnxruntime (in a child: a file it crashes on is not written), or a
+    typed error says which dtype it lacks (:class:`RuntimeCrashError` when it crashes)."""
     try:
-        runtime.session(str(path), what="converted model")
-    except Exception as e:
+        runtime.opens_in_child(path, what="converted model")
+    except RuntimeCrashError:
+        raise
+    except VerificationError as e:
         what = " + ".join(x for x in (dtype, quantize and f"{quantize} MatMulNBits") if x)
         raise InvalidInputError(
             f"onnxruntime cannot run the {what} model here: {str(e).splitlines()[0][:300]}",
@@ -54,20 +57,35 @@ def culprit(all_calls: Mapping[str, metadata.ExpandedCall], class_calls: Mapping
     return worst, first, drifts[worst]
 
 
+def crash_culprit(all_calls: Mapping[str, metadata.ExpandedCall], class_calls: Mapping[str, set[str]], kept: set[str],
+                  opens: Callable[[set[str]], bool]) -> tuple[str, str, float] | None:
+    """For a file onnxruntime crashes on: the (class, its first call, inf) whose calls kept in float32,
+    everything else converted, give a file it opens; the class with the fewest calls first (no
+    class converted alone need crash it: a chain across a call and its caller does)."""
+    order = {name: index for index, name in enumerate(all_calls)}
+    for name in sorted((c for c, names in class_calls.items() if names - kept), key=lambda c: (len(class_calls[c]), c)):
+        if opens(class_calls[name] - kept):
+            return name, min(class_calls[name] - kept, key=order.get), math.inf
+    return None
+
+
 def not_running(error: VerificationError, dtype: str, culprit: tuple[str, str, float] | None) -> VerificationError:
     """The converted file does not run: the error names the module whose conversion breaks it."""
-    cause = str(error).split(": ", 1)[-1].splitlines()[0][:300]
+    crashed = isinstance(error, RuntimeCrashError)
+    cause = (str(error).split("] ", 1)[-1] if crashed else str(error).split(": ", 1)[-1]).splitlines()[0][:300]
     if culprit is None:
         return VerificationError(f"The {dtype} model does not run in onnxruntime: {cause}", hint="Keep modules in float32 (--keep NAME).")
     cls, call, drift = culprit
-    what = ("converting it alone already makes the file fail" if drift == math.inf else
-            f"converted alone, it moves the outputs most ({drift:.3%} of their range)")
+    if crashed:
+        what, why = "with its calls kept in float32 (the rest converted) the file opens", "onnxruntime crashes on the ops its conversion makes"
+    else:
+        what = ("converting it alone already makes the file fail" if drift == math.inf else
+                f"converted alone, it moves the outputs most ({drift:.3%} of their range)")
+        why = f"a value it computes (a count, an index, a bin edge) likely rounds in {dtype} and a later op refuses it"
     return VerificationError(
-        f"The {dtype} model does not run in onnxruntime ({cause}). Module {call!r} ({cls}): {what}; a value it computes "
-        f"(a count, an index, a bin edge) likely rounds in {dtype} and a later op refuses it.",
+        f"The {dtype} model does not run in onnxruntime ({cause}). Module {call!r} ({cls}): {what}; {why}.",
         hint=f"Keep it in float32: --keep {cls} (or --keep {call}), or let --auto-keep TOLERANCE choose. Nothing was written.",
     )
-
 
 
 def refuse_overflow(dtype: str | None, actual: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],

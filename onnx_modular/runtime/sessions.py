@@ -11,6 +11,8 @@ one home of temporary files), removed afterwards whatever happens.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -18,7 +20,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnx_modular.errors import ExecutionProviderError, VerificationError
+from onnx_modular.errors import ExecutionProviderError, RuntimeCrashError, VerificationError
 from onnx_modular.format.text import first_line
 from onnx_modular.storage.checks import LOOP_SECONDS_VARIABLE, loop_run_seconds
 from onnx_modular.storage.locks import scratch_file
@@ -104,12 +106,67 @@ def session(
         return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options, providers=providers,
                                     disabled_optimizers=list(disabled_optimizers) or None)
     except Exception as e:  # onnxruntime raises its own exception types
-        raise VerificationError(f"onnxruntime cannot load the {what}: {first_line(e)}", hint=_load_hint(e, what)) from e
+        raise VerificationError(f"onnxruntime cannot load the {what}: {first_line(e)}", hint=_load_hint(str(e), what)) from e
 
 
-def _load_hint(error: Exception, what: str) -> str:
+#: :func:`opens_in_child`'s child: a session as :func:`session` makes one (no pre-packed weights,
+#: one thread: only whether it opens counts); onnxruntime's own error on stderr, exit code 3
+_OPEN = """
+import sys
+import onnxruntime as ort
+ort.set_default_logger_severity(4)
+options = ort.SessionOptions()
+options.log_severity_level = 4
+options.intra_op_num_threads = 1
+options.add_session_config_entry("session.disable_prepacking", "1")
+try:
+    ort.InferenceSession(sys.argv[1], options, providers=sys.argv[2].split(","))
+except Exception as e:
+    sys.stderr.write(str(e))
+    sys.exit(3)
+"""
+
+
+def opens_in_child(path: str | os.PathLike, execution_provider: str | None = None, *, what: str = "model") -> None:
+    """onnxruntime opens the file ``path`` in a child interpreter.
+
+    onnxruntime's graph optimizers can end the process with a signal on a file the checker accepts
+    (its NCHWc transformer on a float16 ``MatMul -> Reshape -> Transpose -> MatMul`` chain,
+    onnxruntime 1.32). A file this package is about to write is opened here first: the crash
+    becomes a typed error, and this process goes on to remove its scratch files.
+
+    Raises:
+        RuntimeCrashError: The child ended with a signal (or another unexpected exit).
+        VerificationError: onnxruntime cannot load the file (its message).
+    """
+    providers = execution_providers(execution_provider)
+    child = subprocess.run([sys.executable, "-c", _OPEN, os.fspath(path), ",".join(providers)],
+                           capture_output=True, text=True, errors="replace", check=False)
+    if child.returncode == 3:
+        said = (child.stderr.strip().splitlines() or ["(no message)"])[0][:400]
+        raise VerificationError(f"onnxruntime cannot load the {what}: {said}",
+                                hint=_load_hint(child.stderr, what))
+    if child.returncode != 0:
+        how = f"signal {_signal_name(-child.returncode)}" if child.returncode < 0 else f"exit code {child.returncode}"
+        raise RuntimeCrashError(
+            f"onnxruntime crashes ({how}) creating a session for the {what}: a bug of onnxruntime's graph optimizers "
+            "on this file, which it would end any process with.",
+            hint="Nothing was written. Keep the modules whose conversion makes the ops it crashes on in float32 "
+            "(the error of the tool that raised this names one), and report the file to onnxruntime.",
+        )
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
+def _load_hint(message: str, what: str) -> str:
     """What to do when onnxruntime rejects a model, by the kind of its complaint."""
-    message = str(error)
     if "NOT_IMPLEMENTED" in message or "Could not find an implementation" in message:
         return (
             "onnxruntime has no kernel for an operator with these dtypes (bfloat16 arithmetic on CPU, "
