@@ -105,7 +105,7 @@ def feeds(folder: pathlib.Path, path: pathlib.Path) -> dict[str, Any] | None:
 
 def _short(error: BaseException) -> str:
     text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text[:200]}"
+    return f"{type(error).__name__}: {text[:400]}"
 
 
 def _far(report, limit: float) -> dict[str, tuple[float, float]]:

@@ -106,6 +106,44 @@ def test_a_main_graph_call_whose_calls_exceed_the_budget_is_cut(stack):
     assert instrumented.runs == len(batches)
 
 
+class _Wrapped(torch.nn.Module):
+    """One call of the main graph holding every other (EfficientNet's ``encoder``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = _Stack()
+
+    def forward(self, x):
+        return self.encoder(x)
+
+
+def test_a_main_graph_call_over_the_budget_is_opened_and_each_node_runs_once(stack, tmp_path):
+    # EfficientNet's encoder held every block: each batch under the budget ran the whole network again
+    # (22 runs of it for a diff); opened, a batch runs only the part of it that its calls need
+    _, feeds = stack
+    torch.manual_seed(0)
+    export_modular(_Wrapped().eval(), (torch.from_numpy(feeds["x"]),), tmp_path / "wrapped.onnx")
+    model = onnx.load(tmp_path / "wrapped.onnx")
+    assert [n.op_type for n in model.graph.node] == ["_Stack"]
+    outputs, whole = capture.call_outputs(model, feeds)
+    instrumented = capture.Instrumented(model, feeds)
+    sizes = instrumented.call_bytes()
+    budget = sizes["encoder.blocks.0.up"] + sizes["encoder.blocks.0.down"] + sizes["encoder.blocks.0"]
+    batches = instrumented.batches(budget)
+    assert instrumented._main > 1 and "encoder.blocks.1" in {c.call_name for c in instrumented.calls}
+    assert [[c.call_name for c in batch] for batch in batches[1:]] == [  # a block's calls in one run, as in the main graph
+        [f"encoder.blocks.{i}.up", f"encoder.blocks.{i}.down", f"encoder.blocks.{i}"] for i in (1, 2, 3)] + [
+        ["encoder.head", "encoder"]]
+    _assert_same(_values(list(capture.call_batches(instrumented, budget))), _values(whole))
+    assert instrumented.runs == len(batches) and instrumented.nodes_run <= instrumented._main  # each node once
+    got = instrumented.model_outputs()
+    for name in outputs:
+        np.testing.assert_array_equal(got[name], outputs[name])
+    unopened = capture.Instrumented(model, feeds)
+    list(capture.call_batches(unopened, None))
+    assert unopened._main == 1 and unopened.runs == 1  # no budget: nothing opened, one run
+
+
 def test_paired_calls_under_a_budget_equal_one_run_of_each(stack):
     path, feeds = stack
     model = onnx.load(path)

@@ -28,6 +28,17 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from onnx_modular.calls import targets
+from onnx_modular.calls.opening import open_instrumented
+from onnx_modular.calls.segments import (
+    batches,
+    bindings,
+    declared_bytes,
+    fixed,
+    info_of,
+    itemsize,
+    reads,
+    static_bytes,
+)
 from onnx_modular.format import metadata
 from onnx_modular.runtime import sessions as runtime
 
@@ -240,6 +251,7 @@ class Instrumented:
     runs once over a pass of consecutive batches). The probes that are not chosen are freed as
     they are made (onnxruntime's priority-based order; its default order runs such dangling probes
     last and keeps them all). :meth:`batches` chooses the calls of each run under a byte budget
+    (a call of the main graph whose calls exceed it opened first, :meth:`open_groups`)
     (:meth:`call_bytes`: from the declared shapes, onnx's shape inference with the inputs' shapes
     fixed, else a run that returns only every probe's ``Shape``).
 
@@ -266,16 +278,9 @@ class Instrumented:
         if not isinstance(feeds, Mapping):
             feeds = dict(zip([v.name for v in copy.graph.inputs], feeds))
         self.feeds = dict(feeds)
-        self._static = [_static_bytes(v, _bindings(copy.graph.inputs, self.feeds)) for v in copy.graph.outputs[len(self.output_names):]]
-        self.proto = ir.serde.serialize_model(copy)
+        self._static = [static_bytes(v, bindings(copy.graph.inputs, self.feeds)) for v in copy.graph.outputs[len(self.output_names):]]
+        self._take(ir.serde.serialize_model(copy))
         del copy
-        graph = self.proto.graph
-        self._graph_outputs = [_copied(v) for v in graph.output]
-        self._inputs = {v.name: _copied(v) for v in graph.input}
-        self._nodes = [_copied(n) for n in graph.node]
-        self._main = len(self._nodes) - (len(self._graph_outputs) - len(self.output_names))  # then the probes' Identity
-        self._reads = [_reads(n) for n in self._nodes[: self._main]]
-        del graph.node[:], graph.input[:], graph.output[:]
         self._probe_bytes: list[int] | None = None
         self.folder, self.execution_provider, self.what = external_data_folder, execution_provider, what
         self.outputs: dict[str, np.ndarray] = {name: self.feeds[name] for name in self.output_names if name in self.feeds}
@@ -283,6 +288,43 @@ class Instrumented:
         self._frontier: dict[str, np.ndarray] = {}
         self._previous: tuple[int, dict[str, np.ndarray]] = (0, {})  # the last run's start and what it was fed
         self.runs = 0
+        self.nodes_run = 0  # main-graph nodes run, over all runs (each once over a pass of consecutive batches)
+
+    def _take(self, proto: onnx.ModelProto) -> None:
+        """Hold the copy ``proto`` as its parts: the main graph's nodes (then the probes' ``Identity``), inputs and outputs."""
+        self.proto, graph = proto, proto.graph
+        self._graph_outputs = [_copied(v) for v in graph.output]
+        self._inputs = {v.name: _copied(v) for v in graph.input}
+        self._nodes = [_copied(n) for n in graph.node]
+        self._main = len(self._nodes) - (len(self._graph_outputs) - len(self.output_names))  # then the probes' Identity
+        self._reads = [reads(n) for n in self._nodes[: self._main]]
+        del graph.node[:], graph.input[:], graph.output[:]
+
+    def open_groups(self, budget: int | None) -> None:
+        """Before the first run: open each call of the main graph whose calls' outputs exceed
+        ``budget`` (:func:`~onnx_modular.calls.opening.open_instrumented`), again inside it while they do
+        (a few levels), so that a batch of its calls runs only the part of it they need."""
+        if budget is None or self.runs:
+            return
+        sizes = self.call_bytes()
+        for _ in range(4):
+            held: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0])  # maker: bytes, calls
+            for call in self.calls:
+                if call.probes:
+                    group = held[self._maker[call.probes[0]]]
+                    group[0], group[1] = group[0] + sizes[call.call_name], group[1] + 1
+            functions = {(f.domain, f.name) for f in self.proto.functions}
+            ids = {(self._nodes[m].domain, self._nodes[m].op_type) for m, (size, count) in held.items()
+                   if size > budget and count > 1} & functions
+            whole = onnx.ModelProto()
+            whole.CopyFrom(self.proto)
+            whole.graph.node.extend(self._nodes), whole.graph.input.extend(self._inputs.values())
+            whole.graph.output.extend(self._graph_outputs)
+            opened = open_instrumented(whole, ids, len(self._graph_outputs) - len(self.output_names)) if ids else None
+            if opened is None:
+                return
+            self._take(opened[0])
+            self._maker = opened[1]
 
     def call_bytes(self) -> dict[str, int]:
         """Each call's output bytes on these feeds."""
@@ -303,12 +345,12 @@ class Instrumented:
         graph.node.extend(self._nodes)
         graph.output.extend(self._graph_outputs[len(self.output_names):])
         for value in self._inputs.values():
-            graph.input.append(_fixed(value, self.feeds.get(value.name)))
+            graph.input.append(fixed(value, self.feeds.get(value.name)))
         try:
             inferred = onnx.shape_inference.infer_shapes(probe, data_prop=True)
         except Exception:  # onnx's inference stops at what it does not know: the probes' shapes are then run
             return [None] * len(self._static)
-        return [_declared_bytes(v) for v in inferred.graph.output]
+        return [declared_bytes(v) for v in inferred.graph.output]
 
     def _measured(self, sizes: list[int | None]) -> list[int | None]:
         """The probes' bytes from one run of the whole copy that returns only every probe's ``Shape``."""
@@ -321,8 +363,8 @@ class Instrumented:
         values = self._segment(0, self._main, [], extra=(identities + shapes, infos), keep=False)
         out = list(sizes)
         for i, shape in zip(wanted, values):
-            itemsize = _itemsize(self._graph_outputs[first + i].type.tensor_type.elem_type)
-            out[i] = int(np.prod(shape)) * (itemsize or _UNKNOWN_ITEMSIZE)
+            size = itemsize(self._graph_outputs[first + i].type.tensor_type.elem_type)
+            out[i] = int(np.prod(shape)) * (size or _UNKNOWN_ITEMSIZE)
         return out
 
     def _segment(self, start: int, end: int, probes: Sequence[int], extra=((), ()), keep: bool = True) -> list[np.ndarray]:
@@ -333,10 +375,10 @@ class Instrumented:
         nodes = self._nodes[start:end] + [self._nodes[self._main + i] for i in probes] + list(extra[0])
         later = set(self.output_names).union(*self._reads[end: self._main]) if keep else set()
         made = {name for n in self._nodes[start:end] for name in n.output if name}
-        read = set().union(*(_reads(n) for n in nodes))
+        read = set().union(*(reads(n) for n in nodes))
         inputs = [self._inputs[n] for n in self._inputs if n in read]
         fed = [name for name in frontier if name in read and name not in self._inputs]
-        inputs += [_info_of(name, frontier[name]) for name in fed]
+        inputs += [info_of(name, frontier[name]) for name in fed]
         originals = [name for name in self.output_names if name in made and name not in self.outputs]
         passed = [name for name in made if name in later and name not in originals] if keep else []
         outputs = ([self._graph_outputs[first + i] for i in probes] + list(extra[1])
@@ -361,6 +403,7 @@ class Instrumented:
         # without the arena, onnxruntime's output arrays hold only their own memory: no copies
         _, values = runtime.run(session, feeds, what=self.what, copy=False)
         self.runs += 1
+        self.nodes_run += end - start
         count = len(probes) + len(extra[1])
         self.outputs.update(zip(originals, values[count: count + len(originals)]))
         if keep:
@@ -407,6 +450,7 @@ class Instrumented:
         over it alone, the calls one call of the main graph makes together when they fit in it:
         :func:`batches`); one batch when ``budget`` is ``None``."""
         calls = self.calls if calls is None else list(calls)
+        self.open_groups(budget)
         if budget is None:
             return [list(calls)] if calls else []
         sizes = self.call_bytes()
@@ -429,105 +473,6 @@ def _copied(message):
     copy = type(message)()
     copy.CopyFrom(message)
     return copy
-
-
-def _reads(node: onnx.NodeProto) -> set[str]:
-    """The names a node reads, those its subgraphs read from outside included."""
-    names = {name for name in node.input if name}
-    for attribute in node.attribute:
-        for graph in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
-            inner = {name for n in graph.node for name in n.output} | {v.name for v in graph.input} | {
-                t.name for t in graph.initializer}
-            names |= {name for n in graph.node for name in _reads(n) if name not in inner}
-            names |= {v.name for v in graph.output if v.name not in inner}
-    return names
-
-
-def _info_of(name: str, value: np.ndarray) -> onnx.ValueInfoProto:
-    return onnx.helper.make_tensor_value_info(name, onnx.helper.np_dtype_to_tensor_dtype(value.dtype), value.shape)
-
-
-def _fixed(value: onnx.ValueInfoProto, feed: np.ndarray | None) -> onnx.ValueInfoProto:
-    """A graph input's declaration with the feed's shape."""
-    if feed is None or not isinstance(feed, np.ndarray) or not value.type.HasField("tensor_type"):
-        return value
-    return onnx.helper.make_tensor_value_info(value.name, value.type.tensor_type.elem_type, feed.shape)
-
-
-def _declared_bytes(value: onnx.ValueInfoProto) -> int | None:
-    tensor = value.type.tensor_type
-    if not value.type.HasField("tensor_type") or not tensor.HasField("shape") or not tensor.elem_type:
-        return None
-    if not all(d.HasField("dim_value") for d in tensor.shape.dim):
-        return None
-    itemsize = _itemsize(tensor.elem_type)
-    return int(np.prod([d.dim_value for d in tensor.shape.dim])) * itemsize if itemsize else None
-
-
-def batches(items: Sequence[Any], costs: Sequence[int], budget: int,
-            together: Callable[[Any, Any], bool] | None = None) -> list[list[Any]]:
-    """``items`` in order, cut into consecutive batches whose costs add up to at most ``budget``
-    (more when an item alone costs more). Items ``together`` with the one before (a group) stay in
-    its batch, past the budget, when the whole group fits in it; a group over the budget is cut
-    like the rest (each part's run makes the group's node again: one main-graph call holding
-    every call of an EfficientNet made 19 GB of outputs in one run)."""
-    groups: list[int] = []  # the group of each item, and each group's cost
-    group_cost: list[int] = []
-    previous = None
-    for item, cost in zip(items, costs):
-        if not groups or together is None or not together(previous, item):
-            group_cost.append(0)
-        groups.append(len(group_cost) - 1)
-        group_cost[-1] += cost
-        previous = item
-    out: list[list[Any]] = []
-    total = 0
-    for index, (item, cost) in enumerate(zip(items, costs)):
-        same = index > 0 and groups[index] == groups[index - 1]
-        over = group_cost[groups[index]] > budget  # a group cut in parts starts a batch of its own
-        if not out or total + cost > budget and not (same and not over) or over and not same and total:
-            out.append([])
-            total = 0
-        out[-1].append(item)
-        total += cost
-    return out
-
-
-def _bindings(inputs: Sequence[ir.Value], feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
-    """The symbolic dims of the graph's inputs, fixed by the feeds' shapes."""
-    bound: dict[str, int] = {}
-    for value in inputs:
-        feed = feeds.get(value.name or "")
-        if value.shape is None or feed is None or len(value.shape) != np.ndim(feed):
-            continue
-        for dim, size in zip(value.shape, np.shape(feed)):
-            if isinstance(dim, ir.SymbolicDim) and dim.value is not None:
-                bound.setdefault(dim.value, int(size))
-    return bound
-
-
-def _static_bytes(value: ir.Value, bound: Mapping[str, int]) -> int | None:
-    """``value``'s bytes from its declared type and shape, or ``None`` when not declared or not fixed."""
-    if value.shape is None or not isinstance(value.type, ir.TensorType):
-        return None
-    itemsize = _itemsize(value.dtype.value if value.dtype is not None else 0)
-    count = 1
-    for dim in value.shape:
-        if isinstance(dim, int):
-            count *= dim
-        elif dim.value is not None and dim.value in bound:
-            count *= bound[dim.value]
-        else:
-            return None
-    return count * itemsize if itemsize else None
-
-
-def _itemsize(elem_type: int) -> int | None:
-    """Bytes per element of an ONNX element type (``None``: undeclared or sub-byte)."""
-    try:
-        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).itemsize if elem_type else None
-    except (KeyError, TypeError, ValueError):
-        return None
 
 
 def call_batches(instrumented: Instrumented, budget: int | None = PROBE_BUDGET) -> Iterator[CallValues]:
@@ -555,6 +500,7 @@ def paired_calls(
     if budget is None:
         groups = [pairs] if pairs else []
     else:
+        a.open_groups(budget // 2), b.open_groups(budget // 2)  # both files' values of a batch share the budget
         sizes_a, sizes_b = a.call_bytes(), b.call_bytes()
         groups = batches(pairs, [sizes_a[x.call_name] + sizes_b[y.call_name] for x, y in pairs], budget,
                          lambda p, q: a.together(p[0], q[0]) or b.together(p[1], q[1]))

@@ -1,4 +1,5 @@
 """One call of the main graph opened into it: its body inlined one level, its callees stay calls.
+(:func:`open_instrumented`: the calls of an instrumented copy whose values exceed a run's budget.)
 
 :func:`open_call` gives the call its own function first (:func:`~onnx_modular.calls.targets.specialize`,
 the one way to give a call bodies of its own), then ``onnx.inliner`` inlines that one function; the
@@ -21,12 +22,13 @@ import onnx
 import onnx.inliner
 
 from onnx_modular.calls import targets
+from onnx_modular.calls.segments import reads
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.format import metadata
 from onnx_modular.format.text import first_line
 from onnx_modular.storage.proto import all_nodes, function_id, node_id
 
-__all__ = ["is_module_call", "open_call", "set_no_ops"]
+__all__ = ["is_module_call", "open_call", "open_instrumented", "set_no_ops"]
 
 
 def is_module_call(node: onnx.NodeProto, functions: Mapping) -> bool:
@@ -133,3 +135,51 @@ def set_no_ops(graph, entries: list) -> None:
     graph.metadata_props.extend(kept)
     if entries:
         graph.metadata_props.add(key=metadata.NO_OP_CALLS, value=json.dumps([e.to_json() for e in entries]))
+
+
+def open_instrumented(model: onnx.ModelProto, ids: set[tuple[str, str]], probes: int) -> tuple[onnx.ModelProto, list[int]] | None:
+    """``model`` (an instrumented copy, whole: its last ``probes`` main-graph nodes the probes'
+    ``Identity``, :class:`~onnx_modular.calls.capture.Instrumented`) with every call of the functions
+    ``ids`` inlined by onnx's inliner, and the index of the main-graph node that makes each probe.
+    Unlike :func:`open_call`, the calls' names and values stay as they were: only the runs change.
+
+    A call of the main graph makes every value of the calls it holds in one node: a run that needs
+    one of them runs all of it (EfficientNet's encoder holds every block: 22 runs of the whole
+    network for a budget of 1 GB). Opened, its calls are nodes of the main graph, and runs go on
+    from where the last one stopped. The opened bodies' own probes (``Identity`` nodes that
+    return their calls' values) are bypassed: each probe reads the value itself, where it is made
+    (an ``Identity`` left reading every probe would keep all of them until the end of a pass).
+    ``None`` when the inlined model does not keep the probes last.
+    """
+    opened = onnx.inliner.inline_selected_functions(model, sorted(ids), exclude=False)
+    graph = opened.graph
+    nodes = list(graph.node)
+    main, tail = nodes[: len(nodes) - probes], nodes[len(nodes) - probes:]
+    if any(n.op_type != "Identity" or n.output[0] != v.name for n, v in zip(tail, graph.output[len(graph.output) - probes:])):
+        return None
+    producer = {name: index for index, node in enumerate(main) for name in node.output if name}
+
+    def source(name: str) -> str:
+        for _ in range(len(main)):
+            node = main[producer[name]] if name in producer else None
+            if node is None or node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
+                break
+            name = node.input[0]
+        return name
+
+    for node in tail:
+        node.input[0] = source(node.input[0])
+    kept = {v.name for v in graph.output}
+    while True:
+        read = kept.union(*(reads(n) for n in main + tail))
+        dead = [n for n in main if n.op_type == "Identity" and n.domain in ("", "ai.onnx") and n.output[0] not in read]
+        if not dead:
+            break
+        main = [n for n in main if not any(n is d for d in dead)]
+    del graph.node[:]
+    graph.node.extend(main + tail)
+    producer = {name: index for index, node in enumerate(main) for name in node.output if name}
+    makers: list[int] = []
+    for node in tail:  # a probe of a graph input or an initializer: made with the probe before it
+        makers.append(producer.get(node.input[0], makers[-1] if makers else 0))
+    return opened, makers
