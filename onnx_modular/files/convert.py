@@ -69,7 +69,6 @@ from onnx_modular.files.convert_report import (
     class_drifts,
     drift,
     output_drifts,
-    overflows,
     warn_left,
 )
 from onnx_modular.files.convert_select import Selection, flipped, run_with_selections
@@ -412,10 +411,10 @@ class _Job:
             for call, other in paired_calls(self.original, converted, PROBE_BUDGET,
                                             select=lambda x, _: x.call_name in self.all_calls):
                 plan = facts.plan_of(call.call_name)
-                if self.first_overflow is None and any(overflows(a, e) for a, e in zip(other.outputs, call.outputs)):
-                    self.first_overflow = call.call_name  # in finishing order: refuse_overflow names it
                 drifts.append(call_drift(call.call_name, class_of(self.all_calls[call.call_name]), plan.low, plan.quantize,
                                          other.outputs, call.outputs))
+                if self.first_overflow is None and drifts[-1].overflow:
+                    self.first_overflow = call.call_name  # in finishing order: refuse_overflow names it
         except VerificationError as e:
             if "converted model" not in str(e):
                 raise

@@ -256,9 +256,10 @@ def _spread(values: np.ndarray) -> float:
     """max - min of the finite values (0 when none), a block at a time."""
     low, high = math.inf, -math.inf
     for (block,) in blocks(values):
-        finite = block[np.isfinite(block)] if values.dtype.kind == "f" else block
-        if finite.size:
-            low, high = min(low, float(finite.min())), max(high, float(finite.max()))
+        if block.size and values.dtype.kind == "f" and not (math.isfinite(block.min()) and math.isfinite(block.max())):
+            block = block[np.isfinite(block)]  # NaN or inf in it (a min and a max first: no copy for the rest)
+        if block.size:
+            low, high = min(low, float(block.min())), max(high, float(block.max()))
     return high - low if high >= low else 0.0
 
 
@@ -267,7 +268,7 @@ def overflows(actual: np.ndarray, expected: np.ndarray) -> bool:
     actual, expected = np.asarray(actual), np.asarray(expected)
     if actual.shape != expected.shape or actual.dtype.kind != "f" or expected.dtype.kind != "f":
         return False
-    return any(bool(np.any(~np.isfinite(a) & np.isfinite(e))) for a, e in blocks(actual, expected))
+    return any(not np.isfinite(a).all() and bool(np.any(~np.isfinite(a) & np.isfinite(e))) for a, e in blocks(actual, expected))
 
 
 def call_drift(call_name: str, module_class: str, converted: bool, quantized: bool,
