@@ -2004,8 +2004,8 @@ def _job_flat(model_type: str, class_name: str, folder: str | None = None) -> di
             worst = max(worst, float(np.max(np.abs(got - want))))
             ok = ok and bool(np.allclose(got, want, rtol=1e-3, atol=1e-4))  # onnx_modular's float32 default
     record.update(ok=ok, max_abs=worst)
-    if folder and ok:  # modularize's input in the tools phase
-        program.save(str(pathlib.Path(folder) / sweep_tools.FLAT))
+    if folder and ok:  # modularize's input in the tools phase; weights beside it (inline, Perceiver's passed 2 GB)
+        program.save(str(pathlib.Path(folder) / sweep_tools.FLAT), external_data=True)
     if not ok:
         record.setdefault("stage", "verify")
         record.setdefault("error", f"max abs difference {worst:.3g}")
