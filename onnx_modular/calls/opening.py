@@ -172,10 +172,10 @@ def open_instrumented(model: onnx.ModelProto, ids: set[tuple[str, str]], probes:
     kept = {v.name for v in graph.output}
     while True:
         read = kept.union(*(reads(n) for n in main + tail))
-        dead = [n for n in main if n.op_type == "Identity" and n.domain in ("", "ai.onnx") and n.output[0] not in read]
-        if not dead:
+        live = [n for n in main if not (n.op_type == "Identity" and n.domain in ("", "ai.onnx") and n.output[0] not in read)]
+        if len(live) == len(main):
             break
-        main = [n for n in main if not any(n is d for d in dead)]
+        main = live
     del graph.node[:]
     graph.node.extend(main + tail)
     producer = {name: index for index, node in enumerate(main) for name in node.output if name}

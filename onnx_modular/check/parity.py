@@ -151,13 +151,14 @@ def _float32_differences(actual: np.ndarray, expected: np.ndarray, rel_above: fl
         a, e = block_a.astype(np.float32, copy=False), block_e.astype(np.float32, copy=False)
         with np.errstate(over="ignore", invalid="ignore"):
             diff = np.abs(a - e)
-        if not np.isfinite(diff.max()):  # NaN propagates through max, and inf is its own max
+        largest = float(diff.max())
+        if not math.isfinite(largest):  # NaN propagates through max, and inf is its own max
             return None
         scale = np.abs(e)
         with np.errstate(over="ignore", invalid="ignore"):  # float16's largest over float32's smallest: finite
             rel = diff / (scale + floor)
         rel[(diff == 0) | (scale <= rel_above)] = 0.0
-        worst_abs, worst_rel = max(worst_abs, float(diff.max())), max(worst_rel, float(rel.max()))
+        worst_abs, worst_rel = max(worst_abs, largest), max(worst_rel, float(rel.max()))
     return worst_abs, worst_rel
 
 
