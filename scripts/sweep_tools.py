@@ -190,26 +190,46 @@ def _paths(tree) -> set[str]:
     return {call.module_path for call in tree.walk() if not call.is_root and call.module_path}
 
 
-def _live(body_nodes, live: set[str]) -> set[str]:
+def _live(body_nodes, live: set[str], bodies: dict, memo: dict) -> set[str]:
     """``live`` and every value of ``body_nodes`` computed from it (a control-flow node's outputs
-    always: its subgraphs read outer values by name)."""
+    always: its subgraphs read outer values by name). A call node passes liveness on only to the
+    outputs its function computes from the inputs that are live."""
     live = set(live)
     for node in body_nodes:
-        if any(name in live for name in node.input) or any(a.type in (5, 10) for a in node.attribute):  # GRAPH(S)
+        key = (node.domain, node.op_type, node.overload)
+        if key in bodies:
+            positions = frozenset(i for i, name in enumerate(node.input) if name in live)
+            made = _live_outputs(key, positions, bodies, memo)
+            live.update(name for j, name in enumerate(node.output) if j in made)
+        elif any(name in live for name in node.input) or any(a.type in (5, 10) for a in node.attribute):  # GRAPH(S)
             live.update(node.output)
     return live
+
+
+def _live_outputs(key, positions: frozenset, bodies: dict, memo: dict) -> frozenset:
+    """The output positions of function ``key`` computed from its inputs at ``positions``."""
+    if (key, positions) not in memo:
+        memo[key, positions] = frozenset()  # a function that calls itself
+        function = bodies[key]
+        live = _live(function.node, {function.input[i] for i in positions if i < len(function.input)}, bodies, memo)
+        memo[key, positions] = frozenset(j for j, name in enumerate(function.output) if name in live)
+    return memo[key, positions]
 
 
 def _computing_paths(model) -> set[str]:
     """The module paths of our file's calls that torch's flat file can hold: a call whose body
     (with everything it calls) holds only ``Identity`` nodes (a Dropout in eval) leaves no node
-    there, and a call whose every argument is a constant (a projection of a position table:
-    DeBERTa's ``pos_key_proj``, Conditional DETR's ``q_pos_proj``) is folded into a constant by
-    torch's optimizer; neither leaves a trace modularize could recover or report."""
+    there, and a call none of whose outputs is computed from the model's inputs is folded into a
+    constant by torch's optimizer: every argument a constant (a projection of a position table:
+    DeBERTa's ``pos_key_proj``, Conditional DETR's ``q_pos_proj``), or a body that ignores its
+    arguments (MRA's attention returns ``zeros_like(query)`` without its CUDA kernel, and the
+    projection after it then reads a constant). Neither leaves a trace modularize could recover or
+    report."""
     from onnx_modular.format import metadata
 
     bodies = {(f.domain, f.name, f.overload): f for f in model.functions}
     memo: dict[tuple, bool] = {}
+    live_memo: dict = {}
 
     def computes(key) -> bool:
         if key not in memo:
@@ -222,15 +242,15 @@ def _computing_paths(model) -> set[str]:
             )
         return memo[key]
 
-    lives = {None: _live(model.graph.node, {value.name for value in model.graph.input})}
+    lives = {None: _live(model.graph.node, {value.name for value in model.graph.input}, bodies, live_memo)}
     paths = set()
     for call in metadata.expanded_calls(model, module_calls_only=False):
         live = lives[id(call.caller) if call.caller is not None else None]
         function = call.function
         formals = {formal for formal, actual in zip(function.input, call.node.input) if actual in live}
-        lives[id(call)] = _live(function.node, formals)
+        lives[id(call)] = body = _live(function.node, formals, bodies, live_memo)
         path, _ = metadata.split_call_name(call.call_name)
-        if path and formals and computes((function.domain, function.name, function.overload)):
+        if path and any(name in body for name in function.output) and computes((function.domain, function.name, function.overload)):
             paths.add(path)
     return paths
 

@@ -33,13 +33,17 @@ PARAMS = [pytest.param(name, marks=() if name in DEFAULT else pytest.mark.slow) 
 def _files(name: str, folder: pathlib.Path) -> tuple[torch.nn.Module, dict]:
     """The three files of a sweep row: ours, torch's flat file, the inputs."""
     model, inputs = kinds.build(name)
+    _files_of(model, inputs, folder)
+    return model, inputs
+
+
+def _files_of(model: torch.nn.Module, inputs: dict, folder: pathlib.Path) -> None:
     result = export_modular(model, (), folder / sweep_tools.MODULAR, kwargs=inputs)
     assert result.report.ok, result.report
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False).save(str(folder / sweep_tools.FLAT))
     sweep_tools.save_inputs(folder, inputs)
-    return model, inputs
 
 
 @pytest.mark.parametrize("name", PARAMS)
@@ -57,3 +61,38 @@ def test_every_tool_passes_on_the_kind(name, tmp_path):
     statuses = {tool: sweep_tools.run_tool(tool, str(tmp_path))["status"] for tool in sweep_tools.TOOLS}
     failed = {tool: status for tool, status in statuses.items() if not sweep_tools.passed(status)}
     assert not failed, failed
+
+
+class _Zeros(torch.nn.Module):
+    """An attention without its kernel (MRA's on CPU): a projection whose result is dropped for
+    ``zeros_like``."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.zeros_like(self.query(x))
+
+
+class _ZerosThenDense(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = _Zeros()
+        self.dense = torch.nn.Linear(8, 8)
+        self.mlp = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.mlp(x) + self.dense(self.attention(x))
+
+
+def test_calls_whose_outputs_ignore_the_inputs_are_not_counted_against_modularize(tmp_path):
+    # torch's optimizer folds `attention` (a constant) and `dense` (reading it) into one constant:
+    # no node of theirs is in the flat file for modularize to recover or report
+    model = _ZerosThenDense().eval()
+    _files_of(model, {"x": torch.randn(2, 8)}, tmp_path)
+    import onnx
+
+    ours = sweep_tools._computing_paths(onnx.load(str(tmp_path / sweep_tools.MODULAR), load_external_data=False))
+    assert ours == {"mlp"}
+    assert sweep_tools.passed(sweep_tools.run_tool("modularize", str(tmp_path))["status"])
