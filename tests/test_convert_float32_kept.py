@@ -192,6 +192,29 @@ def test_measure_ignores_mask_sentinels_and_takes_the_largest_over_calls(boxes):
     assert sinusoid["positions"] == pytest.approx(relative)
 
 
+def test_measure_takes_the_finite_values_under_the_sentinel_of_each_value():
+    # one main graph: a value with inf, NaN and a sentinel beside finite ones, a plain one, an empty one
+    h = onnx.helper
+    graph = h.make_graph(
+        [h.make_node("Mul", ["x", "two"], ["doubled"]), h.make_node("Slice", ["x", "start", "end"], ["empty"])],
+        "g",
+        [h.make_tensor_value_info("x", FLOAT, [2, 3])],
+        [h.make_tensor_value_info("doubled", FLOAT, [2, 3]), h.make_tensor_value_info("empty", FLOAT, [2, 0])],
+        [
+            onnx.numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+            onnx.numpy_helper.from_array(np.array([1], np.int64), "start"),
+            onnx.numpy_helper.from_array(np.array([1], np.int64), "end"),
+        ],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
+    x = np.array([[np.inf, -7.0, np.nan], [3.0, float(np.finfo(np.float32).min), -np.inf]], np.float32)
+    ranges = measure(model, {"x": x})[None]
+    assert ranges["x"] == 7.0  # inf, NaN and the sentinel are not values
+    assert ranges["doubled"] == 14.0
+    assert ranges["empty"] == 0.0  # an empty value has no magnitude (-inf, reported as 0)
+    assert measure(model, {"x": np.array([[1.0, -2.5, 0.5], [0.0, 2.0, -1.0]], np.float32)})[None]["x"] == 2.5
+
+
 def test_outputs_that_overflow_are_not_written():
     # what the range measure cannot see (values past the range only in a subgraph's calls, or on
     # other inputs than the verification's): a file whose outputs hold inf is refused, not written

@@ -89,7 +89,7 @@ def run_stages(
                     f"Stage {k} needs {shown(source)!r} (as its input {shown(name)!r}), which the inputs do not hold.",
                     hint=f"Give every model input the manifest names ({MANIFEST}).",
                 )
-        session = runtime.session(str(files[k]), provider, what=f"stage {k}")
+        session = runtime.session(str(files[k]), provider, arena=False, what=f"stage {k}")  # one run
         names, arrays = runtime.run(session, stage_feeds, what=f"stage {k}")
         produced.update({f"stage_{k}/{name}": array for name, array in zip(names, arrays)})
     return {name: produced[source] for name, source in manifest["outputs"].items()}
