@@ -96,3 +96,13 @@ def test_calls_whose_outputs_ignore_the_inputs_are_not_counted_against_modulariz
     ours = sweep_tools._computing_paths(onnx.load(str(tmp_path / sweep_tools.MODULAR), load_external_data=False))
     assert ours == {"mlp"}
     assert sweep_tools.passed(sweep_tools.run_tool("modularize", str(tmp_path))["status"])
+
+
+def test_split_over_the_test_data_limit_follows_its_advice(tmp_path, monkeypatch):
+    # the values crossing the cut are over the limit: split refuses with test data and says
+    # --no-data; the sweep's split does that and chains the stages against the whole file itself
+    model = _ZerosThenDense().eval()
+    _files_of(torch.nn.Sequential(model, torch.nn.Linear(8, 8)).eval(), {"input": torch.randn(2, 8)}, tmp_path)
+    monkeypatch.setenv("ONNX_MODULAR_MAX_TEST_DATA_BYTES", "8")
+    status = sweep_tools.run_tool("split", str(tmp_path))["status"]
+    assert sweep_tools.passed(status) and "--no-data" in status, status
