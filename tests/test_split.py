@@ -443,3 +443,43 @@ def test_an_encoder_outweighed_by_a_vocabulary_table_is_still_a_stage(tmp_path):
     chained = onnx_modular.run_stages(tmp_path / "stages", arrays)
     names, whole = sessions.run(str(path), arrays)
     np.testing.assert_allclose(chained[names[0]], whole[0], atol=ATOL)
+
+
+class _Trunk(torch.nn.Module):
+    """Layers that also return a constant (a cache's fixed field, as GraniteMoe SWA's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x, torch.tensor([4, 4])  # a constant made in forward: torch lifts it
+
+
+class _TrunkAndHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model, self.head = _Trunk(), torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        hidden, window = self.model(x)
+        return self.head(hidden), window
+
+
+def test_a_constant_output_of_an_opened_call_is_made_by_the_last_stage(tmp_path):
+    # Opening `model` leaves `Identity(lifted constant)` in the main graph: a constant node,
+    # copied only where a stage reads it. No stage read it, the last stage returned it unmade,
+    # and onnx's checker refused that stage ("not an output of any node").
+    torch.manual_seed(0)
+    x = torch.randn(2, 16)
+    path = tmp_path / "trunk.onnx"
+    export_modular(_TrunkAndHead().eval(), (x,)).save(path)
+    result = onnx_modular.split(path, tmp_path / "stages", stages=2)
+    assert result.opened == ["model"] and len(result.stages) == 2
+    names, whole = sessions.run(str(path), {"x": x.numpy()})
+    chained = onnx_modular.run_stages(tmp_path / "stages", {"x": x.numpy()})
+    assert set(chained) == set(names)
+    np.testing.assert_allclose(chained[names[0]], whole[0], atol=ATOL)
+    np.testing.assert_array_equal(chained[names[1]], [4, 4])

@@ -287,6 +287,11 @@ def assign(model: onnx.ModelProto, cut_calls: list[str]) -> list[Cut]:
     for cut in cuts:
         cut.nodes = _with_constants(graph, cut.nodes, producer, constant)
     outputs = [v.name for v in graph.output]
+    # a model output made by constant nodes no stage reads (a cache's constant field, an opened
+    # call's Identity of a lifted constant): the last stage computes it
+    unread = {producer[n] for n in outputs if producer.get(n) in constant and not any(producer[n] in c.nodes for c in cuts)}
+    if unread:
+        cuts[-1].nodes = _with_constants(graph, sorted(set(cuts[-1].nodes) | unread), producer, constant)
     for k, cut in enumerate(cuts):
         _set_reads(graph, cut, initializers, inputs, producer, outputs if k == len(cuts) - 1 else [])
     for k, cut in enumerate(cuts):
@@ -295,10 +300,6 @@ def assign(model: onnx.ModelProto, cut_calls: list[str]) -> list[Cut]:
         cut.outputs = [n for n in made if (n in later or n in outputs) and (n in outputs or stage_of.get(producer[n]) == k)]
         if k == len(cuts) - 1:
             cut.outputs += [n for n in outputs if n not in producer and n not in cut.outputs]
-    # a model output computed by a copied constant node: the last stage returns it
-    for name in outputs:
-        if not any(name in cut.outputs for cut in cuts):
-            cuts[-1].outputs.append(name)
     _share_shapes(model, cuts)
     return cuts
 
