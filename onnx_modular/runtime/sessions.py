@@ -197,10 +197,10 @@ def run(
 ) -> tuple[list[str], list[np.ndarray]]:
     """Run a model on ``feeds`` (by name, or one array per input in order).
 
-    ``model`` is a file path, a serialized model (run in a session of their own, without the memory
+    ``model`` is a file path or a serialized model (run in a session of its own, without the memory
     arena: see :func:`session`), or an open session (which is reused).
-    ``copy=False``: the output arrays of a given session are onnxruntime's own (for a session
-    without the CPU memory arena, whose outputs hold only their own memory; see below).
+    ``copy=False``: the output arrays are onnxruntime's own (for a session without the CPU memory
+    arena, whose outputs hold only their own memory; see below).
 
     Returns:
         (output names, output arrays).
@@ -245,9 +245,8 @@ def run(
             timer.cancel()
     # onnxruntime's output arrays live in the session's memory arena and keep all of it (4.2 GB for
     # SegGPT at 448x448) alive as long as they do: copies free the arena with the session, so that
-    # a second session (the inlined flat copy) does not run beside the first one's memory. A
-    # session made here has no arena: its outputs hold only their own memory.
-    if copy and sess is model:
+    # a second session (the inlined flat copy) does not run beside the first one's memory.
+    if copy:
         outputs = [np.array(output, copy=True) if isinstance(output, np.ndarray) else output for output in outputs]
     return [o.name for o in sess.get_outputs()], outputs
 
