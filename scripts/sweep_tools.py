@@ -256,7 +256,8 @@ def _computing_paths(model) -> set[str]:
         formals = {formal for formal, actual in zip(function.input, call.node.input) if actual in live}
         lives[id(call)] = body = _live(function.node, formals, bodies, live_memo)
         path, _ = metadata.split_call_name(call.call_name)
-        if path and any(name in body for name in function.output) and computes((function.domain, function.name, function.overload)):
+        computed = formals and any(name in body for name in function.output)  # (control flow: outputs always live)
+        if path and computed and computes((function.domain, function.name, function.overload)):
             paths.add(path)
     return paths
 

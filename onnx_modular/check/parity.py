@@ -118,10 +118,10 @@ def max_differences(actual: np.ndarray, expected: np.ndarray, *, rel_above: floa
         return 0.0, 0.0
     if actual.dtype.kind in "OSU":
         return (0.0, 0.0) if bool(np.all(actual == expected)) else (math.inf, math.inf)
-    fast = _float32_differences(actual, expected, rel_above) if actual.dtype == expected.dtype and actual.dtype in (
-        np.float16, np.float32) else None
-    if fast is not None:
-        return fast
+    if actual.dtype == expected.dtype and actual.dtype in (np.float16, np.float32):
+        fast = _float32_differences(actual, expected, rel_above)
+        if fast is not None:
+            return fast
     worst_abs = worst_rel = 0.0
     for block_a, block_e in blocks(actual, expected):  # widened a block at a time: 48 bytes an element at once
         actual64 = block_a.astype(np.complex128 if actual.dtype.kind == "c" else np.float64)
