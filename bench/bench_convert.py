@@ -33,8 +33,8 @@ import onnxruntime as ort
 import torch
 
 from onnx_modular import export_modular
-from onnx_modular.files.convert import convert
-from onnx_modular.files.flat import inline_model
+from onnx_modular.calls.flat import inline_model
+from onnx_modular.files.convert.tool import convert
 from onnx_modular.format import metadata
 
 

@@ -52,7 +52,7 @@ def _checkpoint(folder: str, layers: int, massive_layer: int | None) -> None:
 
 
 def _with_level(path: str, output: str, level: int) -> None:
-    from onnx_modular.files.accuracy_guard import set_accuracy_level
+    from onnx_modular.files.optimize.accuracy_guard import set_accuracy_level
 
     onnx.save(set_accuracy_level(onnx.load(path, load_external_data=False), level), output)  # beside path: its data file
 

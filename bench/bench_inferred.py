@@ -31,7 +31,7 @@ import transformers
 
 from onnx_modular import export_modular
 from onnx_modular.calls import inferred
-from onnx_modular.files.modularize import modularize
+from onnx_modular.files.modularize.tool import modularize
 from onnx_modular.files.strip import strip_names
 from onnx_modular.format import metadata
 

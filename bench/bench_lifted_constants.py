@@ -29,8 +29,8 @@ import onnx_ir as ir
 
 from onnx_modular import export_modular
 from onnx_modular.format import metadata
-from onnx_modular.passes import pipeline
-from onnx_modular.passes.fold_weights import FoldWeightsPass
+from onnx_modular.passes.export import pipeline
+from onnx_modular.passes.export.fold_weights import FoldWeightsPass
 
 
 def _elements(value: ir.Value) -> int:

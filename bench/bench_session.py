@@ -23,7 +23,7 @@ import onnxruntime as ort
 import torch
 
 from onnx_modular import export_modular
-from onnx_modular.passes import fold_weights
+from onnx_modular.passes.export import fold_weights
 
 
 def build(layers: int, hidden: int):

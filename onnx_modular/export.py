@@ -5,7 +5,7 @@
                    + capture strategies, torch.export non-strict first
                      (capture/strategies.py; the winner: result.capture_strategy) -> ExportedProgram
       decompose    torch's ONNX decompositions + FX fixes                   -> decomposed program
-      translate    torch's FX -> ONNX translator, then passes/pipeline.translated_passes
+      translate    torch's FX -> ONNX translator, then passes/export/pipeline.translated_passes
                    (axis names, weights, input/output names, one opset)     -> flat onnx_ir.Model
       modularize   the call tree from FX (capture/fx_call_tree.py), module selection
                    (capture/selection.py), then pipeline.modularize_passes  -> nested functions
@@ -13,7 +13,7 @@
                    no-op calls recorded, opset conversion (below 18), weight fold
       save         functions callee-first, atomic write + onnx.checker(full_check=True)
                    (storage/save.py); with flat_file=, the flat deployment copy beside it
-                   (files/flat.py), both written or neither
+                   (calls/flat.py), both written or neither
       verify       check.verify_export (check/dispatch.py): onnxruntime (modular, flat, the flat
                    copy) vs PyTorch, float32-widened for bfloat16, or block by block for streamed
                    weights, inside the staged save
@@ -40,6 +40,7 @@ from typing import Any
 import onnx_ir as ir
 import torch
 
+from onnx_modular.calls import flat as flat_files
 from onnx_modular.calls.tree import count_from_ir
 from onnx_modular.capture import (
     diagnostics,
@@ -58,11 +59,10 @@ from onnx_modular.check import verification
 from onnx_modular.check.dispatch import assert_verified, verify_export
 from onnx_modular.check.parity import Tolerance, user_tolerance
 from onnx_modular.errors import EXPORT_STAGES, InvalidInputError, OnnxModularError
-from onnx_modular.files import flat as flat_files
 from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree
-from onnx_modular.passes import pipeline
-from onnx_modular.passes.opset_conversion import check_opset
+from onnx_modular.passes.export import pipeline
+from onnx_modular.passes.export.opset_conversion import check_opset
 from onnx_modular.result import ModularExport, model_file
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.storage import save
@@ -121,7 +121,7 @@ def export_modular(
         opset_version: ONNX opset of the default domain, 17 to the newest the installed onnx
             knows (default 18). From 18 up torch's translator writes that opset directly
             (``Attention``, ``RMSNormalization`` at 23); 17 is converted from 18 body by body
-            (:class:`~onnx_modular.passes.opset_conversion.ConvertOpsetPass`). Every function imports the same version.
+            (:class:`~onnx_modular.passes.export.opset_conversion.ConvertOpsetPass`). Every function imports the same version.
         custom_translation_table: ``{torch op: onnxscript function}``, as in
             ``torch.onnx.export``: the functions translate those ops (aten or
             ``torch.library`` custom ops), inside the module functions that call them.

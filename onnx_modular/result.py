@@ -118,7 +118,7 @@ class ModularExport:
         outputs when they are stored (``self.flat_report``; a bfloat16 copy on its float32-widened
         copy; ``rtol``/``atol`` override the per-dtype tolerance), both files written or neither.
         """
-        from onnx_modular.files import flat
+        from onnx_modular.calls import flat
 
         flat_path = flat.flat_file_path(path, flat_file)
         tolerance = verification.tolerance(rtol, atol)

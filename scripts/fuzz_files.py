@@ -100,7 +100,7 @@ def _run_stages_command(argv: list[str]) -> int:
     """``run_stages FOLDER FEEDS`` (no CLI command runs it): ``FEEDS`` is ``dict``, ``list`` or
     ``shadow`` (an input named like a stage output); errors as the CLI prints them."""
     from onnx_modular.errors import OnnxModularError
-    from onnx_modular.files.split import run_stages
+    from onnx_modular.files.split.tool import run_stages
 
     x = numpy.ones((2, 3), numpy.float32)
     feeds = {"dict": {"x": x}, "list": [x], "shadow": {"x": x, "stage_0/t": x}}[argv[2]]

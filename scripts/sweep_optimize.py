@@ -149,7 +149,7 @@ def _warm_up() -> None:
 
     import onnx_modular
     import onnx_modular.cli
-    import onnx_modular.files.optimize
+    import onnx_modular.files.optimize.tool
     import onnx_modular.hf.genai  # noqa: F401
 
 

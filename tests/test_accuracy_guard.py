@@ -76,7 +76,7 @@ def _levels(path) -> dict[str, list[int]]:
 
 def _with_level(path, output, level: int) -> None:
     """``path`` with every MatMulNBits at ``level``."""
-    from onnx_modular.files.accuracy_guard import set_accuracy_level
+    from onnx_modular.files.optimize.accuracy_guard import set_accuracy_level
 
     onnx.save(set_accuracy_level(onnx.load(str(path)), level), str(output))
 
@@ -94,8 +94,8 @@ def _decoder_calls(path) -> dict[str, int]:
 def test_guard_keeps_the_massive_activation_call_at_level_0(tmp_path, capsys):
     from onnx_modular import optimize
     from onnx_modular.cli import main
-    from onnx_modular.files.accuracy_guard import GUARD_KEY, guard_accuracy
-    from onnx_modular.files.optimize import _prompt_feeds
+    from onnx_modular.files.optimize.accuracy_guard import GUARD_KEY, guard_accuracy
+    from onnx_modular.files.optimize.tool import _prompt_feeds
 
     exported = _export(tmp_path, massive=True)
     capsys.readouterr()

@@ -21,9 +21,9 @@ import onnx.reference
 import pytest
 
 from onnx_modular import export_modular
+from onnx_modular.calls.flat import inline_model
 from onnx_modular.capture.tensors import flatten_inputs
 from onnx_modular.errors import InvalidInputError, SaveError
-from onnx_modular.files.flat import inline_model
 from onnx_modular.files.inline import inline_file
 from onnx_modular.format import metadata
 from onnx_modular.passes.function_order import is_callee_first

@@ -1,4 +1,4 @@
-"""``convert`` (onnx_modular.files.convert) on a real 2-layer Llama with its LM head.
+"""``convert`` (onnx_modular.files.convert.tool) on a real 2-layer Llama with its LM head.
 
 One export per module (random weights, hidden 64). Structure (functions, dtypes of weights and
 bodies, MatMulNBits inside bodies, metadata) and numerics (onnxruntime, the converted file against
@@ -17,10 +17,10 @@ import onnx.helper
 import pytest
 
 from onnx_modular import export_modular
+from onnx_modular.calls.flat import inline_model
 from onnx_modular.cli import main
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
-from onnx_modular.files.convert import convert
-from onnx_modular.files.flat import inline_model
+from onnx_modular.files.convert.tool import convert
 from onnx_modular.format import metadata
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import random_inputs

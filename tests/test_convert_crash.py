@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_modular import export_modular
 from onnx_modular.errors import RuntimeCrashError, VerificationError
-from onnx_modular.files.convert import convert
+from onnx_modular.files.convert.tool import convert
 from onnx_modular.runtime import sessions
 
 _SEGFAULT = "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"

@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from onnx_modular import export_modular
-from onnx_modular.files.convert import convert
-from onnx_modular.files.convert_ranges import SENTINEL, measure
+from onnx_modular.files.convert.ranges import SENTINEL, measure
+from onnx_modular.files.convert.tool import convert
 from onnx_modular.format import metadata
-from onnx_modular.passes.precision import RANGE_MARK
+from onnx_modular.passes.precision.casts import RANGE_MARK
 from onnx_modular.storage.proto import declare_function_types, function_id
 
 FLOAT, FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
@@ -219,7 +219,7 @@ def test_outputs_that_overflow_are_not_written():
     # what the range measure cannot see (values past the range only in a subgraph's calls, or on
     # other inputs than the verification's): a file whose outputs hold inf is refused, not written
     from onnx_modular.errors import VerificationError
-    from onnx_modular.files.convert_verify import refuse_overflow
+    from onnx_modular.files.convert.verify import refuse_overflow
 
     finite, overflowed = np.array([1.0, 7e4], np.float32), np.array([1.0, np.inf], np.float32)
     classes = {"inner": "Inner", "outer": "Outer"}

@@ -15,7 +15,7 @@ import pytest
 
 from onnx_modular import export_modular
 from onnx_modular.errors import VerificationError
-from onnx_modular.files.convert import convert
+from onnx_modular.files.convert.tool import convert
 
 
 def _export(folder, nudge=None):

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 from onnx_modular import export_modular
-from onnx_modular.files.convert import QuantizationWarning, convert
-from onnx_modular.files.flat import inline_model
+from onnx_modular.calls.flat import inline_model
+from onnx_modular.files.convert.tool import QuantizationWarning, convert
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import random_inputs
 

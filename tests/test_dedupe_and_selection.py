@@ -16,7 +16,7 @@ from helpers import expanded_calls, functions_by_name, top_level_calls
 
 from onnx_modular import InvalidInputError, export_modular
 from onnx_modular.format import metadata
-from onnx_modular.passes.dedupe import function_fingerprint
+from onnx_modular.passes.export.dedupe import function_fingerprint
 
 
 @pytest.fixture(scope="module")

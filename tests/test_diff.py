@@ -1,4 +1,4 @@
-"""``diff`` (onnx_modular.files.diff) on a real 2-layer GPT-2: two exports, an edited MLP put back
+"""``diff`` (onnx_modular.files.diff.tool) on a real 2-layer GPT-2: two exports, an edited MLP put back
 with ``replace``, a planted precision loss, external data, the command line and bad input.
 
 Module-scoped files: one GPT-2 exported twice, its edit and its planted copy; each test reads them.
@@ -23,7 +23,7 @@ from onnx_modular import diff, export_modular
 from onnx_modular.cli import main
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.files import function_tree, load_model_file
-from onnx_modular.files.diff import tensor_digest
+from onnx_modular.files.diff.tool import tensor_digest
 from onnx_modular.files.extract import extract
 from onnx_modular.files.inline import inline_file
 from onnx_modular.files.replace import replace

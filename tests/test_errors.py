@@ -134,7 +134,7 @@ def test_library_error_at_save_is_a_typed_error_naming_the_module(tmp_path, monk
     import onnx_ir
     import onnx_ir.serde
 
-    from onnx_modular.passes import fold_weights
+    from onnx_modular.passes.export import fold_weights
 
     infer = fold_weights._infer_shapes
 
@@ -164,7 +164,7 @@ def test_axis_torch_specialized_is_fixed_with_a_warning(tmp_path):
     import onnxruntime as ort
     from torch.export import Dim
 
-    from onnx_modular.passes.specialized_dims import SpecializedAxisWarning
+    from onnx_modular.passes.export.specialized_dims import SpecializedAxisWarning
 
     class FixedLength(nn.Module):
         def __init__(self):

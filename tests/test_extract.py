@@ -152,7 +152,7 @@ def test_replace_unchanged_block_is_a_round_trip(exported, blocks, tmp_path):
     # A block at another opset is converted to the model's.
     import onnx_ir as ir
 
-    from onnx_modular.passes.opset_conversion import ConvertOpsetPass
+    from onnx_modular.passes.export.opset_conversion import ConvertOpsetPass
 
     newer = ir.load(block)
     ConvertOpsetPass(21)(newer)

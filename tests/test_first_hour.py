@@ -95,7 +95,7 @@ def test_convert_prints_its_report_alone(llama4, tmp_path):
 
 
 def test_diff_relative_column_leaves_values_near_zero_to_the_absolute_one():
-    from onnx_modular.files.diff_numerics import drift as _drift
+    from onnx_modular.files.diff.numerics import drift as _drift
 
     a = [np.array([1e-7, 1.0, -2.0], np.float32)]
     b = [np.array([1e-4, 1.001, -2.0], np.float32)]

@@ -36,7 +36,7 @@ def test_residual_add_and_layer_norm_call_become_one_skip_layer_norm():
     """BertSelfOutput's shape: the norm of the sum is the body's output (a graph output of the function)."""
     import onnxruntime as ort
 
-    from onnx_modular.passes.fuse_skip_norm import FuseSkipNormPass
+    from onnx_modular.passes.fusions.skip_norm import FuseSkipNormPass
 
     model = ir.from_onnx_text(SKIP_LN_TEXT)
     before = ir.to_proto(model).SerializeToString()
@@ -82,7 +82,7 @@ def test_gelu_body_fused_when_its_constants_are_gelus_at_every_call(second):
     another factor leaves the body as it is."""
     import onnxruntime as ort
 
-    from onnx_modular.passes.fuse_activation import FuseActivationPass
+    from onnx_modular.passes.fusions.activation import FuseActivationPass
 
     model = ir.from_onnx_text(GELU_TEXT.replace("HALF", second))
     before = ir.to_proto(model).SerializeToString()

@@ -9,7 +9,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_modular.passes.fuse_rms_norm import FuseRMSNormPass
+from onnx_modular.passes.fusions.rms_norm import FuseRMSNormPass
 
 RMS_TEXT = """
 <ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>
@@ -161,7 +161,7 @@ def test_decoder_fused_inside_the_bodies_and_generates_as_transformers(kind, tmp
 
 def test_file_without_functions_refused(tmp_path):
     from onnx_modular.errors import InvalidInputError
-    from onnx_modular.files.optimize import optimize
+    from onnx_modular.files.optimize.tool import optimize
 
     flat = ir.from_onnx_text("""
 <ir_version: 10, opset_import: ["" : 18]>
@@ -178,7 +178,7 @@ def test_residual_add_and_fused_norm_call_become_one_skip_norm():
     whose fourth output (the sum) keeps feeding the residual."""
     import onnxruntime as ort
 
-    from onnx_modular.passes.fuse_skip_norm import FuseSkipNormPass
+    from onnx_modular.passes.fusions.skip_norm import FuseSkipNormPass
 
     text = RMS_TEXT.replace("main (float[2,3,8] x) => (float[2,3,8] y)", "main (float[2,3,8] x, float[2,3,8] r) => (float[2,3,8] y)")
     text = text.replace("y = pkg.test.Norm(x, w, two, axes, eps)",

@@ -22,7 +22,7 @@ from onnx import TensorProto, helper
 
 from onnx_modular.cli import main
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
-from onnx_modular.files.split import run_stages
+from onnx_modular.files.split.tool import run_stages
 from onnx_modular.storage import commit, guard, save
 from onnx_modular.storage.checks import check_expanded_size
 
@@ -298,7 +298,7 @@ def test_diff_reads_an_external_tensor_without_length_by_its_size(tmp_path):
 def test_convert_keeps_one_of_two_calls_sharing_a_weight_in_functions_without_types(tmp_path):
     """``shared_weight``: ``w`` feeds a kept call and a converted one, and neither function declares
     the types of its values (a hand-written file): the save's checker refused the result."""
-    from onnx_modular.files.convert import convert
+    from onnx_modular.files.convert.tool import convert
 
     domain = "pkg.fuzz.block"
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid(domain, 1)]
@@ -330,7 +330,7 @@ def _scoped_loop(tmp_path: pathlib.Path) -> pathlib.Path:
 def test_modularize_outlines_a_loop_whose_body_holds_an_initializer(tmp_path):
     """``loop_initializer``: the body's own initializer was taken for a value read from outside, and
     the call read it before anything defined it (the checker refused the file)."""
-    from onnx_modular.files.modularize import modularize
+    from onnx_modular.files.modularize.tool import modularize
 
     report = modularize(_scoped_loop(tmp_path), tmp_path / "m.onnx")
     assert report.parity.ok
@@ -358,7 +358,7 @@ def test_convert_says_which_calls_overflow_when_the_outputs_hide_it(tmp_path):
     back: the summary said a drift of a fraction of a percent and nothing else; it names the call.
     Since issue 51 convert measures the values on the original run and keeps such calls float32
     itself (it says so); a call that still overflows is named by the same line."""
-    from onnx_modular.files.convert import convert
+    from onnx_modular.files.convert.tool import convert
 
     domain = "pkg.fuzz.block"
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid(domain, 1)]

@@ -102,8 +102,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read():
     graph = _graph()
-    assert "onnx_modular.passes.pipeline" in graph["onnx_modular.export"]
-    assert "onnx_modular.format.metadata" in graph["onnx_modular.passes.modularize"]
+    assert "onnx_modular.passes.export.pipeline" in graph["onnx_modular.export"]
+    assert "onnx_modular.format.metadata" in graph["onnx_modular.passes.export.outline_calls"]
 
 
 def test_no_import_circles():
@@ -214,3 +214,18 @@ def test_private_torch_api_has_one_home_each():
     used = {private for private, homes in PRIVATE_TORCH.items() for home in homes
             if any(n == private or n.startswith(private + ".") for n in _imports(MODULES[home]))}
     assert used == set(PRIVATE_TORCH)
+
+
+def test_families_are_packages_not_prefixes():
+    """No module's name is another module's name of the same folder plus ``_...`` (``convert`` and
+    ``convert_build``): a family of modules is a package (``files/convert/``)."""
+    offenders = []
+    for folder in {path.parent for path in MODULES.values()}:
+        stems = {p.stem for p in folder.glob("*.py")} | {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
+        offenders += [f"{folder.name}/{a} + {b}" for a in stems for b in stems if b.startswith(a + "_")]
+    assert offenders == []
+
+
+def test_the_export_and_its_result_import_no_file_tool():
+    for module in ("onnx_modular.export", "onnx_modular.result"):
+        assert not [t for t in _graph()[module] if t.startswith("onnx_modular.files")], module

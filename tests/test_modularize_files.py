@@ -24,7 +24,7 @@ import pytest
 from onnx_modular.calls.tree import function_tree
 from onnx_modular.cli import main
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
-from onnx_modular.files.modularize import modularize
+from onnx_modular.files.modularize.tool import modularize
 from onnx_modular.format import metadata
 from onnx_modular.runtime.inputs import random_inputs
 from onnx_modular.storage.load import load_model_file

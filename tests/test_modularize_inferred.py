@@ -24,7 +24,7 @@ from onnx_modular.calls import inferred
 from onnx_modular.calls.tree import function_tree
 from onnx_modular.cli import main
 from onnx_modular.errors import InvalidModelFileError
-from onnx_modular.files.modularize import INFERRED_SOURCE, modularize
+from onnx_modular.files.modularize.tool import INFERRED_SOURCE, modularize
 from onnx_modular.files.strip import strip_names
 from onnx_modular.format import metadata
 from onnx_modular.runtime.inputs import random_inputs

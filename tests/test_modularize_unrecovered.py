@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from onnx_modular.cli import main
-from onnx_modular.files.modularize import modularize
+from onnx_modular.files.modularize.tool import modularize
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from onnx_modular import export_modular  # noqa: E402
+from onnx_modular.check.widen import WidenFloatPass  # noqa: E402
 from onnx_modular.cli import main  # noqa: E402
 from onnx_modular.hf.meta import model_on_meta  # noqa: E402
-from onnx_modular.passes.widen import WidenFloatPass  # noqa: E402
 
 LLAMA = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -238,7 +238,7 @@ def test_generation_components_get_optimum_axis_names():
     """`--generation` goes through transformers' exporter with every axis Dim.AUTO (torch's `s44`):
     each component's axes are renamed as the single-file path names them."""
     from onnx_modular.hf.checkpoint import generation_axis_names
-    from onnx_modular.passes.dynamic_axes import RenameDynamicAxesPass
+    from onnx_modular.passes.export.dynamic_axes import RenameDynamicAxesPass
 
     def value(name, dtype, dims):
         return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(dims))

@@ -20,7 +20,7 @@ from helpers import DOMAIN_TORCH, DOMAIN_TRANSFORMERS, expanded_calls, functions
 
 from onnx_modular import export_modular, files
 from onnx_modular.errors import InvalidInputError, TranslationError
-from onnx_modular.passes import opset_conversion as opset
+from onnx_modular.passes.export import opset_conversion as opset
 
 
 def default_domain_imports(model: ir.Model) -> set[int]:

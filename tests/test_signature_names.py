@@ -163,7 +163,7 @@ def test_equal_shaped_outputs_are_told_apart_block_by_block(monkeypatch):
     (2x256x288x288) ran a 6 GB child out of memory when each was widened to float64 whole."""
     import numpy as np
 
-    from onnx_modular.passes import signatures
+    from onnx_modular.passes.export import signatures
 
     monkeypatch.setattr(signatures, "_CHUNK", 6)
     a = np.random.default_rng(0).standard_normal((3, 5, 6)).astype(np.float32)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from onnx_modular import export_modular
-from onnx_modular.files.convert import convert
-from onnx_modular.files.diff import diff
+from onnx_modular.files.convert.tool import convert
+from onnx_modular.files.diff.tool import diff
 from onnx_modular.format import metadata
 
 

@@ -1,4 +1,4 @@
-"""``split`` and ``run_stages`` (onnx_modular.files.split): a model cut into stages at module boundaries.
+"""``split`` and ``run_stages`` (onnx_modular.files.split.tool): a model cut into stages at module boundaries.
 
 Two real exports, each made once: a 4-layer Llama with a ``DynamicCache`` (hidden 64, 4 heads,
 2 KV heads, vocab 128; weights in external data) cut into 2 stages between its decoder layers,
@@ -312,7 +312,7 @@ def test_cli_split(t5_file, tmp_path):
 def test_partition_is_the_best_linear_partition():
     import itertools
 
-    from onnx_modular.files.split_plan import _partition
+    from onnx_modular.files.split.plan import _partition
 
     rng = np.random.default_rng(0)
     for _ in range(20):

@@ -247,7 +247,7 @@ def test_flat_file_copy_has_the_fold_size_guard_of_inline_optimize(tmp_path, gro
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "bomb.onnx")
     code = (
         "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30));"
-        "from onnx_modular.files.flat import flat_model; m = flat_model('bomb.onnx');"
+        "from onnx_modular.calls.flat import flat_model; m = flat_model('bomb.onnx');"
         "print(sorted({n.op_type for n in m.graph}))"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)

@@ -1,6 +1,6 @@
 """The call tree of a flat ONNX file that carries no names: repeated blocks found by structure.
 
-``modularize`` reads module scopes where the file records them (``files/modularize.py``). A file
+``modularize`` reads module scopes where the file records them (``files/modularize/tool.py``). A file
 converted from another framework, passed through a simplifier or renamed by a graph tool has
 none; this module infers a call tree from the graph itself, in near-linear time:
 
@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from onnx_modular.calls import inferred_order
+from onnx_modular.calls import node_placement as inferred_order
 from onnx_modular.format import metadata, records
 from onnx_modular.format.calltree import CallTree, ModuleCall
 

@@ -152,7 +152,7 @@ def chain(call: metadata.ExpandedCall) -> list[metadata.ExpandedCall]:
 
 def function_name(name: str, taken: set[str]) -> str:
     """A new function name after ``name``: ``GPT2Block_2``, ``_3``, ... as the exporter numbers
-    the functions of one class (:mod:`onnx_modular.passes.naming`)."""
+    the functions of one class (:mod:`onnx_modular.passes.export.naming`)."""
     index = 2
     while f"{name}_{index}" in taken:
         index += 1

@@ -169,7 +169,7 @@ def stage_error(stage: str, exc: Exception, model: torch.nn.Module) -> OnnxModul
             module_path=path,
             hint="Export with verify=False to keep the file, check it with `onnx-modular verify`, and report the model.",
         )
-    in_pass = f" in {exc.pass_name}" if getattr(exc, "pass_name", None) else ""  # passes/pipeline.run
+    in_pass = f" in {exc.pass_name}" if getattr(exc, "pass_name", None) else ""  # passes/export/pipeline.run
     if stage == "optimize":
         return ModularizeError(
             f"Optimizing the function bodies failed{in_pass}: {type(exc).__name__}: {exc}",

@@ -189,7 +189,7 @@ def _add_eager_calls(root: ModuleCall, by_key: dict[str, ModuleCall], eager_call
 
 def module_stacks(model: ir.Model) -> dict[ir.Node, tuple[str, ...]]:
     """Each main-graph node's module-call keys (its FX node's ``nn_module_stack``, outermost first),
-    for :class:`~onnx_modular.passes.module_stacks.AnnotateStacksPass`."""
+    for :class:`~onnx_modular.passes.export.module_stacks.AnnotateStacksPass`."""
     stacks = {}
     for node in model.graph:
         fx_node = torch_compat.fx_node_of(node)

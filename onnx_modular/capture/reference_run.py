@@ -2,7 +2,7 @@
 
 The run gives the reference outputs of the export and, per module call, the tensors that
 ``forward()`` received (bound to its parameter names) and returned (named from the return
-structure). :class:`~onnx_modular.passes.modularize.OutlineModuleCallsPass` names the formal
+structure). :class:`~onnx_modular.passes.export.outline_calls.OutlineModuleCallsPass` names the formal
 inputs and outputs of each function from these records (docs/design.md, "Naming formal
 inputs and outputs").
 
@@ -28,7 +28,7 @@ import torch
 
 from onnx_modular.capture import tensors, torch_compat, torch_export
 from onnx_modular.capture.call_hooks import call_hooks
-from onnx_modular.passes.signatures import CallSignature, TensorSpec
+from onnx_modular.passes.export.signatures import CallSignature, TensorSpec
 
 __all__ = ["kept_as_given", "run", "tensor_specs", "output_specs", "lazy_values", "program_values"]
 

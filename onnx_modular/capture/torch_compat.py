@@ -92,7 +92,7 @@ def registry(opset_version: int | None = None, custom_translation_table: Mapping
 
     Built at ``max(opset_version, 18)``: torchlib picks, per op, the implementation for that
     opset (``Attention`` for SDPA at 23), and below 18 torch translates at 18 and converts
-    (:class:`~onnx_modular.passes.opset_conversion.ConvertOpsetPass` does that per body). ``custom_translation_table`` entries
+    (:class:`~onnx_modular.passes.export.opset_conversion.ConvertOpsetPass` does that per body). ``custom_translation_table`` entries
     are registered as ``torch.onnx.export`` registers them (they take precedence); ops
     that torch cannot translate but an imported library can (:func:`onnx_modular.capture.library_hooks.translations`;
     transformers' in :mod:`onnx_modular.hf.hooks`) are registered last, only where torch has none.
@@ -208,7 +208,7 @@ def translate(program: torch.export.ExportedProgram, reg) -> ir.Model:
 
     The nodes are written at ``reg``'s opset; the default-domain import still says torchlib's
     (torch fixes it with a version converter that inlines): set it with
-    :class:`~onnx_modular.passes.default_opset.SetDefaultOpsetPass`.
+    :class:`~onnx_modular.passes.export.default_opset.SetDefaultOpsetPass`.
     """
     _core, _, _ = _exporter()
     onnx_program = _core._exported_program_to_onnx_program(program, registry=reg)
@@ -223,7 +223,7 @@ def torch_dtype_to_ir(dtype: torch.dtype) -> ir.DataType:
 
 def dynamic_axis_names(inputs: list[ir.Value], dynamic_shapes) -> dict[str, str]:
     """``{torch's symbol: the user's axis name}`` for the graph inputs (``s72`` -> ``batch``), for
-    :class:`~onnx_modular.passes.dynamic_axes.RenameDynamicAxesPass`.
+    :class:`~onnx_modular.passes.export.dynamic_axes.RenameDynamicAxesPass`.
 
     torch renames only string axes; ``Dim`` objects carry a name too, and torch's own mapping
     function reads both.

@@ -24,7 +24,7 @@ dtype (sizes, masks the parent computed) keep the ONNX model's values.
 
 A bfloat16 file (onnxruntime's CPU provider has no bfloat16 kernels) is checked as the
 in-memory path checks it (:func:`onnx_modular.check.verification.verify_bfloat16`): every piece
-is widened to float32 (:class:`~onnx_modular.passes.widen.WidenFloatPass`; one block's weights
+is widened to float32 (:class:`~onnx_modular.check.widen.WidenFloatPass`; one block's weights
 at a time, read from the file's data and widened exactly) and compared with PyTorch run in
 float32 on the same bfloat16 weights (``Stream.eager(widen=True)``), at
 :func:`~onnx_modular.check.verification.widened_tolerance`.
@@ -44,9 +44,9 @@ from onnx_modular.capture import tensors
 from onnx_modular.check import parity
 from onnx_modular.check.parity import Parity, ParityReport, Tolerance
 from onnx_modular.check.verification import uses_bfloat16, widened_tolerance
+from onnx_modular.check.widen import WidenFloatPass
 from onnx_modular.errors import ParityError, VerificationError
 from onnx_modular.format import metadata
-from onnx_modular.passes.widen import WidenFloatPass
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.storage.scratch import scratch_model_file
 from onnx_modular.weights.streaming import Blocks

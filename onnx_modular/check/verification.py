@@ -143,7 +143,7 @@ def verify_bfloat16(
 ) -> ParityReport:
     """Check a bfloat16 file where onnxruntime has no bfloat16 kernels (its CPU provider).
 
-    The file is widened to float32 (:class:`~onnx_modular.passes.widen.WidenFloatPass`: weights,
+    The file is widened to float32 (:class:`~onnx_modular.check.widen.WidenFloatPass`: weights,
     constants, inputs, outputs and casts; exact, as every bfloat16 value is a float32 value) and
     run in onnxruntime on ``inputs`` against ``expected``, PyTorch's outputs in float32 on the same
     bfloat16-rounded weights (:func:`float32_reference`), with float32 tolerances. The report's
@@ -151,7 +151,7 @@ def verify_bfloat16(
     """
     import onnx_ir as ir
 
-    from onnx_modular.passes.widen import WidenFloatPass
+    from onnx_modular.check.widen import WidenFloatPass
     from onnx_modular.runtime import sessions as runtime
     from onnx_modular.storage.scratch import scratch_model_file
 

@@ -156,7 +156,7 @@ def run_extract(args: argparse.Namespace) -> int:
 
 
 def run_split(args: argparse.Namespace) -> int:
-    from onnx_modular.files.split import split
+    from onnx_modular.files.split.tool import split
 
     with warnings.catch_warnings():  # the plan's notes end the report
         warnings.simplefilter("ignore", UserWarning)
@@ -202,7 +202,7 @@ def run_replace(args: argparse.Namespace) -> int:
 
 
 def run_diff(args: argparse.Namespace) -> int:
-    from onnx_modular.files.diff import diff
+    from onnx_modular.files.diff.tool import diff
 
     outputs = {"json": None if args.json == "-" else args.json, "html": args.html}
     for path in outputs.values():
@@ -233,7 +233,7 @@ def run_diff(args: argparse.Namespace) -> int:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from onnx_modular.files.convert import convert
+    from onnx_modular.files.convert.tool import convert
 
     if args.json not in (None, "-"):
         save.check_destination(args.json, reads=[args.model])  # before the work, as the model's path
@@ -251,7 +251,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_optimize(args: argparse.Namespace) -> int:
-    from onnx_modular.files.optimize import optimize
+    from onnx_modular.files.optimize.tool import optimize
 
     report = optimize(args.model, args.output, verify=not args.no_verify, max_positions=args.max_positions,
                       quantize=args.quantize, accuracy_level=args.accuracy_level, int8_lm_head=args.int8_lm_head,
@@ -265,7 +265,7 @@ def run_optimize(args: argparse.Namespace) -> int:
 
 
 def run_modularize(args: argparse.Namespace) -> int:
-    from onnx_modular.files.modularize import modularize
+    from onnx_modular.files.modularize.tool import modularize
 
     if args.depth is not None and args.classes:
         raise InvalidInputError("--depth and --classes both choose the calls to outline: give one of them.")

@@ -1,13 +1,13 @@
 """The file tools: what users do with an ONNX file that has local functions; none imports torch.
 
 - :mod:`~onnx_modular.files.inline`: inlining into a copy, written atomically;
-- :mod:`~onnx_modular.files.flat`: the inlined, optimized flat copy, its nodes labelled by module;
+- :mod:`~onnx_modular.calls.flat`: the inlined, optimized flat copy, its nodes labelled by module;
 - :mod:`~onnx_modular.files.extract`: one module call (or class) as a model of its own, with ONNX test data;
 - :mod:`~onnx_modular.files.replace`: a block's graph as the body of a call's (or class's) function;
-- :mod:`~onnx_modular.files.split`: the model cut into stages at module boundaries, a manifest, ``run_stages``;
-- :mod:`~onnx_modular.files.convert`: precision (float16, bfloat16) and int4/int8 weights chosen per module;
+- :mod:`~onnx_modular.files.split.tool`: the model cut into stages at module boundaries, a manifest, ``run_stages``;
+- :mod:`~onnx_modular.files.convert.tool`: precision (float16, bfloat16) and int4/int8 weights chosen per module;
 - :mod:`~onnx_modular.files.view`: the file served to Netron locally;
-- :mod:`~onnx_modular.files.modularize`: the module hierarchy of a flat file (torch's exporters,
+- :mod:`~onnx_modular.files.modularize.tool`: the module hierarchy of a flat file (torch's exporters,
   Optimum) rebuilt from its scopes with the export's passes.
 
 They stand on the rooms below them: :mod:`onnx_modular.storage` (the file in and out),

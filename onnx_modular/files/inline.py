@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import onnx
 
+from onnx_modular.calls.flat import inline_model, optimize_flat
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
-from onnx_modular.files.flat import inline_model, optimize_flat
 from onnx_modular.format.text import first_line
 from onnx_modular.passes.function_order import sort_functions_proto
 from onnx_modular.storage import save
@@ -49,7 +49,7 @@ def inline_file(
     """Write a copy of ``source`` with local functions inlined, atomically.
 
     ``opset_version`` converts the copy to that opset of the default domain, body by body
-    (functions left by ``only`` stay functions; see :class:`onnx_modular.passes.opset_conversion.ConvertOpsetPass`).
+    (functions left by ``only`` stay functions; see :class:`onnx_modular.passes.export.opset_conversion.ConvertOpsetPass`).
 
     ``optimize=True`` then runs onnxscript's full optimizer on the flat graph, the same one
     ``torch.onnx.export`` runs (constant folding, common subexpressions, constants lifted to
@@ -58,7 +58,7 @@ def inline_file(
 
     Every inlined node keeps its metadata, rebased onto the call it came from (torch's
     ``namespace``, which Model Explorer nests by, names ``h.1`` for the nodes of ``h.1``), and
-    carries that call's ``pkg.onnx_modular.*`` keys (:mod:`onnx_modular.files.flat`).
+    carries that call's ``pkg.onnx_modular.*`` keys (:mod:`onnx_modular.calls.flat`).
 
     Uses ``onnx.inliner.inline_local_functions`` (everything) or
     ``onnx.inliner.inline_selected_functions`` (the functions named in ``only``, each
@@ -77,7 +77,7 @@ def inline_file(
     """
     import onnx_ir as ir
 
-    from onnx_modular.passes import opset_conversion as opset
+    from onnx_modular.passes.export import opset_conversion as opset
 
     if opset_version is not None:
         opset.check_opset(opset_version, default=opset_version)  # before any work
@@ -90,7 +90,7 @@ def inline_file(
     try:
         if only:
             flat = inline_functions(model, _resolve_function_ids(model, only))
-        else:  # each inlined node labelled with its own call (files/flat.py)
+        else:  # each inlined node labelled with its own call (calls/flat.py)
             flat = inline_model(model)
     except (onnx.checker.ValidationError, RuntimeError) as e:
         raise InvalidModelFileError(f"onnx.inliner cannot inline {str(source)!r}: {shown(first_line(e))}") from e

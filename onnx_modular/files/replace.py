@@ -37,7 +37,7 @@ from onnx_modular.calls import targets as _calls
 from onnx_modular.check.parity import max_differences
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.format import metadata
-from onnx_modular.passes import opset_conversion as opset
+from onnx_modular.passes.export import opset_conversion as opset
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import save
@@ -255,11 +255,11 @@ def _same_as_fed(model: onnx.ModelProto, fid: FunctionId, graph: onnx.GraphProto
 
 def _merge_functions(model: onnx.ModelProto, block: onnx.ModelProto) -> None:
     """Add the block's functions to the model; one that computes what the model's function of the
-    same name computes (:func:`~onnx_modular.passes.dedupe.function_fingerprint`) is shared,
+    same name computes (:func:`~onnx_modular.passes.export.dedupe.function_fingerprint`) is shared,
     another of that name is renamed (and the block's calls of it follow)."""
     import onnx_ir as ir
 
-    from onnx_modular.passes.dedupe import function_fingerprint
+    from onnx_modular.passes.export.dedupe import function_fingerprint
 
     def same(a: onnx.FunctionProto, b: onnx.FunctionProto) -> bool:  # as dedupe sees it: the computation
         return a == b or function_fingerprint(ir.serde.deserialize_function(a)) == function_fingerprint(
@@ -447,7 +447,7 @@ def replace(
     """
     import onnx_ir as ir
 
-    from onnx_modular.passes.remove_unused import RemoveUnusedPass
+    from onnx_modular.passes.export.remove_unused import RemoveUnusedPass
 
     destination = save.check_destination(out, reads=[path, block])
     text = str(block)

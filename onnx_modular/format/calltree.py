@@ -23,7 +23,7 @@ __all__ = ["ModuleCall", "CallTree", "drawn"]
 
 class TreeNode:
     """What every node of a call tree derives from its ``parent`` and ``children`` links
-    (``ModuleCall`` here, ``CallDiff`` in ``files/diff_result.py``)."""
+    (``ModuleCall`` here, ``CallDiff`` in ``files/diff/result.py``)."""
 
     parent: Any
     children: list

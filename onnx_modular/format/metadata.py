@@ -139,10 +139,10 @@ NAMESPACE = "namespace"
 #: torch's dynamo exporter's per-node lists (Python list reprs) that follow the :data:`NAMESPACE`
 #: segments one to one: the module paths a node ran under, root (``""``) first and the FX node's
 #: name last, and their classes (the op last). Not ours: a flat copy rebases them with the
-#: namespace (:mod:`onnx_modular.files.flat`), ``modularize`` rebuilds calls from them.
+#: namespace (:mod:`onnx_modular.calls.flat`), ``modularize`` rebuilds calls from them.
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 CLASS_HIERARCHY = "pkg.torch.onnx.class_hierarchy"
-#: A domain of the opset conversion's own (``passes/opset_conversion.py``): Split and Pad already
+#: A domain of the opset conversion's own (``passes/export/opset_conversion.py``): Split and Pad already
 #: in their opset-13 form pass onnx's converter under it; never in a saved file.
 CONVERTED_DOMAIN = PREFIX + "converted"
 

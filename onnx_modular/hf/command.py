@@ -43,7 +43,7 @@ from onnx_modular.hf.exporter import (
     modular_result,
 )
 from onnx_modular.hf.meta import checkpoint_weights
-from onnx_modular.passes.dynamic_axes import RenameDynamicAxesPass
+from onnx_modular.passes.export.dynamic_axes import RenameDynamicAxesPass
 from onnx_modular.storage import folders, locks, save
 from onnx_modular.storage.shared_data import share_external_data
 

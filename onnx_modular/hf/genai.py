@@ -254,7 +254,7 @@ def _checked(check: GenerationCheck | None, keep_on_mismatch: bool, report: Any 
 
 def _optimized(model_path: pathlib.Path, staged: pathlib.Path) -> Any:
     """``model_path`` rewritten into onnxruntime's fused kernels as ``staged/model.onnx``."""
-    from onnx_modular.files.optimize import optimize
+    from onnx_modular.files.optimize.tool import optimize
 
     return optimize(model_path, staged / MODEL_FILE)
 

@@ -1,5 +1,5 @@
 """Walking the bodies of a ``ModelProto`` (its main graph and its functions) for the proto passes
-:mod:`~onnx_modular.passes.precision` and :mod:`~onnx_modular.passes.quantize_weights`: who
+:mod:`~onnx_modular.passes.precision.casts` and :mod:`~onnx_modular.passes.precision.quantize_weights`: who
 calls a function, who reads a value, what types a body declares, fresh value names, opset imports.
 
 The one home of the proto walks ``function_id``, ``node_id``, ``all_nodes``, ``body_names`` and

@@ -1,7 +1,7 @@
 """The copy of a modular file that ``onnx-modular view`` shows: lifted constants back in their bodies.
 
 The file keeps its constants lifted (onnxruntime creates its session faster); Netron would show
-them as a dozen more inputs of every block (:mod:`onnx_modular.passes.sink_constants`). The
+them as a dozen more inputs of every block (:mod:`onnx_modular.passes.export.sink_constants`). The
 copy is written without the weights' external data (Netron reads tensor shapes, not values).
 """
 
@@ -23,7 +23,7 @@ def display_bytes(model: onnx.ModelProto) -> bytes | None:
     they are: the viewer reads them from the model's own folder."""
     import onnx_ir as ir
 
-    from onnx_modular.passes.sink_constants import SinkLiftedConstantsPass
+    from onnx_modular.passes.export.sink_constants import SinkLiftedConstantsPass
 
     copy = ir.from_proto(model)
     if not SinkLiftedConstantsPass()(copy).modified:

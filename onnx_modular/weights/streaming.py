@@ -6,7 +6,7 @@ Three jobs, none of which holds more than one block of weights at a time:
   (the top-most modules holding at most ``max_block_bytes`` of weights).
 * :func:`streamed`: run the model in PyTorch with each block's weights loaded just for its
   call (the eager reference of the export); records each block call's outputs.
-* :meth:`Stream.attach_pass`: :class:`~onnx_modular.passes.attach_weights.AttachWeightsPass`
+* :meth:`Stream.attach_pass`: :class:`~onnx_modular.passes.export.attach_weights.AttachWeightsPass`
   gives every initializer of the translated model an ``ir.LazyTensor`` that reads its
   tensor from the source when the file is written. ``ir.save`` writes external data one
   tensor at a time (``onnx_ir.external_data``'s serial writer calls ``tofile`` per tensor),
@@ -27,7 +27,7 @@ import torch
 
 from onnx_modular.capture.call_hooks import call_hooks
 from onnx_modular.errors import InvalidInputError
-from onnx_modular.passes.attach_weights import AttachWeightsPass
+from onnx_modular.passes.export.attach_weights import AttachWeightsPass
 from onnx_modular.weights.sources import WeightPlan, materialized
 
 __all__ = ["DEFAULT_BLOCK_FRACTION", "Blocks", "Stream", "check_model_device", "choose_blocks", "streamed"]

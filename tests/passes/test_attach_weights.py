@@ -7,7 +7,7 @@ import onnx_ir as ir
 import pytest
 
 from onnx_modular.errors import WeightsError
-from onnx_modular.passes.attach_weights import AttachWeightsPass
+from onnx_modular.passes.export.attach_weights import AttachWeightsPass
 
 MODEL = """
 <ir_version: 10, opset_import: ["" : 18]>

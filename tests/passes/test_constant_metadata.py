@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_modular.passes.constant_metadata import StripConstantMetadataPass
+from onnx_modular.passes.export.constant_metadata import StripConstantMetadataPass
 
 MODEL = """
 <ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>

@@ -7,7 +7,7 @@ import pytest
 from pass_helpers import call_tree
 
 from onnx_modular.format import metadata
-from onnx_modular.passes.dedupe import DeduplicateFunctionsPass, function_fingerprint
+from onnx_modular.passes.export.dedupe import DeduplicateFunctionsPass, function_fingerprint
 
 # Two blocks whose bodies differ only in value names and in which (equal) Act function they call,
 # a third Act with another op, and two identical torch helpers (not module functions).

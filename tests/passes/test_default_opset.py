@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from pass_helpers import check
 
-from onnx_modular.passes.default_opset import SetDefaultOpsetPass
+from onnx_modular.passes.export.default_opset import SetDefaultOpsetPass
 
 MODEL = """
 <ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>

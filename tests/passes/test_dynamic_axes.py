@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_modular.passes.dynamic_axes import RenameDynamicAxesPass
+from onnx_modular.passes.export.dynamic_axes import RenameDynamicAxesPass
 
 
 def test_symbols_and_expressions_are_renamed():

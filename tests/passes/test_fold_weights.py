@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from onnx_modular.format import metadata
-from onnx_modular.passes.fold_weights import INPUT_SIZE_LIMIT, FoldWeightsPass
+from onnx_modular.passes.export.fold_weights import INPUT_SIZE_LIMIT, FoldWeightsPass
 
 HEADER = '<ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>'
 LINEAR = """
@@ -329,7 +329,7 @@ def test_value_not_computable_with_its_shape_is_not_folded(monkeypatch):
     # when the computed tensor has another shape than the value it would replace (here a shape
     # declared wrong on purpose after onnx's inference), the value is not folded: its nodes stay
     # in the main graph, reading the weights, and the model still serializes and runs
-    from onnx_modular.passes import fold_weights
+    from onnx_modular.passes.export import fold_weights
 
     infer = fold_weights._infer_shapes
 
@@ -354,7 +354,7 @@ main (float[2,3] x) => (float[2,3] y) { y = pkg.test.Linear(x, w) }""" + LINEAR
 
 
 def test_evaluator_rejects_a_result_of_another_shape():
-    from onnx_modular.passes._node_eval import FoldedShapeError, evaluator
+    from onnx_modular.passes.export._node_eval import FoldedShapeError, evaluator
 
     source = ir.Value(name="w", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([3]))
     source.const_value = ir.tensor(np.ones(3, np.float32))

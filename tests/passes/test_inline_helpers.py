@@ -7,7 +7,7 @@ import pytest
 from pass_helpers import call_tree, check
 
 from onnx_modular.format import metadata
-from onnx_modular.passes.inline_helpers import InlineHelperFunctionsPass
+from onnx_modular.passes.export.inline_helpers import InlineHelperFunctionsPass
 
 HELPER = """
 <ir_version: 10, opset_import: ["" : 18, "pkg.torch.onnx" : 1]>

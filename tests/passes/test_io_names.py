@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from pass_helpers import check
 
-from onnx_modular.passes.io_names import NameGraphInputsOutputsPass
+from onnx_modular.passes.export.io_names import NameGraphInputsOutputsPass
 
 
 def _names(values) -> list[str]:

@@ -9,7 +9,7 @@ import pytest
 from pass_helpers import DOMAIN, call_tree, check, set_stacks, signature_names
 
 from onnx_modular.format import metadata
-from onnx_modular.passes.modularize import (
+from onnx_modular.passes.export.outline_calls import (
     CallSignature,
     OutlineModuleCallsPass,
     TensorSpec,

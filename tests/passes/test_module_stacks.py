@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from onnx_modular.format import metadata
-from onnx_modular.passes.module_stacks import AnnotateStacksPass
+from onnx_modular.passes.export.module_stacks import AnnotateStacksPass
 
 
 def test_only_selected_calls_stay_on_the_stack():

@@ -9,7 +9,7 @@ import pytest
 from pass_helpers import call_tree
 
 from onnx_modular.format import metadata
-from onnx_modular.passes.naming import MAX_LISTED_PATHS, NameFunctionsPass
+from onnx_modular.passes.export.naming import MAX_LISTED_PATHS, NameFunctionsPass
 
 # Definitions in an order unlike execution: the encoder's Linear runs first.
 MODEL = """

@@ -10,7 +10,7 @@ import onnxruntime as ort
 from pass_helpers import PACKAGE, call_tree, check
 
 from onnx_modular.format import metadata
-from onnx_modular.passes.no_op_calls import RecordNoOpCallsPass
+from onnx_modular.passes.export.no_op_calls import RecordNoOpCallsPass
 
 # main calls block (Dropout, then Scale, then a Relu) and then a Dropout of its own, whose
 # output is the graph output. Dropout's body is only Identity; Scale's computes a Mul.

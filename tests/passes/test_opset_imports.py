@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_modular.passes.opset_imports import AddOpsetImportsPass
+from onnx_modular.passes.export.opset_imports import AddOpsetImportsPass
 
 
 def test_bodies_and_model_import_what_they_use():

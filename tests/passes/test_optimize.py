@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from pass_helpers import check
 
-from onnx_modular.passes.optimize import OptimizeFunctionsPass
+from onnx_modular.passes.export.optimize_functions import OptimizeFunctionsPass
 
 
 def test_optimizer_folds_inside_bodies_and_keeps_every_call():

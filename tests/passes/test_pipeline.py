@@ -1,4 +1,4 @@
-"""passes/pipeline.py: the pass lists of each stage, and typed errors passing through PassManager."""
+"""passes/export/pipeline.py: the pass lists of each stage, and typed errors passing through PassManager."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 from pass_helpers import call_tree
 
 from onnx_modular.errors import InvalidInputError
-from onnx_modular.passes import pipeline
+from onnx_modular.passes.export import pipeline
+from onnx_modular.passes.export.opset_conversion import ConvertOpsetPass
 from onnx_modular.passes.function_order import SortFunctionsPass
-from onnx_modular.passes.opset_conversion import ConvertOpsetPass
 
 
 def _names(passes):

@@ -1,4 +1,4 @@
-"""convert_precision (passes/precision.py) on small ONNX text models: a converted body computes in
+"""convert_precision (passes/precision/casts.py) on small ONNX text models: a converted body computes in
 float16, a float32-only op runs between Casts, Cast/dtype attributes and constants follow, a weight
 read twice is stored once in float16, a weight a kept body reads stays float32. The rewritten
 models run in onnxruntime against numpy in float32 (float16's rounding as the tolerance)."""
@@ -13,7 +13,7 @@ import onnx.shape_inference
 import onnxruntime as ort
 import pytest
 
-from onnx_modular.passes.precision import FLOAT32_OPS, clip_for, convert_precision
+from onnx_modular.passes.precision.casts import FLOAT32_OPS, clip_for, convert_precision
 from onnx_modular.storage.proto import declare_function_types
 
 FLOAT, FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16

@@ -1,4 +1,4 @@
-"""quantize_weights (passes/quantize_weights.py) on a small ONNX text model: a MatMul with a
+"""quantize_weights (passes/precision/quantize_weights.py) on a small ONNX text model: a MatMul with a
 constant [K, N] weight becomes MatMulNBits (K, N, bits, block_size), a Gemm with transB becomes
 MatMulNBits + Add of its bias, a MatMul whose weight is a graph input is left and reported; the
 result computes what onnxruntime's own MatMulNBitsQuantizer makes of the same model."""
@@ -13,7 +13,7 @@ import onnx.parser
 import onnxruntime as ort
 import pytest
 
-from onnx_modular.passes.quantize_weights import QuantizeSettings, quantize_weights
+from onnx_modular.passes.precision.quantize_weights import QuantizeSettings, quantize_weights
 
 K, N = 64, 16
 

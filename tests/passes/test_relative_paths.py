@@ -7,7 +7,7 @@ import sys
 import onnx_ir as ir
 
 from onnx_modular.format import metadata
-from onnx_modular.passes.relative_paths import RelativeStackTracesPass
+from onnx_modular.passes.export.relative_paths import RelativeStackTracesPass
 
 MODEL = """
 <ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>

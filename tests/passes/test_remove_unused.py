@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_modular.passes.remove_unused import RemoveUnusedPass
+from onnx_modular.passes.export.remove_unused import RemoveUnusedPass
 
 
 def test_remove_unused_drops_nodes_initializers_functions_and_opsets():

@@ -11,8 +11,8 @@ import onnx.reference
 import onnx_ir as ir
 
 from onnx_modular.format import metadata
+from onnx_modular.passes.export.sink_constants import SinkLiftedConstantsPass
 from onnx_modular.passes.function_order import sort_functions_proto
-from onnx_modular.passes.sink_constants import SinkLiftedConstantsPass
 
 # What FoldWeightsPass writes: the main graph holds the lifted shape and scale, passed through
 # Block into Inner; w is a weight (not lifted), and Other receives two different scales.

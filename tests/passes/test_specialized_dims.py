@@ -10,7 +10,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from onnx_modular.passes.specialized_dims import (
+from onnx_modular.passes.export.specialized_dims import (
     FixSpecializedDimsPass,
     SpecializedAxisWarning,
     fix_specialized_dims,

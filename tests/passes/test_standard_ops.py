@@ -6,8 +6,8 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from onnx_modular.passes.optimize import OptimizeFunctionsPass
-from onnx_modular.passes.standard_ops import FuseStandardOpsPass
+from onnx_modular.passes.export.optimize_functions import OptimizeFunctionsPass
+from onnx_modular.passes.export.standard_ops import FuseStandardOpsPass
 
 RMS_NORM = """
 <ir_version: 10, opset_import: ["" : {opset}, "pkg.test" : 1]>

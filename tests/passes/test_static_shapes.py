@@ -8,7 +8,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import onnxscript.optimizer
 
-from onnx_modular.passes.static_shapes import FoldStaticShapesPass
+from onnx_modular.passes.export.static_shapes import FoldStaticShapesPass
 
 HEADER = '<ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>'
 # torch's LSTM translation reshapes each layer's [seq, dirs, batch, hidden] output to

@@ -27,7 +27,7 @@ class NoTorch(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, NoTorch())
 import onnx_modular.passes
-for module in pkgutil.iter_modules(onnx_modular.passes.__path__, "onnx_modular.passes."):
+for module in pkgutil.walk_packages(onnx_modular.passes.__path__, "onnx_modular.passes."):
     __import__(module.name)
 import pytest
 code = pytest.main([sys.argv[1], "-q", "-p", "no:cacheprovider", "--ignore", sys.argv[2]])

@@ -9,7 +9,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from onnx_modular.passes.widen import WidenFloatPass
+from onnx_modular.check.widen import WidenFloatPass
 
 # The text format takes bfloat16 values as their bits: w = {0.5, 1.5, -2.25}, c = {1.0, 2.0, 3.0}.
 MODEL = """

@@ -1,0 +1,488 @@
+"""``optimize``: function bodies of a modular decoder or encoder file rewritten into onnxruntime's fused kernels.
+
+The file stays modular: each fusion rewrites the shared body of a class (every call of it at
+once), and the decoder-layer function is still one function called once per layer. The steps, in
+order (passes in ``onnx_modular/passes/``):
+
+1. RMS norm bodies -> ``SimplifiedLayerNormalization`` (:class:`~onnx_modular.passes.fusions.rms_norm.FuseRMSNormPass`);
+2. residual ``Add`` + norm call -> ``com.microsoft.SkipSimplifiedLayerNormalization``
+   (:class:`~onnx_modular.passes.fusions.skip_norm.FuseSkipNormPass`);
+3. self-attention with a KV cache -> ``com.microsoft.GroupQueryAttention``
+   (:class:`~onnx_modular.passes.fusions.gqa.FuseGroupQueryAttentionPass`);
+4. residual ``Add`` + ``LayerNormalization`` call -> ``com.microsoft.SkipLayerNormalization``
+   (the same pass, ``layer_norm=True``);
+5. attention without a cache (encoders, cross-attention) -> ``com.microsoft.Attention`` (query,
+   key and value projections of one input, packed, with biases) or ``MultiHeadAttention``
+   (:class:`~onnx_modular.passes.fusions.mha.FuseMultiHeadAttentionPass`);
+6. erf GELU and quick GELU bodies -> ``com.microsoft.Gelu`` / ``QuickGelu``
+   (:class:`~onnx_modular.passes.fusions.activation.FuseActivationPass`).
+
+Each step is verified before it is kept: the file before and after the step runs in onnxruntime
+on reference feeds (a prompt with an empty cache, then one decode step on the cache that prompt
+made; for a file without a cache, random inputs at batch 2 and the same with the second row's
+mask half padding), with every module call's outputs exposed (:func:`onnx_modular.calls.capture.call_outputs`),
+and every call of a rewritten class must agree with the original file's call within the
+tolerance, as must the file's outputs. A class whose calls drift is put back as it was and the
+step is redone without it; the report says why.
+
+Example::
+
+    report = optimize("llama.onnx", "llama.opt.onnx")
+    print(report.text())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_modular.calls.capture import call_outputs
+from onnx_modular.check.parity import Tolerance, default_tolerance, max_differences
+from onnx_modular.errors import InvalidInputError, InvalidModelFileError, SaveError, VerificationError
+from onnx_modular.format import metadata
+from onnx_modular.passes.fusions.activation import FuseActivationPass
+from onnx_modular.passes.fusions.gqa import SEQLENS_K, TOTAL_SEQUENCE_LENGTH, FuseGroupQueryAttentionPass
+from onnx_modular.passes.fusions.mha import FuseMultiHeadAttentionPass
+from onnx_modular.passes.fusions.rms_norm import FuseRMSNormPass
+from onnx_modular.passes.fusions.skip_norm import FuseSkipNormPass
+from onnx_modular.storage import save
+from onnx_modular.storage.load import load_model_file
+
+__all__ = ["optimize", "OptimizeReport", "Fusion"]
+
+#: The fused op each step writes.
+FUSED_OPS = {
+    "rms_norm": "SimplifiedLayerNormalization",
+    "skip_norm": "com.microsoft.SkipSimplifiedLayerNormalization",
+    "attention": "com.microsoft.GroupQueryAttention",
+    "skip_layer_norm": "com.microsoft.SkipLayerNormalization",
+    "mha": "com.microsoft.MultiHeadAttention",
+    "activation": "com.microsoft.Gelu",  # or QuickGelu: the pass says which (its ``ops``)
+}
+
+#: The attention steps (their ops make :attr:`OptimizeReport.attention`).
+_ATTENTION_STEPS = ("attention", "mha")
+
+
+@dataclasses.dataclass
+class Fusion:
+    """One class's body (one local function) and what a step did with it.
+
+    Attributes:
+        step: ``rms_norm``, ``skip_norm``, ``attention``, ``skip_layer_norm``, ``mha`` or ``activation``.
+        function: The function's name (``LlamaAttention``).
+        module_class: Its module class when the file records it, else the function name.
+        fused: Whether the rewrite was kept.
+        op: The fused op written (``com.microsoft.GroupQueryAttention``).
+        reason: Why it was not fused (``None`` when fused).
+        max_abs_diff: The largest difference between its calls' outputs before and after (verified runs).
+        calls: How many calls of it were compared.
+        packed_qkv: (attention) its query, key and value projections became one MatMul.
+    """
+
+    step: str
+    function: str
+    module_class: str
+    fused: bool
+    op: str
+    reason: str | None = None
+    max_abs_diff: float | None = None
+    calls: int = 0
+    packed_qkv: bool = False
+
+
+@dataclasses.dataclass
+class OptimizeReport:
+    """What :func:`optimize` did.
+
+    Attributes:
+        source, output: The files.
+        fusions: One entry per class body a step rewrote or refused.
+        attention: The fused attention ops (``"GroupQueryAttention"``; ``"Attention"`` for packed
+            self-attention without a cache, ``"MultiHeadAttention"`` for the rest; joined by ``+``
+            when several) when every attention body was fused, else ``None``.
+        added_inputs: Formal inputs added to function signatures (threaded from the main graph,
+            computed there from ``attention_mask``); the main graph's own inputs are unchanged.
+        verified: Whether the steps were checked in onnxruntime (``verify=True``).
+        nodes_before, nodes_after: Nodes per run with every call expanded (``onnx-modular tree``'s counts).
+        quantization: With ``quantize``: what was quantized and the accuracy guard's report.
+    """
+
+    source: str
+    output: str
+    fusions: list[Fusion]
+    attention: str | None
+    added_inputs: list[str]
+    verified: bool
+    nodes_before: int = 0
+    nodes_after: int = 0
+    quantization: Any = None  # optimize_quantize.Quantization with quantize=
+
+    @property
+    def fused_classes(self) -> list[str]:
+        return sorted({f.module_class for f in self.fusions if f.fused})
+
+    @property
+    def packed_qkv(self) -> list[str]:
+        return sorted({f.module_class for f in self.fusions if f.fused and f.packed_qkv})
+
+    @property
+    def not_fused(self) -> list[Fusion]:
+        return [f for f in self.fusions if not f.fused]
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["fused_classes"] = self.fused_classes
+        data["packed_qkv"] = self.packed_qkv
+        return data
+
+    def text(self) -> str:
+        lines = [f"Optimized {self.source} -> {self.output}"
+                 + (" (each step verified in onnxruntime)" if self.verified else " (not verified)")]
+        width = max([len(f.module_class) + (0 if f.function == f.module_class else len(f.function) + 3)
+                     for f in self.fusions] + [10])
+        step_width = max([len(f.step) for f in self.fusions] + [9])
+        for fusion in self.fusions:
+            status = f"fused -> {fusion.op}" if fusion.fused else f"not fused: {fusion.reason}"
+            drift = f"  max diff {fusion.max_abs_diff:.2e} over {fusion.calls} calls" if fusion.max_abs_diff is not None else ""
+            label = fusion.module_class if fusion.function == fusion.module_class else f"{fusion.module_class} ({fusion.function})"
+            lines.append(f"  {fusion.step:<{step_width}} {label:<{width}}  {status}{drift}")
+        if not self.fusions:
+            lines.append("  nothing to fuse (no RMS norm, residual norm or attention found)")
+        lines.append(f"Attention: {self.attention or 'not fused'}"
+                     + (f"; inputs added to function signatures: {', '.join(self.added_inputs)}" if self.added_inputs else ""))
+        if self.packed_qkv:
+            lines.append(f"Query, key and value projections packed (one weight, one GEMM): {', '.join(self.packed_qkv)}")
+        lines.append(f"Nodes per run (calls expanded): {self.nodes_before:,} -> {self.nodes_after:,}")
+        if self.quantization is not None:
+            lines.append(self.quantization.text())
+        return "\n".join(lines)
+
+
+def _class_of(function: ir.Function) -> str:
+    return (metadata.props(function).get(metadata.CLASS) or function.name).rsplit(".", 1)[-1]
+
+
+def _expanded_nodes(model: ir.Model) -> int:
+    memo: dict = {}
+
+    def count(body) -> int:
+        total = 0
+        for node in body:
+            function = model.functions.get(node.op_identifier())
+            if function is None:
+                total += 1
+            else:
+                key = node.op_identifier()
+                if key not in memo:
+                    memo[key] = 0
+                    memo[key] = count(function)
+                total += memo[key]
+        return total
+
+    return count(model.graph)
+
+
+def _copy(model: ir.Model) -> ir.Model:
+    return ir.serde.deserialize_model(ir.serde.serialize_model(model))
+
+
+# -- reference feeds -------------------------------------------------------------------------
+
+def _cache_inputs(model: ir.Model) -> list[ir.Value]:
+    return [v for v in model.graph.inputs if v.dtype is not None and v.dtype.is_floating_point()
+            and v.shape is not None and len(v.shape) == 4 and ("past" in v.name or "cache" in v.name)]
+
+
+def _encoder_runs(model: ir.Model) -> list[dict[str, np.ndarray]]:
+    """A file without a cache (an encoder): random inputs at batch 2, sequence 7 (masks all ones,
+    token ids below 10, token types 0), then the same with the second row's 2-D masks half padding."""
+    from onnx_modular.runtime.inputs import random_inputs
+
+    dims = {d: (2 if i == 0 else 7) for v in model.graph.inputs if v.shape is not None
+            for i, d in enumerate(v.shape) if isinstance(d, ir.SymbolicDim) and d.value}
+    feeds = random_inputs(ir.to_proto(model), dims=dims, default_dim=2, seed=0)
+    for name, array in feeds.items():
+        if "token_type" in name:
+            feeds[name] = np.zeros_like(array)
+    padded = {}
+    for name, array in feeds.items():
+        if "mask" in name and array.ndim == 2 and array.shape[0] > 1:
+            array = array.copy()
+            array[1, array.shape[1] // 2 + 1:] = 0
+        padded[name] = array
+    return [feeds, padded] if any(p is not feeds[n] for n, p in padded.items()) else [feeds]
+
+
+def _vocab(model: ir.Model) -> int:
+    for output in model.graph.outputs:
+        if output.shape is not None and len(output.shape) == 3 and isinstance(output.shape[-1], int):
+            return int(output.shape[-1])
+    return 100
+
+
+def _prompt_feeds(model: ir.Model, length: int, past: list[np.ndarray] | None, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    past_length = 0 if past is None else past[0].shape[2]
+    feeds: dict[str, np.ndarray] = {}
+    caches = _cache_inputs(model)
+    for index, value in enumerate(caches):
+        if past is not None:
+            feeds[value.name] = past[index]
+            continue
+        dims = [d if isinstance(d, int) else 1 for d in value.shape]
+        dims[2] = 0
+        feeds[value.name] = np.zeros(dims, dtype=value.dtype.numpy())
+    for value in model.graph.inputs:
+        if value.name in feeds:
+            continue
+        dtype = value.dtype.numpy() if value.dtype is not None else np.int64
+        if "mask" in value.name:
+            feeds[value.name] = np.ones((1, past_length + length), dtype=dtype)
+        elif "position" in value.name:
+            feeds[value.name] = np.arange(past_length, past_length + length, dtype=dtype)[None]
+        elif "input_ids" in value.name or (value.shape is not None and len(value.shape) == 2):
+            feeds[value.name] = rng.integers(0, _vocab(model), (1, length)).astype(dtype)
+        else:
+            raise InvalidInputError(
+                f"optimize: cannot make reference inputs for the input {value.name!r}.",
+                hint="Use verify=False (--no-verify) to write the rewrite unchecked, or export with "
+                "--task causal-lm-with-past.",
+            )
+    return feeds
+
+
+def _run_calls(model: ir.Model, feeds, folder) -> tuple[dict, dict]:
+    outputs, calls = call_outputs(model, feeds, external_data_folder=folder, what="the file being optimized")
+    return outputs, {c.call_name: c for c in calls}
+
+
+class _Reference:
+    """The original file's outputs and call outputs on a prompt and on one decode step."""
+
+    def __init__(self, model: ir.Model, folder: str | None):
+        self.folder = folder
+        if not _cache_inputs(model):
+            self.runs = [(feeds, *_run_calls(model, feeds, folder)) for feeds in _encoder_runs(model)]
+            return
+        prompt = _prompt_feeds(model, 6, None, 0)
+        outputs, calls = _run_calls(model, prompt, folder)
+        self.runs = [(prompt, outputs, calls)]
+        caches = _cache_inputs(model)
+        if caches:
+            presents = [outputs[v.name] for v in model.graph.outputs[1: 1 + len(caches)]]
+            step = _prompt_feeds(model, 1, presents, 1)
+            outputs, calls = _run_calls(model, step, folder)
+            self.runs.append((step, outputs, calls))
+
+    def compare(self, candidate: ir.Model, functions: Mapping[str, str], tolerance: Tolerance) -> tuple[dict, dict, str | None]:
+        """Per function name: (max abs diff, calls compared), the drifted ones, and a failure of the file's outputs."""
+        diffs: dict[str, list] = {name: [0.0, 0] for name in functions}
+        drifted: dict[str, str] = {}
+        failure = None
+        for feeds, outputs, calls in self.runs:
+            try:
+                new_outputs, new_calls = _run_calls(candidate, feeds, self.folder)
+            except Exception as error:  # onnxruntime refuses the rewrite: every rewritten class is suspect
+                text = str(error).splitlines()[0][:300]
+                return diffs, dict.fromkeys(functions, f"onnxruntime cannot run the rewrite: {text}"), text
+            for name, call in new_calls.items():
+                if call.function not in functions or name not in calls:
+                    continue
+                entry = diffs[call.function]
+                entry[1] += 1
+                for got, expected in zip(call.outputs, calls[name].outputs):
+                    if got is None or expected is None or got.dtype.kind != "f":
+                        continue
+                    diff = max_differences(got, expected)[0]
+                    entry[0] = max(entry[0], diff)
+                    if not np.allclose(got, expected, atol=tolerance.atol, rtol=tolerance.rtol):
+                        drifted.setdefault(call.function, f"call {name} differs by {diff:.2e} (tolerance atol "
+                                                          f"{tolerance.atol:g}, rtol {tolerance.rtol:g})")
+            for key, expected in outputs.items():
+                got = new_outputs.get(key)
+                if got is None or (expected.dtype.kind == "f" and not np.allclose(got, expected, atol=tolerance.atol,
+                                                                                rtol=tolerance.rtol)):
+                    failure = f"the file's output {key!r} differs"
+        return {k: (v[0], v[1]) for k, v in diffs.items()}, drifted, failure
+
+
+# -- the steps ---------------------------------------------------------------------------------
+
+#: The file's record of what optimize fused (JSON: step -> function names).
+OPTIMIZED_KEY = metadata.PREFIX + "optimized"
+
+_STEPS: list[tuple[str, Callable[..., ir.passes.InPlacePass]]] = [
+    ("rms_norm", lambda allowed, max_positions: FuseRMSNormPass(functions=allowed)),
+    ("skip_norm", lambda allowed, max_positions: FuseSkipNormPass(functions=allowed)),
+    ("attention", lambda allowed, max_positions: FuseGroupQueryAttentionPass(max_positions, functions=allowed)),
+    ("skip_layer_norm", lambda allowed, max_positions: FuseSkipNormPass(functions=allowed, layer_norm=True)),
+    ("mha", lambda allowed, max_positions: FuseMultiHeadAttentionPass(functions=allowed)),
+    ("activation", lambda allowed, max_positions: FuseActivationPass(functions=allowed)),
+]
+
+
+def _run_step(model, step, make_pass, reference, tolerance, max_positions) -> tuple[ir.Model, list[Fusion]]:
+    allowed = None
+    refused: list[Fusion] = []
+    for _ in range(3):  # a drifting class is put back and the step redone without it
+        candidate = _copy(model)
+        fusion_pass = make_pass(allowed, max_positions)
+        fusion_pass(candidate)
+        reasons = getattr(fusion_pass, "reasons", {})
+        records = [Fusion(step, key[1], _class_of(candidate.functions[key]), False, FUSED_OPS[step], reason)
+                   for key, reason in reasons.items() if key in candidate.functions] if allowed is None else []
+        refused += records
+        keys = list(fusion_pass.fused)
+        if not keys:
+            return model, refused
+        names = {key[1]: _class_of(candidate.functions[key]) for key in keys}
+        ops = {key[1]: op for key, op in getattr(fusion_pass, "ops", {}).items()}
+        if reference is None:
+            return candidate, refused + [Fusion(step, n, c, True, ops.get(n) or FUSED_OPS[step]) for n, c in names.items()]
+        diffs, drifted, failure = reference.compare(candidate, names, tolerance)
+        if failure is not None and not drifted:
+            drifted = dict.fromkeys(names, failure)
+        if not drifted:
+            packed = {key[1] for key in getattr(fusion_pass, "packed", [])}
+            kept = [Fusion(step, n, c, True, ops.get(n) or FUSED_OPS[step], None, diffs[n][0], diffs[n][1], n in packed)
+                    for n, c in names.items()]
+            return candidate, refused + kept
+        refused += [Fusion(step, n, names[n], False, FUSED_OPS[step], f"drifts past the tolerance: {why}",
+                           diffs.get(n, (None, 0))[0], diffs.get(n, (None, 0))[1]) for n, why in drifted.items()]
+        allowed = {key for key in keys if key[1] not in drifted}
+        if not allowed:
+            return model, refused
+    return model, refused
+
+
+def _load(path: str | os.PathLike) -> ir.Model:
+    load_model_file(path)  # the project's checks: not a model, malformed, recursive, huge
+    try:
+        model = ir.load(path)
+        # Weights in memory: each step works on a serialized copy, which would lose the folder its
+        # external data is read from (and the checks run every weight in onnxruntime anyway).
+        ir.external_data.load_to_model(model)
+    except Exception as error:  # a file onnx can read but onnx_ir cannot
+        raise InvalidModelFileError(f"onnx_ir cannot read {str(path)!r}: {error}") from error
+    if not model.functions:
+        raise InvalidInputError(
+            f"{str(path)!r} has no local functions: optimize rewrites module bodies.",
+            hint="Export the model with onnx-modular export (or rebuild the hierarchy with onnx-modular modularize).",
+        )
+    return model
+
+
+def optimize(
+    path: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    verify: bool = True,
+    max_positions: int | None = None,
+    tolerance: Tolerance | None = None,
+    steps: tuple[str, ...] = ("rms_norm", "skip_norm", "attention", "skip_layer_norm", "mha", "activation"),
+    quantize: str | None = None,
+    accuracy_level: int = 4,
+    int8_lm_head: bool = False,
+    accuracy_guard: bool = True,
+) -> OptimizeReport:
+    """Rewrite the bodies of ``path`` into onnxruntime's fused kernels and write ``output``.
+
+    Args:
+        path: A modular ONNX file (``onnx-modular export ... --task causal-lm-with-past``, or an encoder's).
+        output: Where to write the optimized file (atomically; nothing is left on failure).
+        verify: Check every step in onnxruntime on a prompt and a decode step (an encoder: random
+            inputs, then with padding) and keep only the
+            classes whose calls agree (within ``tolerance``; float32 defaults: atol 1e-4, rtol 1e-3).
+        max_positions: Rows of the rotary cos/sin caches given to ``GroupQueryAttention``: the
+            longest sequence (prompt plus generated tokens) the file will run. Default: the file's
+            ``max_position_embeddings`` metadata when present, else 4096.
+        steps: Which steps to run (``rms_norm``, ``skip_norm``, ``attention``, ``skip_layer_norm``, ``mha``,
+            ``activation``).
+        quantize: ``"int4"``: then quantize the fused file with onnxruntime-genai's builder recipe
+            (``convert``'s passes: blocks of 32, symmetric, ``accuracy_level``, lm_head included;
+            :mod:`onnx_modular.files.optimize.quantize`). ``"int8"`` likewise with 8 bits.
+        accuracy_level: ``MatMulNBits``'s compute (4: int8 activations, the builder's; 0: float).
+        int8_lm_head: Quantize ``lm_head`` to int8 instead (the rest int4).
+        accuracy_guard: At accuracy level 4, keep at level 0 the calls whose int8 compute flips a
+            top token on a random prompt (:mod:`onnx_modular.files.optimize.accuracy_guard`; ``report.quantization.guard``).
+
+    Returns:
+        An :class:`OptimizeReport` (``fused_classes``, ``attention``, ``added_inputs``, ``fusions``).
+
+    Raises:
+        InvalidInputError: The file has no functions, or reference inputs cannot be made.
+        VerificationError: The optimized file fails its final check.
+    """
+    unknown = sorted(set(steps) - set(FUSED_OPS))
+    if unknown:
+        raise InvalidInputError(f"optimize: unknown steps {unknown}; the steps are {sorted(FUSED_OPS)}.")
+    recipe = None
+    if quantize is not None or int8_lm_head:
+        from onnx_modular.files.optimize.quantize import Recipe, check_recipe
+
+        recipe = Recipe(quantize or "", accuracy_level=accuracy_level, int8_lm_head=int8_lm_head, guard=accuracy_guard)
+        check_recipe(recipe)
+    destination = save.check_destination(output)
+    model = _load(path)
+    if max_positions is None:
+        max_positions = int(model.metadata_props.get("max_position_embeddings", 4096))
+    folder = str(pathlib.Path(path).resolve().parent)
+    tolerance = tolerance or default_tolerance("float32")
+    reference = _Reference(model, folder) if verify else None
+    nodes_before = _expanded_nodes(model)
+    fusions: list[Fusion] = []
+    for step, make_pass in _STEPS:
+        if step in steps:
+            model, records = _run_step(model, step, make_pass, reference, tolerance, max_positions)
+            fusions += records
+    taken = {f.function for f in fusions if f.fused and f.step == "mha"}  # the cache-less attention GQA refused
+    fusions = [f for f in fusions if not (f.step == "attention" and not f.fused and f.function in taken)]
+    if reference is not None and any(f.fused for f in fusions):
+        _, drifted, failure = reference.compare(model, {}, tolerance)
+        if failure is not None:
+            raise VerificationError(f"optimize: the optimized file of {str(path)!r} fails its final check: {failure}.")
+    attention_fused = [f for f in fusions if f.step in _ATTENTION_STEPS]
+    attention = "+".join(sorted({f.op.rsplit(".", 1)[-1] for f in attention_fused})) \
+        if attention_fused and all(f.fused for f in attention_fused) else None
+    added = [name for name in ("cos_cache", "sin_cache", SEQLENS_K, TOTAL_SEQUENCE_LENGTH)
+             if any(v.name == name for f in model.functions.values() for v in f.inputs)]
+    model.metadata_props[OPTIMIZED_KEY] = json.dumps(
+        {step: sorted(f.function for f in fusions if f.fused and f.step == step) for step in steps}
+    )
+    report = OptimizeReport(str(path), str(destination), fusions, attention, added, verify,
+                            nodes_before, _expanded_nodes(model))
+    if recipe is None:
+        _write(model, destination)
+    else:
+        from onnx_modular.files.optimize.quantize import quantize_fused
+
+        # the guard's reference inputs: the ones the steps were verified on (the graph's inputs do not change)
+        report.quantization = quantize_fused(model, recipe, lambda result: _write(result, destination),
+                                             lambda length, past, seed: _prompt_feeds(model, length, past, seed))
+    return report
+
+
+def _write(model: ir.Model, destination: pathlib.Path) -> None:
+    """Atomically, functions callee-first; then loaded once in onnxruntime. Not through onnx's checker:
+    it knows no ``SimplifiedLayerNormalization``, which onnxruntime registers in the ONNX domain."""
+    from onnx_modular.passes.function_order import SortFunctionsPass
+    from onnx_modular.runtime import sessions
+
+    SortFunctionsPass()(model)
+    with save.atomic_write(destination) as staging:
+        external = save.wants_external_data(model, None)
+        try:
+            ir.save(model, staging.model_path, external_data=staging.data_location if external else None)
+        except OSError as error:
+            raise SaveError(f"Writing {str(destination)!r} failed: {error}", hint="Check free disk space and permissions.") from error
+        sessions.session(str(staging.model_path), what="the optimized file")
+
+

@@ -1,0 +1,560 @@
+"""ONNX IR pass: decoder self-attention bodies into onnxruntime's ``GroupQueryAttention``, in place.
+
+An attention body is recognised by what it computes, not by its class: three projections of one
+input (calls or ``MatMul``), a key and a value appended to the past cache (``Concat`` on the
+sequence axis, returned as the present cache), a ``Softmax`` over ``query @ key`` and an output
+projection of ``softmax @ value``. Rotary (``x * cos + rotate_half(x) * sin`` on the key, with
+``cos``/``sin`` formal inputs) goes inside the op (``do_rotary=1``) with cos/sin caches made by a
+second call of the file's own rotary module on positions ``0 .. max_positions - 1`` (onnxruntime
+folds it into a constant when it builds the session), so any rotary variant the module computes
+(scaling, partial frequencies) is the one the op uses.
+
+The body becomes: one ``MatMul`` (and ``Add``) on the query, key and value weights (and biases)
+concatenated once per layer in the main graph (``model.layers.N.self_attn.qkv_proj.weight.T``,
+as the builder packs them; or the three projection calls when they cannot be packed), one
+``com.microsoft.GroupQueryAttention`` taking the packed projection, the output projection call. The op takes the mask as
+``seqlens_k`` (``sum(attention_mask) - 1``, int32) and ``total_sequence_length`` (the mask's width,
+int32), computed once in the main graph from its 2-D ``attention_mask`` and passed down the call
+chain as new formal inputs (:data:`SEQLENS_K`, :data:`TOTAL_SEQUENCE_LENGTH`); formal inputs no
+body reads any more (the 4-D mask, the per-call cos/sin) are then dropped with what computed them.
+
+This pass does not check the numbers: ``onnx_modular.files.optimize.tool`` runs each rewrite on the
+file's real calls and keeps it only when the outputs agree. ``reasons`` says why a body with a
+``Softmax`` was not rewritten.
+
+Example::
+
+    FuseGroupQueryAttentionPass(max_positions=4096)(model)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_modular.passes.fusions import base as _fusion
+from onnx_modular.passes.fusions.attention_scores import UNREADABLE as _UNREADABLE
+from onnx_modular.passes.fusions.attention_scores import NotAttention as _NotAttention
+from onnx_modular.passes.fusions.attention_scores import Refused as _Refused
+from onnx_modular.passes.fusions.attention_scores import ancestors as _ancestors
+from onnx_modular.passes.fusions.attention_scores import head_sink as _head_sink
+from onnx_modular.passes.fusions.attention_scores import mask_formals as _mask_formals
+from onnx_modular.passes.fusions.attention_scores import producers_bfs as _producers_bfs
+from onnx_modular.passes.fusions.attention_scores import scale_and_softcap as _scale
+from onnx_modular.passes.fusions.attention_scores import window_of as _window_of
+from onnx_modular.passes.fusions.projections import is_projection as _is_projection
+from onnx_modular.passes.fusions.projections import packed_projection as _packed_projection
+
+__all__ = ["FuseGroupQueryAttentionPass", "SEQLENS_K", "TOTAL_SEQUENCE_LENGTH"]
+
+SEQLENS_K = "seqlens_k"
+TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
+_SOFTMAX_SIDE = {"Add", "Mul", "Div", "Where", "Cast", "Sub"}
+
+
+@dataclasses.dataclass
+class _Attention:
+    q_proj: ir.Node
+    k_proj: ir.Node
+    v_proj: ir.Node
+    o_proj: ir.Node
+    heads: list[ir.Value]  # query, key, value as [batch, seq, heads, head_size] (after any q/k norm)
+    transposed: list[bool]  # those heads [batch, heads, seq, head_size] instead (a norm after the transpose)
+    plain: bool  # each is a reshape of its projection's output (no norm between): GQA takes the projections
+    past_key: ir.Value
+    past_value: ir.Value
+    present_key_index: int
+    present_value_index: int
+    num_heads: int
+    kv_num_heads: int
+    head_size: int
+    scale: float
+    cos: ir.Value | None
+    sin: ir.Value | None
+    rotary_dim: int = 0  # the head's leading channels the rotary turns (partial rotary: fewer than head_size)
+    softcap: float = 0.0  # softcap * tanh(scores / softcap) on the scaled scores (Gemma 2)
+    masks: tuple[int, ...] = ()  # formal inputs (indices) that only mask the scores (a window may hide in them)
+    sink: ir.Value | None = None  # one learned logit per head beside the scores (attention sinks): head_sink
+    interleaved: bool = False  # rotary pairs channels 2i and 2i + 1 (the module's cos/sin repeat each frequency twice)
+
+
+def _heads(model: ir.Model, start: ir.Value) -> tuple[ir.Value, bool]:
+    """The ``[batch, seq, heads, head_size]`` value transposed to ``[batch, heads, seq, head_size]``
+    behind ``start`` (``False``), or the output of a norm call on the transposed heads when one comes
+    first (``True``: Exaone 4's q/k norms, after the transpose)."""
+    def stop(node: ir.Node) -> bool:
+        return node.op_type == "Transpose" or node.op_identifier() in model.functions
+
+    for node in _producers_bfs(start, stop):
+        if node.op_identifier() in model.functions:
+            if _is_projection(node, model) or len(node.outputs) != 1:
+                break
+            return node.outputs[0], True
+        perm = node.attributes.get_ints("perm", None) if node.op_type == "Transpose" else None
+        if perm is not None and list(perm) == [0, 2, 1, 3]:
+            return node.inputs[0], False
+    raise _Refused("no transpose from [batch, seq, heads, head] to [batch, heads, seq, head] behind the query/key/value")
+
+
+def _gqa_input(heads: ir.Value, projection: ir.Node) -> ir.Value | None:
+    """The projection's output when ``heads`` is just its reshape (then it can be packed), else ``None``."""
+    producer = heads.producer()
+    if producer is not None and producer.op_type == "Reshape" and producer.inputs[0] is projection.outputs[0]:
+        return projection.outputs[0]
+    return None
+
+
+def _first_projection(model: ir.Model, start: ir.Value) -> ir.Node:
+    for node in _producers_bfs(start, lambda n: _is_projection(n, model)):
+        if _is_projection(node, model):
+            return node
+    raise _Refused("no projection found behind the key/value/query")
+
+
+def _formal_behind(value: ir.Value, formals: list[ir.Value]) -> ir.Value | None:
+    while value is not None and value not in formals:
+        node = value.producer()
+        if node is None or node.op_type not in ("Unsqueeze", "Cast", "Identity", "Reshape"):
+            return None
+        value = node.inputs[0]
+    return value
+
+
+def _static_shape(model: ir.Model, value: ir.Value) -> list:
+    sources = _fusion.sources_of(model, value)
+    shapes = [tuple(s.shape) if s.shape is not None else None for s in sources]
+    if not shapes or shapes[0] is None or any(s != shapes[0] for s in shapes):
+        raise _Refused(f"the shape of {value.name!r} is not known from the main graph")
+    return [d if isinstance(d, int) else None for d in shapes[0]]
+
+
+def _weight_columns(model: ir.Model, projection: ir.Node) -> int:
+    if len(projection.inputs) < 2 or projection.inputs[1] is None:
+        raise _Refused("a projection without a weight input")
+    shape = _static_shape(model, projection.inputs[1])
+    if len(shape) != 2 or shape[1] is None:
+        raise _Refused("a projection weight that is not a 2-D matrix")
+    return shape[1]
+
+
+def _rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value]) -> tuple:
+    """cos, sin and the rotary width of ``x * cos + rotate_half(x) * sin`` on the key (``None``s: no
+    rotary); the width is ``None`` for the whole head, else the channels of a partial rotary
+    (``concat(rotary(x[..., :d]), x[..., d:])``: Phi, StableLM, GPT-NeoX), and whether the pairs
+    are interleaved (channels ``2i, 2i + 1``: Cohere) rather than the two halves."""
+    add, width = new_key.producer(), None
+    if add is not None and add.op_type == "Concat" and len(add.inputs) == 2 and add.attributes.get_int("axis", 0) in (-1, 3):
+        rest = add.inputs[1].producer() if add.inputs[1] is not None else None
+        start = _fusion.scalar_of(model, rest.inputs[1]) if rest is not None and rest.op_type == "Slice" else None
+        if start is None:
+            return None, None, None, False
+        add, width = add.inputs[0].producer(), int(start)
+    if add is None or add.op_type != "Add":
+        return None, None, None, False
+    muls = [v.producer() for v in add.inputs]
+    if any(m is None or m.op_type != "Mul" for m in muls):
+        return None, None, None, False
+    cos = sin = None
+    interleaved = False
+    for mul in muls:
+        for index, operand in enumerate(mul.inputs):
+            formal = _formal_behind(operand, formals)
+            if formal is None:
+                continue
+            other = mul.inputs[1 - index].producer()
+            rotated = other is not None and other.op_type == "Concat" and any(
+                v is not None and v.producer() is not None and v.producer().op_type == "Neg" for v in other.inputs
+            )
+            if not rotated and _rotated_pairs(other):
+                rotated = interleaved = True
+            if rotated:
+                sin = formal
+            else:
+                cos = formal
+    if cos is None or sin is None:
+        raise _Refused("the key goes through a product with cos/sin that is not rotate-half rotary")
+    return cos, sin, width, interleaved
+
+
+def _rotated_pairs(node: ir.Node | None) -> bool:
+    """``stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)``: the interleaved rotate-half (Cohere, GPT-J)."""
+    if node is None or node.op_type != "Reshape" or node.inputs[0] is None:
+        return False
+    stack = node.inputs[0].producer()
+    if stack is None or stack.op_type != "Concat" or len(stack.inputs) != 2:
+        return False
+    parts = [v.producer() if v is not None else None for v in stack.inputs]
+    if any(p is None or p.op_type != "Unsqueeze" for p in parts):
+        return False
+    first = parts[0].inputs[0].producer()
+    return first is not None and first.op_type == "Neg"
+
+
+def _checked_rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value], head_size: int):
+    """:func:`_rotary`, refused where GroupQueryAttention cannot take it."""
+    cos, sin, width, interleaved = _rotary(model, new_key, formals)
+    if cos is None and any(n.op_type == "Neg" for n in _producers_bfs(new_key, lambda n: False)):
+        raise _Refused("the key's rotary is not the last step before the cache (a norm after it, or another form)")
+    if width is not None and (width <= 0 or width % 2 or width > head_size):
+        raise _Refused(f"a partial rotary over {width} of the head's {head_size} channels")
+    if width is not None and width < head_size and (width // 2) % 8:
+        raise _Refused(f"a partial rotary over {width} of the head's {head_size} channels: onnxruntime's "
+                       "GroupQueryAttention takes cos/sin caches whose width (rotary channels / 2) is a multiple of 8")
+    return cos, sin, width, interleaved
+
+
+def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
+    nodes = list(function)
+    formals = list(function.inputs)
+    outputs = list(function.outputs)
+    concats = [
+        n for n in nodes
+        if n.op_type == "Concat" and n.outputs[0] in outputs and len(n.inputs) == 2 and n.inputs[0] in formals
+        and n.attributes.get_int("axis", 0) in (-2, 2)
+    ]
+    if len(concats) != 2:  # first: a router's softmaxes are no attention left unfused
+        raise _NotAttention("no key/value cache (two Concat of a past input returned as present)")
+    softmaxes = [n for n in nodes if n.op_type == "Softmax"]
+    if len(softmaxes) != 1:
+        raise _Refused(f"{len(softmaxes)} Softmax nodes (one expected)")
+    softmax = softmaxes[0]
+    sink = _head_sink(function, softmax)
+    behind_softmax = _ancestors(softmax.outputs[0])
+    keyed = [c for c in concats if id(c) in behind_softmax]
+    if len(keyed) != 1:
+        raise _Refused("cannot tell the key cache from the value cache")
+    key, value = keyed[0], next(c for c in concats if c is not keyed[0])
+    scores = next((n for n in _producers_bfs(softmax.inputs[0], lambda n: n.op_type == "MatMul")
+                   if n.op_type == "MatMul"), None)
+    if scores is None:
+        raise _Refused("no MatMul before the Softmax")
+    k_proj = _first_projection(model, key.inputs[1])
+    v_proj = _first_projection(model, value.inputs[1])
+    q_side = [v for v in scores.inputs if id(key) not in _ancestors(v)]
+    if len(q_side) != 1:
+        raise _Refused("cannot tell the query from the key in the scores")
+    q_proj = _first_projection(model, q_side[0])
+    if not (q_proj.inputs[0] is k_proj.inputs[0] is v_proj.inputs[0]):
+        raise _Refused("query, key and value do not project one input (cross-attention is not fused)")
+    found = [_heads(model, v) for v in (q_side[0], key.inputs[1], value.inputs[1])]
+    heads, transposed = [h for h, _ in found], [t for _, t in found]
+    plain = [None if t else _gqa_input(h, p) for h, t, p in zip(heads, transposed, (q_proj, k_proj, v_proj))]
+    o_proj = outputs[0].producer()
+    while o_proj is not None and o_proj.op_type in ("Identity", "Dropout") and o_proj.inputs[0] is not None:
+        o_proj = o_proj.inputs[0].producer()  # Starcoder2's residual dropout, an Identity in eval mode
+    if o_proj is None or not _is_projection(o_proj, model) or id(softmax) not in _ancestors(o_proj.inputs[0]):
+        raise _Refused("the first output is not a projection of the attention")
+    past_shape = _static_shape(model, key.inputs[0])
+    if len(past_shape) != 4 or past_shape[1] is None or past_shape[3] is None:
+        raise _Refused("the past key is not [batch, kv_heads, past, head_size] with static heads")
+    kv_heads, head_size = past_shape[1], past_shape[3]
+    q_columns = _weight_columns(model, q_proj)
+    one_projection = q_proj is k_proj is v_proj  # Phi-3's qkv_proj: GQA takes it whole ([q | k | v])
+    if one_projection:
+        q_columns -= 2 * kv_heads * head_size
+        if any(h.producer() is not None and h.producer().op_type in ("Slice", "Split") for h in heads):
+            raise _Refused("one projection sliced after the split into heads (query, key and value interleaved "
+                           "head by head: GPT-NeoX); GroupQueryAttention takes [query | key | value]")
+    if q_columns <= 0 or q_columns % head_size or (
+        not one_projection and _weight_columns(model, k_proj) != kv_heads * head_size
+    ):
+        raise _Refused("the projection widths do not match the cache's heads")
+    cos, sin, width, interleaved = _checked_rotary(model, key.inputs[1], formals, head_size)
+    scale, softcap = _scale(model, scores)
+    if softcap == 0.0 and any(n.op_type == "Tanh" for n in nodes):
+        raise _Refused("a Tanh in the body that is not a soft-cap of the scores")
+    return _Attention(
+        q_proj, k_proj, v_proj, o_proj, heads, transposed, all(v is not None for v in plain) or one_projection,
+        key.inputs[0], value.inputs[0],
+        outputs.index(key.outputs[0]), outputs.index(value.outputs[0]),
+        q_columns // head_size, kv_heads, head_size, scale, cos, sin,
+        head_size if width is None else width, softcap, _mask_formals(model, function, softmax, scores), sink,
+        interleaved,
+    )
+
+
+def _mask_values(model: ir.Model) -> tuple[ir.Value, ir.Value]:
+    """seqlens_k and total_sequence_length computed once in the main graph from ``attention_mask``."""
+    graph = model.graph
+    existing = {v.name: v for node in graph for v in node.outputs}
+    if SEQLENS_K in existing and TOTAL_SEQUENCE_LENGTH in existing:
+        return existing[SEQLENS_K], existing[TOTAL_SEQUENCE_LENGTH]
+    masks = [v for v in graph.inputs if v.name == "attention_mask" and v.shape is not None and len(v.shape) == 2]
+    if not masks:
+        raise _Refused("the main graph has no 2-D attention_mask input")
+    mask = masks[0]
+
+    def constant(name, array):
+        node = ir.node("Constant", [], attributes={"value": ir.tensor(np.asarray(array), name=name)}, name=name)
+        node.outputs[0].name = name
+        return node
+
+    one, axis = constant("gqa.one", np.array([1], np.int64)), constant("gqa.axis", np.array(1, np.int64))
+    total = ir.node("ReduceSum", [mask, one.outputs[0]], attributes={"keepdims": 0}, name="gqa.mask_sum")
+    minus = ir.node("Sub", [total.outputs[0], one.outputs[0]], name="gqa.mask_sum_minus_one")
+    seqlens = ir.node("Cast", [minus.outputs[0]], attributes={"to": ir.DataType.INT32}, name="gqa.seqlens_k")
+    shape = ir.node("Shape", [mask], name="gqa.mask_shape")
+    width = ir.node("Gather", [shape.outputs[0], axis.outputs[0]], attributes={"axis": 0}, name="gqa.mask_width")
+    length = ir.node("Cast", [width.outputs[0]], attributes={"to": ir.DataType.INT32}, name="gqa.total_sequence_length")
+    new = [one, axis, total, minus, seqlens, shape, width, length]
+    for node in new[2:]:
+        node.outputs[0].name = node.name
+    seqlens.outputs[0].name, length.outputs[0].name = SEQLENS_K, TOTAL_SEQUENCE_LENGTH
+    seqlens.outputs[0].dtype = length.outputs[0].dtype = ir.DataType.INT32
+    first = next(iter(graph), None)
+    if first is None:
+        graph.extend(new)
+    else:
+        graph.insert_before(first, new)
+    return seqlens.outputs[0], length.outputs[0]
+
+
+def _computed_inputs(model: ir.Model, call: ir.Node) -> list[int]:
+    """Indices of the call's arguments that are not weights or lifted constants."""
+    computed = []
+    for index, value in enumerate(call.inputs):
+        if value is None:
+            continue
+        sources = _fusion.sources_of(model, value)
+        if not sources or not all(s.is_initializer() for s in sources):
+            computed.append(index)
+    return computed
+
+
+def _caches(model: ir.Model, attention: _Attention, max_positions: int, made: dict) -> tuple[ir.Value, ir.Value]:
+    """cos/sin caches ``[max_positions, rotary_dim / 2]`` from a second call of the rotary module
+    (one per rotary call and width: ``made`` keeps those already written)."""
+    ends = []
+    for formal in (attention.cos, attention.sin):
+        sources = {id(s): s for s in _fusion.sources_of(model, formal)}
+        if len(sources) != 1:
+            raise _Refused("cos/sin do not come from one rotary call")
+        ends.append(next(iter(sources.values())))
+    rotary = ends[0].producer()
+    if rotary is None or rotary is not ends[1].producer() or rotary.op_identifier() not in model.functions:
+        raise _Refused("cos/sin are not the outputs of one module call (the rotary embedding)")
+    computed = _computed_inputs(model, rotary)
+    if len(computed) != 1:
+        raise _Refused(f"the rotary call takes {len(computed)} computed inputs (position ids alone expected)")
+    half = attention.rotary_dim // 2
+    memo = (id(rotary), tuple(list(rotary.outputs).index(e) for e in ends), half, attention.interleaved)
+    if memo in made:
+        return made[memo]
+    tag = "gqa" if not made else f"gqa{len(made) + 1}"
+    positions = ir.node(
+        "Constant", [], attributes={"value": ir.tensor(np.arange(max_positions, dtype=np.int64)[None], name=f"{tag}.positions")},
+        name=f"{tag}.positions",
+    )
+    positions.outputs[0].name = f"{tag}.positions"
+    arguments = list(rotary.inputs)
+    arguments[computed[0]] = positions.outputs[0]
+    cache_call = ir.node(
+        rotary.op_type, arguments, domain=rotary.domain, overload=rotary.overload,
+        num_outputs=len(rotary.outputs), name=f"{rotary.name or rotary.op_type}.{tag}_cache",
+        metadata_props=dict(rotary.metadata_props),  # the original call usually goes: nothing reads it any more
+    )
+    shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([-1, half], np.int64))}, name=f"{tag}.cache_shape")
+    bounds = [ir.node("Constant", [], attributes={"value": ir.tensor(np.array([v], np.int64))}, name=f"{tag}.cache_{role}")
+              for v, role in ((0, "start"), (2 * half if attention.interleaved else half, "end"), (2, "axis"),
+                              (2 if attention.interleaved else 1, "step"))]
+    new = [positions, cache_call, shape, *bounds]
+    caches = []
+    for end, name in zip(ends, ("cos_cache", "sin_cache")):
+        index = list(rotary.outputs).index(end)
+        sliced = ir.node("Slice", [cache_call.outputs[index], *(b.outputs[0] for b in bounds)],
+                         name=f"{tag}.{name}_half")
+        flat = ir.node("Reshape", [sliced.outputs[0], shape.outputs[0]], name=f"{tag}.{name}")
+        sliced.outputs[0].name, flat.outputs[0].name = f"{tag}.{name}_half", f"{tag}.{name}"
+        new += [sliced, flat]
+        caches.append(flat.outputs[0])
+    for node in (shape, *bounds):
+        node.outputs[0].name = node.name
+    for index, output in enumerate(cache_call.outputs):
+        output.name = f"{tag}.rotary_{index}"
+    rotary.graph.insert_after(rotary, new)
+    owner = _fusion.body_of(model, rotary.graph)
+    if owner is not None:  # a body of calls only may import no standard opset (Gemma3TextModel)
+        owner.opset_imports.setdefault("", model.opset_imports.get("", 18))
+    made[memo] = (caches[0], caches[1])
+    return caches[0], caches[1]
+
+
+def _thread(model: ir.Model, function: ir.Function, name: str, value: ir.Value, done: dict) -> ir.Value:
+    memo = done.setdefault((name, id(value)), {})  # callers already given this value keep the formal they got
+    formal = _fusion.thread_value(model, function, name, lambda graph: value if graph is value.graph else None, memo)
+    if formal is None:
+        raise _Refused(f"a chain of calls to the attention does not reach the body that computes {name}")
+    return formal
+
+
+def _rotary_source(value: ir.Value) -> int:
+    producer = value.producer()
+    return id(producer) if producer is not None else id(value)
+
+
+class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
+    """Self-attention bodies with a KV cache into one ``com.microsoft.GroupQueryAttention`` each.
+
+    Attributes after a run: ``fused`` (the rewritten functions), ``reasons`` (function -> why not),
+    ``skipped`` (bodies with a ``Softmax`` but no key/value cache, such as routers: not attention),
+    ``packed`` (those whose query, key and value projections became one ``MatMul`` on weights
+    concatenated once in the main graph, so that ``convert`` quantizes one MatMul, not three).
+    """
+
+    def __init__(self, max_positions: int = 4096, functions: set[ir.OperatorIdentifier] | None = None,
+                 pack_qkv: bool = True):
+        super().__init__()
+        self.pack_qkv = pack_qkv
+        self.max_positions = max_positions
+        self.functions = functions
+        self.fused: list[ir.OperatorIdentifier] = []
+        self.reasons: dict[ir.OperatorIdentifier, str] = {}
+        self.packed: list[ir.OperatorIdentifier] = []  # bodies whose q, k, v projections became one MatMul
+        self.skipped: dict[ir.OperatorIdentifier, str] = {}  # bodies with a Softmax that are no attention with a cache
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.fused, self.reasons, self.packed, self.skipped = [], {}, [], {}
+        found = []
+        for key, function in list(model.functions.items()):
+            if self.functions is not None and key not in self.functions:
+                continue
+            if not any(node.op_type == "Softmax" for node in function):
+                continue
+            try:
+                found.append((key, function, _analyse(model, function)))
+            except _NotAttention as refused:
+                self.skipped[key] = str(refused)
+            except _Refused as refused:
+                self.reasons[key] = str(refused)
+        if not found:
+            return ir.passes.PassResult(model, modified=False)
+        windows = [v.name for v in model.graph.inputs if "sliding_window" in v.name]
+        if windows:  # transformers' sliding-window cache (a rolling buffer): the past is not every position's
+            self.reasons.update({key: f"a sliding-window cache ({windows[0]}) keeps only the window's past; export "
+                                 "with `export --genai` (every position's keys and values, the window a mask)"
+                                 for key, _, _ in found})
+            return ir.passes.PassResult(model, modified=False)
+        try:
+            seqlens, total = _mask_values(model)
+        except _Refused as refused:
+            self.reasons.update({key: str(refused) for key, _, _ in found})
+            return ir.passes.PassResult(model, modified=False)
+        self._made, self._threaded, self._windows = {}, {}, {}
+        for key, function, attention in found:
+            try:
+                parts = self._specialized(model, function, attention)
+            except _Refused as refused:
+                self.reasons[key] = str(refused)
+                continue
+            for part, part_attention, window in parts:
+                try:
+                    self._rewrite(model, part, part_attention, seqlens, total, window)
+                except _Refused as refused:
+                    self.reasons[part.identifier()] = str(refused)
+                    continue
+                self.fused.append(part.identifier())
+        if self.fused:
+            model.opset_imports.setdefault("com.microsoft", 1)
+        _fusion.drop_unused_formals(model)
+        return ir.passes.PassResult(model, modified=True)
+
+    def _window(self, model: ir.Model, value: ir.Value) -> int | str | None:
+        if id(value) not in self._windows:
+            self._windows[id(value)] = _window_of(model, value)
+        return self._windows[id(value)]
+
+    def _specialized(self, model: ir.Model, function: ir.Function, attention: _Attention) -> list[tuple]:
+        """(function, analysis, window) for each kind of call of ``function``: calls whose masks have
+        different sliding windows, or whose cos/sin come from different rotary calls (Olmo 3's and
+        Gemma 3's local and global rope), get copies of the body (and of their callers' bodies:
+        :func:`_fusion.split_calls`), since the window is an attribute and the caches an input."""
+        splits = [(index, lambda v: self._window(model, v), lambda w: "full" if w is None else f"window{w}")
+                  for index in attention.masks]
+        if attention.cos is not None:
+            splits.append((list(function.inputs).index(attention.cos), _rotary_source, lambda key: "rope"))
+        functions = [function]
+        for index, key_of, suffix in splits:
+            parts = []
+            for part in functions:
+                groups = _fusion.split_calls(model, part, index, key_of, suffix)
+                if groups is None:
+                    raise _Refused("calls of this body with different masks or rotary cannot be told apart")
+                parts += groups.values()
+            functions = parts
+        result = []
+        for part in functions:
+            analysis = attention if part is function else _analyse(model, part)
+            windows = {self._window(model, source) for index in analysis.masks
+                       for source in _fusion.sources_of(model, part.inputs[index])} - {None}
+            if _UNREADABLE in windows or len(windows) > 1:
+                raise _Refused("the attention mask limits the keys in a way GroupQueryAttention cannot take "
+                               "(not a causal sliding window: chunked, or several windows)")
+            result.append((part, analysis, windows.pop() if windows else None))
+        return result
+
+    @staticmethod
+    def _flat(function: ir.Function, value: ir.Value | None) -> ir.Value | None:
+        """``value`` reshaped to one dimension (the sink logits: ``head_sink`` is ``[num_heads]``)."""
+        if value is None:
+            return None
+        shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([-1], np.int64))}, name="gqa.sink_shape")
+        flat = ir.node("Reshape", [value, shape.outputs[0]], name="gqa.head_sink")
+        shape.outputs[0].name, flat.outputs[0].name = "gqa.sink_shape", "gqa.head_sink"
+        function.insert_before(function[0], [shape, flat])
+        return flat.outputs[0]
+
+    def _rewrite(self, model, function, attention: _Attention, seqlens, total, window: int | None = None) -> None:
+        cos_cache = sin_cache = None
+        if attention.cos is not None:
+            cos_cache, sin_cache = _caches(model, attention, self.max_positions, self._made)
+            cos_cache = _thread(model, function, "cos_cache", cos_cache, self._threaded)
+            sin_cache = _thread(model, function, "sin_cache", sin_cache, self._threaded)
+        seqlens = _thread(model, function, SEQLENS_K, seqlens, self._threaded)
+        total = _thread(model, function, TOTAL_SEQUENCE_LENGTH, total, self._threaded)
+        attributes = {
+            "num_heads": attention.num_heads, "kv_num_heads": attention.kv_num_heads, "scale": attention.scale,
+            "do_rotary": int(cos_cache is not None), "rotary_interleaved": int(attention.interleaved),
+            # transformers' window W (keys kv > q - W: W positions, the query's own included) is
+            # onnxruntime's local_window_size W, as the builder sets it (checked: W - 1 drifts)
+            "local_window_size": -1 if window is None else window, "softcap": attention.softcap,
+        }
+        one_projection = attention.q_proj is attention.k_proj
+        packed = _packed_projection(model, function, attention) if self.pack_qkv and attention.plain and not one_projection else None
+        if one_projection:
+            query, key, value = attention.q_proj.outputs[0], None, None
+        elif packed:
+            self.packed.append(function.identifier())
+            function.insert_before(attention.o_proj, packed)
+            query, key, value = packed[-1].outputs[0], None, None
+        elif attention.plain:
+            query, key, value = (p.outputs[0] for p in (attention.q_proj, attention.k_proj, attention.v_proj))
+        else:  # a norm between projection and heads (Qwen3's q_norm/k_norm): merge the heads back
+            shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([0, 0, -1], np.int64))}, name="gqa.merge_heads")
+            shape.outputs[0].name = "gqa.merge_heads"
+            turned = [ir.node("Transpose", [h], attributes={"perm": [0, 2, 1, 3]}, name=f"gqa.{role}_bshd")
+                      for h, t, role in zip(attention.heads, attention.transposed, "qkv") if t]
+            heads = iter(node.outputs[0] for node in turned)
+            merged = [ir.node("Reshape", [next(heads) if t else h, shape.outputs[0]], name=f"gqa.{role}")
+                      for h, t, role in zip(attention.heads, attention.transposed, "qkv")]
+            for node in turned + merged:
+                node.outputs[0].name = node.name
+            function.insert_before(attention.o_proj, [shape, *turned, *merged])
+            query, key, value = (node.outputs[0] for node in merged)
+        gqa = ir.node(
+            "GroupQueryAttention",
+            [query, key, value, attention.past_key, attention.past_value, seqlens, total, cos_cache, sin_cache,
+             None, None, self._flat(function, attention.sink)],
+            attributes=attributes, domain="com.microsoft", num_outputs=3, name="GroupQueryAttention",
+        )
+        names = [f"{attention.o_proj.inputs[0].name}_gqa", function.outputs[attention.present_key_index].name,
+                 function.outputs[attention.present_value_index].name]
+        function.insert_before(attention.o_proj, gqa)
+        attention.o_proj.replace_input_with(0, gqa.outputs[0])
+        function.outputs[attention.present_key_index] = gqa.outputs[1]
+        function.outputs[attention.present_value_index] = gqa.outputs[2]
+        function.opset_imports.setdefault("com.microsoft", 1)
+        _fusion.remove_dead_nodes(function)
+        for output, name in zip(gqa.outputs, names):
+            output.name = name

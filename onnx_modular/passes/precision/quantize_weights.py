@@ -1,0 +1,281 @@
+"""Weight-only quantization of the MatMul and Gemm weights inside the bodies of a ``ModelProto``.
+
+A MatMul of a body whose second input is a constant 2-D float32 weight (a main-graph
+initializer, passed down to the body through formal inputs, read nowhere else) becomes
+onnxruntime's ``MatMulNBits`` (com.microsoft); a Gemm becomes ``MatMulNBits`` + ``Add`` of its
+bias. The weight is packed by onnxruntime's own ``DefaultWeightOnlyQuantizer`` (the kernels
+``MatMulNBitsQuantizer`` uses), one tensor at a time when the file is written: the weight's formal
+input becomes the packed weight, its scales and zero points, threaded through the callers' bodies,
+and the new initializers carry no values yet (:attr:`QuantizedWeights.sources` computes them).
+Weights that stay float32 (Conv weights, shared or computed ones) are reported with the reason.
+
+Entry: :func:`quantize_weights`. The tool around it (which calls quantize) is
+:mod:`onnx_modular.files.convert.tool`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import onnx
+import onnx.helper
+import onnx.numpy_helper
+
+from onnx_modular.passes.proto_bodies import Body, call_sites, ensure_opset, function_id, uses
+
+__all__ = ["QUANTIZE_BITS", "QuantizeSettings", "QuantizedWeights", "quantize_weights", "root_logging_kept"]
+
+FLOAT = onnx.TensorProto.FLOAT
+#: ``quantize=`` -> bits of ``MatMulNBits``.
+QUANTIZE_BITS = {"int4": 4, "int8": 8}
+MS_DOMAIN = "com.microsoft"
+_COMPUTED = "its second input is computed in the body"
+#: The ops whose constant weight becomes MatMulNBits (a Gemm's bias an Add after it).
+QUANTIZED_OPS = ("MatMul", "Gemm")
+#: The ops whose weights stay float32 under quantize, reported as skipped.
+LEFT_OPS = ("Conv", "ConvTranspose")
+LEFT_OPS_REASON = ("a Conv weight: onnxruntime's weight-only quantization (MatMulNBits) covers MatMul and Gemm "
+                   "weights only; it stays float32 (use --dtype float16 to halve it)")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeSettings:
+    """``MatMulNBits``'s settings, as in onnxruntime's ``MatMulNBitsQuantizer``."""
+
+    bits: int
+    block_size: int = 32
+    symmetric: bool = False
+    accuracy_level: int | None = None
+
+
+@dataclasses.dataclass
+class QuantizedWeights:
+    """What :func:`quantize_weights` did.
+
+    Attributes:
+        quantized: The ``MatMulNBits`` made, as ``(body label, node)``.
+        skipped: The weight-reading nodes left as they were, as ``(body label, node, reason)``.
+        sources: New main-graph initializer -> a function computing its values (packed when called).
+    """
+
+    quantized: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    sources: dict[str, Callable[[], np.ndarray]] = dataclasses.field(default_factory=dict)
+
+
+def quantize_weights(model: onnx.ModelProto, bodies: Sequence[tuple[Body, str]], settings: QuantizeSettings,
+                     *, folder: str | None = None) -> QuantizedWeights:
+    """Quantize the MatMul/Gemm weights of ``bodies`` (``(body, label)``: the main graph and/or
+    functions of ``model``, changed in place). ``folder``: where the external data of ``model``'s
+    initializers is (read when a packed initializer's source is called).
+
+    Example::
+
+        done = quantize_weights(model, [(model.graph, "<main graph>")], QuantizeSettings(bits=4))
+    """
+    quantizer = _Quantizer(model, folder, settings)
+    result = QuantizedWeights(sources=quantizer.sources)
+    for body, label in bodies:
+        done, left = quantizer.quantize_body(body, label)
+        result.quantized += done
+        result.skipped += left
+    return result
+
+
+@contextlib.contextmanager
+def root_logging_kept():
+    """onnxruntime's ``matmul_nbits_quantizer`` calls ``logging.basicConfig(level=INFO)`` when first
+    imported: every library's INFO lines (onnx_ir's passes) would then print before the report. The
+    root logger is put back as it was."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
+class _Quantizer:
+    """Weight-only quantization of MatMul weights inside bodies, packed by onnxruntime."""
+
+    def __init__(self, model: onnx.ModelProto, folder: str | None, settings: QuantizeSettings):
+        bits, block_size, symmetric, accuracy_level = settings.bits, settings.block_size, settings.symmetric, settings.accuracy_level
+        with root_logging_kept():
+            from onnxruntime.quantization.matmul_nbits_quantizer import (
+                DefaultWeightOnlyQuantConfig,
+                DefaultWeightOnlyQuantizer,
+            )
+
+        self.model = model
+        self.folder = folder
+        self.bits = bits
+        self.block_size = block_size
+        self.symmetric = symmetric
+        self.accuracy_level = accuracy_level
+        self.packer = DefaultWeightOnlyQuantizer(
+            DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric, bits=bits, accuracy_level=accuracy_level)
+        )
+        self.parts = [f"_Q{bits}", "_scales"] + ([] if symmetric else ["_zero_points"])
+        self.initializers = {t.name: t for t in model.graph.initializer}
+        self.sources: dict[str, Callable[[], np.ndarray]] = {}  # new initializer -> its array
+        self.done: set[tuple[int, str]] = set()
+        self.transposed: set[str] = set()  # initializers a Gemm reads with transB=1: packed as their transpose
+
+    def _shapes(self, k: int, n: int) -> list[tuple[list[int], int]]:
+        kpack = 8 // self.bits
+        blocks = (k + self.block_size - 1) // self.block_size
+        shapes = [([n, blocks, (self.block_size + kpack - 1) // kpack], onnx.TensorProto.UINT8), ([n, blocks], FLOAT)]
+        if not self.symmetric:
+            shapes.append(([n, (blocks + kpack - 1) // kpack], onnx.TensorProto.UINT8))
+        return shapes
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (one quantizer per conversion; the parts of one weight are written together)
+    def _pack(self, name: str) -> tuple[np.ndarray, ...]:
+        tensor = self.initializers[name]
+        array = onnx.numpy_helper.to_array(tensor, base_dir=self.folder or "").astype(np.float32)
+        if name in self.transposed:
+            array = np.ascontiguousarray(array.T)
+        packed, scales, zero_points = self.packer.qbits_block_quant(array)
+        return (packed, scales) if self.symmetric else (packed, scales, zero_points)
+
+    def _pure(self, body, name: str, depth: int = 0) -> str | None:
+        """Why ``name`` (the MatMul weight read in ``body``) cannot be split; None when it can:
+        on the way up to its initializer, each body passes it on once and reads it nowhere else."""
+        if body is self.model.graph:
+            tensor = self.initializers.get(name)
+            if tensor is None or name in {v.name for v in body.input}:
+                return "its weight is not an initializer (computed or a graph input)"
+            if tensor.data_type != FLOAT or len(tensor.dims) != 2:
+                return "its weight is not a 2-D float32 tensor"
+            return None if len(uses(body, name)) == 1 else "its weight is read by other nodes too (shared)"
+        if name not in body.input:
+            producer = next((n for n in body.node if name in n.output), None)
+            if producer is not None and producer.op_type == "Transpose" and producer.input[0] in body.input:
+                return "its weight is transposed in the body (a weight tied to another use)"
+            return _COMPUTED
+        index = list(body.input).index(name)
+        sites = list(call_sites(self.model, function_id(body)))
+        if not sites:
+            return "its function has no call"
+        for caller, node in sites:
+            if index >= len(node.input) or not node.input[index]:
+                return "a call does not pass its weight"
+            arg = node.input[index]
+            if len(uses(caller, arg)) != 1:
+                return "its weight is read by other nodes too (shared)"
+            why = self._pure(caller, arg, depth + 1)
+            if why:
+                return why
+        return None
+
+    def _source_shapes(self, body, name: str, transposed: bool = False) -> set[tuple[int, ...]]:
+        if body is self.model.graph:
+            dims = tuple(self.initializers[name].dims)
+            return {dims[::-1] if transposed else dims}
+        index = list(body.input).index(name)
+        shapes: set[tuple[int, ...]] = set()
+        for caller, node in call_sites(self.model, function_id(body)):
+            shapes |= self._source_shapes(caller, node.input[index], transposed)
+        return shapes
+
+    def _split(self, body, name: str, transposed: bool = False) -> list[str]:
+        """Replace ``name`` in ``body`` by its packed parts, up to the main graph. Returns the new names."""
+        new = [name + part for part in self.parts]
+        if (id(body), name) in self.done:
+            return new
+        self.done.add((id(body), name))
+        if body is self.model.graph:
+            tensor = self.initializers[name]
+            k, n = tensor.dims[::-1] if transposed else tensor.dims
+            if transposed:
+                self.transposed.add(name)
+            for index, (part, (dims, data_type)) in enumerate(zip(new, self._shapes(k, n))):
+                self.model.graph.initializer.append(onnx.TensorProto(name=part, data_type=data_type, dims=dims))  # values when written
+                self.sources[part] = functools.partial(lambda i, source: self._pack(source)[i], index, name)
+            return new
+        index = list(body.input).index(name)
+        body.input[index : index + 1] = new
+        kept = [v for v in body.value_info if v.name != name]
+        del body.value_info[:]
+        body.value_info.extend(kept)
+        for caller, node in list(call_sites(self.model, function_id(body))):
+            arg = node.input[index]
+            node.input[index : index + 1] = self._split(caller, arg, transposed)
+        return new
+
+    def _weight_reason(self, body, node: onnx.NodeProto) -> tuple[str | None, bool]:
+        """For a node that may read a weight: (why it stays float, whether it reads its weight
+        transposed). ``(_COMPUTED, False)``: not a weight; ``(None, t)``: it becomes MatMulNBits."""
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Gemm":
+            if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or (len(node.input) > 2 and node.input[2] and attrs.get("beta", 1.0) != 1.0):
+                return "a Gemm with transA, alpha or beta other than the defaults (MatMulNBits has none of them)", False
+            return None, bool(attrs.get("transB", 0))
+        return None, False
+
+    def quantize_body(self, body, label: str) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
+        """Every MatMul of ``body`` with a constant 2-D weight -> MatMulNBits; every such Gemm ->
+        MatMulNBits + Add of its bias. The weights of Conv nodes are reported left (skipped)."""
+        done, skipped = [], []
+        nodes = list(body.node)
+        for position, node in enumerate(nodes):
+            if node.domain not in ("", "ai.onnx") or node.op_type not in QUANTIZED_OPS + LEFT_OPS or len(node.input) < 2:
+                continue
+            weight = node.input[1]
+            why = self._pure(body, weight)
+            if node.op_type in LEFT_OPS:  # reported whenever its weight is a constant of the file
+                if why in (None, "its weight is not a 2-D float32 tensor", "its weight is read by other nodes too (shared)"):
+                    skipped.append((label, node.name or node.output[0], LEFT_OPS_REASON))
+                continue
+            if node.op_type == "MatMul" and len(node.input) != 2:
+                continue
+            transposed = False
+            if why is None:
+                why, transposed = self._weight_reason(body, node)
+            shapes = set() if why else self._source_shapes(body, weight, transposed)
+            if not why and len(shapes) != 1:
+                why = f"its calls pass weights of different shapes {sorted(shapes)}"
+            if why == _COMPUTED:
+                continue  # activations times activations (attention scores): not a weight
+            if why:
+                skipped.append((label, node.name or node.output[0], why))
+                continue
+            (k, n), = shapes
+            parts = self._split(body, weight, transposed)
+            attributes = {"K": k, "N": n, "bits": self.bits, "block_size": self.block_size}
+            if self.accuracy_level:
+                attributes["accuracy_level"] = self.accuracy_level
+            bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
+            product = list(node.output) if bias is None else [_unused_name(body, node.output[0] + "_matmul")]
+            nbits = onnx.helper.make_node(
+                "MatMulNBits", [node.input[0], *parts], product,
+                name=(node.name + f"_Q{self.bits}") if node.name else "", domain=MS_DOMAIN, **attributes,
+            )
+            nbits.metadata_props.extend(node.metadata_props)
+            made = [nbits]
+            if bias is not None:  # Gemm's C: broadcast over the rows as Add does
+                add = onnx.helper.make_node("Add", [product[0], bias], list(node.output), name=(node.name + "_bias") if node.name else "")
+                add.metadata_props.extend(node.metadata_props)
+                made.append(add)
+            nodes[position] = made
+            ensure_opset(self.model, body, MS_DOMAIN)
+            done.append((label, nbits.name or node.output[0]))
+        del body.node[:]
+        body.node.extend(n for item in nodes for n in (item if isinstance(item, list) else [item]))
+        return done, skipped
+
+
+def _unused_name(body, base: str) -> str:
+    taken = {v for n in body.node for v in (*n.input, *n.output)} | {getattr(v, "name", v) for v in (*body.input, *body.output)}
+    name, count = base, 0
+    while name in taken:
+        count += 1
+        name = f"{base}_{count}"
+    return name
+
