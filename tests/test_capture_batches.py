@@ -13,8 +13,8 @@ import torch
 from onnx_modular import convert, diff, export_modular
 from onnx_modular.calls import capture
 from onnx_modular.check import parity
-from onnx_modular.files.convert.tool import tool as convert_module
-from onnx_modular.files.diff.tool import numerics as diff_numerics
+from onnx_modular.files.convert import tool as convert_module
+from onnx_modular.files.diff import numerics as diff_numerics
 
 
 class _Block(torch.nn.Module):

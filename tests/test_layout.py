@@ -20,6 +20,7 @@ TORCH_FREE_MODULES = (
     "onnx_modular.errors",
     "onnx_modular.check",
     "onnx_modular.check.parity",
+    "onnx_modular.check.drift",
     "onnx_modular.runtime.sessions",
     "onnx_modular.runtime.inputs",
 )

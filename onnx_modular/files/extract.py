@@ -42,7 +42,8 @@ import onnx.numpy_helper
 
 from onnx_modular.calls import targets as _calls
 from onnx_modular.calls.capture import call_values
-from onnx_modular.check.parity import allclose, default_tolerance, max_differences
+from onnx_modular.check.drift import measure
+from onnx_modular.check.parity import default_tolerance
 from onnx_modular.errors import InvalidInputError, ParityError, SaveError
 from onnx_modular.format import metadata
 from onnx_modular.format.text import shown
@@ -370,8 +371,9 @@ def _write_case(
         differences = {}
         for out_name, got, expected in zip(output_names, actual, outputs):
             tolerance = default_tolerance(expected.dtype)
-            differences[out_name] = max_differences(got, expected)[0]
-            if not allclose(got, expected, tolerance):
+            measured = measure(got, expected, tolerance)
+            differences[out_name] = measured.max_abs
+            if not measured.within():
                 raise ParityError(
                     f"The extracted model does not reproduce the output {out_name!r} of the call {name}: "
                     f"max abs difference {differences[out_name]:.3g} (atol {tolerance.atol:g}, rtol {tolerance.rtol:g}).",

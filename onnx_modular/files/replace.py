@@ -34,7 +34,7 @@ import onnx.numpy_helper
 import onnx.shape_inference
 
 from onnx_modular.calls import targets as _calls
-from onnx_modular.check.parity import max_differences
+from onnx_modular.check.drift import measure
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.format import metadata
 from onnx_modular.passes.export import opset_conversion as opset
@@ -534,7 +534,7 @@ def replace(
     names, expected = runtime.run(str(path), feeds, what="original model")
     with save.staged_save(result, destination) as staged:
         _, actual = runtime.run(str(staged), feeds, what="model with the new body")
-    differences = {n: max_differences(a, e)[0] for n, a, e in zip(names, actual, expected)}
+    differences = {n: measure(a, e).max_abs for n, a, e in zip(names, actual, expected)}
     all_calls = [name for _, names_, _ in plan for name in names_]
     return Replacement(
         str(path), str(out), [function_label(fid) for fid, _, _ in plan], all_calls, added, differences

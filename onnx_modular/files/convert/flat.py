@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import onnx
 
 from onnx_modular.errors import InvalidInputError
-from onnx_modular.files.convert.report import Conversion, drift, warn_left
+from onnx_modular.files.convert.report import Conversion, output_drifts, warn_left
 from onnx_modular.files.convert.verify import folder_bytes, runnable, source_bytes
 from onnx_modular.format import metadata
 from onnx_modular.passes.precision.quantize_weights import (
@@ -105,7 +105,7 @@ def convert_flat(
         runnable(staged, None, quantize)
         names, values = runtime.run(str(staged), feeds, what="converted model")
         output_bytes = folder_bytes(staged.parent)
-    outputs = {name: drift(value, reference[name]) for name, value in zip(names, values) if name in reference}
+    outputs = output_drifts(dict(zip(names, values)), reference)
     skipped = _flat_left(result, set(excluded))
     warn_left(quantize, made, skipped)
     return Conversion(

@@ -1,6 +1,6 @@
 """The report of :func:`onnx_modular.files.convert.tool.convert`: what was converted and how far each
-module call, class and model output moved against the original (:class:`Conversion`), and the
-drift measure itself."""
+module call, class and model output moved against the original (:class:`Conversion`), measured by
+:mod:`onnx_modular.check.drift` (the one drift definition)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from onnx_modular.check.parity import blocks, fit_name, max_differences, name_column_width
+from onnx_modular.check.drift import Drift, measure, measure_all
+from onnx_modular.check.parity import fit_name, name_column_width
 from onnx_modular.files.convert.select import Selection
 from onnx_modular.format import records
 
@@ -238,48 +239,13 @@ def _short_list(names: Sequence[str], count: int = 4) -> str:
     return shown + (f" and {len(names) - count} more" if len(names) > count else "")
 
 
-def drift(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
-    """(max abs, max abs / range of ``expected``) with ``actual`` read as float32."""
-    expected = np.asarray(expected)
-    actual = np.asarray(actual)
-    if expected.dtype.kind == "f" or expected.dtype.kind == "V":
-        expected = expected.astype(np.float32, copy=False)
-        actual = actual.astype(np.float32, copy=False)
-    elif actual.dtype != expected.dtype and actual.dtype.kind in "fV":
-        actual = actual.astype(np.float32, copy=False)
-    max_abs, _ = max_differences(actual, expected)
-    spread = _spread(expected) if expected.dtype.kind in "fiu" else 0.0
-    return max_abs, (max_abs / spread if spread > 0 else (0.0 if max_abs == 0 else math.inf))
-
-
-def _spread(values: np.ndarray) -> float:
-    """max - min of the finite values (0 when none), a block at a time."""
-    low, high = math.inf, -math.inf
-    for (block,) in blocks(values):
-        if block.size and values.dtype.kind == "f" and not (math.isfinite(block.min()) and math.isfinite(block.max())):
-            block = block[np.isfinite(block)]  # NaN or inf in it (a min and a max first: no copy for the rest)
-        if block.size:
-            low, high = min(low, float(block.min())), max(high, float(block.max()))
-    return high - low if high >= low else 0.0
-
-
-def overflows(actual: np.ndarray, expected: np.ndarray) -> bool:
-    """Some value is inf or NaN in ``actual`` where ``expected`` holds a finite one."""
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    if actual.shape != expected.shape or actual.dtype.kind != "f" or expected.dtype.kind != "f":
-        return False
-    return any(not np.isfinite(a).all() and bool(np.any(~np.isfinite(a) & np.isfinite(e))) for a, e in blocks(actual, expected))
-
-
 def call_drift(call_name: str, module_class: str, converted: bool, quantized: bool,
                actual: Iterable[np.ndarray], expected: Iterable[np.ndarray]) -> CallDrift:
     """A call's outputs in the converted file (``actual``) against the original's (``expected``)."""
-    actual, expected = list(actual), list(expected)
-    pairs = [drift(a, e) for a, e in zip(actual, expected)]
+    measured = measure_all(actual, expected)
     return CallDrift(
         call_name=call_name, module_class=module_class, converted=converted, quantized=quantized,
-        max_abs=max((p[0] for p in pairs), default=0.0), drift=max((p[1] for p in pairs), default=0.0),
-        overflow=any(overflows(a, e) for a, e in zip(actual, expected)),
+        max_abs=measured.max_abs, drift=measured.scaled, overflow=measured.overflow,
     )
 
 
@@ -296,4 +262,8 @@ def class_drifts(calls: Iterable[CallDrift]) -> list[ClassDrift]:
 
 def output_drifts(actual: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> dict[str, tuple[float, float]]:
     """Per output of the original that the converted file also has: ``(max_abs, drift)``."""
-    return {name: drift(actual[name], value) for name, value in reference.items() if name in actual}
+    return {name: _pair(measure(actual[name], value)) for name, value in reference.items() if name in actual}
+
+
+def _pair(measured: Drift) -> tuple[float, float]:
+    return measured.max_abs, measured.scaled

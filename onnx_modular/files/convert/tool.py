@@ -67,7 +67,6 @@ from onnx_modular.files.convert.report import (
     QuantizationWarning,
     call_drift,
     class_drifts,
-    drift,
     output_drifts,
     warn_left,
 )
@@ -296,7 +295,7 @@ class _Job:
             outputs, selections = run_with_selections(onnx.load(str(scratch), load_external_data=False), self.feeds,
                                                       folder=str(scratch.parent), what="trial conversion")
         self.trial_selections = flipped(self.model, self.reference_selections, selections)
-        return {n: drift(v, self.reference[n]) for n, v in outputs.items()}
+        return output_drifts(outputs, self.reference)
 
     def worst_drift(self, result) -> float:
         """The worst output drift of a trial conversion (inf: onnxruntime does not run it)."""

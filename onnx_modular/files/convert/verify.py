@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import onnx
 
+from onnx_modular.check.drift import overflows
 from onnx_modular.errors import InvalidInputError, RuntimeCrashError, VerificationError
-from onnx_modular.files.convert.report import overflows
 from onnx_modular.format import metadata
 from onnx_modular.runtime import sessions as runtime
 

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from onnx_modular.calls.capture import PROBE_BUDGET, Instrumented, paired_calls
-from onnx_modular.check.parity import blocks, default_tolerance, max_differences
+from onnx_modular.check.drift import measure_all
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.files.diff.result import CallDiff
 from onnx_modular.format.text import shown
@@ -96,32 +96,9 @@ def feeds_for_both(file_a: Side, file_b: Side, inputs: Any, seed: int) -> tuple[
 
 
 def drift(outputs_a: list[np.ndarray], outputs_b: list[np.ndarray]) -> tuple[float, float, float]:
-    """(max abs, max rel, scaled drift) of B's outputs against A's (see :class:`CallDiff`)."""
-    if len(outputs_a) != len(outputs_b):
-        return math.inf, math.inf, math.inf
-    worst_abs, worst_rel, worst_scaled = 0.0, 0.0, 0.0
-    for x, y in zip(outputs_a, outputs_b):
-        x, y = np.asarray(x), np.asarray(y)
-        # relative error over A's values above the dtype's default atol (1e-4 for float32), as the parity
-        # report does: near 0 the absolute difference judges, and 1e-7 off by 1e-4 is not a 1e+03 drift
-        abs_, rel = max_differences(y, x, rel_above=default_tolerance(x.dtype).atol)
-        worst_abs, worst_rel = max(worst_abs, abs_), max(worst_rel, rel)
-        if abs_:
-            scale = _magnitude(x)
-            worst_scaled = max(worst_scaled, abs_ / scale if scale > 0 else math.inf)
-    return worst_abs, worst_rel, worst_scaled
-
-
-def _magnitude(values: np.ndarray) -> float:
-    """The largest finite ``|value|`` (0 for empty, non-numeric or all non-finite values)."""
-    if values.size == 0 or values.dtype.kind not in "biufc":
-        return 0.0
-    largest = 0.0
-    for (block,) in blocks(values):
-        magnitude = np.abs(block.astype(np.complex128 if values.dtype.kind == "c" else np.float64))
-        finite = magnitude[np.isfinite(magnitude)]
-        largest = max(largest, float(finite.max()) if finite.size else 0.0)
-    return largest
+    """(max abs, max rel, scaled drift) of B's outputs against A's: :func:`onnx_modular.check.drift.measure_all`."""
+    measured = measure_all(outputs_b, outputs_a)
+    return measured.max_abs, measured.max_rel, measured.scaled
 
 
 def call_drift(root: CallDiff, file_a: Side, file_b: Side, feeds: Mapping[str, np.ndarray], feeds_b) -> None:

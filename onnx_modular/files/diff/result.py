@@ -40,8 +40,9 @@ class CallDiff(TreeNode):
         max_abs, max_rel: Largest difference of its outputs between the files (``None`` when not
             compared: numerics off, a call on one side only, a call without ops); ``max_rel`` over
             A's values larger than the dtype's default ``atol`` (1e-4 for float32, 1e-2 for float16).
-        scaled_drift: ``max_abs`` of each output over the largest magnitude of A's values of that
-            output, the largest over its outputs: drift on one scale for every call (a LayerNorm's
+        scaled_drift: ``max_abs`` of each output over the range of A's values of that output, the
+            largest over its outputs (:mod:`onnx_modular.check.drift`, the one drift definition
+            ``convert`` and ``optimize`` use too): drift on one scale for every call (a LayerNorm's
             output and a logit's compare), robust to values near 0 (which make ``max_rel`` large).
         drift_before: The largest ``scaled_drift`` of the calls that finished before it in execution
             order (those it makes included): the drift that can have reached it.

@@ -132,7 +132,7 @@ def text(report: ModelDiff, max_depth: int | None = None, *, top: int = 10) -> s
     if ranked:
         lines += [
             "",
-            "Where the drift is made (scaled: max abs over the output's largest |value|; "
+            "Where the drift is made (scaled: max abs over the range of the output's values; "
             "added: scaled minus the largest scaled drift before the call):",
         ]
         width = min(max(len(call.path) for call in ranked), 60)
@@ -249,6 +249,6 @@ def html_page(report: ModelDiff) -> str:
         "<span style='background:#ffe3e3'></span>only in A; "
         "bold: the first call in execution order whose outputs differ; bar: max abs drift (log scale).</p>"
         f"<table>{head}{''.join(rows)}</table>"
-        + (f"<h3>Where the drift is made</h3><p>scaled: max abs over the output's largest |value|; added: scaled minus the largest scaled drift measured before the call.</p><ol>{ranking}</ol>" if ranked else "")
+        + (f"<h3>Where the drift is made</h3><p>scaled: max abs over the range of the output's values; added: scaled minus the largest scaled drift measured before the call.</p><ol>{ranking}</ol>" if ranked else "")
         + f"<h3>Terminal view</h3><pre>{_escape(text(report))}</pre></body></html>"
     )

@@ -44,7 +44,8 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_modular.calls.capture import call_outputs
-from onnx_modular.check.parity import Tolerance, default_tolerance, max_differences
+from onnx_modular.check.drift import measure
+from onnx_modular.check.parity import Tolerance, default_tolerance
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError, SaveError, VerificationError
 from onnx_modular.format import metadata
 from onnx_modular.passes.fusions.activation import FuseActivationPass
@@ -301,15 +302,14 @@ class _Reference:
                 for got, expected in zip(call.outputs, calls[name].outputs):
                     if got is None or expected is None or got.dtype.kind != "f":
                         continue
-                    diff = max_differences(got, expected)[0]
-                    entry[0] = max(entry[0], diff)
-                    if not np.allclose(got, expected, atol=tolerance.atol, rtol=tolerance.rtol):
-                        drifted.setdefault(call.function, f"call {name} differs by {diff:.2e} (tolerance atol "
-                                                          f"{tolerance.atol:g}, rtol {tolerance.rtol:g})")
+                    measured = measure(got, expected, tolerance)
+                    entry[0] = max(entry[0], measured.max_abs)
+                    if not measured.within():
+                        drifted.setdefault(call.function, f"call {name} differs by {measured.max_abs:.2e} (tolerance "
+                                                          f"atol {tolerance.atol:g}, rtol {tolerance.rtol:g})")
             for key, expected in outputs.items():
                 got = new_outputs.get(key)
-                if got is None or (expected.dtype.kind == "f" and not np.allclose(got, expected, atol=tolerance.atol,
-                                                                                rtol=tolerance.rtol)):
+                if got is None or (expected.dtype.kind == "f" and not measure(got, expected, tolerance).within()):
                     failure = f"the file's output {key!r} differs"
         return {k: (v[0], v[1]) for k, v in diffs.items()}, drifted, failure
 

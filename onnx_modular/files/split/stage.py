@@ -22,7 +22,8 @@ import onnx_ir as ir
 
 from onnx_modular.calls import targets
 from onnx_modular.calls.opening import is_module_call, set_no_ops
-from onnx_modular.check.parity import allclose, default_tolerance, max_differences
+from onnx_modular.check.drift import measure
+from onnx_modular.check.parity import default_tolerance
 from onnx_modular.errors import InvalidInputError, ParityError
 from onnx_modular.files.split.plan import Cut
 from onnx_modular.format import metadata
@@ -166,8 +167,9 @@ def check_stage(path: pathlib.Path, k: int, feeds, expected: Mapping[str, np.nda
     for name, got in zip(names, actual):
         want = expected[name]
         tolerance = default_tolerance(want.dtype)
-        differences[name] = max_differences(got, want)[0] if want.size else 0.0
-        if not allclose(got, want, tolerance):
+        measured = measure(got, want, tolerance)
+        differences[name] = measured.max_abs
+        if not measured.within():
             raise ParityError(
                 f"Stage {k} does not reproduce the whole model's value {shown(name)!r}: max abs difference "
                 f"{differences[name]:.3g} (atol {tolerance.atol:g}, rtol {tolerance.rtol:g}).",
