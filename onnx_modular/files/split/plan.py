@@ -43,11 +43,11 @@ class _Level:
     costs: list[float]
 
 
-def _levels(model: onnx.ModelProto, cost_of) -> Iterator[_Level]:
+def _levels(model: onnx.ModelProto, calls: Sequence[metadata.ExpandedCall], cost_of) -> Iterator[_Level]:
     """The main graph, then that graph with its heaviest call opened, and so on while the
-    heaviest call has calls of its own."""
+    heaviest call has calls of its own (``calls``: the model's expanded calls)."""
     children: dict[str | None, list[metadata.ExpandedCall]] = {}
-    for call in metadata.expanded_calls(model, module_calls_only=False):
+    for call in calls:
         children.setdefault(call.caller.call_name if call.caller is not None else None, []).append(call)
     sequence = [c.call_name for c in children.get(None, []) if _at_top(c, model)]
     opened: list[str] = []
@@ -119,12 +119,12 @@ def _class_of(call: metadata.ExpandedCall) -> str:
     return call.function.name if call.function is not None else ""
 
 
-def _opened_blocks(model: onnx.ModelProto, opened: Sequence[str]) -> list[str]:
+def _opened_blocks(calls: Sequence[metadata.ExpandedCall], opened: Sequence[str]) -> list[str]:
     """The opened calls that are one of several calls of their class in their graph (decoder
     layers): cutting inside those is what a user asking for N stages may not expect."""
     siblings: dict[str | None, list[metadata.ExpandedCall]] = {}
     by_name = {}
-    for call in metadata.expanded_calls(model, module_calls_only=False):
+    for call in calls:
         siblings.setdefault(call.caller.call_name if call.caller is not None else None, []).append(call)
         by_name[call.call_name] = call
     blocks = []
@@ -151,8 +151,9 @@ def plan_stages(model: onnx.ModelProto, stages: int, cost_of, bytes_of=None) -> 
     feasible: list[tuple[_Level, float, list[int]]] = []
     last = None
     allowed: list[tuple[_Level, int]] = []
-    callers = {c.caller.call_name for c in metadata.expanded_calls(model, module_calls_only=False) if c.caller is not None}
-    for level in _levels(model, cost_of):
+    calls = list(metadata.expanded_calls(model, module_calls_only=False))  # expanded once for the whole plan
+    callers = {c.caller.call_name for c in calls if c.caller is not None}
+    for level in _levels(model, calls, cost_of):
         last = level
         groups = _groups(level.calls, bytes_of or cost_of, callers)
         allowed.append((level, len(groups)))
@@ -176,7 +177,7 @@ def plan_stages(model: onnx.ModelProto, stages: int, cost_of, bytes_of=None) -> 
     smallest = min(worst for _, worst, _ in feasible)
     level, _, starts = next(item for item in feasible if item[1] <= smallest * SHALLOW_PREFERENCE)
     notes = []
-    blocks = _opened_blocks(model, level.opened)
+    blocks = _opened_blocks(calls, level.opened)
     # the deepest graph that opens no repeated block: the cuts between decoder layers
     between = [(lvl, count) for lvl, count in allowed if not set(lvl.opened) & set(blocks)]
     if blocks and between and between[-1][1] < stages:
