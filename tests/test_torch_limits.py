@@ -1,10 +1,10 @@
-"""Where torch's own export stops and export_modular goes on (issue 21), each on a small model of
+"""Where torch's own export stops and export_modular goes on, each on a small model of
 its class: complex values through shape ops (Llama-4-style rotary, its reshaped frequencies), a runtime check captured as
 ``aten._is_all_true`` (LLaVA's image-token count), and a data-dependent guard on a value of the
 weights (a padding size kept as a tensor buffer, EnCodec-style), captured by
 ``torch.export.draft_export``; a guard on input values still fails the capture; BERT's sequence axis
-without ``max`` takes torch's suggested bound (issue 37); ops torchlib lacks or refuses
-(``cummax``/``cummin``, ``histc`` over the data's range, ``erfinv``: issue 36). Parity (onnxruntime
+without ``max`` takes torch's suggested bound; ops torchlib lacks or refuses
+(``cummax``/``cummin``, ``histc`` over the data's range, ``erfinv``). Parity (onnxruntime
 vs PyTorch, float32 atol 1e-4 / rtol 1e-3) is asserted inside export_modular and again here."""
 
 from __future__ import annotations
