@@ -147,7 +147,7 @@ def test_data_dependent_guard_on_inputs_still_fails_the_capture(capfd, caplog):
 
 
 def test_bert_sequence_without_max_takes_torch_suggested_bound(tmp_path):
-    """Issue 37, item 3: ``Dim("seq")`` without ``max`` on BERT, which ``torch.onnx.export(dynamo=True)``
+    """``Dim("seq")`` without ``max`` on BERT, which ``torch.onnx.export(dynamo=True)``
     accepts; torch.export refuses it and suggests ``Dim('seq', max=64)`` (the position table), which
     the suggested-fixes strategy applies. The axes stay named and dynamic: checked at other sizes."""
     transformers = pytest.importorskip("transformers")
