@@ -62,7 +62,7 @@ def main() -> None:
         session_times: dict[str, list[float]] = {label: [] for label in paths}
         for _ in range(options.sessions):
             for label, path in paths.items():
-                session_times[label].append(_common.median_time(lambda: _common.ort_session(path), 1)[0])
+                session_times[label].append(_common.median_time(lambda path=path: _common.ort_session(path), 1)[0])
         rows = {}
         for label, path in paths.items():
             session = _common.ort_session(path)

@@ -50,7 +50,7 @@ def main() -> None:
             sessions = {}
             for label in ("m", "flat"):
                 path = tmp / f"{label}.onnx"
-                session_time, session = _common.median_time(lambda: _common.ort_session(path), options.repeat)
+                session_time, session = _common.median_time(lambda path=path: _common.ort_session(path), options.repeat)
                 latency = _common.run_latency(session, _common.feeds_for(session, args), options.runs)
                 sessions[label] = (session_time, latency, _common.graph_bytes(path))
             modular, flat, passes, optimizer = (

@@ -47,11 +47,11 @@ def main() -> None:
             result = export_modular(model, args, tmp / "check.onnx", kwargs=kwargs)  # verified once
             calls = sum(int(f.metadata_props[metadata.CALL_COUNT]) for f in result.functions)
             modular_time, _ = _common.median_time(
-                lambda: export_modular(model, args, tmp / "m.onnx", kwargs=kwargs, verify=False), options.repeat
+                lambda model=model, args=args, kwargs=kwargs, tmp=tmp: export_modular(model, args, tmp / "m.onnx", kwargs=kwargs, verify=False), options.repeat
             )
             try:
                 flat_time, _ = _common.median_time(
-                    lambda: _common.flat_export(model, args, kwargs, tmp / "flat.onnx"), options.repeat
+                    lambda model=model, args=args, kwargs=kwargs, tmp=tmp: _common.flat_export(model, args, kwargs, tmp / "flat.onnx"), options.repeat
                 )
                 flat_text, ratio = f"{flat_time:.2f}", f"{modular_time / flat_time:.2f}"
             except Exception as e:  # torch's own export fails on some models (T5)

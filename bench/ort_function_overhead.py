@@ -182,7 +182,7 @@ def main() -> None:
             paths[name] = pathlib.Path(tmp) / f"{len(paths)}.onnx"
             onnx.save(model, paths[name])
         reference = ort.InferenceSession(str(paths["flat"]), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-        for name, path in paths.items():  # every file computes the same thing
+        for path in paths.values():  # every file computes the same thing
             out = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
             np.testing.assert_array_equal(out, reference)
         times = {(level, name): [] for level in levels for name in paths}

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Sweep the coverage catalogue's causal-LM rows through ``export --genai``: each row's tiny
-model (``scripts/sweep_transformers.py``'s config, random weights, seed 0) saved with
+model (the catalogue's config (``tests/catalogue/``), random weights, seed 0) saved with
 ``save_pretrained``, exported with :func:`onnx_modular.hf.genai.export_genai` (parity checked),
 then run through onnxruntime-genai's ``Generator`` (greedy, 20 new tokens) against
 ``model.generate``. Each row runs in a child process with a time limit and is appended to
@@ -25,7 +25,7 @@ import time
 import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))  # the catalogue of models (tests/catalogue/)
 OUT = ROOT / "docs" / "coverage-genai.json"
 
 #: Builder classes of onnxruntime-genai 0.18 (``onnxruntime_genai/models/builder.py`` dispatches on
@@ -44,9 +44,9 @@ def _row(model_type: str, class_name: str, queue) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    import sweep_transformers as sweep
     import torch
     import transformers
+    from catalogue import building
 
     from onnx_modular.files.genai_config import GenaiError
     from onnx_modular.hf.genai import export_genai
@@ -56,7 +56,7 @@ def _row(model_type: str, class_name: str, queue) -> None:
     started = time.perf_counter()
     result = {"model_type": model_type, "class_name": class_name, "builder": class_name in BUILDER_CLASSES}
     try:
-        model = sweep.build(model_type, class_name)[0]
+        model = building.build(model_type, class_name)[0]
         config = model.config.get_text_config()
         if getattr(config, "eos_token_id", None) is None and getattr(model.generation_config, "eos_token_id", None) is None:
             model.generation_config.eos_token_id = config.vocab_size - 1  # genai needs one; the check stops at it

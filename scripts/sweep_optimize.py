@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Sweep the coverage catalogue's causal-LM rows through ``optimize``: each row's tiny model
-(``scripts/sweep_transformers.py``'s config, random weights, seed 0) saved with
+(the catalogue's config (``tests/catalogue/``), random weights, seed 0) saved with
 ``save_pretrained``, exported with past (the ``export --genai`` export: whole keys and values per
 layer, a sliding window masked in the graph; when genai refuses the model, ``export --task
 causal-lm-with-past --io-names optimum``), then :func:`onnx_modular.optimize` (each step verified
@@ -32,6 +32,7 @@ import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))  # the catalogue of models (tests/catalogue/)
 OUT = ROOT / "docs" / "coverage-optimize.json"
 GENAI = ROOT / "docs" / "coverage-genai.json"
 
@@ -74,9 +75,9 @@ def _row(model_type: str, class_name: str, queue) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    import sweep_transformers as sweep
     import torch
     import transformers
+    from catalogue import building
 
     import onnx_modular
 
@@ -87,7 +88,7 @@ def _row(model_type: str, class_name: str, queue) -> None:
               "ort_optimizer": model_type in ORT_OPTIMIZER_TYPES}
     stage = "build"
     try:
-        model = sweep.build(model_type, class_name)[0].eval()
+        model = building.build(model_type, class_name)[0].eval()
         config = model.config.get_text_config()
         if getattr(config, "eos_token_id", None) is None and getattr(model.generation_config, "eos_token_id", None) is None:
             model.generation_config.eos_token_id = config.vocab_size - 1  # genai's export needs one (as sweep_genai)
@@ -142,8 +143,8 @@ def _warm_up() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
+    import catalogue.building  # noqa: F401
     import onnxruntime  # noqa: F401
-    import sweep_transformers  # noqa: F401
     import torch  # noqa: F401
     import transformers  # noqa: F401
 

@@ -14,8 +14,8 @@ elif ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
     || echo "warning: Chromium could not be installed; the Netron browser test will be skipped" >&2
 fi
-echo "ruff: checking onnx_modular/ and tests/ (rules in pyproject.toml)"
-python3 -m ruff check onnx_modular tests
+echo "ruff: checking onnx_modular/, tests/, scripts/ and bench/ (rules in pyproject.toml)"
+python3 -m ruff check onnx_modular tests scripts bench
 # One worker per core, at most 4 (each holds a torch and its models: about 2-3 GB), each test file
 # on one worker (module-scoped fixtures are built once); TEST_WORKERS=0 runs in this process.
 workers="${TEST_WORKERS:-$(python3 -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"

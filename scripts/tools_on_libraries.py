@@ -1,6 +1,6 @@
 """Every file tool on models of the other libraries people export (issue 51): timm, torchvision and
 diffusers, each model built from its constructor with random weights (nothing downloaded), each
-through the catalogue sweep's own export jobs and tools phase (``scripts/sweep_tools.py``).
+through the catalogue sweep's own export jobs and tools phase (``tests/catalogue/tools_phase.py``).
 
     python scripts/tools_on_libraries.py [--only timm/resnet18,...] [--json out.json]
 
@@ -21,10 +21,10 @@ import time
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))  # the catalogue of models (tests/catalogue/)
 sys.path.insert(0, str(ROOT))
 
-import sweep_tools  # noqa: E402
+from catalogue import jobs, tools_phase  # noqa: E402
 
 IMAGE = (2, 3, 64, 64)
 
@@ -108,14 +108,14 @@ def _job(key: str, folder: str) -> dict[str, Any]:
     model, inputs = build(key)
     tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     record: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters())}
-    result = export_modular(model, (), pathlib.Path(folder) / sweep_tools.MODULAR, kwargs=inputs)
+    result = export_modular(model, (), pathlib.Path(folder) / tools_phase.MODULAR, kwargs=inputs)
     record.update(modular_ok=bool(result.report.ok), max_abs=result.report.max_abs)
     try:
-        torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False).save(str(pathlib.Path(folder) / sweep_tools.FLAT))
+        torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False).save(str(pathlib.Path(folder) / tools_phase.FLAT))
         record["flat_ok"] = True
     except Exception as e:  # modularize is then n/a
         record.update(flat_ok=False, flat_error=f"{type(e).__name__}: {str(e)[:200]}")
-    sweep_tools.save_inputs(pathlib.Path(folder), tensors)
+    tools_phase.save_inputs(pathlib.Path(folder), tensors)
     return record
 
 
@@ -128,8 +128,6 @@ def _installed(library: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sweep_transformers as sweep
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma-separated keys (default: every model of an installed library)")
     parser.add_argument("--json", help="write the rows here")
@@ -137,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-gb", type=float, default=8)
     args = parser.parse_args(argv)
     keys = args.only.split(",") if args.only else list(MODELS)
-    sweep._JOBS["library"] = lambda _type, key, folder: _job(key, folder)
+    jobs.JOBS["library"] = lambda _type, key, folder: _job(key, folder)
     rows = []
     for key in keys:
         library = key.split("/", 1)[0]
@@ -146,20 +144,20 @@ def main(argv: list[str] | None = None) -> int:
             continue
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="tools-lib-") as folder:
-            record = sweep.run_child("library", library, key, args.timeout, args.memory_gb, folder)
+            record = jobs.run_child("library", library, key, args.timeout, args.memory_gb, folder)
             row = {"model": key, **{k: v for k, v in record.items() if k != "trace"}}
             if record.get("modular_ok"):
                 row["tools"] = {}
-                for tool in sweep_tools.TOOLS:
-                    got = sweep.run_child("tool", library, key, args.timeout, args.memory_gb, tool, folder)
+                for tool in tools_phase.TOOLS:
+                    got = jobs.run_child("tool", library, key, args.timeout, args.memory_gb, tool, folder)
                     row["tools"][tool] = got.get("status") or f"{got.get('stage')}: {got.get('error')}"
         row["seconds"] = round(time.perf_counter() - start, 1)
         rows.append(row)
-        cell = sweep_tools.cell(row.get("tools")) if row.get("tools") else row.get("error", "modular export failed")
+        cell = tools_phase.cell(row.get("tools")) if row.get("tools") else row.get("error", "modular export failed")
         print(f"{key:40} modular={row.get('modular_ok')} flat={row.get('flat_ok')} {row['seconds']:6.0f}s  {cell[:200]}", flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
-    passed = sum(1 for r in rows if r.get("tools") and all(sweep_tools.passed(s) or s.startswith("n/a") for s in r["tools"].values()))
+    passed = sum(1 for r in rows if r.get("tools") and all(tools_phase.passed(s) or s.startswith("n/a") for s in r["tools"].values()))
     print(f"{passed} of {len(rows)} models: every tool passed")
     return 0
 

@@ -97,22 +97,6 @@ def graph_bytes(path) -> int:
     return proto.ByteSize()
 
 
-def load_sweep():
-    """``scripts/sweep_transformers.py`` as a module (one instance per test session)."""
-    import importlib.util
-    import pathlib
-    import sys
-
-    if "sweep_transformers" in sys.modules:
-        return sys.modules["sweep_transformers"]
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "sweep_transformers.py"
-    spec = importlib.util.spec_from_file_location("sweep_transformers", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sweep_transformers"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def cache_argument() -> str:
     """The name transformers' causal LMs take and return their KV cache under in the installed
     release (``cache`` from 5.24, ``past_key_values`` before), read from the forward signature:

@@ -1,5 +1,5 @@
-"""Models of the kinds issue 51's hold-outs are (torchvision, timm, diffusers, hand-written
-structures), written here by hand so that the hold-outs themselves stay unknown to the project.
+"""Models of the kinds outside transformers (torchvision, timm, diffusers, hand-written structures),
+written here by hand: no such library is imported.
 
 Each builder returns ``(model, inputs)``: an eval-mode module with random weights and its keyword
 inputs. They are small (a few thousand to a few hundred thousand parameters) but keep the

@@ -1,4 +1,4 @@
-"""One contract for every file command (issue 49): ``--json PATH|-`` with the same meaning
+"""One contract for every file command: ``--json PATH|-`` with the same meaning
 everywhere, one JSON encoder, the same exit codes, names from the file escaped in every text."""
 
 from __future__ import annotations

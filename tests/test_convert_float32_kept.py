@@ -1,4 +1,4 @@
-"""float16 ``convert`` keeps in float32 what float16 cannot hold (issue 51, two catalogue rows):
+"""float16 ``convert`` keeps in float32 what float16 cannot hold (two patterns of the catalogue's models):
 
 * index arithmetic: a Conv1d padded to whole frames computes its pad from the length in float
   (``ceil((length - kernel) / stride + 1)``, then int64), as PocketTTS's audio tokenizer does;

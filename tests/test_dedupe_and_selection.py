@@ -1,4 +1,4 @@
-"""Issue 3: identical calls share one function at every level; users choose the modules.
+"""Identical calls share one function at every level; users choose the modules.
 
 Parity (onnxruntime modular and flat vs torch, atol=1e-4 rtol=1e-3) is asserted by
 export_modular on every export here.

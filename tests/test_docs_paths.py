@@ -12,10 +12,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "onnx_modular"
 DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 FOLDERS = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
-#: `files/convert/tool.py`, `onnx_modular/files/convert/tool.py`, `storage/save.write_checked`, `tests/test_cli.py`
+#: `files/convert/tool.py`, `onnx_modular/files/convert/tool.py`, `storage/save.write_checked`, `tests/test_cli.py`,
+#: `tests/catalogue/jobs.py`
 _IN_TREE = re.compile(
     r"`(?:onnx_modular/)?((?:" + "|".join(FOLDERS) + r")/[A-Za-z0-9_]+)(\.py|\.[A-Za-z_][A-Za-z0-9_]*)?"
-    r"|`((?:tests|scripts|bench|tests/passes)/[A-Za-z0-9_]+\.(?:py|sh))"
+    r"|`((?:tests|scripts|bench)/(?:[A-Za-z0-9_]+/)*[A-Za-z0-9_]+\.(?:py|sh))"
 )
 #: a test file named on its own (`test_cli.py`)
 _TEST_FILE = re.compile(r"`(test_[A-Za-z0-9_]+\.py)")
@@ -99,6 +100,7 @@ def test_the_checks_find_a_missing_module_and_a_missing_name():
         "storage/save.no_such_function",
     ]
     assert _in_tree_problems("`files/convert/tool.py`, `storage/save.py`, `tests/test_layout.py`") == []
+    assert _in_tree_problems("`tests/catalogue/jobs.py` `tests/catalogue/gone.py`") == ["tests/catalogue/gone.py"]
     assert _dotted_problems("`onnx_modular.files.gone` `onnx_modular.files.split.tool.run_stages`") == ["onnx_modular.files.gone"]
 
 

@@ -1,5 +1,5 @@
 """Inlining local functions (files/inline.py, files/_proto.inline_functions): the flat copy keeps
-every subgraph output the outer graph reads, also where onnx.inliner alone loses one (issue 21)."""
+every subgraph output the outer graph reads, also where onnx.inliner alone loses one."""
 
 from __future__ import annotations
 

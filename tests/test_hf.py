@@ -33,6 +33,7 @@ from onnx_modular.errors import (  # noqa: E402
     MissingDependencyError,
     OnnxModularError,
 )
+from onnx_modular.format import metadata  # noqa: E402
 
 CACHE_ARG = cache_argument()  # `cache` from transformers 5.24, `past_key_values` before
 
@@ -99,7 +100,7 @@ def _function_names(model: onnx.ModelProto) -> dict[str, str]:
     return {
         f.name: f.domain
         for f in model.functions
-        if any(p.key == "pkg.onnx_modular.class" for p in f.metadata_props)
+        if any(p.key == metadata.CLASS for p in f.metadata_props)
     }
 
 
@@ -191,7 +192,7 @@ def test_generation_components_match_generate(checkpoints, tmp_path):
         # share one function (dedupe compares symbolic dims up to renaming).
         layers = [f for f in result.functions if f.name.startswith("LlamaDecoderLayer")]
         assert [f.name for f in layers] == ["LlamaDecoderLayer"]
-        assert int(layers[0].metadata_props["pkg.onnx_modular.call_count"]) == 2
+        assert int(layers[0].metadata_props[metadata.CALL_COUNT]) == 2
 
     new_tokens = 10
     with torch.no_grad():

@@ -17,6 +17,7 @@ from helpers import cache_argument, returned_cache  # noqa: E402
 
 from onnx_modular.cli import build_parser, main  # noqa: E402
 from onnx_modular.errors import InvalidInputError  # noqa: E402
+from onnx_modular.format import metadata  # noqa: E402
 from onnx_modular.hf import checkpoint as hf_checkpoint  # noqa: E402
 from onnx_modular.hf import command  # noqa: E402
 from onnx_modular.weights import sources as weights_module  # noqa: E402
@@ -88,7 +89,7 @@ def _assert_streamed(seen, folder):
 def _assert_modular(path):
     saved = onnx.load(str(path), load_external_data=False)
     classes = {
-        f.name for f in saved.functions if any(p.key == "pkg.onnx_modular.class" for p in f.metadata_props)
+        f.name for f in saved.functions if any(p.key == metadata.CLASS for p in f.metadata_props)
     }
     assert {"LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP"} <= classes
     assert any(i.data_location == onnx.TensorProto.EXTERNAL for i in saved.graph.initializer)  # streamed into .data

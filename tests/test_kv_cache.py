@@ -1,4 +1,4 @@
-"""Issue 6: models with a KV cache (``use_cache=True``), cache inputs and outputs handled.
+"""Models with a KV cache (``use_cache=True``), cache inputs and outputs handled.
 
 transformers' caches (``DynamicCache``, ``EncoderDecoderCache``) are registered for
 torch.export automatically; the graph's inputs and outputs are named after the cache's

@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 
+from onnx_modular.format import metadata
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "onnx_modular"
 #: Folders whose every module is torch-free, and the torch-free modules of mixed folders
 #: (``check/``'s onnxruntime half). Listed by module, not folder, so a new module of ``check/``
@@ -230,3 +232,99 @@ def test_families_are_packages_not_prefixes():
 def test_the_export_and_its_result_import_no_file_tool():
     for module in ("onnx_modular.export", "onnx_modular.result"):
         assert not [t for t in _graph()[module] if t.startswith("onnx_modular.files")], module
+
+
+def _private_imports(modules: dict[str, pathlib.Path]) -> list[str]:
+    """``from x import _name`` where ``x`` is another module of the package and ``_name`` is not a
+    module itself (a package-private module, ``calls/_proto.py``, is imported by name)."""
+    found = []
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                target = base + ("." + node.module if node.module else "")
+            else:
+                target = node.module or ""
+            if not target.startswith("onnx_modular") or target == module:
+                continue
+            found += [
+                f"{module}: from {target} import {alias.name}"
+                for alias in node.names
+                if alias.name.startswith("_") and not alias.name.startswith("__") and f"{target}.{alias.name}" not in modules
+            ]
+    return sorted(found)
+
+
+#: Private names storage/ still shares between its modules: storage/ is being reworked in parallel
+#: (issue 62); each becomes a public name of its module there, and leaves this list.
+PRIVATE_IMPORTS_PENDING = {
+    "onnx_modular.storage.commit: from onnx_modular.storage.destination import _NAME_ROOM",
+    "onnx_modular.storage.commit: from onnx_modular.storage.destination import _check_replaceable",
+    "onnx_modular.storage.commit: from onnx_modular.storage.destination import _choose_data_name",
+    "onnx_modular.storage.commit: from onnx_modular.storage.destination import _data_pattern",
+    "onnx_modular.storage.commit: from onnx_modular.storage.destination import _name_max",
+    "onnx_modular.storage.commit: from onnx_modular.storage.destination import _references",
+    "onnx_modular.storage.commit: from onnx_modular.storage.destination import _safe_stem",
+    "onnx_modular.storage.folders: from onnx_modular.storage.destination import _data_pattern",
+    "onnx_modular.storage.guard: from onnx_modular.storage.load import _Malformed",
+    "onnx_modular.storage.guard: from onnx_modular.storage.load import _WIRE_LENGTH",
+    "onnx_modular.storage.guard: from onnx_modular.storage.load import _fields",
+    "onnx_modular.storage.save: from onnx_modular.storage.commit import _JOURNAL_PREFIX",
+}
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A name another module needs is public where it is defined (or the function moves to where it
+    belongs); ``_name`` is for its own module."""
+    found = set(_private_imports(MODULES))
+    assert sorted(found - PRIVATE_IMPORTS_PENDING) == []
+    assert sorted(PRIVATE_IMPORTS_PENDING - found) == []  # a name made public leaves the list
+
+
+def test_the_private_import_rule_sees_relative_and_absolute_imports(tmp_path):
+    package = tmp_path / "onnx_modular"
+    (package / "a").mkdir(parents=True)
+    (package / "a" / "__init__.py").write_text("")
+    (package / "a" / "_inner.py").write_text("")
+    (package / "a" / "x.py").write_text("def _hidden(): pass\n")
+    (package / "a" / "y.py").write_text("from .x import _hidden\nfrom onnx_modular.a import _inner\n")
+    (package / "b.py").write_text("from onnx_modular.a.x import _hidden as h\n")
+    modules = {"onnx_modular.a": package / "a" / "__init__.py", "onnx_modular.a._inner": package / "a" / "_inner.py",
+               "onnx_modular.a.x": package / "a" / "x.py", "onnx_modular.a.y": package / "a" / "y.py",
+               "onnx_modular.b": package / "b.py"}
+    assert _private_imports(modules) == [
+        "onnx_modular.a.y: from onnx_modular.a.x import _hidden",
+        "onnx_modular.b: from onnx_modular.a.x import _hidden",
+    ]
+
+
+TESTS = pathlib.Path(__file__).resolve().parent
+#: Test files being rewritten in parallel (the fuzzer's, issue 62) that still spell a key.
+KEYS_SPELLED_PENDING = {"test_hostile_files.py"}
+
+
+def _spelled_keys(path: pathlib.Path) -> list[int]:
+    """Lines of ``path`` whose code (docstrings and comments aside) spells a ``pkg.onnx_modular.`` key."""
+    tree = ast.parse(path.read_text())
+    docs = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    return sorted(
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and metadata.PREFIX in node.value
+        and id(node) not in docs
+    )
+
+
+def test_metadata_keys_are_spelled_in_format_only():
+    """Every ``pkg.onnx_modular.*`` key has one home, ``format/metadata.py``: the package and the
+    tests use its constants."""
+    assert _spelled_keys(PACKAGE / "format" / "metadata.py")  # the rule sees the home's spelling
+    paths = [p for p in PACKAGE.rglob("*.py") if "format" not in p.relative_to(PACKAGE).parts[:1]]
+    paths += [p for p in TESTS.rglob("*.py") if p.name not in KEYS_SPELLED_PENDING]
+    spelled = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in paths for line in _spelled_keys(path)]
+    assert spelled == []

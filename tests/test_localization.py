@@ -1,4 +1,4 @@
-"""Issue 4: per-module parity finds planted faults, and reports none on correct models.
+"""Per-module parity finds planted faults, and reports none on correct models.
 
 Faults are planted in the saved ONNX file (the PyTorch model is untouched): a weight
 scaled by 1.5 for one call, or a constant changed inside a shared function body.

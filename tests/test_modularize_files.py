@@ -14,7 +14,6 @@ import contextlib
 import io
 import warnings
 
-import helpers
 import numpy as np
 import onnx
 import onnx.helper as oh
@@ -376,11 +375,12 @@ def test_bad_options(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["llama", "bert", "vit"])
 def test_sample_tree_matches_export_modular(model_type, tmp_path):
+    from catalogue import building, jobs
+
     from onnx_modular import export_modular, extract, profile
 
-    sweep = helpers.load_sweep()
-    base = {m: c for m, c, _ in sweep.architectures(heads=False)}
-    model, inputs, _ = sweep.build(model_type, base[model_type])
+    base = {m: c for m, c, _ in jobs.architectures(heads=False)}
+    model, inputs, _ = building.build(model_type, base[model_type])
     flat = tmp_path / "flat.onnx"
     torch.onnx.export(model, (), str(flat), kwargs=inputs, dynamo=True, verbose=False)
     ours = export_modular(model, (), kwargs=inputs)

@@ -20,6 +20,7 @@ from helpers import DOMAIN_TORCH, DOMAIN_TRANSFORMERS, expanded_calls, functions
 
 from onnx_modular import export_modular, files
 from onnx_modular.errors import InvalidInputError, TranslationError
+from onnx_modular.format import metadata
 from onnx_modular.passes.export import opset_conversion as opset
 
 
@@ -50,7 +51,7 @@ def test_llama_exports_at_each_opset_with_its_functions(llama_at, version):
     assert sorted(functions_by_name(result.model)) == sorted(functions_by_name(reference.model))
     norm = functions_by_name(result.model)["LlamaRMSNorm"]
     assert norm.domain == DOMAIN_TRANSFORMERS
-    assert norm.metadata_props["pkg.onnx_modular.call_count"] == "3"  # the layer's two norms and the last one share it
+    assert norm.metadata_props[metadata.CALL_COUNT] == "3"  # the layer's two norms and the last one share it
     onnx.checker.check_model(result.model_proto, full_check=True)
 
 
@@ -258,7 +259,7 @@ Norm (x) => (y) {
 def opset_18_model() -> ir.Model:
     model = ir.from_onnx_text(_OPSET_18_TEXT)
     (function,) = model.functions.values()
-    function.metadata_props["pkg.onnx_modular.class"] = "Norm"
+    function.metadata_props[metadata.CLASS] = "Norm"
     next(node for node in function if node.op_type == "ReduceMean").metadata_props["namespace"] = "norm/mean"
     return model
 
@@ -268,7 +269,7 @@ def test_convert_opset_pass_keeps_functions():
     opset.ConvertOpsetPass(17)(model)
     assert default_domain_imports(model) == {17}
     (function,) = model.functions.values()
-    assert function.name == "Norm" and function.metadata_props["pkg.onnx_modular.class"] == "Norm"
+    assert function.name == "Norm" and function.metadata_props[metadata.CLASS] == "Norm"
     (mean,) = [node for node in function if node.op_type == "ReduceMean"]
     assert list(mean.attributes["axes"].as_ints()) == [1] and len(mean.inputs) == 1
     assert mean.name == "mean" and mean.metadata_props["namespace"] == "norm/mean"

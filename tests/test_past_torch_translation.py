@@ -1,5 +1,5 @@
-"""Rows of the transformers sweep where torch's own translation fails and export_modular goes past it
-(issue 36): a Python number first in an ATen op after decomposition (``1.0 - attention_mask`` on
+"""Rows of the transformers sweep where torch's own translation fails and export_modular goes past it:
+a Python number first in an ATen op after decomposition (``1.0 - attention_mask`` on
 an integer mask, XLNet and ProphetNet); a reshape to a shape with a size 0 (GLM-5's rotary part of
 size 0), which ONNX ``Reshape`` reads as "copy this dimension". Parity (onnxruntime vs PyTorch) is asserted inside
 export_modular at float32 atol 1e-4 / rtol 1e-3 and again here on other inputs."""
@@ -162,10 +162,9 @@ def test_empty_reshapes_rewrites_only_reshapes_to_a_size_0():
 def test_glm5_next_with_a_size_0_rotary_part_exports_with_parity():
     """The sweep's Glm5NextTextModel (``qk_rope_head_dim`` 0 in its tiny config): our file failed to
     load in onnxruntime; parity is export_modular's own check. Minutes: slow."""
-    import helpers
+    from catalogue import building
 
-    sweep = helpers.load_sweep()
-    model, inputs, _, _ = sweep.build_with_tier("glm5_next", "Glm5NextTextModel")
+    model, inputs, _, _ = building.build_with_tier("glm5_next", "Glm5NextTextModel")
     assert model.config.qk_rope_head_dim == 0
     result = export_modular(model, (), kwargs=inputs)
     assert result.report.ok, result.report

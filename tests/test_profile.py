@@ -398,7 +398,7 @@ def test_flat_copy_is_attributed_by_its_module_path_metadata(tmp_path, capsys):
     # most kernels run under a module call (counted, not timed: one preempted kernel on a loaded
     # machine can hold most of a 4 ms run)
     assert kernels.get("", 0) < len(report.kernels) / 2, kernels
-    assert "pkg.onnx_modular.module_path" in report.note
+    assert file_metadata.MODULE_PATH in report.note
     assert main(["profile", str(flat), "--runs", "2", "--warmup", "1"]) == 0
     printed = capsys.readouterr().out
     assert "Per op type:" in printed and "Per class" in printed and "GPT2Block" in printed

@@ -1,4 +1,4 @@
-"""Issue 15: every formal input and output of a module function is named from forward().
+"""Every formal input and output of a module function is named from forward().
 
 Parameters by their names, a lone returned tensor ``output``, tuple items ``output_0``, ...,
 mapping (ModelOutput) items by key; what cannot be bound is ``unbound_*`` / ``size_*`` and

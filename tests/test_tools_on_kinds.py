@@ -1,6 +1,6 @@
-"""Every file tool on models of the hold-outs' kinds (issue 51): torchvision, timm, diffusers and
+"""Every file tool on models of kinds outside transformers: torchvision, timm, diffusers and
 hand-written structures (`tests/kinds.py`), each through the catalogue sweep's own tools phase
-(`scripts/sweep_tools.py`: the package's public API per tool, with the sweep's pass criteria).
+(`tests/catalogue/tools_phase.py`: the package's public API per tool, with the sweep's pass criteria).
 
 Each model is exported twice (ours, and torch's flat file that ``modularize`` reads), then
 convert float16 and int8, split into 2 stages chained, modularize, diff against itself and profile
@@ -10,21 +10,18 @@ must all pass. Three kinds run by default; the rest are ``slow``.
 from __future__ import annotations
 
 import pathlib
-import sys
 import warnings
 
+import kinds
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from catalogue import tools_phase
 
 from onnx_modular import export_modular
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import kinds  # noqa: E402
-import sweep_tools  # noqa: E402
 
 DEFAULT = ("timm_convnext", "detection_head", "recurrent_tagger")
 PARAMS = [pytest.param(name, marks=() if name in DEFAULT else pytest.mark.slow) for name in kinds.KINDS]
@@ -38,12 +35,12 @@ def _files(name: str, folder: pathlib.Path) -> tuple[torch.nn.Module, dict]:
 
 
 def _files_of(model: torch.nn.Module, inputs: dict, folder: pathlib.Path) -> None:
-    result = export_modular(model, (), folder / sweep_tools.MODULAR, kwargs=inputs)
+    result = export_modular(model, (), folder / tools_phase.MODULAR, kwargs=inputs)
     assert result.report.ok, result.report
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False).save(str(folder / sweep_tools.FLAT))
-    sweep_tools.save_inputs(folder, inputs)
+        torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False).save(str(folder / tools_phase.FLAT))
+    tools_phase.save_inputs(folder, inputs)
 
 
 @pytest.mark.parametrize("name", PARAMS)
@@ -53,13 +50,13 @@ def test_every_tool_passes_on_the_kind(name, tmp_path):
     with torch.no_grad():
         expected = model(**inputs)
     expected = expected if isinstance(expected, tuple) else (expected,)
-    session = ort.InferenceSession(str(tmp_path / sweep_tools.MODULAR), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(tmp_path / tools_phase.MODULAR), providers=["CPUExecutionProvider"])
     got = session.run(None, {k: v.numpy() for k, v in inputs.items()})
     assert len(got) == len(expected)
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e.numpy(), rtol=1e-3, atol=1e-4)
-    statuses = {tool: sweep_tools.run_tool(tool, str(tmp_path))["status"] for tool in sweep_tools.TOOLS}
-    failed = {tool: status for tool, status in statuses.items() if not sweep_tools.passed(status)}
+    statuses = {tool: tools_phase.run_tool(tool, str(tmp_path))["status"] for tool in tools_phase.TOOLS}
+    failed = {tool: status for tool, status in statuses.items() if not tools_phase.passed(status)}
     assert not failed, failed
 
 
@@ -93,9 +90,9 @@ def test_calls_whose_outputs_ignore_the_inputs_are_not_counted_against_modulariz
     _files_of(model, {"x": torch.randn(2, 8)}, tmp_path)
     import onnx
 
-    ours = sweep_tools._computing_paths(onnx.load(str(tmp_path / sweep_tools.MODULAR), load_external_data=False))
+    ours = tools_phase._computing_paths(onnx.load(str(tmp_path / tools_phase.MODULAR), load_external_data=False))
     assert ours == {"mlp"}
-    assert sweep_tools.passed(sweep_tools.run_tool("modularize", str(tmp_path))["status"])
+    assert tools_phase.passed(tools_phase.run_tool("modularize", str(tmp_path))["status"])
 
 
 def test_split_over_the_test_data_limit_follows_its_advice(tmp_path, monkeypatch):
@@ -104,5 +101,5 @@ def test_split_over_the_test_data_limit_follows_its_advice(tmp_path, monkeypatch
     model = _ZerosThenDense().eval()
     _files_of(torch.nn.Sequential(model, torch.nn.Linear(8, 8)).eval(), {"input": torch.randn(2, 8)}, tmp_path)
     monkeypatch.setenv("ONNX_MODULAR_MAX_TEST_DATA_BYTES", "8")
-    status = sweep_tools.run_tool("split", str(tmp_path))["status"]
-    assert sweep_tools.passed(status) and "--no-data" in status, status
+    status = tools_phase.run_tool("split", str(tmp_path))["status"]
+    assert tools_phase.passed(status) and "--no-data" in status, status

@@ -1,10 +1,10 @@
-"""Where torch's own export stops and export_modular goes on (issue 21), each on a small model of
+"""Where torch's own export stops and export_modular goes on, each on a small model of
 its class: complex values through shape ops (Llama-4-style rotary, its reshaped frequencies), a runtime check captured as
 ``aten._is_all_true`` (LLaVA's image-token count), and a data-dependent guard on a value of the
 weights (a padding size kept as a tensor buffer, EnCodec-style), captured by
 ``torch.export.draft_export``; a guard on input values still fails the capture; BERT's sequence axis
-without ``max`` takes torch's suggested bound (issue 37); ops torchlib lacks or refuses
-(``cummax``/``cummin``, ``histc`` over the data's range, ``erfinv``: issue 36). Parity (onnxruntime
+without ``max`` takes torch's suggested bound; ops torchlib lacks or refuses
+(``cummax``/``cummin``, ``histc`` over the data's range, ``erfinv``). Parity (onnxruntime
 vs PyTorch, float32 atol 1e-4 / rtol 1e-3) is asserted inside export_modular and again here."""
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def test_data_dependent_guard_on_inputs_still_fails_the_capture(capfd, caplog):
 
 
 def test_bert_sequence_without_max_takes_torch_suggested_bound(tmp_path):
-    """Issue 37, item 3: ``Dim("seq")`` without ``max`` on BERT, which ``torch.onnx.export(dynamo=True)``
+    """``Dim("seq")`` without ``max`` on BERT, which ``torch.onnx.export(dynamo=True)``
     accepts; torch.export refuses it and suggests ``Dim('seq', max=64)`` (the position table), which
     the suggested-fixes strategy applies. The axes stay named and dynamic: checked at other sizes."""
     transformers = pytest.importorskip("transformers")

@@ -220,7 +220,9 @@ def test_bodies_import_the_domains_of_folded_nodes_moved_into_them():
     # ZayaModel (transformers): the fold moves a weight-only Unsqueeze into a decoder layer's
     # body that otherwise only makes calls; that body must import the default domain, or
     # onnxruntime refuses the file ("No opset registered for domain '' in function ...")
-    model, inputs, _ = helpers.load_sweep().build("zaya", "ZayaModel")
+    from catalogue import building
+
+    model, inputs, _ = building.build("zaya", "ZayaModel")
     result = export_modular(model, (), kwargs=inputs)
     assert result.report.ok, str(result.report)  # onnxruntime loaded and ran both files
     moved = 0

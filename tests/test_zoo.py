@@ -1,4 +1,4 @@
-"""Issue 6: the model zoo. A representative subset runs by default; ``--runslow`` runs all.
+"""The model zoo (tests/zoo.py) exported with parity. A representative subset runs by default; ``--runslow`` runs all.
 
 Every model must export, pass parity (onnxruntime modular and flat vs torch, float32
 defaults atol=1e-4 rtol=1e-3, asserted inside export_modular) and keep its hierarchy:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
-from onnx_modular.passes.export.outline_calls import _used_values
+from onnx_modular.passes.export.outline_calls import used_values
 
 __all__ = ["reads", "canonical", "readers_of", "constant_keys", "contiguous_order"]
 
@@ -20,7 +20,7 @@ _GRAPH_ATTRIBUTES = (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
 def reads(node: ir.Node) -> Sequence[ir.Value]:
     """The values ``node`` reads (its subgraphs' reads of outer values included)."""
     if any(attr.type in _GRAPH_ATTRIBUTES for attr in node.attributes.values()):
-        return list(_used_values(node))
+        return list(used_values(node))
     return [value for value in node.inputs if value is not None]
 
 

@@ -134,6 +134,11 @@ SPLIT_OPENED = PREFIX + "split_opened"
 #: The model written by ``onnx-modular convert``: JSON object of what it did (``dtype``, ``kept``
 #: calls, ``quantize``, ``bits``, ``block_size``, ``excluded`` calls, ``source`` file name).
 CONVERTED = PREFIX + "converted"
+#: ``ValueInfoProto`` metadata on a value whose float32 values leave a float16 conversion's finite
+#: range (its largest magnitude on the original run): passes/precision/casts.py keeps its ops float32.
+FLOAT32_RANGE = PREFIX + "float32_range"
+#: On a node a fusion pass wrote: the module paths of the calls it was fused from (passes/fusions/).
+FUSED_FROM = PREFIX + "fused_from"
 #: torch's ``path: class/...`` chain (not ours; kept on every node).
 NAMESPACE = "namespace"
 #: torch's dynamo exporter's per-node lists (Python list reprs) that follow the :data:`NAMESPACE`

@@ -74,12 +74,12 @@ def check_checkpoint_config(folder: pathlib.Path) -> dict:
 
     from onnx_modular.errors import InvalidModelFileError
     from onnx_modular.storage.load import read_regular_file
-    from onnx_modular.weights.sources import _parse_json
+    from onnx_modular.weights.sources import parse_json
 
     file = folder / "config.json"
     shown_file = repr(str(file))
     try:
-        config = _parse_json(read_regular_file(file, str(file), limit=_CONFIG_LIMIT))
+        config = parse_json(read_regular_file(file, str(file), limit=_CONFIG_LIMIT))
     except InvalidModelFileError as e:
         raise InvalidInputError(f"{shown_file} cannot be read: {e}", hint="Give the folder save_pretrained wrote.") from e
     except (ValueError, UnicodeDecodeError) as e:
@@ -135,9 +135,9 @@ def check_checkpoint_folder(folder: pathlib.Path) -> None:
             + (f" (only {', '.join(pickled[:3])}: pickled weights are never unpickled, as loading runs code)." if pickled else "."),
             hint="Convert the weights to safetensors (save_pretrained(..., safe_serialization=True)) in a trusted environment.",
         )
-    from onnx_modular.weights.sources import _folder_entries
+    from onnx_modular.weights.sources import folder_entries
 
-    _folder_entries(folder)  # every safetensors header and the shard index as data (WeightsError), before transformers reads one
+    folder_entries(folder)  # every safetensors header and the shard index as data (WeightsError), before transformers reads one
     stored = sum(p.stat().st_size for p in weights if p.is_file())
     smallest = _estimated_parameters(config) // 2  # bytes, at 4 bits a parameter
     if smallest > 4 * stored + 2**20:

@@ -114,7 +114,7 @@ class ClassTime:
     slowest: str
 
 
-def _median(values) -> float:
+def median_of(values) -> float:
     values = list(values)
     return float(statistics.median(values)) if values else 0.0
 
@@ -158,7 +158,7 @@ class ProfileReport:
     @property
     def median_run_us(self) -> float:
         """Median wall time of a run (kernels plus onnxruntime's executor between them)."""
-        return _median(self.run_us)
+        return median_of(self.run_us)
 
     @property
     def root(self) -> CallTime:
@@ -199,7 +199,7 @@ class ProfileReport:
                 item for item in items if not any(group_of(a) == label for a in _ancestors(item.call))
             ]
             inclusive = [item.inclusive_us for item in items]
-            middle = _median(inclusive)
+            middle = median_of(inclusive)
             total_us = sum(item.inclusive_us for item in outer)
             result.append(
                 ClassTime(

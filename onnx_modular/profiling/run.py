@@ -35,7 +35,7 @@ from onnx_modular.format import metadata
 from onnx_modular.format.calltree import CallTree
 from onnx_modular.format.text import first_line
 from onnx_modular.profiling.attribution import Attribution, attribute, tagged_copy
-from onnx_modular.profiling.report import CallTime, ClassTime, KernelTime, ProfileReport, _median
+from onnx_modular.profiling.report import CallTime, ClassTime, KernelTime, ProfileReport, median_of
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.runtime.inputs import feeds_from_arrays, load_arrays, model_inputs, random_inputs
 from onnx_modular.storage.checks import check_expanded_size
@@ -313,7 +313,7 @@ def _build(path, tree: CallTree, events, attribution: Mapping[str, Attribution],
         kernels[position].runs_us[run] += max(exclusive[id(event)], 0.0)
         timeline[run].append((position, float(event["ts"] - windows[run][0]), float(event["dur"])))
     for kernel in kernels:
-        kernel.median_us = _median(kernel.runs_us)
+        kernel.median_us = median_of(kernel.runs_us)
     # A call's time is the sum of its kernels' medians: additive (the calls' self times add up
     # to the total) and robust to a run in which the process was descheduled during one kernel.
     own = dict.fromkeys((call.key for call in tree.walk()), 0.0)

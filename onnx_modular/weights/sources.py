@@ -101,7 +101,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
-def _parse_json(raw: bytes | str) -> Any:
+def parse_json(raw: bytes | str) -> Any:
     """JSON that is refused (``ValueError``) rather than half-read: duplicate keys, nesting too
     deep for Python (``RecursionError``), invalid UTF-8."""
     try:
@@ -126,7 +126,7 @@ def _read_header(path: pathlib.Path) -> tuple[dict[str, tuple[torch.dtype, tuple
             (length,) = struct.unpack("<Q", head)
             if length > min(_HEADER_LIMIT, size - 8):
                 raise ValueError(f"its header claims {length} bytes, but the file holds {size - 8} after the length")
-            header = _parse_json(os.pread(fd, length, 8))
+            header = parse_json(os.pread(fd, length, 8))
             if not isinstance(header, dict):
                 raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
         except (OSError, ValueError, struct.error) as e:
@@ -230,7 +230,7 @@ class WeightSource:
         except (OSError, ValueError):
             raise WeightsError(f"weights={str(path)!r} does not exist.", hint=_SOURCE_HINT) from None
         if stat.S_ISDIR(info.st_mode):
-            return cls(_folder_entries(path), str(path))
+            return cls(folder_entries(path), str(path))
         return cls(_file_entries(path), str(path))  # refuses a FIFO or a device as such
 
     @classmethod
@@ -262,14 +262,14 @@ class WeightSource:
         return sum(e.dtype.itemsize * math.prod(e.shape) for e in self._entries.values())
 
 
-def _folder_entries(folder: pathlib.Path) -> dict[str, _Entry]:
+def folder_entries(folder: pathlib.Path) -> dict[str, _Entry]:
     index = folder / INDEX_FILE
     if os.path.lexists(index):
         fd, size = _open_regular(index, "The shard index")
         try:
             if size > _HEADER_LIMIT:
                 raise WeightsError(f"{str(index)!r} is {size} bytes long: not a safetensors index.")
-            document = _parse_json(os.pread(fd, size, 0))
+            document = parse_json(os.pread(fd, size, 0))
             weight_map = document.get("weight_map") if isinstance(document, dict) else None
             if not isinstance(weight_map, dict):
                 raise ValueError(f"it has no weight_map object (got {type(weight_map).__name__})")

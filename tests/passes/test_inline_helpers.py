@@ -33,7 +33,7 @@ def test_helper_functions_are_inlined_keeping_the_module_stack():
     ops = [node.op_type for node in model.graph]
     assert ops == ["Constant", "SplitToSequence", "Constant", "SequenceAt", "Relu"]
     assert [node.meta.get(metadata.STACK) for node in model.graph][:4] == [("block",)] * 4
-    assert all(not key.startswith("pkg.onnx_modular.internal") for node in model.graph for key in node.metadata_props)
+    assert all(not key.startswith(metadata.PREFIX + "internal") for node in model.graph for key in node.metadata_props)
     check(model)
 
 

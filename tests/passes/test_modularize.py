@@ -77,7 +77,7 @@ def test_nested_functions_named_from_forward():
     outer_call = model.graph.node(0)
     inner_call = block.graph.node(0)
     assert (outer_call.name, inner_call.name) == ("block", "fc")
-    assert inner_call.metadata_props["pkg.onnx_modular.module_path"] == "block.fc"
+    assert inner_call.metadata_props[metadata.MODULE_PATH] == "block.fc"
     assert [v.name for v in outer_call.inputs] == ["x", "block.fc.weight", "block.fc.bias"]
     assert outer_call.outputs[0].name == "r"  # the caller's value keeps its graph-unique name
     assert [call.num_nodes for call in tree.walk()] == [0, 2, 2]

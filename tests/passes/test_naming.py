@@ -57,11 +57,11 @@ def test_doc_string_and_metadata():
     NameFunctionsPass(tree)(model)
     shared = model.functions[("pkg.test", "Linear_2", "")]
     props = shared.metadata_props
-    assert props["pkg.onnx_modular.class"] == "testpkg.layers.Linear"
-    assert (props["pkg.onnx_modular.package"], props["pkg.onnx_modular.package_version"]) == ("testpkg", "1.0")
-    assert json.loads(props["pkg.onnx_modular.module_paths"]) == ["dec.0", "dec.1"]
-    assert props["pkg.onnx_modular.call_count"] == "2"
-    assert props["pkg.onnx_modular.source"] == tree["dec.0"].source
+    assert props[metadata.CLASS] == "testpkg.layers.Linear"
+    assert (props[metadata.PACKAGE], props[metadata.PACKAGE_VERSION]) == ("testpkg", "1.0")
+    assert json.loads(props[metadata.MODULE_PATHS]) == ["dec.0", "dec.1"]
+    assert props[metadata.CALL_COUNT] == "2"
+    assert props[metadata.SOURCE] == tree["dec.0"].source
     assert shared.doc_string.splitlines() == [
         "Linear_2: testpkg.layers.Linear",
         "package: testpkg 1.0",
@@ -105,7 +105,7 @@ def test_long_call_lists_are_shortened():
     NameFunctionsPass(tree)(model)
     assert f"{len(keys)} calls: h.0, h.1," in function.doc_string
     assert function.doc_string.endswith("h.7, ... (3 more)")
-    assert len(json.loads(function.metadata_props["pkg.onnx_modular.module_paths"])) == len(keys)
+    assert len(json.loads(function.metadata_props[metadata.MODULE_PATHS])) == len(keys)
 
 
 def test_requires_calls_of_the_given_tree():

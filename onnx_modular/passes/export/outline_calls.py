@@ -54,7 +54,7 @@ def _nested_nodes(node: ir.Node) -> Iterable[ir.Node]:
                 yield from ir.traversal.RecursiveGraphIterator(graph)
 
 
-def _used_values(node: ir.Node) -> set[ir.Value]:
+def used_values(node: ir.Node) -> set[ir.Value]:
     """Values a node reads, including outer-scope values read by its subgraphs."""
     used = {value for value in node.inputs if value is not None}
     defined: set[ir.Value] = set()
@@ -332,7 +332,7 @@ def _boundary(container: ir.Graph, members: list[ir.Node]) -> tuple[set[ir.Node]
     external: list[ir.Value] = []
     seen: set[ir.Value] = set()
     for node in members:
-        for value in sorted(_used_values(node), key=_first_use_order(node)):
+        for value in sorted(used_values(node), key=_first_use_order(node)):
             if value not in produced and value not in seen:
                 seen.add(value)
                 external.append(value)
@@ -460,7 +460,7 @@ def _make_convex(
     downstream_values: set[ir.Value] = set()
     downstream: set[ir.Node] = set()
     for node in span:
-        if node in member_set or _used_values(node) & downstream_values:
+        if node in member_set or used_values(node) & downstream_values:
             downstream_values.update(node.outputs)
             if node not in member_set:
                 downstream.add(node)
@@ -468,7 +468,7 @@ def _make_convex(
     upstream: set[ir.Node] = set()
     for node in reversed(span):
         if node in member_set or any(value in upstream_needed for value in node.outputs):
-            upstream_needed.update(_used_values(node))
+            upstream_needed.update(used_values(node))
             if node not in member_set:
                 upstream.add(node)
     absorbed = downstream & upstream

@@ -31,7 +31,7 @@ from onnx_modular.passes.functions import keep_formal_inputs
 __all__ = ["SinkLiftedConstantsPass"]
 
 
-def _call_sites(model: ir.Model) -> dict[ir.OperatorIdentifier, list[ir.Node]]:
+def function_call_sites(model: ir.Model) -> dict[ir.OperatorIdentifier, list[ir.Node]]:
     sites: dict[ir.OperatorIdentifier, list[ir.Node]] = {}
     for owner in [model.graph, *model.functions.values()]:
         for node in ir.traversal.RecursiveGraphIterator(owner):
@@ -40,7 +40,7 @@ def _call_sites(model: ir.Model) -> dict[ir.OperatorIdentifier, list[ir.Node]]:
     return sites
 
 
-def _constant_argument(value: ir.Value | None, lifted: set[str]) -> ir.TensorProtocol | None:
+def constant_argument(value: ir.Value | None, lifted: set[str]) -> ir.TensorProtocol | None:
     """The tensor of a lifted main-graph constant, or of a ``Constant`` node's output; else ``None``."""
     if value is None:
         return None
@@ -57,7 +57,7 @@ def _constant_argument(value: ir.Value | None, lifted: set[str]) -> ir.TensorPro
     return tensor
 
 
-def _same(a: ir.TensorProtocol, b: ir.TensorProtocol) -> bool:
+def same_tensor(a: ir.TensorProtocol, b: ir.TensorProtocol) -> bool:
     return a is b or (a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and a.tobytes() == b.tobytes())
 
 
@@ -84,14 +84,14 @@ class SinkLiftedConstantsPass(ir.passes.InPlacePass):
 
     def _round(self, model: ir.Model, lifted: set[str]) -> bool:
         changed = False
-        for fid, calls in _call_sites(model).items():
+        for fid, calls in function_call_sites(model).items():
             function = model.functions[fid]
             sunk: dict[int, ir.TensorProtocol] = {}
             for index, formal in enumerate(function.inputs):
                 if formal.is_graph_output():  # passed straight through: it must stay a value
                     continue
-                tensors = [_constant_argument(call.inputs[index] if index < len(call.inputs) else None, lifted) for call in calls]
-                if tensors and tensors[0] is not None and all(t is not None and _same(t, tensors[0]) for t in tensors):
+                tensors = [constant_argument(call.inputs[index] if index < len(call.inputs) else None, lifted) for call in calls]
+                if tensors and tensors[0] is not None and all(t is not None and same_tensor(t, tensors[0]) for t in tensors):
                     sunk[index] = tensors[0]
             if not sunk:
                 continue

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-from onnx_modular.passes.export.sink_constants import _call_sites, _constant_argument, _same
+from onnx_modular.format import metadata
+from onnx_modular.passes.export.sink_constants import constant_argument, function_call_sites, same_tensor
 from onnx_modular.passes.functions import keep_formal_inputs
 
 __all__ = [
@@ -23,12 +24,12 @@ __all__ = [
 ]
 
 #: The metadata key fusion passes put on the nodes they write (the fused op's origin).
-FUSED_FROM_KEY = "pkg.onnx_modular.fused_from"
+FUSED_FROM_KEY = metadata.FUSED_FROM
 
 
 def call_sites(model: ir.Model) -> dict[ir.OperatorIdentifier, list[ir.Node]]:
     """Every call node of every local function, by function."""
-    return _call_sites(model)
+    return function_call_sites(model)
 
 
 def owner_of(value: ir.Value) -> ir.Graph | ir.Function | None:
@@ -81,11 +82,11 @@ def constant_of(model: ir.Model, value: ir.Value | None) -> ir.TensorProtocol | 
             return value.const_value
     tensors = []
     for source in sources_of(model, value):
-        tensor = source.const_value if source.is_initializer() else _constant_argument(source, set())
+        tensor = source.const_value if source.is_initializer() else constant_argument(source, set())
         if tensor is None or isinstance(tensor, ir.ExternalTensor):
             return None
         tensors.append(tensor)
-    if not tensors or not all(_same(t, tensors[0]) for t in tensors):
+    if not tensors or not all(same_tensor(t, tensors[0]) for t in tensors):
         return None
     return tensors[0]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from onnx_modular.format import metadata
 from onnx_modular.passes.fusions import base as _fusion
 
 __all__ = ["is_projection", "linear_parts", "packed_projection"]
@@ -55,7 +56,7 @@ def packed_projection(model: ir.Model, function: ir.Function, attention) -> list
             return None
     if weight is None:
         return None
-    paths = ",".join(p.metadata_props.get("pkg.onnx_modular.module_path", p.name or p.op_type)
+    paths = ",".join(p.metadata_props.get(metadata.MODULE_PATH, p.name or p.op_type)
                      for p in (attention.q_proj, attention.k_proj, attention.v_proj))
     matmul = ir.node("MatMul", [attention.q_proj.inputs[0], weight], name="qkv_proj.MatMul",
                      metadata_props={_fusion.FUSED_FROM_KEY: paths})

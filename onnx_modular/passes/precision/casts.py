@@ -41,6 +41,7 @@ import onnx.defs
 import onnx.helper
 import onnx.numpy_helper
 
+from onnx_modular.format import metadata
 from onnx_modular.passes.proto_bodies import (
     Body,
     FunctionId,
@@ -86,7 +87,7 @@ REDUCING_SCATTERS = frozenset({"ScatterND", "ScatterElements"})
 INDEX_INPUTS = {"Resize": frozenset({2}), "Upsample": frozenset({1}), "Range": frozenset({0, 1, 2})}
 #: ``ValueInfoProto`` metadata on a value whose float32 values leave the target's finite range
 #: (its largest finite magnitude, measured by ``convert``): the ops that read or write it stay float32.
-RANGE_MARK = "pkg.onnx_modular.float32_range"
+RANGE_MARK = metadata.FLOAT32_RANGE
 #: Ops that read any type: a value held in float32 needs no Cast before them.
 _READS_ANY = frozenset({"Cast", "Shape", "Size"})
 _FLOATS = frozenset({FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})

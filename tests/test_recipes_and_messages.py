@@ -1,5 +1,6 @@
-"""What a newcomer trips on (issue 37): the guide's recipes as written, and what the command line
-prints and writes on each path."""
+"""The guide's recipes as written (streamed bfloat16 checkpoints, Optimum's task, dtype and axis names,
+the decode files sharing the prefill's weights), and what the command line prints and writes on each
+path (a flat file reported, an unsupported task, a Hub id, a parity failure, a call at a wrong shape)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from onnx_modular import export_modular  # noqa: E402
 from onnx_modular.check.widen import WidenFloatPass  # noqa: E402
 from onnx_modular.cli import main  # noqa: E402
+from onnx_modular.format import metadata  # noqa: E402
 from onnx_modular.hf.meta import model_on_meta  # noqa: E402
 
 LLAMA = dict(
@@ -228,9 +230,9 @@ def test_exported_file_holds_no_absolute_path_of_this_machine(tmp_path):
         traces = [v for v in values if v.startswith("File ") or 'File "' in v]
         assert traces and any('File "torch/nn/modules/linear.py"' in v for v in traces)
     saved = onnx.load(str(path), load_external_data=False)
-    sources = {p.value for f in saved.functions for p in f.metadata_props if p.key == "pkg.onnx_modular.source"}
-    sources |= {p.value for n in saved.graph.node for p in n.metadata_props if p.key == "pkg.onnx_modular.source"}
-    assert any(s.startswith("test_newcomer.py:") for s in sources), sources
+    sources = {p.value for f in saved.functions for p in f.metadata_props if p.key == metadata.SOURCE}
+    sources |= {p.value for n in saved.graph.node for p in n.metadata_props if p.key == metadata.SOURCE}
+    assert any(s.startswith("test_recipes_and_messages.py:") for s in sources), sources
     assert any(s.startswith("torch/nn/modules/linear.py:") for s in sources), sources
 
 

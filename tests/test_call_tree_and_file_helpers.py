@@ -1,4 +1,5 @@
-"""Issue 15: one verification path, one call tree, file tools without torch, the file-format helpers.
+"""One call tree for the export, the file and the command line; verification and localization with
+generated and keyword-only inputs; file tools without torch; the file-format helpers.
 
 Numerics: onnxruntime (modular and flat) against PyTorch with the float32 defaults
 (atol 1e-4, rtol 1e-3).

@@ -1,4 +1,4 @@
-"""What a newcomer's first hour tripped on (issue 52), each on a small file: ``split --stages``
+"""What the file tools tell their user, each on a small file: ``split --stages``
 on a 4-layer Llama (no stage of a table alone; a note when the cuts go inside the decoder
 layers), a missing path and a mistyped call (hints from the file itself), ``convert``'s report
 (no INFO lines of other libraries, the outputs named once), ``diff``'s relative column near 0."""

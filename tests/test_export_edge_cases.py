@@ -1,5 +1,6 @@
-"""Failures of ours that hold-out models found (issue 36): NamedTuple inputs and outputs, a module
-whose name ends like a call index, scaled-dot-product attention of rank other than 4."""
+"""Structures at the edge of the export: NamedTuple inputs and outputs, a module whose name ends like
+a call index, scaled-dot-product attention of rank other than 4; the transformers releases admitted
+and the cache argument read from the forward signature."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Issue 31 part B and issue 37 item 2: one home of verification, one input normalizer, one
-set of tolerance defaults; the caller's objects (a KV cache with autograd history) stay as given.
+"""Verification: one entry (``verify_export``), one input normalizer, one set of tolerance defaults; the caller's objects (a KV cache with autograd history) stay as given.
 
 Numerics: onnxruntime against PyTorch eager, float32 default tolerance (atol 1e-4, rtol 1e-3).
 """
