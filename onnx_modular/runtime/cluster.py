@@ -28,8 +28,12 @@ Example::
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import re
+import socket
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -93,6 +97,30 @@ def _reason(error: BaseException) -> str:
     return shown(text or type(error).__name__)
 
 
+def _cause(text: str) -> str:
+    """The last ``SomeError: message`` line of Ray's report of a dead actor (its cause), or ``""``."""
+    lines = [line.strip() for line in text.splitlines()]
+    found = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception|Exit)\b.*:", line)]
+    return shown(found[-1])[:300] if found else ""
+
+
+def _probe(address: str, timeout: float) -> None:
+    """A TCP connection to the cluster's address before Ray is asked to join it: Ray's client
+    retries an address where nothing answers for minutes, printing as it goes."""
+    if address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidInputError(f"{shown(address)!r} is not a Ray address (IP:PORT, or ray://HOST:PORT).",
+                                hint="Pass the address `ray start --head` prints, e.g. 10.0.0.1:6379.")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise PipelineError(f"Nothing answers at the Ray address {shown(address)!r}: {e.strerror or e}.",
+                            hint="Start the cluster with `ray start --head` and pass the address it prints "
+                            "(IP:PORT, or ray://HOST:10001 from outside the cluster).") from None
+
+
 def _ray() -> Any:
     try:
         import ray
@@ -145,11 +173,19 @@ class _Cluster:
         self.actors: list[Any] = []
         self.group = None
         self.joined = False
+        self._streams = None
         if not self.ray.is_initialized():
+            _probe(address, min(timeout, 10.0))
+            # Ray's driver prints what the cluster reports ("(raylet) A worker died ...") on this
+            # process's stdout from a thread of its own; the run's own error says it in one line, and
+            # stdout stays the command's (--json -). Restored once the session is shut down.
+            self._streams = (sys.stdout, sys.stderr)
+            sys.stdout = sys.stderr = io.StringIO()
             try:
                 self.ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR,
                               configure_logging=True)
             except Exception as e:
+                self.close()
                 raise PipelineError(f"Cannot join the Ray cluster at {shown(address)!r}: {_reason(e)}",
                                     hint="Start one with `ray start --head` and pass the address it prints "
                                     "(IP:PORT, or ray://HOST:10001 from outside the cluster).") from None
@@ -214,7 +250,13 @@ class _Cluster:
         if isinstance(error, ray.exceptions.RayTaskError) and isinstance(error.cause, OnnxModularError):
             return PipelineError(f"stage {index} failed ({what}): {_reason(error.cause)}", stage_index=index)
         if isinstance(error, ray.exceptions.RayActorError):
-            return PipelineError(f"stage {index}'s worker died ({what}).", stage_index=index,
+            cause = _cause(str(error))
+            if getattr(error, "actor_init_failed", False):
+                return PipelineError(f"stage {index}'s worker could not start ({what}): {cause}", stage_index=index,
+                                     hint="Install onnx-modular[ray], this version, in the Python environment each node's "
+                                     "`ray start` ran from.")
+            return PipelineError(f"stage {index}'s worker died ({what})" + (f": {cause}" if cause else "."),
+                                 stage_index=index,
                                  hint="See `ray status` and the worker's log on its node (out of memory, killed); run again.")
         return PipelineError(f"stage {index} failed ({what}): {type(error).__name__}: {_reason(error)}", stage_index=index)
 
@@ -232,6 +274,9 @@ class _Cluster:
                 pass
         if self.joined:
             ray.shutdown()
+        if self._streams is not None:
+            sys.stdout, sys.stderr = self._streams
+            self._streams = None
 
 
 def _bundle(resources: Sequence[dict[str, float]]) -> dict[str, float]:
