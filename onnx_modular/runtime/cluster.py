@@ -62,11 +62,12 @@ class PipelineRun:
     tokens: np.ndarray
     stages: list[dict[str, Any]]
     micro_batches: int
-    seconds: float
+    seconds: float  # the whole run: checks, placement, the stages' load, decoding
+    decode_seconds: float  # the greedy loop alone (prompt and new tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens.tolist(), "stages": self.stages, "micro_batches": self.micro_batches,
-                "seconds": round(self.seconds, 6)}
+                "seconds": round(self.seconds, 6), "decode_seconds": round(self.decode_seconds, 6)}
 
 
 class StageActor:
@@ -369,8 +370,10 @@ def generate_on_ray(
     try:
         cluster.place(plans, per_stage, stages_per_node, threads)
         cluster.infos(plans, "loading")
+        decoding = time.monotonic()
         out = _drive(cluster, plans, tokens, max_new_tokens, groups)
+        decoding = time.monotonic() - decoding
         infos = cluster.infos(plans, "reading its figures")
     finally:
         cluster.close()
-    return PipelineRun(out, infos, len(groups), time.monotonic() - started)
+    return PipelineRun(out, infos, len(groups), time.monotonic() - started, decoding)
