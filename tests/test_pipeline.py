@@ -324,3 +324,43 @@ def test_bad_stages_and_addresses_fail_before_any_worker(llama, tmp_path, capsys
     result = _run(["generate", str(stages), *_ids(PROMPTS[:1]), "--ray", f"127.0.0.1:{port}"], timeout=60)
     assert result.returncode == 2 and result.stderr.startswith("error: [pipeline] Nothing answers at the Ray address")
     assert result.stderr.count("\n") == 1 and time.monotonic() - started < 60
+
+
+def test_the_stage_running_code_imports_no_torch():
+    code = (
+        "import sys\n"
+        "import onnx_modular.runtime.cluster, onnx_modular.runtime.decoding, onnx_modular.cli.pipeline\n"
+        "import onnx_modular.files.genai_pipeline\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_micro_batches_and_resources_are_checked():
+    from onnx_modular.errors import InvalidInputError
+    from onnx_modular.runtime.cluster import stage_resources
+    from onnx_modular.runtime.pipeline import batch_groups
+
+    assert batch_groups(4, None, 3) == [slice(0, 1), slice(1, 3), slice(3, 4)]  # one group a stage
+    assert batch_groups(2, None, 3) == [slice(0, 1), slice(1, 2)]  # at most one a sequence
+    assert batch_groups(5, 2, 3) == [slice(0, 2), slice(2, 5)]
+    for bad in (0, 6, True, 1.5):
+        with pytest.raises(InvalidInputError, match="micro_batches"):
+            batch_groups(5, bad, 3)
+    assert stage_resources({"CPU": 1}, 2) == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert stage_resources([{"a": 1}, {"GPU": 0.5}], 2) == [{"a": 1.0}, {"GPU": 0.5}]
+    for bad in ([{"CPU": 1}], {"CPU": -1}, {"CPU": "1"}, "CPU"):
+        with pytest.raises(InvalidInputError, match="resources"):
+            stage_resources(bad, 2)
+
+
+def test_ray_options_without_ray_are_refused(llama, capsys):
+    _, whole, stages = llama
+    assert main(["generate", str(stages), "--input-ids", "1,2", "--micro-batches", "2"]) == 2
+    assert "--micro-batches go with --ray" in capsys.readouterr().err
+    from onnx_modular.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="micro_batches go with ray_address"):
+        onnx_modular.generate(stages, [[1, 2]], micro_batches=2)
+    assert main(["generate", str(whole), "--input-ids", "1,2", "--ray", "127.0.0.1:1"]) == 2  # a file is no stages folder
+    assert "holds no manifest.json" in capsys.readouterr().err
