@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import pathlib
-import resource
 import signal
 import socket
 import statistics
@@ -47,15 +46,16 @@ from onnx_modular.runtime.sessions import session  # noqa: E402
 PROMPT = [5, 17, 33, 200, 41, 7, 63, 99]
 
 _WHOLE = """
-import json, resource, sys, time
+import json, sys
 sys.path.insert(0, {root!r})
 import numpy as np
 from onnx_modular.runtime.generation import generate_with_sessions
+from onnx_modular.runtime.pipeline import peak_rss
 from onnx_modular.runtime.sessions import session
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = peak_rss()
 s = session({path!r}, configure=lambda o: setattr(o, "intra_op_num_threads", 1), what="whole file")
 generate_with_sessions(s, s, np.array([{prompt!r}] * 4), {new})
-print(json.dumps({{"base_rss_bytes": base, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}))
+print(json.dumps({{"base_rss_bytes": base, "peak_rss_bytes": peak_rss()}}))
 """
 
 
@@ -189,7 +189,6 @@ def measure(whole: pathlib.Path, stages: pathlib.Path, address: str, args) -> di
               f"peak RSS {stage['peak_rss_bytes'] / 1e6:.0f} MB ({added / 1e6:.0f} MB over the bare worker: "
               f"{added / max(1, memory['peak_rss_bytes'] - memory['base_rss_bytes']):.2f}x the whole file's), "
               f"sends {stage['sent_bytes_per_token']:.0f} bytes a token")
-    print(f"this process: peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB (the export included)")
     return out
 
 

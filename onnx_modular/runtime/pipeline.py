@@ -41,7 +41,7 @@ from onnx_modular.runtime.sessions import run, session
 from onnx_modular.storage.load import load_model_file, stored_bytes
 from onnx_modular.storage.manifest import STAGE_OUTPUT, check_stage_file, read_manifest
 
-__all__ = ["MANIFEST", "StagePlan", "StageWorker", "read_stages", "is_split_folder", "generate_stages", "batch_groups"]
+__all__ = ["MANIFEST", "StagePlan", "StageWorker", "read_stages", "is_split_folder", "generate_stages", "batch_groups", "peak_rss"]
 
 #: The manifest of a folder ``split`` wrote (``files/split/stages.py`` writes and reads it too).
 MANIFEST = "manifest.json"
@@ -161,7 +161,7 @@ class StageWorker:
 
     def __init__(self, plan: StagePlan, threads: int | None = None, execution_provider: str | None = None):
         self.plan = plan
-        self._base_rss = _peak_rss()
+        self._base_rss = peak_rss()
         started = time.perf_counter()
         path = pathlib.Path(plan.file)
         if not path.is_file():
@@ -227,7 +227,7 @@ class StageWorker:
             "pid": os.getpid(),
             "node": _node(),
             "weights_bytes": self.plan.weights_bytes,
-            "peak_rss_bytes": _peak_rss(),
+            "peak_rss_bytes": peak_rss(),
             "base_rss_bytes": self._base_rss,
             "seconds": round(self.seconds, 6),
             "load_seconds": round(self.load_seconds, 6),
@@ -235,8 +235,16 @@ class StageWorker:
         }
 
 
-def _peak_rss() -> int:
-    """The process's peak resident set, in bytes (``ru_maxrss`` is in KiB on Linux)."""
+def peak_rss() -> int:
+    """This process's peak resident set, in bytes: Linux's ``VmHWM`` (``ru_maxrss`` keeps the peak
+    of the process that forked this one across ``exec``), else ``ru_maxrss`` (KiB)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
