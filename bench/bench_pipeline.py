@@ -12,7 +12,7 @@ processes are stopped by id at the end. Measured:
 * **memory**: each worker's peak RSS, and what its stage adds to the worker (peak - RSS before
   loading), against one process running the whole file (the same two figures, in a child process);
 * **speed**: greedy decoding of ``--new`` tokens after an 8-token prompt with 1, 2 and 4 sequences
-  (on Ray, as many micro-batches in flight), one intra-op thread everywhere, the two sides
+  (on Ray in one micro-batch, and in one a sequence), one intra-op thread everywhere, the two sides
   alternating each round, medians: per-token latency (wall time / new tokens) and throughput
   (sequence-tokens / s), each as a ratio to one process;
 * **traffic**: the bytes each stage sends a token (what crosses its cut; the last stage: one row
@@ -153,31 +153,32 @@ def main_bench() -> None:
 def measure(whole: pathlib.Path, stages: pathlib.Path, address: str, args) -> dict:
     file, _ = decoder_files(whole)
     one = session(file, configure=lambda o: setattr(o, "intra_op_num_threads", 1), what="whole file")
-    out: dict = {"speed": {}}
-    for batch in (1, 2, 4):
+    out: dict = {"speed": []}
+    for batch, groups in ((1, 1), (2, 1), (2, 2), (4, 1), (4, 4)):
         ids = np.array([PROMPT] * batch) + np.arange(batch)[:, None]
         expected = generate_with_sessions(one, one, ids, args.new)
         local, remote = [], []
         for r in range(args.rounds):
-            sides = [("one", None), ("ray", None)] if r % 2 == 0 else [("ray", None), ("one", None)]
-            for side, _ in sides:
+            for side in (("one", "ray") if r % 2 == 0 else ("ray", "one")):
                 started = time.perf_counter()
                 if side == "one":
                     tokens = generate_with_sessions(one, one, ids, args.new)
                     local.append(time.perf_counter() - started)
                 else:
-                    run = generate_on_ray(stages, ids, args.new, address=address, threads=1, micro_batches=batch)
-                    remote.append(run.decode_seconds)  # the stages' load is not a token's
-                    last = run
-                np.testing.assert_array_equal(tokens if side == "one" else run.tokens, expected)
+                    last = generate_on_ray(stages, ids, args.new, address=address, threads=1, micro_batches=groups)
+                    tokens = last.tokens
+                    remote.append(last.decode_seconds)  # the stages' load is not a token's
+                np.testing.assert_array_equal(tokens, expected)
         one_s, ray_s = statistics.median(local), statistics.median(remote)
-        out["speed"][batch] = {
+        out["speed"].append({
+            "sequences": batch, "micro_batches": groups,
             "one_process_ms_per_token": 1000 * one_s / args.new, "ray_ms_per_token": 1000 * ray_s / args.new,
             "one_process_tokens_per_s": batch * args.new / one_s, "ray_tokens_per_s": batch * args.new / ray_s,
-        }
-        print(f"{batch} sequence(s): one process {1000 * one_s / args.new:.1f} ms a token, Ray stages "
-              f"{1000 * ray_s / args.new:.1f} ms a token: latency {ray_s / one_s:.2f}x, throughput {one_s / ray_s:.2f}x "
-              f"(tokens equal)", flush=True)
+        })
+        print(f"{batch} sequence(s) in {groups} micro-batch(es): one process {1000 * one_s / args.new:.1f} ms a token "
+              f"({batch * args.new / one_s:.0f} tokens/s), Ray stages {1000 * ray_s / args.new:.1f} ms a token "
+              f"({batch * args.new / ray_s:.0f} tokens/s): latency {ray_s / one_s:.2f}x, throughput {one_s / ray_s:.2f}x "
+              "(tokens equal)", flush=True)
     memory = whole_memory(whole, args.new)
     out["whole_file"] = memory
     out["stages"] = last.stages
