@@ -246,7 +246,7 @@ class _Cluster:
         ray = self.ray
         failed = getattr(error, "actor_id", None)
         for k, actor in enumerate(self.actors):  # the stage whose worker died, when Ray says which
-            if failed is not None and actor._actor_id.hex() == failed:
+            if failed is not None and getattr(getattr(actor, "_actor_id", None), "hex", lambda: None)() == failed:
                 index = k
         if isinstance(error, ray.exceptions.RayTaskError) and isinstance(error.cause, OnnxModularError):
             return PipelineError(f"stage {index} failed ({what}): {_reason(error.cause)}", stage_index=index)
