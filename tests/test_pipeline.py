@@ -364,3 +364,5 @@ def test_ray_options_without_ray_are_refused(llama, capsys):
         onnx_modular.generate(stages, [[1, 2]], micro_batches=2)
     assert main(["generate", str(whole), "--input-ids", "1,2", "--ray", "127.0.0.1:1"]) == 2  # a file is no stages folder
     assert "holds no manifest.json" in capsys.readouterr().err
+    assert main(["generate", str(whole), "--input-ids", "1,2", "--threads", "1"]) == 2
+    assert "--threads sets the threads of a split folder's stages" in capsys.readouterr().err

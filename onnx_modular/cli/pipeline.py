@@ -42,7 +42,11 @@ def uses_pipeline(args: argparse.Namespace) -> bool:
                     if getattr(args, n) is not None]
         if ray_only:
             raise InvalidInputError(f"{', '.join(ray_only)} go with --ray.", hint="onnx-modular generate STAGES_DIR --ray ADDR ...")
-    return args.ray is not None or is_split_folder(args.model)
+    pipeline = args.ray is not None or is_split_folder(args.model)
+    if not pipeline and args.threads is not None:
+        raise InvalidInputError("--threads sets the threads of a split folder's stages; this is one file.",
+                                hint="Drop --threads, or give the folder split wrote.")
+    return pipeline
 
 
 def _resources(text: str | None):

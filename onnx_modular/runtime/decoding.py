@@ -73,4 +73,9 @@ def generate(
         raise InvalidInputError(f"{', '.join(given)} go with ray_address=.", hint="Pass ray_address='IP:PORT'.")
     if is_split_folder(path):
         return generate_stages(path, input_ids, max_new_tokens, threads=threads, execution_provider=execution_provider)
+    if threads is not None:
+        from onnx_modular.errors import InvalidInputError
+
+        raise InvalidInputError("threads= sets the threads of a split folder's stages; this is one file or a --generation folder.",
+                                hint="Drop threads=, or give the folder split wrote.")
     return generation.generate(path, input_ids, max_new_tokens, execution_provider=execution_provider)
