@@ -295,6 +295,14 @@ def test_stages_the_cluster_cannot_place_are_refused_in_bounded_time(llama, clus
     assert err.count("\n") == 1 and "needs 3 nodes" in err and "it has 1 alive" in err, err
 
 
+def test_a_stage_that_gives_no_answer_in_time_is_named(llama, cluster, capsys):
+    _, _, stages = llama
+    address, _ = cluster
+    assert main(["generate", str(stages), *_ids(PROMPTS[:1]), "--ray", address, "--timeout", "0.001"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: [pipeline] stage 0 gave no answer within 0.001 s (loading).") and err.count("\n") == 1
+
+
 def test_bad_stages_and_addresses_fail_before_any_worker(llama, tmp_path, capsys):
     pytest.importorskip("ray")
     _, _, stages = llama
@@ -366,3 +374,54 @@ def test_ray_options_without_ray_are_refused(llama, capsys):
     assert "holds no manifest.json" in capsys.readouterr().err
     assert main(["generate", str(whole), "--input-ids", "1,2", "--threads", "1"]) == 2
     assert "--threads sets the threads of a split folder's stages" in capsys.readouterr().err
+
+
+def _stage_model(inputs: dict[str, list], outputs: dict[str, list]):
+    from onnx import TensorProto, helper
+
+    def value(name, dims):
+        elem = TensorProto.INT64 if name in ("input_ids", "attention_mask", "position_ids", "cache_position") else TensorProto.FLOAT
+        return helper.make_tensor_value_info(name, elem, dims)
+
+    graph = helper.make_graph([], "stage", [value(n, d) for n, d in inputs.items()], [value(n, d) for n, d in outputs.items()])
+    return helper.make_model(graph)
+
+
+@pytest.mark.parametrize("names", [
+    ("input.past_key_values.layers.{i}.{kind}s", "output.past_key_values.layers.{i}.{kind}s"),
+    ("past_key_values.{i}.{kind}", "present.{i}.{kind}"),
+])
+def test_the_genai_pipeline_config_reads_either_cache_names_torch_free(names):
+    """Two stages of one layer each, from ONNX declarations alone: the templates, sizes and entries."""
+    from onnx_modular.files.genai_config import GenaiError
+    from onnx_modular.files.genai_pipeline import pipeline_config
+    from onnx_modular.runtime.pipeline import StagePlan
+
+    past, present = names
+    cache = {i: {kind: (past.format(i=i, kind=kind), present.format(i=i, kind=kind)) for kind in ("key", "value")} for i in (0, 1)}
+    kv = ["batch", 2, "past", 16]
+    plans, models = [], []
+    for i in (0, 1):
+        ins = {"input_ids": ["batch", "seq"], "attention_mask": ["batch", "total"]} if i == 0 else {"hidden": ["batch", "seq", 32]}
+        ins.update({cache[i][k][0]: kv for k in ("key", "value")})
+        outs = {cache[i][k][1]: kv for k in ("key", "value")}
+        outs.update({"hidden": ["batch", "seq", 32]} if i == 0 else {"logits": ["batch", "seq", 50]})
+        sources = {n: ("stage_0/hidden" if n == "hidden" else n) for n in ins}
+        plans.append(StagePlan(i, f"/x/stage_{i}/model.onnx", sources, tuple(outs),
+                               {f"{k}{i}": (cache[i][k][0], cache[i][k][1]) for k in ("key", "value")}))
+        models.append(_stage_model(ins, outs))
+    config = pipeline_config(plans, models, {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2,
+                                              "max_position_embeddings": 64, "eos_token_id": 2})
+    decoder = config["model"]["decoder"]
+    assert config["model"]["type"] == "decoder-pipeline" and config["model"]["vocab_size"] == 50
+    assert decoder["inputs"] == {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                                 "past_key_names": past.format(i="%d", kind="key"),
+                                 "past_value_names": past.format(i="%d", kind="value")}
+    assert decoder["outputs"]["present_key_names"] == present.format(i="%d", kind="key")
+    assert (decoder["num_hidden_layers"], decoder["num_key_value_heads"], decoder["head_size"]) == (2, 2, 16)
+    assert [list(entry) for entry in decoder["pipeline"]] == [["stage_0"], ["stage_1"]]
+    assert decoder["pipeline"][1]["stage_1"]["filename"] == "stage_1/model.onnx"
+    # an input genai does not feed is refused, naming the stage
+    plans[0].inputs["cache_position"] = "cache_position"
+    with pytest.raises(GenaiError, match="stage 0 takes 'cache_position'"):
+        pipeline_config(plans, models, {"eos_token_id": 2})

@@ -176,7 +176,7 @@ class _Cluster:
         self.joined = False
         self._streams = None
         if not self.ray.is_initialized():
-            _probe(address, min(timeout, 10.0))
+            _probe(address, min(max(timeout, 2.0), 10.0))
             # Ray's driver prints what the cluster reports ("(raylet) A worker died ...") on this
             # process's stdout from a thread of its own; the run's own error says it in one line, and
             # stdout stays the command's (--json -). Restored once the session is shut down.
