@@ -86,8 +86,9 @@ def _plan(k: int, stage: dict, file: pathlib.Path, read_later: set[str], last: b
     inputs = {v.name: v for v in model.graph.input}
     outputs = [v.name for v in model.graph.output]
     if set(stage["inputs"]) != set(inputs):
-        raise _bad_stage(k, f"the manifest lists the inputs {sorted(map(shown, stage['inputs']))[:6]}, the file "
-                            f"{shown(stage['file'])!r} declares {sorted(map(shown, inputs))[:6]}.")
+        listed, declared = sorted(set(stage["inputs"]) - set(inputs)), sorted(set(inputs) - set(stage["inputs"]))
+        raise _bad_stage(k, f"the manifest and the file {shown(stage['file'])!r} disagree on its inputs: only in the "
+                            f"manifest {[shown(n) for n in listed[:4]]}, only in the file {[shown(n) for n in declared[:4]]}.")
     missing = [name for name in stage["outputs"] if name not in outputs]
     if missing:
         raise _bad_stage(k, f"the manifest lists outputs {[shown(n) for n in missing[:4]]} that the file "
