@@ -58,7 +58,7 @@ _LAZY = {
     "convert": "onnx_modular.files.convert.tool",
     "Conversion": "onnx_modular.files.convert.tool",
     "modularize": "onnx_modular.files.modularize.tool",
-    "generate": "onnx_modular.runtime.generation",
+    "generate": "onnx_modular.runtime.decoding",
     "ModularizeReport": "onnx_modular.files.modularize.tool",
     "optimize": "onnx_modular.files.optimize.tool",
     "OptimizeReport": "onnx_modular.files.optimize.tool",

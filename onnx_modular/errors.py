@@ -28,6 +28,7 @@ __all__ = [
     "MissingWeightError",
     "UnexpectedWeightError",
     "WeightShapeError",
+    "PipelineError",
 ]
 
 #: The one home of stage names. ``export_modular``'s stages, in the order they end (``verify``
@@ -182,3 +183,18 @@ class UnexpectedWeightError(WeightsError):
 
 class WeightShapeError(WeightsError):
     """A tensor in the weights has another shape than the parameter it is for."""
+
+
+class PipelineError(OnnxModularError):
+    """A stage of a pipeline run (a split decoder's stages on Ray workers) failed: its worker died,
+    gave no answer in time, could not load its stage, or the cluster could not be joined or could
+    not place the stages. The message is one line and names the stage (``stage_index``: ``None``
+    when no stage is involved, as for joining the cluster). Nothing is written."""
+
+    stage = "pipeline"
+
+    def __init__(self, message: str, *, stage_index: int | None = None, hint: str | None = None):
+        self.stage_index = stage_index
+        super().__init__(message, hint=hint)
+        # One line, whatever the cause: a command line prints it as the whole story.
+        self.args = (" ".join(f"[{self.stage}] {message}".split()) + (f" What to do: {hint}" if hint else ""),)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from onnx_modular.check.parity import user_tolerance
 from onnx_modular.cli.output import EXIT_MISMATCH, EXIT_OK, Mismatch, emit_json, stderr, stdout
+from onnx_modular.cli.pipeline import run_pipeline, uses_pipeline
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.files import function_tree, inline_file, load_model_file, random_inputs
 from onnx_modular.runtime.inputs import feeds_from_arrays, load_arrays
@@ -180,6 +181,8 @@ def run_generate(args: argparse.Namespace) -> int:
         ) from None
     if len({len(row) for row in rows}) != 1 or not rows[0]:
         raise InvalidInputError("Every --input-ids needs the same number of tokens (one or more).", hint="--input-ids 1,2,3 --input-ids 4,5,6")
+    if uses_pipeline(args):  # a split folder's stages, here or on Ray workers (docs/pipeline.md)
+        return run_pipeline(args, rows)
     tokens = generate(args.model, rows, max_new_tokens=args.max_new_tokens)
     data = [{"prompt": ids, "new": [int(t) for t in row[len(ids):]]} for row, ids in zip(tokens, rows)]
     if emit_json(args.json, data):

@@ -355,10 +355,12 @@ def _print_genai(args: argparse.Namespace, folder: Any) -> int:
         stdout(folder.report)
     if folder.check is not None:
         stdout(f"Generation: {folder.check}")
-    stdout(f"Wrote {folder.path}/ (model.onnx {stored_bytes(model) / 1e6:.1f} MB, genai_config.json: "
+    pipeline = folder.config["model"]["decoder"].get("pipeline")
+    files = (f"{len(pipeline)} stages, decoder.pipeline" if pipeline else f"model.onnx {stored_bytes(model) / 1e6:.1f} MB")
+    stdout(f"Wrote {folder.path}/ ({files}, genai_config.json: "
            f"type {folder.config['model']['type']!r}, past_present_share_buffer "
            f"{str(folder.config['search']['past_present_share_buffer']).lower()})")
-    if hasattr(args, "depth"):
+    if hasattr(args, "depth") and not pipeline:
         _print_tree(args, function_tree(load_model_file(model, values=False)), str(model))
     return EXIT_OK
 

@@ -7,6 +7,7 @@ import argparse
 
 from onnx_modular.cli import commands as handlers
 from onnx_modular.cli import exporting
+from onnx_modular.cli.pipeline import add_pipeline_options
 
 
 def _json_option(parser: argparse.ArgumentParser, what: str) -> None:
@@ -444,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint's config.json and generation_config.json, copy the tokenizer files, and check the folder through "
         "onnxruntime-genai's Generator against transformers' generate (greedy). docs/genai.md.",
     )
-    genai.add_argument("model", help="the .onnx file (past_key_values.N.key/value in, present.N.key/value out)")
+    genai.add_argument("model", help="the .onnx file (past_key_values.N.key/value in, present.N.key/value out), or a "
+                       "folder split wrote from a with-cache file (genai's decoder pipeline, one stage a file)")
     genai.add_argument("--checkpoint", required=True, metavar="CKPT", help="the checkpoint folder it was exported from")
     genai.add_argument("-o", "--output", required=True, metavar="DIR", help="the folder to write")
     genai.add_argument("--no-check", action="store_true", help="do not run the folder through genai")
@@ -481,12 +483,13 @@ def build_parser() -> argparse.ArgumentParser:
         "or a --generation folder (prefill.onnx + decode.onnx) greedily in onnxruntime: an empty past first, "
         "then each returned cache fed back. Prints the prompt and the new token ids (onnx_modular.generate).",
     )
-    gen.add_argument("model", help="the .onnx file or the --generation folder")
+    gen.add_argument("model", help="the .onnx file, the --generation folder, or a folder split wrote from a with-cache file")
     gen.add_argument(
         "--input-ids", required=True, action="append", metavar="IDS",
         help="the prompt's token ids, comma-separated (1,306,4966); repeat for a batch of equal lengths",
     )
     gen.add_argument("--max-new-tokens", type=_positive, default=20, metavar="N", help="tokens to add (default 20)")
-    _json_option(gen, "the token ids")
+    add_pipeline_options(gen)
+    _json_option(gen, "the token ids (a split folder: {tokens, stages})")
     gen.set_defaults(run=handlers.run_generate)
     return parser

@@ -30,6 +30,7 @@ __all__ = [
     "RUNTIME_TYPES",
     "DecoderIO",
     "GenaiError",
+    "config_for",
     "decoder_io",
     "genai_config",
     "genai_type",
@@ -214,10 +215,32 @@ def genai_config(
         GenaiError: The file's inputs and outputs are not what genai drives (:func:`decoder_io`),
             or the checkpoint names no end-of-sequence token.
     """
-    generation = generation or {}
     io = decoder_io(model)
     if share_buffer is None:
         share_buffer = uses_group_query_attention(model)
+    return config_for(io, config, generation, filename=filename, share_buffer=share_buffer, context_length=context_length,
+                      intra_op_threads=intra_op_threads)
+
+
+def config_for(
+    io: DecoderIO,
+    config: dict,
+    generation: dict | None = None,
+    *,
+    filename: str | None = "model.onnx",
+    share_buffer: bool = False,
+    context_length: int | None = None,
+    intra_op_threads: int | None = None,
+    names: tuple[str, str, str, str] = (*PAST_NAMES, *PRESENT_NAMES),
+) -> dict:
+    """The ``genai_config.json`` (a dict) of a decoder whose inputs and cache are ``io``, with
+    ``names`` the templates of its cache (past key, past value, present key, present value;
+    ``%d`` the layer); without ``filename`` the decoder names no file (a pipeline lists its own).
+
+    Raises:
+        GenaiError: A shared buffer with layers of different geometries, or no end-of-sequence token.
+    """
+    generation = generation or {}
     if share_buffer and not io.uniform:
         raise GenaiError(
             "A shared past/present buffer is allocated alike for every layer from the config's num_key_value_heads and "
@@ -236,25 +259,28 @@ def genai_config(
         if generation.get(key) is not None and key not in ("early_stopping", "min_length"):
             search[key] = generation[key]
     search.update(max_length=int(context), past_present_share_buffer=bool(share_buffer))
+    decoder: dict[str, Any] = {
+        "session_options": session,
+        "filename": filename,
+        "head_size": io.head_size,
+        "hidden_size": int(hidden) if hidden is not None else io.kv_heads * io.head_size,
+        "inputs": {
+            **{name: name for name in io.inputs},
+            "past_key_names": names[0],
+            "past_value_names": names[1],
+        },
+        "outputs": {"logits": "logits", "present_key_names": names[2], "present_value_names": names[3]},
+        "num_attention_heads": int(heads) if heads is not None else io.kv_heads,
+        "num_hidden_layers": io.layers,
+        "num_key_value_heads": io.kv_heads,
+    }
+    if filename is None:
+        del decoder["filename"]
     return {
         "model": {
             "bos_token_id": bos,
             "context_length": int(context),
-            "decoder": {
-                "session_options": session,
-                "filename": filename,
-                "head_size": io.head_size,
-                "hidden_size": int(hidden) if hidden is not None else io.kv_heads * io.head_size,
-                "inputs": {
-                    **{name: name for name in io.inputs},
-                    "past_key_names": PAST_NAMES[0],
-                    "past_value_names": PAST_NAMES[1],
-                },
-                "outputs": {"logits": "logits", "present_key_names": PRESENT_NAMES[0], "present_value_names": PRESENT_NAMES[1]},
-                "num_attention_heads": int(heads) if heads is not None else io.kv_heads,
-                "num_hidden_layers": io.layers,
-                "num_key_value_heads": io.kv_heads,
-            },
+            "decoder": decoder,
             "eos_token_id": eos,
             "pad_token_id": pad,
             "type": genai_type(_first(config, "model_type")),

@@ -46,11 +46,14 @@ from onnx_modular.check.dispatch import verify_export
 from onnx_modular.check.parity import user_tolerance
 from onnx_modular.errors import InvalidInputError, MissingDependencyError, ParityError
 from onnx_modular.files.genai_config import GenaiError, decoder_io, genai_config
+from onnx_modular.files.genai_pipeline import STAGE_FILE, pipeline_config
 from onnx_modular.hf import command
 from onnx_modular.hf.checkpoint import dynamic_shapes, load_checkpoint, model_and_inputs, optimum_io_names
 from onnx_modular.hf.exporter import ModularOnnxConfig, ModularOnnxExporter, modular_result
 from onnx_modular.hf.versions import cache_argument, returned_cache
+from onnx_modular.runtime.pipeline import MANIFEST, is_split_folder, read_stages
 from onnx_modular.storage import locks, save
+from onnx_modular.storage.folders import check_output_folder, new_folder
 from onnx_modular.storage.load import load_model_file
 
 __all__ = ["GENAI_STAGES", "GenaiFolder", "GenerationCheck", "check_generation", "export_genai", "write_genai_folder"]
@@ -359,6 +362,52 @@ def export_genai(
     return folder
 
 
+def _copy_stages(plans: list, folder: pathlib.Path, staged: pathlib.Path) -> list[onnx.ModelProto]:
+    """Each stage's file and its external data copied to ``staged/stage_<k>/``, the manifest
+    rewritten to name them (the folder is a split folder too); their structures, in order."""
+    manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    models = []
+    for plan, stage in zip(plans, manifest["stages"]):
+        source = pathlib.Path(plan.file)
+        target = staged / (STAGE_FILE % plan.index)
+        target.parent.mkdir()
+        shutil.copyfile(source, target)
+        for location in sorted(save.referenced_data(source)):
+            shutil.copyfile(source.parent / location, target.parent / location)
+        stage["file"] = STAGE_FILE % plan.index
+        models.append(load_model_file(target, values=False))
+    (staged / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return models
+
+
+def _write_pipeline_folder(
+    folder: pathlib.Path, checkpoint: pathlib.Path, output: pathlib.Path, *, check: bool, keep_on_mismatch: bool,
+    steps: int, prompt: list[int] | None, share_buffer: bool | None, intra_op_threads: int | None,
+) -> GenaiFolder:
+    """:func:`write_genai_folder` of a folder ``split`` wrote: genai's decoder pipeline, one stage a file."""
+    plans = read_stages(folder)  # the manifest as untrusted input, each stage against its file
+    output = check_output_folder(output)  # stage folders inside: a new folder, moved in whole
+    command.check_checkpoint_links(checkpoint)
+    hf_config = _read_json(checkpoint, "config.json")
+    if hf_config is None:
+        raise InvalidInputError(f"{str(checkpoint)!r} has no config.json.", hint="Give the checkpoint folder save_pretrained wrote.")
+    with new_folder(output, "the genai folder", hint="Check free disk space and permissions.") as staged:
+        models = _copy_stages(plans, folder, staged)
+        written = pipeline_config(plans, models, hf_config, _read_json(checkpoint, "generation_config.json"),
+                                  share_buffer=share_buffer, intra_op_threads=intra_op_threads)
+        (staged / CONFIG_FILE).write_text(json.dumps(written, indent=4) + "\n", encoding="utf-8")
+        for name, mode in command._copy_runtime_files(str(checkpoint), staged).items():
+            os.chmod(staged / name, os.stat(staged / name).st_mode & mode)
+        generation = None
+        if check:
+            model = load_checkpoint(checkpoint, "causal-lm-with-past")
+            generation = check_generation(staged, model, prompt=prompt, steps=steps)
+            _checked(generation, keep_on_mismatch)
+    result = GenaiFolder(output, written, generation)
+    _checked(generation, False)
+    return result
+
+
 def write_genai_folder(
     model_path: str | os.PathLike,
     checkpoint: str | os.PathLike,
@@ -379,7 +428,13 @@ def write_genai_folder(
     configs, the tokenizer files copied; checked through genai against ``generate`` of the
     checkpoint's model when ``check``.
 
+    ``model_path`` may also be a folder ``split`` wrote from a with-cache file (``--task
+    causal-lm-with-past``, either names): the stages are copied in as ``stage_<k>/model.onnx``
+    with the manifest, and ``genai_config.json`` runs them as genai's decoder pipeline
+    (:func:`~onnx_modular.files.genai_pipeline.pipeline_config`; docs/pipeline.md).
+
     Raises:
+        InvalidInputError: A split folder whose manifest does not match its stages (the stage named).
         GenaiError: The file's inputs or outputs are not what genai drives (a sliding-window
             cache exported without --genai, transformers' cache names), or genai cannot run it.
         ParityError: genai's tokens differ from ``generate`` (nothing written unless ``keep_on_mismatch``).
@@ -387,6 +442,13 @@ def write_genai_folder(
     model_path, checkpoint, output = pathlib.Path(model_path), pathlib.Path(checkpoint), pathlib.Path(output)
     if output.suffix == ".onnx" or output.is_file():
         raise InvalidInputError(f"{str(output)!r} must be a folder (model.onnx, genai_config.json, tokenizer files).")
+    if is_split_folder(model_path):
+        if optimize:
+            raise InvalidInputError("--optimize rewrites one file; a split folder's stages are copied as they are.",
+                                    hint="Optimize the whole file first (onnx-modular optimize), then split it.")
+        return _write_pipeline_folder(model_path, checkpoint, output, check=check, keep_on_mismatch=keep_on_mismatch,
+                                      steps=steps, prompt=prompt, share_buffer=share_buffer,
+                                      intra_op_threads=intra_op_threads)
     structure = load_model_file(model_path, values=False)
     decoder_io(structure)  # the file's names and cache, before anything is copied
     save.check_destination(output / CONFIG_FILE if output.is_dir() else output)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ import numpy as np
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.runtime.sessions import run, session
 
-__all__ = ["generate", "generate_with_sessions", "cache_key", "decoder_files"]
+__all__ = ["generate", "generate_with_sessions", "cache_key", "decoder_files", "greedy_steps", "step_inputs", "MADE_INPUTS"]
 
 #: onnxruntime's type names -> numpy dtypes of the inputs the loop makes.
 _DTYPES = {
@@ -42,6 +42,8 @@ _DTYPES = {
     "tensor(int32)": np.int32,
 }
 _MADE = ("input_ids", "attention_mask", "position_ids", "cache_position")
+#: The inputs the loop makes each step (the cache aside): :func:`step_inputs`.
+MADE_INPUTS = _MADE
 
 
 def cache_key(name: str) -> str:
@@ -149,7 +151,11 @@ def _dtype(arg: Any) -> type:
     return dtype
 
 
-def _feeds(signature: _Signature, step: np.ndarray, past: int, cache: dict[str, np.ndarray], what: str) -> dict:
+def step_inputs(inputs: dict[str, Any], step: np.ndarray, past: int) -> dict[str, np.ndarray]:
+    """The inputs the loop makes for one step of ``step`` (``[batch, length]`` token ids) after
+    ``past`` cached positions, for those of :data:`MADE_INPUTS` that ``inputs`` (name -> onnxruntime
+    NodeArg) declares, in the dtype each declares: the ids, a mask of ones over ``past + length``,
+    the positions ``past .. past + length - 1`` as ``position_ids`` and ``cache_position``."""
     batch, length = step.shape
     positions = np.arange(past, past + length, dtype=np.int64)
     made = {
@@ -158,14 +164,36 @@ def _feeds(signature: _Signature, step: np.ndarray, past: int, cache: dict[str, 
         "position_ids": np.broadcast_to(positions, (batch, length)),
         "cache_position": positions,
     }
-    feeds = {}
-    for name, arg in signature.inputs.items():
-        if name in made:
-            feeds[name] = made[name].astype(_dtype(arg), copy=False)
+    return {name: made[name].astype(_dtype(arg), copy=False) for name, arg in inputs.items() if name in made}
+
+
+def empty_past(arg: Any, batch: int, what: str) -> np.ndarray:
+    """``[batch, kv_heads, 0, head_dim]`` in the dtype the file declares for the cache input ``arg``."""
+    return _empty_past(arg, batch, what)
+
+
+def _feeds(signature: _Signature, step: np.ndarray, past: int, cache: dict[str, np.ndarray], what: str) -> dict:
+    feeds = step_inputs(signature.inputs, step, past)
     for key, name in signature.cache_inputs.items():
         value = cache.get(key)
-        feeds[name] = _empty_past(signature.inputs[name], batch, what) if value is None else value
+        feeds[name] = _empty_past(signature.inputs[name], step.shape[0], what) if value is None else value
     return feeds
+
+
+def greedy_steps(tokens: np.ndarray, max_new_tokens: int) -> Generator[tuple[np.ndarray, int], np.ndarray, np.ndarray]:
+    """The greedy loop as a generator, for any way of running the model: yields ``(step, past)``
+    (the ids to run, ``[batch, length]``, after ``past`` cached positions: the prompt first, then
+    one token a step) and is sent the last position's logits (``[batch, vocab]``); returns the
+    prompt followed by ``max_new_tokens`` tokens. One loop for one session, a prefill and a decode
+    session, and a split decoder's stages in one process or on Ray workers (``runtime/pipeline.py``),
+    several sequences of which are driven at once."""
+    step, past = tokens, 0
+    for _ in range(max_new_tokens):
+        logits = yield step, past
+        past += step.shape[1]
+        step = np.asarray(logits).argmax(axis=-1).astype(np.int64)[:, None]
+        tokens = np.concatenate([tokens, step], axis=1)
+    return tokens
 
 
 def generate_with_sessions(prefill: Any, decode: Any, input_ids: Any, max_new_tokens: int) -> np.ndarray:
@@ -194,17 +222,18 @@ def generate_with_sessions(prefill: Any, decode: Any, input_ids: Any, max_new_to
             hint="Give the prefill and decode files of one export (`export --generation`), or one with-cache file.",
         )
     cache: dict[str, np.ndarray] = {}
-    step, past, what = tokens, 0, "prefill"
-    for _ in range(max_new_tokens):
-        signature = steps[what]
-        names, outputs = run(signature.session, _feeds(signature, step, past, cache, what), what=f"{what} step")
-        values = dict(zip(names, outputs))
-        cache = {key: values[name] for key, name in signature.cache_outputs.items()}
-        past += step.shape[1]
-        step = values[signature.logits][:, -1, :].argmax(axis=-1).astype(np.int64)[:, None]
-        tokens = np.concatenate([tokens, step], axis=1)
-        what = "decode"
-    return tokens
+    loop, what = greedy_steps(tokens, max_new_tokens), "prefill"
+    try:
+        step, past = next(loop)
+        while True:
+            signature = steps[what]
+            names, outputs = run(signature.session, _feeds(signature, step, past, cache, what), what=f"{what} step")
+            values = dict(zip(names, outputs))
+            cache = {key: values[name] for key, name in signature.cache_outputs.items()}
+            what = "decode"
+            step, past = loop.send(values[signature.logits][:, -1, :])
+    except StopIteration as done:
+        return done.value
 
 
 def generate(
