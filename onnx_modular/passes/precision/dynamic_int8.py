@@ -1,0 +1,252 @@
+"""Dynamic int8 inside the bodies of a ``ModelProto``: constant MatMul/Gemm weights to int8, activations
+quantized at run time (onnxruntime's ``com.microsoft.DynamicQuantizeMatMul``).
+
+No ONNX quantizer looks inside local functions (onnxruntime's ``quantize_dynamic`` rewrites the main
+graph only), so this pass does what ``quantize_dynamic`` does, in the bodies:
+
+- a ``MatMul`` (or ``Gemm`` without ``transA``/``alpha``/``beta``) whose second input is a constant
+  2-D float32 weight (a main-graph initializer passed down through formal inputs, read nowhere else:
+  the same rule as :mod:`~onnx_modular.passes.precision.quantize_weights`, whose threading is reused)
+  becomes ``DynamicQuantizeMatMul(x, weight_int8, weight_scale)``; the ``Add`` of a constant 1-D bias
+  right after it (``nn.Linear``'s body) becomes the op's ``bias`` input;
+- the weights are int8, symmetric, one scale per output column (onnxruntime's
+  ``quant_utils.quantize_nparray`` and ``get_qmin_qmax_for_qType``: -127..127), packed one tensor at a
+  time when the file is written (:attr:`DynamicInt8.sources`);
+- ``com.microsoft.Attention`` on packed constant weights (what ``optimize``'s ``mha`` step writes) is
+  opened first into ``MatMul`` + ``Split`` + ``MultiHeadAttention`` (the bias, the mask as
+  ``attention_bias``, ``num_heads`` and ``scale`` kept), so its GEMM is quantized like the others
+  (onnxruntime's ``QAttention`` takes no ``attention_bias``).
+
+Every quantized node can also run *weight-only* (:func:`to_weight_only`): the same int8 weight
+dequantized (``DequantizeLinear``, per column) into a float ``MatMul``: the rounding of the weights
+only, float compute. :mod:`onnx_modular.files.optimize.encoder_guard` chooses per call.
+
+Entry: :func:`quantize_dynamic_int8`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import onnx
+import onnx.helper
+import onnx.numpy_helper
+
+from onnx_modular.passes.precision.quantize_weights import _COMPUTED, FLOAT, MS_DOMAIN, _Quantizer, _unused_name
+from onnx_modular.passes.proto_bodies import Body, call_sites, ensure_opset, function_id, uses
+
+__all__ = ["DYNAMIC_OP", "DynamicInt8", "quantize_dynamic_int8", "open_attention", "to_weight_only", "is_dynamic"]
+
+#: The op of a dynamically quantized MatMul.
+DYNAMIC_OP = "DynamicQuantizeMatMul"
+#: Suffixes of the int8 weight and its per-column scales (main-graph initializers and formal inputs).
+PARTS = ("_int8", "_scale")
+
+
+@dataclasses.dataclass
+class DynamicInt8:
+    """What :func:`quantize_dynamic_int8` did.
+
+    Attributes:
+        quantized: The ``DynamicQuantizeMatMul`` made, as ``(body label, node name)``.
+        opened: The ``Attention`` nodes opened into ``MatMul`` + ``Split`` + ``MultiHeadAttention``.
+        skipped: Weight-reading nodes left float, as ``(body label, node, reason)``.
+        sources: New main-graph initializer -> a function computing its values.
+    """
+
+    quantized: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    opened: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    sources: dict[str, Callable[[], np.ndarray]] = dataclasses.field(default_factory=dict)
+
+
+def is_dynamic(node: onnx.NodeProto) -> bool:
+    return node.op_type == DYNAMIC_OP and node.domain == MS_DOMAIN
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def open_attention(body: Body, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """``Attention(x, w, b, [mask_index, past,] attention_bias)`` as ``MatMul`` + ``Split`` +
+    ``MultiHeadAttention`` (same outputs), or ``None`` when the node uses what MultiHeadAttention
+    has no input for (a mask index, a past, ``unidirectional`` and the like)."""
+    inputs = list(node.input) + [""] * (6 - len(node.input))
+    attrs = _attrs(node)
+    if any(inputs[3:5]) or len(node.output) > 1 or set(attrs) - {"num_heads", "scale", "qkv_hidden_sizes"}:
+        return None
+    heads = attrs["num_heads"]
+    sizes = list(attrs.get("qkv_hidden_sizes") or [])
+    if sizes and (sizes[0] != sizes[1]):
+        return None
+    packed = _unused_name(body, node.output[0] + "_qkv")
+    split_sizes = _unused_name(body, node.output[0] + "_qkv_sizes")
+    q, k, v = (_unused_name(body, f"{node.output[0]}_{role}") for role in "qkv")
+    made = [onnx.helper.make_node("MatMul", [inputs[0], inputs[1]], [packed], name=f"{node.name}_qkv_proj")]
+    split_inputs = [packed]
+    if sizes:
+        made.append(onnx.helper.make_node("Constant", [], [split_sizes], name=f"{node.name}_qkv_sizes",
+                                          value=onnx.numpy_helper.from_array(np.array(sizes, np.int64))))
+        split_inputs.append(split_sizes)
+        made.append(onnx.helper.make_node("Split", split_inputs, [q, k, v], name=f"{node.name}_qkv_split", axis=-1))
+    else:
+        made.append(onnx.helper.make_node("Split", split_inputs, [q, k, v], name=f"{node.name}_qkv_split", axis=-1,
+                                          num_outputs=3))
+    mha = {"num_heads": heads, **({"scale": attrs["scale"]} if "scale" in attrs else {})}
+    made.append(onnx.helper.make_node("MultiHeadAttention", [q, k, v, inputs[2], "", inputs[5]], list(node.output),
+                                      name=f"{node.name}_mha", domain=MS_DOMAIN, **mha))
+    for new in made:
+        new.metadata_props.extend(node.metadata_props)
+    return made
+
+
+def to_weight_only(body: Body, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """A ``DynamicQuantizeMatMul`` of this pass as ``DequantizeLinear`` (per column) + ``MatMul``
+    (+ ``Add`` of its bias): the same int8 weight, float compute. The nodes, in order."""
+    a, weight, scale = node.input[0], node.input[1], node.input[2]
+    bias = node.input[4] if len(node.input) > 4 else ""
+    dequantized = _unused_name(body, weight + "_dequantized")
+    made = [onnx.helper.make_node("DequantizeLinear", [weight, scale], [dequantized], name=f"{node.name}_dequantize", axis=1)]
+    product = node.output[0] if not bias else _unused_name(body, node.output[0] + "_matmul")
+    made.append(onnx.helper.make_node("MatMul", [a, dequantized], [product], name=f"{node.name}_weight_only"))
+    if bias:
+        made.append(onnx.helper.make_node("Add", [product, bias], [node.output[0]], name=f"{node.name}_bias"))
+    for new in made:
+        new.metadata_props.extend(node.metadata_props)
+    return made
+
+
+class _DynamicQuantizer(_Quantizer):
+    """quantize_weights' threading of constant weights through the call sites, with int8 per-column parts."""
+
+    def __init__(self, model: onnx.ModelProto, folder: str | None):  # noqa: D107 (no MatMulNBits packer)
+        self.model = model
+        self.folder = folder
+        self.parts = list(PARTS)
+        self.initializers = {t.name: t for t in model.graph.initializer}
+        self.sources: dict[str, Callable[[], np.ndarray]] = {}
+        self.done: set[tuple[int, str]] = set()
+        self.transposed: set[str] = set()
+
+    def _shapes(self, k: int, n: int) -> list[tuple[list[int], int]]:
+        return [([k, n], onnx.TensorProto.INT8), ([n], FLOAT)]
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (one quantizer per file; the two parts of a weight are written together)
+    def _pack(self, name: str) -> tuple[np.ndarray, ...]:
+        from onnxruntime.quantization.quant_utils import get_qmin_qmax_for_qType, quantize_nparray
+
+        array = onnx.numpy_helper.to_array(self.initializers[name], base_dir=self.folder or "").astype(np.float32)
+        if name in self.transposed:
+            array = np.ascontiguousarray(array.T)
+        _, qmax = get_qmin_qmax_for_qType(onnx.TensorProto.INT8, symmetric=True)
+        scale = np.abs(array).max(axis=0) / float(qmax)
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        quantized = quantize_nparray(onnx.TensorProto.INT8, array, scale[None, :], 0, -qmax, qmax)
+        return np.ascontiguousarray(quantized.astype(np.int8)), scale
+
+    def _bias(self, body, node: onnx.NodeProto, n: int) -> onnx.NodeProto | None:
+        """The ``Add`` of a constant ``[n]`` bias that alone reads the product, if any."""
+        readers = uses(body, node.output[0])
+        if len(readers) != 1 or node.output[0] in {getattr(v, "name", v) for v in body.output}:
+            return None
+        add, index = readers[0]
+        if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or index not in (0, 1):
+            return None
+        bias = add.input[1 - index]
+        return add if self._vector_shapes(body, bias) == {(n,)} else None
+
+    def _vector_shapes(self, body, name: str, depth: int = 0) -> set[tuple[int, ...]]:
+        """The shapes of the float32 initializers ``name`` is, through the call sites (empty: not a constant)."""
+        if body is self.model.graph:
+            tensor = self.initializers.get(name)
+            inputs = {v.name for v in body.input}
+            return {tuple(tensor.dims)} if tensor is not None and tensor.data_type == FLOAT and name not in inputs else set()
+        if name not in body.input or depth > 64:
+            return set()
+        index = list(body.input).index(name)
+        shapes: set[tuple[int, ...]] = set()
+        for caller, call in call_sites(self.model, function_id(body)):
+            if index >= len(call.input) or not call.input[index]:
+                return set()
+            found = self._vector_shapes(caller, call.input[index], depth + 1)
+            if not found:
+                return set()
+            shapes |= found
+        return shapes
+
+    def open_attentions(self, body, label: str) -> list[tuple[str, str]]:
+        opened = []
+        nodes: list = list(body.node)
+        for position, node in enumerate(nodes):
+            if node.op_type == "Attention" and node.domain == MS_DOMAIN and len(node.input) > 1:
+                if self._pure(body, node.input[1]) is None:
+                    made = open_attention(body, node)
+                    if made is not None:
+                        nodes[position] = made
+                        opened.append((label, node.name or node.output[0]))
+        if opened:
+            del body.node[:]
+            body.node.extend(n for item in nodes for n in (item if isinstance(item, list) else [item]))
+        return opened
+
+    def dynamic_body(self, body, label: str) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
+        done, skipped = [], []
+        nodes: list = list(body.node)
+        removed: set[int] = set()
+        for position, node in enumerate(nodes):
+            if isinstance(node, list) or node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm") \
+                    or len(node.input) < 2 or (node.op_type == "MatMul" and len(node.input) != 2):
+                continue
+            weight = node.input[1]
+            why = self._pure(body, weight)
+            transposed = False
+            if why is None:
+                why, transposed = self._weight_reason(body, node)
+            shapes = set() if why else self._source_shapes(body, weight, transposed)
+            if not why and len(shapes) != 1:
+                why = f"its calls pass weights of different shapes {sorted(shapes)}"
+            if why == _COMPUTED:
+                continue  # activations times activations (attention scores): not a weight
+            if why:
+                skipped.append((label, node.name or node.output[0], why))
+                continue
+            (k, n), = shapes
+            parts = self._split(body, weight, transposed)
+            output, bias = node.output[0], node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 else ""
+            add = self._bias(body, node, n) if not bias else None
+            if add is not None:
+                bias, output = add.input[1] if add.input[0] == node.output[0] else add.input[0], add.output[0]
+                removed.add(id(add))
+            made = onnx.helper.make_node(DYNAMIC_OP, [node.input[0], *parts, "", bias] if bias else [node.input[0], *parts],
+                                         [output], name=(node.name or output) + "_int8", domain=MS_DOMAIN)
+            made.metadata_props.extend(node.metadata_props)
+            nodes[position] = [made]
+            ensure_opset(self.model, body, MS_DOMAIN)
+            done.append((label, made.name))
+        del body.node[:]
+        body.node.extend(n for item in nodes for n in (item if isinstance(item, list) else [item]) if id(n) not in removed)
+        return done, skipped
+
+
+def quantize_dynamic_int8(model: onnx.ModelProto, bodies: Sequence[tuple[Body, str]], *,
+                          folder: str | None = None) -> DynamicInt8:
+    """Dynamic int8 for the MatMul/Gemm weights of ``bodies`` (``(body, label)`` of ``model``, changed
+    in place; ``Attention`` on constant packed weights opened first). ``folder``: where the external
+    data of ``model``'s initializers is (read when a new initializer's source is called).
+
+    Example::
+
+        done = quantize_dynamic_int8(model, [(f, f.name) for f in model.functions])
+    """
+    quantizer = _DynamicQuantizer(model, folder)
+    result = DynamicInt8(sources=quantizer.sources)
+    for body, label in bodies:
+        result.opened += quantizer.open_attentions(body, label)
+        done, left = quantizer.dynamic_body(body, label)
+        result.quantized += done
+        result.skipped += left
+    return result
