@@ -411,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "int8, float compute (repeatable)")
     opt.add_argument("--int8-tolerance", type=float, default=None, metavar="X",
                      help="an encoder with --quantize: the largest relative error ||got - float|| / ||float|| of an "
-                     "output before calls go weight-only (default 0.02)")
+                     "output before calls go weight-only (default 0.05)")
     opt.set_defaults(run=handlers.run_optimize)
 
     modular = commands.add_parser(

@@ -4,7 +4,7 @@ encoder has none).
 An encoder's quantized file has, in its bodies, nodes that can compute two ways (a :class:`Toggle`):
 the *fast* way (``DynamicQuantizeMatMul``: activations quantized to int8 at run time; or
 ``MatMulNBits`` at ``accuracy_level=4``) and the *safe* way (the same int8/int4 weights, float compute:
-``DequantizeLinear`` + ``MatMul``; ``accuracy_level=0``). :func:`choose` keeps every call fast unless
+``Cast`` + ``Mul`` + ``MatMul``; ``accuracy_level=0``). :func:`choose` keeps every call fast unless
 the outputs drift past the tolerance:
 
 1. Reference: the outputs of the float file on the runs given (the user's inputs, or random inputs of

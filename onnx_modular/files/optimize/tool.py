@@ -425,7 +425,7 @@ def optimize(
             random inputs of the file's own shapes, then with the masks half padding).
         weight_only: (encoder, ``int8``) modules kept weight-only int8 (call paths, classes, globs).
         int8_tolerance: (encoder) the largest relative error ``||got - float|| / ||float||`` of an
-            output allowed (default 0.02).
+            output allowed (default 0.05).
 
     Returns:
         An :class:`OptimizeReport` (``fused_classes``, ``attention``, ``added_inputs``, ``fusions``).

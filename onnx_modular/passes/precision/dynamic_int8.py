@@ -18,7 +18,8 @@ graph only), so this pass does what ``quantize_dynamic`` does, in the bodies:
   (onnxruntime's ``QAttention`` takes no ``attention_bias``).
 
 Every quantized node can also run *weight-only* (:func:`to_weight_only`): the same int8 weight
-dequantized (``DequantizeLinear``, per column) into a float ``MatMul``: the rounding of the weights
+dequantized (``Cast`` and ``Mul`` by the per-column scales, which onnxruntime folds into a float weight
+when it loads the file) into a float ``MatMul``: the rounding of the weights
 only, float compute. :mod:`onnx_modular.files.optimize.encoder_guard` chooses per call.
 
 Entry: :func:`quantize_dynamic_int8`.
@@ -105,12 +106,15 @@ def open_attention(body: Body, node: onnx.NodeProto) -> list[onnx.NodeProto] | N
 
 
 def to_weight_only(body: Body, node: onnx.NodeProto) -> list[onnx.NodeProto]:
-    """A ``DynamicQuantizeMatMul`` of this pass as ``DequantizeLinear`` (per column) + ``MatMul``
+    """A ``DynamicQuantizeMatMul`` of this pass as ``Cast`` + ``Mul`` by the per-column scales + ``MatMul``
     (+ ``Add`` of its bias): the same int8 weight, float compute. The nodes, in order."""
     a, weight, scale = node.input[0], node.input[1], node.input[2]
     bias = node.input[4] if len(node.input) > 4 else ""
-    dequantized = _unused_name(body, weight + "_dequantized")
-    made = [onnx.helper.make_node("DequantizeLinear", [weight, scale], [dequantized], name=f"{node.name}_dequantize", axis=1)]
+    widened, dequantized = _unused_name(body, weight + "_float"), _unused_name(body, weight + "_dequantized")
+    # Cast + Mul, not DequantizeLinear: onnxruntime fuses DequantizeLinear + MatMul into MatMulNBits
+    # computing in int8 (its session's default accuracy level 4); these fold into a float weight at load
+    made = [onnx.helper.make_node("Cast", [weight], [widened], name=f"{node.name}_widen", to=FLOAT),
+            onnx.helper.make_node("Mul", [widened, scale], [dequantized], name=f"{node.name}_dequantize")]
     product = node.output[0] if not bias else _unused_name(body, node.output[0] + "_matmul")
     made.append(onnx.helper.make_node("MatMul", [a, dequantized], [product], name=f"{node.name}_weight_only"))
     if bias:
@@ -123,7 +127,7 @@ def to_weight_only(body: Body, node: onnx.NodeProto) -> list[onnx.NodeProto]:
 class _DynamicQuantizer(_Quantizer):
     """quantize_weights' threading of constant weights through the call sites, with int8 per-column parts."""
 
-    def __init__(self, model: onnx.ModelProto, folder: str | None):  # noqa: D107 (no MatMulNBits packer)
+    def __init__(self, model: onnx.ModelProto, folder: str | None):  # no MatMulNBits packer: not the base's
         self.model = model
         self.folder = folder
         self.parts = list(PARTS)
@@ -148,8 +152,9 @@ class _DynamicQuantizer(_Quantizer):
         quantized = quantize_nparray(onnx.TensorProto.INT8, array, scale[None, :], 0, -qmax, qmax)
         return np.ascontiguousarray(quantized.astype(np.int8)), scale
 
-    def _bias(self, body, node: onnx.NodeProto, n: int) -> onnx.NodeProto | None:
-        """The ``Add`` of a constant ``[n]`` bias that alone reads the product, if any."""
+    def _bias(self, body, node: onnx.NodeProto) -> onnx.NodeProto | None:
+        """The ``Add`` of a constant 1-D bias (``[N]``: longer than 1, so the product's width, in a
+        valid model) that alone reads the product, if any."""
         readers = uses(body, node.output[0])
         if len(readers) != 1 or node.output[0] in {getattr(v, "name", v) for v in body.output}:
             return None
@@ -157,7 +162,7 @@ class _DynamicQuantizer(_Quantizer):
         if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or index not in (0, 1):
             return None
         bias = add.input[1 - index]
-        return add if self._vector_shapes(body, bias) == {(n,)} else None
+        return add if self._is_vector(body, bias) else None
 
     def _vector_shapes(self, body, name: str, depth: int = 0) -> set[tuple[int, ...]]:
         """The shapes of the float32 initializers ``name`` is, through the call sites (empty: not a constant)."""
@@ -177,6 +182,44 @@ class _DynamicQuantizer(_Quantizer):
                 return set()
             shapes |= found
         return shapes
+
+    def _rewritten(self, body, node: onnx.NodeProto, parts: list[str], removed: set[int]) -> list[onnx.NodeProto]:
+        """The ``DynamicQuantizeMatMul`` of ``node`` (its bias, or the Add's after it, as the op's ``bias``
+        when it is a vector; a Gemm's other ``C`` in an ``Add`` after it)."""
+        output, bias = node.output[0], node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 else ""
+        after = []
+        if bias and not self._is_vector(body, bias):
+            product = _unused_name(body, output + "_product")
+            after = [onnx.helper.make_node("Add", [product, bias], [output], name=(node.name or output) + "_bias")]
+            output, bias = product, ""
+        add = self._bias(body, node) if not bias and not after else None
+        if add is not None:
+            bias, output = add.input[1] if add.input[0] == node.output[0] else add.input[0], add.output[0]
+            removed.add(id(add))
+        made = onnx.helper.make_node(DYNAMIC_OP, [node.input[0], *parts, "", bias] if bias else [node.input[0], *parts],
+                                     [output], name=(node.name or output) + "_int8", domain=MS_DOMAIN)
+        for new in [made, *after]:
+            new.metadata_props.extend(node.metadata_props)
+        return [made, *after]
+
+    def _is_vector(self, body, name: str) -> bool:
+        shapes = self._vector_shapes(body, name)
+        return bool(shapes) and all(len(shape) == 1 and shape[0] > 1 for shape in shapes)
+
+    def _reaches_initializer(self, body, name: str, depth: int = 0) -> bool:
+        """Whether ``name`` is, in some call, a main-graph initializer (through formal inputs and transposes)."""
+        if depth > 64:
+            return False
+        if body is self.model.graph:
+            return name in self.initializers
+        producer = next((n for n in body.node if name in n.output), None)
+        if producer is not None:
+            return producer.op_type == "Transpose" and self._reaches_initializer(body, producer.input[0], depth + 1)
+        if name not in body.input:
+            return False
+        index = list(body.input).index(name)
+        return any(index < len(call.input) and self._reaches_initializer(caller, call.input[index], depth + 1)
+                   for caller, call in call_sites(self.model, function_id(body)))
 
     def open_attentions(self, body, label: str) -> list[tuple[str, str]]:
         opened = []
@@ -206,27 +249,16 @@ class _DynamicQuantizer(_Quantizer):
             transposed = False
             if why is None:
                 why, transposed = self._weight_reason(body, node)
-            shapes = set() if why else self._source_shapes(body, weight, transposed)
-            if not why and len(shapes) != 1:
-                why = f"its calls pass weights of different shapes {sorted(shapes)}"
-            if why == _COMPUTED:
+            # no shape attributes: calls may pass weights of different shapes (one scale vector each)
+            if why == _COMPUTED or (why and not self._reaches_initializer(body, weight)):
                 continue  # activations times activations (attention scores): not a weight
             if why:
                 skipped.append((label, node.name or node.output[0], why))
                 continue
-            (k, n), = shapes
             parts = self._split(body, weight, transposed)
-            output, bias = node.output[0], node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 else ""
-            add = self._bias(body, node, n) if not bias else None
-            if add is not None:
-                bias, output = add.input[1] if add.input[0] == node.output[0] else add.input[0], add.output[0]
-                removed.add(id(add))
-            made = onnx.helper.make_node(DYNAMIC_OP, [node.input[0], *parts, "", bias] if bias else [node.input[0], *parts],
-                                         [output], name=(node.name or output) + "_int8", domain=MS_DOMAIN)
-            made.metadata_props.extend(node.metadata_props)
-            nodes[position] = [made]
+            nodes[position] = self._rewritten(body, node, parts, removed)
             ensure_opset(self.model, body, MS_DOMAIN)
-            done.append((label, made.name))
+            done.append((label, nodes[position][0].name))
         del body.node[:]
         body.node.extend(n for item in nodes for n in (item if isinstance(item, list) else [item]) if id(n) not in removed)
         return done, skipped
