@@ -150,3 +150,44 @@ def test_attention_with_a_mask_index_is_left_as_it_is():
     done = quantize_dynamic_int8(model, [(f, f.name) for f in model.functions])
     assert done.opened == [] and done.quantized == []
     assert [n.op_type for n in model.functions[0].node] == ["Attention"]
+
+
+SKIP_TEXT = """
+<ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1, "com.microsoft" : 1]>
+main (float[2,3,8] x, float[2,3,8] r) => (float[2,3,8] y, float[2,3,8] s)
+<float[8] g, float[8] b>
+{
+    y, s = pkg.test.Output(x, r, g, b)
+}
+<domain: "pkg.test", opset_import: ["" : 18, "com.microsoft" : 1]>
+Output (x, r, g, b) => (out, total)
+{
+    out, mean, inv, total = com.microsoft.SkipLayerNormalization<epsilon: float = 1e-5>(x, r, g, b)
+}
+"""
+
+
+@pytest.mark.parametrize("statistics_read", [False, True])
+def test_skip_layer_norm_opened_into_sum_and_layer_norm(statistics_read):
+    """onnxruntime's CPU SkipLayerNormalization is slower than Sum + LayerNormalization (which it does not
+    fuse back); a node whose mean or inverse deviation is read stays."""
+    import onnxruntime as ort
+
+    from onnx_modular.passes.precision.dynamic_int8 import quantize_dynamic_int8
+
+    text = SKIP_TEXT if not statistics_read else SKIP_TEXT.replace(
+        "Output (x, r, g, b) => (out, total)", "Output (x, r, g, b) => (out, mean)").replace("y, s = ", "y, s = ")
+    model = onnx.parser.parse_model(text.replace("float[2,3,8] s)", "float[2,3,8] s)" if not statistics_read else "float[2,3,1] s)"))
+    rng = np.random.default_rng(0)
+    model.graph.initializer.extend([onnx.numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), n) for n in "gb"])
+    before = model.SerializeToString()
+    done = quantize_dynamic_int8(model, [(f, f.name) for f in model.functions])
+    ops = [n.op_type for n in model.functions[0].node]
+    if statistics_read:
+        assert done.norms == [] and ops == ["SkipLayerNormalization"]
+        return
+    assert len(done.norms) == 1 and ops == ["Sum", "LayerNormalization"]
+    feeds = {"x": rng.standard_normal((2, 3, 8)).astype(np.float32), "r": rng.standard_normal((2, 3, 8)).astype(np.float32)}
+    for got, expected in zip(ort.InferenceSession(model.SerializeToString()).run(None, feeds),
+                             ort.InferenceSession(before).run(None, feeds)):
+        np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
