@@ -24,12 +24,12 @@ def _bert(attention: str = "sdpa", massive: bool = False):
     config = transformers.BertConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                      num_attention_heads=4, max_position_embeddings=64)
     model = transformers.BertModel._from_config(config, attn_implementation=attention).eval()
-    if massive:  # four channels of layer 1's intermediate output 1,000x the others; float output unchanged
+    if massive:  # four channels of layer 1's intermediate output 1,000x the others, which output.dense does not read
         with torch.no_grad():
             layer = model.encoder.layer[1]
-            layer.intermediate.dense.weight[[3, 40, 77, 100]] *= 30.0
-            layer.intermediate.dense.bias[[3, 40, 77, 100]] = 30.0
-            layer.output.dense.weight[:, [3, 40, 77, 100]] /= 30.0
+            layer.intermediate.dense.weight[[3, 40, 77, 100]] *= 1000.0
+            layer.intermediate.dense.bias[[3, 40, 77, 100]] = 1000.0
+            layer.output.dense.weight[:, [3, 40, 77, 100]] = 0.0  # exact in int8: the weights are not what breaks
     return model
 
 
@@ -142,12 +142,14 @@ def test_int8_on_a_fixed_shape_bert_is_dynamic_int8_inside_the_bodies(tmp_path):
 
 
 def test_the_guard_makes_weight_only_the_call_whose_activations_int8_cannot_hold(tmp_path):
-    """Four massive channels in layer 1's intermediate output: the activation quantization of
+    """Four massive channels (1,000x) in layer 1's intermediate output: the activation quantization of
     ``output.dense`` (one scale for the whole tensor) rounds the rest away; that call alone goes weight-only."""
     model = _bert(massive=True)
-    report, target = _quantized(tmp_path, model)
+    # the residual dominates this tiny model's output: without the massive channels every call
+    # dynamic is 0.0075 off (the test above)
+    report, target = _quantized(tmp_path, model, "bert", "--int8-tolerance", "0.015")
     guard = report["quantization"]["guard"]
-    assert guard["error_fast"] > guard["tolerance"]
+    assert guard["error_fast"] > guard["tolerance"] == 0.015
     assert guard["safe_calls"] == ["encoder.layer.1.output.dense"]
     assert guard["error"] <= guard["tolerance"] and guard["trials"] > 2
     ops = _ops(target)
@@ -155,7 +157,7 @@ def test_the_guard_makes_weight_only_the_call_whose_activations_int8_cannot_hold
     assert len(weight_only) == 1 and "DynamicQuantizeMatMul" not in ops[weight_only[0]]
     assert sum(body.count("DynamicQuantizeMatMul") for body in ops.values()) >= 5  # the others stay dynamic
     got, expected = _run(target, "bert"), _torch(model, "bert")
-    assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 0.05 + 1e-3
+    assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 0.015 + 1e-3
 
 
 def test_weight_only_modules_chosen_by_the_user(tmp_path):
@@ -167,7 +169,8 @@ def test_weight_only_modules_chosen_by_the_user(tmp_path):
     kinds = sorted("DynamicQuantizeMatMul" in ops[name] for name in attention)
     assert kinds == [False, True]  # layer 0's attention has a body of its own, weight-only; layer 1's stays dynamic
     recorded = json.loads(next(p.value for p in onnx.load(target).metadata_props if p.key == "pkg.onnx_modular.encoder_int8"))
-    assert recorded["weight_only"] == ["encoder.layer.0.attention.self"]
+    # the module named and every quantized call inside it
+    assert recorded["weight_only"] == ["encoder.layer.0.attention.self", "encoder.layer.0.attention.output.dense"]
 
 
 def test_int4_on_an_encoder_runs_the_guard_on_the_files_own_shapes(tmp_path):

@@ -35,7 +35,7 @@ from onnx_modular.calls import targets as _calls
 from onnx_modular.passes.proto_bodies import function_id
 from onnx_modular.runtime import sessions as runtime
 
-__all__ = ["Toggle", "EncoderGuardReport", "choose", "output_errors", "MAIN_GRAPH", "MAX_SAFE"]
+__all__ = ["Toggle", "EncoderGuardReport", "choose", "apply", "output_errors", "MAIN_GRAPH", "MAX_SAFE"]
 
 #: The main graph's own nodes, as a candidate.
 MAIN_GRAPH = "<main graph>"
@@ -178,7 +178,7 @@ class _Trials:
         return worst
 
 
-def _apply(model: onnx.ModelProto, safe: Sequence[str], toggle: Toggle) -> None:
+def apply(model: onnx.ModelProto, safe: Sequence[str], toggle: Toggle) -> None:
     """``safe`` calls to the safe compute in ``model``: a function all of whose calls are safe is
     changed in place, other safe calls get bodies of their own first."""
     calls = _calls.module_calls(model)
@@ -242,7 +242,7 @@ def choose(model: onnx.ModelProto, folder, toggle: Toggle, runs: Sequence[Mappin
     chosen, whole_file, everything, alone = _search(trials, candidates, forced, tolerance, max_safe)
     safe = [name for name in candidates if name in set(chosen) | set(forced)] if not whole_file else list(candidates)
     final = trials.measure([name for name in candidates if name not in safe])
-    _apply(model, safe, toggle)
+    apply(model, safe, toggle)
     return EncoderGuardReport(toggle.fast_name, toggle.safe_name, tolerance, len(candidates), safe, forced, whole_file,
                               everything[0], everything[1], final[0], final[1], final[2], trials.count, len(runs),
                               {name: alone[name] for name in safe if name in alone}, time.perf_counter() - start)

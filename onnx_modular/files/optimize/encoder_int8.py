@@ -129,13 +129,12 @@ def quantize_encoder(model: ir.Model, write: Callable[[ir.Model], None], runs: S
         quantized = str(folder / "int8.onnx")
         done = _quantized_file(fused, folder, quantized)
         proto = onnx.load(quantized, load_external_data=False)
-        named = [name for text in safe for name in _calls.resolve_target(proto, text).call_names]
+        named = _covering(proto, [name for text in safe for name in _calls.resolve_target(proto, text).call_names])
         report = None
         if guard:
-            report = encoder_guard.choose(proto, folder, DYNAMIC_INT8, runs, reference, tolerance=tolerance,
-                                          safe_calls=_covering(proto, named))
+            report = encoder_guard.choose(proto, folder, DYNAMIC_INT8, runs, reference, tolerance=tolerance, safe_calls=named)
         elif named:
-            encoder_guard._apply(proto, _covering(proto, named), DYNAMIC_INT8)
+            encoder_guard.apply(proto, named, DYNAMIC_INT8)
         record = {"tolerance": tolerance, "weight_only": report.safe_calls if report else named,
                   "error": report.error if report else None}
         _calls.set_prop(proto, ENCODER_INT8_KEY, json.dumps(record))
