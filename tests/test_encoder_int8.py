@@ -212,3 +212,31 @@ def test_refusals(tmp_path):
     with pytest.raises(InvalidInputError, match="int8"):
         optimize(source, tmp_path / "d.onnx", quantize="int4", weight_only=["encoder.layer.0"])
     assert not any(p.name.startswith(("a.", "b.", "c.", "d.")) for p in tmp_path.iterdir())
+
+
+NBITS_TEXT = """
+<ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1, "com.microsoft" : 1]>
+main (float[1,16,32] x) => (float[1,16,8] y)
+<uint8[8,1,16] w, float[8,1] s>
+{
+    y = pkg.test.Head(x, w, s)
+}
+<domain: "pkg.test", opset_import: ["com.microsoft" : 1]>
+Head (x, w, s) => (y)
+{
+    y = com.microsoft.MatMulNBits<K: int = 32, N: int = 8, bits: int = 4, block_size: int = 32, accuracy_level: int = 4>(x, w, s)
+}
+"""
+
+
+def test_the_top_token_guard_says_what_failed_once(tmp_path):
+    """A trial file onnxruntime cannot run is named once: "the guard's trial file", not "the the ..."."""
+    from onnx_modular.errors import VerificationError
+    from onnx_modular.files.optimize.accuracy_guard import guard_accuracy
+
+    model = onnx.parser.parse_model(NBITS_TEXT)
+    model.graph.initializer.extend([onnx.numpy_helper.from_array(np.full((8, 1, 16), 0x88, np.uint8), "w"),
+                                    onnx.numpy_helper.from_array(np.ones((8, 1), np.float32), "s")])
+    with pytest.raises(VerificationError) as raised:  # a prompt of another length than the file's fixed one
+        guard_accuracy(model, None, lambda length, past, seed: {"x": np.zeros((1, length + 1, 32), np.float32)})
+    assert "the guard's trial file" in str(raised.value) and "the the" not in str(raised.value)
