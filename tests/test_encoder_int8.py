@@ -102,20 +102,31 @@ def test_default_encoders_get_attention_fused(kind, attention, body, tmp_path):
     np.testing.assert_allclose(_run(target, kind), _torch(model, kind), atol=1e-4, rtol=1e-3)
 
 
-def _quantized(tmp_path, model, kind: str = "bert", *args: str) -> tuple[dict, str]:
+@pytest.fixture(scope="module")
+def bert_file(tmp_path_factory):
+    """The tiny BERT (SDPA) exported once for the tests that only read it."""
+    model = _bert()
+    path = tmp_path_factory.mktemp("bert") / "m.onnx"
+    _export(model, "bert", path)
+    return model, path
+
+
+def _quantized(tmp_path, model, kind: str = "bert", *args: str, source=None) -> tuple[dict, str]:
     from onnx_modular.cli import main
 
-    source, target = tmp_path / "m.onnx", tmp_path / "m.int8.onnx"
-    _export(model, kind, source)
+    target = tmp_path / "m.int8.onnx"
+    if source is None:
+        source = tmp_path / "m.onnx"
+        _export(model, kind, source)
     assert main(["optimize", str(source), "-o", str(target), "--quantize", "int8", "--json", str(tmp_path / "r.json"),
                  *args]) == 0
     return json.loads((tmp_path / "r.json").read_text()), str(target)
 
 
-def test_int8_on_a_fixed_shape_bert_is_dynamic_int8_inside_the_bodies(tmp_path):
+def test_int8_on_a_fixed_shape_bert_is_dynamic_int8_inside_the_bodies(tmp_path, bert_file):
     """The issue's case, tiny: ``export_modular`` (shapes fixed), then ``optimize --quantize int8``."""
-    model = _bert()
-    report, target = _quantized(tmp_path, model)
+    model, source = bert_file
+    report, target = _quantized(tmp_path, model, source=source)
     quantization = report["quantization"]
     guard = quantization["guard"]
     assert guard["fast"] == "dynamic int8" and guard["safe_calls"] == [] and guard["trials"] == 2
@@ -160,9 +171,9 @@ def test_the_guard_makes_weight_only_the_call_whose_activations_int8_cannot_hold
     assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 0.015 + 1e-3
 
 
-def test_weight_only_modules_chosen_by_the_user(tmp_path):
-    report, target = _quantized(tmp_path, _bert(), "bert", "--int8-weight-only", "encoder.layer.0.attention",
-                                "--no-accuracy-guard")
+def test_weight_only_modules_chosen_by_the_user(tmp_path, bert_file):
+    report, target = _quantized(tmp_path, bert_file[0], "bert", "--int8-weight-only", "encoder.layer.0.attention",
+                                "--no-accuracy-guard", source=bert_file[1])
     assert report["quantization"]["guard"] is None
     ops = _ops(target)
     attention = [name for name, body in ops.items() if "MultiHeadAttention" in body]
@@ -173,13 +184,12 @@ def test_weight_only_modules_chosen_by_the_user(tmp_path):
     assert recorded["weight_only"] == ["encoder.layer.0.attention.self", "encoder.layer.0.attention.output.dense"]
 
 
-def test_int4_on_an_encoder_runs_the_guard_on_the_files_own_shapes(tmp_path):
+def test_int4_on_an_encoder_runs_the_guard_on_the_files_own_shapes(tmp_path, bert_file):
     """The old guard fed its 16-token prompt to this 12-token file and compared top tokens; now the
     outputs' error against the level-0 file decides."""
     from onnx_modular import optimize
 
-    source, target = tmp_path / "m.onnx", tmp_path / "m.q4.onnx"
-    _export(_bert(), "bert", source)
+    source, target = bert_file[1], tmp_path / "m.q4.onnx"
     report = optimize(source, target, quantize="int4")
     guard = report.quantization.guard
     assert guard.fast == "accuracy_level=4" and guard.candidates > 0 and guard.runs == 1
@@ -197,11 +207,10 @@ def test_vit_int8(tmp_path):
     assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 0.03
 
 
-def test_refusals(tmp_path):
+def test_refusals(tmp_path, bert_file):
     from onnx_modular import optimize
 
-    source = tmp_path / "m.onnx"
-    _export(_bert(), "bert", source)
+    source = bert_file[1]
     with pytest.raises(InvalidInputError, match="need|quantize is not given"):
         optimize(source, tmp_path / "a.onnx", weight_only=["encoder.layer.0"])
     with pytest.raises(InvalidInputError, match="positive number"):
