@@ -249,3 +249,18 @@ def test_the_top_token_guard_says_what_failed_once(tmp_path):
     with pytest.raises(VerificationError) as raised:  # a prompt of another length than the file's fixed one
         guard_accuracy(model, None, lambda length, past, seed: {"x": np.zeros((1, length + 1, 32), np.float32)})
     assert "the guard's trial file" in str(raised.value) and "the the" not in str(raised.value)
+
+
+def test_the_choice_runs_on_the_inputs_given_and_refuses_inputs_that_do_not_fit(tmp_path, bert_file):
+    from onnx_modular import optimize
+
+    model, source = bert_file
+    given = tmp_path / "inputs.npz"
+    np.savez(given, **_inputs("bert"))
+    report = optimize(source, tmp_path / "q.onnx", quantize="int8", inputs=given)
+    assert report.quantization.guard.runs == 1  # the user's inputs alone (no padded copy made up)
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, **{k: v[:, :5] for k, v in _inputs("bert").items()})  # 5 tokens: the file has 12 fixed
+    with pytest.raises(InvalidInputError, match="shape"):
+        optimize(source, tmp_path / "r.onnx", quantize="int8", inputs=wrong)
+    assert not (tmp_path / "r.onnx").exists()

@@ -34,7 +34,7 @@ from onnx_modular.passes.precision.dynamic_int8 import DynamicInt8, is_dynamic, 
 from onnx_modular.runtime import sessions as runtime
 from onnx_modular.storage.locks import scratch_folder
 
-__all__ = ["EncoderQuantization", "quantize_encoder", "quantize_encoder_file", "guard_int4", "DEFAULT_TOLERANCE", "ENCODER_INT8_KEY", "DYNAMIC_INT8"]
+__all__ = ["EncoderQuantization", "quantize_encoder", "quantize_encoder_file", "guard_int4", "inputs_only", "DEFAULT_TOLERANCE", "ENCODER_INT8_KEY", "DYNAMIC_INT8"]
 
 #: The largest relative error ``||got - float|| / ||float||`` of an output allowed by default.
 DEFAULT_TOLERANCE = 0.05
@@ -74,9 +74,10 @@ class EncoderQuantization:
         return "\n".join(lines)
 
 
-def _reference(model: ir.Model, runs: Sequence[Mapping[str, np.ndarray]], folder) -> list[list[np.ndarray]]:
-    """The float file's outputs on each run, in output order."""
-    session = runtime.session(ir.to_proto(model).SerializeToString(), external_data_folder=folder, what="fused float file")
+def _reference(path: str, runs: Sequence[Mapping[str, np.ndarray]]) -> list[list[np.ndarray]]:
+    """The float file's outputs on each run, in output order (the file as written: its weights are
+    external, so a model past protobuf's 2 GB runs too)."""
+    session = runtime.session(path, what="fused float file")
     return [runtime.run(session, dict(feeds), what="fused float file")[1] for feeds in runs]
 
 
@@ -125,7 +126,7 @@ def quantize_encoder(model: ir.Model, write: Callable[[ir.Model], None], runs: S
     with scratch_folder("optimize-int8") as folder:
         fused = str(folder / "fused.onnx")
         ir.save(model, fused, external_data="fused.onnx.data")
-        reference = _reference(model, runs, folder) if guard else []
+        reference = _reference(fused, runs) if guard else []
         quantized = str(folder / "int8.onnx")
         done = _quantized_file(fused, folder, quantized)
         proto = onnx.load(quantized, load_external_data=False)
@@ -220,3 +221,10 @@ def quantize_encoder_file(model: ir.Model, recipe, write: Callable[[ir.Model], N
     done = quantize_fused(model, dataclasses.replace(recipe, guard=False), guarded, lambda *args: {})
     done.guard = reports[0] if reports else None
     return done
+
+
+def inputs_only(model: ir.Model) -> onnx.ModelProto:
+    """A ``ModelProto`` with ``model``'s graph inputs and nothing else: what the feed checks read
+    (without serializing the weights)."""
+    graph = onnx.helper.make_graph([], "inputs", [ir.serde.serialize_value(v) for v in model.graph.inputs], [])
+    return onnx.helper.make_model(graph)

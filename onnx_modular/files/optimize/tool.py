@@ -449,6 +449,10 @@ def optimize(
         raise InvalidInputError("optimize: inputs, weight_only and int8_tolerance choose how an encoder (a file without "
                                 "a cache) is quantized: " + ("quantize is not given." if recipe is None else "this file has a cache."),
                                 hint="Add --quantize int8 for an encoder; drop them for a decoder.")
+    if inputs is not None:  # checked before any work (the steps do not change the graph's inputs)
+        from onnx_modular.files.optimize.encoder_int8 import inputs_only
+
+        inputs = feeds_for(inputs_only(model), inputs)
     if max_positions is None:
         max_positions = int(model.metadata_props.get("max_position_embeddings", 4096))
     folder = str(pathlib.Path(path).resolve().parent)
@@ -481,7 +485,7 @@ def optimize(
     elif not _cache_inputs(model):  # an encoder: errors of its outputs, not top tokens
         from onnx_modular.files.optimize.encoder_int8 import quantize_encoder_file
 
-        runs = _encoder_runs(model) if inputs is None else [feeds_for(ir.to_proto(model), inputs)]
+        runs = _encoder_runs(model) if inputs is None else [inputs]
         report.quantization = quantize_encoder_file(model, recipe, lambda result: _write(result, destination), runs,
                                                     tolerance=int8_tolerance, weight_only=weight_only)
     else:
