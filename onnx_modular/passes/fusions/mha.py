@@ -5,7 +5,10 @@ A body is recognised by what it computes, not by its class: a ``Softmax`` over `
 merged back to ``[batch, seq, heads * head]``; query, key and value each a per-head reshape and
 ``[0, 2, 1, 3]`` transpose of a projection (a call of a linear module or a ``MatMul``). BERT,
 RoBERTa, ViT, CLIP and Whisper's encoder all spell it so (torch's decomposition of
-``scaled_dot_product_attention``, the scale split as ``sqrt(scale)`` on each side). Bodies with a
+``scaled_dot_product_attention``, the scale split as ``sqrt(scale)`` on each side; with static shapes
+a NaN guard ``Where(IsNaN(p), 0, p)`` on the probabilities, read through; eager attention's
+``key.transpose(2, 3)`` merged into the heads' transpose, ``[0, 2, 3, 1]``, and a ``Cast`` of the
+probabilities to float32). Bodies with a
 KV cache (a past input concatenated and returned as present) are the GroupQueryAttention step's
 and are skipped without a reason.
 
