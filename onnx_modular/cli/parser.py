@@ -402,7 +402,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --quantize: MatMulNBits compute, 4 = int8 (default, the builder's), 0 = float")
     opt.add_argument("--int8-lm-head", action="store_true", help="with --quantize int4: lm_head to int8 instead")
     opt.add_argument("--no-accuracy-guard", action="store_true",
-                     help="with accuracy level 4: do not keep at level 0 the calls whose int8 compute flips a top token")
+                     help="with accuracy level 4: do not keep at level 0 the calls whose int8 compute flips a top token "
+                     "(an encoder, with --quantize int8: do not choose per call, every call dynamic int8)")
+    opt.add_argument("--inputs", default=None, metavar="FILE.npz",
+                     help="an encoder's inputs by name, for the per-call choice of --quantize (default: random inputs "
+                     "of the file's own shapes)")
+    opt.add_argument("--int8-weight-only", action="append", default=[], metavar="MODULE",
+                     help="an encoder with --quantize int8: keep this module (call path, class or glob) weight-only "
+                     "int8, float compute (repeatable)")
+    opt.add_argument("--int8-tolerance", type=float, default=None, metavar="X",
+                     help="an encoder with --quantize: the largest relative error ||got - float|| / ||float|| of an "
+                     "output before calls go weight-only (default 0.05)")
     opt.set_defaults(run=handlers.run_optimize)
 
     modular = commands.add_parser(

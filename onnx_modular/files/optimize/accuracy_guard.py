@@ -181,9 +181,9 @@ class _Trials:
         for name, nodes in self.nodes.items():
             _set_level(nodes, self.level if name in chosen else self.safe_level)
         self.count += 1
-        session = runtime.session(self.work.SerializeToString(), external_data_folder=self.folder, what="the guard's trial file")
+        session = runtime.session(self.work.SerializeToString(), external_data_folder=self.folder, what="guard's trial file")
         prompt = self.feeds(PROMPT_LENGTH, None, self.seed)
-        outputs = runtime.run(session, prompt, what="the guard's trial file")[1]
+        outputs = runtime.run(session, prompt, what="guard's trial file")[1]
         rows = [outputs[0].reshape(-1, outputs[0].shape[-1])]
         caches = sum(1 for name, value in prompt.items() if value.ndim == 4)
         if caches:
@@ -192,7 +192,7 @@ class _Trials:
             # every trial decodes the reference's next token (the reference run: its own)
             following = self.reference[PROMPT_LENGTH - 1].argmax() if self.reference is not None else rows[0][-1].argmax()
             step[ids] = np.full_like(step[ids], following)
-            logits = runtime.run(session, step, what="the guard's trial file")[1][0]
+            logits = runtime.run(session, step, what="guard's trial file")[1][0]
             rows.append(logits.reshape(-1, logits.shape[-1]))
         return np.concatenate(rows)
 

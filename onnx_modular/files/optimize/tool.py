@@ -37,7 +37,7 @@ import dataclasses
 import json
 import os
 import pathlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,7 @@ from onnx_modular.passes.fusions.gqa import SEQLENS_K, TOTAL_SEQUENCE_LENGTH, Fu
 from onnx_modular.passes.fusions.mha import FuseMultiHeadAttentionPass
 from onnx_modular.passes.fusions.rms_norm import FuseRMSNormPass
 from onnx_modular.passes.fusions.skip_norm import FuseSkipNormPass
+from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import save
 from onnx_modular.storage.load import load_model_file
 
@@ -392,6 +393,9 @@ def optimize(
     accuracy_level: int = 4,
     int8_lm_head: bool = False,
     accuracy_guard: bool = True,
+    inputs: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
+    weight_only: Sequence[str] = (),
+    int8_tolerance: float | None = None,
 ) -> OptimizeReport:
     """Rewrite the bodies of ``path`` into onnxruntime's fused kernels and write ``output``.
 
@@ -413,6 +417,15 @@ def optimize(
         int8_lm_head: Quantize ``lm_head`` to int8 instead (the rest int4).
         accuracy_guard: At accuracy level 4, keep at level 0 the calls whose int8 compute flips a
             top token on a random prompt (:mod:`onnx_modular.files.optimize.accuracy_guard`; ``report.quantization.guard``).
+            An encoder (no cache) takes its own route (:mod:`onnx_modular.files.optimize.encoder_int8`):
+            ``int8`` is dynamic int8 (``DynamicQuantizeMatMul``) or weight-only int8, chosen per call by
+            the relative error of the outputs against the float file; ``int4`` keeps at level 0 the
+            calls whose int8 compute moves the outputs past ``int8_tolerance``.
+        inputs: An encoder's inputs for that choice (an ``.npz`` file or arrays by name; default:
+            random inputs of the file's own shapes, then with the masks half padding).
+        weight_only: (encoder, ``int8``) modules kept weight-only int8 (call paths, classes, globs).
+        int8_tolerance: (encoder) the largest relative error ``||got - float|| / ||float||`` of an
+            output allowed (default 0.05).
 
     Returns:
         An :class:`OptimizeReport` (``fused_classes``, ``attention``, ``added_inputs``, ``fusions``).
@@ -432,6 +445,14 @@ def optimize(
         check_recipe(recipe)
     destination = save.check_destination(output)
     model = _load(path)
+    if (weight_only or int8_tolerance is not None or inputs is not None) and (recipe is None or _cache_inputs(model)):
+        raise InvalidInputError("optimize: inputs, weight_only and int8_tolerance choose how an encoder (a file without "
+                                "a cache) is quantized: " + ("quantize is not given." if recipe is None else "this file has a cache."),
+                                hint="Add --quantize int8 for an encoder; drop them for a decoder.")
+    if inputs is not None:  # checked before any work (the steps do not change the graph's inputs)
+        from onnx_modular.files.optimize.encoder_int8 import inputs_only
+
+        inputs = feeds_for(inputs_only(model), inputs)
     if max_positions is None:
         max_positions = int(model.metadata_props.get("max_position_embeddings", 4096))
     folder = str(pathlib.Path(path).resolve().parent)
@@ -461,6 +482,12 @@ def optimize(
                             nodes_before, _expanded_nodes(model))
     if recipe is None:
         _write(model, destination)
+    elif not _cache_inputs(model):  # an encoder: errors of its outputs, not top tokens
+        from onnx_modular.files.optimize.encoder_int8 import quantize_encoder_file
+
+        runs = _encoder_runs(model) if inputs is None else [inputs]
+        report.quantization = quantize_encoder_file(model, recipe, lambda result: _write(result, destination), runs,
+                                                    tolerance=int8_tolerance, weight_only=weight_only)
     else:
         from onnx_modular.files.optimize.quantize import quantize_fused
 

@@ -5,7 +5,10 @@ A body is recognised by what it computes, not by its class: a ``Softmax`` over `
 merged back to ``[batch, seq, heads * head]``; query, key and value each a per-head reshape and
 ``[0, 2, 1, 3]`` transpose of a projection (a call of a linear module or a ``MatMul``). BERT,
 RoBERTa, ViT, CLIP and Whisper's encoder all spell it so (torch's decomposition of
-``scaled_dot_product_attention``, the scale split as ``sqrt(scale)`` on each side). Bodies with a
+``scaled_dot_product_attention``, the scale split as ``sqrt(scale)`` on each side; with static shapes
+a NaN guard ``Where(IsNaN(p), 0, p)`` on the probabilities, read through; eager attention's
+``key.transpose(2, 3)`` merged into the heads' transpose, ``[0, 2, 3, 1]``, and a ``Cast`` of the
+probabilities to float32). Bodies with a
 KV cache (a past input concatenated and returned as present) are the GroupQueryAttention step's
 and are skipped without a reason.
 
@@ -54,6 +57,7 @@ __all__ = ["FuseMultiHeadAttentionPass"]
 #: Ops that move the query/key data without changing a number (followed on the data input).
 _MOVES = {"Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze"}
 _HEADS_PERM = [0, 2, 1, 3]
+_KEY_PERM = [0, 2, 3, 1]
 
 
 class _Refused(Exception):
@@ -120,7 +124,8 @@ def _side(model: ir.Model, value: ir.Value, role: str) -> _Side:
             value, number = scaled
             factor *= number
             continue
-        if _is_op(node, "Transpose") and _perm(node) == _HEADS_PERM:
+        # the heads ([0, 2, 1, 3]); for the key, eager attention's ``key.transpose(2, 3)`` merged into it ([0, 2, 3, 1])
+        if _is_op(node, "Transpose") and (_perm(node) == _HEADS_PERM or (role == "key" and _perm(node) == _KEY_PERM)):
             reshape = node.inputs[0].producer()
             projection = reshape.inputs[0].producer() if _is_op(reshape, "Reshape") else None
             scaled = _constant_factor(model, projection) if projection is not None else None
@@ -197,6 +202,27 @@ def _merged(model: ir.Model, attention_output: ir.Value) -> tuple[ir.Value, ir.V
     raise _Refused("the heads of softmax @ value are not merged back to [batch, seq, heads * head]")
 
 
+def _past_nan_guard(model: ir.Model, probabilities: ir.Value) -> ir.Value:
+    """The value after torch's NaN guard on the softmax, ``Where(IsNaN(p), 0, p)`` (its decomposition
+    of ``scaled_dot_product_attention`` with static shapes), or ``probabilities`` when there is none;
+    a ``Cast`` to float32 or an ``Identity`` on the way is passed (eager attention's ``.to(query.dtype)``).
+    The guard zeroes rows whose scores are all ``-inf``; torch's masks are finite (``-3.4e38``), so
+    such rows only come from inputs already holding NaN or infinity, which the fused op leaves as they are."""
+    for _ in range(2):
+        uses = list(probabilities.uses())
+        node = uses[0].node if len(uses) == 1 else None
+        if not (_is_op(node, "Identity") or (_is_op(node, "Cast") and node.attributes.get_int("to", 0) == ir.DataType.FLOAT)):
+            break
+        probabilities = node.outputs[0]
+    uses = {(use.node.op_type, use.idx): use.node for use in probabilities.uses() if use.node.domain in ("", "ai.onnx")}
+    isnan, where = uses.get(("IsNaN", 0)), uses.get(("Where", 2))
+    if len(uses) != 2 or isnan is None or where is None or where.inputs[0] is not isnan.outputs[0]:
+        return probabilities
+    if _fusion.scalar_of(model, where.inputs[1]) != 0.0 or len(list(isnan.outputs[0].uses())) != 1:
+        return probabilities
+    return where.outputs[0]
+
+
 def _head_count(model: ir.Model, side: _Side) -> int:
     """The heads of the per-head reshape: its shape constant's third entry, or the weight width
     divided by its fourth (the shape is often ``Concat(batch, seq, -1, head)``)."""
@@ -239,7 +265,7 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
         raise _Refused(f"{len(softmaxes)} Softmax nodes (one expected)")
     softmax = softmaxes[0]
     scores, after, bias = _scores(model, softmax)
-    uses = list(softmax.outputs[0].uses())
+    uses = list(_past_nan_guard(model, softmax.outputs[0]).uses())
     if len(uses) != 1 or not _is_op(uses[0].node, "MatMul") or uses[0].idx != 0:
         raise _Refused("the Softmax does not feed softmax @ value alone (attention weights returned?)")
     weighted = uses[0].node
