@@ -231,7 +231,7 @@ class _Quantizer:
         ``W`` in the bodies quantized reads the same packed table (:mod:`.tied_weights`)."""
         labels = {self._body_key(body): label for body, label in bodies}
         quantized, tied = [], []
-        for body, label in bodies:
+        for body, _label in bodies:
             for transpose in [n for n in body.node if n.op_type == "Transpose" and n.domain in ("", "ai.onnx")]:
                 if transpose not in body.node:  # taken with an earlier head of the same weight
                     continue
