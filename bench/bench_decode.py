@@ -7,7 +7,8 @@ onnxruntime-genai's builder file all do) or ``input.past_key_values.layers.N.key
 (transformers' own exporter, ``transformers.exporters``). One intra-op thread, sequential execution; the files
 take turns run by run (``--rounds`` x ``--runs`` runs each, the order rotated every turn: a file run second in a turn runs
 2-20% faster, so each file takes each place equally often), so that
-a change of the machine's load hits every file alike; the result is the median of each file's runs. Kernels per token: the nodes of onnxruntime's optimized model
+a change of the machine's load hits every file alike; the result is the median of each file's runs (``--low``: also
+the 10th percentile, the runs that had a core to themselves on a machine shared with other jobs). Kernels per token: the nodes of onnxruntime's optimized model
 (``SessionOptions.optimized_model_filepath``) of each file.
 
     python bench/bench_decode.py builder=b/model.onnx ours=m.onnx ours_opt=m.opt.onnx --past 16 64
@@ -135,6 +136,8 @@ def main() -> None:
                         help="for cache inputs whose head size is symbolic (default: another file's static head size, else 64)")
     parser.add_argument("--greedy", type=int, default=0, metavar="N",
                         help="also generate N greedy tokens from a 16-token prompt and report agreement with the first file")
+    parser.add_argument("--low", action="store_true",
+                        help="also print each case's 10th percentile (a machine shared with other jobs: the runs that got a core)")
     parser.add_argument("--checkpoint", metavar="CKPT",
                         help="with --greedy: also compare every file's tokens with transformers' generate on CKPT")
     args = parser.parse_args()
@@ -181,9 +184,12 @@ def main() -> None:
             order = names[shift:] + names[:shift]
             for name in order:
                 times[name].append(_common.run_latency(sessions[name], feeds[name], 1, warmup=False))
-        medians = {n: statistics.median(v) * 1e3 for n, v in times.items()}
-        ratios = "".join(f"{medians[n] / medians[names[0]]:>{ratio_width - 1}.2f}x" for n in names[1:])
-        print(f"{label:<18}" + "".join(f"{medians[n]:>{width}.2f}" for n in names) + ratios, flush=True)
+        rows = [(label, {n: statistics.median(v) * 1e3 for n, v in times.items()})]
+        if args.low:
+            rows.append((label + " p10", {n: statistics.quantiles(v, n=10)[0] * 1e3 for n, v in times.items()}))
+        for row, values in rows:
+            ratios = "".join(f"{values[n] / values[names[0]]:>{ratio_width - 1}.2f}x" for n in names[1:])
+            print(f"{row:<18}" + "".join(f"{values[n]:>{width}.2f}" for n in names) + ratios, flush=True)
 
 
 if __name__ == "__main__":

@@ -52,25 +52,31 @@ def _quantized(model: onnx.ModelProto, bits: int = 4, symmetric: bool = True):
     return done
 
 
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1).astype(np.float32)
+
+
 def _unpacked(model: onnx.ModelProto, hidden: int) -> np.ndarray:
-    """``W_Q4`` / ``W_scales`` as float: low nibble first, zero point 8 (symmetric)."""
+    """``W_Q4`` / ``W_scales`` (/ ``W_zero_points``) as float: low nibble first, zero point 8 when symmetric."""
     arrays = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
     packed, scales = arrays["W_Q4"], arrays["W_scales"]
-    nibbles = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(V, scales.shape[1], 32).astype(np.float32)
-    return ((nibbles - 8) * scales[:, :, None]).reshape(V, -1)[:, :hidden]
+    blocks = scales.shape[1]
+    zero = _nibbles(arrays["W_zero_points"])[:, :blocks, None] if "W_zero_points" in arrays else 8.0
+    return ((_nibbles(packed).reshape(V, blocks, 32) - zero) * scales[:, :, None]).reshape(V, -1)[:, :hidden]
 
 
 def _bodies(model):
     return {f.name: f for f in model.functions}
 
 
-@pytest.mark.parametrize("hidden", [64, 40])  # 40: not a whole number of blocks (the gathered rows sliced)
-def test_the_head_and_the_embedding_read_one_int4_table(hidden):
+@pytest.mark.parametrize(("hidden", "symmetric"), [(64, True), (40, True), (40, False)])  # 40: the rows sliced
+def test_the_head_and_the_embedding_read_one_int4_table(hidden, symmetric):
     model, table = _model(hidden)
-    done = _quantized(model)
+    done = _quantized(model, symmetric=symmetric)
     bodies = _bodies(model)
+    parts = ["weight_Q4", "weight_scales"] + ([] if symmetric else ["weight_zero_points"])
     assert [n.op_type for n in bodies["Head"].node] == ["MatMulNBits"]
-    assert list(bodies["Head"].input) == ["input", "weight_Q4", "weight_scales"]
+    assert list(bodies["Head"].input) == ["input", *parts]
     ops = [n.op_type for n in bodies["Embedding"].node]
     assert ops == ["Constant", "Reshape", "GatherBlockQuantized"] + (["Constant"] * 3 + ["Slice"] if hidden % 32 else [])
     gather = next(n for n in bodies["Embedding"].node if n.op_type == "GatherBlockQuantized")
@@ -79,7 +85,9 @@ def test_the_head_and_the_embedding_read_one_int4_table(hidden):
     assert bodies["Embedding"].node[-1].output == ["output"]  # the Gather's output name kept
     # the float table is read by nothing (convert's build then drops it, as for every packed weight)
     assert not any("W" in n.input for body in [model.graph, *model.functions] for n in body.node)
-    assert [n.input for n in model.graph.node] == [["ids", "W_Q4", "W_scales"], ["h", "W_Q4", "W_scales"]]
+    packed = ["W" + part[len("weight"):] for part in parts]
+    assert [n.input for n in model.graph.node] == [["ids", *packed], ["h", *packed]]
+    assert list(gather.input[2:]) == parts[1:]  # the head's scales (and zero points)
     assert done.tied == [("Embedding", "output")] and [label for label, _ in done.quantized] == ["Head"]
     onnx.checker.check_model(model)
 

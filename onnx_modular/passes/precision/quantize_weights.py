@@ -227,7 +227,7 @@ class _Quantizer:
 
     def tie(self, bodies: Sequence[tuple[Body, str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         """Tied heads (``MatMul(x, Transpose(W))`` with ``W`` also an embedding's table) quantized first:
-        the head from ``W`` packed as its transpose; at 4 bits, symmetric, every embedding ``Gather`` of
+        the head from ``W`` packed as its transpose; at 4 bits, every embedding ``Gather`` of
         ``W`` in the bodies quantized reads the same packed table (:mod:`.tied_weights`)."""
         labels = {self._body_key(body): label for body, label in bodies}
         quantized, tied = [], []
@@ -246,7 +246,7 @@ class _Quantizer:
                         quantized.append((labels[self._body_key(head_body)], matmul.name or matmul.output[0]))
                     head_body.node.remove(head_transpose)
                     ensure_opset(self.model, head_body, MS_DOMAIN)
-                if self.bits != 4 or not self.symmetric or any(self._body_key(b) not in labels for b, *_ in found.gathers):
+                if self.bits != 4 or any(self._body_key(b) not in labels for b, *_ in found.gathers):
                     continue  # the embedding reads the float table (GatherBlockQuantized takes int4 here)
                 for gather_body, formal, gather in found.gathers:
                     parts = self._split(gather_body, formal, transposed=True)

@@ -8,12 +8,12 @@ largest weight of a small decoder, read whole at every token.
 
 :func:`tied_uses` finds such a weight and every node reading it, down the call tree; then the head's
 ``MatMul`` becomes ``MatMulNBits`` on ``W`` packed as its transpose (the layout of a ``Gemm`` with
-``transB``), and, at 4 bits and symmetric (the builder's recipe), each embedding ``Gather`` becomes
+``transB``), and, at 4 bits (the builder's recipe), each embedding ``Gather`` becomes
 ``com.microsoft.GatherBlockQuantized`` reading the same packed table and scales (a ``Reshape`` of
 the packed weight to ``[vocab, padded_hidden / 2]``, then a ``Slice`` back to ``hidden`` when the
 hidden size is not a whole number of blocks), as onnxruntime-genai's builder does with
 ``shared_embeddings``. ``GatherBlockQuantized``'s default zero point for ``uint8`` data is
-``2^(bits-1)``, the one symmetric ``MatMulNBits`` uses. The float table is then read by nothing and
+``2^(bits-1)``, the one symmetric ``MatMulNBits`` uses; asymmetric, both read the same packed zero points. The float table is then read by nothing and
 goes: the weight is stored once, in 4 bits.
 
 Entry: :func:`tied_uses` (the walk) and :func:`gather_block_quantized` (the embedding's nodes);
@@ -146,7 +146,8 @@ def tied_uses(model: onnx.ModelProto, body: Body, transpose: onnx.NodeProto) -> 
 def gather_block_quantized(gather: onnx.NodeProto, parts: list[str], *, vocab: int, hidden: int, bits: int,
                            block_size: int, taken: set[str]) -> list[onnx.NodeProto]:
     """The nodes replacing ``Gather(W, ids)``: ``GatherBlockQuantized`` on the packed table ``parts``
-    (``[W_Q4, W_scales]`` of ``MatMulNBits``, ``[vocab, blocks, block_size * bits / 8]``), the
+    (``[W_Q4, W_scales]`` of ``MatMulNBits``, ``[vocab, blocks, block_size * bits / 8]``, and its packed
+    zero points when asymmetric: ``[vocab, ceil(blocks * bits / 8)]``, the same packing), the
     ``Gather``'s output name and metadata kept."""
     blocks = (hidden + block_size - 1) // block_size
     padded = blocks * block_size
@@ -168,7 +169,7 @@ def gather_block_quantized(gather: onnx.NodeProto, parts: list[str], *, vocab: i
     ]
     gathered = gather.output[0] if padded == hidden else fresh("padded")
     nodes.append(onnx.helper.make_node(
-        "GatherBlockQuantized", [table, gather.input[1], parts[1]], [gathered], name=base + "_Q4" if bits == 4 else base,
+        "GatherBlockQuantized", [table, gather.input[1], *parts[1:]], [gathered], name=base + "_Q4" if bits == 4 else base,
         domain="com.microsoft", bits=bits, block_size=block_size, gather_axis=0, quantize_axis=1))
     if padded != hidden:
         starts, ends, axes = fresh("starts"), fresh("ends"), fresh("axes")
