@@ -7,7 +7,8 @@ onnxruntime-genai's builder file all do) or ``input.past_key_values.layers.N.key
 (transformers' own exporter, ``transformers.exporters``). One intra-op thread, sequential execution; the files
 take turns run by run (``--rounds`` x ``--runs`` runs each, the order rotated every turn: a file run second in a turn runs
 2-20% faster, so each file takes each place equally often), so that
-a change of the machine's load hits every file alike; the result is the median of each file's runs. Kernels per token: the nodes of onnxruntime's optimized model
+a change of the machine's load hits every file alike; the result is the median of each file's runs (``--low``: also
+the 10th percentile, the runs that had a core to themselves on a machine shared with other jobs). Kernels per token: the nodes of onnxruntime's optimized model
 (``SessionOptions.optimized_model_filepath``) of each file.
 
     python bench/bench_decode.py builder=b/model.onnx ours=m.onnx ours_opt=m.opt.onnx --past 16 64
@@ -111,6 +112,18 @@ def _greedy(session: ort.InferenceSession, prompt: np.ndarray, steps: int, head_
     return tokens
 
 
+def _generate(checkpoint: str, prompt: np.ndarray, steps: int) -> list[int]:
+    """transformers' greedy tokens on the checkpoint (float32, eager)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.from_numpy(prompt), do_sample=False, max_new_tokens=steps, min_new_tokens=steps,
+                             eos_token_id=None, pad_token_id=0)
+    return [int(t) for t in out[0, prompt.shape[1]:]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", metavar="NAME=PATH")
@@ -119,12 +132,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--head-size", type=int, default=64, help="for cache inputs whose head size is symbolic")
+    parser.add_argument("--head-size", type=int, default=None,
+                        help="for cache inputs whose head size is symbolic (default: another file's static head size, else 64)")
     parser.add_argument("--greedy", type=int, default=0, metavar="N",
                         help="also generate N greedy tokens from a 16-token prompt and report agreement with the first file")
+    parser.add_argument("--low", action="store_true",
+                        help="also print each case's 10th percentile (a machine shared with other jobs: the runs that got a core)")
+    parser.add_argument("--checkpoint", metavar="CKPT",
+                        help="with --greedy: also compare every file's tokens with transformers' generate on CKPT")
     args = parser.parse_args()
     files = dict(item.split("=", 1) for item in args.files)
     sessions = {name: _session(path) for name, path in files.items()}
+    if args.head_size is None:  # the builder's 'kv_cache_dim' is symbolic: ours states it
+        static = [v.shape[3] for s in sessions.values() for v in s.get_inputs() if "past_key_values" in v.name
+                  and isinstance(v.shape[3], int)]
+        args.head_size = static[0] if static else 64
     kernels = {name: _kernels(path) for name, path in files.items()}
     cases = [(f"decode past {p}", p, 1, args.runs) for p in args.past]
     if args.prefill:
@@ -138,6 +160,11 @@ def main() -> None:
             first = next((i for i, (a, b) in enumerate(zip(generated[name], generated[names[0]])) if a != b), None)
             print(f"greedy tokens {name} vs {names[0]}: {same}/{args.greedy} equal"
                   + (f" (first difference at token {first})" if first is not None else ""))
+        if args.checkpoint:
+            expected = _generate(args.checkpoint, prompt, args.greedy)
+            for name in names:
+                same = sum(a == b for a, b in zip(generated[name], expected))
+                print(f"greedy tokens {name} vs transformers' generate: {same}/{args.greedy} equal", flush=True)
     if args.rounds == 0:
         return
     print(f"onnxruntime {ort.__version__}, 1 intra-op thread, files taking turns run by run, "
@@ -157,9 +184,12 @@ def main() -> None:
             order = names[shift:] + names[:shift]
             for name in order:
                 times[name].append(_common.run_latency(sessions[name], feeds[name], 1, warmup=False))
-        medians = {n: statistics.median(v) * 1e3 for n, v in times.items()}
-        ratios = "".join(f"{medians[n] / medians[names[0]]:>{ratio_width - 1}.2f}x" for n in names[1:])
-        print(f"{label:<18}" + "".join(f"{medians[n]:>{width}.2f}" for n in names) + ratios, flush=True)
+        rows = [(label, {n: statistics.median(v) * 1e3 for n, v in times.items()})]
+        if args.low:
+            rows.append((label + " p10", {n: statistics.quantiles(v, n=10)[0] * 1e3 for n, v in times.items()}))
+        for row, values in rows:
+            ratios = "".join(f"{values[n] / values[names[0]]:>{ratio_width - 1}.2f}x" for n in names[1:])
+            print(f"{row:<18}" + "".join(f"{values[n]:>{width}.2f}" for n in names) + ratios, flush=True)
 
 
 if __name__ == "__main__":

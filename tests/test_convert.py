@@ -290,9 +290,14 @@ def test_tied_weight_read_by_converted_and_kept_modules(tied, tmp_path):
     embedding = _functions(model, "Embedding")[0]
     assert [n.op_type for n in embedding.node] == ["Cast", "Gather"]
     assert report.outputs["logits"][1] <= 0.02
-    # quantization leaves the tied weight alone and says why
+    # quantization packs the tied weight once: lm_head's MatMulNBits, the embedding's GatherBlockQuantized
+    # on the same int4 table (passes/precision/tied_weights.py), no float copy left
     quantized = convert(tied, tmp_path / "tied_q4.onnx", quantize="int4")
-    assert [(call, why) for call, _, why in quantized.skipped] == [("lm_head", "its weight is transposed in the body (a weight tied to another use)")]
+    assert quantized.skipped == []
+    model = onnx.load(str(tmp_path / "tied_q4.onnx"))
+    assert "GatherBlockQuantized" in [n.op_type for n in _functions(model, "Embedding")[0].node]
+    assert "lm_head.weight" not in {t.name for t in model.graph.initializer}
+    assert {"lm_head.weight_Q4", "lm_head.weight_scales"} <= {t.name for t in model.graph.initializer}
 
 
 def test_without_verification_the_same_file_is_written_and_nothing_runs(llama, half, feeds, tmp_path):

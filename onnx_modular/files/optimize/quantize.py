@@ -61,6 +61,8 @@ class Quantization:
         lm_head: ``int4``/``int8`` when the ``lm_head`` call was quantized, else ``None``.
         skipped: Weights left float, as ``(call, node, reason)``.
         guard: The accuracy guard's report (``None`` when off or not needed: level other than 4).
+        tied_embedding: The embedding reads ``lm_head``'s packed int4 table (tied embeddings:
+            ``GatherBlockQuantized``, :mod:`onnx_modular.passes.precision.tied_weights`).
     """
 
     recipe: Recipe
@@ -68,10 +70,12 @@ class Quantization:
     lm_head: str | None
     skipped: list[tuple[str, str, str]]
     guard: GuardReport | None
+    tied_embedding: bool = False
 
     def text(self) -> str:
         head = (f"Quantized ({self.recipe.command()}): {self.matmul_nbits} MatMulNBits in the bodies"
                 + (f", lm_head {self.lm_head}" if self.lm_head else ", lm_head not quantized")
+                + (" (tied: the embedding reads its table, GatherBlockQuantized)" if self.tied_embedding else "")
                 + (f"; {len(self.skipped)} weights left float" if self.skipped else ""))
         if self.guard is not None:
             return head + "\n" + self.guard.text()
@@ -144,6 +148,7 @@ def quantize_fused(model: ir.Model, recipe: Recipe, write: Callable[[ir.Model], 
         bits = _lm_head_bits(quantized)
         lm_head = None if not bits else ("int8" if set(bits.values()) == {8} else "int4")
         proto = onnx.load(str(quantized), load_external_data=False)
+        tied = any(n.op_type == "GatherBlockQuantized" for body in [proto.graph, *proto.functions] for n in body.node)
         guard = None
         if recipe.guard and recipe.accuracy_level == INT8_COMPUTE:
             guard = guard_accuracy(proto, folder, feeds, level=INT8_COMPUTE, seed=seed)
@@ -152,4 +157,4 @@ def quantize_fused(model: ir.Model, recipe: Recipe, write: Callable[[ir.Model], 
         ir.external_data.set_base_dir(result.graph, str(folder))
         ir.external_data.load_to_model(result)  # optimize holds the weights in memory anyway; the scratch folder goes
         write(result)
-    return Quantization(recipe, len(quantized_list), lm_head, skipped, guard)
+    return Quantization(recipe, len(quantized_list), lm_head, skipped, guard, tied)

@@ -473,7 +473,7 @@ def optimize(
     attention_fused = [f for f in fusions if f.step in _ATTENTION_STEPS]
     attention = "+".join(sorted({f.op.rsplit(".", 1)[-1] for f in attention_fused})) \
         if attention_fused and all(f.fused for f in attention_fused) else None
-    added = [name for name in ("cos_cache", "sin_cache", SEQLENS_K, TOTAL_SEQUENCE_LENGTH)
+    added = [name for name in ("cos_cache", "sin_cache", "rotary_position_ids", SEQLENS_K, TOTAL_SEQUENCE_LENGTH)
              if any(v.name == name for f in model.functions.values() for v in f.inputs)]
     model.metadata_props[OPTIMIZED_KEY] = json.dumps(
         {step: sorted(f.function for f in fusions if f.fused and f.step == step) for step in steps}

@@ -8,7 +8,10 @@ the call sites (:func:`onnx_modular.passes.fusions.base.constant_of`), as the RM
 
 - ``x * (0.5 * (erf(x / sqrt(2)) + 1))`` (transformers' ``GELUActivation``, BERT, ViT; any order
   of the products) -> ``com.microsoft.Gelu``;
-- ``x * sigmoid(alpha * x)`` (``QuickGELUActivation``, CLIP) -> ``com.microsoft.QuickGelu(alpha)``.
+- ``x * sigmoid(alpha * x)`` (``QuickGELUActivation``, CLIP) -> ``com.microsoft.QuickGelu(alpha)``;
+- ``x * (0.5 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x ** 3))))`` and ``(0.5 * x) * (1 + tanh(...))``
+  (transformers' ``GELUTanh``/``PytorchGELUTanh``, Gemma, Gemma2; ``NewGELUActivation``, Phi, GPT-2)
+  -> ``com.microsoft.FastGelu``.
 
 onnxruntime's own GELU fusion does not match transformers' association of the products
 (``x * (0.5 * (1 + erf))``), so without this step the five ops run apart; with it, onnxruntime
@@ -55,6 +58,32 @@ class _ErfGelu(pattern.RewriteRuleClassBase):
         return op.Gelu(x, _domain="com.microsoft")
 
 
+class _TanhGelu(pattern.RewriteRuleClassBase):
+    def __init__(self, name: str, model: ir.Model, inner_half: bool):
+        super().__init__(name, remove_nodes=True)
+        self._model = model
+        self._inner_half = inner_half
+
+    def pattern(self, op, x, three, cubic, root, one, half):
+        plus_one = op.Add(op.Tanh(op.Mul(root, op.Add(x, op.Mul(cubic, op.Pow(x, three))))), one)
+        if self._inner_half:  # x * (0.5 * (tanh + 1)): GELUTanh
+            return op.Mul(x, op.Mul(half, plus_one))
+        return op.Mul(op.Mul(half, x), plus_one)  # (0.5 * x) * (1 + tanh): NewGELUActivation
+
+    def check(self, context, x, three, cubic, root, one, half, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        expected = ((three, 3.0, "the exponent"), (cubic, 0.044715, "the cubic factor"),
+                    (root, math.sqrt(2.0 / math.pi), "the factor inside tanh"), (one, 1.0, "the addend"), (half, 0.5, "the factor"))
+        for value, number_expected, what in expected:
+            number = _fusion.scalar_of(self._model, value)
+            if number is None or not math.isclose(number, number_expected, rel_tol=1e-6):
+                return result.fail(f"{what} is not {number_expected}", value)
+        return result
+
+    def rewrite(self, op, x, **_):
+        return op.FastGelu(x, _domain="com.microsoft")
+
+
 class _QuickGelu(pattern.RewriteRuleClassBase):
     def __init__(self, name: str, model: ir.Model):
         super().__init__(name, remove_nodes=True)
@@ -77,7 +106,7 @@ class _QuickGelu(pattern.RewriteRuleClassBase):
 
 
 class FuseActivationPass(ir.passes.InPlacePass):
-    """Every body computing an erf GELU or a quick GELU (float32) becomes the fused op."""
+    """Every body computing an erf GELU, a tanh GELU or a quick GELU (float32) becomes the fused op."""
 
     def __init__(self, functions: set[ir.OperatorIdentifier] | None = None):
         super().__init__()
@@ -88,6 +117,7 @@ class FuseActivationPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         rules = pattern.RewriteRuleSet(
             [_ErfGelu.rule(f"ErfGelu{i}", model=model, inner_half=inner) for i, inner in enumerate((True, False))]
+            + [_TanhGelu.rule(f"TanhGelu{i}", model=model, inner_half=inner) for i, inner in enumerate((True, False))]
             + [_QuickGelu.rule("QuickGelu", model=model)],
             commute=True,
         )
@@ -95,7 +125,7 @@ class FuseActivationPass(ir.passes.InPlacePass):
         for key, function in model.functions.items():
             if self.functions is not None and key not in self.functions:
                 continue
-            if not any(node.op_type in ("Erf", "Sigmoid") for node in function):
+            if not any(node.op_type in ("Erf", "Sigmoid", "Tanh") for node in function):
                 continue
             # onnxscript applies a rule set to one function the way apply_to_model does for each function
             if rules._apply_to_graph_or_function(model, function, verbose=None):

@@ -46,6 +46,12 @@ from onnx_modular.passes.fusions.attention_scores import scale_and_softcap as _s
 from onnx_modular.passes.fusions.attention_scores import window_of as _window_of
 from onnx_modular.passes.fusions.projections import is_projection as _is_projection
 from onnx_modular.passes.fusions.projections import packed_projection as _packed_projection
+from onnx_modular.passes.fusions.rotary import caches as _caches
+from onnx_modular.passes.fusions.rotary import checked_rotary as _checked_rotary
+from onnx_modular.passes.fusions.rotary import needs_rotary_op as _needs_rotary_op
+from onnx_modular.passes.fusions.rotary import position_ids as _position_ids
+from onnx_modular.passes.fusions.rotary import rotary_nodes as _rotary_nodes
+from onnx_modular.passes.fusions.rotary import rotary_source as _rotary_source
 
 __all__ = ["FuseGroupQueryAttentionPass", "SEQLENS_K", "TOTAL_SEQUENCE_LENGTH"]
 
@@ -113,15 +119,6 @@ def _first_projection(model: ir.Model, start: ir.Value) -> ir.Node:
     raise _Refused("no projection found behind the key/value/query")
 
 
-def _formal_behind(value: ir.Value, formals: list[ir.Value]) -> ir.Value | None:
-    while value is not None and value not in formals:
-        node = value.producer()
-        if node is None or node.op_type not in ("Unsqueeze", "Cast", "Identity", "Reshape"):
-            return None
-        value = node.inputs[0]
-    return value
-
-
 def _static_shape(model: ir.Model, value: ir.Value) -> list:
     sources = _fusion.sources_of(model, value)
     shapes = [tuple(s.shape) if s.shape is not None else None for s in sources]
@@ -137,72 +134,6 @@ def _weight_columns(model: ir.Model, projection: ir.Node) -> int:
     if len(shape) != 2 or shape[1] is None:
         raise _Refused("a projection weight that is not a 2-D matrix")
     return shape[1]
-
-
-def _rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value]) -> tuple:
-    """cos, sin and the rotary width of ``x * cos + rotate_half(x) * sin`` on the key (``None``s: no
-    rotary); the width is ``None`` for the whole head, else the channels of a partial rotary
-    (``concat(rotary(x[..., :d]), x[..., d:])``: Phi, StableLM, GPT-NeoX), and whether the pairs
-    are interleaved (channels ``2i, 2i + 1``: Cohere) rather than the two halves."""
-    add, width = new_key.producer(), None
-    if add is not None and add.op_type == "Concat" and len(add.inputs) == 2 and add.attributes.get_int("axis", 0) in (-1, 3):
-        rest = add.inputs[1].producer() if add.inputs[1] is not None else None
-        start = _fusion.scalar_of(model, rest.inputs[1]) if rest is not None and rest.op_type == "Slice" else None
-        if start is None:
-            return None, None, None, False
-        add, width = add.inputs[0].producer(), int(start)
-    if add is None or add.op_type != "Add":
-        return None, None, None, False
-    muls = [v.producer() for v in add.inputs]
-    if any(m is None or m.op_type != "Mul" for m in muls):
-        return None, None, None, False
-    cos = sin = None
-    interleaved = False
-    for mul in muls:
-        for index, operand in enumerate(mul.inputs):
-            formal = _formal_behind(operand, formals)
-            if formal is None:
-                continue
-            other = mul.inputs[1 - index].producer()
-            rotated = other is not None and other.op_type == "Concat" and any(
-                v is not None and v.producer() is not None and v.producer().op_type == "Neg" for v in other.inputs
-            )
-            if not rotated and _rotated_pairs(other):
-                rotated = interleaved = True
-            if rotated:
-                sin = formal
-            else:
-                cos = formal
-    if cos is None or sin is None:
-        raise _Refused("the key goes through a product with cos/sin that is not rotate-half rotary")
-    return cos, sin, width, interleaved
-
-
-def _rotated_pairs(node: ir.Node | None) -> bool:
-    """``stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)``: the interleaved rotate-half (Cohere, GPT-J)."""
-    if node is None or node.op_type != "Reshape" or node.inputs[0] is None:
-        return False
-    stack = node.inputs[0].producer()
-    if stack is None or stack.op_type != "Concat" or len(stack.inputs) != 2:
-        return False
-    parts = [v.producer() if v is not None else None for v in stack.inputs]
-    if any(p is None or p.op_type != "Unsqueeze" for p in parts):
-        return False
-    first = parts[0].inputs[0].producer()
-    return first is not None and first.op_type == "Neg"
-
-
-def _checked_rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value], head_size: int):
-    """:func:`_rotary`, refused where GroupQueryAttention cannot take it."""
-    cos, sin, width, interleaved = _rotary(model, new_key, formals)
-    if cos is None and any(n.op_type == "Neg" for n in _producers_bfs(new_key, lambda n: False)):
-        raise _Refused("the key's rotary is not the last step before the cache (a norm after it, or another form)")
-    if width is not None and (width <= 0 or width % 2 or width > head_size):
-        raise _Refused(f"a partial rotary over {width} of the head's {head_size} channels")
-    if width is not None and width < head_size and (width // 2) % 8:
-        raise _Refused(f"a partial rotary over {width} of the head's {head_size} channels: onnxruntime's "
-                       "GroupQueryAttention takes cos/sin caches whose width (rotary channels / 2) is a multiple of 8")
-    return cos, sin, width, interleaved
 
 
 def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
@@ -311,87 +242,12 @@ def _mask_values(model: ir.Model) -> tuple[ir.Value, ir.Value]:
     return seqlens.outputs[0], length.outputs[0]
 
 
-def _computed_inputs(model: ir.Model, call: ir.Node) -> list[int]:
-    """Indices of the call's arguments that are not weights or lifted constants."""
-    computed = []
-    for index, value in enumerate(call.inputs):
-        if value is None:
-            continue
-        sources = _fusion.sources_of(model, value)
-        if not sources or not all(s.is_initializer() for s in sources):
-            computed.append(index)
-    return computed
-
-
-def _caches(model: ir.Model, attention: _Attention, max_positions: int, made: dict) -> tuple[ir.Value, ir.Value]:
-    """cos/sin caches ``[max_positions, rotary_dim / 2]`` from a second call of the rotary module
-    (one per rotary call and width: ``made`` keeps those already written)."""
-    ends = []
-    for formal in (attention.cos, attention.sin):
-        sources = {id(s): s for s in _fusion.sources_of(model, formal)}
-        if len(sources) != 1:
-            raise _Refused("cos/sin do not come from one rotary call")
-        ends.append(next(iter(sources.values())))
-    rotary = ends[0].producer()
-    if rotary is None or rotary is not ends[1].producer() or rotary.op_identifier() not in model.functions:
-        raise _Refused("cos/sin are not the outputs of one module call (the rotary embedding)")
-    computed = _computed_inputs(model, rotary)
-    if len(computed) != 1:
-        raise _Refused(f"the rotary call takes {len(computed)} computed inputs (position ids alone expected)")
-    half = attention.rotary_dim // 2
-    memo = (id(rotary), tuple(list(rotary.outputs).index(e) for e in ends), half, attention.interleaved)
-    if memo in made:
-        return made[memo]
-    tag = "gqa" if not made else f"gqa{len(made) + 1}"
-    positions = ir.node(
-        "Constant", [], attributes={"value": ir.tensor(np.arange(max_positions, dtype=np.int64)[None], name=f"{tag}.positions")},
-        name=f"{tag}.positions",
-    )
-    positions.outputs[0].name = f"{tag}.positions"
-    arguments = list(rotary.inputs)
-    arguments[computed[0]] = positions.outputs[0]
-    cache_call = ir.node(
-        rotary.op_type, arguments, domain=rotary.domain, overload=rotary.overload,
-        num_outputs=len(rotary.outputs), name=f"{rotary.name or rotary.op_type}.{tag}_cache",
-        metadata_props=dict(rotary.metadata_props),  # the original call usually goes: nothing reads it any more
-    )
-    shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([-1, half], np.int64))}, name=f"{tag}.cache_shape")
-    bounds = [ir.node("Constant", [], attributes={"value": ir.tensor(np.array([v], np.int64))}, name=f"{tag}.cache_{role}")
-              for v, role in ((0, "start"), (2 * half if attention.interleaved else half, "end"), (2, "axis"),
-                              (2 if attention.interleaved else 1, "step"))]
-    new = [positions, cache_call, shape, *bounds]
-    caches = []
-    for end, name in zip(ends, ("cos_cache", "sin_cache")):
-        index = list(rotary.outputs).index(end)
-        sliced = ir.node("Slice", [cache_call.outputs[index], *(b.outputs[0] for b in bounds)],
-                         name=f"{tag}.{name}_half")
-        flat = ir.node("Reshape", [sliced.outputs[0], shape.outputs[0]], name=f"{tag}.{name}")
-        sliced.outputs[0].name, flat.outputs[0].name = f"{tag}.{name}_half", f"{tag}.{name}"
-        new += [sliced, flat]
-        caches.append(flat.outputs[0])
-    for node in (shape, *bounds):
-        node.outputs[0].name = node.name
-    for index, output in enumerate(cache_call.outputs):
-        output.name = f"{tag}.rotary_{index}"
-    rotary.graph.insert_after(rotary, new)
-    owner = _fusion.body_of(model, rotary.graph)
-    if owner is not None:  # a body of calls only may import no standard opset (Gemma3TextModel)
-        owner.opset_imports.setdefault("", model.opset_imports.get("", 18))
-    made[memo] = (caches[0], caches[1])
-    return caches[0], caches[1]
-
-
 def _thread(model: ir.Model, function: ir.Function, name: str, value: ir.Value, done: dict) -> ir.Value:
     memo = done.setdefault((name, id(value)), {})  # callers already given this value keep the formal they got
     formal = _fusion.thread_value(model, function, name, lambda graph: value if graph is value.graph else None, memo)
     if formal is None:
         raise _Refused(f"a chain of calls to the attention does not reach the body that computes {name}")
     return formal
-
-
-def _rotary_source(value: ir.Value) -> int:
-    producer = value.producer()
-    return id(producer) if producer is not None else id(value)
 
 
 class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
@@ -505,6 +361,25 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
         function.insert_before(function[0], [shape, flat])
         return flat.outputs[0]
 
+    def _rotated(self, model, function, attention: _Attention, qkv, cos_cache, sin_cache) -> tuple:
+        """Query, key and value apart (a packed projection split into ``[q | k | v]``), the query and the
+        key turned by ``RotaryEmbedding`` nodes (:func:`~onnx_modular.passes.fusions.rotary.rotary_nodes`)."""
+        query, key, value = qkv
+        nodes = []
+        if key is None:  # one packed projection: [q | k | v] on the last axis
+            columns = [attention.num_heads * attention.head_size] + [attention.kv_num_heads * attention.head_size] * 2
+            sizes = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(columns, np.int64))}, name="gqa.qkv_sizes")
+            split = ir.node("Split", [query, sizes.outputs[0]], attributes={"axis": -1}, num_outputs=3, name="gqa.qkv_split")
+            sizes.outputs[0].name = "gqa.qkv_sizes"
+            for output, role in zip(split.outputs, "qkv"):
+                output.name = f"gqa.{role}_split"
+            nodes += [sizes, split]
+            query, key, value = split.outputs
+        positions = _thread(model, function, "rotary_position_ids", _position_ids(model, attention), self._threaded)
+        turned, query, key = _rotary_nodes(attention, query, key, positions, cos_cache, sin_cache)
+        function.insert_before(attention.o_proj, nodes + turned)
+        return query, key, value
+
     def _rewrite(self, model, function, attention: _Attention, seqlens, total, window: int | None = None) -> None:
         cos_cache = sin_cache = None
         if attention.cos is not None:
@@ -513,9 +388,10 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
             sin_cache = _thread(model, function, "sin_cache", sin_cache, self._threaded)
         seqlens = _thread(model, function, SEQLENS_K, seqlens, self._threaded)
         total = _thread(model, function, TOTAL_SEQUENCE_LENGTH, total, self._threaded)
+        separate = _needs_rotary_op(attention)  # a partial rotary GroupQueryAttention refuses: RotaryEmbedding nodes
         attributes = {
             "num_heads": attention.num_heads, "kv_num_heads": attention.kv_num_heads, "scale": attention.scale,
-            "do_rotary": int(cos_cache is not None), "rotary_interleaved": int(attention.interleaved),
+            "do_rotary": int(cos_cache is not None and not separate), "rotary_interleaved": int(attention.interleaved),
             # transformers' window W (keys kv > q - W: W positions, the query's own included) is
             # onnxruntime's local_window_size W, as the builder sets it (checked: W - 1 drifts)
             "local_window_size": -1 if window is None else window, "softcap": attention.softcap,
@@ -542,6 +418,9 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
                 node.outputs[0].name = node.name
             function.insert_before(attention.o_proj, [shape, *turned, *merged])
             query, key, value = (node.outputs[0] for node in merged)
+        if separate:
+            query, key, value = self._rotated(model, function, attention, (query, key, value), cos_cache, sin_cache)
+            cos_cache = sin_cache = None
         gqa = ir.node(
             "GroupQueryAttention",
             [query, key, value, attention.past_key, attention.past_value, seqlens, total, cos_cache, sin_cache,

@@ -26,7 +26,8 @@ import onnx
 import onnx.helper
 import onnx.numpy_helper
 
-from onnx_modular.passes.proto_bodies import Body, call_sites, ensure_opset, function_id, uses
+from onnx_modular.passes.precision.tied_weights import TRANSPOSED_REASON, gather_block_quantized, tied_uses
+from onnx_modular.passes.proto_bodies import Body, body_names, call_sites, ensure_opset, function_id, uses
 
 __all__ = ["QUANTIZE_BITS", "QuantizeSettings", "QuantizedWeights", "quantize_weights", "root_logging_kept"]
 
@@ -61,10 +62,13 @@ class QuantizedWeights:
         quantized: The ``MatMulNBits`` made, as ``(body label, node)``.
         skipped: The weight-reading nodes left as they were, as ``(body label, node, reason)``.
         sources: New main-graph initializer -> a function computing its values (packed when called).
+        tied: The embedding ``Gather`` nodes now reading a tied head's packed weight
+            (``GatherBlockQuantized``), as ``(body label, node)``.
     """
 
     quantized: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     skipped: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    tied: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     sources: dict[str, Callable[[], np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
@@ -80,6 +84,7 @@ def quantize_weights(model: onnx.ModelProto, bodies: Sequence[tuple[Body, str]],
     """
     quantizer = _Quantizer(model, folder, settings)
     result = QuantizedWeights(sources=quantizer.sources)
+    result.quantized, result.tied = quantizer.tie(bodies)
     for body, label in bodies:
         done, left = quantizer.quantize_body(body, label)
         result.quantized += done
@@ -124,7 +129,7 @@ class _Quantizer:
         self.parts = [f"_Q{bits}", "_scales"] + ([] if symmetric else ["_zero_points"])
         self.initializers = {t.name: t for t in model.graph.initializer}
         self.sources: dict[str, Callable[[], np.ndarray]] = {}  # new initializer -> its array
-        self.done: set[tuple[int, str]] = set()
+        self.done: set[tuple[tuple[str, str, str] | None, str]] = set()
         self.transposed: set[str] = set()  # initializers a Gemm reads with transB=1: packed as their transpose
 
     def _shapes(self, k: int, n: int) -> list[tuple[list[int], int]]:
@@ -157,7 +162,7 @@ class _Quantizer:
         if name not in body.input:
             producer = next((n for n in body.node if name in n.output), None)
             if producer is not None and producer.op_type == "Transpose" and producer.input[0] in body.input:
-                return "its weight is transposed in the body (a weight tied to another use)"
+                return TRANSPOSED_REASON
             return _COMPUTED
         index = list(body.input).index(name)
         sites = list(call_sites(self.model, function_id(body)))
@@ -187,9 +192,10 @@ class _Quantizer:
     def _split(self, body, name: str, transposed: bool = False) -> list[str]:
         """Replace ``name`` in ``body`` by its packed parts, up to the main graph. Returns the new names."""
         new = [name + part for part in self.parts]
-        if (id(body), name) in self.done:
+        key = (self._body_key(body), name)
+        if key in self.done:
             return new
-        self.done.add((id(body), name))
+        self.done.add(key)
         if body is self.model.graph:
             tensor = self.initializers[name]
             k, n = tensor.dims[::-1] if transposed else tensor.dims
@@ -218,6 +224,61 @@ class _Quantizer:
                 return "a Gemm with transA, alpha or beta other than the defaults (MatMulNBits has none of them)", False
             return None, bool(attrs.get("transB", 0))
         return None, False
+
+    def tie(self, bodies: Sequence[tuple[Body, str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """Tied heads (``MatMul(x, Transpose(W))`` with ``W`` also an embedding's table) quantized first:
+        the head from ``W`` packed as its transpose; at 4 bits, every embedding ``Gather`` of
+        ``W`` in the bodies quantized reads the same packed table (:mod:`.tied_weights`)."""
+        labels = {self._body_key(body): label for body, label in bodies}
+        quantized, tied = [], []
+        for body, _label in bodies:
+            for transpose in [n for n in body.node if n.op_type == "Transpose" and n.domain in ("", "ai.onnx")]:
+                if transpose not in body.node:  # taken with an earlier head of the same weight
+                    continue
+                found = tied_uses(self.model, body, transpose)
+                if isinstance(found, str) or not found.heads or any(self._body_key(b) not in labels for b, *_ in found.heads):
+                    continue
+                vocab, hidden = self.initializers[found.initializer].dims
+                for head_body, formal, head_transpose, matmuls in found.heads:
+                    parts = self._split(head_body, formal, transposed=True)
+                    for matmul in matmuls:
+                        self._replace(head_body, matmul, [self._nbits(matmul, parts, hidden, vocab)])
+                        quantized.append((labels[self._body_key(head_body)], matmul.name or matmul.output[0]))
+                    head_body.node.remove(head_transpose)
+                    ensure_opset(self.model, head_body, MS_DOMAIN)
+                if self.bits != 4 or any(self._body_key(b) not in labels for b, *_ in found.gathers):
+                    continue  # the embedding reads the float table (GatherBlockQuantized takes int4 here)
+                for gather_body, formal, gather in found.gathers:
+                    parts = self._split(gather_body, formal, transposed=True)
+                    nodes = gather_block_quantized(gather, parts, vocab=vocab, hidden=hidden, bits=self.bits,
+                                                   block_size=self.block_size, taken=body_names(gather_body))
+                    self._replace(gather_body, gather, nodes)
+                    ensure_opset(self.model, gather_body, MS_DOMAIN)
+                    tied.append((labels[self._body_key(gather_body)], gather.name or gather.output[0]))
+        return quantized, tied
+
+    def _body_key(self, body) -> tuple[str, str, str] | None:
+        """A body's identity (not ``id()``: protobuf's Python wrappers come and go)."""
+        return None if body is self.model.graph else function_id(body)
+
+    @staticmethod
+    def _replace(body, node: onnx.NodeProto, nodes: list[onnx.NodeProto]) -> None:
+        position = list(body.node).index(node)
+        kept = list(body.node)
+        kept[position: position + 1] = nodes
+        del body.node[:]
+        body.node.extend(kept)
+
+    def _nbits(self, node: onnx.NodeProto, parts: list[str], k: int, n: int, output: list[str] | None = None) -> onnx.NodeProto:
+        attributes = {"K": k, "N": n, "bits": self.bits, "block_size": self.block_size}
+        if self.accuracy_level:
+            attributes["accuracy_level"] = self.accuracy_level
+        nbits = onnx.helper.make_node(
+            "MatMulNBits", [node.input[0], *parts], list(node.output) if output is None else output,
+            name=(node.name + f"_Q{self.bits}") if node.name else "", domain=MS_DOMAIN, **attributes,
+        )
+        nbits.metadata_props.extend(node.metadata_props)
+        return nbits
 
     def quantize_body(self, body, label: str) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
         """Every MatMul of ``body`` with a constant 2-D weight -> MatMulNBits; every such Gemm ->
@@ -248,16 +309,9 @@ class _Quantizer:
                 continue
             (k, n), = shapes
             parts = self._split(body, weight, transposed)
-            attributes = {"K": k, "N": n, "bits": self.bits, "block_size": self.block_size}
-            if self.accuracy_level:
-                attributes["accuracy_level"] = self.accuracy_level
             bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
             product = list(node.output) if bias is None else [_unused_name(body, node.output[0] + "_matmul")]
-            nbits = onnx.helper.make_node(
-                "MatMulNBits", [node.input[0], *parts], product,
-                name=(node.name + f"_Q{self.bits}") if node.name else "", domain=MS_DOMAIN, **attributes,
-            )
-            nbits.metadata_props.extend(node.metadata_props)
+            nbits = self._nbits(node, parts, k, n, product)
             made = [nbits]
             if bias is not None:  # Gemm's C: broadcast over the rows as Add does
                 add = onnx.helper.make_node("Add", [product[0], bias], list(node.output), name=(node.name + "_bias") if node.name else "")
