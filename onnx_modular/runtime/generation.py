@@ -31,7 +31,7 @@ import numpy as np
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.runtime.sessions import run, session
 
-__all__ = ["generate", "generate_with_sessions", "cache_key", "decoder_files"]
+__all__ = ["generate", "generate_with_sessions", "prompt_logits", "cache_key", "decoder_files"]
 
 #: onnxruntime's type names -> numpy dtypes of the inputs the loop makes.
 _DTYPES = {
@@ -205,6 +205,18 @@ def generate_with_sessions(prefill: Any, decode: Any, input_ids: Any, max_new_to
         tokens = np.concatenate([tokens, step], axis=1)
         what = "decode"
     return tokens
+
+
+def prompt_logits(sess: Any, input_ids: np.ndarray) -> np.ndarray:
+    """The logits of every position of each row of ``input_ids`` (``[n, length]``), each row a prompt
+    with an empty cache, run alone (a fused attention takes a multi-token prompt at batch 1):
+    ``[n, length, vocab]`` float32. The prefill step of :func:`generate_with_sessions`."""
+    signature = _signature(sess, "file")
+    rows = []
+    for row in np.asarray(input_ids, dtype=np.int64):
+        names, outputs = run(sess, _feeds(signature, row[None, :], 0, {}, "file"), what="prompt")
+        rows.append(np.asarray(dict(zip(names, outputs))[signature.logits][0], dtype=np.float32))
+    return np.stack(rows)
 
 
 def generate(

@@ -392,6 +392,8 @@ def optimize(
     accuracy_level: int = 4,
     int8_lm_head: bool = False,
     accuracy_guard: bool = True,
+    calibration: str | os.PathLike | None = None,
+    max_size: str | int | float | None = None,
 ) -> OptimizeReport:
     """Rewrite the bodies of ``path`` into onnxruntime's fused kernels and write ``output``.
 
@@ -413,6 +415,12 @@ def optimize(
         int8_lm_head: Quantize ``lm_head`` to int8 instead (the rest int4).
         accuracy_guard: At accuracy level 4, keep at level 0 the calls whose int8 compute flips a
             top token on a random prompt (:mod:`onnx_modular.files.optimize.accuracy_guard`; ``report.quantization.guard``).
+        calibration: Token ids (an ``.npz`` with ``input_ids`` ``[n, seq]`` int64, or a ``.txt`` tokenized
+            with the ``tokenizer.json`` beside ``path``): ``quantize="auto"`` chooses each call's precision
+            on them (:mod:`onnx_modular.files.optimize.auto`); with ``"int4"``/``"int8"`` the file is
+            measured on them (``report.quantization.quality``: KL, top-1, perplexity).
+        max_size: ``quantize="auto"``'s size budget: bytes, or a ratio of the uniform int4 file (``"1.02x"``);
+            default the uniform int4 file's size.
 
     Returns:
         An :class:`OptimizeReport` (``fused_classes``, ``attention``, ``added_inputs``, ``fusions``).
@@ -428,10 +436,17 @@ def optimize(
     if quantize is not None or int8_lm_head:
         from onnx_modular.files.optimize.quantize import Recipe, check_recipe
 
-        recipe = Recipe(quantize or "", accuracy_level=accuracy_level, int8_lm_head=int8_lm_head, guard=accuracy_guard)
+        recipe = Recipe(quantize or "", accuracy_level=accuracy_level, int8_lm_head=int8_lm_head, guard=accuracy_guard,
+                        calibration=None if calibration is None else str(calibration),
+                        max_size=None if max_size is None else str(max_size))
         check_recipe(recipe)
-    destination = save.check_destination(output)
+    destination = save.check_destination(output, reads=[path, *([calibration] if calibration is not None else [])])
     model = _load(path)
+    calibration_ids = None
+    if calibration is not None:
+        from onnx_modular.check.quality import load_ids
+
+        calibration_ids = load_ids(calibration, vocab=_vocab(model), beside=path)
     if max_positions is None:
         max_positions = int(model.metadata_props.get("max_position_embeddings", 4096))
     folder = str(pathlib.Path(path).resolve().parent)
@@ -466,7 +481,8 @@ def optimize(
 
         # the guard's reference inputs: the ones the steps were verified on (the graph's inputs do not change)
         report.quantization = quantize_fused(model, recipe, lambda result: _write(result, destination),
-                                             lambda length, past, seed: _prompt_feeds(model, length, past, seed))
+                                             lambda length, past, seed: _prompt_feeds(model, length, past, seed),
+                                             calibration_ids=calibration_ids)
     return report
 
 
