@@ -184,7 +184,8 @@ def default_cache() -> pathlib.Path:
     return pathlib.Path(os.environ.get("ONNX_MODULAR_CACHE", pathlib.Path.home() / ".cache" / "onnx_modular")) / "trained"
 
 
-def trained_checkpoint(shape: str = "llama", size: str = "bench", *, cache: str | os.PathLike | None = None) -> pathlib.Path:
+def trained_checkpoint(shape: str = "llama", size: str = "bench", *, cache: str | os.PathLike | None = None,
+                       recipe: TrainingRecipe | None = None) -> pathlib.Path:
     """The checkpoint folder of the ``shape`` decoder of ``size``, trained once and cached.
 
     Args:
@@ -192,13 +193,14 @@ def trained_checkpoint(shape: str = "llama", size: str = "bench", *, cache: str 
         size: ``tiny`` (tests, seconds) or ``bench`` (a few minutes on 2 cores).
         cache: The folder of trained checkpoints (default ``~/.cache/onnx_modular/trained``,
             or ``$ONNX_MODULAR_CACHE/trained``).
+        recipe: Another size than :data:`RECIPES`' (``size`` then only names the folder).
 
     Returns:
         The folder (``config.json``, ``model.safetensors``, ``tokenizer.json``, ``training.json``).
     """
-    if size not in RECIPES:
+    if recipe is None and size not in RECIPES:
         raise InvalidInputError(f"trained_checkpoint: size must be one of {', '.join(RECIPES)}, not {size!r}.")
-    recipe = RECIPES[size]
+    recipe = recipe or RECIPES[size]
     _config(shape, recipe)  # an unknown shape fails before any work
     root = pathlib.Path(cache) if cache is not None else default_cache()
     folder = root / f"{shape}-{size}-{_key(shape, recipe)}"
