@@ -103,7 +103,23 @@ def file_logits(model: str | os.PathLike | bytes, input_ids: np.ndarray, *, exte
     from onnx_modular.runtime.generation import prompt_logits
     from onnx_modular.runtime.sessions import session
 
-    return prompt_logits(session(model, external_data_folder=external_data_folder, what=what), input_ids)
+    return prompt_logits(session(model, external_data_folder=external_data_folder, what=what), input_ids,
+                         head_size=_genai_head_size(model))
+
+
+def _genai_head_size(model) -> int | None:
+    """The head size onnxruntime-genai's ``genai_config.json`` beside a file gives (its builder's cache is ``kv_cache_dim``)."""
+    import json
+
+    if isinstance(model, bytes):
+        return None
+    config = pathlib.Path(model).parent / "genai_config.json"
+    if not config.is_file():
+        return None
+    try:
+        return int(json.loads(config.read_text())["model"]["decoder"]["head_size"])
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def _vocab_of(path: str | os.PathLike) -> int | None:
