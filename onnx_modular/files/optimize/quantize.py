@@ -185,7 +185,7 @@ def quantize_fused(model: ir.Model, recipe: Recipe, write: Callable[[ir.Model], 
         proto = onnx.load(str(quantized), load_external_data=False)
         guard = None
         if recipe.guard and recipe.accuracy_level == INT8_COMPUTE:
-            guard = guard_accuracy(proto, folder, feeds, level=INT8_COMPUTE, seed=seed)
+            guard = guard_accuracy(proto, folder, feeds, level=INT8_COMPUTE, seed=seed, calibration=calibration_ids)
         proto.metadata_props.add(key=RECIPE_KEY, value=json.dumps(dataclasses.asdict(recipe)))
         result = ir.serde.deserialize_model(proto)
         ir.external_data.set_base_dir(result.graph, str(folder))
