@@ -281,8 +281,8 @@ def test_choose_is_the_best_within_the_budget():
                for i in range(5)}
     budget = 2500
     chosen = choose(options, budget)
-    cost = lambda pick: sum(next(b for c, b, _ in options[n] if c == pick[n]) for n in options)  # noqa: E731
-    kl = lambda pick: sum(next(k for c, _, k in options[n] if c == pick[n]) for n in options)  # noqa: E731
+    cost = lambda pick: sum(next(b for c, b, _ in options[n] if c == pick[n]) for n in options)
+    kl = lambda pick: sum(next(k for c, _, k in options[n] if c == pick[n]) for n in options)
     assert cost(chosen) <= budget
     every = [dict(zip(options, combo)) for combo in itertools.product(picks, repeat=len(options))]
     best = min((p for p in every if cost(p) <= budget), key=kl)

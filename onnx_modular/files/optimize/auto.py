@@ -308,7 +308,7 @@ def quantize_auto(model: onnx.ModelProto, ids: np.ndarray, *, max_size: tuple[st
     if not bench.candidates:
         raise InvalidInputError("quantize auto: no module call of the file has a MatMul weight to quantize.",
                                 hint="Give a decoder exported by onnx_modular (export --task causal-lm-with-past).")
-    uniform_file = bench.build_shared({n: UNIFORM for n in bench.candidates})
+    uniform_file = bench.build_shared(dict.fromkeys(bench.candidates, UNIFORM))
     uniform_bytes = uniform_file.ByteSize()
     uniform = bench.measure(uniform_file)
     options: dict[str, list[tuple[Choice, int, float]]] = {}
@@ -332,8 +332,8 @@ def quantize_auto(model: onnx.ModelProto, ids: np.ndarray, *, max_size: tuple[st
     rest = uniform_bytes - sum(next(b for c, b, _ in o if c == UNIFORM) for o in options.values())
     chosen, result = _solve(bench, options, budget, budget_from, rest)
     size = result.ByteSize()
-    rows = [CallChoice(n, chosen[n].name, dict((c.name, kl) for c, _, kl in options[n])[chosen[n].name],
-                       dict((c.name, b) for c, b, _ in options[n])[chosen[n].name], options[n][0][1]) for n in bench.candidates]
+    rows = [CallChoice(n, chosen[n].name, next(kl for c, _, kl in options[n] if c == chosen[n]),
+                       next(b for c, b, _ in options[n] if c == chosen[n]), options[n][0][1]) for n in bench.candidates]
     measured = bench.measure(result)
     measured.shares = {r.call: r.kl for r in rows}
     _calls.set_prop(result, AUTO_KEY, json.dumps({r.call: r.choice for r in rows}))

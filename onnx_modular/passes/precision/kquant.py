@@ -25,10 +25,8 @@ class KQuantPacker:
         self.bits, self.block_size = bits, block_size
 
     def qbits_block_quant(self, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        from onnx_modular.passes.precision.quantize_weights import root_logging_kept
-
-        with root_logging_kept():
-            from onnxruntime.quantization.neural_compressor.weight_only import quant_tensor_k_quant_cpu
+        # imported by quantize_weights' packer already, with the root logger kept as it was
+        from onnxruntime.quantization.neural_compressor.weight_only import quant_tensor_k_quant_cpu
 
         k, n = weight.shape
         blocks = (k + self.block_size - 1) // self.block_size
