@@ -33,7 +33,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -182,7 +182,8 @@ def _weight_calls(model: onnx.ModelProto) -> list[str]:
 class _Bench:
     """The float file with every candidate in a body of its own; builds and runs trial files."""
 
-    def __init__(self, model: onnx.ModelProto, ids: np.ndarray):
+    def __init__(self, model: onnx.ModelProto, ids: np.ndarray, size_of: Callable[[onnx.ModelProto], int]):
+        self.size_of = size_of
         self.original = model
         self.work = onnx.ModelProto()
         self.work.CopyFrom(model)
@@ -243,7 +244,7 @@ class _Bench:
 
     def measure(self, model: onnx.ModelProto) -> QualityReport:
         report = compare_logits(self.reference, self.logits(model), self.ids)
-        report.bytes = model.ByteSize()
+        report.bytes = self.size_of(model)
         return report
 
 
@@ -292,24 +293,27 @@ def choose(options: Mapping[str, Sequence[tuple[Choice, int, float]]], budget: i
 
 
 def quantize_auto(model: onnx.ModelProto, ids: np.ndarray, *, max_size: tuple[str, float] | None = None,
-                  choices: Sequence[Choice] = CHOICES) -> tuple[onnx.ModelProto, AutoReport]:
+                  choices: Sequence[Choice] = CHOICES,
+                  size_of: Callable[[onnx.ModelProto], int] | None = None) -> tuple[onnx.ModelProto, AutoReport]:
     """Choose each call's precision on ``ids`` within the budget; the quantized model (weights inline) and the report.
 
     Args:
         model: The fused float file, weights in memory.
         ids: Calibration token ids ``[n, seq]`` (:func:`onnx_modular.check.quality.load_ids`).
         max_size: :func:`parse_max_size`'s; ``None``: the uniform int4 file's size.
+        size_of: The bytes a model takes once written (``optimize`` writes it and its external data);
+            default its serialized size.
     """
     start = time.perf_counter()
     if model.ByteSize() > MAX_FLOAT_BYTES:
         raise InvalidInputError(f"quantize auto works on the float file in memory: {model.ByteSize():,} bytes is past "
                                 f"{MAX_FLOAT_BYTES:,}.", hint="Use --quantize int4 for files this large.")
-    bench = _Bench(model, ids)
+    bench = _Bench(model, ids, size_of or (lambda proto: proto.ByteSize()))
     if not bench.candidates:
         raise InvalidInputError("quantize auto: no module call of the file has a MatMul weight to quantize.",
                                 hint="Give a decoder exported by onnx_modular (export --task causal-lm-with-past).")
     uniform_file = bench.build_shared(dict.fromkeys(bench.candidates, UNIFORM))
-    uniform_bytes = uniform_file.ByteSize()
+    uniform_bytes = bench.size_of(uniform_file)
     uniform = bench.measure(uniform_file)
     options: dict[str, list[tuple[Choice, int, float]]] = {}
     sensitivity: dict[str, dict[str, float]] = {}
@@ -331,7 +335,7 @@ def quantize_auto(model: onnx.ModelProto, ids: np.ndarray, *, max_size: tuple[st
     # all but the choosable weights, as the uniform file has it (names and bodies included)
     rest = uniform_bytes - sum(next(b for c, b, _ in o if c == UNIFORM) for o in options.values())
     chosen, result = _solve(bench, options, budget, budget_from, rest)
-    size = result.ByteSize()
+    size = bench.size_of(result)
     rows = [CallChoice(n, chosen[n].name, next(kl for c, _, kl in options[n] if c == chosen[n]),
                        next(b for c, b, _ in options[n] if c == chosen[n]), options[n][0][1]) for n in bench.candidates]
     measured = bench.measure(result)
@@ -353,10 +357,11 @@ def _fit(bench: _Bench, options: Mapping[str, Sequence[tuple[Choice, int, float]
             return None
         chosen = expand(picked)
         result = bench.build_shared(chosen)
-        if result.ByteSize() <= budget:
+        size = bench.size_of(result)
+        if size <= budget:
             return chosen, result
         used = sum(next(b for c, b, _ in options[n] if c == choice) for n, choice in picked.items())
-        weights = used - (result.ByteSize() - budget) - 1
+        weights = used - (size - budget) - 1
     return None
 
 

@@ -205,13 +205,25 @@ def _measure(fused: pathlib.Path, quantized: onnx.ModelProto, folder: pathlib.Pa
     return report
 
 
+def written_bytes(proto: onnx.ModelProto) -> int:
+    """The bytes ``proto`` takes on disk as ``optimize`` writes it (external data when large: aligned tensors)."""
+    from onnx_modular.check.quality import file_bytes
+    from onnx_modular.storage import save
+
+    model = ir.serde.deserialize_model(proto)
+    with scratch_folder("optimize-size") as folder:
+        path = folder / "m.onnx"
+        ir.save(model, path, external_data="m.onnx.data" if save.wants_external_data(model, None) else None)
+        return file_bytes(path)
+
+
 def _auto(fused: pathlib.Path, recipe: Recipe, write: Callable[[ir.Model], None], ids: np.ndarray | None) -> Quantization:
     """``quantize="auto"``: :func:`onnx_modular.files.optimize.auto.quantize_auto` on the fused file."""
     from onnx_modular.files.optimize.auto import parse_max_size, quantize_auto
 
     if ids is None:
         raise InvalidInputError("optimize: quantize='auto' needs calibration ids.", hint="--calibration calib.npz")
-    proto, report = quantize_auto(onnx.load(str(fused)), ids, max_size=parse_max_size(recipe.max_size))
+    proto, report = quantize_auto(onnx.load(str(fused)), ids, max_size=parse_max_size(recipe.max_size), size_of=written_bytes)
     proto.metadata_props.add(key=RECIPE_KEY, value=json.dumps(dataclasses.asdict(recipe)))
     write(ir.serde.deserialize_model(proto))
     nbits = sum(1 for body in [proto.graph, *proto.functions] for n in body.node if n.op_type == "MatMulNBits")
