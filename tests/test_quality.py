@@ -197,8 +197,6 @@ def test_optimize_auto_refusals_leave_nothing(trained, tmp_path):
         optimize(exported, out, quantize="int4", max_size="1.1x")
     with pytest.raises(InvalidInputError, match="max_size must be"):
         optimize(exported, out, quantize="auto", calibration=calibration, max_size="big")
-    with pytest.raises(InvalidInputError, match="fits in|smallest choice"):
-        optimize(exported, out, quantize="auto", calibration=calibration, max_size="1000")
     assert main(["optimize", str(exported), "-o", str(out), "--quantize", "auto"]) != 0
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
