@@ -182,8 +182,10 @@ def _weight_calls(model: onnx.ModelProto) -> list[str]:
 class _Bench:
     """The float file with every candidate in a body of its own; builds and runs trial files."""
 
-    def __init__(self, model: onnx.ModelProto, ids: np.ndarray, size_of: Callable[[onnx.ModelProto], int]):
+    def __init__(self, model: onnx.ModelProto, ids: np.ndarray, size_of: Callable[[onnx.ModelProto], int],
+                 props: Mapping[str, str]):
         self.size_of = size_of
+        self.props = props
         self.original = model
         self.work = onnx.ModelProto()
         self.work.CopyFrom(model)
@@ -216,7 +218,7 @@ class _Bench:
         result.graph.initializer.extend(kept)
         return result
 
-    def build_shared(self, choices: Mapping[str, Choice]) -> onnx.ModelProto:
+    def build_shared(self, choices: Mapping[str, Choice], props: bool = True) -> onnx.ModelProto:
         """The original file with the calls of ``choices`` quantized so, bodies kept shared where the
         calls of a function got the same choice (the most common choice keeps the shared body)."""
         model = onnx.ModelProto()
@@ -234,7 +236,10 @@ class _Bench:
         one_call: dict = {}  # one call per function: a shared body is quantized once
         for name in choices:
             one_call.setdefault(function_id(calls[name].function), name)
-        return self.build({n: choices[n] for n in one_call.values()}, model)
+        result = self.build({n: choices[n] for n in one_call.values()}, model)
+        for key, value in {} if not props else {**self.props, AUTO_KEY: json.dumps({n: c.name for n, c in choices.items()})}.items():
+            _calls.set_prop(result, key, value)  # in the file, and in its size
+        return result
 
     def logits(self, model: onnx.ModelProto) -> np.ndarray:
         from onnx_modular.check.quality import file_logits
@@ -294,7 +299,8 @@ def choose(options: Mapping[str, Sequence[tuple[Choice, int, float]]], budget: i
 
 def quantize_auto(model: onnx.ModelProto, ids: np.ndarray, *, max_size: tuple[str, float] | None = None,
                   choices: Sequence[Choice] = CHOICES,
-                  size_of: Callable[[onnx.ModelProto], int] | None = None) -> tuple[onnx.ModelProto, AutoReport]:
+                  size_of: Callable[[onnx.ModelProto], int] | None = None,
+                  metadata_props: Mapping[str, str] | None = None) -> tuple[onnx.ModelProto, AutoReport]:
     """Choose each call's precision on ``ids`` within the budget; the quantized model (weights inline) and the report.
 
     Args:
@@ -303,12 +309,13 @@ def quantize_auto(model: onnx.ModelProto, ids: np.ndarray, *, max_size: tuple[st
         max_size: :func:`parse_max_size`'s; ``None``: the uniform int4 file's size.
         size_of: The bytes a model takes once written (``optimize`` writes it and its external data);
             default its serialized size.
+        metadata_props: Written into the file (and counted in its size) beside the choices (:data:`AUTO_KEY`).
     """
     start = time.perf_counter()
     if model.ByteSize() > MAX_FLOAT_BYTES:
         raise InvalidInputError(f"quantize auto works on the float file in memory: {model.ByteSize():,} bytes is past "
                                 f"{MAX_FLOAT_BYTES:,}.", hint="Use --quantize int4 for files this large.")
-    bench = _Bench(model, ids, size_of or (lambda proto: proto.ByteSize()))
+    bench = _Bench(model, ids, size_of or (lambda proto: proto.ByteSize()), dict(metadata_props or {}))
     if not bench.candidates:
         raise InvalidInputError("quantize auto: no module call of the file has a MatMul weight to quantize.",
                                 hint="Give a decoder exported by onnx_modular (export --task causal-lm-with-past).")
@@ -340,7 +347,6 @@ def quantize_auto(model: onnx.ModelProto, ids: np.ndarray, *, max_size: tuple[st
                        next(b for c, b, _ in options[n] if c == chosen[n]), options[n][0][1]) for n in bench.candidates]
     measured = bench.measure(result)
     measured.shares = {r.call: r.kl for r in rows}
-    _calls.set_prop(result, AUTO_KEY, json.dumps({r.call: r.choice for r in rows}))
     report = AutoReport(rows, budget, budget_from, size, uniform_bytes, sum(r.kl for r in rows), measured, uniform,
                         sensitivity, bench.trials, time.perf_counter() - start)
     return result, report

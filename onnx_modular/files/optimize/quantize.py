@@ -223,8 +223,8 @@ def _auto(fused: pathlib.Path, recipe: Recipe, write: Callable[[ir.Model], None]
 
     if ids is None:
         raise InvalidInputError("optimize: quantize='auto' needs calibration ids.", hint="--calibration calib.npz")
-    proto, report = quantize_auto(onnx.load(str(fused)), ids, max_size=parse_max_size(recipe.max_size), size_of=written_bytes)
-    proto.metadata_props.add(key=RECIPE_KEY, value=json.dumps(dataclasses.asdict(recipe)))
+    proto, report = quantize_auto(onnx.load(str(fused)), ids, max_size=parse_max_size(recipe.max_size), size_of=written_bytes,
+                                  metadata_props={RECIPE_KEY: json.dumps(dataclasses.asdict(recipe))})
     write(ir.serde.deserialize_model(proto))
     nbits = sum(1 for body in [proto.graph, *proto.functions] for n in body.node if n.op_type == "MatMulNBits")
     head = next((r.choice for r in report.calls if r.call == LM_HEAD), None)
