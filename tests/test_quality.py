@@ -153,6 +153,9 @@ def test_auto_chooses_per_call_within_the_uniform_size(trained, uniform, auto):
     # within the budget: the uniform int4 file's size (1% for the two writers' own bytes)
     assert path.stat().st_size <= uniform[0].stat().st_size * 1.01
     assert report.auto.bytes <= report.auto.budget
+    from onnx_modular.check.quality import file_bytes
+
+    assert report.auto.bytes == file_bytes(path)  # the size the choice counted is the size written
     # measured on the calibration ids: no worse than the uniform file, and the sum of shares predicts it
     assert report.auto.measured.kl_mean <= report.auto.uniform.kl_mean
     assert report.auto.uniform.kl_mean == pytest.approx(uniform[1].quality.kl_mean, rel=0.05)

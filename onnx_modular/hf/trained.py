@@ -106,7 +106,8 @@ def _config(shape: str, recipe: TrainingRecipe):
     if shape == "qwen3":
         return transformers.Qwen3Config(head_dim=recipe.hidden // recipe.heads, **common)
     if shape == "phi3":
-        return transformers.Phi3Config(**common)
+        # the same original context: onnxruntime-genai's builder reads a longer one as LongRoPE (and wants its factors)
+        return transformers.Phi3Config(original_max_position_embeddings=common["max_position_embeddings"], **common)
     raise InvalidInputError(f"trained_checkpoint: shape must be one of {', '.join(SHAPES)}, not {shape!r}.")
 
 
