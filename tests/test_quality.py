@@ -196,6 +196,8 @@ def test_optimize_auto_refusals_leave_nothing(trained, tmp_path):
     out = tmp_path / "x.onnx"
     with pytest.raises(InvalidInputError, match="calibration"):
         optimize(exported, out, quantize="auto")
+    with pytest.raises(InvalidInputError, match="for a quantized file"):
+        optimize(exported, out, calibration=calibration)
     with pytest.raises(InvalidInputError, match="max_size is the budget"):
         optimize(exported, out, quantize="int4", max_size="1.1x")
     with pytest.raises(InvalidInputError, match="max_size must be"):

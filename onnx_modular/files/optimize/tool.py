@@ -433,6 +433,9 @@ def optimize(
     if unknown:
         raise InvalidInputError(f"optimize: unknown steps {unknown}; the steps are {sorted(FUSED_OPS)}.")
     recipe = None
+    if (calibration is not None or max_size is not None) and quantize is None:
+        raise InvalidInputError("optimize: calibration and max_size are for a quantized file: give quantize.",
+                                hint="Add --quantize auto (or int4 to measure the builder's recipe on the calibration ids).")
     if quantize is not None or int8_lm_head:
         from onnx_modular.files.optimize.quantize import Recipe, check_recipe
 
