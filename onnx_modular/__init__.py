@@ -62,6 +62,8 @@ _LAZY = {
     "ModularizeReport": "onnx_modular.files.modularize.tool",
     "optimize": "onnx_modular.files.optimize.tool",
     "OptimizeReport": "onnx_modular.files.optimize.tool",
+    "quality": "onnx_modular.check.quality",
+    "QualityReport": "onnx_modular.check.quality",
 }
 
 
@@ -103,6 +105,8 @@ __all__ = [
     "generate",
     "optimize",
     "OptimizeReport",
+    "quality",
+    "QualityReport",
     "localize",
     "LocalizationReport",
     "profile",

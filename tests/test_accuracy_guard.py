@@ -105,7 +105,7 @@ def test_guard_keeps_the_massive_activation_call_at_level_0(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     quantization = report["quantization"]
     assert quantization["recipe"] == {"quantize": "int4", "block_size": 32, "symmetric": True, "accuracy_level": 4,
-                                      "int8_lm_head": False, "guard": True}
+                                      "int8_lm_head": False, "guard": True, "calibration": None, "max_size": None}
     assert quantization["lm_head"] == "int4"
     guard = quantization["guard"]
     assert guard["candidates"] == 11  # 2 x (packed q/k/v in the attention body, o_proj, gate, up, down) + lm_head
@@ -147,7 +147,7 @@ def test_normal_model_keeps_every_call_at_level_4_and_int8_lm_head(tmp_path):
     guard = report.quantization.guard
     assert guard.kept == [] and guard.flipped_unguarded == 0 and guard.trials == 2  # the file and the reference
     assert report.quantization.lm_head == "int8"
-    assert "no token flips: all 11 calls stay at accuracy_level=4" in report.text()
+    assert "within limits (0 flips): all 11 calls stay at accuracy_level=4" in report.text()
     assert sorted(sum(_levels(output).values(), [])) == [4] * 5
     model = onnx.load(str(output))
     head = [n for f in model.functions for n in f.node if n.op_type == "MatMulNBits"
@@ -167,3 +167,34 @@ def test_recipe_refused_before_any_work(tmp_path, options, message):
     with pytest.raises(InvalidInputError, match=message):
         optimize(tmp_path / "absent.onnx", tmp_path / "out.onnx", **options)
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_guard_on_calibration_ids_decides_on_measured_quality(tmp_path, capsys):
+    """With --calibration, the trials run the calibration rows as prompts and the guard judges the
+    mean next-token KL and top-1 agreement against level 0; kept calls come with their measured decode cost."""
+    from onnx_modular.cli import main
+    from onnx_modular.files.optimize.accuracy_guard import KL_LIMIT, TOP1_LIMIT
+
+    exported = _export(tmp_path, massive=True)
+    calibration = tmp_path / "calib.npz"
+    np.savez(calibration, input_ids=np.random.default_rng(5).integers(0, 96, (3, 24)))
+    capsys.readouterr()
+    guarded = tmp_path / "m.q4.onnx"
+    assert main(["optimize", str(exported), "-o", str(guarded), "--max-positions", "128", "--quantize", "int4",
+                 "--no-verify", "--calibration", str(calibration)]) == 0
+    text = capsys.readouterr().out
+    assert "of calibration ids compared" in text
+    assert "kept at accuracy_level=0" in text and f"model.layers.{MASSIVE_LAYER}.mlp.down_proj" in text
+    assert "decode cost:" in text  # the terminal says what the kept calls cost
+    assert "Measured on the calibration ids" in text
+    report = onnx.load(str(guarded), load_external_data=False)
+    assert sorted(sum(_levels(guarded).values(), [])).count(0) >= 1
+    del report
+    # what decided: past the limits unguarded, within them guarded (the report's own measures)
+    from onnx_modular import optimize
+
+    result = optimize(exported, tmp_path / "again.onnx", max_positions=128, quantize="int4", verify=False,
+                      calibration=calibration).quantization.guard
+    assert result.kl_unguarded > KL_LIMIT or result.top1_unguarded < TOP1_LIMIT
+    assert result.kl_guarded <= KL_LIMIT and result.top1_guarded >= TOP1_LIMIT
+    assert result.decode_cost is not None and result.decode_cost > 0

@@ -259,7 +259,8 @@ def run_optimize(args: argparse.Namespace) -> int:
     report = optimize(args.model, args.output, verify=not args.no_verify, max_positions=args.max_positions,
                       quantize=args.quantize, accuracy_level=args.accuracy_level, int8_lm_head=args.int8_lm_head,
                       accuracy_guard=not args.no_accuracy_guard, inputs=args.inputs,
-                      weight_only=args.int8_weight_only, int8_tolerance=args.int8_tolerance)
+                      weight_only=args.int8_weight_only, int8_tolerance=args.int8_tolerance,
+                      calibration=args.calibration, max_size=args.max_size)
     if not emit_json(args.json, report):
         stdout(report.text())
     return EXIT_OK

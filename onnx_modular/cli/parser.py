@@ -395,9 +395,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="rows of the rotary caches: the longest sequence the file will run (default 4096)")
     _json_option(opt, "the report")
     opt.add_argument("--no-verify", action="store_true", help="write the rewrite without running it in onnxruntime")
-    opt.add_argument("--quantize", choices=["int4", "int8"], default=None,
+    opt.add_argument("--quantize", choices=["int4", "int8", "auto"], default=None,
                      help="then quantize with onnxruntime-genai's builder recipe: MatMulNBits, block 32, symmetric, "
-                     "accuracy level 4, lm_head included (convert's passes)")
+                     "accuracy level 4, lm_head included (convert's passes); auto: each call's precision (int4 "
+                     "block size and rounding, int8, float) chosen from its measured KL on --calibration, within --max-size")
+    opt.add_argument("--calibration", default=None, metavar="FILE",
+                     help="token ids: an .npz with input_ids [n, seq] int64, or a .txt tokenized with the tokenizer.json "
+                     "beside the model; needed by --quantize auto, and with int4/int8 the file is measured on them")
+    opt.add_argument("--max-size", default=None, metavar="BYTES|RATIO",
+                     help="with --quantize auto: the size budget, bytes (3600000, 3.6MB) or a ratio of the uniform "
+                     "int4 file (1.02x); default the uniform int4 file's size")
     opt.add_argument("--accuracy-level", type=int, choices=range(5), default=4, metavar="N",
                      help="with --quantize: MatMulNBits compute, 4 = int8 (default, the builder's), 0 = float")
     opt.add_argument("--int8-lm-head", action="store_true", help="with --quantize int4: lm_head to int8 instead")

@@ -31,7 +31,8 @@ import numpy as np
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.runtime.sessions import run, session
 
-__all__ = ["generate", "generate_with_sessions", "cache_key", "decoder_files", "greedy_steps", "step_inputs", "MADE_INPUTS"]
+__all__ = ["generate", "generate_with_sessions", "cache_key", "decoder_files", "greedy_steps", "step_inputs", "MADE_INPUTS",
+           "prompt_logits", "prompt_feeds"]
 
 #: onnxruntime's type names -> numpy dtypes of the inputs the loop makes.
 _DTYPES = {
@@ -234,6 +235,30 @@ def generate_with_sessions(prefill: Any, decode: Any, input_ids: Any, max_new_to
             step, past = loop.send(values[signature.logits][:, -1, :])
     except StopIteration as done:
         return done.value
+
+
+def prompt_feeds(sess: Any, input_ids: np.ndarray, head_size: int | None = None) -> dict[str, np.ndarray]:
+    """The feeds of a prompt ``input_ids`` (``[batch, length]``) with an empty cache (see :func:`prompt_logits`)."""
+    signature = _signature(sess, "file")
+    empty = {}
+    for key, name in signature.cache_inputs.items():
+        arg = signature.inputs[name]
+        if head_size is not None and not isinstance(arg.shape[3], int) and isinstance(arg.shape[1], int):
+            empty[key] = np.zeros((input_ids.shape[0], arg.shape[1], 0, head_size), _dtype(arg))
+    return _feeds(signature, np.asarray(input_ids, dtype=np.int64), 0, empty, "file")
+
+
+def prompt_logits(sess: Any, input_ids: np.ndarray, head_size: int | None = None) -> np.ndarray:
+    """The logits of every position of each row of ``input_ids`` (``[n, length]``), each row a prompt
+    with an empty cache, run alone (a fused attention takes a multi-token prompt at batch 1):
+    ``[n, length, vocab]`` float32. The prefill step of :func:`generate_with_sessions`.
+    ``head_size``: of a cache whose file leaves it symbolic (onnxruntime-genai's builder: ``kv_cache_dim``)."""
+    signature = _signature(sess, "file")
+    rows = []
+    for row in np.asarray(input_ids, dtype=np.int64):
+        names, outputs = run(sess, prompt_feeds(sess, row[None, :], head_size), what="prompt")
+        rows.append(np.asarray(dict(zip(names, outputs))[signature.logits][0], dtype=np.float32))
+    return np.stack(rows)
 
 
 def generate(

@@ -56,6 +56,13 @@ MAIN_GRAPH = "<main graph>"
 GUARD_KEY = metadata.PREFIX + "accuracy_guard"
 #: Tokens of the reference prompt.
 PROMPT_LENGTH = 16
+#: On calibration ids (:mod:`onnx_modular.check.quality`), int8 compute is harmful past these: the mean
+#: next-token KL against the same file at the safe level (nats), or the top-1 agreement below.
+#: A trained 4-layer Llama's whole int4 file at level 4: KL 6.7e-5, top-1 99.7% on held-out text.
+KL_LIMIT = 1e-3
+TOP1_LIMIT = 0.99
+#: Decode steps timed (each file, taking turns) for the cost of the kept calls.
+COST_STEPS = 15
 #: The reference inputs: ``(tokens, past caches or None, seed) -> feeds`` (a prompt with an empty
 #: cache, or a decode step on the caches given); ``optimize``'s own (:func:`onnx_modular.files.optimize.tool._prompt_feeds`).
 FeedMaker = Callable[[int, "list[np.ndarray] | None", int], "dict[str, np.ndarray]"]
@@ -75,8 +82,14 @@ class GuardReport:
         flipped_guarded: The same with the kept calls at ``safe_level`` (0: the search stops there).
         trials: Files run (one onnxruntime session each).
         split: Functions copied so that kept calls have bodies of their own.
-        drift: Per kept call, the largest logit difference when it alone computes at ``level``.
+        drift: Per kept call, the largest logit difference when it alone computes at ``level``
+            (on calibration ids: its mean next-token KL).
         seconds: The guard's time (its trial runs).
+        measured_on: ``"a random prompt"`` (flips of the top token decide) or ``"calibration ids"``
+            (the mean next-token KL and the top-1 agreement decide: :data:`KL_LIMIT`, :data:`TOP1_LIMIT`).
+        kl_unguarded / top1_unguarded / kl_guarded / top1_guarded: Those measures against the safe level.
+        decode_cost: The guarded file's per-token decode time over the unguarded file's (measured,
+            one thread, taking turns; ``None`` when nothing is kept).
     """
 
     level: int
@@ -91,20 +104,35 @@ class GuardReport:
     split: int = 0
     drift: dict[str, float] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    measured_on: str = "a random prompt"
+    kl_unguarded: float = 0.0
+    top1_unguarded: float = 1.0
+    kl_guarded: float = 0.0
+    top1_guarded: float = 1.0
+    decode_cost: float | None = None
+
+    def _measures(self, kl: float, top1: float) -> str:
+        return f"; mean KL {kl:.3g}, top-1 {top1:.2%}" if self.measured_on == "calibration ids" else ""
 
     def text(self) -> str:
-        head = (f"Accuracy guard (int8 compute, accuracy_level={self.level}): {self.positions} top tokens compared "
-                f"with the same int4 weights at accuracy_level={self.safe_level}; {self.trials} trial runs, {self.seconds:.1f} s")
-        if not self.flipped_unguarded:
-            return head + f"\n  no token flips: all {self.candidates} calls stay at accuracy_level={self.level}"
-        lines = [head, f"  unguarded: {self.flipped_unguarded} of {self.positions} top tokens flip"]
+        head = (f"Accuracy guard (int8 compute, accuracy_level={self.level}): {self.positions} top tokens of {self.measured_on} "
+                f"compared with the same int4 weights at accuracy_level={self.safe_level}; {self.trials} trial runs, {self.seconds:.1f} s")
+        if not self.kept:
+            return head + (f"\n  within limits ({self.flipped_unguarded} flips{self._measures(self.kl_unguarded, self.top1_unguarded)}): "
+                           f"all {self.candidates} calls stay at accuracy_level={self.level}")
+        lines = [head, f"  unguarded: {self.flipped_unguarded} of {self.positions} top tokens flip"
+                 + self._measures(self.kl_unguarded, self.top1_unguarded)]
         if self.whole_file:
             lines.append(f"  more than {MAX_KEPT} calls flip tokens: every MatMulNBits at accuracy_level={self.safe_level}")
         else:
             lines.append(f"  kept at accuracy_level={self.safe_level} ({len(self.kept)} of {self.candidates} calls; "
                          "the logits' largest change when the call alone computes in int8):")
             lines += [f"    {name}  {self.drift[name]:.3g}" if name in self.drift else f"    {name}" for name in self.kept]
-        lines.append(f"  guarded: {self.flipped_guarded} of {self.positions} top tokens flip")
+        lines.append(f"  guarded: {self.flipped_guarded} of {self.positions} top tokens flip"
+                     + self._measures(self.kl_guarded, self.top1_guarded))
+        if self.decode_cost is not None:
+            lines.append(f"  decode cost: {self.decode_cost:.2f}x the unguarded file's per-token time "
+                         f"(measured here, {COST_STEPS} steps each, one thread)")
         return "\n".join(lines)
 
 
@@ -162,7 +190,7 @@ class _Trials:
     """Runs of the file with chosen candidates at ``level`` and the others at ``safe_level``."""
 
     def __init__(self, model: onnx.ModelProto, folder: str | os.PathLike | None, candidates: list[str],
-                 level: int, safe_level: int, feeds: FeedMaker, seed: int):
+                 level: int, safe_level: int, feeds: FeedMaker, seed: int, calibration: np.ndarray | None = None):
         self.work = onnx.ModelProto()
         self.work.CopyFrom(model)
         self.nodes, _ = _own_bodies(self.work, candidates)
@@ -171,8 +199,18 @@ class _Trials:
         self.count = 0
         self.feeds = feeds
         self.seed = seed
+        self.calibration = calibration
         self.reference: np.ndarray | None = None
         self.reference = self.logits([])
+        self.last: tuple[int, float, float] = (0, 0.0, 1.0)  # flips, KL, top-1 of the last judged trial
+        self.unguarded: tuple[int, float, float] = (0, 0.0, 1.0)  # those of the file as quantized
+
+    def _calibration_logits(self) -> np.ndarray:
+        from onnx_modular.check.quality import file_logits
+
+        logits = file_logits(self.work.SerializeToString(), self.calibration,
+                             external_data_folder=None if self.folder is None else str(self.folder), what="the guard's trial file")
+        return logits.reshape(-1, logits.shape[-1])
 
     def logits(self, at_level: Sequence[str]) -> np.ndarray:
         """Logits at every position (rows) with the calls ``at_level`` at the file's level, the other
@@ -181,7 +219,9 @@ class _Trials:
         for name, nodes in self.nodes.items():
             _set_level(nodes, self.level if name in chosen else self.safe_level)
         self.count += 1
-        session = runtime.session(self.work.SerializeToString(), external_data_folder=self.folder, what="guard's trial file")
+        if self.calibration is not None:
+            return self._calibration_logits()
+        session = runtime.session(self.work.SerializeToString(), external_data_folder=self.folder, what="the guard's trial file")
         prompt = self.feeds(PROMPT_LENGTH, None, self.seed)
         outputs = runtime.run(session, prompt, what="guard's trial file")[1]
         rows = [outputs[0].reshape(-1, outputs[0].shape[-1])]
@@ -197,20 +237,38 @@ class _Trials:
         return np.concatenate(rows)
 
     def flipped(self, at_level: Sequence[str]) -> int:
-        """Positions whose top token differs from the reference's."""
-        return int((self.logits(at_level).argmax(-1) != self.reference.argmax(-1)).sum())
+        """Whether the trial harms (0: no): on a random prompt, the positions whose top token differs
+        from the reference's; on calibration ids, past :data:`KL_LIMIT` or below :data:`TOP1_LIMIT`."""
+        logits = self.logits(at_level)
+        flips = int((logits.argmax(-1) != self.reference.argmax(-1)).sum())
+        if self.calibration is None:
+            self.last = (flips, 0.0, 1.0 - flips / len(logits))
+            return flips
+        kl, top1 = _kl(self.reference, logits), 1.0 - flips / len(logits)
+        self.last = (flips, kl, top1)
+        return flips if kl > KL_LIMIT or top1 < TOP1_LIMIT else 0
 
     def drift(self, at_level: Sequence[str]) -> float:
-        """The largest difference of the logits from the reference's."""
-        return float(np.abs(self.logits(at_level) - self.reference).max())
+        """How far the logits move from the reference's: the largest difference (on calibration ids, the mean KL)."""
+        logits = self.logits(at_level)
+        return _kl(self.reference, logits) if self.calibration is not None else float(np.abs(logits - self.reference).max())
+
+
+def _kl(reference: np.ndarray, logits: np.ndarray) -> float:
+    from onnx_modular.check.quality import compare_logits
+
+    ids = np.zeros((1, 1), np.int64)
+    return compare_logits(reference[None], logits[None], ids).kl_mean
 
 
 def _search(trials: _Trials, candidates: list[str], max_kept: int) -> tuple[list[str], bool, int, dict[str, float]]:
     """The calls to keep at the safe level, whether the whole file goes there, the unguarded flips
     and the logits' drift of each candidate alone at the file's level (when needed)."""
-    unguarded = trials.flipped(candidates)
-    if not unguarded:
-        return [], False, 0, {}
+    harmed = trials.flipped(candidates)
+    unguarded = trials.last[0]
+    trials.unguarded = trials.last
+    if not harmed:
+        return [], False, unguarded, {}
     alone = {name: trials.drift([name]) for name in candidates}  # each call's own int8 compute
     kept: list[str] = []
     for name in sorted(candidates, key=lambda n: -alone[n]):
@@ -244,7 +302,7 @@ def _apply(model: onnx.ModelProto, kept: Sequence[str], safe_level: int) -> int:
 
 def guard_accuracy(model: onnx.ModelProto, folder: str | os.PathLike | None, feeds: FeedMaker, *,
                    level: int = INT8_COMPUTE, safe_level: int = SAFE_LEVEL, seed: int = 0,
-                   max_kept: int = MAX_KEPT) -> GuardReport:
+                   max_kept: int = MAX_KEPT, calibration: np.ndarray | None = None) -> GuardReport:
     """Keep at ``safe_level`` the calls of ``model`` whose MatMulNBits at ``level`` flip a top token.
 
     Args:
@@ -254,6 +312,9 @@ def guard_accuracy(model: onnx.ModelProto, folder: str | os.PathLike | None, fee
         level / safe_level: The file's accuracy level and the one kept calls get.
         seed: Of the reference prompt.
         max_kept: Past this many kept calls, every MatMulNBits goes to ``safe_level`` (``whole_file``).
+        calibration: Token ids ``[n, seq]``: the trials run them as prompts and are judged on the mean
+            next-token KL and top-1 agreement against the safe level (:data:`KL_LIMIT`, :data:`TOP1_LIMIT`)
+            instead of the top-token flips of a random prompt.
 
     Returns:
         A :class:`GuardReport`; the guard's choice is also recorded in the file's metadata (:data:`GUARD_KEY`).
@@ -269,9 +330,13 @@ def guard_accuracy(model: onnx.ModelProto, folder: str | os.PathLike | None, fee
     candidates = _candidates(model, level)
     if not candidates:
         return GuardReport(level, safe_level, 0, [], False, 0, 0, 0, 0)
-    trials = _Trials(model, folder, candidates, level, safe_level, feeds, seed)
+    unguarded_model = onnx.ModelProto()
+    unguarded_model.CopyFrom(model)
+    trials = _Trials(model, folder, candidates, level, safe_level, feeds, seed, calibration)
     kept, whole_file, unguarded, alone = _search(trials, candidates, max_kept)
-    guarded = 0  # the search stops when the calls left at ``level`` flip nothing (or all are at the safe level)
+    before = trials.unguarded
+    after = trials.last if kept and not whole_file else (before if not kept else (0, 0.0, 1.0))
+    guarded = after[0] if kept else before[0]  # the search stops when the calls left at ``level`` are within limits
     if whole_file:
         for body in [model.graph, *model.functions]:
             _set_level(_nbits(body, level), safe_level)
@@ -280,6 +345,34 @@ def guard_accuracy(model: onnx.ModelProto, folder: str | os.PathLike | None, fee
         split = _apply(model, kept, safe_level)
     _calls.set_prop(model, GUARD_KEY, json.dumps({"level": level, "safe_level": safe_level, "kept": kept,
                                                   "whole_file": whole_file}))
+    cost = _decode_cost(model, unguarded_model, folder, feeds, seed) if kept else None
     return GuardReport(level, safe_level, len(candidates), kept, whole_file, int(trials.reference.shape[0]), unguarded,
                        guarded, trials.count, split, {n: alone[n] for n in kept if n in alone},
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, "calibration ids" if calibration is not None else "a random prompt",
+                       before[1], before[2], after[1], after[2], cost)
+
+
+def _decode_cost(guarded: onnx.ModelProto, unguarded: onnx.ModelProto, folder, feeds: FeedMaker, seed: int) -> float | None:
+    """The guarded file's median decode-step time over the unguarded file's (one thread, taking turns)."""
+    import statistics
+    import time
+
+    def prepare(model: onnx.ModelProto):
+        session = runtime.session(model.SerializeToString(), external_data_folder=folder, what="the guard's timed file",
+                                  configure=lambda options: setattr(options, "intra_op_num_threads", 1))
+        prompt = feeds(PROMPT_LENGTH, None, seed)
+        outputs = runtime.run(session, prompt, what="the guard's timed file")[1]
+        caches = sum(1 for value in prompt.values() if value.ndim == 4)
+        if not caches:
+            return session, prompt
+        return session, feeds(1, list(outputs[1: 1 + caches]), seed + 1)
+
+    runs = [prepare(guarded), prepare(unguarded)]
+    times: list[list[float]] = [[], []]
+    for step in range(2 * COST_STEPS):
+        for index in ((0, 1) if step % 2 else (1, 0)):
+            session, step_feeds = runs[index]
+            begin = time.perf_counter()
+            session.run(None, step_feeds)
+            times[index].append(time.perf_counter() - begin)
+    return statistics.median(times[0][2:]) / statistics.median(times[1][2:])

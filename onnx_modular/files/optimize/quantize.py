@@ -17,11 +17,14 @@ import json
 import pathlib
 from collections.abc import Callable
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
+from onnx_modular.check.quality import QualityReport
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.files.optimize.accuracy_guard import INT8_COMPUTE, FeedMaker, GuardReport, guard_accuracy
+from onnx_modular.files.optimize.auto import AutoReport
 from onnx_modular.format import metadata
 from onnx_modular.passes.precision.quantize_weights import QUANTIZE_BITS
 from onnx_modular.storage.locks import scratch_folder
@@ -44,9 +47,15 @@ class Recipe:
     accuracy_level: int = INT8_COMPUTE
     int8_lm_head: bool = False
     guard: bool = True
+    #: ``quantize="auto"``: the calibration file (also measures the uniform recipes' file when given).
+    calibration: str | None = None
+    #: ``quantize="auto"``: the size budget (:func:`onnx_modular.files.optimize.auto.parse_max_size`'s text).
+    max_size: str | None = None
 
     def command(self) -> str:
         """The ``convert`` options of the recipe (for the report)."""
+        if self.quantize == "auto":
+            return "--quantize auto" + (f" --max-size {self.max_size}" if self.max_size else "")
         text = f"--quantize {self.quantize} --block-size {self.block_size} --accuracy-level {self.accuracy_level}"
         return text + (" --symmetric" if self.symmetric else "")
 
@@ -63,6 +72,8 @@ class Quantization:
         guard: The accuracy guard's report (``None`` when off or not needed: level other than 4).
         tied_embedding: The embedding reads ``lm_head``'s packed int4 table (tied embeddings:
             ``GatherBlockQuantized``, :mod:`onnx_modular.passes.precision.tied_weights`).
+        auto: ``quantize="auto"``'s choices and measures (:class:`~onnx_modular.files.optimize.auto.AutoReport`).
+        quality: The file against the float (fused) file on the calibration ids, when given.
     """
 
     recipe: Recipe
@@ -71,8 +82,15 @@ class Quantization:
     skipped: list[tuple[str, str, str]]
     guard: GuardReport | None
     tied_embedding: bool = False
+    auto: AutoReport | None = None
+    quality: QualityReport | None = None
 
     def text(self) -> str:
+        if self.auto is not None:
+            return self.auto.text()
+        return self._uniform_text() + (("\n" + self.quality.text("Measured on the calibration ids")) if self.quality else "")
+
+    def _uniform_text(self) -> str:
         head = (f"Quantized ({self.recipe.command()}): {self.matmul_nbits} MatMulNBits in the bodies"
                 + (f", lm_head {self.lm_head}" if self.lm_head else ", lm_head not quantized")
                 + (" (tied: the embedding reads its table, GatherBlockQuantized)" if self.tied_embedding else "")
@@ -86,6 +104,9 @@ class Quantization:
 
 def check_recipe(recipe: Recipe) -> None:
     """The recipe makes sense, or a typed error says what to change (before any work)."""
+    if recipe.quantize == "auto" or recipe.max_size is not None:
+        _check_auto(recipe)
+        return
     if not recipe.quantize:
         raise InvalidInputError("optimize: int8_lm_head quantizes lm_head beside the rest: it needs quantize.",
                                 hint="Add --quantize int4.")
@@ -98,6 +119,20 @@ def check_recipe(recipe: Recipe) -> None:
     if recipe.int8_lm_head and recipe.quantize == "int8":
         raise InvalidInputError("optimize: int8_lm_head with quantize='int8' asks for nothing more: lm_head is int8 already.",
                                 hint="Drop --int8-lm-head, or use --quantize int4.")
+
+
+def _check_auto(recipe: Recipe) -> None:
+    from onnx_modular.files.optimize.auto import parse_max_size
+
+    if recipe.quantize != "auto":
+        raise InvalidInputError("optimize: max_size is the budget of quantize='auto'.", hint="Add --quantize auto --calibration FILE.")
+    if recipe.calibration is None:
+        raise InvalidInputError("optimize: quantize='auto' measures each call's sensitivity on calibration ids: give calibration.",
+                                hint="--calibration calib.npz (input_ids [n, seq] int64) or a .txt beside the model's tokenizer.json.")
+    if recipe.int8_lm_head:
+        raise InvalidInputError("optimize: quantize='auto' chooses lm_head's precision itself: drop int8_lm_head.",
+                                hint="Drop --int8-lm-head.")
+    parse_max_size(recipe.max_size)
 
 
 def _lm_head_bits(path: pathlib.Path) -> dict[str, int]:
@@ -119,11 +154,13 @@ def _lm_head_bits(path: pathlib.Path) -> dict[str, int]:
 
 
 def quantize_fused(model: ir.Model, recipe: Recipe, write: Callable[[ir.Model], None], feeds: FeedMaker, *,
-                   seed: int = 0) -> Quantization:
+                   seed: int = 0, calibration_ids: np.ndarray | None = None) -> Quantization:
     """Quantize ``model`` (the fused file, weights in memory) with ``recipe``, guard it, and ``write`` the result.
 
     ``feeds``: the guard's reference inputs (``optimize``'s, for the graph inputs of ``model``).
     ``write`` receives the final model, its weights in memory.
+    ``calibration_ids``: ``quantize="auto"``'s calibration ids; for the uniform recipes, the file is
+    measured on them against the float file (:attr:`Quantization.quality`).
 
     Raises:
         InvalidInputError: ``int8_lm_head`` and the file has no ``lm_head`` call (the closest names listed).
@@ -133,6 +170,8 @@ def quantize_fused(model: ir.Model, recipe: Recipe, write: Callable[[ir.Model], 
     with scratch_folder("optimize-quantize") as folder:
         fused = folder / "fused.onnx"
         ir.save(model, fused, external_data="fused.onnx.data")
+        if recipe.quantize == "auto":
+            return _auto(fused, recipe, write, calibration_ids)
         quantized = folder / "quantized.onnx"
         common = {"block_size": recipe.block_size, "symmetric": recipe.symmetric,
                   "accuracy_level": recipe.accuracy_level, "verify": False}
@@ -151,10 +190,47 @@ def quantize_fused(model: ir.Model, recipe: Recipe, write: Callable[[ir.Model], 
         tied = any(n.op_type == "GatherBlockQuantized" for body in [proto.graph, *proto.functions] for n in body.node)
         guard = None
         if recipe.guard and recipe.accuracy_level == INT8_COMPUTE:
-            guard = guard_accuracy(proto, folder, feeds, level=INT8_COMPUTE, seed=seed)
+            guard = guard_accuracy(proto, folder, feeds, level=INT8_COMPUTE, seed=seed, calibration=calibration_ids)
         proto.metadata_props.add(key=RECIPE_KEY, value=json.dumps(dataclasses.asdict(recipe)))
         result = ir.serde.deserialize_model(proto)
         ir.external_data.set_base_dir(result.graph, str(folder))
         ir.external_data.load_to_model(result)  # optimize holds the weights in memory anyway; the scratch folder goes
+        measured = _measure(fused, proto, folder, calibration_ids) if calibration_ids is not None else None
         write(result)
-    return Quantization(recipe, len(quantized_list), lm_head, skipped, guard, tied)
+    return Quantization(recipe, len(quantized_list), lm_head, skipped, guard, tied, quality=measured)
+
+
+def _measure(fused: pathlib.Path, quantized: onnx.ModelProto, folder: pathlib.Path, ids: np.ndarray) -> QualityReport:
+    """The quantized file (its weights in ``folder``) against the fused float file on ``ids``."""
+    from onnx_modular.check.quality import compare_logits, file_logits
+
+    reference = file_logits(fused, ids, what="the fused float file")
+    report = compare_logits(reference, file_logits(quantized.SerializeToString(), ids, external_data_folder=str(folder),
+                                                   what="the quantized file"), ids)
+    return report
+
+
+def written_bytes(proto: onnx.ModelProto) -> int:
+    """The bytes ``proto`` takes on disk as ``optimize`` writes it (external data when large: aligned tensors)."""
+    from onnx_modular.check.quality import file_bytes
+    from onnx_modular.storage import save
+
+    model = ir.serde.deserialize_model(proto)
+    with scratch_folder("optimize-size") as folder:
+        path = folder / "m.onnx"
+        ir.save(model, path, external_data="m.onnx.data" if save.wants_external_data(model, None) else None)
+        return file_bytes(path)
+
+
+def _auto(fused: pathlib.Path, recipe: Recipe, write: Callable[[ir.Model], None], ids: np.ndarray | None) -> Quantization:
+    """``quantize="auto"``: :func:`onnx_modular.files.optimize.auto.quantize_auto` on the fused file."""
+    from onnx_modular.files.optimize.auto import parse_max_size, quantize_auto
+
+    if ids is None:
+        raise InvalidInputError("optimize: quantize='auto' needs calibration ids.", hint="--calibration calib.npz")
+    proto, report = quantize_auto(onnx.load(str(fused)), ids, max_size=parse_max_size(recipe.max_size), size_of=written_bytes,
+                                  metadata_props={RECIPE_KEY: json.dumps(dataclasses.asdict(recipe))})
+    write(ir.serde.deserialize_model(proto))
+    nbits = sum(1 for body in [proto.graph, *proto.functions] for n in body.node if n.op_type == "MatMulNBits")
+    head = next((r.choice for r in report.calls if r.call == LM_HEAD), None)
+    return Quantization(recipe, nbits, head, [], None, auto=report, quality=report.measured)

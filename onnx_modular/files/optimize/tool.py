@@ -396,6 +396,8 @@ def optimize(
     inputs: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
     weight_only: Sequence[str] = (),
     int8_tolerance: float | None = None,
+    calibration: str | os.PathLike | None = None,
+    max_size: str | int | float | None = None,
 ) -> OptimizeReport:
     """Rewrite the bodies of ``path`` into onnxruntime's fused kernels and write ``output``.
 
@@ -426,6 +428,12 @@ def optimize(
         weight_only: (encoder, ``int8``) modules kept weight-only int8 (call paths, classes, globs).
         int8_tolerance: (encoder) the largest relative error ``||got - float|| / ||float||`` of an
             output allowed (default 0.05).
+        calibration: Token ids (an ``.npz`` with ``input_ids`` ``[n, seq]`` int64, or a ``.txt`` tokenized
+            with the ``tokenizer.json`` beside ``path``): ``quantize="auto"`` chooses each call's precision
+            on them (:mod:`onnx_modular.files.optimize.auto`); with ``"int4"``/``"int8"`` the file is
+            measured on them (``report.quantization.quality``: KL, top-1, perplexity).
+        max_size: ``quantize="auto"``'s size budget: bytes, or a ratio of the uniform int4 file (``"1.02x"``);
+            default the uniform int4 file's size.
 
     Returns:
         An :class:`OptimizeReport` (``fused_classes``, ``attention``, ``added_inputs``, ``fusions``).
@@ -438,12 +446,17 @@ def optimize(
     if unknown:
         raise InvalidInputError(f"optimize: unknown steps {unknown}; the steps are {sorted(FUSED_OPS)}.")
     recipe = None
+    if (calibration is not None or max_size is not None) and quantize is None:
+        raise InvalidInputError("optimize: calibration and max_size are for a quantized file: give quantize.",
+                                hint="Add --quantize auto (or int4 to measure the builder's recipe on the calibration ids).")
     if quantize is not None or int8_lm_head:
         from onnx_modular.files.optimize.quantize import Recipe, check_recipe
 
-        recipe = Recipe(quantize or "", accuracy_level=accuracy_level, int8_lm_head=int8_lm_head, guard=accuracy_guard)
+        recipe = Recipe(quantize or "", accuracy_level=accuracy_level, int8_lm_head=int8_lm_head, guard=accuracy_guard,
+                        calibration=None if calibration is None else str(calibration),
+                        max_size=None if max_size is None else str(max_size))
         check_recipe(recipe)
-    destination = save.check_destination(output)
+    destination = save.check_destination(output, reads=[path, *([calibration] if calibration is not None else [])])
     model = _load(path)
     if (weight_only or int8_tolerance is not None or inputs is not None) and (recipe is None or _cache_inputs(model)):
         raise InvalidInputError("optimize: inputs, weight_only and int8_tolerance choose how an encoder (a file without "
@@ -453,6 +466,11 @@ def optimize(
         from onnx_modular.files.optimize.encoder_int8 import inputs_only
 
         inputs = feeds_for(inputs_only(model), inputs)
+    calibration_ids = None
+    if calibration is not None:
+        from onnx_modular.check.quality import load_ids
+
+        calibration_ids = load_ids(calibration, vocab=_vocab(model), beside=path)
     if max_positions is None:
         max_positions = int(model.metadata_props.get("max_position_embeddings", 4096))
     folder = str(pathlib.Path(path).resolve().parent)
@@ -493,7 +511,8 @@ def optimize(
 
         # the guard's reference inputs: the ones the steps were verified on (the graph's inputs do not change)
         report.quantization = quantize_fused(model, recipe, lambda result: _write(result, destination),
-                                             lambda length, past, seed: _prompt_feeds(model, length, past, seed))
+                                             lambda length, past, seed: _prompt_feeds(model, length, past, seed),
+                                             calibration_ids=calibration_ids)
     return report
 
 

@@ -52,6 +52,9 @@ class QuantizeSettings:
     block_size: int = 32
     symmetric: bool = False
     accuracy_level: int | None = None
+    #: The rounding: ``"rtn"`` (onnxruntime's ``DefaultWeightOnlyQuantizer``) or ``"k_quant"``
+    #: (:mod:`onnx_modular.passes.precision.kquant`; asymmetric only).
+    algorithm: str = "rtn"
 
 
 @dataclasses.dataclass
@@ -126,6 +129,12 @@ class _Quantizer:
         self.packer = DefaultWeightOnlyQuantizer(
             DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric, bits=bits, accuracy_level=accuracy_level)
         )
+        if settings.algorithm == "k_quant":
+            from onnx_modular.passes.precision.kquant import KQuantPacker
+
+            if symmetric:
+                raise ValueError("k-quant rounding is asymmetric (a zero point per block): use symmetric=False")
+            self.packer = KQuantPacker(bits, block_size)
         self.parts = [f"_Q{bits}", "_scales"] + ([] if symmetric else ["_zero_points"])
         self.initializers = {t.name: t for t in model.graph.initializer}
         self.sources: dict[str, Callable[[], np.ndarray]] = {}  # new initializer -> its array
