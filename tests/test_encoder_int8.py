@@ -12,6 +12,7 @@ import onnx
 import pytest
 
 from onnx_modular.errors import InvalidInputError
+from onnx_modular.files.optimize.encoder_int8 import ENCODER_INT8_KEY
 
 SEQ = 12  # fixed by the export: the old guard fed a 16-token prompt to such a file
 
@@ -145,7 +146,7 @@ def test_int8_on_a_fixed_shape_bert_is_dynamic_int8_inside_the_bodies(tmp_path, 
     proto = onnx.load(target)
     weights = {t.name: t for t in proto.graph.initializer}
     assert any(name.endswith("qkv_proj.weight.T_int8") and t.data_type == onnx.TensorProto.INT8 for name, t in weights.items())
-    recorded = json.loads(next(p.value for p in proto.metadata_props if p.key == "pkg.onnx_modular.encoder_int8"))
+    recorded = json.loads(next(p.value for p in proto.metadata_props if p.key == ENCODER_INT8_KEY))
     assert recorded["weight_only"] == [] and recorded["error"] == pytest.approx(guard["error"])
     got, expected = _run(target, "bert"), _torch(model, "bert")
     relative = np.linalg.norm(got - expected) / np.linalg.norm(expected)
@@ -179,7 +180,7 @@ def test_weight_only_modules_chosen_by_the_user(tmp_path, bert_file):
     attention = [name for name, body in ops.items() if "MultiHeadAttention" in body]
     kinds = sorted("DynamicQuantizeMatMul" in ops[name] for name in attention)
     assert kinds == [False, True]  # layer 0's attention has a body of its own, weight-only; layer 1's stays dynamic
-    recorded = json.loads(next(p.value for p in onnx.load(target).metadata_props if p.key == "pkg.onnx_modular.encoder_int8"))
+    recorded = json.loads(next(p.value for p in onnx.load(target).metadata_props if p.key == ENCODER_INT8_KEY))
     # the module named and every quantized call inside it
     assert recorded["weight_only"] == ["encoder.layer.0.attention.self", "encoder.layer.0.attention.output.dense"]
 
@@ -220,7 +221,11 @@ def test_refusals(tmp_path, bert_file):
     assert "encoder.layer.0.attention" in str(raised.value)
     with pytest.raises(InvalidInputError, match="int8"):
         optimize(source, tmp_path / "d.onnx", quantize="int4", weight_only=["encoder.layer.0"])
-    assert not any(p.name.startswith(("a.", "b.", "c.", "d.")) for p in tmp_path.iterdir())
+    ids = tmp_path / "calib.npz"
+    np.savez(ids, input_ids=np.zeros((2, 8), np.int64))
+    with pytest.raises(InvalidInputError, match="need a decoder with a cache"):  # next-token KL: no encoder has it
+        optimize(source, tmp_path / "e.onnx", quantize="auto", calibration=ids)
+    assert not any(p.name.startswith(("a.", "b.", "c.", "d.", "e.")) for p in tmp_path.iterdir())
 
 
 NBITS_TEXT = """

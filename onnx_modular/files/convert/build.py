@@ -195,7 +195,7 @@ def build(
     if folder:
         ir.external_data.set_base_dir(result.graph, folder)
     lowered = {name for name, kind in initializer_types.items() if kind != FLOAT}
-    _lazy_weights(result, sources, {name: initializer_types[name] for name in lowered})
+    lazy_weights(result, sources, {name: initializer_types[name] for name in lowered})
     common_passes.RemoveUnusedNodesPass()(result)
     common_passes.RemoveUnusedFunctionsPass()(result)
     facts = BuildFacts(
@@ -211,7 +211,7 @@ def build(
     return result, facts
 
 
-def _lazy_weights(result, sources: Mapping[str, Callable[[], np.ndarray]], lowered: Mapping[str, int]) -> None:
+def lazy_weights(result, sources: Mapping[str, Callable[[], np.ndarray]], lowered: Mapping[str, int]) -> None:
     """The main graph's packed and lowered initializers as lazy tensors: computed one at a time
     when the file is written."""
     import onnx_ir as ir

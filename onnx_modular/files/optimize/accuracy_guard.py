@@ -142,16 +142,16 @@ def _nbits(body, level: int | None = None) -> list[onnx.NodeProto]:
     for node in body.node:
         if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
             continue
-        if level is None or _level(node) == level:
+        if level is None or node_level(node) == level:
             found.append(node)
     return found
 
 
-def _level(node: onnx.NodeProto) -> int:
+def node_level(node: onnx.NodeProto) -> int:
     return next((a.i for a in node.attribute if a.name == "accuracy_level"), 0)
 
 
-def _set_level(nodes: Sequence[onnx.NodeProto], level: int) -> None:
+def set_node_level(nodes: Sequence[onnx.NodeProto], level: int) -> None:
     for node in nodes:
         kept = [a for a in node.attribute if a.name != "accuracy_level"]
         del node.attribute[:]
@@ -163,7 +163,7 @@ def _set_level(nodes: Sequence[onnx.NodeProto], level: int) -> None:
 def set_accuracy_level(model: onnx.ModelProto, level: int) -> onnx.ModelProto:
     """Every ``MatMulNBits`` of ``model`` (main graph and functions) at ``level``, in place; returns ``model``."""
     for body in [model.graph, *model.functions]:
-        _set_level(_nbits(body), level)
+        set_node_level(_nbits(body), level)
     return model
 
 
@@ -217,7 +217,7 @@ class _Trials:
         candidates at the safe level."""
         chosen = set(at_level)
         for name, nodes in self.nodes.items():
-            _set_level(nodes, self.level if name in chosen else self.safe_level)
+            set_node_level(nodes, self.level if name in chosen else self.safe_level)
         self.count += 1
         if self.calibration is not None:
             return self._calibration_logits()
@@ -293,10 +293,10 @@ def _apply(model: onnx.ModelProto, kept: Sequence[str], safe_level: int) -> int:
     own = [name for name in kept if name != MAIN_GRAPH and function_id(calls[name].function) not in whole]
     _, copied = _own_bodies(model, own)
     for fid in whole:
-        _set_level(_nbits(next(f for f in model.functions if function_id(f) == fid)), safe_level)
+        set_node_level(_nbits(next(f for f in model.functions if function_id(f) == fid)), safe_level)
     calls = _calls.module_calls(model)
     for name in kept:
-        _set_level(_nbits(model.graph if name == MAIN_GRAPH else calls[name].function), safe_level)
+        set_node_level(_nbits(model.graph if name == MAIN_GRAPH else calls[name].function), safe_level)
     return copied
 
 
@@ -339,7 +339,7 @@ def guard_accuracy(model: onnx.ModelProto, folder: str | os.PathLike | None, fee
     guarded = after[0] if kept else before[0]  # the search stops when the calls left at ``level`` are within limits
     if whole_file:
         for body in [model.graph, *model.functions]:
-            _set_level(_nbits(body, level), safe_level)
+            set_node_level(_nbits(body, level), safe_level)
         split = 0
     else:
         split = _apply(model, kept, safe_level)

@@ -93,7 +93,7 @@ def _quantized_file(fused: str, folder, target: str) -> DynamicInt8:
     """``fused`` (a file in ``folder``) with dynamic int8 bodies, written to ``target`` in ``folder``."""
     import onnx_ir.passes.common as common_passes
 
-    from onnx_modular.files.convert.build import _lazy_weights
+    from onnx_modular.files.convert.build import lazy_weights
 
     proto = onnx.load(fused, load_external_data=False)
     labels = _label_of(proto)
@@ -101,7 +101,7 @@ def _quantized_file(fused: str, folder, target: str) -> DynamicInt8:
     done = quantize_dynamic_int8(proto, bodies, folder=str(folder))
     result = ir.serde.deserialize_model(proto)
     ir.external_data.set_base_dir(result.graph, str(folder))
-    _lazy_weights(result, done.sources, {})
+    lazy_weights(result, done.sources, {})
     common_passes.RemoveUnusedNodesPass()(result)
     common_passes.RemoveUnusedFunctionsPass()(result)
     ir.save(result, target, external_data=pathlib.Path(target).name + ".data")
@@ -161,13 +161,13 @@ def _covering(model: onnx.ModelProto, names: Sequence[str]) -> list[str]:
 
 
 def _level_toggle() -> encoder_guard.Toggle:
-    from onnx_modular.files.optimize.accuracy_guard import INT8_COMPUTE, SAFE_LEVEL, _level, _set_level
+    from onnx_modular.files.optimize.accuracy_guard import INT8_COMPUTE, SAFE_LEVEL, node_level, set_node_level
 
     def fast(node: onnx.NodeProto) -> bool:
-        return node.op_type == "MatMulNBits" and node.domain == "com.microsoft" and _level(node) == INT8_COMPUTE
+        return node.op_type == "MatMulNBits" and node.domain == "com.microsoft" and node_level(node) == INT8_COMPUTE
 
     def make_safe(body, node: onnx.NodeProto) -> list[onnx.NodeProto]:
-        _set_level([node], SAFE_LEVEL)
+        set_node_level([node], SAFE_LEVEL)
         return [node]
 
     return encoder_guard.Toggle(f"accuracy_level={INT8_COMPUTE}", f"accuracy_level={SAFE_LEVEL}", fast, make_safe)

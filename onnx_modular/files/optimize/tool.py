@@ -458,6 +458,11 @@ def optimize(
         check_recipe(recipe)
     destination = save.check_destination(output, reads=[path, *([calibration] if calibration is not None else [])])
     model = _load(path)
+    if recipe is not None and (recipe.quantize == "auto" or calibration is not None) and not _cache_inputs(model):
+        raise InvalidInputError("optimize: quantize='auto' and calibration measure next-token KL on token ids: they need "
+                                "a decoder with a cache, and this file has none (an encoder).",
+                                hint="For an encoder use --quantize int8 (dynamic int8, chosen per call by the outputs' "
+                                "error), with --inputs for real inputs.")
     if (weight_only or int8_tolerance is not None or inputs is not None) and (recipe is None or _cache_inputs(model)):
         raise InvalidInputError("optimize: inputs, weight_only and int8_tolerance choose how an encoder (a file without "
                                 "a cache) is quantized: " + ("quantize is not given." if recipe is None else "this file has a cache."),

@@ -39,7 +39,7 @@ import onnx
 import onnx.helper
 import onnx.numpy_helper
 
-from onnx_modular.passes.precision.quantize_weights import _COMPUTED, FLOAT, MS_DOMAIN, _Quantizer, _unused_name
+from onnx_modular.passes.precision.quantize_weights import COMPUTED, FLOAT, MS_DOMAIN, Quantizer, unused_name
 from onnx_modular.passes.proto_bodies import Body, call_sites, ensure_opset, function_id, uses
 
 __all__ = ["DYNAMIC_OP", "DynamicInt8", "quantize_dynamic_int8", "open_attention", "to_weight_only", "is_dynamic"]
@@ -89,9 +89,9 @@ def open_attention(body: Body, node: onnx.NodeProto) -> list[onnx.NodeProto] | N
     sizes = list(attrs.get("qkv_hidden_sizes") or [])
     if sizes and (sizes[0] != sizes[1]):
         return None
-    packed = _unused_name(body, node.output[0] + "_qkv")
-    split_sizes = _unused_name(body, node.output[0] + "_qkv_sizes")
-    q, k, v = (_unused_name(body, f"{node.output[0]}_{role}") for role in "qkv")
+    packed = unused_name(body, node.output[0] + "_qkv")
+    split_sizes = unused_name(body, node.output[0] + "_qkv_sizes")
+    q, k, v = (unused_name(body, f"{node.output[0]}_{role}") for role in "qkv")
     made = [onnx.helper.make_node("MatMul", [inputs[0], inputs[1]], [packed], name=f"{node.name}_qkv_proj")]
     split_inputs = [packed]
     if sizes:
@@ -120,7 +120,7 @@ def open_skip_layer_norm(body: Body, node: onnx.NodeProto) -> list[onnx.NodeProt
     if any(name and name in read for name in outputs[1:3]) or len(node.input) < 3:
         return None
     attrs = _attrs(node)
-    total = outputs[3] or _unused_name(body, outputs[0] + "_sum")
+    total = outputs[3] or unused_name(body, outputs[0] + "_sum")
     inputs = [node.input[0], node.input[1]] + ([node.input[4]] if len(node.input) > 4 and node.input[4] else [])
     norm_inputs = [total, node.input[2]] + ([node.input[3]] if len(node.input) > 3 and node.input[3] else [])
     made = [onnx.helper.make_node("Sum", inputs, [total], name=f"{node.name}_sum"),
@@ -136,12 +136,12 @@ def to_weight_only(body: Body, node: onnx.NodeProto) -> list[onnx.NodeProto]:
     (+ ``Add`` of its bias): the same int8 weight, float compute. The nodes, in order."""
     a, weight, scale = node.input[0], node.input[1], node.input[2]
     bias = node.input[4] if len(node.input) > 4 else ""
-    widened, dequantized = _unused_name(body, weight + "_float"), _unused_name(body, weight + "_dequantized")
+    widened, dequantized = unused_name(body, weight + "_float"), unused_name(body, weight + "_dequantized")
     # Cast + Mul, not DequantizeLinear: onnxruntime fuses DequantizeLinear + MatMul into MatMulNBits
     # computing in int8 (its session's default accuracy level 4); these fold into a float weight at load
     made = [onnx.helper.make_node("Cast", [weight], [widened], name=f"{node.name}_widen", to=FLOAT),
             onnx.helper.make_node("Mul", [widened, scale], [dequantized], name=f"{node.name}_dequantize")]
-    product = node.output[0] if not bias else _unused_name(body, node.output[0] + "_matmul")
+    product = node.output[0] if not bias else unused_name(body, node.output[0] + "_matmul")
     made.append(onnx.helper.make_node("MatMul", [a, dequantized], [product], name=f"{node.name}_weight_only"))
     if bias:
         made.append(onnx.helper.make_node("Add", [product, bias], [node.output[0]], name=f"{node.name}_bias"))
@@ -150,7 +150,7 @@ def to_weight_only(body: Body, node: onnx.NodeProto) -> list[onnx.NodeProto]:
     return made
 
 
-class _DynamicQuantizer(_Quantizer):
+class _DynamicQuantizer(Quantizer):
     """quantize_weights' threading of constant weights through the call sites, with int8 per-column parts."""
 
     def __init__(self, model: onnx.ModelProto, folder: str | None, open_norms: bool = True):  # no MatMulNBits packer
@@ -216,7 +216,7 @@ class _DynamicQuantizer(_Quantizer):
         output, bias = node.output[0], node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 else ""
         after = []
         if bias and not self._is_vector(body, bias):
-            product = _unused_name(body, output + "_product")
+            product = unused_name(body, output + "_product")
             after = [onnx.helper.make_node("Add", [product, bias], [output], name=(node.name or output) + "_bias")]
             output, bias = product, ""
         add = self._bias(body, node) if not bias and not after else None
@@ -280,7 +280,7 @@ class _DynamicQuantizer(_Quantizer):
             if why is None:
                 why, transposed = self._weight_reason(body, node)
             # no shape attributes: calls may pass weights of different shapes (one scale vector each)
-            if why == _COMPUTED or (why and not self._reaches_initializer(body, weight)):
+            if why == COMPUTED or (why and not self._reaches_initializer(body, weight)):
                 continue  # activations times activations (attention scores): not a weight
             if why:
                 skipped.append((label, node.name or node.output[0], why))

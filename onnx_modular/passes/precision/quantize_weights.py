@@ -35,7 +35,7 @@ FLOAT = onnx.TensorProto.FLOAT
 #: ``quantize=`` -> bits of ``MatMulNBits``.
 QUANTIZE_BITS = {"int4": 4, "int8": 8}
 MS_DOMAIN = "com.microsoft"
-_COMPUTED = "its second input is computed in the body"
+COMPUTED = "its second input is computed in the body"
 #: The ops whose constant weight becomes MatMulNBits (a Gemm's bias an Add after it).
 QUANTIZED_OPS = ("MatMul", "Gemm")
 #: The ops whose weights stay float32 under quantize, reported as skipped.
@@ -85,7 +85,7 @@ def quantize_weights(model: onnx.ModelProto, bodies: Sequence[tuple[Body, str]],
 
         done = quantize_weights(model, [(model.graph, "<main graph>")], QuantizeSettings(bits=4))
     """
-    quantizer = _Quantizer(model, folder, settings)
+    quantizer = Quantizer(model, folder, settings)
     result = QuantizedWeights(sources=quantizer.sources)
     result.quantized, result.tied = quantizer.tie(bodies)
     for body, label in bodies:
@@ -109,7 +109,7 @@ def root_logging_kept():
         root.setLevel(level)
 
 
-class _Quantizer:
+class Quantizer:
     """Weight-only quantization of MatMul weights inside bodies, packed by onnxruntime."""
 
     def __init__(self, model: onnx.ModelProto, folder: str | None, settings: QuantizeSettings):
@@ -172,7 +172,7 @@ class _Quantizer:
             producer = next((n for n in body.node if name in n.output), None)
             if producer is not None and producer.op_type == "Transpose" and producer.input[0] in body.input:
                 return TRANSPOSED_REASON
-            return _COMPUTED
+            return COMPUTED
         index = list(body.input).index(name)
         sites = list(call_sites(self.model, function_id(body)))
         if not sites:
@@ -226,7 +226,7 @@ class _Quantizer:
 
     def _weight_reason(self, body, node: onnx.NodeProto) -> tuple[str | None, bool]:
         """For a node that may read a weight: (why it stays float, whether it reads its weight
-        transposed). ``(_COMPUTED, False)``: not a weight; ``(None, t)``: it becomes MatMulNBits."""
+        transposed). ``(COMPUTED, False)``: not a weight; ``(None, t)``: it becomes MatMulNBits."""
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "Gemm":
             if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or (len(node.input) > 2 and node.input[2] and attrs.get("beta", 1.0) != 1.0):
@@ -311,7 +311,7 @@ class _Quantizer:
             shapes = set() if why else self._source_shapes(body, weight, transposed)
             if not why and len(shapes) != 1:
                 why = f"its calls pass weights of different shapes {sorted(shapes)}"
-            if why == _COMPUTED:
+            if why == COMPUTED:
                 continue  # activations times activations (attention scores): not a weight
             if why:
                 skipped.append((label, node.name or node.output[0], why))
@@ -319,7 +319,7 @@ class _Quantizer:
             (k, n), = shapes
             parts = self._split(body, weight, transposed)
             bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
-            product = list(node.output) if bias is None else [_unused_name(body, node.output[0] + "_matmul")]
+            product = list(node.output) if bias is None else [unused_name(body, node.output[0] + "_matmul")]
             nbits = self._nbits(node, parts, k, n, product)
             made = [nbits]
             if bias is not None:  # Gemm's C: broadcast over the rows as Add does
@@ -334,7 +334,7 @@ class _Quantizer:
         return done, skipped
 
 
-def _unused_name(body, base: str) -> str:
+def unused_name(body, base: str) -> str:
     taken = {v for n in body.node for v in (*n.input, *n.output)} | {getattr(v, "name", v) for v in (*body.input, *body.output)}
     name, count = base, 0
     while name in taken:

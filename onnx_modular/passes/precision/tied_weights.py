@@ -17,7 +17,7 @@ hidden size is not a whole number of blocks), as onnxruntime-genai's builder doe
 goes: the weight is stored once, in 4 bits.
 
 Entry: :func:`tied_uses` (the walk) and :func:`gather_block_quantized` (the embedding's nodes);
-:class:`onnx_modular.passes.precision.quantize_weights._Quantizer` does the rewrite.
+:class:`onnx_modular.passes.precision.quantize_weights.Quantizer` does the rewrite.
 """
 
 from __future__ import annotations
