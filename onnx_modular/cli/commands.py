@@ -192,7 +192,10 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_replace(args: argparse.Namespace) -> int:
     from onnx_modular.files.replace import replace
 
-    result = replace(args.model, args.target, args.block, args.output, inputs=_npz_feeds(args))
+    if args.output is None and not args.in_place:
+        raise InvalidInputError("replace needs -o NEW.onnx, or --in-place to edit the model itself.")
+    output = args.model if args.output is None else args.output
+    result = replace(args.model, args.target, args.block, output, inputs=_npz_feeds(args), in_place=args.in_place)
     if not emit_json(args.json, result):
         stdout(result)  # names escaped
     return EXIT_OK

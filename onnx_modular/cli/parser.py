@@ -310,7 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     replace.add_argument("model", help="the .onnx file")
     replace.add_argument("target", help="a class or function name (GPT2Block) or a module path (h.1)")
     replace.add_argument("block", help="the .onnx file whose graph becomes the body")
-    replace.add_argument("-o", "--output", required=True, metavar="NEW.onnx", help="the file to write")
+    replace.add_argument("-o", "--output", default=None, metavar="NEW.onnx", help="the file to write (required unless --in-place)")
+    replace.add_argument("--in-place", action="store_true",
+                         help="edit MODEL itself: read whole, written atomically over it (its previous data file retired after)")
     replace.add_argument(
         "--inputs", default=None, metavar="FILE.npz", help="inputs of the comparison with the original (default: random, seed 0)"
     )
