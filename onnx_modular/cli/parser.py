@@ -24,6 +24,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
     common = argparse.ArgumentParser(add_help=False)
@@ -392,14 +402,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     opt.add_argument("model", help="the modular .onnx file (export --task causal-lm-with-past, or an encoder's)")
     opt.add_argument("-o", "--output", required=True, metavar="NEW.onnx", help="the file to write")
-    opt.add_argument("--max-positions", type=_positive, default=None, metavar="N",
+    opt.add_argument("--max-positions", type=_positive_int, default=None, metavar="N",
                      help="rows of the rotary caches: the longest sequence the file will run (default 4096)")
     _json_option(opt, "the report")
     opt.add_argument("--no-verify", action="store_true", help="write the rewrite without running it in onnxruntime")
     opt.add_argument("--quantize", choices=["int4", "int8"], default=None,
                      help="then quantize with onnxruntime-genai's builder recipe: MatMulNBits, block 32, symmetric, "
                      "accuracy level 4, lm_head included (convert's passes)")
-    opt.add_argument("--accuracy-level", type=int, choices=range(5), default=4, metavar="N",
+    opt.add_argument("--accuracy-level", type=int, choices=range(5), default=None, metavar="N",
                      help="with --quantize: MatMulNBits compute, 4 = int8 (default, the builder's), 0 = float")
     opt.add_argument("--int8-lm-head", action="store_true", help="with --quantize int4: lm_head to int8 instead")
     opt.add_argument("--no-accuracy-guard", action="store_true",

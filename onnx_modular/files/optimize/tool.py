@@ -46,6 +46,7 @@ import onnx_ir as ir
 from onnx_modular.calls.capture import call_outputs
 from onnx_modular.check.parity import Tolerance, default_tolerance, max_differences
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError, SaveError, VerificationError
+from onnx_modular.files.optimize.options import check_options, positions_of
 from onnx_modular.format import metadata
 from onnx_modular.passes.fusions.activation import FuseActivationPass
 from onnx_modular.passes.fusions.gqa import SEQLENS_K, TOTAL_SEQUENCE_LENGTH, FuseGroupQueryAttentionPass
@@ -53,6 +54,7 @@ from onnx_modular.passes.fusions.mha import FuseMultiHeadAttentionPass
 from onnx_modular.passes.fusions.rms_norm import FuseRMSNormPass
 from onnx_modular.passes.fusions.skip_norm import FuseSkipNormPass
 from onnx_modular.storage import save
+from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.load import load_model_file
 
 __all__ = ["optimize", "OptimizeReport", "Fusion"]
@@ -364,7 +366,8 @@ def _run_step(model, step, make_pass, reference, tolerance, max_positions) -> tu
 
 
 def _load(path: str | os.PathLike) -> ir.Model:
-    load_model_file(path)  # the project's checks: not a model, malformed, recursive, huge
+    # the project's checks: not a model, malformed, recursive, huge; call bombs and endless Loops
+    check_expanded_size(load_model_file(path), name=repr(str(path)))
     try:
         model = ir.load(path)
         # Weights in memory: each step works on a serialized copy, which would lose the folder its
@@ -389,7 +392,7 @@ def optimize(
     tolerance: Tolerance | None = None,
     steps: tuple[str, ...] = ("rms_norm", "skip_norm", "attention", "skip_layer_norm", "mha", "activation"),
     quantize: str | None = None,
-    accuracy_level: int = 4,
+    accuracy_level: int | None = None,
     int8_lm_head: bool = False,
     accuracy_guard: bool = True,
 ) -> OptimizeReport:
@@ -409,7 +412,8 @@ def optimize(
         quantize: ``"int4"``: then quantize the fused file with onnxruntime-genai's builder recipe
             (``convert``'s passes: blocks of 32, symmetric, ``accuracy_level``, lm_head included;
             :mod:`onnx_modular.files.optimize.quantize`). ``"int8"`` likewise with 8 bits.
-        accuracy_level: ``MatMulNBits``'s compute (4: int8 activations, the builder's; 0: float).
+        accuracy_level: ``MatMulNBits``'s compute (4: int8 activations, the builder's, the default; 0: float);
+            only with ``quantize`` (as ``accuracy_guard=False``).
         int8_lm_head: Quantize ``lm_head`` to int8 instead (the rest int4).
         accuracy_guard: At accuracy level 4, keep at level 0 the calls whose int8 compute flips a
             top token on a random prompt (:mod:`onnx_modular.files.optimize.accuracy_guard`; ``report.quantization.guard``).
@@ -424,6 +428,8 @@ def optimize(
     unknown = sorted(set(steps) - set(FUSED_OPS))
     if unknown:
         raise InvalidInputError(f"optimize: unknown steps {unknown}; the steps are {sorted(FUSED_OPS)}.")
+    accuracy_level = check_options(max_positions=max_positions, quantize=quantize, accuracy_level=accuracy_level,
+                                   accuracy_guard=accuracy_guard, int8_lm_head=int8_lm_head)
     recipe = None
     if quantize is not None or int8_lm_head:
         from onnx_modular.files.optimize.quantize import Recipe, check_recipe
@@ -433,7 +439,7 @@ def optimize(
     destination = save.check_destination(output)
     model = _load(path)
     if max_positions is None:
-        max_positions = int(model.metadata_props.get("max_position_embeddings", 4096))
+        max_positions = positions_of(model, str(path))
     folder = str(pathlib.Path(path).resolve().parent)
     tolerance = tolerance or default_tolerance("float32")
     reference = _Reference(model, folder) if verify else None
