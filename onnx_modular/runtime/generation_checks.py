@@ -3,7 +3,7 @@ the token ids and ``max_new_tokens`` a caller passes (typed errors, never numpy'
 folder's ``export.json`` names (inside the folder, through no link), the files themselves (the
 bounds every tool applies: call bombs, endless ``Loop`` s), the ids against the vocabulary the
 logits declare, and the length of the run against the positions the file was exported for
-(``max_position_embeddings``) and :data:`~onnx_modular.storage.limits.MAX_NEW_TOKENS`.
+(``max_position_embeddings``, or the rows of the rotary caches ``optimize`` built) and :data:`~onnx_modular.storage.limits.MAX_NEW_TOKENS`.
 """
 
 from __future__ import annotations
@@ -127,8 +127,12 @@ def file_bounds(path: str | os.PathLike) -> int | None:
 
     model = load_model_file(path)  # the values too: a Loop's constant trip count is one
     check_expanded_size(model, name=repr(str(path)))
+    from onnx_modular.files.genai_config import cache_positions
+
     text = next((p.value for p in model.metadata_props if p.key == "max_position_embeddings"), "").strip()
-    return int(text) if text.isdigit() and 0 < int(text) else None
+    known = [int(text)] if text.isdigit() and 0 < int(text) else []
+    rows = cache_positions(model)  # optimize's rotary caches: GroupQueryAttention reads past them otherwise
+    return min([*known, *([rows] if rows else [])], default=None)
 
 
 def logits_name(outputs: dict[str, list], caches: set[str], what: str) -> str:
