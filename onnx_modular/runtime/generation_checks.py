@@ -78,7 +78,7 @@ def check_length(prompt: int, max_new_tokens: int, positions: int | None, what: 
     if positions is not None and prompt + max_new_tokens > positions:
         raise InvalidInputError(
             f"A prompt of {prompt} tokens and {max_new_tokens} new tokens need {prompt + max_new_tokens} positions; "
-            f"{what} was exported for {positions} (max_position_embeddings).",
+            f"{what} runs at most {positions} positions (its max_position_embeddings, or the rows of its rotary caches).",
             hint=f"Ask for at most {max(positions - prompt, 0)} new tokens, or shorten the prompt.",
         )
 

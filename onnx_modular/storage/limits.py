@@ -71,7 +71,7 @@ MAX_NEW_TOKENS = 32_768
 MAX_POSITIONS = 1 << 20
 #: Most calls the accuracy guard of ``optimize --quantize`` tries one by one at float compute
 #: (each trial runs the file); ``ONNX_MODULAR_MAX_GUARD_TRIALS`` raises it.
-MAX_GUARD_TRIALS = 64
+MAX_GUARD_TRIALS = 256
 
 _VARIABLES = {
     "MAX_STAGES": "ONNX_MODULAR_MAX_STAGES",
