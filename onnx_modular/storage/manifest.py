@@ -86,6 +86,8 @@ def _inside(folder: pathlib.Path, name: object) -> tuple[str | None, pathlib.Pat
     relative = pathlib.PurePosixPath(name)
     if not name or "\x00" in name or relative.is_absolute() or ".." in relative.parts or "\\" in name:
         return "is outside the folder", folder
+    if not relative.parts or relative.parts == (".",):
+        return "names the folder itself, not a file", folder
     current = folder
     for part in relative.parts:
         current = current / part
