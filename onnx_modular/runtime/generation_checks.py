@@ -43,6 +43,9 @@ def token_ids(input_ids: Any) -> np.ndarray:
         if all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
             raise InvalidInputError("input_ids holds ids past the int64 range; no vocabulary is that large.", hint=_IDS_HINT)
         raise InvalidInputError("input_ids must hold integers of equal-length rows.", hint=_IDS_HINT)
+    if array.size == 0:
+        raise InvalidInputError(f"input_ids must be [batch, length] with batch and length >= 1; got shape {list(array.shape)}.",
+                                hint=_IDS_HINT)
     if array.dtype.kind not in "iu":
         raise InvalidInputError(f"input_ids must hold integers, not {array.dtype} values.", hint=_IDS_HINT)
     if array.dtype.kind == "u" and array.size and int(array.max()) > _INT64.max:
