@@ -25,6 +25,7 @@ import onnx
 
 from onnx_modular.errors import OnnxModularError
 from onnx_modular.format.text import shown
+from onnx_modular.runtime.decoder_checks import cache_positions
 
 __all__ = [
     "GENERIC_TYPE",
@@ -89,9 +90,6 @@ class DecoderIO:
     head_size: int
     vocab_size: int | None
     uniform: bool = True  # every layer has the same KV heads and head size
-
-
-_POSITIONS = re.compile(r"gqa\d*\.positions")
 
 
 def _dims(value: onnx.ValueInfoProto) -> list[int | str]:
@@ -223,16 +221,6 @@ def _search_value(key: str, value: Any, default: Any) -> Any:
         raise GenaiError(f"generation_config.json sets {key} to {shown(repr(value))[:60]}; genai reads a "
                          f"{type(default).__name__} there.", hint=f"Fix {key} in generation_config.json (or remove it).")
     return value
-
-
-def cache_positions(model: onnx.ModelProto) -> int | None:
-    """Rows of the rotary caches ``optimize`` built for ``GroupQueryAttention`` (``--max-positions``):
-    the longest sequence the file can run; ``None`` when it has none."""
-    rows = []
-    for node in _nodes(model):
-        if node.op_type == "Constant" and node.output and _POSITIONS.fullmatch(node.output[0]):
-            rows += [a.t.dims[-1] for a in node.attribute if a.name == "value" and a.t.dims]
-    return min(rows) if rows else None
 
 
 def genai_config(

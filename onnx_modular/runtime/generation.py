@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from onnx_modular.errors import InvalidInputError
-from onnx_modular.runtime.generation_checks import (
+from onnx_modular.runtime.decoder_checks import (
     check_length,
     check_vocabulary,
     components,

@@ -11,15 +11,17 @@ from __future__ import annotations
 import numbers
 import os
 import pathlib
+import re
 from typing import Any
 
 import numpy as np
+import onnx
 
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.format.text import shown
 from onnx_modular.storage.limits import check_count
 
-__all__ = ["token_ids", "new_tokens", "check_length", "check_vocabulary", "components", "file_bounds", "logits_name"]
+__all__ = ["token_ids", "new_tokens", "check_length", "check_vocabulary", "components", "file_bounds", "logits_name", "cache_positions"]
 
 _IDS_HINT = "Pass a [batch, length] list or array of integer token ids, e.g. [[1, 306, 4966]]."
 _INT64 = np.iinfo(np.int64)
@@ -130,8 +132,6 @@ def file_bounds(path: str | os.PathLike) -> int | None:
 
     model = load_model_file(path)  # the values too: a Loop's constant trip count is one
     check_expanded_size(model, name=repr(str(path)))
-    from onnx_modular.files.genai_config import cache_positions
-
     text = next((p.value for p in model.metadata_props if p.key == "max_position_embeddings"), "").strip()
     known = [int(text)] if text.isdigit() and 0 < int(text) else []
     rows = cache_positions(model)  # optimize's rotary caches: GroupQueryAttention reads past them otherwise
@@ -150,3 +150,16 @@ def logits_name(outputs: dict[str, list], caches: set[str], what: str) -> str:
             hint="Name the logits output 'logits' (export names it so; export_modular(..., output_names=[...])).",
         )
     return candidates[0]
+
+
+_POSITIONS = re.compile(r"gqa\d*\.positions")
+
+
+def cache_positions(model: onnx.ModelProto) -> int | None:
+    """Rows of the rotary caches ``optimize`` built for ``GroupQueryAttention`` (``--max-positions``):
+    the longest sequence the file can run; ``None`` when it has none."""
+    rows = []
+    for node in [*model.graph.node, *(n for f in model.functions for n in f.node)]:
+        if node.op_type == "Constant" and node.output and _POSITIONS.fullmatch(node.output[0]):
+            rows += [a.t.dims[-1] for a in node.attribute if a.name == "value" and a.t.dims]
+    return min(rows) if rows else None
