@@ -5,7 +5,8 @@ so the check cannot be vacuous:
   the largest small integer constant of the file, within ``max_positions``): an attention body that
   differs from a sliding window only past the short prompt differs here;
 * a batch of two whose second row is right-padded (the padding contract of onnxruntime's fused
-  attention: ``seqlens_k`` from the mask), every position compared;
+  attention: ``seqlens_k`` from the mask), compared on the real tokens (:func:`real_tokens`: what a
+  padded query computes is the op's own);
 * a batch of two whose second row is left-padded, measured on the rows' real tokens only
   (:func:`left_padded`): fused attention reads positions from the mask where a transformers body
   reads them from the cache position, so the rewrite may differ there; the report says by how much
@@ -21,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["long_prompt_length", "padded_batch", "left_padded", "logits_drift", "MAX_LONG_PROMPT"]
+__all__ = ["long_prompt_length", "padded_batch", "left_padded", "logits_drift", "real_tokens", "MAX_LONG_PROMPT"]
 
 #: The longest prompt the check runs (a window of 4,096 tokens is covered; more is the user's to check).
 MAX_LONG_PROMPT = 4098
@@ -83,6 +84,19 @@ def padded_batch(feeds: dict[str, np.ndarray], ids: str | None, side: str, seed:
                 array[1] = np.concatenate([np.ones(pad, array.dtype), np.arange(array.shape[1] - pad, dtype=array.dtype)])
                 batch[name] = array
     return batch, pad
+
+
+def real_tokens(array: np.ndarray, cut: tuple[int, int] | None) -> np.ndarray:
+    """The values of a right-padded batch of two that belong to real tokens (``cut``: the sequence
+    length and the second row's padding): what a padded query computes is left to the op."""
+    if cut is None or array.ndim < 2 or array.shape[0] != 2:
+        return array
+    length, pad = cut
+    if array.shape[1] == length:  # [batch, sequence, ...]
+        return np.concatenate([array[0].ravel(), array[1, : length - pad].ravel()])
+    if array.ndim == 4 and array.shape[2] == length:  # [batch, heads, sequence, size]
+        return np.concatenate([array[0].ravel(), array[1, :, : length - pad].ravel()])
+    return array
 
 
 def logits_drift(expected: dict[str, np.ndarray], got: dict[str, np.ndarray], pad: int) -> float:

@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -277,6 +278,7 @@ class _Reference:
     def __init__(self, model: ir.Model, folder: str | None, max_positions: int = 4096):
         self.folder = folder
         self.left = None  # a left-padded batch: measured on the final file, not a condition of the steps
+        self.cuts: dict[int, tuple[int, int]] = {}  # run -> (length, padding) of a right-padded batch
         if not _cache_inputs(model):
             self.runs = [(feeds, *_run_calls(model, feeds, folder)) for feeds in _encoder_runs(model)]
             return
@@ -291,13 +293,16 @@ class _Reference:
             self.runs.append((step, outputs, calls))
         ids = next((v.name for v in model.graph.inputs if "input_ids" in v.name), None)
         length = reference_runs.long_prompt_length(model, max_positions)  # past any window the bodies hold
-        extra = [_prompt_feeds(model, length, None, 3)] if length > 6 else []
-        extra.append(reference_runs.padded_batch(_prompt_feeds(model, 8, None, 4), ids, "right")[0])
-        for feeds in extra:
+        extra = [(_prompt_feeds(model, length, None, 3), None)] if length > 6 else []
+        padded, pad = reference_runs.padded_batch(_prompt_feeds(model, 8, None, 4), ids, "right")
+        extra.append((padded, (8, pad)))
+        for feeds, cut in extra:
             try:
                 self.runs.append((feeds, *_run_calls(model, feeds, folder)))
             except Exception:  # the file itself cannot run it (a batch fixed to 1): not a check
                 continue
+            if cut is not None:
+                self.cuts[len(self.runs) - 1] = cut
         self.left = reference_runs.left_padded(lambda n: _prompt_feeds(model, n, None, 2), ids,
                                                lambda feeds: _run_calls(model, feeds, folder)[0])
 
@@ -317,7 +322,8 @@ class _Reference:
         diffs: dict[str, list] = {name: [0.0, 0] for name in functions}
         drifted: dict[str, str] = {}
         failure = None
-        for feeds, outputs, calls in self.runs:
+        for index, (feeds, outputs, calls) in enumerate(self.runs):
+            real = functools.partial(reference_runs.real_tokens, cut=self.cuts.get(index))  # a padded row's real tokens
             try:
                 new_outputs, new_calls = _run_calls(candidate, feeds, self.folder)
             except Exception as error:  # onnxruntime refuses the rewrite: every rewritten class is suspect
@@ -331,6 +337,7 @@ class _Reference:
                 for got, expected in zip(call.outputs, calls[name].outputs):
                     if got is None or expected is None or got.dtype.kind != "f":
                         continue
+                    got, expected = real(got), real(expected)
                     diff = max_differences(got, expected)[0]
                     entry[0] = max(entry[0], diff)
                     if not np.allclose(got, expected, atol=tolerance.atol, rtol=tolerance.rtol):
@@ -338,8 +345,8 @@ class _Reference:
                                                           f"{tolerance.atol:g}, rtol {tolerance.rtol:g})")
             for key, expected in outputs.items():
                 got = new_outputs.get(key)
-                if got is None or (expected.dtype.kind == "f" and not np.allclose(got, expected, atol=tolerance.atol,
-                                                                                rtol=tolerance.rtol)):
+                if got is None or (expected.dtype.kind == "f" and not np.allclose(real(got), real(expected),
+                                                                                atol=tolerance.atol, rtol=tolerance.rtol)):
                     failure = f"the file's output {key!r} differs"
         return {k: (v[0], v[1]) for k, v in diffs.items()}, drifted, failure
 
