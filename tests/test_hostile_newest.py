@@ -273,6 +273,23 @@ def test_optimize_options_are_checked_before_any_work(tmp_path, options, fragmen
     assert not (tmp_path / "o.onnx").exists()
 
 
+@pytest.mark.parametrize("command, fragment", [
+    (["convert", "m.onnx", "-o", "c.onnx", "--dtype", "float16", "--symmetric"], "--symmetric only applies with --quantize"),
+    (["convert", "m.onnx", "-o", "c.onnx", "--dtype", "float16", "--accuracy-level", "4"], "--accuracy-level only applies"),
+    (["convert", "m.onnx", "-o", "c.onnx", "--dtype", "float16", "--block-size", "64"], "--block-size only applies"),
+    (["genai", "m.onnx", "--checkpoint", "ckpt", "-o", "g", "--no-check", "--steps", "5"], "--steps only applies to what --no-check skips"),
+    (["genai", "m.onnx", "--checkpoint", "ckpt", "-o", "g", "--no-check", "--keep-on-mismatch"], "--keep-on-mismatch only"),
+])  # fmt: skip
+def test_options_that_need_another_option_say_so(tmp_path, monkeypatch, command, fragment):
+    """Options that mean nothing without another one were ignored with exit 0."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    model_with_data(tmp_path)
+    code, _, err = run_cli(*command)
+    assert code == 2 and fragment in err, err
+    assert not (tmp_path / "c.onnx").exists() and not (tmp_path / "g").exists()
+
+
 def test_optimize_api_positions_are_typed(tmp_path):
     model_with_data(tmp_path)
     for value in ("4096", 2.5, -3, True):

@@ -373,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--keep", nargs="+", action="extend", default=[], metavar="NAME", help="modules left in float32 (with what they call)")
     conv.add_argument("--quantize", choices=["int4", "int8"], default=None, help="weight-only quantization of MatMul weights")
     conv.add_argument("--exclude", nargs="+", action="extend", default=[], metavar="NAME", help="modules left unquantized (with what they call)")
-    conv.add_argument("--block-size", type=int, default=32, metavar="N", help="quantization block size (power of two >= 16; default 32)")
+    conv.add_argument("--block-size", type=int, default=None, metavar="N",
+                      help="with --quantize: quantization block size (power of two >= 16; default 32)")
     conv.add_argument("--symmetric", action="store_true", help="symmetric quantization (no zero points)")
     conv.add_argument("--accuracy-level", type=int, default=None, metavar="L", help="MatMulNBits accuracy_level (4: int8 compute on CPU)")
     conv.add_argument(
@@ -460,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     genai.add_argument("--checkpoint", required=True, metavar="CKPT", help="the checkpoint folder it was exported from")
     genai.add_argument("-o", "--output", required=True, metavar="DIR", help="the folder to write")
     genai.add_argument("--no-check", action="store_true", help="do not run the folder through genai")
-    genai.add_argument("--steps", type=_positive, default=20, metavar="N", help="new tokens of the check (default 20)")
+    genai.add_argument("--steps", type=_positive, default=None, metavar="N", help="new tokens of the check (default 20)")
     genai.add_argument("--keep-on-mismatch", action="store_true", help="write the folder even when the tokens differ (exit code 1)")
     genai.add_argument("--optimize", action="store_true", help="copy in the file rewritten by `optimize` (fused kernels; GroupQueryAttention lets genai share the past and present buffers)")
     _json_option(genai, "the summary (parity, genai check, genai_config.json)")
