@@ -457,19 +457,29 @@ def test_the_long_prompt_passes_every_window_the_file_holds():
     assert long_prompt_length(ir.from_proto(decoder_model()), 4096) == 17
 
 
-def test_optimize_never_calls_verified_what_differs_on_a_left_padded_batch(tmp_path):
-    """optimize said "each step verified" on a decoder whose left-padded batch of two then gave logits
-    0.6 off the input file's: the steps are now checked on a long prompt and a right-padded batch too,
-    and the report says how far a left-padded batch is, instead of calling it verified."""
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> pathlib.Path:
+    """A one-layer random Llama exported with its cache (transformers' names)."""
     transformers = pytest.importorskip("transformers")
     import torch
 
+    folder = tmp_path_factory.mktemp("llama")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(tmp_path / "ckpt")
-    code, _, err = run_cli("export", tmp_path / "ckpt", "--task", "causal-lm-with-past", "-o", tmp_path / "kv.onnx", "--no-verify")
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder / "ckpt")
+    code, _, err = run_cli("export", folder / "ckpt", "--task", "causal-lm-with-past", "-o", folder / "kv.onnx", "--no-verify")
     assert code == 0, err
+    return folder / "kv.onnx"
+
+
+def test_optimize_never_calls_verified_what_differs_on_a_left_padded_batch(tmp_path, tiny_llama):
+    """optimize said "each step verified" on a decoder whose left-padded batch of two then gave logits
+    0.6 off the input file's: the steps are now checked on a long prompt and a right-padded batch too,
+    and the report says how far a left-padded batch is, instead of calling it verified."""
+    import shutil
+
+    shutil.copy(tiny_llama, tmp_path / "kv.onnx")
     report = onnx_modular.optimize(tmp_path / "kv.onnx", tmp_path / "opt.onnx")
     assert "GroupQueryAttention" in (report.attention or "")
     assert report.left_padding is not None and report.left_padding > 1e-3
@@ -486,3 +496,31 @@ def test_optimize_never_calls_verified_what_differs_on_a_left_padded_batch(tmp_p
         feeds.update({i.name: np.zeros((2, i.shape[1], 0, i.shape[3]), np.float32) for i in session.get_inputs() if len(i.shape) == 4})
         logits.append(session.run(None, feeds)[0])
     assert np.abs(logits[0] - logits[1]).max() < 1e-4
+
+
+@pytest.mark.parametrize("how", ["softmax_axis", "squared", "no_mask"])
+def test_unverified_recognition_refuses_what_is_not_attention(tmp_path, tiny_llama, how):
+    """With --no-verify, bodies that are not attention (softmax over another axis, squared scores, no
+    mask) were fused as attention: recognition now proves them by structure."""
+    model = onnx.load(str(tiny_llama), load_external_data=False)
+    body = next(f for f in model.functions if f.name == "LlamaAttention")
+    softmax = next(n for n in body.node if n.op_type == "Softmax")
+    producer = {o: n for n in body.node for o in n.output}
+    mask_add = producer[softmax.input[0]]
+    assert mask_add.op_type == "Add"
+    if how == "softmax_axis":
+        softmax.attribute[0].i = 2
+    elif how == "squared":
+        scores = mask_add.input[0]
+        body.node.insert(list(body.node).index(mask_add), helper.make_node("Mul", [scores, scores], ["squared"]))
+        mask_add.input[0] = "squared"
+    else:
+        softmax.input[0] = mask_add.input[0]
+    onnx.save(model, str(tmp_path / "hostile.onnx"))
+    report = onnx_modular.optimize(tmp_path / "hostile.onnx", tmp_path / "opt.onnx", verify=False, steps=("attention",))
+    attention = [f for f in report.fusions if f.step == "attention"]
+    assert attention and not any(f.fused for f in attention), report.text()
+    reason = {"softmax_axis": "not over the keys", "squared": "with themselves", "no_mask": "no mask"}[how]
+    assert reason in attention[0].reason
+    report = onnx_modular.optimize(tiny_llama, tmp_path / "plain.onnx", verify=False, steps=("attention",))
+    assert report.attention == "GroupQueryAttention"  # the same body untouched is fused
