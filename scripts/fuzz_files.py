@@ -199,7 +199,7 @@ def classify(exitcode: int | None, stderr: str, timed_out: bool) -> str:
         return "traceback"
     if exitcode == 0:
         return "ok"
-    if exitcode in (1, 2) and re.search(r"^error: ", stderr, re.M):
+    if exitcode in (1, 2) and re.search(r"^(onnx-modular [a-z_]+: )?error: ", stderr, re.M):  # ours, or argparse's usage error
         return "ok"
     return "no-error-line"
 
@@ -1394,6 +1394,12 @@ GENERATORS: dict[str, tuple[Generator, float]] = {
     "checkpoint": (gen_checkpoint, 0),
     "output_folder": (gen_output_folder, 0),
 }
+
+# issue 65: the newest surfaces (the path guard, generate, optimize's options, modularize's bounds, --in-place)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from fuzz_surfaces import GENERATORS as _SURFACES  # noqa: E402
+
+GENERATORS.update(_SURFACES)
 
 _VERIFY_EXTRAS = [[], [], [], ["--seed", "-1"], ["--rtol", "nan"], ["--atol", "-1"], ["--dim", "batch=0"]]
 

@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import importlib
 import os
+import pathlib
 import sys
 import traceback
 from collections.abc import Sequence
@@ -51,7 +52,7 @@ from onnx_modular.cli.output import (
 )
 from onnx_modular.cli.parser import build_parser
 from onnx_modular.errors import OnnxModularError, ParityError
-from onnx_modular.storage.guard import reading
+from onnx_modular.storage.guard import command_outputs, reading
 from onnx_modular.storage.signals import end_quiet_interrupt, interrupt_on_sigterm, signals_deferred
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_MISMATCH", "EXIT_USAGE", "EXIT_INTERNAL"]
@@ -98,7 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with interrupt_on_sigterm():  # SIGTERM cleans up like Ctrl-C
             with signals_deferred():  # handled once the imports are done: exit 143, no abort
                 _import_what_runs(args)
-            with reading(_inputs_of(args)):  # every write of the command refuses these (storage/guard.py)
+            # every write of the command refuses its inputs and its other outputs (storage/guard.py)
+            with reading(_inputs_of(args)), command_outputs(_outputs_of(args)):
                 check_json_destination(getattr(args, "json", None))  # before the command's work
                 return args.run(args)
     except Mismatch as e:
@@ -126,9 +128,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _inputs_of(args: argparse.Namespace) -> list:
-    """The files a command reads (its models, a checkpoint folder, ``--inputs``, ``--expected``)."""
-    names = ("model", "a", "b", "block", "factory", "inputs", "expected", "folder")
-    return [value for name in names if isinstance(value := getattr(args, name, None), str) and os.path.exists(value)]
+    """The files a command reads (its models, a checkpoint folder, ``--inputs``, ``--expected``,
+    a factory's Python file); ``replace --in-place`` writes its model, so it is left out."""
+    names = ("model", "a", "b", "block", "factory", "inputs", "expected", "folder", "checkpoint")
+    skip = ("model",) if getattr(args, "in_place", False) else ()
+    found = [value for name in names if name not in skip and isinstance(value := getattr(args, name, None), str)]
+    factory = getattr(args, "factory", None)
+    if isinstance(factory, str) and ":" in factory:  # file.py:make, or package.module:make run from here
+        module = factory.rpartition(":")[0]
+        found += [module, module.replace(".", os.sep) + ".py", os.path.join(module.replace(".", os.sep), "__init__.py")]
+    return [value for value in found if os.path.exists(value)]
+
+
+def _outputs_of(args: argparse.Namespace) -> dict:
+    """The paths a command writes, by option: each its own file (storage/guard.check_distinct)."""
+    named = {"-o": getattr(args, "output", None)}
+    named.update({f"--{name.replace('_', '-')}": getattr(args, name, None) for name in ("json", "flat_file", "html", "trace")})
+    if named["--flat-file"] is True and isinstance(named["-o"], str):  # its default, beside -o
+        output = pathlib.Path(named["-o"])
+        named["--flat-file"] = str(output.with_name(output.stem + ".flat.onnx")) if output.name else None
+    return named
 
 
 def _for_the_command_line(error: OnnxModularError, args: argparse.Namespace) -> str:

@@ -19,6 +19,22 @@ from onnx_modular.storage import save
 from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.display import display_bytes
 
+
+def needs_option(args: argparse.Namespace, needed: str, options: Sequence[str], *, when_false: bool = False) -> None:
+    """Refuse options that only mean something with ``--needed`` (``when_false``: with what
+    ``--needed`` skips, as ``--steps`` with ``--no-check``), given without it: an error, never ignored."""
+    missing = bool(getattr(args, needed)) if when_false else not getattr(args, needed)
+    given = [f"--{o.replace('_', '-')}" for o in options if getattr(args, o, None) not in (None, False)]
+    if missing and given:
+        flag = f"--{needed.replace('_', '-')}"
+        applies = f"appl{'ies' if len(given) == 1 else 'y'}"
+        raise InvalidInputError(
+            f"{' and '.join(given)} only {applies} " + (f"to what {flag} skips" if when_false else f"with {flag}")
+            + "; it would be ignored.",
+            hint=f"Drop {' '.join(given)}" + (f", or {flag}." if when_false else f", or add {flag}."),
+        )
+
+
 # -- tree, inline ------------------------------------------------------------------------
 
 
@@ -195,7 +211,10 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_replace(args: argparse.Namespace) -> int:
     from onnx_modular.files.replace import replace
 
-    result = replace(args.model, args.target, args.block, args.output, inputs=_npz_feeds(args))
+    if args.output is None and not args.in_place:
+        raise InvalidInputError("replace needs -o NEW.onnx, or --in-place to edit the model itself.")
+    output = args.model if args.output is None else args.output
+    result = replace(args.model, args.target, args.block, output, inputs=_npz_feeds(args), in_place=args.in_place)
     if not emit_json(args.json, result):
         stdout(result)  # names escaped
     return EXIT_OK
@@ -240,9 +259,10 @@ def run_convert(args: argparse.Namespace) -> int:
 
     if args.json not in (None, "-"):
         save.check_destination(args.json, reads=[args.model])  # before the work, as the model's path
+    needs_option(args, "quantize", ("block_size", "symmetric", "accuracy_level"))
     result = convert(
         args.model, args.output, dtype=args.dtype, keep=args.keep, quantize=args.quantize, exclude=args.exclude,
-        block_size=args.block_size, symmetric=args.symmetric, accuracy_level=args.accuracy_level,
+        block_size=32 if args.block_size is None else args.block_size, symmetric=args.symmetric, accuracy_level=args.accuracy_level,
         auto_keep=args.auto_keep, inputs=args.inputs, verify=not args.no_verify,
     )
     if not emit_json(args.json, result):

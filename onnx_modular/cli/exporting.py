@@ -367,12 +367,14 @@ def _print_genai(args: argparse.Namespace, folder: Any) -> int:
 
 def run_genai(args: argparse.Namespace) -> int:
     """``genai M.onnx --checkpoint CKPT -o DIR``: the folder of a file already exported."""
+    from onnx_modular.cli.commands import needs_option
     from onnx_modular.hf import command, genai  # imports transformers
 
+    needs_option(args, "no_check", ("steps", "keep_on_mismatch"), when_false=True)  # both are the check's
     command.quiet_progress_bars(getattr(args, "verbose", False))
     with _quiet_warnings(args):
         folder = genai.write_genai_folder(
-            args.model, args.checkpoint, args.output, check=not args.no_check, steps=args.steps,
+            args.model, args.checkpoint, args.output, check=not args.no_check, steps=20 if args.steps is None else args.steps,
             keep_on_mismatch=args.keep_on_mismatch, optimize=args.optimize,
         )
     return _print_genai(args, folder)

@@ -25,6 +25,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
     common = argparse.ArgumentParser(add_help=False)
@@ -311,7 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     replace.add_argument("model", help="the .onnx file")
     replace.add_argument("target", help="a class or function name (GPT2Block) or a module path (h.1)")
     replace.add_argument("block", help="the .onnx file whose graph becomes the body")
-    replace.add_argument("-o", "--output", required=True, metavar="NEW.onnx", help="the file to write")
+    replace.add_argument("-o", "--output", default=None, metavar="NEW.onnx", help="the file to write (required unless --in-place)")
+    replace.add_argument("--in-place", action="store_true",
+                         help="edit MODEL itself: read whole, written atomically over it (its previous data file retired after)")
     replace.add_argument(
         "--inputs", default=None, metavar="FILE.npz", help="inputs of the comparison with the original (default: random, seed 0)"
     )
@@ -362,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--keep", nargs="+", action="extend", default=[], metavar="NAME", help="modules left in float32 (with what they call)")
     conv.add_argument("--quantize", choices=["int4", "int8"], default=None, help="weight-only quantization of MatMul weights")
     conv.add_argument("--exclude", nargs="+", action="extend", default=[], metavar="NAME", help="modules left unquantized (with what they call)")
-    conv.add_argument("--block-size", type=int, default=32, metavar="N", help="quantization block size (power of two >= 16; default 32)")
+    conv.add_argument("--block-size", type=int, default=None, metavar="N",
+                      help="with --quantize: quantization block size (power of two >= 16; default 32)")
     conv.add_argument("--symmetric", action="store_true", help="symmetric quantization (no zero points)")
     conv.add_argument("--accuracy-level", type=int, default=None, metavar="L", help="MatMulNBits accuracy_level (4: int8 compute on CPU)")
     conv.add_argument(
@@ -391,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     opt.add_argument("model", help="the modular .onnx file (export --task causal-lm-with-past, or an encoder's)")
     opt.add_argument("-o", "--output", required=True, metavar="NEW.onnx", help="the file to write")
-    opt.add_argument("--max-positions", type=_positive, default=None, metavar="N",
+    opt.add_argument("--max-positions", type=_positive_int, default=None, metavar="N",
                      help="rows of the rotary caches: the longest sequence the file will run (default 4096)")
     _json_option(opt, "the report")
     opt.add_argument("--no-verify", action="store_true", help="write the rewrite without running it in onnxruntime")
@@ -405,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--max-size", default=None, metavar="BYTES|RATIO",
                      help="with --quantize auto: the size budget, bytes (3600000, 3.6MB) or a ratio of the uniform "
                      "int4 file (1.02x); default the uniform int4 file's size")
-    opt.add_argument("--accuracy-level", type=int, choices=range(5), default=4, metavar="N",
+    opt.add_argument("--accuracy-level", type=int, choices=range(5), default=None, metavar="N",
                      help="with --quantize: MatMulNBits compute, 4 = int8 (default, the builder's), 0 = float")
     opt.add_argument("--int8-lm-head", action="store_true", help="with --quantize int4: lm_head to int8 instead")
     opt.add_argument("--no-accuracy-guard", action="store_true",
@@ -467,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     genai.add_argument("--checkpoint", required=True, metavar="CKPT", help="the checkpoint folder it was exported from")
     genai.add_argument("-o", "--output", required=True, metavar="DIR", help="the folder to write")
     genai.add_argument("--no-check", action="store_true", help="do not run the folder through genai")
-    genai.add_argument("--steps", type=_positive, default=20, metavar="N", help="new tokens of the check (default 20)")
+    genai.add_argument("--steps", type=_positive, default=None, metavar="N", help="new tokens of the check (default 20)")
     genai.add_argument("--keep-on-mismatch", action="store_true", help="write the folder even when the tokens differ (exit code 1)")
     genai.add_argument("--optimize", action="store_true", help="copy in the file rewritten by `optimize` (fused kernels; GroupQueryAttention lets genai share the past and present buffers)")
     _json_option(genai, "the summary (parity, genai check, genai_config.json)")

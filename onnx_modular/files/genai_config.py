@@ -24,6 +24,8 @@ from typing import Any
 import onnx
 
 from onnx_modular.errors import OnnxModularError
+from onnx_modular.format.text import shown
+from onnx_modular.runtime.decoder_checks import cache_positions
 
 __all__ = [
     "GENERIC_TYPE",
@@ -183,11 +185,43 @@ def _token_ids(config: dict, generation: dict) -> tuple[int, int | list[int], in
             "(eos_token_id).",
             hint="Set eos_token_id in the checkpoint's generation_config.json (or config.json) and export again.",
         )
-    eos = [int(e) for e in eos] if isinstance(eos, list) else int(eos)
-    bos = pick("bos_token_id")
-    pad = pick("pad_token_id")
+    if isinstance(eos, list) and len(eos) == 1:
+        eos = eos[0]
+    if not _ids(eos if isinstance(eos, list) else [eos]) or eos == []:
+        raise GenaiError(
+            f"genai stops at the end-of-sequence token; eos_token_id is {shown(repr(eos))[:60]}, not a token id "
+            "(an integer >= 0) or a non-empty list of them.",
+            hint="Fix eos_token_id in the checkpoint's generation_config.json (or config.json) and export again.",
+        )
+    bos, pad = pick("bos_token_id"), pick("pad_token_id")
+    for name, value in (("bos_token_id", bos), ("pad_token_id", pad)):
+        if value is not None and not _ids([value]):
+            raise GenaiError(f"{name} is {shown(repr(value))[:60]}, not a token id (an integer >= 0).",
+                             hint=f"Fix {name} in the checkpoint's generation_config.json (or config.json).")
     first_eos = eos[0] if isinstance(eos, list) else eos
-    return (1 if bos is None else int(bos)), eos, (first_eos if pad is None else int(pad))
+    return (1 if bos is None else bos), eos, (first_eos if pad is None else pad)
+
+
+def _ids(values: list) -> bool:
+    return all(type(v) is int and 0 <= v < 2**31 for v in values)
+
+
+def _positive(value: Any, name: str, hint: str) -> int:
+    if type(value) is not int or value < 1:
+        raise GenaiError(f"{name} is {shown(repr(value))[:60]}; genai needs a positive integer.", hint=hint)
+    return value
+
+
+def _search_value(key: str, value: Any, default: Any) -> Any:
+    """A search setting of generation_config.json, of the type genai reads (a bool for a bool, a number >= 0)."""
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    else:
+        ok = type(value) in (int, float) and value == value and 0 <= value < 2**31 and (isinstance(default, float) or type(value) is int)
+    if not ok:
+        raise GenaiError(f"generation_config.json sets {key} to {shown(repr(value))[:60]}; genai reads a "
+                         f"{type(default).__name__} there.", hint=f"Fix {key} in generation_config.json (or remove it).")
+    return value
 
 
 def genai_config(
@@ -219,7 +253,7 @@ def genai_config(
     if share_buffer is None:
         share_buffer = uses_group_query_attention(model)
     return config_for(io, config, generation, filename=filename, share_buffer=share_buffer, context_length=context_length,
-                      intra_op_threads=intra_op_threads)
+                      intra_op_threads=intra_op_threads, cache_rows=cache_positions(model))
 
 
 def config_for(
@@ -232,10 +266,12 @@ def config_for(
     context_length: int | None = None,
     intra_op_threads: int | None = None,
     names: tuple[str, str, str, str] = (*PAST_NAMES, *PRESENT_NAMES),
+    cache_rows: int | None = None,
 ) -> dict:
     """The ``genai_config.json`` (a dict) of a decoder whose inputs and cache are ``io``, with
     ``names`` the templates of its cache (past key, past value, present key, present value;
     ``%d`` the layer); without ``filename`` the decoder names no file (a pipeline lists its own).
+    ``cache_rows``: the positions the file's rotary caches hold (:func:`~onnx_modular.runtime.decoder_checks.cache_positions`), if any.
 
     Raises:
         GenaiError: A shared buffer with layers of different geometries, or no end-of-sequence token.
@@ -247,9 +283,21 @@ def config_for(
             "head_size, and this file's layers differ in them.",
             hint="Write the folder with share_buffer=False (genai then feeds each layer's present back as its past).",
         )
-    context = context_length or _first(config, "max_position_embeddings", "seq_length", "n_positions") or 4096
+    context = context_length if context_length is not None else (
+        _first(config, "max_position_embeddings", "seq_length", "n_positions") or 4096)
+    context = _positive(context, "The context length (max_position_embeddings)", "Fix max_position_embeddings in config.json.")
+    rows = cache_rows
+    if rows is not None and rows < context:
+        raise GenaiError(
+            f"The file's rotary caches hold {rows} positions (optimize --max-positions), fewer than the context length "
+            f"{context} genai would run to: past position {rows} its attention reads outside them.",
+            hint=f"Optimize with --max-positions {context} (or more), or pass context_length={rows}.",
+        )
     hidden = _first(config, "hidden_size", "n_embd", "d_model")
     heads = _first(config, "num_attention_heads", "n_head")
+    for name, value in (("hidden_size", hidden), ("num_attention_heads", heads), ("vocab_size", _first(config, "vocab_size"))):
+        if value is not None:
+            _positive(value, f"config.json's {name}", f"Fix {name} in config.json.")
     bos, eos, pad = _token_ids(config, generation)
     session: dict[str, Any] = {"log_id": "onnxruntime-genai", "provider_options": []}
     if intra_op_threads is not None:
@@ -257,7 +305,7 @@ def config_for(
     search = dict(SEARCH_DEFAULTS)
     for key in search:
         if generation.get(key) is not None and key not in ("early_stopping", "min_length"):
-            search[key] = generation[key]
+            search[key] = _search_value(key, generation[key], search[key])
     search.update(max_length=int(context), past_present_share_buffer=bool(share_buffer))
     decoder: dict[str, Any] = {
         "session_options": session,
@@ -284,7 +332,8 @@ def config_for(
             "eos_token_id": eos,
             "pad_token_id": pad,
             "type": genai_type(_first(config, "model_type")),
-            "vocab_size": int(io.vocab_size or _first(config, "vocab_size")),
+            "vocab_size": _positive(io.vocab_size or _first(config, "vocab_size"), "The vocabulary size (the logits' last "
+                                    "dimension, or config.json's vocab_size)", "Set vocab_size in config.json."),
         },
         "search": dict(sorted(search.items())),
     }

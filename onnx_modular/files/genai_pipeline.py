@@ -34,6 +34,7 @@ from onnx_modular.files.genai_config import (
     uses_group_query_attention,
 )
 from onnx_modular.format.text import shown
+from onnx_modular.runtime.decoder_checks import cache_positions
 from onnx_modular.runtime.pipeline import LOGITS, StagePlan
 from onnx_modular.storage.manifest import STAGE_OUTPUT
 
@@ -163,8 +164,9 @@ def pipeline_config(
     io = DecoderIO(tuple(fed), layers, kv_heads, head_size, vocab if isinstance(vocab, int) and vocab > 0 else None, uniform)
     if share_buffer is None:
         share_buffer = any(uses_group_query_attention(model) for model in models)
+    rows = [r for r in map(cache_positions, models) if r is not None]
     written = config_for(io, config, generation, filename=None, share_buffer=share_buffer,
-                         intra_op_threads=intra_op_threads, names=names)
+                         intra_op_threads=intra_op_threads, names=names, cache_rows=min(rows) if rows else None)
     written["model"]["type"] = PIPELINE_TYPE
     written["model"]["decoder"]["pipeline"] = [
         {

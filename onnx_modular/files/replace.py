@@ -410,6 +410,22 @@ def _check_fits_calls(result, labels: list[str], text: str) -> None:
         ) from e
 
 
+def _in_place(path: str | os.PathLike, out: str | os.PathLike, in_place: bool) -> bool:
+    """Whether ``out`` is ``path``: refused unless ``in_place``; ``in_place`` needs it."""
+    same = isinstance(out, (str, os.PathLike)) and os.path.realpath(out) == os.path.realpath(path)
+    if in_place and not same:
+        raise InvalidInputError(
+            f"in_place writes the input file {str(path)!r}, but the output is {str(out)!r}.",
+            hint="Leave -o out with --in-place (or give the input's path), or drop --in-place to write a new file.",
+        )
+    if same and not in_place:
+        raise InvalidInputError(
+            f"The output {str(out)!r} is the input file; replace writes a new file unless asked to edit in place.",
+            hint="Add --in-place (replace(..., in_place=True)) to edit the file itself, or give -o another path.",
+        )
+    return same
+
+
 def replace(
     path: str | os.PathLike,
     target: str,
@@ -417,6 +433,7 @@ def replace(
     out: str | os.PathLike,
     *,
     inputs: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
+    in_place: bool = False,
 ) -> Replacement:
     """Make the graph of ``block`` the body of the function of ``target``, and save the result.
 
@@ -429,6 +446,8 @@ def replace(
         out: The file to write (atomically; an existing file is replaced only on success).
         inputs: The inputs of the check against the original file (an ``.npz`` or arrays by
             name); random ones from the declared shapes (seed 0) by default.
+        in_place: ``out`` is ``path`` itself (asked for, never by accident): the file is read whole,
+            the result written atomically over it, its previous data file retired after the move.
 
     Returns:
         The replaced functions and calls, the new initializers, and the largest difference
@@ -449,7 +468,7 @@ def replace(
 
     from onnx_modular.passes.export.remove_unused import RemoveUnusedPass
 
-    destination = save.check_destination(out, reads=[path, block])
+    destination = save.check_destination(out, reads=[block] if _in_place(path, out, in_place) else [path, block])
     text = str(block)
     model = load_model_file(path)
     edited = load_model_file(block)

@@ -230,10 +230,40 @@ def check_generation(
 
 
 def _read_json(folder: pathlib.Path, name: str) -> dict | None:
+    """A checkpoint's JSON settings, read bounded (no FIFO, no huge file); a typed error when it is not an object."""
+    from onnx_modular.storage.limits import MAX_MANIFEST_BYTES
+    from onnx_modular.storage.load import read_regular_file
+
     path = folder / name
     if not path.is_file():
         return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        value = json.loads(bytes(read_regular_file(path, str(path), limit=MAX_MANIFEST_BYTES)).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise InvalidInputError(f"{str(path)!r} is not valid JSON: {str(e)[:200]}.", hint=f"Fix or regenerate {name}.") from None
+    if not isinstance(value, dict):
+        raise InvalidInputError(f"{str(path)!r} holds a JSON {type(value).__name__}, not an object of settings.",
+                                hint=f"Fix or regenerate {name}.")
+    return value
+
+
+def _check_checkpoint(checkpoint: str | os.PathLike) -> None:
+    """The checkpoint folder's links, ``config.json`` (types and sizes) and runtime files, before any work:
+    a tokenizer file that is a link or not a regular file would be left out of the folder without a word."""
+    from onnx_modular.hf.meta import check_checkpoint_config
+
+    command.check_checkpoint_links(checkpoint)
+    folder = pathlib.Path(checkpoint)
+    if not folder.is_dir():
+        return
+    check_checkpoint_config(folder)
+    for name in command.RUNTIME_FILES:
+        if os.path.lexists(folder / name) and (os.path.islink(folder / name) or not (folder / name).is_file()):
+            raise InvalidInputError(
+                f"{str(folder / name)!r} is a link or not a regular file: it is never followed, so the genai folder "
+                "would lack it and genai could not use the folder.",
+                hint=f"Replace the link by the file itself (cp -L {name} {name}.copy && mv {name}.copy {name}).",
+            )
 
 
 def _write_config(staged: pathlib.Path, checkpoint: pathlib.Path, model: onnx.ModelProto, **options: Any) -> dict:
@@ -308,7 +338,7 @@ def export_genai(
             hint="Export in float32 (--dtype float32) or float16.",
         )
     save.check_destination(output / CONFIG_FILE if output.is_dir() else output)
-    command.check_checkpoint_links(source)
+    _check_checkpoint(source)
     if pathlib.Path(source).is_dir():  # refuse what genai cannot drive before loading anything
         check_drivable(transformers.AutoConfig.from_pretrained(source, local_files_only=True), source)
     stage = progress.stage if progress is not None else command._logged_stage(log)
@@ -452,7 +482,7 @@ def write_genai_folder(
     structure = load_model_file(model_path, values=False)
     decoder_io(structure)  # the file's names and cache, before anything is copied
     save.check_destination(output / CONFIG_FILE if output.is_dir() else output)
-    command.check_checkpoint_links(checkpoint)
+    _check_checkpoint(checkpoint)
     parent = output.parent if str(output.parent) else pathlib.Path(".")
     with locks.temp_folder(parent) as tmpdir:
         staged = tmpdir / "out"

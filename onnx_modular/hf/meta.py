@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from onnx_modular.errors import InvalidInputError
+from onnx_modular.format.text import shown
 
 __all__ = ["check_checkpoint_config", "check_checkpoint_folder", "checkpoint_weights", "model_on_meta", "on_meta", "zero_cache"]
 
@@ -35,6 +36,9 @@ _DEPTHS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "
 _COUNTS = (*_WIDTHS, *_DEPTHS, "vocab_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
            "head_dim", "n_head", "n_inner", "d_ff", "d_kv", "num_heads", "max_position_embeddings",
            "n_positions", "image_size", "patch_size", "num_channels", "num_labels")  # fmt: skip
+#: Sizes a model has at least one of (0 divides by zero in transformers' own checks).
+_POSITIVE = (*_WIDTHS, "num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "head_dim", "vocab_size")
+_TOKEN_IDS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id")
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "auto")
 _PICKLED = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
 _CONFIG_LIMIT = 16 * 1024 * 1024
@@ -107,11 +111,26 @@ def check_checkpoint_config(folder: pathlib.Path) -> dict:
             value = part.get(key)
             if value is not None and not (type(value) is int and value >= 0) and not (key == "image_size" and isinstance(value, list)):
                 raise InvalidInputError(f"{shown_file} sets {key} to {value!r}; it must be a non-negative integer.")
+        for key in _POSITIVE:
+            if part.get(key) == 0:
+                raise InvalidInputError(f"{shown_file} sets {key} to 0; a model has at least one.")
+        for key in _TOKEN_IDS:
+            if not _token_id(part.get(key)):
+                raise InvalidInputError(
+                    f"{shown_file} sets {key} to {shown(repr(part.get(key)))[:80]}; a token id is an integer, or a list of them.",
+                    hint="Fix config.json (save_pretrained writes token ids as integers).",
+                )
         for key in ("dtype", "torch_dtype"):
             value = part.get(key)
             if value is not None and value not in _DTYPES:
                 raise InvalidInputError(f"{shown_file} sets {key} to {value!r}; expected one of {', '.join(_DTYPES)}.")
     return config
+
+
+def _token_id(value: Any) -> bool:
+    """Whether ``value`` is what a config may hold as a token id: none, an integer, or a list of them."""
+    values = value if isinstance(value, list) else [value]
+    return value is None or all(type(v) is int and abs(v) < 2**63 for v in values)
 
 
 def check_checkpoint_folder(folder: pathlib.Path) -> None:

@@ -59,6 +59,11 @@ def generate(
         VerificationError: onnxruntime cannot load or run a file.
         PipelineError: On Ray, a stage's worker died, gave no answer in time or could not load it.
     """
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        from onnx_modular.errors import InvalidInputError
+
+        raise InvalidInputError(f"path must be a file or folder path, not {type(path).__name__}.",
+                                hint='generate("model.onnx", [[1, 2]])')
     ray_options = {"stages_per_node": stages_per_node, "resources": resources, "micro_batches": micro_batches,
                    "timeout": timeout}
     if ray_address is not None:

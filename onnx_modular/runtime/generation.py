@@ -20,7 +20,6 @@ and ``cache_position`` are fed when the file has them, and each returned cache t
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -29,6 +28,15 @@ from typing import Any
 import numpy as np
 
 from onnx_modular.errors import InvalidInputError
+from onnx_modular.runtime.decoder_checks import (
+    check_length,
+    check_vocabulary,
+    components,
+    file_bounds,
+    logits_name,
+    new_tokens,
+    token_ids,
+)
 from onnx_modular.runtime.sessions import run, session
 
 __all__ = ["generate", "generate_with_sessions", "cache_key", "decoder_files", "greedy_steps", "step_inputs", "MADE_INPUTS",
@@ -73,17 +81,10 @@ def decoder_files(path: str | os.PathLike) -> tuple[str, str]:
             hint="Give a .onnx file exported with its cache (export --task causal-lm-with-past) "
             "or a folder written by `export --generation` (prefill.onnx and decode.onnx).",
         )
-    files = {"prefill": "prefill.onnx", "decode": "decode.onnx"}
-    manifest = os.path.join(path, "export.json")
-    if os.path.isfile(manifest):
-        with open(manifest, encoding="utf-8") as f:
-            components = json.load(f).get("components", {})
-        if {"prefill", "decode"} <= set(components):
-            files = {name: components[name]["file"] for name in files}
-        elif len(components) == 1:
-            single = next(iter(components.values()))["file"]
-            files = {"prefill": single, "decode": single}
-    prefill, decode = (os.path.join(path, files[name]) for name in ("prefill", "decode"))
+    named = components(path)  # export.json, checked: its files inside the folder, through no link
+    if named:
+        return str(named["prefill"]), str(named["decode"])
+    prefill, decode = (os.path.join(path, f"{name}.onnx") for name in ("prefill", "decode"))
     if os.path.isfile(prefill) and os.path.isfile(decode):
         return prefill, decode
     single = os.path.join(path, "model.onnx")
@@ -119,7 +120,7 @@ def _signature(sess: Any, what: str) -> _Signature:
             hint="Run the file yourself with onnxruntime, feeding those inputs; the loop of "
             "onnx_modular/runtime/generation.py is the recipe.",
         )
-    logits = "logits" if "logits" in outputs else outputs[0]
+    logits = logits_name({name: _shape(sess, name, outputs=True) for name in outputs}, set(cache_outputs.values()), what)
     return _Signature(sess, inputs, cache_inputs, cache_outputs, logits)
 
 
@@ -207,15 +208,12 @@ def generate_with_sessions(prefill: Any, decode: Any, input_ids: Any, max_new_to
         InvalidInputError: ``input_ids`` is not ``[batch, length]``, a file takes an input the loop
             cannot build, or ``decode`` takes a cache tensor ``prefill`` does not return.
     """
-    tokens = np.asarray(input_ids, dtype=np.int64)
-    if tokens.ndim != 2 or tokens.shape[1] == 0:
-        raise InvalidInputError(
-            f"input_ids must be [batch, length] with length >= 1; got shape {list(tokens.shape)}.",
-            hint="Pass a 2-D array of token ids, e.g. [[1, 2, 3]].",
-        )
-    if max_new_tokens < 0:
-        raise InvalidInputError(f"max_new_tokens must be >= 0; got {max_new_tokens}.", hint="Pass 1 or more.")
+    tokens, max_new_tokens = token_ids(input_ids), new_tokens(max_new_tokens)  # typed errors, never numpy's
+    check_length(tokens.shape[1], max_new_tokens, None)
     steps = {"prefill": _signature(prefill, "prefill"), "decode": _signature(decode, "decode")}
+    for signature in steps.values():
+        vocabulary = _shape(signature.session, signature.logits, outputs=True)[-1]
+        check_vocabulary(tokens, vocabulary if isinstance(vocabulary, int) and vocabulary > 0 else None)
     missing = sorted(set(steps["decode"].cache_inputs) - set(steps["prefill"].cache_outputs))
     if missing:
         raise InvalidInputError(
@@ -231,8 +229,16 @@ def generate_with_sessions(prefill: Any, decode: Any, input_ids: Any, max_new_to
             names, outputs = run(signature.session, _feeds(signature, step, past, cache, what), what=f"{what} step")
             values = dict(zip(names, outputs))
             cache = {key: values[name] for key, name in signature.cache_outputs.items()}
+            logits = values[signature.logits]
+            if logits.ndim != 3 or logits.shape[0] != step.shape[0] or logits.shape[2] == 0:
+                raise InvalidInputError(
+                    f"The {what} step returned logits of shape {list(logits.shape)}, not [batch {step.shape[0]}, "
+                    "sequence, vocabulary].",
+                    hint="Give a decoder exported with its cache (export --task causal-lm-with-past).",
+                )
+            check_vocabulary(tokens, logits.shape[2])  # a vocabulary the file left symbolic, once it is known
             what = "decode"
-            step, past = loop.send(values[signature.logits][:, -1, :])
+            step, past = loop.send(logits[:, -1, :])
     except StopIteration as done:
         return done.value
 
@@ -286,10 +292,12 @@ def generate(
         InvalidInputError: The path is missing, or the file takes inputs the loop cannot build.
         VerificationError: onnxruntime cannot load or run a file.
     """
-    ids = np.asarray(input_ids, dtype=np.int64)
-    if ids.ndim == 1:
-        ids = ids[None, :]
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise InvalidInputError(f"path must be a file or folder path, not {type(path).__name__}.", hint='generate("model.onnx", [[1, 2]])')
+    ids, max_new_tokens = token_ids(input_ids), new_tokens(max_new_tokens)
     prefill_file, decode_file = decoder_files(path)
+    for file in dict.fromkeys((prefill_file, decode_file)):  # call bombs, endless Loops: refused before onnxruntime
+        check_length(ids.shape[1], max_new_tokens, file_bounds(file), what=repr(str(file)))
     prefill = session(prefill_file, execution_provider, what=f"file {prefill_file!r}")
     decode = prefill if decode_file == prefill_file else session(decode_file, execution_provider, what=f"file {decode_file!r}")
     return generate_with_sessions(prefill, decode, ids, max_new_tokens)

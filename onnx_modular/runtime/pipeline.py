@@ -36,6 +36,7 @@ import numpy as np
 
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.format.text import shown
+from onnx_modular.runtime.decoder_checks import check_length, new_tokens, token_ids
 from onnx_modular.runtime.generation import MADE_INPUTS, cache_key, empty_past, greedy_steps, step_inputs
 from onnx_modular.runtime.sessions import run, session
 from onnx_modular.storage.load import load_model_file, stored_bytes
@@ -266,18 +267,10 @@ def logits_of(plans: Sequence[StagePlan], sent: Mapping[str, np.ndarray]) -> np.
 
 
 def prompt_tokens(input_ids: Any, max_new_tokens: int) -> np.ndarray:
-    """The prompt as ``[batch, length]`` int64 ids (a flat list is one sequence), checked."""
-    try:
-        ids = np.asarray(input_ids, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError):
-        raise InvalidInputError("input_ids must be token ids (integers), as [batch, length].",
-                                hint="Pass e.g. [[1, 2, 3]].") from None
-    ids = ids[None, :] if ids.ndim == 1 else ids
-    if ids.ndim != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
-        raise InvalidInputError(f"input_ids must be [batch, length] with both >= 1; got shape {list(ids.shape)}.",
-                                hint="Pass a 2-D array of token ids, e.g. [[1, 2, 3]].")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise InvalidInputError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}.", hint="Pass 1 or more.")
+    """The prompt as ``[batch, length]`` int64 ids (a flat list is one sequence) and ``max_new_tokens``,
+    checked as every route of ``generate`` checks them (:mod:`onnx_modular.runtime.decoder_checks`)."""
+    ids = token_ids(input_ids)
+    check_length(ids.shape[1], new_tokens(max_new_tokens), None)
     return ids
 
 

@@ -108,9 +108,38 @@ def _check_single_assignment(nodes: Iterable[onnx.NodeProto], inputs: list[str],
             seen[output] = f"node {shown(node.name)!r}"
 
 
+def _check_acyclic(nodes: Iterable[onnx.NodeProto], where: str) -> None:
+    """No value of a graph (or body) depends on itself: a cycle of nodes has no order to run in
+    (tools that walk the graph would loop forever; onnxruntime refuses it with an untyped error)."""
+    nodes = list(nodes)
+    producer = {output: index for index, node in enumerate(nodes) for output in node.output if output}
+    readers: list[list[int]] = [[] for _ in nodes]
+    waiting = [0] * len(nodes)
+    for index, node in enumerate(nodes):
+        for source in {producer[name] for name in node.input if name in producer}:
+            readers[source].append(index)
+            waiting[index] += 1
+    ready = [index for index, count in enumerate(waiting) if count == 0]
+    done = 0
+    while ready:
+        index = ready.pop()
+        done += 1
+        for reader in readers[index]:
+            waiting[reader] -= 1
+            if waiting[reader] == 0:
+                ready.append(reader)
+    if done < len(nodes):
+        stuck = next(nodes[i] for i, count in enumerate(waiting) if count)
+        raise InvalidModelFileError(
+            f"{where}: its nodes form a cycle (node {shown(stuck.name or stuck.op_type)!r} reads a value computed "
+            "from its own output); an ONNX graph runs in an order, so the file is corrupted."
+        )
+
+
 def _check_function_body(function: onnx.FunctionProto, name: str) -> None:
     label = function_label(function_id(function))
     _check_single_assignment(function.node, list(function.input), f"{name}: function {label}")
+    _check_acyclic(function.node, f"{name}: function {label}")
     for node in all_nodes(function.node):
         for subgraph in subgraphs(node):
             _check_value_infos(subgraph, f"{name}: function {label}: subgraph")
@@ -125,6 +154,7 @@ def check_model_structure(model: onnx.ModelProto, *, name: str = "the model") ->
     Checked, in this order, each failing fast with a message naming the culprit:
 
     - every graph input, output, value and initializer declares dimensions <= 2**40;
+    - every graph and function body computes each value once, and no value depends on itself (a cycle);
     - no two local functions share one ``(domain, name, overload)``;
     - no node of a custom domain calls a function the model does not define (a domain
       counts as custom when it is ``pkg.*`` or when some local function lives in it;
@@ -145,6 +175,7 @@ def check_model_structure(model: onnx.ModelProto, *, name: str = "the model") ->
         graph, where = graphs.pop()
         _check_value_infos(graph, where)
         _check_single_assignment(graph.node, [v.name for v in graph.input], where)
+        _check_acyclic(graph.node, where)
         for node in graph.node:
             for subgraph in subgraphs(node):
                 graphs.append((subgraph, f"{name}: subgraph of node {shown(node.name)!r}"))

@@ -53,6 +53,7 @@ from onnx_modular.storage.destination import (
     _safe_stem,
     check_destination,
 )
+from onnx_modular.storage.guard import record_written
 from onnx_modular.storage.locks import destination_lock, open_private_file, private_path, temp_folder
 from onnx_modular.storage.locks import shown_path as _shown
 from onnx_modular.storage.signals import interrupt_on_sigterm, signals_deferred
@@ -158,6 +159,7 @@ def atomic_writes(paths: list[str | os.PathLike]) -> Iterator[list[Staging]]:
                         _fsync(staged)
             with signals_deferred():
                 _commit_all(stagings)
+            record_written(destinations)  # no later output of the command replaces them (guard.py)
         except OSError as e:
             shown = ", ".join(_shown(d) for d in destinations)
             raise SaveError(f"Moving the file into {shown} failed: {e}") from e

@@ -22,6 +22,7 @@ import onnx
 from onnx_modular.errors import InvalidInputError, SaveError
 from onnx_modular.storage.commit import Staging, atomic_writes
 from onnx_modular.storage.destination import _data_pattern, data_name, referenced_data
+from onnx_modular.storage.guard import rewriting
 from onnx_modular.storage.locks import shown_path as _shown
 from onnx_modular.storage.locks import temp_folder
 from onnx_modular.storage.signals import interrupt_on_sigterm
@@ -190,5 +191,6 @@ def publish_folder(staged: pathlib.Path, output: pathlib.Path, *, modes: dict[st
             break
         owned = {location for name in moving for location in _own_data(output, name)}
         readers = [name for name in models if name not in moving and referenced_data(output / name) & owned]
-        _publish_models(output, output, moving + readers, [], None, models)
+        with rewriting():  # the files this publish just wrote, moved to their final names
+            _publish_models(output, output, moving + readers, [], None, models)
     return names

@@ -5,7 +5,14 @@ An output (a model, its data file, a JSON or HTML report, a folder) may not be:
 - a file the running command reads: its input model, that model's external-data files, an
   ``--inputs`` archive, a file of an input folder;
 - an external-data file of any model in the destination's folder (``decode.onnx`` reading its
-  shared weights from ``prefill.onnx.data``, ``b.onnx`` and ``b.onnx.data``).
+  shared weights from ``prefill.onnx.data``, ``b.onnx`` and ``b.onnx.data``);
+- Python source the running program executes: a module it imported (a factory's ``tiny.py``);
+- another output of the same command (:func:`command_outputs`: ``-o``, ``--json``, ``--flat-file``,
+  ``--html``, ``--trace`` are distinct files, none inside another's folder) or a file the command
+  already wrote.
+
+Editing in place is the one exception, asked for explicitly (``replace --in-place``): the command
+leaves its input out of :func:`reading` and writes it atomically.
 
 :func:`check_outputs` is called by each tool before any work (``save.check_destination(path,
 reads=[input])``) and again by the writer itself (:func:`~onnx_modular.storage.commit.atomic_writes`)
@@ -23,10 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib.machinery
 import mmap
 import os
 import pathlib
 import stat
+import sys
 from collections.abc import Iterable, Iterator
 
 import onnx
@@ -36,9 +45,12 @@ from onnx_modular.storage.limits import MAX_NEIGHBOUR_MODELS, MAX_SCANNED_FIELDS
 from onnx_modular.storage.load import _WIRE_LENGTH, _fields, _Malformed
 from onnx_modular.storage.locks import shown_path
 
-__all__ = ["check_outputs", "reading", "data_locations", "protected_files"]
+__all__ = ["check_outputs", "reading", "data_locations", "protected_files", "command_outputs", "record_written", "rewriting"]
 
 _READS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("onnx_modular_reads", default=())
+# {place: what wrote it} of the files the running command has written (None: no command declared).
+_WRITTEN: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("onnx_modular_written", default=None)
+_SOURCE_SUFFIXES = (*importlib.machinery.all_suffixes(), ".pyc", ".pyi", ".pth")
 
 
 def _numbers(message, *names: str) -> set[int]:
@@ -191,6 +203,9 @@ def check_outputs(outputs: Iterable[str | os.PathLike], *, reads: Iterable[str |
     paths = [p for p in paths if p.name not in ("", ".", "..")]
     if not paths:
         return
+    for path in paths:
+        _check_not_source(path)
+        _check_not_written(path)
     owned = protected_files(paths, reads)
     if not owned:
         return
@@ -215,3 +230,93 @@ def reading(paths: Iterable[str | os.PathLike | None]) -> Iterator[None]:
         yield
     finally:
         _READS.reset(token)
+
+
+def _place_of(path: pathlib.Path) -> set[str]:
+    folder = path.parent if str(path.parent) else pathlib.Path(".")
+    return _places(folder, path.name)
+
+
+def _check_not_source(path: pathlib.Path) -> None:
+    """A Python file the program has imported (a factory's module) is never an output."""
+    if not path.name.endswith(_SOURCE_SUFFIXES):
+        return
+    places = _place_of(path)
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and os.path.realpath(file) in places:
+            raise InvalidInputError(
+                f"The output {shown_path(path)} is the Python source of the module {getattr(module, '__name__', '?')!r}, "
+                "which this command runs; writing it would destroy the source.",
+                hint="Write the output to another path (model.onnx, report.json).",
+            )
+
+
+def _check_not_written(path: pathlib.Path) -> None:
+    written = _WRITTEN.get()
+    if not written:
+        return
+    for place in sorted(_place_of(path)):
+        if place in written:
+            raise InvalidInputError(
+                f"The output {shown_path(path)} is {written[place]}; one command never writes two outputs to one file.",
+                hint="Give each output (-o, --json, --flat-file, --html, --trace) its own path.",
+            )
+
+
+def record_written(paths: Iterable[str | os.PathLike], what: str = "a file this command already wrote") -> None:
+    """Note files the running command wrote (the commit calls it): a later output of the same
+    command may not replace them (no-op outside :func:`command_outputs`)."""
+    written = _WRITTEN.get()
+    if written is None:
+        return
+    for path in paths:
+        for place in _place_of(pathlib.Path(os.fspath(path))):
+            written.setdefault(place, what)
+
+
+def _inside(inner: str, outer: str) -> bool:
+    return inner != outer and inner.startswith(outer.rstrip(os.sep) + os.sep)
+
+
+def check_distinct(named: dict[str, str | os.PathLike | None]) -> None:
+    """Refuse two outputs of one command naming one file, or one output inside another's folder
+    (``--json DIR/model.onnx`` with ``-o DIR``). ``named``: ``{option: path}``; ``None`` and ``-`` skipped."""
+    seen: list[tuple[str, str]] = []
+    for option, value in named.items():
+        if not isinstance(value, (str, os.PathLike)) or os.fspath(value) in ("", "-"):
+            continue
+        path = pathlib.Path(os.fspath(value))
+        place = os.path.realpath(path)
+        for other, other_place in seen:
+            if place == other_place or _inside(place, other_place) or _inside(other_place, place):
+                same = place == other_place
+                raise InvalidInputError(
+                    f"{option} {shown_path(path)} {'is the same file as' if same else 'overlaps'} the path of {other}; "
+                    + ("the second write would replace the first." if same else "one output would be written inside the other."),
+                    hint="Give each output (-o, --json, --flat-file, --html, --trace) its own path.",
+                )
+        seen.append((option, place))
+
+
+@contextlib.contextmanager
+def command_outputs(named: dict[str, str | os.PathLike | None]) -> Iterator[None]:
+    """The outputs one command names, checked distinct (:func:`check_distinct`); inside the ``with``,
+    every file written is recorded and no later write of the command may replace it."""
+    check_distinct(named)
+    token = _WRITTEN.set({})
+    try:
+        yield
+    finally:
+        _WRITTEN.reset(token)
+
+
+@contextlib.contextmanager
+def rewriting() -> Iterator[None]:
+    """Inside, the command may move again files it wrote itself (a folder's models renamed to their
+    data files' final names after the first commit); nothing is recorded meanwhile."""
+    token = _WRITTEN.set(None)
+    try:
+        yield
+    finally:
+        _WRITTEN.reset(token)

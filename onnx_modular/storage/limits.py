@@ -36,6 +36,9 @@ __all__ = [
     "MAX_TEST_DATA_BYTES",
     "MAX_MANIFEST_BYTES",
     "MAX_MANIFEST_DEPTH",
+    "MAX_NEW_TOKENS",
+    "MAX_POSITIONS",
+    "MAX_GUARD_TRIALS",
     "limit",
     "check_count",
 ]
@@ -60,6 +63,15 @@ MAX_TEST_DATA_BYTES = 256 << 20
 #: Largest ``manifest.json`` ``run_stages`` reads, and its deepest nesting of lists and objects.
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_MANIFEST_DEPTH = 8
+#: Most tokens ``generate`` adds in one run when the file does not say the positions it was exported
+#: for (``max_position_embeddings`` bounds it first): ``ONNX_MODULAR_MAX_NEW_TOKENS`` raises it.
+MAX_NEW_TOKENS = 32_768
+#: Most rows of the rotary caches ``optimize --max-positions`` builds (1M rows of a 128-wide head are
+#: 512 MB per cache): ``ONNX_MODULAR_MAX_POSITIONS`` raises it.
+MAX_POSITIONS = 1 << 20
+#: Most calls the accuracy guard of ``optimize --quantize`` tries one by one at float compute
+#: (each trial runs the file); ``ONNX_MODULAR_MAX_GUARD_TRIALS`` raises it.
+MAX_GUARD_TRIALS = 256
 
 _VARIABLES = {
     "MAX_STAGES": "ONNX_MODULAR_MAX_STAGES",
@@ -69,6 +81,9 @@ _VARIABLES = {
     "MAX_LOOP_TRIPS": "ONNX_MODULAR_MAX_LOOP_TRIPS",
     "MAX_EXPANDED_CALLS": "ONNX_MODULAR_MAX_EXPANDED_CALLS",
     "MAX_EXPANDED_NODES": "ONNX_MODULAR_MAX_EXPANDED_NODES",
+    "MAX_NEW_TOKENS": "ONNX_MODULAR_MAX_NEW_TOKENS",
+    "MAX_POSITIONS": "ONNX_MODULAR_MAX_POSITIONS",
+    "MAX_GUARD_TRIALS": "ONNX_MODULAR_MAX_GUARD_TRIALS",
 }
 
 

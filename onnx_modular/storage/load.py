@@ -184,7 +184,8 @@ _MODEL_GRAPH, _GRAPH_INITIALIZER = 7, 5
 
 def _without_initializer_payloads(data) -> bytearray:
     """The serialized model with the values of the main graph's initializers left out (their
-    names, shapes and types kept), for tools that read only the structure (``tree``).
+    names, shapes and types kept; tensors of 256 bytes or less kept whole, as a ``Loop``'s trip
+    count), for tools that read only the structure (``tree``).
 
     A file near 2 GiB is then never held twice: the parsed model is the size of its
     structure, not of its weights. Works on the wire format, so nothing is parsed first.
@@ -194,6 +195,8 @@ def _without_initializer_payloads(data) -> bytearray:
         return _varint(number << 3 | _WIRE_LENGTH) + _varint(len(body)) + bytes(body)
 
     def tensor(start: int, end: int) -> bytearray:
+        if end - start <= 256:  # a scalar (a Loop's trip count): kept, so the bounds on it can be checked
+            return bytearray(data[start:end])
         out = bytearray()
         for number, _, first, _, stop in _fields(data, start, end):
             if number not in _TENSOR_PAYLOADS:

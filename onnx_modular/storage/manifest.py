@@ -30,7 +30,7 @@ from onnx_modular.format.text import shown
 from onnx_modular.storage.limits import MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH, check_count
 from onnx_modular.storage.load import read_regular_file
 
-__all__ = ["read_manifest", "check_feeds", "check_stage_file", "STAGE_OUTPUT"]
+__all__ = ["read_manifest", "read_folder_json", "file_in_folder", "check_feeds", "check_stage_file", "STAGE_OUTPUT"]
 
 #: How a manifest names a value one stage computes for a later one: ``stage_<k>/<name>``.
 STAGE_OUTPUT = re.compile(r"stage_(\d+)/(.+)", re.DOTALL)
@@ -73,21 +73,64 @@ def _strings(value, path: pathlib.Path, what: str) -> dict[str, str]:
 
 def _stage_file(folder: pathlib.Path, name: str, path: pathlib.Path, k: int) -> pathlib.Path:
     """The stage file ``name`` inside ``folder``: relative, through no link, a regular file."""
+    problem, current = _inside(folder, name)
+    if problem:
+        raise _invalid(path, f"the file of stage {k} ({shown(name)!r}) {problem}")
+    return current
+
+
+def _inside(folder: pathlib.Path, name: object) -> tuple[str | None, pathlib.Path]:
+    """(what is wrong with ``name`` as a file of ``folder``, or ``None``; its path)."""
+    if not isinstance(name, str):
+        return f"is a {type(name).__name__}, not a file name", folder
     relative = pathlib.PurePosixPath(name)
     if not name or "\x00" in name or relative.is_absolute() or ".." in relative.parts or "\\" in name:
-        raise _invalid(path, f"the file of stage {k} ({shown(name)!r}) is outside the folder")
+        return "is outside the folder", folder
+    if not relative.parts or relative.parts == (".",):
+        return "names the folder itself, not a file", folder
     current = folder
     for part in relative.parts:
         current = current / part
         try:
             info = os.lstat(current)
         except OSError as e:
-            raise _invalid(path, f"the file of stage {k} ({shown(name)!r}) cannot be read: {e.strerror or e}") from None
+            return f"cannot be read: {e.strerror or e}", current
         if stat.S_ISLNK(info.st_mode):
-            raise _invalid(path, f"the file of stage {k} ({shown(name)!r}) goes through a symbolic link; links are not followed")
+            return "goes through a symbolic link; links are not followed", current
     if not stat.S_ISREG(info.st_mode):
-        raise _invalid(path, f"the file of stage {k} ({shown(name)!r}) is not a regular file")
+        return "is not a regular file", current
+    return None, current
+
+
+def file_in_folder(folder: str | os.PathLike, name: object, what: str, *, hint: str | None = None) -> pathlib.Path:
+    """The file ``name`` a folder's own JSON names (a manifest's stage, ``export.json``'s component):
+    relative, inside ``folder``, through no symbolic link, a regular file; else an
+    :class:`InvalidInputError` naming ``what`` (never the path outside)."""
+    problem, current = _inside(pathlib.Path(folder), name)
+    if problem:
+        raise InvalidInputError(f"{what} ({shown(str(name))!r}) {problem}.", hint=hint)
     return current
+
+
+def read_folder_json(path: str | os.PathLike, what: str, *, hint: str | None = None) -> object:
+    """A small JSON file of a folder (``export.json``) read as untrusted input: a regular file of at
+    most :data:`~onnx_modular.storage.limits.MAX_MANIFEST_BYTES`, nested at most
+    :data:`~onnx_modular.storage.limits.MAX_MANIFEST_DEPTH` levels, UTF-8 JSON."""
+    path = pathlib.Path(path)
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise InvalidInputError(f"{what} {shown(str(path))!r} is not a regular file (a link, a FIFO or a folder).", hint=hint)
+        text = bytes(read_regular_file(path, str(path), limit=MAX_MANIFEST_BYTES)).decode("utf-8")
+    except InvalidInputError:
+        raise
+    except Exception as e:  # too large, unreadable, not UTF-8
+        raise InvalidInputError(f"{what} {shown(str(path))!r} cannot be read: {shown(str(e).splitlines()[0] if str(e) else type(e).__name__)}.", hint=hint) from None
+    if _depth(text) > MAX_MANIFEST_DEPTH:
+        raise InvalidInputError(f"{what} {shown(str(path))!r} nests more than {MAX_MANIFEST_DEPTH} levels of lists and objects.", hint=hint)
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise InvalidInputError(f"{what} {shown(str(path))!r} is not JSON: {shown(str(e))}.", hint=hint) from None
 
 
 def _check_stages(manifest: dict, folder: pathlib.Path, path: pathlib.Path) -> list[pathlib.Path]:

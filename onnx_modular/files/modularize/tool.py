@@ -64,6 +64,7 @@ from onnx_modular.passes.export import pipeline
 from onnx_modular.runtime import inputs as runtime_inputs
 from onnx_modular.runtime import sessions
 from onnx_modular.storage import save
+from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.limits import check_count
 from onnx_modular.storage.load import load_model_file
 from onnx_modular.storage.proto import uses_external_data
@@ -207,6 +208,7 @@ def modularize(
             f"The output {shown(str(output))} is the input file.", hint="Write the modular file to another path."
         )
     proto = load_model_file(source_path, values=False)  # the checks; weights not read
+    check_expanded_size(proto, name=shown(str(source_path)))  # call bombs and endless Loops, before any work
     external = uses_external_data(proto)
     feeds = runtime_inputs.feeds_for(proto, inputs) if verify else None
     del proto

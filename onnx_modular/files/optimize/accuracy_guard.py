@@ -19,7 +19,9 @@ How (:func:`guard_accuracy`, on a file already quantized at level 4):
    at the safe level) and ranked by how far that moves the logits: its own int8 compute. The
    most harmful are kept at the safe level, one by one, until the calls left at level 4 flip no
    token. At most :data:`MAX_KEPT` calls are kept this way; past that the whole file goes to the
-   safe level (``whole_file``). A file that flips nothing costs two runs.
+   safe level (``whole_file``), as it does at once when there are more candidates than
+   :data:`~onnx_modular.storage.limits.MAX_GUARD_TRIALS` (ranking them runs the file once per call).
+   A file that flips nothing costs two runs.
 
 Bodies are shared per class: a kept call whose function serves other calls too gets bodies of its
 own (:func:`~onnx_modular.calls.targets.specialize`, along its chain of callers: the decoder
@@ -40,6 +42,7 @@ import onnx
 from onnx_modular.calls import targets as _calls
 from onnx_modular.format import metadata
 from onnx_modular.runtime import sessions as runtime
+from onnx_modular.storage.limits import limit
 from onnx_modular.storage.proto import function_id
 
 __all__ = ["GuardReport", "guard_accuracy", "MAX_KEPT", "SAFE_LEVEL", "INT8_COMPUTE", "GUARD_KEY"]
@@ -269,6 +272,8 @@ def _search(trials: _Trials, candidates: list[str], max_kept: int) -> tuple[list
     trials.unguarded = trials.last
     if not harmed:
         return [], False, unguarded, {}
+    if len(candidates) > limit("MAX_GUARD_TRIALS"):  # one run per call to rank them: past the bound, all to the safe level
+        return list(candidates), True, unguarded, {}
     alone = {name: trials.drift([name]) for name in candidates}  # each call's own int8 compute
     kept: list[str] = []
     for name in sorted(candidates, key=lambda n: -alone[n]):

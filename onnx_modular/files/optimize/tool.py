@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -47,6 +48,8 @@ from onnx_modular.calls.capture import call_outputs
 from onnx_modular.check.drift import measure
 from onnx_modular.check.parity import Tolerance, default_tolerance
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError, SaveError, VerificationError
+from onnx_modular.files.optimize import reference_runs
+from onnx_modular.files.optimize.options import check_options, positions_of
 from onnx_modular.format import metadata
 from onnx_modular.passes.fusions.activation import FuseActivationPass
 from onnx_modular.passes.fusions.gqa import SEQLENS_K, TOTAL_SEQUENCE_LENGTH, FuseGroupQueryAttentionPass
@@ -55,6 +58,7 @@ from onnx_modular.passes.fusions.rms_norm import FuseRMSNormPass
 from onnx_modular.passes.fusions.skip_norm import FuseSkipNormPass
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import save
+from onnx_modular.storage.checks import check_expanded_size
 from onnx_modular.storage.load import load_model_file
 
 __all__ = ["optimize", "OptimizeReport", "Fusion"]
@@ -126,6 +130,7 @@ class OptimizeReport:
     nodes_before: int = 0
     nodes_after: int = 0
     quantization: Any = None  # optimize_quantize.Quantization with quantize=
+    left_padding: float | None = None  # the logits' drift on a left-padded batch, when beyond tolerance
 
     @property
     def fused_classes(self) -> list[str]:
@@ -146,8 +151,11 @@ class OptimizeReport:
         return data
 
     def text(self) -> str:
-        lines = [f"Optimized {self.source} -> {self.output}"
-                 + (" (each step verified in onnxruntime)" if self.verified else " (not verified)")]
+        checked = (" (each step verified in onnxruntime)" if self.left_padding is None else
+                   f" (each step verified in onnxruntime on a prompt, a decode step, a long prompt and a right-padded batch; "
+                   f"NOT on left-padded batches: the logits differ by {self.left_padding:.3g} on their real tokens, as the "
+                   "fused attention reads positions from the mask; pad on the right or run one prompt at a time)")
+        lines = [f"Optimized {self.source} -> {self.output}" + (checked if self.verified else " (not verified)")]
         width = max([len(f.module_class) + (0 if f.function == f.module_class else len(f.function) + 3)
                      for f in self.fusions] + [10])
         step_width = max([len(f.step) for f in self.fusions] + [9])
@@ -269,8 +277,10 @@ def _run_calls(model: ir.Model, feeds, folder) -> tuple[dict, dict]:
 class _Reference:
     """The original file's outputs and call outputs on a prompt and on one decode step."""
 
-    def __init__(self, model: ir.Model, folder: str | None):
+    def __init__(self, model: ir.Model, folder: str | None, max_positions: int = 4096):
         self.folder = folder
+        self.left = None  # a left-padded batch: measured on the final file, not a condition of the steps
+        self.cuts: dict[int, tuple[int, int]] = {}  # run -> (length, padding) of a right-padded batch
         if not _cache_inputs(model):
             self.runs = [(feeds, *_run_calls(model, feeds, folder)) for feeds in _encoder_runs(model)]
             return
@@ -283,13 +293,39 @@ class _Reference:
             step = _prompt_feeds(model, 1, presents, 1)
             outputs, calls = _run_calls(model, step, folder)
             self.runs.append((step, outputs, calls))
+        ids = next((v.name for v in model.graph.inputs if "input_ids" in v.name), None)
+        length = reference_runs.long_prompt_length(model, max_positions)  # past any window the bodies hold
+        extra = [(_prompt_feeds(model, length, None, 3), None)] if length > 6 else []
+        padded, pad = reference_runs.padded_batch(_prompt_feeds(model, 8, None, 4), ids, "right")
+        extra.append((padded, (8, pad)))
+        for feeds, cut in extra:
+            try:
+                self.runs.append((feeds, *_run_calls(model, feeds, folder)))
+            except Exception:  # the file itself cannot run it (a batch fixed to 1): not a check
+                continue
+            if cut is not None:
+                self.cuts[len(self.runs) - 1] = cut
+        self.left = reference_runs.left_padded(lambda n: _prompt_feeds(model, n, None, 2), ids,
+                                               lambda feeds: _run_calls(model, feeds, folder)[0])
+
+    def left_padding_drift(self, candidate: ir.Model) -> float | None:
+        """How far ``candidate``'s logits are from the original's on a left-padded batch (real tokens only)."""
+        if self.left is None:
+            return None
+        feeds, expected, pad = self.left
+        try:
+            got = _run_calls(candidate, feeds, self.folder)[0]
+        except Exception:
+            return None
+        return reference_runs.logits_drift(expected, got, pad)
 
     def compare(self, candidate: ir.Model, functions: Mapping[str, str], tolerance: Tolerance) -> tuple[dict, dict, str | None]:
         """Per function name: (max abs diff, calls compared), the drifted ones, and a failure of the file's outputs."""
         diffs: dict[str, list] = {name: [0.0, 0] for name in functions}
         drifted: dict[str, str] = {}
         failure = None
-        for feeds, outputs, calls in self.runs:
+        for index, (feeds, outputs, calls) in enumerate(self.runs):
+            real = functools.partial(reference_runs.real_tokens, cut=self.cuts.get(index))  # a padded row's real tokens
             try:
                 new_outputs, new_calls = _run_calls(candidate, feeds, self.folder)
             except Exception as error:  # onnxruntime refuses the rewrite: every rewritten class is suspect
@@ -303,6 +339,7 @@ class _Reference:
                 for got, expected in zip(call.outputs, calls[name].outputs):
                     if got is None or expected is None or got.dtype.kind != "f":
                         continue
+                    got, expected = real(got), real(expected)
                     measured = measure(got, expected, tolerance)
                     entry[0] = max(entry[0], measured.max_abs)
                     if not measured.within():
@@ -310,7 +347,7 @@ class _Reference:
                                                           f"atol {tolerance.atol:g}, rtol {tolerance.rtol:g})")
             for key, expected in outputs.items():
                 got = new_outputs.get(key)
-                if got is None or (expected.dtype.kind == "f" and not measure(got, expected, tolerance).within()):
+                if got is None or (expected.dtype.kind == "f" and not measure(real(got), real(expected), tolerance).within()):
                     failure = f"the file's output {key!r} differs"
         return {k: (v[0], v[1]) for k, v in diffs.items()}, drifted, failure
 
@@ -365,7 +402,8 @@ def _run_step(model, step, make_pass, reference, tolerance, max_positions) -> tu
 
 
 def _load(path: str | os.PathLike) -> ir.Model:
-    load_model_file(path)  # the project's checks: not a model, malformed, recursive, huge
+    # the project's checks: not a model, malformed, recursive, huge; call bombs and endless Loops
+    check_expanded_size(load_model_file(path), name=repr(str(path)))
     try:
         model = ir.load(path)
         # Weights in memory: each step works on a serialized copy, which would lose the folder its
@@ -390,7 +428,7 @@ def optimize(
     tolerance: Tolerance | None = None,
     steps: tuple[str, ...] = ("rms_norm", "skip_norm", "attention", "skip_layer_norm", "mha", "activation"),
     quantize: str | None = None,
-    accuracy_level: int = 4,
+    accuracy_level: int | None = None,
     int8_lm_head: bool = False,
     accuracy_guard: bool = True,
     inputs: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
@@ -415,7 +453,8 @@ def optimize(
         quantize: ``"int4"``: then quantize the fused file with onnxruntime-genai's builder recipe
             (``convert``'s passes: blocks of 32, symmetric, ``accuracy_level``, lm_head included;
             :mod:`onnx_modular.files.optimize.quantize`). ``"int8"`` likewise with 8 bits.
-        accuracy_level: ``MatMulNBits``'s compute (4: int8 activations, the builder's; 0: float).
+        accuracy_level: ``MatMulNBits``'s compute (4: int8 activations, the builder's, the default; 0: float);
+            only with ``quantize`` (as ``accuracy_guard=False``).
         int8_lm_head: Quantize ``lm_head`` to int8 instead (the rest int4).
         accuracy_guard: At accuracy level 4, keep at level 0 the calls whose int8 compute flips a
             top token on a random prompt (:mod:`onnx_modular.files.optimize.accuracy_guard`; ``report.quantization.guard``).
@@ -445,6 +484,8 @@ def optimize(
     unknown = sorted(set(steps) - set(FUSED_OPS))
     if unknown:
         raise InvalidInputError(f"optimize: unknown steps {unknown}; the steps are {sorted(FUSED_OPS)}.")
+    accuracy_level = check_options(max_positions=max_positions, quantize=quantize, accuracy_level=accuracy_level,
+                                   accuracy_guard=accuracy_guard, int8_lm_head=int8_lm_head)
     recipe = None
     if (calibration is not None or max_size is not None) and quantize is None:
         raise InvalidInputError("optimize: calibration and max_size are for a quantized file: give quantize.",
@@ -458,29 +499,12 @@ def optimize(
         check_recipe(recipe)
     destination = save.check_destination(output, reads=[path, *([calibration] if calibration is not None else [])])
     model = _load(path)
-    if recipe is not None and (recipe.quantize == "auto" or calibration is not None) and not _cache_inputs(model):
-        raise InvalidInputError("optimize: quantize='auto' and calibration measure next-token KL on token ids: they need "
-                                "a decoder with a cache, and this file has none (an encoder).",
-                                hint="For an encoder use --quantize int8 (dynamic int8, chosen per call by the outputs' "
-                                "error), with --inputs for real inputs.")
-    if (weight_only or int8_tolerance is not None or inputs is not None) and (recipe is None or _cache_inputs(model)):
-        raise InvalidInputError("optimize: inputs, weight_only and int8_tolerance choose how an encoder (a file without "
-                                "a cache) is quantized: " + ("quantize is not given." if recipe is None else "this file has a cache."),
-                                hint="Add --quantize int8 for an encoder; drop them for a decoder.")
-    if inputs is not None:  # checked before any work (the steps do not change the graph's inputs)
-        from onnx_modular.files.optimize.encoder_int8 import inputs_only
-
-        inputs = feeds_for(inputs_only(model), inputs)
-    calibration_ids = None
-    if calibration is not None:
-        from onnx_modular.check.quality import load_ids
-
-        calibration_ids = load_ids(calibration, vocab=_vocab(model), beside=path)
+    inputs, calibration_ids = _checked_for_model(model, path, recipe, calibration, inputs, weight_only, int8_tolerance)
     if max_positions is None:
-        max_positions = int(model.metadata_props.get("max_position_embeddings", 4096))
+        max_positions = positions_of(model, str(path))
     folder = str(pathlib.Path(path).resolve().parent)
     tolerance = tolerance or default_tolerance("float32")
-    reference = _Reference(model, folder) if verify else None
+    reference = _Reference(model, folder, max_positions) if verify else None
     nodes_before = _expanded_nodes(model)
     fusions: list[Fusion] = []
     for step, make_pass in _STEPS:
@@ -503,6 +527,9 @@ def optimize(
     )
     report = OptimizeReport(str(path), str(destination), fusions, attention, added, verify,
                             nodes_before, _expanded_nodes(model))
+    if reference is not None and any(f.fused for f in fusions):
+        drift = reference.left_padding_drift(model)
+        report.left_padding = drift if drift is not None and drift > tolerance.atol else None
     if recipe is None:
         _write(model, destination)
     elif not _cache_inputs(model):  # an encoder: errors of its outputs, not top tokens
@@ -519,6 +546,31 @@ def optimize(
                                              lambda length, past, seed: _prompt_feeds(model, length, past, seed),
                                              calibration_ids=calibration_ids)
     return report
+
+
+def _checked_for_model(model: ir.Model, path, recipe, calibration, inputs, weight_only, int8_tolerance):
+    """The options that depend on the file, checked before any work: an encoder's (``inputs``,
+    ``weight_only``, ``int8_tolerance``) and a decoder's (``quantize="auto"``, ``calibration``).
+    Returns the encoder's feeds and the calibration ids (``None`` when not given)."""
+    if recipe is not None and (recipe.quantize == "auto" or calibration is not None) and not _cache_inputs(model):
+        raise InvalidInputError("optimize: quantize='auto' and calibration measure next-token KL on token ids: they need "
+                                "a decoder with a cache, and this file has none (an encoder).",
+                                hint="For an encoder use --quantize int8 (dynamic int8, chosen per call by the outputs' "
+                                "error), with --inputs for real inputs.")
+    if (weight_only or int8_tolerance is not None or inputs is not None) and (recipe is None or _cache_inputs(model)):
+        raise InvalidInputError("optimize: inputs, weight_only and int8_tolerance choose how an encoder (a file without "
+                                "a cache) is quantized: " + ("quantize is not given." if recipe is None else "this file has a cache."),
+                                hint="Add --quantize int8 for an encoder; drop them for a decoder.")
+    if inputs is not None:  # checked before any work (the steps do not change the graph's inputs)
+        from onnx_modular.files.optimize.encoder_int8 import inputs_only
+
+        inputs = feeds_for(inputs_only(model), inputs)
+    calibration_ids = None
+    if calibration is not None:
+        from onnx_modular.check.quality import load_ids
+
+        calibration_ids = load_ids(calibration, vocab=_vocab(model), beside=path)
+    return inputs, calibration_ids
 
 
 def _write(model: ir.Model, destination: pathlib.Path) -> None:

@@ -85,6 +85,37 @@ def scale_and_softcap(model: ir.Model, scores: ir.Node) -> tuple[float, float]:
     return scale, softcap  # no factor at all: the body computes softmax(q @ k) unscaled (Granite's multiplier 1)
 
 
+def check_scores(softmax: ir.Node, scores: ir.Node) -> None:
+    """What the op computes, proven on the structure (not left to verification, which ``--no-verify``
+    skips): a ``Softmax`` over the last axis (the keys), scores that are a linear function of ``q @ k``
+    (no ``Pow``, nothing multiplied by itself), and a mask on them (an ``Add`` or ``Where`` of a value
+    that does not come from the scores): the op masks, a body without one does not."""
+    rank = len(softmax.inputs[0].shape) if softmax.inputs[0].shape is not None else None
+    axis = softmax.attributes.get_int("axis", -1)
+    if axis != -1 and (rank is None or axis != rank - 1):
+        raise Refused(f"a Softmax over axis {axis}, not over the keys (the last axis)")
+    behind = ancestors(softmax.inputs[0])
+    path, queue, masked = {id(scores.outputs[0])}, [scores.outputs[0]], False
+    while queue:
+        for use in queue.pop().uses():
+            node = use.node
+            if id(node) not in behind and node is not softmax:
+                continue
+            from_scores = [v for v in node.inputs if v is not None and id(v) in path]
+            if node.op_type == "Pow" or (node.op_type in ("Mul", "Div") and len(node.inputs) == 2 and len(from_scores) == 2):
+                raise Refused(f"the scores go through {node.op_type} with themselves (not q @ k scaled)")
+            if node.op_type in ("Add", "Where") and len(from_scores) < len([v for v in node.inputs if v is not None]):
+                masked = True
+            if node is softmax:
+                continue
+            for output in node.outputs:
+                if id(output) not in path:
+                    path.add(id(output))
+                    queue.append(output)
+    if not masked:
+        raise Refused("no mask on the scores (the op masks them causally)")
+
+
 def mask_formals(model: ir.Model, function: ir.Function, softmax: ir.Node, scores: ir.Node) -> tuple[int, ...]:
     """The formal inputs that reach the scores only after ``q @ k`` (the attention mask), not constants."""
     between = ancestors(softmax.inputs[0]) - ancestors(scores.outputs[0])

@@ -39,6 +39,7 @@ from onnx_modular.passes.fusions.attention_scores import UNREADABLE as _UNREADAB
 from onnx_modular.passes.fusions.attention_scores import NotAttention as _NotAttention
 from onnx_modular.passes.fusions.attention_scores import Refused as _Refused
 from onnx_modular.passes.fusions.attention_scores import ancestors as _ancestors
+from onnx_modular.passes.fusions.attention_scores import check_scores as _check_scores
 from onnx_modular.passes.fusions.attention_scores import head_sink as _head_sink
 from onnx_modular.passes.fusions.attention_scores import mask_formals as _mask_formals
 from onnx_modular.passes.fusions.attention_scores import producers_bfs as _producers_bfs
@@ -161,6 +162,7 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
                    if n.op_type == "MatMul"), None)
     if scores is None:
         raise _Refused("no MatMul before the Softmax")
+    _check_scores(softmax, scores)  # by structure: a Softmax over the keys of masked, scaled q @ k
     k_proj = _first_projection(model, key.inputs[1])
     v_proj = _first_projection(model, value.inputs[1])
     q_side = [v for v in scores.inputs if id(key) not in _ancestors(v)]
