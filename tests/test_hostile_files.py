@@ -27,6 +27,7 @@ from onnx_modular.check.parity import Tolerance
 from onnx_modular.cli import main
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.files import load_model_file
+from onnx_modular.format import metadata
 from onnx_modular.runtime import inputs as file_inputs
 from onnx_modular.storage.checks import check_expanded_size, expanded_size
 
@@ -272,8 +273,8 @@ def test_terminal_escapes_in_names_are_printed_escaped(tmp_path):
 )
 def test_odd_module_paths_metadata_is_ignored(tmp_path, value):
     model = chain(2)
-    model.functions[0].metadata_props.add(key="pkg.onnx_modular.module_paths", value=value)
-    model.functions[0].metadata_props.add(key="pkg.onnx_modular.class", value="m.C")
+    model.functions[0].metadata_props.add(key=metadata.MODULE_PATHS, value=value)
+    model.functions[0].metadata_props.add(key=metadata.CLASS, value="m.C")
     path = tmp_path / "m.onnx"
     onnx.save(model, path)
     code, out, err = run_cli("tree", path)

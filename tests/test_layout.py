@@ -260,22 +260,8 @@ def _private_imports(modules: dict[str, pathlib.Path]) -> list[str]:
     return sorted(found)
 
 
-#: Private names storage/ still shares between its modules: storage/ is being reworked in parallel
-#: (issue 62); each becomes a public name of its module there, and leaves this list.
-PRIVATE_IMPORTS_PENDING = {
-    "onnx_modular.storage.commit: from onnx_modular.storage.destination import _NAME_ROOM",
-    "onnx_modular.storage.commit: from onnx_modular.storage.destination import _check_replaceable",
-    "onnx_modular.storage.commit: from onnx_modular.storage.destination import _choose_data_name",
-    "onnx_modular.storage.commit: from onnx_modular.storage.destination import _data_pattern",
-    "onnx_modular.storage.commit: from onnx_modular.storage.destination import _name_max",
-    "onnx_modular.storage.commit: from onnx_modular.storage.destination import _references",
-    "onnx_modular.storage.commit: from onnx_modular.storage.destination import _safe_stem",
-    "onnx_modular.storage.folders: from onnx_modular.storage.destination import _data_pattern",
-    "onnx_modular.storage.guard: from onnx_modular.storage.load import _Malformed",
-    "onnx_modular.storage.guard: from onnx_modular.storage.load import _WIRE_LENGTH",
-    "onnx_modular.storage.guard: from onnx_modular.storage.load import _fields",
-    "onnx_modular.storage.save: from onnx_modular.storage.commit import _JOURNAL_PREFIX",
-}
+#: Private names still shared between modules (none left: every shared name is public where it is defined).
+PRIVATE_IMPORTS_PENDING: set[str] = set()
 
 
 def test_no_module_imports_another_modules_private_name():
@@ -304,8 +290,8 @@ def test_the_private_import_rule_sees_relative_and_absolute_imports(tmp_path):
 
 
 TESTS = pathlib.Path(__file__).resolve().parent
-#: Test files being rewritten in parallel (the fuzzer's, issue 62) that still spell a key.
-KEYS_SPELLED_PENDING = {"test_hostile_files.py"}
+#: Test files that still spell a key (none left).
+KEYS_SPELLED_PENDING: set[str] = set()
 
 
 def _spelled_keys(path: pathlib.Path) -> list[int]:

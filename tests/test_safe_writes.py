@@ -153,7 +153,7 @@ def test_an_interrupted_commit_is_finished_from_its_journal_only(tmp_path):
     # plus names a planted journal cannot make us delete (not this destination's data names).
     (tmp_path / "m.onnx.0123abcd.data").write_bytes(b"orphan")
     (tmp_path / "precious.txt").write_bytes(b"keep")
-    journal = locks.private_path(dest, _io._JOURNAL_PREFIX)
+    journal = locks.private_path(dest, _io.JOURNAL_PREFIX)
     journal.write_text(json.dumps(["m.onnx.0123abcd.data", "precious.txt", *kept]))
     inline_file(source, dest)
     assert not (tmp_path / "m.onnx.0123abcd.data").exists() and (tmp_path / "precious.txt").exists()

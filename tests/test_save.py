@@ -207,7 +207,7 @@ TERM_AT = {
     # before the commit: the staged files are being made durable -> the old pair stays
     "fsync of the staged files": ("fsync", "lambda fd: True", 1),
     # inside the commit (signals deferred): the journal, the data file's move, the model's rename
-    "journal written": ("open", "lambda path, *a: os.path.basename(path).startswith(files_save._JOURNAL_PREFIX)", 2),
+    "journal written": ("open", "lambda path, *a: os.path.basename(path).startswith(files_save.JOURNAL_PREFIX)", 2),
     "model renamed": ("replace", "lambda src, dst: os.fspath(dst) == DEST", 2),
 }
 

@@ -44,14 +44,14 @@ from collections.abc import Iterator
 
 from onnx_modular.errors import InvalidInputError, SaveError
 from onnx_modular.storage.destination import (
-    _NAME_ROOM,
-    _check_replaceable,
-    _choose_data_name,
-    _data_pattern,
-    _name_max,
-    _references,
-    _safe_stem,
+    NAME_ROOM,
     check_destination,
+    check_replaceable,
+    choose_data_name,
+    data_pattern,
+    data_references,
+    name_max,
+    safe_stem,
 )
 from onnx_modular.storage.guard import record_written
 from onnx_modular.storage.locks import destination_lock, open_private_file, private_path, temp_folder
@@ -60,7 +60,7 @@ from onnx_modular.storage.signals import interrupt_on_sigterm, signals_deferred
 
 __all__ = ["Staging", "atomic_write", "atomic_writes"]
 
-_JOURNAL_PREFIX = ".onnx_modular-commit-"
+JOURNAL_PREFIX = ".onnx_modular-commit-"
 
 
 def _fsync(path: pathlib.Path) -> None:
@@ -81,8 +81,8 @@ class Staging:
 
     def __init__(self, tmpdir: pathlib.Path, destination: pathlib.Path):
         self.destination = destination
-        self.model_path = tmpdir / _safe_stem(destination.name, _name_max(tmpdir) - _NAME_ROOM)
-        self.data_location = _choose_data_name(destination)
+        self.model_path = tmpdir / safe_stem(destination.name, name_max(tmpdir) - NAME_ROOM)
+        self.data_location = choose_data_name(destination)
         #: Whether the commit removes the data files of the model it replaces. A report (a text
         #: file) replaces the file named and nothing else, whatever that file was.
         self.retires_previous_data = True
@@ -200,7 +200,7 @@ def _read_by_sibling(path: pathlib.Path, destination: pathlib.Path) -> bool:
     for entry in entries:
         if entry.name == destination.name:
             continue
-        if path.name in (_references(folder / entry.name) or set()):  # unreadable: not a model that reads it
+        if path.name in (data_references(folder / entry.name) or set()):  # unreadable: not a model that reads it
             return True
     return False
 
@@ -211,7 +211,7 @@ def _parent(destination: pathlib.Path) -> pathlib.Path:
 
 def _write_journal(destination: pathlib.Path, names: list[str]) -> pathlib.Path:
     """Record the data files a commit creates and retires, before it touches any."""
-    journal = private_path(destination, _JOURNAL_PREFIX)
+    journal = private_path(destination, JOURNAL_PREFIX)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(journal)  # a finished one: _finish_interrupted_commit read it
     fd = open_private_file(journal, create=True)
@@ -228,7 +228,7 @@ def _finish_interrupted_commit(destination: pathlib.Path) -> None:
     the destination does not refer to (the new data of a model never moved, or the previous
     data of a model that was replaced). Only names the journal lists and that follow this
     destination's data-file naming are removed: nothing the journal cannot prove we made."""
-    journal = private_path(destination, _JOURNAL_PREFIX)
+    journal = private_path(destination, JOURNAL_PREFIX)
     if not os.path.lexists(journal):
         return
     from onnx_modular.storage.load import read_regular_file
@@ -237,9 +237,9 @@ def _finish_interrupted_commit(destination: pathlib.Path) -> None:
         names = json.loads(read_regular_file(journal, str(journal), limit=1 << 16))
     except Exception:
         names = None
-    current = _references(destination)
+    current = data_references(destination)
     if isinstance(names, list) and current is not None:
-        own = _data_pattern(destination)
+        own = data_pattern(destination)
         for name in names:
             if isinstance(name, str) and name not in current and own.fullmatch(name):
                 with contextlib.suppress(OSError):
@@ -304,9 +304,9 @@ def _move_data_in(staging: Staging) -> _Moved:
     staged_data = tmpdir / staging.data_location
     if not staged_data.exists():
         staged_data = None
-    _check_replaceable(destination, _shown(destination))  # it may have changed since the check
-    previous = (_references(destination) or set()) if staging.retires_previous_data else set()
-    own = _data_pattern(destination)
+    check_replaceable(destination, _shown(destination))  # it may have changed since the check
+    previous = (data_references(destination) or set()) if staging.retires_previous_data else set()
+    own = data_pattern(destination)
     retired = sorted(name for name in previous if name != staging.data_location and own.fullmatch(name))
     created = [staging.data_location] if staged_data is not None else []
     journal = _write_journal(destination, created + retired) if created or retired else None

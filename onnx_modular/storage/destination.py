@@ -30,11 +30,11 @@ _TOKEN_HEX = 8
 _DATA_SUFFIX_LEN = len(f".{'0' * _TOKEN_HEX}.data")
 # Writers add to the names they are given (onnx_ir stages ``.<name>.XXXXXXXX``, verification
 # writes ``.<stem>.flat-XXXXXXXX.onnx``): names made here leave this much room below NAME_MAX.
-_NAME_ROOM = 48
+NAME_ROOM = 48
 _LEGACY_SCAN_LIMIT = 64 * 1024 * 1024  # read an old model's data references only when it is this small
 
 
-def _name_max(folder: pathlib.Path) -> int:
+def name_max(folder: pathlib.Path) -> int:
     try:
         return os.pathconf(folder, "PC_NAME_MAX")
     except (OSError, ValueError):
@@ -60,10 +60,10 @@ def check_destination(path: str | os.PathLike, *, reads: Iterable[str | os.PathL
         raise SaveError(f"The output path {shown} contains a NUL byte.", hint="Give a file path such as 'model.onnx'.")
     if path.name in ("", ".", "..") or raw.endswith((os.sep, os.sep + ".", os.sep + "..")):
         raise SaveError(f"The output path {shown} has no file name.", hint="Give a file path such as 'model.onnx'.")
-    name_max = _name_max(parent)
-    if len(os.fsencode(path.name)) > name_max:
+    longest = name_max(parent)
+    if len(os.fsencode(path.name)) > longest:
         raise SaveError(
-            f"The output file name is {len(os.fsencode(path.name))} bytes long; this file system allows {name_max}.",
+            f"The output file name is {len(os.fsencode(path.name))} bytes long; this file system allows {longest}.",
             hint="Choose a shorter file name.",
         )
     try:
@@ -72,7 +72,7 @@ def check_destination(path: str | os.PathLike, *, reads: Iterable[str | os.PathL
         raise SaveError(f"Cannot use the output path {shown}: {e.strerror or e}", hint="Choose another path.") from e
     if is_dir:
         raise SaveError(f"The output path {shown} is a directory.", hint="Give a file path such as 'model.onnx'.")
-    _check_replaceable(path, shown)
+    check_replaceable(path, shown)
     if not parent_is_dir:
         raise SaveError(
             f"The output folder {_shown(parent)} does not exist.",
@@ -87,7 +87,7 @@ def check_destination(path: str | os.PathLike, *, reads: Iterable[str | os.PathL
     return path
 
 
-def _check_replaceable(path: pathlib.Path, shown: str) -> None:
+def check_replaceable(path: pathlib.Path, shown: str) -> None:
     """An existing destination must be a regular file (or a link to one): replacing a device
     node (``/dev/null``) breaks the system, and a FIFO would block the write forever."""
     try:
@@ -104,7 +104,7 @@ def _check_replaceable(path: pathlib.Path, shown: str) -> None:
         )
 
 
-def _safe_stem(name: str, room: int) -> str:
+def safe_stem(name: str, room: int) -> str:
     """``name`` as valid UTF-8 (undecodable bytes become ``_``), at most ``room`` bytes.
 
     A shortened stem ends with a hash of the full name, so two long names never share it.
@@ -121,17 +121,17 @@ def _safe_stem(name: str, room: int) -> str:
 def data_name(destination: pathlib.Path, token: str | None) -> str:
     """The external-data file name of one write: ``<name>.data``, or ``<name>.<token>.data``
     when the current one is in use (fits NAME_MAX)."""
-    stem = _safe_stem(destination.name, _name_max(destination.parent) - _DATA_SUFFIX_LEN - _NAME_ROOM)
+    stem = safe_stem(destination.name, name_max(destination.parent) - _DATA_SUFFIX_LEN - NAME_ROOM)
     return f"{stem}.data" if token is None else f"{stem}.{token}.data"
 
 
-def _data_pattern(destination: pathlib.Path) -> re.Pattern[str]:
+def data_pattern(destination: pathlib.Path) -> re.Pattern[str]:
     """The names this module gives ``destination``'s data files: ``<name>.data``, ``<name>.<8 hex>.data``."""
     stem = data_name(destination, "0" * _TOKEN_HEX)[:-_DATA_SUFFIX_LEN]
     return re.compile(re.escape(stem) + rf"(\.[0-9a-f]{{{_TOKEN_HEX}}})?\.data")
 
 
-def _choose_data_name(destination: pathlib.Path) -> str:
+def choose_data_name(destination: pathlib.Path) -> str:
     """A data-file name that no file in the folder has: ``<name>.data`` when free, else a
     ``<name>.<8 hex>.data`` of its own. An existing file is never replaced, whoever it belongs
     to (the model at the destination, or another model that refers to that name)."""
@@ -141,7 +141,7 @@ def _choose_data_name(destination: pathlib.Path) -> str:
     return name
 
 
-def _references(model_path: pathlib.Path) -> set[str] | None:
+def data_references(model_path: pathlib.Path) -> set[str] | None:
     """External-data locations of an existing model file (every tensor it holds), ``set()``
     when there is none, ``None`` when it cannot be told (unreadable, not ONNX, too large)."""
     from onnx_modular.storage.load import read_regular_file
@@ -163,4 +163,4 @@ def _references(model_path: pathlib.Path) -> set[str] | None:
 
 def referenced_data(model_path: pathlib.Path) -> set[str]:
     """External-data locations of an existing (small) model file; empty when unreadable."""
-    return _references(model_path) or set()
+    return data_references(model_path) or set()

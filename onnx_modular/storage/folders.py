@@ -21,7 +21,7 @@ import onnx
 
 from onnx_modular.errors import InvalidInputError, SaveError
 from onnx_modular.storage.commit import Staging, atomic_writes
-from onnx_modular.storage.destination import _data_pattern, data_name, referenced_data
+from onnx_modular.storage.destination import data_name, data_pattern, referenced_data
 from onnx_modular.storage.guard import rewriting
 from onnx_modular.storage.locks import shown_path as _shown
 from onnx_modular.storage.locks import temp_folder
@@ -116,7 +116,7 @@ def _data_owners(folder: pathlib.Path, models: list[str]) -> dict[str, str]:
         for location in referenced_data(folder / model):
             readers.setdefault(location, []).append(model)
     for location, names in readers.items():
-        named = [model for model in models if _data_pattern(folder / model).fullmatch(location)]
+        named = [model for model in models if data_pattern(folder / model).fullmatch(location)]
         owner = named or (names if len(names) == 1 else [])
         if len(owner) != 1:
             raise SaveError(f"The external-data file {_shown(location)} has no one model it belongs to ({', '.join(names)} read it).")
@@ -149,7 +149,7 @@ def _publish_models(
 
 
 def _own_data(folder: pathlib.Path, model: str) -> set[str]:
-    return {location for location in referenced_data(folder / model) if _data_pattern(folder / model).fullmatch(location)}
+    return {location for location in referenced_data(folder / model) if data_pattern(folder / model).fullmatch(location)}
 
 
 def publish_folder(staged: pathlib.Path, output: pathlib.Path, *, modes: dict[str, int] | None = None) -> list[str]:

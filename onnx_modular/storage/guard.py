@@ -42,7 +42,7 @@ import onnx
 
 from onnx_modular.errors import InvalidInputError
 from onnx_modular.storage.limits import MAX_NEIGHBOUR_MODELS, MAX_SCANNED_FIELDS
-from onnx_modular.storage.load import _WIRE_LENGTH, _fields, _Malformed
+from onnx_modular.storage.load import WIRE_LENGTH, MalformedFile, wire_fields
 from onnx_modular.storage.locks import shown_path
 
 __all__ = ["check_outputs", "reading", "data_locations", "protected_files", "command_outputs", "record_written", "rewriting"]
@@ -77,10 +77,10 @@ _KEY, _VALUE = (onnx.StringStringEntryProto.DESCRIPTOR.fields_by_name[n].number 
 
 def _entry(data, start: int, end: int) -> tuple[bytes, bytes]:
     key = value = b""
-    for number, wire_type, _, payload, stop in _fields(data, start, end):
-        if wire_type == _WIRE_LENGTH and number == _KEY:
+    for number, wire_type, _, payload, stop in wire_fields(data, start, end):
+        if wire_type == WIRE_LENGTH and number == _KEY:
             key = bytes(data[payload:stop])
-        elif wire_type == _WIRE_LENGTH and number == _VALUE:
+        elif wire_type == WIRE_LENGTH and number == _VALUE:
             value = bytes(data[payload:stop])
     return key, value
 
@@ -92,12 +92,12 @@ def _scan(data) -> set[str]:
     visited = 0
     while stack:
         kind, start, end = stack.pop()
-        for number, wire_type, _, payload, stop in _fields(data, start, end):
+        for number, wire_type, _, payload, stop in wire_fields(data, start, end):
             visited += 1
             if visited > MAX_SCANNED_FIELDS:
                 return locations
             child = _SCHEMA[kind].get(number)
-            if child is None or wire_type != _WIRE_LENGTH:
+            if child is None or wire_type != WIRE_LENGTH:
                 continue
             if child == "entry":
                 key, value = _entry(data, payload, stop)
@@ -122,7 +122,7 @@ def data_locations(model: str | os.PathLike) -> set[str]:
         with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as data:
             try:
                 return _scan(data)
-            except (_Malformed, IndexError, ValueError):
+            except (MalformedFile, IndexError, ValueError):
                 return set()
     except OSError:
         return set()

@@ -34,7 +34,7 @@ __all__ = [
 _PROTOBUF_LIMIT = 2**31
 
 
-_WIRE_VARINT, _WIRE_FIXED64, _WIRE_LENGTH, _WIRE_FIXED32 = 0, 1, 2, 5
+_WIRE_VARINT, _WIRE_FIXED64, WIRE_LENGTH, _WIRE_FIXED32 = 0, 1, 2, 5
 
 
 def _read_varint(data: bytes, position: int) -> tuple[int, int] | None:
@@ -52,7 +52,7 @@ def _read_varint(data: bytes, position: int) -> tuple[int, int] | None:
 
 def _expected_wire_type(field: Any) -> int:
     if field.type == field.TYPE_MESSAGE or field.type == field.TYPE_STRING or field.type == field.TYPE_BYTES:
-        return _WIRE_LENGTH
+        return WIRE_LENGTH
     return _WIRE_VARINT
 
 
@@ -99,7 +99,7 @@ def _scan_model_fields(data: bytes, path: str) -> set[int]:
             if value is None:
                 break
             position = value[1]
-        elif wire_type == _WIRE_LENGTH:
+        elif wire_type == WIRE_LENGTH:
             length = _read_varint(data, after_tag)
             if length is None:
                 break
@@ -140,38 +140,38 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-class _Malformed(Exception):
+class MalformedFile(Exception):
     """The wire format does not hold together where the values would be cut."""
 
 
-def _fields(data, start: int, end: int):
+def wire_fields(data, start: int, end: int):
     """``(number, wire type, field start, payload start, field end)`` of each field in
-    ``data[start:end]``; :class:`_Malformed` when a field does not fit."""
+    ``data[start:end]``; :class:`MalformedFile` when a field does not fit."""
     position = start
     while position < end:
         tag = _read_varint(data, position)
         if tag is None:
-            raise _Malformed
+            raise MalformedFile
         key, after = tag
         number, wire_type = key >> 3, key & 7
         if wire_type == _WIRE_VARINT:
             value = _read_varint(data, after)
             if value is None:
-                raise _Malformed
+                raise MalformedFile
             payload, stop = after, value[1]
-        elif wire_type == _WIRE_LENGTH:
+        elif wire_type == WIRE_LENGTH:
             length = _read_varint(data, after)
             if length is None:
-                raise _Malformed
+                raise MalformedFile
             payload, stop = length[1], length[1] + length[0]
         elif wire_type == _WIRE_FIXED64:
             payload, stop = after, after + 8
         elif wire_type == _WIRE_FIXED32:
             payload, stop = after, after + 4
         else:
-            raise _Malformed
+            raise MalformedFile
         if stop > end:
-            raise _Malformed
+            raise MalformedFile
         yield number, wire_type, position, payload, stop
         position = stop
 
@@ -192,21 +192,21 @@ def _without_initializer_payloads(data) -> bytearray:
     """
 
     def length_field(number: int, body: bytes | bytearray) -> bytes:
-        return _varint(number << 3 | _WIRE_LENGTH) + _varint(len(body)) + bytes(body)
+        return _varint(number << 3 | WIRE_LENGTH) + _varint(len(body)) + bytes(body)
 
     def tensor(start: int, end: int) -> bytearray:
         if end - start <= 256:  # a scalar (a Loop's trip count): kept, so the bounds on it can be checked
             return bytearray(data[start:end])
         out = bytearray()
-        for number, _, first, _, stop in _fields(data, start, end):
+        for number, _, first, _, stop in wire_fields(data, start, end):
             if number not in _TENSOR_PAYLOADS:
                 out += data[first:stop]
         return out
 
     def graph(start: int, end: int) -> bytearray:
         out = bytearray()
-        for number, wire_type, first, payload, stop in _fields(data, start, end):
-            if number == _GRAPH_INITIALIZER and wire_type == _WIRE_LENGTH:
+        for number, wire_type, first, payload, stop in wire_fields(data, start, end):
+            if number == _GRAPH_INITIALIZER and wire_type == WIRE_LENGTH:
                 out += length_field(number, tensor(payload, stop))
             else:
                 out += data[first:stop]
@@ -214,12 +214,12 @@ def _without_initializer_payloads(data) -> bytearray:
 
     out = bytearray()
     try:
-        for number, wire_type, first, payload, stop in _fields(data, 0, len(data)):
-            if number == _MODEL_GRAPH and wire_type == _WIRE_LENGTH:
+        for number, wire_type, first, payload, stop in wire_fields(data, 0, len(data)):
+            if number == _MODEL_GRAPH and wire_type == WIRE_LENGTH:
                 out += length_field(number, graph(payload, stop))
             else:
                 out += data[first:stop]
-    except _Malformed:
+    except MalformedFile:
         return data  # parsed whole: protobuf reports the damage, nothing is silently dropped
     return out
 

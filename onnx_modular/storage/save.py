@@ -22,7 +22,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_modular.errors import SaveError
-from onnx_modular.storage.commit import _JOURNAL_PREFIX, Staging, atomic_write, atomic_writes
+from onnx_modular.storage.commit import JOURNAL_PREFIX, Staging, atomic_write, atomic_writes
 from onnx_modular.storage.destination import check_destination, data_name, referenced_data
 from onnx_modular.storage.folders import publish_folder
 from onnx_modular.storage.locks import TEMP_PREFIX
@@ -44,7 +44,7 @@ __all__ = [
     "publish_folder",
     "Staging",
     "wants_external_data",
-    "_JOURNAL_PREFIX",
+    "JOURNAL_PREFIX",
 ]
 
 # Above this many bytes of weights, store them in external data, as torch.onnx.export does for
