@@ -54,3 +54,19 @@ def signature_names(function: ir.Function) -> tuple[list[str], list[str]]:
 def check(model: ir.Model) -> None:
     """onnx.checker on the serialized model (functions included)."""
     onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
+
+
+def as_initializers(model: ir.Model, fed: set[str], constants: dict, scale: float, seed: int = 0) -> ir.Model:
+    """Every main-graph input not in ``fed`` made an initializer, as the export lifts weights and
+    constants: the value in ``constants`` by name, else random normal weights times ``scale``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    for value in [v for v in model.graph.inputs if v.name not in fed]:
+        array = constants.get(value.name)
+        if array is None:  # a weight
+            array = rng.standard_normal(list(value.shape)).astype(np.float32) * scale
+        value.const_value = ir.tensor(array, name=value.name)
+        model.graph.inputs.remove(value)
+        model.graph.register_initializer(value)
+    return model

@@ -11,6 +11,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from pass_helpers import as_initializers
 
 from onnx_modular.passes.fusions.gqa import SEQLENS_K, TOTAL_SEQUENCE_LENGTH, FuseGroupQueryAttentionPass
 
@@ -72,21 +73,13 @@ MASK_2D = "int64[1, total]"
 
 def _model(scores: str = SCALED, key_input: str = "hidden", main_mask: str = MASK_2D) -> ir.Model:
     model = ir.from_onnx_text(MODEL.format(scores=scores, key_input=key_input, main_mask=main_mask))
-    rng = np.random.default_rng(0)
     constants = {
         "q_heads": np.array([0, 0, HEADS, HEAD], np.int64), "kv_heads": np.array([0, 0, KV_HEADS, HEAD], np.int64),
         "merged": np.array([0, 0, HIDDEN], np.int64), "scale": np.array(HEAD ** -0.5, np.float32),
         "repeated": np.array([1, KV_HEADS, HEADS // KV_HEADS, 1, 1], np.int64),
         "grouped": np.array([1, HEADS, -1, HEAD], np.int64), "big": np.array(-1e9, np.float32),
     }
-    for value in [v for v in model.graph.inputs if v.shape is not None and v.name not in _feeds()]:
-        array = constants.get(value.name)
-        if array is None:  # a weight
-            array = rng.standard_normal(list(value.shape)).astype(np.float32) * 0.2
-        value.const_value = ir.tensor(array, name=value.name)
-        model.graph.inputs.remove(value)
-        model.graph.register_initializer(value)
-    return model
+    return as_initializers(model, set(_feeds()), constants, scale=0.2)
 
 
 def _feeds() -> dict[str, np.ndarray]:

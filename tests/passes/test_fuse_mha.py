@@ -9,6 +9,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from pass_helpers import as_initializers
 
 from onnx_modular.passes.fusions.mha import FuseMultiHeadAttentionPass
 
@@ -54,17 +55,9 @@ SCALED = """scaled = Mul(raw, scale)
 
 def _model(scores: str = SCALED, softmax_axis: int = -1, value: str = "vh") -> ir.Model:
     model = ir.from_onnx_text(MODEL.format(scores=scores, softmax_axis=softmax_axis, value=value))
-    rng = np.random.default_rng(0)
     constants = {"heads": np.array([0, 0, HEADS, HEAD], np.int64), "merged": np.array([0, 0, HIDDEN], np.int64),
                  "scale": np.array(HEAD ** -0.5, np.float32)}
-    for value in [v for v in model.graph.inputs if v.name not in ("x", "mask")]:
-        array = constants.get(value.name)
-        if array is None:  # a weight
-            array = rng.standard_normal(list(value.shape)).astype(np.float32) * 0.3
-        value.const_value = ir.tensor(array, name=value.name)
-        model.graph.inputs.remove(value)
-        model.graph.register_initializer(value)
-    return model
+    return as_initializers(model, {"x", "mask"}, constants, scale=0.3)
 
 
 def _feeds() -> dict[str, np.ndarray]:
