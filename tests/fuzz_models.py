@@ -302,8 +302,19 @@ class FuzzUnit(_Interpreter):
 _CLASSES = (FuzzBlock, FuzzCell, FuzzUnit)
 
 
+#: Ops that move values between positions (reshapes, rolls, matmuls); the rest are pointwise.
+_MOVING_OPS = ("reshape", "roll", "cat_split", "matmul_param", "matmul")
+
+
 def _apply(module: _Interpreter, kind: str, operands: list[torch.Tensor], amount: int) -> list[torch.Tensor]:
     """One op of the plan; every result has the shape of its first operand, (batch, width)."""
+    if kind in _MOVING_OPS:
+        return _apply_moving(module, kind, operands, amount)
+    return _apply_pointwise(module, kind, operands, amount)
+
+
+def _apply_pointwise(module: _Interpreter, kind: str, operands: list[torch.Tensor], amount: int) -> list[torch.Tensor]:
+    """The ops of :func:`_apply` that keep each value where it is (reductions broadcast back)."""
     width = module.width
     a = operands[0]
     if kind == "tanh":
@@ -320,6 +331,19 @@ def _apply(module: _Interpreter, kind: str, operands: list[torch.Tensor], amount
         return [a - 0.25 * a.sum(dim=amount % 2 - 1, keepdim=True)]
     if kind == "mean":
         return [a * a.mean(dim=amount % 2 - 1, keepdim=True)]
+    if kind == "buffer":
+        return [a + module.buf]
+    if kind == "const":
+        return [a + torch.arange(width, dtype=a.dtype) * 0.25]
+    if kind == "size":
+        return [a * a.shape[0] + a.shape[-1]]
+    raise ValueError(f"unknown op {kind!r}")
+
+
+def _apply_moving(module: _Interpreter, kind: str, operands: list[torch.Tensor], amount: int) -> list[torch.Tensor]:
+    """The ops of :func:`_apply` in :data:`_MOVING_OPS`."""
+    width = module.width
+    a = operands[0]
     if kind == "reshape":
         if amount % 2 == 0:
             return [a.reshape(-1, 2, width // 2).transpose(1, 2).reshape(-1, width)]
@@ -334,16 +358,8 @@ def _apply(module: _Interpreter, kind: str, operands: list[torch.Tensor], amount
         return [second, first] if amount % 2 else [first, second]
     if kind == "matmul_param":
         return [torch.matmul(a, module.mat)]
-    if kind == "matmul":
-        b, c = operands[1], operands[2]
-        return [torch.matmul(torch.matmul(a, b.transpose(0, 1)), c) / width]
-    if kind == "buffer":
-        return [a + module.buf]
-    if kind == "const":
-        return [a + torch.arange(width, dtype=a.dtype) * 0.25]
-    if kind == "size":
-        return [a * a.shape[0] + a.shape[-1]]
-    raise ValueError(f"unknown op {kind!r}")
+    b, c = operands[1], operands[2]  # matmul
+    return [torch.matmul(torch.matmul(a, b.transpose(0, 1)), c) / width]
 
 
 # -- building ----------------------------------------------------------------------------

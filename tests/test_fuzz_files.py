@@ -1,46 +1,42 @@
-"""A short run of the malformed-file fuzzer (``scripts/fuzz_files.py``) over the CLI.
+"""A short run of the malformed-file fuzzer (``tests/fuzzing/``, command line ``scripts/fuzz_files.py``) over the CLI.
 
 Every failure (traceback, signal, timeout, memory limit) must belong to a class listed as
-open (``fuzz_files.OPEN_BY_TEXT``, ``OPEN_BY_KIND``: empty since issue 12's items 1-7 were
+open (``runner.OPEN_BY_TEXT``, ``OPEN_BY_KIND``: empty since issue 12's items 1-7 were
 fixed); any failure fails the test. The 2,000-case campaign is ``python scripts/fuzz_files.py --cases 2000``
 (``docs/robustness.md``).
 """
 
 from __future__ import annotations
 
-import os
-import pathlib
-import random
-import sys
-
-import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
 import json
+import os
+import random
 import struct
 import unicodedata
 
-import fuzz_files
+import pytest
+from fuzzing import builders, generators_export, generators_graphs, runner
+from fuzzing.cases import run_campaign
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 
 def test_outcomes_are_classified(tmp_path):
-    assert fuzz_files.classify(2, "error: [load] not an ONNX file\n", False) == "ok"
-    assert fuzz_files.classify(3, "Traceback (most recent call last):\n  ...\nKeyError: 'x'\n", False) == "traceback"
-    assert fuzz_files.classify(-11, "", False) == "signal"
-    assert fuzz_files.classify(None, "", True) == "timeout"
-    assert fuzz_files.classify(-6, "terminate called after throwing an instance of 'std::bad_alloc'", False) == "memory"
-    assert fuzz_files.classify(1, "mismatch but no message", False) == "no-error-line"
+    assert runner.classify(2, "error: [load] not an ONNX file\n", False) == "ok"
+    assert runner.classify(3, "Traceback (most recent call last):\n  ...\nKeyError: 'x'\n", False) == "traceback"
+    assert runner.classify(-11, "", False) == "signal"
+    assert runner.classify(None, "", True) == "timeout"
+    assert runner.classify(-6, "terminate called after throwing an instance of 'std::bad_alloc'", False) == "memory"
+    assert runner.classify(1, "mismatch but no message", False) == "no-error-line"
     failing = {"argv": ["verify", "m.onnx", "--seed", "-1"], "stderr_tail": "ValueError: expected non-negative integer"}
-    assert fuzz_files.open_item("bitflips", failing) is None  # fixed: no class is open any more
-    assert fuzz_files.open_item("bomb", {"argv": ["verify", "m.onnx"], "stderr_tail": ""}) is None
-    assert fuzz_files.open_item("bitflips", {"argv": ["tree", "m.onnx"], "stderr_tail": "KeyError: 'x'"}) is None
+    assert runner.open_item("bitflips", failing) is None  # fixed: no class is open any more
+    assert runner.open_item("bomb", {"argv": ["verify", "m.onnx"], "stderr_tail": ""}) is None
+    assert runner.open_item("bitflips", {"argv": ["tree", "m.onnx"], "stderr_tail": "KeyError: 'x'"}) is None
 
 
 @pytest.fixture(scope="module")
 def server():
-    server = fuzz_files.ForkServer()
+    server = runner.ForkServer()
     yield server
     server.close()
 
@@ -48,30 +44,30 @@ def server():
 def test_children_report_clean_errors_and_are_bounded(tmp_path, server):
     """A clean error is ok; a hang is a timeout (the child is killed, the test goes on)."""
     (tmp_path / "hang.py").write_text("import time\nwhile True:\n    time.sleep(1)\n")
-    fuzz_files.gen_recursion(random.Random(1), tmp_path, {})
-    result = fuzz_files.run_command(server, ["tree", "m.onnx"], tmp_path, 60, 2 << 30)
+    generators_graphs.gen_recursion(random.Random(1), tmp_path, {})
+    result = runner.run_command(server, ["tree", "m.onnx"], tmp_path, 60, 2 << 30)
     assert result["outcome"] == "ok" and result["exitcode"] == 2, result
-    (tmp_path / "m.onnx").write_bytes(fuzz_files.bomb(depth=24).SerializeToString())
-    result = fuzz_files.run_command(server, ["tree", "m.onnx"], tmp_path, 60, 2 << 30)
+    (tmp_path / "m.onnx").write_bytes(builders.bomb(depth=24).SerializeToString())
+    result = runner.run_command(server, ["tree", "m.onnx"], tmp_path, 60, 2 << 30)
     assert result["outcome"] == "ok" and result["exitcode"] == 2, result  # tree refuses the expansion
     os.remove(tmp_path / "m.onnx")
     os.mkfifo(tmp_path / "m.onnx")  # issue 12 item 1: reading a FIFO blocked; now refused
-    result = fuzz_files.run_command(server, ["tree", "m.onnx"], tmp_path, 30, 2 << 30)
+    result = runner.run_command(server, ["tree", "m.onnx"], tmp_path, 30, 2 << 30)
     assert result["outcome"] == "ok" and result["exitcode"] == 2, result
     # `export` loads torch before the factory; a CUDA build of torch (2.15 from the registry) maps
     # more address space than the 2 GiB the file commands get, so this child gets 16 GiB.
-    result = fuzz_files.run_command(server, ["export", "hang.py:f", "-o", "x.onnx"], tmp_path, 2, 16 << 30)
+    result = runner.run_command(server, ["export", "hang.py:f", "-o", "x.onnx"], tmp_path, 2, 16 << 30)
     assert result["outcome"] == "timeout", result
 
 
 def test_fifty_cases_find_no_new_failure_class(tmp_path, server):
-    records = fuzz_files.run_campaign(50, seed=0, timeout=8, memory_mb=1536, workdir=tmp_path, server=server)
+    records = run_campaign(50, seed=0, timeout=8, memory_mb=1536, workdir=tmp_path, server=server)
     assert len(records) == 50 and not any("generator_error" in r for r in records)
     # three commands per file case (tree, inline, verify); the kinds of issues 38, 53 and 65 run their own (1 to 5:
     # guard_outputs runs two tools and three verifies)
     assert all(1 <= len(r["results"]) <= 5 for r in records) and sum(len(r["results"]) for r in records) >= 100
-    new = fuzz_files.new_failures(records)
-    assert not new, fuzz_files.summary(records)
+    new = runner.new_failures(records)
+    assert not new, runner.summary(records)
 
 
 # -- issue 25: hypothesis over safetensors headers and printed names ----------------------------
@@ -136,9 +132,9 @@ def test_checkpoint_folders_find_no_new_failure_class(tmp_path, cases):
     error or a verified file, the folder unchanged, nothing from it run. The campaign is
     ``python scripts/fuzz_files.py --only checkpoint --cases 200 --timeout 120 --memory-mb 4096``."""
     pytest.importorskip("transformers")
-    server = fuzz_files.ForkServer(torch=True)
+    server = runner.ForkServer(torch=True)
     try:
-        records = fuzz_files.run_campaign(
+        records = run_campaign(
             cases, seed=3, timeout=240, memory_mb=8192, only=["checkpoint"], workdir=tmp_path, server=server
         )
     finally:
@@ -146,6 +142,6 @@ def test_checkpoint_folders_find_no_new_failure_class(tmp_path, cases):
     assert len(records) == cases and not any("generator_error" in r for r in records), records
     assert all(r["kind"] == "checkpoint" and len(r["results"]) == 2 for r in records)
     assert any(res["exitcode"] == 2 for r in records for res in r["results"])  # the breakage is reported
-    new = fuzz_files.new_failures(records)
-    assert not new, fuzz_files.summary(records)
-    assert not (tmp_path / fuzz_files.PWNED).exists()  # no code from a folder ran
+    new = runner.new_failures(records)
+    assert not new, runner.summary(records)
+    assert not (tmp_path / generators_export.PWNED).exists()  # no code from a folder ran

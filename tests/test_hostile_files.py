@@ -1,6 +1,6 @@
 """Hostile ONNX files and ``verify`` arguments get typed errors, bounded work and no traceback (issue 12).
 
-One test (or a few) per class the file fuzzer (``scripts/fuzz_files.py``) found: special files,
+One test (or a few) per class the file fuzzer (``tests/fuzzing/``) found: special files,
 call-expansion bombs, many large inputs, bad external-data references, undecodable names,
 nested metadata JSON, ``verify`` arguments, call chains deeper than the inliner accepts, calls
 with more inputs than their function declares, and names with terminal escapes. Torch-free.
@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 import pytest
+from fuzzing import builders, generators_graphs
 from onnx import TensorProto, helper
 
 from onnx_modular.check.parity import Tolerance
@@ -31,10 +32,7 @@ from onnx_modular.format import metadata
 from onnx_modular.runtime import inputs as file_inputs
 from onnx_modular.storage.checks import check_expanded_size, expanded_size
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
-import fuzz_files
-
-DOMAIN = fuzz_files.DOMAIN
+DOMAIN = builders.DOMAIN
 
 
 def run_cli(*argv) -> tuple[int, str, str]:
@@ -52,11 +50,11 @@ def assert_clean_error(code: int, err: str, fragment: str) -> None:
 
 def chain(depth: int) -> onnx.ModelProto:
     """``f{depth-1}`` calls ... calls ``f0`` (one Relu): calls nest ``depth`` levels."""
-    functions = [helper.make_function(DOMAIN, "f0", ["a"], ["b"], [helper.make_node("Relu", ["a"], ["b"])], fuzz_files._opsets())]
+    functions = [helper.make_function(DOMAIN, "f0", ["a"], ["b"], [helper.make_node("Relu", ["a"], ["b"])], builders._opsets())]
     for level in range(1, depth):
-        body = [fuzz_files._call(f"f{level - 1}", ["a"], ["b"])]
-        functions.append(helper.make_function(DOMAIN, f"f{level}", ["a"], ["b"], body, fuzz_files._opsets()))
-    return fuzz_files._model([fuzz_files._call(f"f{depth - 1}", ["x"], ["y"])], functions)
+        body = [builders._call(f"f{level - 1}", ["a"], ["b"])]
+        functions.append(helper.make_function(DOMAIN, f"f{level}", ["a"], ["b"], body, builders._opsets()))
+    return builders._model([builders._call(f"f{depth - 1}", ["x"], ["y"])], functions)
 
 
 @pytest.fixture(scope="module")
@@ -122,18 +120,18 @@ def test_external_data_in_a_special_file_is_refused(external_model, tmp_path):
 
 
 def test_expanded_size_is_counted_without_expanding():
-    assert expanded_size(fuzz_files.bomb(depth=3, fanout=2)) == (4, 7)  # 4 Relu; 1 + 2 + 4 calls
-    nodes, calls = expanded_size(fuzz_files.bomb(depth=24, fanout=2))
+    assert expanded_size(builders.bomb(depth=3, fanout=2)) == (4, 7)  # 4 Relu; 1 + 2 + 4 calls
+    nodes, calls = expanded_size(builders.bomb(depth=24, fanout=2))
     assert (nodes, calls) == (2**23, 2**24 - 1)
     # Through If branches: each level is 3 nodes + an If whose two branches call the level below twice.
-    nodes, _ = expanded_size(fuzz_files.bomb(depth=3, fanout=2, via_if=True))
+    nodes, _ = expanded_size(builders.bomb(depth=3, fanout=2, via_if=True))
     assert nodes == 4 + 4 * (4 + 4 * 1)
 
 
 @pytest.mark.parametrize("via_if", [False, True])
 def test_bombs_are_refused_before_anything_expands_them(tmp_path, via_if):
     path = tmp_path / "bomb.onnx"
-    onnx.save(fuzz_files.bomb(depth=24, fanout=2, via_if=via_if), path)
+    onnx.save(builders.bomb(depth=24, fanout=2, via_if=via_if), path)
     code, _, err = run_cli("inline", path, tmp_path / "out.onnx")
     assert_clean_error(code, err, "ONNX_MODULAR_MAX_EXPANDED_")
     assert "its function calls expand to" in err
@@ -144,13 +142,13 @@ def test_bombs_are_refused_before_anything_expands_them(tmp_path, via_if):
 
 def test_tree_refuses_sixteen_levels_of_fan_out_two(tmp_path):
     path = tmp_path / "bomb.onnx"
-    onnx.save(fuzz_files.bomb(depth=16, fanout=2), path)  # 65,535 calls
+    onnx.save(builders.bomb(depth=16, fanout=2), path)  # 65,535 calls
     code, _, err = run_cli("tree", path)
     assert_clean_error(code, err, "expands to 65535 calls")
 
 
 def test_the_expansion_limit_can_be_raised(monkeypatch):
-    model = fuzz_files.bomb(depth=8, fanout=2)  # 255 calls, 128 nodes
+    model = builders.bomb(depth=8, fanout=2)  # 255 calls, 128 nodes
     assert check_expanded_size(model) == (128, 255)
     monkeypatch.setenv("ONNX_MODULAR_MAX_EXPANDED_CALLS", "200")
     with pytest.raises(InvalidModelFileError, match="expand to 255 calls .*ONNX_MODULAR_MAX_EXPANDED_CALLS=255"):
@@ -166,11 +164,11 @@ def test_the_expansion_limit_can_be_raised(monkeypatch):
 
 def test_random_inputs_are_bounded_in_total_before_any_is_made():
     inputs = [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [4096, 4096]) for i in range(40)]
-    model = fuzz_files._model([helper.make_node("Identity", ["x0"], ["y"])], [], inputs)
+    model = builders._model([helper.make_node("Identity", ["x0"], ["y"])], [], inputs)
     with pytest.raises(InvalidInputError, match=r"'x4' would hold 16777216 elements .*, 83886080 with the inputs before it"):
         file_inputs.random_inputs(model)
     small = [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [64, 64]) for i in range(3)]
-    model = fuzz_files._model([helper.make_node("Identity", ["x0"], ["y"])], [], small)
+    model = builders._model([helper.make_node("Identity", ["x0"], ["y"])], [], small)
     with pytest.raises(InvalidInputError, match="'x2' would hold 4096 elements"):
         file_inputs.random_inputs(model, max_elements=3 * 4096 - 1)
     assert sum(a.size for a in file_inputs.random_inputs(model, max_elements=3 * 4096).values()) == 3 * 4096
@@ -392,7 +390,7 @@ def test_verify_against_pytorch_with_external_data_writes_nothing_next_to_the_mo
 
 def test_the_tree_limit_is_the_same_and_can_be_raised(tmp_path, monkeypatch):
     path = tmp_path / "bomb.onnx"
-    onnx.save(fuzz_files.bomb(depth=8, fanout=2), path)  # 255 calls
+    onnx.save(builders.bomb(depth=8, fanout=2), path)  # 255 calls
     monkeypatch.setenv("ONNX_MODULAR_MAX_EXPANDED_CALLS", "254")
     code, _, err = run_cli("tree", path)
     assert_clean_error(code, err, "expands to 255 calls (more than 254)")
@@ -412,11 +410,11 @@ def _hidden_reference(where: str, location: str) -> onnx.ModelProto:
     indices = helper.make_tensor("i", TensorProto.INT64, [2], [0, 4])
     dense = helper.make_tensor("w", TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])
     target = indices if where == "sparse-indices" else dense if where in ("function-if", "mislabelled") else values
-    fuzz_files._external_ref(target, location)
+    builders._external_ref(target, location)
     sparse = helper.make_sparse_tensor(values, indices, [2, 3])
     relu = [helper.make_node("Relu", ["x"], ["y"])]
     if where in ("sparse-values", "sparse-indices"):
-        model = fuzz_files._model(relu, [])
+        model = builders._model(relu, [])
         model.graph.sparse_initializer.append(sparse)
         return model
     if where == "constant-sparse-value":
@@ -435,8 +433,8 @@ def _hidden_reference(where: str, location: str) -> onnx.ModelProto:
         attribute.type = onnx.AttributeProto.INT
         body = [helper.make_node("Constant", [], ["w2"]), helper.make_node("Relu", ["a"], ["b"])]
         body[0].attribute.append(attribute)
-    function = helper.make_function(DOMAIN, "f", ["a"], ["b"], body, fuzz_files._opsets())
-    return fuzz_files._model([fuzz_files._call("f", ["x"], ["y"])], [function])
+    function = helper.make_function(DOMAIN, "f", ["a"], ["b"], body, builders._opsets())
+    return builders._model([builders._call("f", ["x"], ["y"])], [function])
 
 
 HIDDEN = ["sparse-values", "sparse-indices", "constant-sparse-value", "function-if", "mislabelled"]
@@ -494,7 +492,7 @@ def test_odd_npz_inputs_are_typed_errors(small_model, tmp_path, how):
         def choice(self, seq):
             return seq[-1]
 
-    (tmp_path / "in.npz").write_bytes(fuzz_files._npz_bytes(Fixed()))
+    (tmp_path / "in.npz").write_bytes(generators_graphs._npz_bytes(Fixed()))
     code, _, err = run_cli("verify", small_model, "--inputs", tmp_path / "in.npz")
     assert_clean_error(code, err, "is not a readable .npz file")
 
@@ -505,9 +503,9 @@ def test_a_zero_dimension_is_refused_as_documented(small_model):
 
 def test_names_are_escaped_in_every_report(tmp_path):
     bad = "\x1b[2J\x07\u202eevil"
-    model = fuzz_files._model(
-        [fuzz_files._call("f", ["x" + bad], ["y" + bad])],
-        [helper.make_function(DOMAIN, "f", ["a"], ["b"], [helper.make_node("Relu", ["a"], ["b"])], fuzz_files._opsets())],
+    model = builders._model(
+        [builders._call("f", ["x" + bad], ["y" + bad])],
+        [helper.make_function(DOMAIN, "f", ["a"], ["b"], [helper.make_node("Relu", ["a"], ["b"])], builders._opsets())],
         inputs=[helper.make_tensor_value_info("x" + bad, TensorProto.FLOAT, [2, 3])],
         outputs=[helper.make_tensor_value_info("y" + bad, TensorProto.FLOAT, [2, 3])],
     )
@@ -567,7 +565,7 @@ def test_inline_optimize_does_not_fold_declared_giant_constants(tmp_path):
             def choice(self, seq):
                 return seq[0]
 
-        name = fuzz_files.gen_constant_bomb(Fixed(), case, {})
+        name = generators_graphs.gen_constant_bomb(Fixed(), case, {})
         code = (
             "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30));"
             f"from onnx_modular.cli import main; sys.exit(main(['inline', {name!r}, 'out.onnx', '--optimize']))"

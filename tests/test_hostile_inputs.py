@@ -12,6 +12,7 @@ import struct
 import pytest
 import torch
 import torch.nn as nn
+from fuzzing import builders
 
 from onnx_modular import InvalidInputError, ModularizeError, export_modular
 from onnx_modular.cli import main
@@ -368,18 +369,13 @@ def test_the_zero_cache_is_bounded_before_allocation(llama_folder):
 
 
 def test_localize_uses_the_bounded_loader(tmp_path):
-    import sys
-
     from onnx_modular.check.localization import localize
     from onnx_modular.errors import InvalidModelFileError
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-    import fuzz_files
 
     os.mkfifo(tmp_path / "fifo.onnx")  # onnx_ir.load would block on it for ever
     with pytest.raises(InvalidModelFileError, match="is not a regular file"):
         localize(tmp_path / "fifo.onnx", nn.Identity(), (torch.ones(2, 3),))
-    (tmp_path / "bomb.onnx").write_bytes(fuzz_files.bomb(depth=24).SerializeToString())
+    (tmp_path / "bomb.onnx").write_bytes(builders.bomb(depth=24).SerializeToString())
     with pytest.raises(InvalidModelFileError, match="expand to"):
         localize(tmp_path / "bomb.onnx", nn.Identity(), (torch.ones(2, 3),))
 

@@ -5,7 +5,7 @@ renamed logits, typed API errors), ``optimize``'s options and bounds, the genai 
 ``modularize`` of nameless files with cycles, the accuracy guard's trials.
 
 One test (or a few) per failure class of the issue; each class also has a generator in
-``scripts/fuzz_surfaces.py`` (named in the docstring). Tiny files built with onnx.helper; torch only
+``tests/fuzzing/surfaces.py`` (named in the docstring). Tiny files built with onnx.helper; torch only
 for ``export`` (a two-layer factory) and transformers only for the checkpoint's config checks.
 """
 
@@ -21,6 +21,8 @@ import sys
 import numpy as np
 import onnx
 import pytest
+from fuzzing import runner, surfaces
+from fuzzing.cases import run_campaign
 from onnx import helper
 
 import onnx_modular
@@ -28,10 +30,7 @@ from onnx_modular.cli import main
 from onnx_modular.errors import InvalidInputError, InvalidModelFileError
 from onnx_modular.storage import guard, save
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
-import fuzz_surfaces
-
-decoder_model, block_model, flat_model = fuzz_surfaces.decoder_model, fuzz_surfaces.block_model, fuzz_surfaces.flat_model
+decoder_model, block_model, flat_model = surfaces.decoder_model, surfaces.block_model, surfaces.flat_model
 
 FACTORY = """import torch
 def factory():
@@ -49,7 +48,7 @@ def run_cli(*argv) -> tuple[int, str, str]:
 def model_with_data(folder: pathlib.Path) -> pathlib.Path:
     path = folder / "m.onnx"
     onnx.save(block_model(), str(path), save_as_external_data=True, location="m.onnx.data", size_threshold=0)
-    onnx.save(fuzz_surfaces.replacement_block(), str(folder / "block.onnx"))
+    onnx.save(surfaces.replacement_block(), str(folder / "block.onnx"))
     return path
 
 
@@ -192,7 +191,7 @@ def test_generate_checks_ids_against_the_vocabulary_and_int64(tmp_path):
     """Negative ids and ids past the vocabulary were taken (onnxruntime's Gather wraps negative
     ones); ids past int64 were a traceback (generator ``generate_arguments``)."""
     onnx.save(decoder_model(), str(tmp_path / "dec.onnx"))
-    for ids, fragment in (("-1,2", "negative id -1"), ("1,8", f"past the vocabulary of {fuzz_surfaces.VOCAB}"),
+    for ids, fragment in (("-1,2", "negative id -1"), ("1,8", f"past the vocabulary of {surfaces.VOCAB}"),
                           ("1,99999999999999999999", "int64")):
         code, _, err = run_cli("generate", tmp_path / "dec.onnx", f"--input-ids={ids}")
         assert code == 2 and fragment in err and "Traceback" not in err, (ids, err)
@@ -425,19 +424,15 @@ def test_checkpoint_configs_and_tokenizer_links_are_refused_before_any_work(tmp_
 
 def test_the_new_generators_find_no_failure(tmp_path):
     """A few cases of each new generator through the forked CLI (the 3,000-case campaign is slow)."""
-    import fuzz_files
-
-    records = fuzz_files.run_campaign(14, seed=65, timeout=60, only=list(fuzz_surfaces.GENERATORS), workdir=tmp_path)
-    assert not fuzz_files.failure_classes(records), fuzz_files.summary(records)
+    records = run_campaign(14, seed=65, timeout=60, only=list(surfaces.GENERATORS), workdir=tmp_path)
+    assert not runner.failure_classes(records), runner.summary(records)
 
 
 @pytest.mark.slow
 def test_the_campaign_on_the_newest_surfaces(tmp_path):
     """The campaign of docs/robustness.md (issue 65): 3,000 cases of the new generators, none failing."""
-    import fuzz_files
-
-    records = fuzz_files.run_campaign(3000, seed=0, timeout=60, only=list(fuzz_surfaces.GENERATORS), workdir=tmp_path)
-    assert len(records) == 3000 and not fuzz_files.failure_classes(records), fuzz_files.summary(records)
+    records = run_campaign(3000, seed=0, timeout=60, only=list(surfaces.GENERATORS), workdir=tmp_path)
+    assert len(records) == 3000 and not runner.failure_classes(records), runner.summary(records)
 
 
 # -- 5. verification that cannot be vacuous --------------------------------------------------------------

@@ -2,7 +2,7 @@
 ``replace``, the flat copy and ``inline``, the checkpoint output folder, ``view``, reports.
 
 One test (or a few) per failure class; each class also has a generator in
-``scripts/fuzz_files.py`` (named in the test's docstring). Tiny files built with onnx.helper;
+``tests/fuzzing/`` (named in the test's docstring). Tiny files built with onnx.helper;
 torch only where the class is torch's (``custom_translation_table``).
 """
 
@@ -14,14 +14,16 @@ import io
 import json
 import os
 import pathlib
+import random
 import socket
 import stat
-import sys
 import threading
 
 import numpy as np
 import onnx
 import pytest
+from fuzzing import builders, generators_export, runner
+from fuzzing.cases import run_campaign
 from onnx import TensorProto, helper
 
 from onnx_modular.cli import main
@@ -30,10 +32,7 @@ from onnx_modular.files import inline_file, load_model_file
 from onnx_modular.storage import save
 from onnx_modular.storage.checks import check_expanded_size
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
-import fuzz_files
-
-block_model, save_external, loop_model = fuzz_files.block_model, fuzz_files.save_external, fuzz_files.loop_model
+block_model, save_external, loop_model = builders.block_model, builders.save_external, builders.loop_model
 
 
 def run_cli(*argv) -> tuple[int, str, str]:
@@ -278,7 +277,7 @@ def test_view_refuses_what_tree_refuses_and_bad_ports(tmp_path):
     """``view`` of a call bomb fails at once (as ``tree``), a port outside 0-65535 is a typed
     error (``surface_bomb``, ``odd_numbers``)."""
     pytest.importorskip("netron")
-    onnx.save(fuzz_files.bomb(24), str(tmp_path / "bomb.onnx"))
+    onnx.save(builders.bomb(24), str(tmp_path / "bomb.onnx"))
     code, _, err = run_cli("view", tmp_path / "bomb.onnx", "--port", "0", "--no-browser")
     assert code == 2 and "expand to" in err
     onnx.save(block_model(), str(tmp_path / "m.onnx"))
@@ -292,7 +291,7 @@ def test_view_refuses_what_tree_refuses_and_bad_ports(tmp_path):
 
 def test_extract_and_replace_refuse_call_bombs_at_once(tmp_path):
     """``surface_bomb``: the same expanded-size check as ``tree`` and ``verify``."""
-    onnx.save(fuzz_files.bomb(24), str(tmp_path / "bomb.onnx"))
+    onnx.save(builders.bomb(24), str(tmp_path / "bomb.onnx"))
     write_block(tmp_path / "block.onnx", [helper.make_node("Relu", ["a"], ["b"])])
     for argv in (["extract", "bomb.onnx", "f0", "-o", "ex"], ["replace", "bomb.onnx", "f0", "block.onnx", "-o", "r.onnx"]):
         code, _, err = run_cli(*[tmp_path / a if a.endswith((".onnx", "ex")) else a for a in argv])
@@ -406,8 +405,8 @@ def test_new_generators_find_no_failure(tmp_path):
     """A few cases of each new generator, through the fuzzer's child processes (limits, promises)."""
     kinds = ["report_neighbour", "own_data_name", "surface_bomb", "loop_trips", "long_names", "replace_lies",
              "tool_escapes", "odd_numbers", "sparse_external", "report_destination"]  # fmt: skip
-    records = fuzz_files.run_campaign(20, seed=38, timeout=120, memory_mb=2048, only=kinds, workdir=tmp_path)
-    assert not fuzz_files.failure_classes(records), fuzz_files.summary(records)
+    records = run_campaign(20, seed=38, timeout=120, memory_mb=2048, only=kinds, workdir=tmp_path)
+    assert not runner.failure_classes(records), runner.summary(records)
     assert json.dumps(records)  # every record is loggable
 
 
@@ -434,12 +433,12 @@ def test_a_huge_head_dim_is_refused_before_the_model_is_built(tmp_path):
 
     from onnx_modular.hf.meta import check_checkpoint_folder
 
-    config = dict(fuzz_files._TINY_LLAMA, head_dim=5 * 10**8)
+    config = dict(generators_export._TINY_LLAMA, head_dim=5 * 10**8)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    safetensors.numpy.save_file(fuzz_files._weights(config, fuzz_files.random.Random(0)), str(tmp_path / "model.safetensors"))
+    safetensors.numpy.save_file(generators_export._weights(config, random.Random(0)), str(tmp_path / "model.safetensors"))
     with pytest.raises(InvalidInputError, match="parameters"):
         check_checkpoint_folder(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(dict(fuzz_files._TINY_LLAMA, head_dim=8)))
+    (tmp_path / "config.json").write_text(json.dumps(dict(generators_export._TINY_LLAMA, head_dim=8)))
     check_checkpoint_folder(tmp_path)
 
 
@@ -449,7 +448,7 @@ def test_extract_with_data_of_a_class_of_many_calls(tmp_path):
     the CLI under load; 500 calls 14.9 s and 7.9 s)."""
     from onnx_modular.files.extract import extract
 
-    onnx.save(fuzz_files.chain_of_calls(300), str(tmp_path / "m.onnx"))
+    onnx.save(builders.chain_of_calls(300), str(tmp_path / "m.onnx"))
     result = extract(tmp_path / "m.onnx", "Blk", tmp_path / "ex", with_data=True)
     (model,) = result.models
     assert len(model.call_names) == 300 and len(model.data_sets) == 300

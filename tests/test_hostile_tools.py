@@ -1,7 +1,7 @@
 """Hostile input on convert, diff, split / run_stages, modularize and generation folders (issue 53).
 
 One test (or a few) per failure class; each class also has a generator in
-``scripts/fuzz_files.py`` (named in the test's docstring). Tiny files built with onnx.helper.
+``tests/fuzzing/`` (named in the test's docstring). Tiny files built with onnx.helper.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from fuzzing import builders, runner
+from fuzzing.cases import run_campaign
 from onnx import TensorProto, helper
 
 from onnx_modular.cli import main
@@ -26,10 +28,7 @@ from onnx_modular.files.split.tool import run_stages
 from onnx_modular.storage import commit, guard, save
 from onnx_modular.storage.checks import check_expanded_size
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
-import fuzz_files
-
-block_model, save_external, loop_model = fuzz_files.block_model, fuzz_files.save_external, fuzz_files.loop_model
+block_model, save_external, loop_model = builders.block_model, builders.save_external, builders.loop_model
 
 
 def run_cli(*argv, cwd: pathlib.Path | None = None) -> tuple[int, str, str]:
@@ -212,7 +211,7 @@ def test_run_stages_bounds_its_stage_files(tmp_path):
     onnxruntime runs it."""
     folder = tmp_path / "split"
     split_folder(folder)
-    onnx.save(fuzz_files.bomb(depth=24), str(folder / "stage_1" / "model.onnx"))
+    onnx.save(builders.bomb(depth=24), str(folder / "stage_1" / "model.onnx"))
     with pytest.raises(InvalidModelFileError, match="stage 1"):
         run_stages(folder, {"x": np.ones((2, 3), np.float32)})
     onnx.save(loop_model(2**62, condition=True), str(folder / "stage_1" / "model.onnx"))
@@ -391,9 +390,9 @@ def test_issue53_generators_find_no_failure(tmp_path):
     """One case of each issue 53 kind (seed 69 draws each once in 7 cases), through the fuzzer's
     child processes (limits, promises)."""
     kinds = ["guard_outputs", "generation_guard", "manifest", "long_dims", "tool_bounds", "diff_trailing", "small_external"]
-    records = fuzz_files.run_campaign(7, seed=69, timeout=120, memory_mb=2048, only=kinds, workdir=tmp_path)
+    records = run_campaign(7, seed=69, timeout=120, memory_mb=2048, only=kinds, workdir=tmp_path)
     assert sorted(r["kind"] for r in records) == sorted(kinds)
-    assert not fuzz_files.failure_classes(records), fuzz_files.summary(records)
+    assert not runner.failure_classes(records), runner.summary(records)
 
 
 def test_split_bounds_the_values_crossing_its_cuts(tmp_path, monkeypatch):

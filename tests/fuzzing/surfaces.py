@@ -7,8 +7,8 @@ cycles and endless loops, and ``replace --in-place``.
 
 Torch-free: the decoder is built with ``onnx.helper`` (:func:`decoder_model`: an embedding, a cache
 that grows by the new tokens, logits ``[batch, sequence, vocabulary]``). Imported by
-``scripts/fuzz_files.py`` (its ``GENERATORS``) and by ``tests/test_hostile_newest.py``; it imports
-nothing of ``fuzz_files`` (whose helpers it repeats in a few lines).
+:mod:`fuzzing.cases` (its ``GENERATORS``) and by ``tests/test_hostile_newest.py``; it imports
+nothing of the other fuzzing modules (whose helpers it repeats in a few lines).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def decoder_model(*, logits: str = "logits", extra_output: bool = False, positio
 
 
 def block_model() -> onnx.ModelProto:
-    """One call of ``Blk`` (``b = a + w``) on a 2x3 input (as ``fuzz_files.block_model``)."""
+    """One call of ``Blk`` (``b = a + w``) on a 2x3 input (as ``fuzzing.builders.block_model``)."""
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)]
     body = helper.make_function(DOMAIN, "Blk", ["a", "w"], ["b"], [helper.make_node("Add", ["a", "w"], ["b"])], opsets[:1])
     graph = helper.make_graph(
