@@ -7,7 +7,7 @@ cycles and endless loops, and ``replace --in-place``.
 
 Torch-free: the decoder is built with ``onnx.helper`` (:func:`decoder_model`: an embedding, a cache
 that grows by the new tokens, logits ``[batch, sequence, vocabulary]``). Imported by
-:mod:`fuzzing.cases` (its ``GENERATORS``) and by ``tests/test_hostile_newest.py``; it imports
+:mod:`fuzzing.cases` (its ``GENERATORS``) and by ``tests/test_hostile_decoding_tools.py``; it imports
 nothing of the other fuzzing modules (whose helpers it repeats in a few lines).
 """
 
