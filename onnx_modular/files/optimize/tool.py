@@ -52,6 +52,7 @@ from onnx_modular.files.optimize import reference_runs
 from onnx_modular.files.optimize.options import check_options, positions_of
 from onnx_modular.format import metadata
 from onnx_modular.passes.fusions.activation import FuseActivationPass
+from onnx_modular.passes.fusions.base import FusionPass
 from onnx_modular.passes.fusions.gqa import SEQLENS_K, TOTAL_SEQUENCE_LENGTH, FuseGroupQueryAttentionPass
 from onnx_modular.passes.fusions.mha import FuseMultiHeadAttentionPass
 from onnx_modular.passes.fusions.rms_norm import FuseRMSNormPass
@@ -357,7 +358,7 @@ class _Reference:
 #: The file's record of what optimize fused (JSON: step -> function names).
 OPTIMIZED_KEY = metadata.PREFIX + "optimized"
 
-_STEPS: list[tuple[str, Callable[..., ir.passes.InPlacePass]]] = [
+_STEPS: list[tuple[str, Callable[..., FusionPass]]] = [
     ("rms_norm", lambda allowed, max_positions: FuseRMSNormPass(functions=allowed)),
     ("skip_norm", lambda allowed, max_positions: FuseSkipNormPass(functions=allowed)),
     ("attention", lambda allowed, max_positions: FuseGroupQueryAttentionPass(max_positions, functions=allowed)),
@@ -367,14 +368,14 @@ _STEPS: list[tuple[str, Callable[..., ir.passes.InPlacePass]]] = [
 ]
 
 
-def _run_step(model, step, make_pass, reference, tolerance, max_positions) -> tuple[ir.Model, list[Fusion]]:
+def _run_step(model, step, make_pass: Callable[..., FusionPass], reference, tolerance, max_positions) -> tuple[ir.Model, list[Fusion]]:
     allowed = None
     refused: list[Fusion] = []
     for _ in range(3):  # a drifting class is put back and the step redone without it
         candidate = _copy(model)
         fusion_pass = make_pass(allowed, max_positions)
         fusion_pass(candidate)
-        reasons = getattr(fusion_pass, "reasons", {})
+        reasons = fusion_pass.reasons
         records = [Fusion(step, key[1], _class_of(candidate.functions[key]), False, FUSED_OPS[step], reason)
                    for key, reason in reasons.items() if key in candidate.functions] if allowed is None else []
         refused += records
@@ -382,14 +383,14 @@ def _run_step(model, step, make_pass, reference, tolerance, max_positions) -> tu
         if not keys:
             return model, refused
         names = {key[1]: _class_of(candidate.functions[key]) for key in keys}
-        ops = {key[1]: op for key, op in getattr(fusion_pass, "ops", {}).items()}
+        ops = {key[1]: op for key, op in fusion_pass.ops.items()}
         if reference is None:
             return candidate, refused + [Fusion(step, n, c, True, ops.get(n) or FUSED_OPS[step]) for n, c in names.items()]
         diffs, drifted, failure = reference.compare(candidate, names, tolerance)
         if failure is not None and not drifted:
             drifted = dict.fromkeys(names, failure)
         if not drifted:
-            packed = {key[1] for key in getattr(fusion_pass, "packed", [])}
+            packed = {key[1] for key in fusion_pass.packed}
             kept = [Fusion(step, n, c, True, ops.get(n) or FUSED_OPS[step], None, diffs[n][0], diffs[n][1], n in packed)
                     for n, c in names.items()]
             return candidate, refused + kept

@@ -105,14 +105,8 @@ class _QuickGelu(pattern.RewriteRuleClassBase):
         return op.QuickGelu(x, alpha=self._alpha, _domain="com.microsoft")
 
 
-class FuseActivationPass(ir.passes.InPlacePass):
+class FuseActivationPass(_fusion.FusionPass):
     """Every body computing an erf GELU, a tanh GELU or a quick GELU (float32) becomes the fused op."""
-
-    def __init__(self, functions: set[ir.OperatorIdentifier] | None = None):
-        super().__init__()
-        self.functions = functions
-        self.fused: list[ir.OperatorIdentifier] = []
-        self.ops: dict[ir.OperatorIdentifier, str] = {}  # the fused op written into each body
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         rules = pattern.RewriteRuleSet(
@@ -121,14 +115,13 @@ class FuseActivationPass(ir.passes.InPlacePass):
             + [_QuickGelu.rule("QuickGelu", model=model)],
             commute=True,
         )
-        self.fused, self.ops = [], {}
+        self.reset()
         for key, function in model.functions.items():
-            if self.functions is not None and key not in self.functions:
+            if not self.applies_to(key):
                 continue
             if not any(node.op_type in ("Erf", "Sigmoid", "Tanh") for node in function):
                 continue
-            # onnxscript applies a rule set to one function the way apply_to_model does for each function
-            if rules._apply_to_graph_or_function(model, function, verbose=None):
+            if _fusion.apply_rules(rules, model, function):
                 function.opset_imports.setdefault("com.microsoft", 1)
                 self.fused.append(key)
                 self.ops[key] = next((f"com.microsoft.{n.op_type}" for n in function if n.domain == "com.microsoft"), "")

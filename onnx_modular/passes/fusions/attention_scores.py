@@ -13,14 +13,6 @@ import onnx_ir as ir
 from onnx_modular.passes.fusions import base as _fusion
 
 
-class Refused(Exception):
-    """Why a body is not rewritten."""
-
-
-class NotAttention(Refused):
-    """A body with a ``Softmax`` that is no attention with a cache (a mixture-of-experts router)."""
-
-
 def producers_bfs(start: ir.Value, stop) -> Iterable[ir.Node]:
     seen: set[int] = set()
     queue = [start]
@@ -72,7 +64,7 @@ def scale_and_softcap(model: ir.Model, scores: ir.Node) -> tuple[float, float]:
             after = _only_use(node.outputs[0])
             cap = _factor(model, *after) if after is not None else None
             if softcap or last is None or cap is None or cap <= 0 or abs(cap * last - 1.0) > 1e-6:
-                raise Refused("a Tanh on the scores that is not softcap * tanh(scores / softcap)")
+                raise _fusion.Refused("a Tanh on the scores that is not softcap * tanh(scores / softcap)")
             scale /= last  # the division by the cap is not part of the scale
             softcap, value, last = cap, after[0].outputs[0], None
             continue
@@ -80,7 +72,7 @@ def scale_and_softcap(model: ir.Model, scores: ir.Node) -> tuple[float, float]:
         if factor is None:
             break
         if softcap:
-            raise Refused("a factor on the scores after the soft-cap (GroupQueryAttention scales before it)")
+            raise _fusion.Refused("a factor on the scores after the soft-cap (GroupQueryAttention scales before it)")
         scale, last, value = scale * factor, factor, node.outputs[0]
     return scale, softcap  # no factor at all: the body computes softmax(q @ k) unscaled (Granite's multiplier 1)
 
@@ -93,7 +85,7 @@ def check_scores(softmax: ir.Node, scores: ir.Node) -> None:
     rank = len(softmax.inputs[0].shape) if softmax.inputs[0].shape is not None else None
     axis = softmax.attributes.get_int("axis", -1)
     if axis != -1 and (rank is None or axis != rank - 1):
-        raise Refused(f"a Softmax over axis {axis}, not over the keys (the last axis)")
+        raise _fusion.Refused(f"a Softmax over axis {axis}, not over the keys (the last axis)")
     behind = ancestors(softmax.inputs[0])
     path, queue, masked = {id(scores.outputs[0])}, [scores.outputs[0]], False
     while queue:
@@ -103,7 +95,7 @@ def check_scores(softmax: ir.Node, scores: ir.Node) -> None:
                 continue
             from_scores = [v for v in node.inputs if v is not None and id(v) in path]
             if node.op_type == "Pow" or (node.op_type in ("Mul", "Div") and len(node.inputs) == 2 and len(from_scores) == 2):
-                raise Refused(f"the scores go through {node.op_type} with themselves (not q @ k scaled)")
+                raise _fusion.Refused(f"the scores go through {node.op_type} with themselves (not q @ k scaled)")
             if node.op_type in ("Add", "Where") and len(from_scores) < len([v for v in node.inputs if v is not None]):
                 masked = True
             if node is softmax:
@@ -113,7 +105,7 @@ def check_scores(softmax: ir.Node, scores: ir.Node) -> None:
                     path.add(id(output))
                     queue.append(output)
     if not masked:
-        raise Refused("no mask on the scores (the op masks them causally)")
+        raise _fusion.Refused("no mask on the scores (the op masks them causally)")
 
 
 def mask_formals(model: ir.Model, function: ir.Function, softmax: ir.Node, scores: ir.Node) -> tuple[int, ...]:
@@ -167,12 +159,12 @@ def head_sink(function: ir.Function, softmax: ir.Node) -> ir.Value | None:
     if not sums:
         return None
     if len(sums) != 1 or sums[0].inputs[0] is not softmax.inputs[0]:
-        raise Refused("a ReduceLogSumExp that is not over the scores the Softmax takes")
+        raise _fusion.Refused("a ReduceLogSumExp that is not over the scores the Softmax takes")
     use = _only_use(sums[0].outputs[0])
     if use is None or use[0].op_type != "Sub" or use[1] != 0:
-        raise Refused("a ReduceLogSumExp of the scores that is not the log-sum-exp minus a sink logit")
+        raise _fusion.Refused("a ReduceLogSumExp of the scores that is not the log-sum-exp minus a sink logit")
     sub = use[0]
     chain = _only_use(sub.outputs[0])
     if chain is None or chain[0].op_type != "Sigmoid":
-        raise Refused("attention sinks in a form other than sigmoid(logsumexp(scores) - sink)")
+        raise _fusion.Refused("attention sinks in a form other than sigmoid(logsumexp(scores) - sink)")
     return sub.inputs[1]

@@ -19,12 +19,62 @@ from onnx_modular.passes.export.sink_constants import constant_argument, functio
 from onnx_modular.passes.functions import keep_formal_inputs
 
 __all__ = [
+    "FusionPass", "Refused", "NotApplicable", "apply_rules",
     "call_sites", "constant_of", "scalar_of", "sources_of", "thread_value", "owner_of", "body_of",
     "remove_dead_nodes", "drop_unused_formals", "pack_formals",
 ]
 
 #: The metadata key fusion passes put on the nodes they write (the fused op's origin).
 FUSED_FROM_KEY = metadata.FUSED_FROM
+
+
+class Refused(Exception):
+    """Why a body is not rewritten: the one refusal type of the fusions (its text is the reason the
+    report gives, :attr:`FusionPass.reasons`)."""
+
+
+class NotApplicable(Refused):
+    """A body this fusion does not apply to, which is no refusal (a mixture-of-experts router's
+    ``Softmax`` for the attention fusion): recorded in :attr:`FusionPass.skipped`."""
+
+
+class FusionPass(ir.passes.InPlacePass):
+    """What every fusion declares, read by ``optimize`` after a run (:meth:`reset` at the start of each):
+
+    - ``fused``: the functions rewritten;
+    - ``reasons``: function -> why a body of this fusion's kind was not rewritten (:class:`Refused`);
+    - ``skipped``: function -> why a body is not of this fusion's kind (:class:`NotApplicable`);
+    - ``packed``: the functions whose projections became one ``MatMul`` on weights packed once;
+    - ``ops``: function -> the op written, for a fusion that writes more than one kind.
+
+    ``functions``: the bodies a run may rewrite (``None``: every body).
+    """
+
+    def __init__(self, functions: set[ir.OperatorIdentifier] | None = None):
+        super().__init__()
+        self.functions = functions
+        self.reset()
+
+    def reset(self) -> None:
+        self.fused: list[ir.OperatorIdentifier] = []
+        self.reasons: dict[ir.OperatorIdentifier, str] = {}
+        self.skipped: dict[ir.OperatorIdentifier, str] = {}
+        self.packed: list[ir.OperatorIdentifier] = []
+        self.ops: dict[ir.OperatorIdentifier, str] = {}
+
+    def applies_to(self, key: ir.OperatorIdentifier) -> bool:
+        """Whether a run may rewrite the body ``key``."""
+        return self.functions is None or key in self.functions
+
+
+def apply_rules(rules, model: ir.Model, function: ir.Function) -> int:
+    """Apply an onnxscript ``RewriteRuleSet`` to one function body; returns the rewrites made.
+
+    onnxscript applies a rule set to a whole model (``apply_to_model``: every function); a fusion
+    rewrites only the bodies it was asked for, so it calls the per-body step ``apply_to_model``
+    runs for each function. That step is private to onnxscript: this is its one caller here.
+    """
+    return rules._apply_to_graph_or_function(model, function, verbose=None)
 
 
 def call_sites(model: ir.Model) -> dict[ir.OperatorIdentifier, list[ir.Node]]:

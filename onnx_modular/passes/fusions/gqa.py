@@ -36,8 +36,6 @@ import onnx_ir as ir
 
 from onnx_modular.passes.fusions import base as _fusion
 from onnx_modular.passes.fusions.attention_scores import UNREADABLE as _UNREADABLE
-from onnx_modular.passes.fusions.attention_scores import NotAttention as _NotAttention
-from onnx_modular.passes.fusions.attention_scores import Refused as _Refused
 from onnx_modular.passes.fusions.attention_scores import ancestors as _ancestors
 from onnx_modular.passes.fusions.attention_scores import check_scores as _check_scores
 from onnx_modular.passes.fusions.attention_scores import head_sink as _head_sink
@@ -102,7 +100,7 @@ def _heads(model: ir.Model, start: ir.Value) -> tuple[ir.Value, bool]:
         perm = node.attributes.get_ints("perm", None) if node.op_type == "Transpose" else None
         if perm is not None and list(perm) == [0, 2, 1, 3]:
             return node.inputs[0], False
-    raise _Refused("no transpose from [batch, seq, heads, head] to [batch, heads, seq, head] behind the query/key/value")
+    raise _fusion.Refused("no transpose from [batch, seq, heads, head] to [batch, heads, seq, head] behind the query/key/value")
 
 
 def _gqa_input(heads: ir.Value, projection: ir.Node) -> ir.Value | None:
@@ -117,23 +115,23 @@ def _first_projection(model: ir.Model, start: ir.Value) -> ir.Node:
     for node in _producers_bfs(start, lambda n: _is_projection(n, model)):
         if _is_projection(node, model):
             return node
-    raise _Refused("no projection found behind the key/value/query")
+    raise _fusion.Refused("no projection found behind the key/value/query")
 
 
 def _static_shape(model: ir.Model, value: ir.Value) -> list:
     sources = _fusion.sources_of(model, value)
     shapes = [tuple(s.shape) if s.shape is not None else None for s in sources]
     if not shapes or shapes[0] is None or any(s != shapes[0] for s in shapes):
-        raise _Refused(f"the shape of {value.name!r} is not known from the main graph")
+        raise _fusion.Refused(f"the shape of {value.name!r} is not known from the main graph")
     return [d if isinstance(d, int) else None for d in shapes[0]]
 
 
 def _weight_columns(model: ir.Model, projection: ir.Node) -> int:
     if len(projection.inputs) < 2 or projection.inputs[1] is None:
-        raise _Refused("a projection without a weight input")
+        raise _fusion.Refused("a projection without a weight input")
     shape = _static_shape(model, projection.inputs[1])
     if len(shape) != 2 or shape[1] is None:
-        raise _Refused("a projection weight that is not a 2-D matrix")
+        raise _fusion.Refused("a projection weight that is not a 2-D matrix")
     return shape[1]
 
 
@@ -147,30 +145,30 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
         and n.attributes.get_int("axis", 0) in (-2, 2)
     ]
     if len(concats) != 2:  # first: a router's softmaxes are no attention left unfused
-        raise _NotAttention("no key/value cache (two Concat of a past input returned as present)")
+        raise _fusion.NotApplicable("no key/value cache (two Concat of a past input returned as present)")
     softmaxes = [n for n in nodes if n.op_type == "Softmax"]
     if len(softmaxes) != 1:
-        raise _Refused(f"{len(softmaxes)} Softmax nodes (one expected)")
+        raise _fusion.Refused(f"{len(softmaxes)} Softmax nodes (one expected)")
     softmax = softmaxes[0]
     sink = _head_sink(function, softmax)
     behind_softmax = _ancestors(softmax.outputs[0])
     keyed = [c for c in concats if id(c) in behind_softmax]
     if len(keyed) != 1:
-        raise _Refused("cannot tell the key cache from the value cache")
+        raise _fusion.Refused("cannot tell the key cache from the value cache")
     key, value = keyed[0], next(c for c in concats if c is not keyed[0])
     scores = next((n for n in _producers_bfs(softmax.inputs[0], lambda n: n.op_type == "MatMul")
                    if n.op_type == "MatMul"), None)
     if scores is None:
-        raise _Refused("no MatMul before the Softmax")
+        raise _fusion.Refused("no MatMul before the Softmax")
     _check_scores(softmax, scores)  # by structure: a Softmax over the keys of masked, scaled q @ k
     k_proj = _first_projection(model, key.inputs[1])
     v_proj = _first_projection(model, value.inputs[1])
     q_side = [v for v in scores.inputs if id(key) not in _ancestors(v)]
     if len(q_side) != 1:
-        raise _Refused("cannot tell the query from the key in the scores")
+        raise _fusion.Refused("cannot tell the query from the key in the scores")
     q_proj = _first_projection(model, q_side[0])
     if not (q_proj.inputs[0] is k_proj.inputs[0] is v_proj.inputs[0]):
-        raise _Refused("query, key and value do not project one input (cross-attention is not fused)")
+        raise _fusion.Refused("query, key and value do not project one input (cross-attention is not fused)")
     found = [_heads(model, v) for v in (q_side[0], key.inputs[1], value.inputs[1])]
     heads, transposed = [h for h, _ in found], [t for _, t in found]
     plain = [None if t else _gqa_input(h, p) for h, t, p in zip(heads, transposed, (q_proj, k_proj, v_proj))]
@@ -178,26 +176,26 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     while o_proj is not None and o_proj.op_type in ("Identity", "Dropout") and o_proj.inputs[0] is not None:
         o_proj = o_proj.inputs[0].producer()  # Starcoder2's residual dropout, an Identity in eval mode
     if o_proj is None or not _is_projection(o_proj, model) or id(softmax) not in _ancestors(o_proj.inputs[0]):
-        raise _Refused("the first output is not a projection of the attention")
+        raise _fusion.Refused("the first output is not a projection of the attention")
     past_shape = _static_shape(model, key.inputs[0])
     if len(past_shape) != 4 or past_shape[1] is None or past_shape[3] is None:
-        raise _Refused("the past key is not [batch, kv_heads, past, head_size] with static heads")
+        raise _fusion.Refused("the past key is not [batch, kv_heads, past, head_size] with static heads")
     kv_heads, head_size = past_shape[1], past_shape[3]
     q_columns = _weight_columns(model, q_proj)
     one_projection = q_proj is k_proj is v_proj  # Phi-3's qkv_proj: GQA takes it whole ([q | k | v])
     if one_projection:
         q_columns -= 2 * kv_heads * head_size
         if any(h.producer() is not None and h.producer().op_type in ("Slice", "Split") for h in heads):
-            raise _Refused("one projection sliced after the split into heads (query, key and value interleaved "
+            raise _fusion.Refused("one projection sliced after the split into heads (query, key and value interleaved "
                            "head by head: GPT-NeoX); GroupQueryAttention takes [query | key | value]")
     if q_columns <= 0 or q_columns % head_size or (
         not one_projection and _weight_columns(model, k_proj) != kv_heads * head_size
     ):
-        raise _Refused("the projection widths do not match the cache's heads")
+        raise _fusion.Refused("the projection widths do not match the cache's heads")
     cos, sin, width, interleaved = _checked_rotary(model, key.inputs[1], formals, head_size)
     scale, softcap = _scale(model, scores)
     if softcap == 0.0 and any(n.op_type == "Tanh" for n in nodes):
-        raise _Refused("a Tanh in the body that is not a soft-cap of the scores")
+        raise _fusion.Refused("a Tanh in the body that is not a soft-cap of the scores")
     return _Attention(
         q_proj, k_proj, v_proj, o_proj, heads, transposed, all(v is not None for v in plain) or one_projection,
         key.inputs[0], value.inputs[0],
@@ -216,7 +214,7 @@ def _mask_values(model: ir.Model) -> tuple[ir.Value, ir.Value]:
         return existing[SEQLENS_K], existing[TOTAL_SEQUENCE_LENGTH]
     masks = [v for v in graph.inputs if v.name == "attention_mask" and v.shape is not None and len(v.shape) == 2]
     if not masks:
-        raise _Refused("the main graph has no 2-D attention_mask input")
+        raise _fusion.Refused("the main graph has no 2-D attention_mask input")
     mask = masks[0]
 
     def constant(name, array):
@@ -248,11 +246,11 @@ def _thread(model: ir.Model, function: ir.Function, name: str, value: ir.Value, 
     memo = done.setdefault((name, id(value)), {})  # callers already given this value keep the formal they got
     formal = _fusion.thread_value(model, function, name, lambda graph: value if graph is value.graph else None, memo)
     if formal is None:
-        raise _Refused(f"a chain of calls to the attention does not reach the body that computes {name}")
+        raise _fusion.Refused(f"a chain of calls to the attention does not reach the body that computes {name}")
     return formal
 
 
-class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
+class FuseGroupQueryAttentionPass(_fusion.FusionPass):
     """Self-attention bodies with a KV cache into one ``com.microsoft.GroupQueryAttention`` each.
 
     Attributes after a run: ``fused`` (the rewritten functions), ``reasons`` (function -> why not),
@@ -263,28 +261,23 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
 
     def __init__(self, max_positions: int = 4096, functions: set[ir.OperatorIdentifier] | None = None,
                  pack_qkv: bool = True):
-        super().__init__()
+        super().__init__(functions)
         self.pack_qkv = pack_qkv
         self.max_positions = max_positions
-        self.functions = functions
-        self.fused: list[ir.OperatorIdentifier] = []
-        self.reasons: dict[ir.OperatorIdentifier, str] = {}
-        self.packed: list[ir.OperatorIdentifier] = []  # bodies whose q, k, v projections became one MatMul
-        self.skipped: dict[ir.OperatorIdentifier, str] = {}  # bodies with a Softmax that are no attention with a cache
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.fused, self.reasons, self.packed, self.skipped = [], {}, [], {}
+        self.reset()
         found = []
         for key, function in list(model.functions.items()):
-            if self.functions is not None and key not in self.functions:
+            if not self.applies_to(key):
                 continue
             if not any(node.op_type == "Softmax" for node in function):
                 continue
             try:
                 found.append((key, function, _analyse(model, function)))
-            except _NotAttention as refused:
+            except _fusion.NotApplicable as refused:
                 self.skipped[key] = str(refused)
-            except _Refused as refused:
+            except _fusion.Refused as refused:
                 self.reasons[key] = str(refused)
         if not found:
             return ir.passes.PassResult(model, modified=False)
@@ -296,20 +289,20 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         try:
             seqlens, total = _mask_values(model)
-        except _Refused as refused:
+        except _fusion.Refused as refused:
             self.reasons.update({key: str(refused) for key, _, _ in found})
             return ir.passes.PassResult(model, modified=False)
         self._made, self._threaded, self._windows = {}, {}, {}
         for key, function, attention in found:
             try:
                 parts = self._specialized(model, function, attention)
-            except _Refused as refused:
+            except _fusion.Refused as refused:
                 self.reasons[key] = str(refused)
                 continue
             for part, part_attention, window in parts:
                 try:
                     self._rewrite(model, part, part_attention, seqlens, total, window)
-                except _Refused as refused:
+                except _fusion.Refused as refused:
                     self.reasons[part.identifier()] = str(refused)
                     continue
                 self.fused.append(part.identifier())
@@ -338,7 +331,7 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
             for part in functions:
                 groups = _fusion.split_calls(model, part, index, key_of, suffix)
                 if groups is None:
-                    raise _Refused("calls of this body with different masks or rotary cannot be told apart")
+                    raise _fusion.Refused("calls of this body with different masks or rotary cannot be told apart")
                 parts += groups.values()
             functions = parts
         result = []
@@ -347,7 +340,7 @@ class FuseGroupQueryAttentionPass(ir.passes.InPlacePass):
             windows = {self._window(model, source) for index in analysis.masks
                        for source in _fusion.sources_of(model, part.inputs[index])} - {None}
             if _UNREADABLE in windows or len(windows) > 1:
-                raise _Refused("the attention mask limits the keys in a way GroupQueryAttention cannot take "
+                raise _fusion.Refused("the attention mask limits the keys in a way GroupQueryAttention cannot take "
                                "(not a causal sliding window: chunked, or several windows)")
             result.append((part, analysis, windows.pop() if windows else None))
         return result

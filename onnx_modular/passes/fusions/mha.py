@@ -60,10 +60,6 @@ _HEADS_PERM = [0, 2, 1, 3]
 _KEY_PERM = [0, 2, 3, 1]
 
 
-class _Refused(Exception):
-    """Why a body is not rewritten."""
-
-
 @dataclasses.dataclass
 class _Side:
     projection: ir.Node  # the projection whose output is reshaped into heads
@@ -133,18 +129,18 @@ def _side(model: ir.Model, value: ir.Value, role: str) -> _Side:
                 factor *= scaled[1]
                 projection = scaled[0].producer()
             if projection is None or not _is_projection(projection, model):
-                raise _Refused(f"the {role}'s heads are not a reshape of a projection")
+                raise _fusion.Refused(f"the {role}'s heads are not a reshape of a projection")
             return _Side(projection, reshape, factor)
         if not _is_op(node, *_MOVES):
             break
         value = node.inputs[0]
-    raise _Refused(f"no per-head reshape and [0, 2, 1, 3] transpose of a projection behind the {role}")
+    raise _fusion.Refused(f"no per-head reshape and [0, 2, 1, 3] transpose of a projection behind the {role}")
 
 
 def _scores(model: ir.Model, softmax: ir.Node) -> tuple[ir.Node, float, ir.Value | None]:
     """The ``q @ k`` MatMul behind the Softmax, the constant factors after it, and the additive mask."""
     if softmax.attributes.get_int("axis", -1) not in (-1, 3):
-        raise _Refused("the Softmax is not over the last axis")
+        raise _fusion.Refused("the Softmax is not over the last axis")
     value, factor, bias = softmax.inputs[0], 1.0, None
     for _ in range(8):
         node = value.producer()
@@ -157,15 +153,15 @@ def _scores(model: ir.Model, softmax: ir.Node) -> tuple[ir.Node, float, ir.Value
         elif _is_op(node, "Add") and bias is None:
             scores_side = [v for v in node.inputs if v.producer() is not None and _reaches_matmul(v)]
             if len(scores_side) != 1:
-                raise _Refused("cannot tell the scores from the mask in the Add before the Softmax")
+                raise _fusion.Refused("cannot tell the scores from the mask in the Add before the Softmax")
             value = scores_side[0]
             bias = next(v for v in node.inputs if v is not value)
         elif _is_op(node, "Cast", "Identity"):
             value = node.inputs[0]
         else:
             what = node.op_type if node is not None else "a formal input"
-            raise _Refused(f"{what} between q @ k and the Softmax (a scale and one additive mask expected)")
-    raise _Refused("no MatMul before the Softmax")
+            raise _fusion.Refused(f"{what} between q @ k and the Softmax (a scale and one additive mask expected)")
+    raise _fusion.Refused("no MatMul before the Softmax")
 
 
 def _reaches_matmul(value: ir.Value) -> bool:
@@ -199,7 +195,7 @@ def _merged(model: ir.Model, attention_output: ir.Value) -> tuple[ir.Value, ir.V
         elif not _is_op(node, "Reshape", "Identity"):
             break
         value = node.outputs[0]
-    raise _Refused("the heads of softmax @ value are not merged back to [batch, seq, heads * head]")
+    raise _fusion.Refused("the heads of softmax @ value are not merged back to [batch, seq, heads * head]")
 
 
 def _past_nan_guard(model: ir.Model, probabilities: ir.Value) -> ir.Value:
@@ -234,15 +230,15 @@ def _head_count(model: ir.Model, side: _Side) -> int:
     else:
         concat = shape.producer()
         if not _is_op(concat, "Concat") or len(concat.inputs) != 4:
-            raise _Refused("the per-head reshape's shape is neither a constant nor a Concat of four")
+            raise _fusion.Refused("the per-head reshape's shape is neither a constant nor a Concat of four")
         entries = [_fusion.scalar_of(model, v) for v in concat.inputs]
     if len(entries) != 4:
-        raise _Refused("the per-head reshape is not to four dimensions")
+        raise _fusion.Refused("the per-head reshape is not to four dimensions")
     heads, head = entries[2], entries[3]
     if heads is not None and heads > 0:
         return int(heads)
     if head is None or head <= 0:
-        raise _Refused("the number of heads is not a constant of the body")
+        raise _fusion.Refused("the number of heads is not a constant of the body")
     return _width(model, side.projection) // int(head)
 
 
@@ -252,32 +248,32 @@ def _width(model: ir.Model, projection: ir.Node) -> int:
     sources = _fusion.sources_of(model, parts[0]) if parts is not None else []
     shapes = {tuple(s.shape) for s in sources if s.shape is not None}
     if len(shapes) != 1 or not isinstance(next(iter(shapes))[-1], int):
-        raise _Refused("the projection's width is not known from the main graph")
+        raise _fusion.Refused("the projection's width is not known from the main graph")
     return next(iter(shapes))[-1]
 
 
 def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     nodes = list(function)
     if any(_is_op(n, "Tanh") for n in nodes):
-        raise _Refused("soft-capped scores (Tanh) are not fused")
+        raise _fusion.Refused("soft-capped scores (Tanh) are not fused")
     softmaxes = [n for n in nodes if _is_op(n, "Softmax")]
     if len(softmaxes) != 1:
-        raise _Refused(f"{len(softmaxes)} Softmax nodes (one expected)")
+        raise _fusion.Refused(f"{len(softmaxes)} Softmax nodes (one expected)")
     softmax = softmaxes[0]
     scores, after, bias = _scores(model, softmax)
     uses = list(_past_nan_guard(model, softmax.outputs[0]).uses())
     if len(uses) != 1 or not _is_op(uses[0].node, "MatMul") or uses[0].idx != 0:
-        raise _Refused("the Softmax does not feed softmax @ value alone (attention weights returned?)")
+        raise _fusion.Refused("the Softmax does not feed softmax @ value alone (attention weights returned?)")
     weighted = uses[0].node
     query, key = _side(model, scores.inputs[0], "query"), _side(model, scores.inputs[1], "key")
     value = _side(model, weighted.inputs[1], "value")
     if value.factor != 1.0:
-        raise _Refused("the value is scaled")
+        raise _fusion.Refused("the value is scaled")
     merged, guard = _merged(model, weighted.outputs[0])
     num_heads = _head_count(model, query)
     try:
         widths = [_width(model, side.projection) for side in (query, key, value)]
-    except _Refused:
+    except _fusion.Refused:
         widths = None  # not packed then
     return _Attention(query, key, value, merged, guard, bias, query.factor * key.factor * after, num_heads, widths)
 
@@ -293,7 +289,7 @@ def _constant(name: str, array: np.ndarray) -> ir.Node:
     return node
 
 
-class FuseMultiHeadAttentionPass(ir.passes.InPlacePass):
+class FuseMultiHeadAttentionPass(_fusion.FusionPass):
     """Attention bodies without a KV cache into one ``com.microsoft.Attention`` or ``MultiHeadAttention`` each.
 
     Attributes after a run: ``fused`` (the rewritten functions), ``reasons`` (function -> why not),
@@ -303,26 +299,21 @@ class FuseMultiHeadAttentionPass(ir.passes.InPlacePass):
 
     def __init__(self, functions: set[ir.OperatorIdentifier] | None = None, pack_qkv: bool = True,
                  attention_op: bool = True):
-        super().__init__()
-        self.functions = functions
+        super().__init__(functions)
         self.pack_qkv = pack_qkv
         self.attention_op = attention_op  # packed projections with biases: com.microsoft.Attention
-        self.fused: list[ir.OperatorIdentifier] = []
-        self.reasons: dict[ir.OperatorIdentifier, str] = {}
-        self.packed: list[ir.OperatorIdentifier] = []
-        self.ops: dict[ir.OperatorIdentifier, str] = {}  # the op written into each body
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.fused, self.reasons, self.packed, self.ops = [], {}, [], {}
+        self.reset()
         for key, function in list(model.functions.items()):
-            if self.functions is not None and key not in self.functions:
+            if not self.applies_to(key):
                 continue
             if not any(_is_op(node, "Softmax") for node in function) or _has_cache(function):
                 continue
             try:
                 attention = _analyse(model, function)
                 self._rewrite(model, function, attention)
-            except _Refused as refused:
+            except _fusion.Refused as refused:
                 self.reasons[key] = str(refused)
                 continue
             self.fused.append(key)

@@ -52,30 +52,21 @@ class _RMSNorm(pattern.RewriteRuleClassBase):
         return op.SimplifiedLayerNormalization(x, weight, axis=-1, epsilon=self._epsilon, stash_type=1)
 
 
-class FuseRMSNormPass(ir.passes.InPlacePass):
+class FuseRMSNormPass(_fusion.FusionPass):
     """Every body computing an RMS norm (float32 throughout) becomes one ``SimplifiedLayerNormalization``."""
-
-    def __init__(self, functions: set[ir.OperatorIdentifier] | None = None):
-        super().__init__()
-        self.functions = functions
-        self.fused: list[ir.OperatorIdentifier] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         rules = pattern.RewriteRuleSet(
             [_RMSNorm.rule(f"RMSNorm{i}", model=model, weight_first=first) for i, first in enumerate((True, False))]
         )
-        self.fused = []
+        self.reset()
         for key, function in model.functions.items():
-            if self.functions is not None and key not in self.functions:
+            if not self.applies_to(key):
                 continue
             if not any(node.op_type == "ReduceMean" for node in function):
                 continue
-            if _apply(rules, model, function):
+            if _fusion.apply_rules(rules, model, function):
                 self.fused.append(key)
         return ir.passes.PassResult(model, modified=bool(self.fused))
 
-
-def _apply(rules: pattern.RewriteRuleSet, model: ir.Model, function: ir.Function) -> int:
-    # onnxscript applies a rule set to one function the way apply_to_model does for each function
-    return rules._apply_to_graph_or_function(model, function, verbose=None)
 

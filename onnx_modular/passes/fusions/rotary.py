@@ -17,7 +17,6 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_modular.passes.fusions import base as _fusion
-from onnx_modular.passes.fusions.attention_scores import Refused as _Refused
 from onnx_modular.passes.fusions.attention_scores import producers_bfs as _producers_bfs
 
 __all__ = ["rotary", "checked_rotary", "caches", "rotary_source", "needs_rotary_op", "position_ids", "rotary_nodes"]
@@ -67,7 +66,7 @@ def rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value]) -> tuple
             else:
                 cos = formal
     if cos is None or sin is None:
-        raise _Refused("the key goes through a product with cos/sin that is not rotate-half rotary")
+        raise _fusion.Refused("the key goes through a product with cos/sin that is not rotate-half rotary")
     return cos, sin, width, interleaved
 
 
@@ -89,9 +88,9 @@ def checked_rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value], 
     """:func:`rotary`, refused where GroupQueryAttention cannot take it."""
     cos, sin, width, interleaved = rotary(model, new_key, formals)
     if cos is None and any(n.op_type == "Neg" for n in _producers_bfs(new_key, lambda n: False)):
-        raise _Refused("the key's rotary is not the last step before the cache (a norm after it, or another form)")
+        raise _fusion.Refused("the key's rotary is not the last step before the cache (a norm after it, or another form)")
     if width is not None and (width <= 0 or width % 2 or width > head_size):
-        raise _Refused(f"a partial rotary over {width} of the head's {head_size} channels")
+        raise _fusion.Refused(f"a partial rotary over {width} of the head's {head_size} channels")
     return cos, sin, width, interleaved
 
 
@@ -120,14 +119,14 @@ def _rotary_call(model: ir.Model, attention: Any) -> tuple[ir.Node, list[ir.Valu
     for formal in (attention.cos, attention.sin):
         sources = {id(s): s for s in _fusion.sources_of(model, formal)}
         if len(sources) != 1:
-            raise _Refused("cos/sin do not come from one rotary call")
+            raise _fusion.Refused("cos/sin do not come from one rotary call")
         ends.append(next(iter(sources.values())))
     rotary = ends[0].producer()
     if rotary is None or rotary is not ends[1].producer() or rotary.op_identifier() not in model.functions:
-        raise _Refused("cos/sin are not the outputs of one module call (the rotary embedding)")
+        raise _fusion.Refused("cos/sin are not the outputs of one module call (the rotary embedding)")
     computed = _computed_inputs(model, rotary)
     if len(computed) != 1:
-        raise _Refused(f"the rotary call takes {len(computed)} computed inputs (position ids alone expected)")
+        raise _fusion.Refused(f"the rotary call takes {len(computed)} computed inputs (position ids alone expected)")
     return rotary, ends, computed[0]
 
 

@@ -55,21 +55,19 @@ def _lone_norm(function: ir.Function, op_type: str) -> tuple[list[int], float] |
     return [formals.index(v) for v in node.inputs], node.attributes.get_float("epsilon", 1e-5)
 
 
-class FuseSkipNormPass(ir.passes.InPlacePass):
+class FuseSkipNormPass(_fusion.FusionPass):
     """``Add(a, b)`` then a lone-norm call on the sum: one ``SkipSimplifiedLayerNormalization``
     (``layer_norm=True``: a lone ``LayerNormalization`` call, one ``SkipLayerNormalization``)."""
 
     def __init__(self, functions: set[ir.OperatorIdentifier] | None = None, layer_norm: bool = False):
-        super().__init__()
-        self.functions = functions  # bodies to rewrite (None: all)
+        super().__init__(functions)
         self.norm_op = "LayerNormalization" if layer_norm else "SimplifiedLayerNormalization"
-        self.fused: list[ir.OperatorIdentifier] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         norms = {key: found for key, function in model.functions.items() if (found := _lone_norm(function, self.norm_op))}
-        self.fused = []
+        self.reset()
         for key, function in model.functions.items():
-            if self.functions is not None and key not in self.functions:
+            if not self.applies_to(key):
                 continue
             count = sum(self._fuse(function, call, norms[call.op_identifier()], _KINDS[self.norm_op][1]) for call in list(function)
                         if call.op_identifier() in norms)
