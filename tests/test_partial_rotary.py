@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import pytest
 
+from onnx_modular import generate
 from onnx_modular.passes.fusions.rotary import needs_rotary_op
 
 
@@ -32,23 +33,6 @@ def test_which_partial_rotaries_go_in_rotary_embedding_nodes(head, rotary, separ
     assert needs_rotary_op(_Shape(head, rotary, cos=False)) is False  # no rotary at all
 
 
-def _greedy(path, prompt: np.ndarray, steps: int, layers: int, kv_heads: int, head: int) -> np.ndarray:
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    past = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
-    cache = {name: np.zeros((1, kv_heads, 0, head), np.float32) for name in past}
-    tokens, step = prompt, prompt
-    for _ in range(steps):
-        length = cache[past[0]].shape[2] + step.shape[1]
-        outputs = dict(zip(names, session.run(None, {"input_ids": step, "attention_mask": np.ones((1, length), np.int64), **cache})))
-        cache = {name: outputs[name.replace("past_key_values", "present")] for name in past}
-        step = outputs["logits"][:, -1:].argmax(-1)
-        tokens = np.concatenate([tokens, step], axis=1)
-    return tokens
-
-
 @pytest.mark.parametrize("kind", ["phi", pytest.param("nemotron", marks=pytest.mark.slow)])
 def test_a_narrow_partial_rotary_is_fused_with_rotary_embedding_nodes(kind, tmp_path, capsys):
     import torch
@@ -61,11 +45,11 @@ def test_a_narrow_partial_rotary_is_fused_with_rotary_embedding_nodes(kind, tmp_
     if kind == "phi":  # heads of 32, rotary over 8 channels: 4-wide caches
         config = transformers.PhiConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
                                         partial_rotary_factor=0.25, **common)
-        heads, kv_heads, head, rotary = 2, 2, 32, 8
+        heads, kv_heads, rotary = 2, 2, 8
     else:  # heads of 80, rotary over 40 channels: 20-wide caches
         config = transformers.NemotronConfig(hidden_size=160, num_attention_heads=2, num_key_value_heads=1,
                                              partial_rotary_factor=0.5, **common)
-        heads, kv_heads, head, rotary = 2, 1, 80, 40
+        heads, kv_heads, rotary = 2, 1, 40
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(tmp_path / "ckpt")
     exported, optimized = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
@@ -96,4 +80,4 @@ def test_a_narrow_partial_rotary_is_fused_with_rotary_embedding_nodes(kind, tmp_
     with torch.no_grad():
         expected = model.generate(torch.tensor(prompt), do_sample=False, max_new_tokens=8, min_new_tokens=8,
                                   eos_token_id=None, pad_token_id=0)
-    np.testing.assert_array_equal(_greedy(optimized, prompt, 8, 2, kv_heads, head), expected.numpy())
+    np.testing.assert_array_equal(generate(optimized, prompt, 8), expected.numpy())

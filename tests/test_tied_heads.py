@@ -11,6 +11,8 @@ import onnx
 import onnx.numpy_helper
 import pytest
 
+from onnx_modular import generate
+
 VOCAB, HIDDEN, KV_HEADS, HEAD = 256, 64, 2, 16  # vocab x hidden above the fold's 8192: the head keeps its Transpose
 
 
@@ -39,23 +41,6 @@ def _int4_state(path) -> dict[str, np.ndarray]:
         else:
             state[parameter] = weight
     return state
-
-
-def _greedy(path, prompt: np.ndarray, steps: int, layers: int) -> np.ndarray:
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    past = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
-    cache = {name: np.zeros((prompt.shape[0], KV_HEADS, 0, HEAD), np.float32) for name in past}
-    tokens, step = prompt, prompt
-    for _ in range(steps):
-        length = cache[past[0]].shape[2] + step.shape[1]
-        outputs = dict(zip(names, session.run(None, {"input_ids": step, "attention_mask": np.ones((1, length), np.int64), **cache})))
-        cache = {name: outputs[name.replace("past_key_values", "present")] for name in past}
-        step = outputs["logits"][:, -1:].argmax(-1)
-        tokens = np.concatenate([tokens, step], axis=1)
-    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -113,4 +98,4 @@ def test_the_tied_head_is_int4_and_the_embedding_reads_its_table(granite, capsys
         prompt = np.array([[5, 17, 33, 2, 200, 91]])
         expected = model.generate(torch.tensor(prompt), do_sample=False, max_new_tokens=8, min_new_tokens=8,
                                   eos_token_id=None, pad_token_id=0)
-    np.testing.assert_array_equal(_greedy(path, prompt, 8, 2), expected.numpy())
+    np.testing.assert_array_equal(generate(path, prompt, 8), expected.numpy())

@@ -13,35 +13,27 @@ from onnx_modular.passes.fusions.mha import FuseMultiHeadAttentionPass
 from onnx_modular.passes.fusions.rms_norm import FuseRMSNormPass
 from onnx_modular.passes.fusions.skip_norm import FuseSkipNormPass
 
+#: Two bodies computing the same erf GELU, ``Gelu`` and ``Other``.
+BODY = """
+<domain: "pkg.test", opset_import: ["" : 18]>
+{name} (x) => (y) {{
+  root = Constant <value = float {{1.4142135}}> ()
+  one = Constant <value = float {{1.0}}> ()
+  half = Constant <value = float {{0.5}}> ()
+  scaled = Div(x, root)
+  erf = Erf(scaled)
+  plus = Add(erf, one)
+  inner = Mul(x, plus)
+  y = Mul(half, inner)
+}}
+"""
 GELU = """
 <ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>
 main (float[2, 8] x) => (float[2, 8] y, float[2, 8] z) {
   y = pkg.test.Gelu(x)
   z = pkg.test.Other(x)
 }
-<domain: "pkg.test", opset_import: ["" : 18]>
-Gelu (x) => (y) {
-  root = Constant <value = float {1.4142135}> ()
-  one = Constant <value = float {1.0}> ()
-  half = Constant <value = float {0.5}> ()
-  scaled = Div(x, root)
-  erf = Erf(scaled)
-  plus = Add(erf, one)
-  inner = Mul(x, plus)
-  y = Mul(half, inner)
-}
-<domain: "pkg.test", opset_import: ["" : 18]>
-Other (x) => (y) {
-  root = Constant <value = float {1.4142135}> ()
-  one = Constant <value = float {1.0}> ()
-  half = Constant <value = float {0.5}> ()
-  scaled = Div(x, root)
-  erf = Erf(scaled)
-  plus = Add(erf, one)
-  inner = Mul(x, plus)
-  y = Mul(half, inner)
-}
-"""
+""" + BODY.format(name="Gelu") + BODY.format(name="Other")
 
 PASSES = [FuseActivationPass, FuseGroupQueryAttentionPass, FuseMultiHeadAttentionPass, FuseRMSNormPass, FuseSkipNormPass]
 
