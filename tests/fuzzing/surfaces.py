@@ -13,7 +13,6 @@ nothing of the other fuzzing modules (whose helpers it repeats in a few lines).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
@@ -22,21 +21,9 @@ import numpy
 import onnx
 from onnx import TensorProto, helper
 
-CHECKS_FILE = ".checks.json"
-DOMAIN = "pkg.fuzz"
+from fuzzing.builders import DOMAIN, _checks, _fingerprint
+
 VOCAB = 8
-
-
-def _checks(case: pathlib.Path, **checks) -> None:
-    (case / CHECKS_FILE).write_text(json.dumps(checks))
-
-
-def _fingerprint(path: pathlib.Path) -> str:
-    if path.is_fifo():
-        return "fifo"
-    if not path.exists():
-        return "missing"
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _save(model: onnx.ModelProto, path: pathlib.Path) -> None:
