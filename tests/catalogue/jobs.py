@@ -22,16 +22,23 @@ from catalogue.reference_outputs import call_depth, reference
 # -- one exporter in a child ---------------------------------------------------------------
 
 
-def _job_modular(model_type: str, class_name: str, folder: str | None = None) -> dict[str, Any]:
-    from onnx_modular import export_modular
-
-    record: dict[str, Any] = {}
+def _built(model_type: str, class_name: str, record: dict[str, Any]):
+    """The row's model, inputs and PyTorch reference, recorded as every job records them; whether the
+    reference is informative (outputs not all ~0)."""
     start = time.perf_counter()
     model, inputs, expected, tier = build_with_tier(model_type, class_name)
     record.update(built=True, config=tier)
     expected, informative = reference(model, inputs, expected, record)
     record["build_seconds"] = time.perf_counter() - start
     record["inputs"] = input_names(inputs)
+    return model, inputs, expected, informative
+
+
+def _job_modular(model_type: str, class_name: str, folder: str | None = None) -> dict[str, Any]:
+    from onnx_modular import export_modular
+
+    record: dict[str, Any] = {}
+    model, inputs, expected, informative = _built(model_type, class_name, record)
     if not informative:
         return record
     fixed = layout_inputs(inputs)
@@ -79,12 +86,7 @@ def _job_flat(model_type: str, class_name: str, folder: str | None = None) -> di
     import torch
 
     record: dict[str, Any] = {}
-    start = time.perf_counter()
-    model, inputs, expected, tier = build_with_tier(model_type, class_name)
-    record.update(built=True, config=tier)
-    expected, informative = reference(model, inputs, expected, record)
-    record["build_seconds"] = time.perf_counter() - start
-    record["inputs"] = input_names(inputs)
+    model, inputs, expected, informative = _built(model_type, class_name, record)
     if not informative:
         return record
     from onnx_modular.capture import torch_export

@@ -47,15 +47,22 @@ class _ErfGelu(pattern.RewriteRuleClassBase):
         return op.Mul(half, op.Mul(x, plus_one))  # 0.5 * (x * (erf + 1))
 
     def check(self, context, x, root, one, half, **_) -> pattern.MatchResult:
-        result = pattern.MatchResult()
-        for value, expected, what in ((root, math.sqrt(2.0), "the divisor"), (one, 1.0, "the addend"), (half, 0.5, "the factor")):
-            number = _fusion.scalar_of(self._model, value)
-            if number is None or not math.isclose(number, expected, rel_tol=1e-6):
-                return result.fail(f"{what} is not {expected}", value)
-        return result
+        return _constants(self._model, ((root, math.sqrt(2.0), "the divisor"), (one, 1.0, "the addend"),
+                                        (half, 0.5, "the factor")))
 
     def rewrite(self, op, x, **_):
         return op.Gelu(x, _domain="com.microsoft")
+
+
+def _constants(model: ir.Model, expected) -> pattern.MatchResult:
+    """Each ``(value, number, what)``: the value always holds that number (relative 1e-6), else the
+    match fails naming it."""
+    result = pattern.MatchResult()
+    for value, number_expected, what in expected:
+        number = _fusion.scalar_of(model, value)
+        if number is None or not math.isclose(number, number_expected, rel_tol=1e-6):
+            return result.fail(f"{what} is not {number_expected}", value)
+    return result
 
 
 class _TanhGelu(pattern.RewriteRuleClassBase):
@@ -71,14 +78,9 @@ class _TanhGelu(pattern.RewriteRuleClassBase):
         return op.Mul(op.Mul(half, x), plus_one)  # (0.5 * x) * (1 + tanh): NewGELUActivation
 
     def check(self, context, x, three, cubic, root, one, half, **_) -> pattern.MatchResult:
-        result = pattern.MatchResult()
-        expected = ((three, 3.0, "the exponent"), (cubic, 0.044715, "the cubic factor"),
-                    (root, math.sqrt(2.0 / math.pi), "the factor inside tanh"), (one, 1.0, "the addend"), (half, 0.5, "the factor"))
-        for value, number_expected, what in expected:
-            number = _fusion.scalar_of(self._model, value)
-            if number is None or not math.isclose(number, number_expected, rel_tol=1e-6):
-                return result.fail(f"{what} is not {number_expected}", value)
-        return result
+        return _constants(self._model, ((three, 3.0, "the exponent"), (cubic, 0.044715, "the cubic factor"),
+                                        (root, math.sqrt(2.0 / math.pi), "the factor inside tanh"),
+                                        (one, 1.0, "the addend"), (half, 0.5, "the factor")))
 
     def rewrite(self, op, x, **_):
         return op.FastGelu(x, _domain="com.microsoft")
