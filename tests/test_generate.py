@@ -7,6 +7,7 @@ tiny random-weight Llama (2 layers, hidden 64) saved with ``save_pretrained``, e
 
 from __future__ import annotations
 
+import io
 import shutil
 
 import numpy as np
@@ -64,6 +65,19 @@ def test_one_with_cache_file_generates_transformers_tokens(checkpoint, tmp_path,
     capsys.readouterr()
     assert main(["generate", str(path), "--input-ids", "5,17,33,2", "--max-new-tokens", str(NEW)]) == 0
     assert capsys.readouterr().out.strip() == f"prompt 5,17,33,2 -> new {','.join(map(str, expected[0, 4:]))}"
+
+    # progress: one call per new token, in order; the command line's reporter prints a line from it
+    calls = []
+    onnx_modular.generate(path, PROMPT, max_new_tokens=NEW, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(k, NEW) for k in range(1, NEW + 1)]
+    from onnx_modular.cli.progress import TokenProgress
+
+    lines = io.StringIO()
+    np.testing.assert_array_equal(
+        onnx_modular.generate(path, PROMPT, max_new_tokens=NEW, progress=TokenProgress(lines, after=0, interval=0)), expected)
+    printed = lines.getvalue().splitlines()
+    assert len(printed) == NEW and printed[-1].startswith(f"  generate: {NEW} of {NEW} new tokens, ")
+    assert "s left" in printed[0] and "s left" not in printed[-1]
 
     # float16 with the norms kept: the cache inputs keep the dtype the file declares, the loop reads it
     half = tmp_path / "llama_kv.f16.onnx"

@@ -495,29 +495,67 @@ def test_optimize_never_calls_verified_what_differs_on_a_left_padded_batch(tmp_p
     assert np.abs(logits[0] - logits[1]).max() < 1e-4
 
 
-@pytest.mark.parametrize("how", ["softmax_axis", "squared", "no_mask"])
-def test_unverified_recognition_refuses_what_is_not_attention(tmp_path, tiny_llama, how):
-    """With --no-verify, bodies that are not attention (softmax over another axis, squared scores, no
-    mask) were fused as attention: recognition now proves them by structure."""
-    model = onnx.load(str(tiny_llama), load_external_data=False)
+def _not_attention(model: onnx.ModelProto, how: str) -> None:
+    """Edit the tiny Llama's attention (or its mask) into a body GroupQueryAttention does not compute."""
     body = next(f for f in model.functions if f.name == "LlamaAttention")
     softmax = next(n for n in body.node if n.op_type == "Softmax")
     producer = {o: n for n in body.node for o in n.output}
     mask_add = producer[softmax.input[0]]
     assert mask_add.op_type == "Add"
+    halves = [n for n in body.node if n.op_type == "Concat" and n.input[0] in producer and producer[n.input[0]].op_type == "Neg"]
+    assert len(halves) == 2  # rotate_half of the query, then of the key
+    cache = [n for n in body.node if n.op_type == "Concat" and n.output[0] in body.output]
     if how == "softmax_axis":
         softmax.attribute[0].i = 2
     elif how == "squared":
         scores = mask_add.input[0]
         body.node.insert(list(body.node).index(mask_add), helper.make_node("Mul", [scores, scores], ["squared"]))
         mask_add.input[0] = "squared"
-    else:
+    elif how == "no_mask":
         softmax.input[0] = mask_add.input[0]
+    elif how == "strictly_causal":  # kv <= q becomes kv < q: each position no longer sees itself
+        outer = next(f for f in model.functions if f.name == "LlamaModel")
+        next(n for n in outer.node if n.op_type == "LessOrEqual").op_type = "Less"
+    elif how in ("key_sign", "query_sign"):  # concat(x1, -x2): the rotation the other way
+        concat = halves[1 if how == "key_sign" else 0]
+        concat.input[0], concat.input[1] = concat.input[1], concat.input[0]
+    elif how == "query_scaled":  # the rotated query times a value computed from positions (Llama 4's scale)
+        turned = next(n for n in body.node if n.op_type == "Mul" and halves[0].output[0] in n.input)
+        rotated = next(n for n in body.node if n.op_type == "Add" and turned.output[0] in n.input)
+        factor = next(n for n in body.node if n.op_type == "Unsqueeze" and n.input[0].startswith("position_embeddings_0")).output[0]
+        for node in body.node:
+            node.input[:] = ["scaled_query" if name == rotated.output[0] else name for name in node.input]
+        body.node.insert(list(body.node).index(rotated) + 1, helper.make_node("Mul", [rotated.output[0], factor], ["scaled_query"]))
+    else:  # the value turned by the rotary's cos before the cache
+        value = cache[1]
+        cos = next(n for n in body.node if n.op_type == "Mul" and n.input[0] == producer[halves[1].input[1]].input[0]).input[1]
+        body.node.insert(list(body.node).index(value), helper.make_node("Mul", [value.input[1], cos], ["turned_value"]))
+        value.input[1] = "turned_value"
+
+
+@pytest.mark.parametrize("how, reason", [
+    ("softmax_axis", "not over the keys"), ("squared", "with themselves"), ("no_mask", "no mask"),
+    ("strictly_causal", "with Less"), ("key_sign", "not rotate-half rotary"),
+    ("query_sign", "the query is not turned by the key's rotary"), ("value_rotated", "the value is changed"),
+    ("query_scaled", "the query is scaled by a computed value"),
+])
+def test_unverified_recognition_refuses_what_is_not_attention(tmp_path, tiny_llama, how, reason):
+    """With --no-verify, bodies that are not attention (softmax over another axis, squared scores, no
+    mask, a strictly causal mask, rotary with the sign on the other half, the query turned otherwise than
+    the key, the value turned) were fused as attention: recognition now proves them by structure."""
+    import onnxruntime as ort
+
+    model = onnx.load(str(tiny_llama), load_external_data=False)
+    _not_attention(model, how)
     onnx.save(model, str(tmp_path / "hostile.onnx"))
+    ids = np.array([[3, 14, 15, 9, 2]], np.int64)
+    session = ort.InferenceSession(str(tmp_path / "hostile.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    feeds.update({i.name: np.zeros((1, 2, 0, 16), np.float32) for i in session.get_inputs() if len(i.shape) == 4})
+    assert np.isfinite(session.run(None, feeds)[0]).any()  # the edited file runs: a model, not a broken file
     report = onnx_modular.optimize(tmp_path / "hostile.onnx", tmp_path / "opt.onnx", verify=False, steps=("attention",))
     attention = [f for f in report.fusions if f.step == "attention"]
     assert attention and not any(f.fused for f in attention), report.text()
-    reason = {"softmax_axis": "not over the keys", "squared": "with themselves", "no_mask": "no mask"}[how]
-    assert reason in attention[0].reason
+    assert reason in attention[0].reason, attention[0].reason
     report = onnx_modular.optimize(tiny_llama, tmp_path / "plain.onnx", verify=False, steps=("attention",))
     assert report.attention == "GroupQueryAttention"  # the same body untouched is fused

@@ -107,7 +107,7 @@ def test_a_folder_commit_moves_every_data_file_before_any_model(tmp_path, monkey
 
     def checked(entry, **kwargs):  # the model about to move in reads only data files already in place
         for location in guard.data_locations(entry.staging.model_path):
-            assert (out / location).is_file(), (entry.staging.destination.name, location)
+            assert (entry.staging.destination.parent / location).is_file(), (entry.staging.destination.name, location)
         seen.append(entry.staging.destination.name)
         return real(entry, **kwargs)
 

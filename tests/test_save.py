@@ -398,3 +398,80 @@ def test_data_file_name_is_conventional_unless_the_current_model_uses_it(tmp_pat
         names.append(listing(tmp_path)[1])
     assert names[0] == names[2] == "m.onnx.data"
     assert re.fullmatch(r"m\.onnx\.[0-9a-f]{8}\.data", names[1]), names
+
+
+# -- a folder published over another (a genai folder written again) ------------------------------------
+
+def _publish_killed_at(staged, out, kill_at: int) -> int:
+    """``publish_folder(staged, out)`` in a forked child that kills itself (SIGKILL) at its
+    ``kill_at``-th file-system call (replace, rename, link, unlink, rmdir); the child's exit status."""
+    from onnx_modular.storage import folders
+
+    pid = os.fork()
+    if pid == 0:  # the child: never returns to pytest
+        try:
+            calls = [0]
+
+            def counted(original):
+                def patched(*args, **kwargs):
+                    calls[0] += 1
+                    if calls[0] == kill_at:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return original(*args, **kwargs)
+                return patched
+
+            for name in ("replace", "rename", "link", "unlink", "rmdir"):
+                setattr(os, name, counted(getattr(os, name)))
+            folders.publish_folder(staged, out)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _genai_like_folder(folder, version: int) -> None:
+    """A model with its weights in a data file, and the JSON files a genai folder holds, all of ``version``."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    folder.mkdir()
+    weight = numpy_helper.from_array(np.full((WIDTH,), float(version), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [WIDTH])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [WIDTH])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.save(model, str(folder / "model.onnx"), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    for name in ("genai_config.json", "tokenizer.json", "export.json"):
+        (folder / name).write_text(f'{{"version": {version}}}')
+
+
+def _versions(folder) -> set[int]:
+    import json
+
+    found = {json.loads((folder / name).read_text())["version"] for name in ("genai_config.json", "tokenizer.json", "export.json")}
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    found.add(int(session.run(None, {"x": np.zeros(WIDTH, np.float32)})[0][0]))
+    return found
+
+
+def test_a_kill_while_a_folder_is_published_over_another_leaves_one_whole_folder(tmp_path):
+    """A genai folder written again over an existing one, the writer killed (SIGKILL) at each file-system
+    call in turn: the folder is the old one whole or the new one whole, never a mix of the two (its
+    model and JSON files of one version). The new folder takes the old one's place in one rename
+    (``RENAME_EXCHANGE``); the file-by-file commit (``folders._renameat2 = lambda: None``) gave mixes here."""
+    staged = tmp_path / "staged"
+    _genai_like_folder(staged, 2)
+    outcomes = []
+    for kill_at in range(1, 60):
+        out = tmp_path / f"out{kill_at}"
+        _genai_like_folder(out, 1)
+        code = _publish_killed_at(staged, out, kill_at)
+        versions = _versions(out)
+        assert len(versions) == 1, (kill_at, versions)  # never a mix
+        outcomes.append(versions)
+        if code == 0:
+            assert versions == {2}
+            break
+        assert code == -signal.SIGKILL, code
+    else:
+        pytest.fail("the publish never finished within 59 moves")
+    assert {1} in outcomes and {2} in outcomes and len(outcomes) > 5, outcomes  # killed before the swap, and after it

@@ -199,7 +199,9 @@ def run_generate(args: argparse.Namespace) -> int:
         raise InvalidInputError("Every --input-ids needs the same number of tokens (one or more).", hint="--input-ids 1,2,3 --input-ids 4,5,6")
     if uses_pipeline(args):  # a split folder's stages, here or on Ray workers (docs/pipeline.md)
         return run_pipeline(args, rows)
-    tokens = generate(args.model, rows, max_new_tokens=args.max_new_tokens)
+    from onnx_modular.cli.progress import TokenProgress
+
+    tokens = generate(args.model, rows, max_new_tokens=args.max_new_tokens, progress=TokenProgress())
     data = [{"prompt": ids, "new": [int(t) for t in row[len(ids):]]} for row, ids in zip(tokens, rows)]
     if emit_json(args.json, data):
         return EXIT_OK

@@ -12,7 +12,7 @@ the tokens are the same.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,7 @@ def generate(
     micro_batches: int | None = None,
     threads: int | None = None,
     timeout: float | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> np.ndarray:
     """Greedy generation in onnxruntime: the prompt followed by ``max_new_tokens`` tokens
     (``int64``, ``[batch, length + max_new_tokens]``), the tokens of transformers'
@@ -45,7 +46,8 @@ def generate(
     ``ray_address``: run the stages on the Ray cluster there (``ray start --head`` prints it), one
     worker a stage (``stages_per_node``, ``resources``, ``micro_batches``, ``timeout``: see
     :func:`~onnx_modular.runtime.cluster.generate_on_ray`). ``threads``: onnxruntime's intra-op
-    threads of each stage.
+    threads of each stage. ``progress(done, max_new_tokens)``: called as each new token of a file or a
+    ``--generation`` folder is chosen.
 
     Example::
 
@@ -83,4 +85,4 @@ def generate(
 
         raise InvalidInputError("threads= sets the threads of a split folder's stages; this is one file or a --generation folder.",
                                 hint="Drop threads=, or give the folder split wrote.")
-    return generation.generate(path, input_ids, max_new_tokens, execution_provider=execution_provider)
+    return generation.generate(path, input_ids, max_new_tokens, execution_provider=execution_provider, progress=progress)

@@ -21,7 +21,7 @@ and ``cache_position`` are fed when the file has them, and each returned cache t
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,11 +198,13 @@ def greedy_steps(tokens: np.ndarray, max_new_tokens: int) -> Generator[tuple[np.
     return tokens
 
 
-def generate_with_sessions(prefill: Any, decode: Any, input_ids: Any, max_new_tokens: int) -> np.ndarray:
+def generate_with_sessions(prefill: Any, decode: Any, input_ids: Any, max_new_tokens: int,
+                           progress: Callable[[int, int], None] | None = None) -> np.ndarray:
     """Greedy generation with onnxruntime sessions: ``prefill`` runs the prompt, ``decode`` each new
     token (the same session for a file that does both). Returns the prompt followed by
     ``max_new_tokens`` tokens (``int64``, ``[batch, prompt + new]``), as transformers'
     ``generate(do_sample=False, min_new_tokens=max_new_tokens)`` does without a stop token.
+    ``progress(done, max_new_tokens)`` is called as each new token is chosen.
 
     Raises:
         InvalidInputError: ``input_ids`` is not ``[batch, length]``, a file takes an input the loop
@@ -237,6 +239,8 @@ def generate_with_sessions(prefill: Any, decode: Any, input_ids: Any, max_new_to
                     hint="Give a decoder exported with its cache (export --task causal-lm-with-past).",
                 )
             check_vocabulary(tokens, logits.shape[2])  # a vocabulary the file left symbolic, once it is known
+            if progress is not None:  # the token this step's logits choose
+                progress(past + step.shape[1] - tokens.shape[1] + 1, max_new_tokens)
             what = "decode"
             step, past = loop.send(logits[:, -1, :])
     except StopIteration as done:
@@ -273,6 +277,7 @@ def generate(
     max_new_tokens: int = 20,
     *,
     execution_provider: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> np.ndarray:
     """Greedy generation in onnxruntime with a with-cache file onnx_modular wrote: one ``.onnx``
     (``export --task causal-lm-with-past``, transformers' or Optimum's names, converted to
@@ -281,7 +286,8 @@ def generate(
     ``input_ids``: ``[batch, length]`` token ids (a flat list is one sequence). Returns the prompt
     followed by ``max_new_tokens`` greedy tokens, ``int64`` ``[batch, length + max_new_tokens]``,
     the tokens of transformers' ``model.generate(ids, do_sample=False, max_new_tokens=n,
-    min_new_tokens=n)``.
+    min_new_tokens=n)``. ``progress(done, max_new_tokens)`` is called as each new token is chosen
+    (the command line prints a line from it every few seconds on a long run).
 
     Example::
 
@@ -300,4 +306,4 @@ def generate(
         check_length(ids.shape[1], max_new_tokens, file_bounds(file), what=repr(str(file)))
     prefill = session(prefill_file, execution_provider, what=f"file {prefill_file!r}")
     decode = prefill if decode_file == prefill_file else session(decode_file, execution_provider, what=f"file {decode_file!r}")
-    return generate_with_sessions(prefill, decode, ids, max_new_tokens)
+    return generate_with_sessions(prefill, decode, ids, max_new_tokens, progress)

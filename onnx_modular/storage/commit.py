@@ -33,6 +33,7 @@ owner is gone.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import json
 import os
@@ -61,6 +62,10 @@ from onnx_modular.storage.signals import interrupt_on_sigterm, signals_deferred
 __all__ = ["Staging", "atomic_write", "atomic_writes"]
 
 JOURNAL_PREFIX = ".onnx_modular-commit-"
+#: ``(mirror, folder)`` while a folder is committed into its mirror (:mod:`~onnx_modular.storage.folders`):
+#: a file of the mirror is the folder's file of that name (the model a save replaces, by its real path).
+MIRRORED: contextvars.ContextVar[tuple[pathlib.Path, pathlib.Path] | None] = contextvars.ContextVar(
+    "onnx_modular_mirrored", default=None)
 
 
 def _fsync(path: pathlib.Path) -> None:
@@ -182,11 +187,18 @@ def _removable(path: pathlib.Path, destination: pathlib.Path) -> bool:
     try:
         return (
             stat.S_ISREG(os.lstat(path).st_mode)
-            and not data_file_in_use(path, replaced=destination)
+            and not data_file_in_use(path, replaced=_real(destination))
             and not _read_by_sibling(path, destination)
         )
     except OSError:
         return False
+
+
+def _real(destination: pathlib.Path) -> pathlib.Path:
+    mirrored = MIRRORED.get()
+    if mirrored is not None and _parent(destination).resolve() == mirrored[0].resolve():
+        return mirrored[1] / destination.name
+    return destination
 
 
 def _read_by_sibling(path: pathlib.Path, destination: pathlib.Path) -> bool:

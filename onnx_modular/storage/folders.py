@@ -1,9 +1,14 @@
 """Every output folder: written aside in a private folder next to it, then moved into place.
 
-* :func:`publish_folder`: into a folder that may hold files already (a checkpoint export):
-  every file through the journaled commit of :mod:`~onnx_modular.storage.commit`, a model's
-  external data (and the references other models of the folder hold to it) following the name
-  its staging chose;
+* :func:`publish_folder`: into a folder that may hold files already (a checkpoint export, a genai
+  folder): every file through the journaled commit of :mod:`~onnx_modular.storage.commit`, a
+  model's external data (and the references other models of the folder hold to it) following the
+  name its staging chose. The commit goes into a mirror of the folder beside it (its files hard
+  links, nothing copied), which then takes the folder's place in one ``rename(2)`` (Linux's
+  ``RENAME_EXCHANGE``; a new folder: a plain rename): a reader (onnxruntime-genai), or a kill at
+  any moment, sees the old folder whole or the new one whole, never a mix. Where that rename does
+  not exist (another system, a file system without it, the folder a link or the working directory,
+  an entry that cannot be linked) the files are committed in place, one journaled commit;
 * :func:`new_folder`: into a new (or empty) folder, checked first by :func:`check_output_folder`
   (extract's cases, split's stages): the whole folder in one rename, so nothing is replaced.
 """
@@ -11,6 +16,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import os
 import pathlib
 import shutil
@@ -20,12 +28,12 @@ from collections.abc import Iterator
 import onnx
 
 from onnx_modular.errors import InvalidInputError, SaveError
-from onnx_modular.storage.commit import Staging, atomic_writes
-from onnx_modular.storage.destination import data_name, data_pattern, referenced_data
-from onnx_modular.storage.guard import rewriting
+from onnx_modular.storage.commit import MIRRORED, Staging, atomic_writes
+from onnx_modular.storage.destination import check_destination, data_name, data_pattern, referenced_data
+from onnx_modular.storage.guard import record_written, rewriting
+from onnx_modular.storage.locks import LOCK_PREFIX, TEMP_PREFIX, remove_stale_temp_folders, temp_folder
 from onnx_modular.storage.locks import shown_path as _shown
-from onnx_modular.storage.locks import temp_folder
-from onnx_modular.storage.signals import interrupt_on_sigterm
+from onnx_modular.storage.signals import interrupt_on_sigterm, signals_deferred
 
 __all__ = ["publish_folder", "check_output_folder", "new_folder"]
 
@@ -162,16 +170,126 @@ def publish_folder(staged: pathlib.Path, output: pathlib.Path, *, modes: dict[st
     FIFO or device there is refused, and a file written over another keeps that file's mode.
     ``modes``: the most permission bits a file may get (a copy of a private tokenizer file). A
     model may read tensors from another model's data file (``share_external_data``): both are
-    moved in one commit, the reference following the data file's new name.
+    moved in one commit, the reference following the data file's new name. The folder changes in
+    one rename where the system has one (see the module's docstring): a kill never leaves it mixed.
 
     Returns the names written, in order.
     """
     if os.path.lexists(output) and not output.is_dir():
         raise SaveError(f"The output folder {_shown(output)} is not a folder.", hint="Give a folder path.")
-    output.mkdir(exist_ok=True)
+    names = _publish_whole(staged, output, modes)
+    if names is None:
+        output.mkdir(exist_ok=True)
+        names = _publish_files(staged, output, modes)
+    return names
+
+
+def _published_names(staged: pathlib.Path) -> list[str]:
+    """The files of ``staged`` a publish names (its models' data files follow their models)."""
     names = sorted(os.listdir(staged))
     data_files = {name for model in names if model.endswith(".onnx") for name in referenced_data(staged / model)}
-    names = [name for name in names if name not in data_files]
+    return [name for name in names if name not in data_files]
+
+
+@functools.cache
+def _renameat2():
+    """glibc's ``renameat2`` (Linux), or ``None``."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return function
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(first: pathlib.Path, second: pathlib.Path) -> bool:
+    """Swap two folders in one ``rename(2)`` (``RENAME_EXCHANGE``); ``False`` where the system or the
+    file system has no such rename (nothing moved then)."""
+    function = _renameat2()
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV, errno.EBUSY, errno.EPERM):
+        return False
+    raise OSError(code, os.strerror(code), os.fspath(second))
+
+
+def _mirror(source: pathlib.Path, target: pathlib.Path) -> bool:
+    """``target`` (an empty folder) made to hold what ``source`` holds: its files as hard links (no byte
+    copied), its links as links, its folders as folders. ``False`` when an entry cannot be mirrored
+    (a FIFO or device, a file system without hard links, a running writer's private folder)."""
+    for entry in os.scandir(source):
+        if entry.name.startswith(LOCK_PREFIX):
+            continue  # a lock file stays with the folder its writer locked
+        if entry.name.startswith(TEMP_PREFIX):
+            return False  # a writer at work in the folder (stale ones were removed): commit in place, behind its locks
+        mode = entry.stat(follow_symlinks=False).st_mode
+        try:
+            if stat.S_ISLNK(mode):
+                os.symlink(os.readlink(entry.path), target / entry.name)
+            elif stat.S_ISREG(mode):
+                os.link(entry.path, target / entry.name, follow_symlinks=False)
+            elif stat.S_ISDIR(mode):
+                os.mkdir(target / entry.name, stat.S_IMODE(mode))
+                if not _mirror(pathlib.Path(entry.path), target / entry.name):
+                    return False
+            else:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _holds_working_directory(folder: pathlib.Path) -> bool:
+    here, place = os.getcwd(), os.path.realpath(folder)
+    return here == place or here.startswith(place.rstrip(os.sep) + os.sep)
+
+
+def _publish_whole(staged: pathlib.Path, output: pathlib.Path, modes) -> list[str] | None:
+    """:func:`publish_folder` into a mirror of ``output`` beside it, then the mirror swapped in (one
+    rename); ``None`` (nothing done) where that cannot be: the caller commits in place."""
+    if _renameat2() is None or os.path.islink(output) or (output.exists() and _holds_working_directory(output)):
+        return None
+    existed = output.is_dir()
+    names = _published_names(staged)
+    if existed:  # the guard on the real paths (the commit below sees the mirror's)
+        for name in names:
+            check_destination(output / name)
+        remove_stale_temp_folders(output)
+    parent = output.parent if str(output.parent) else pathlib.Path(".")
+    with interrupt_on_sigterm(), temp_folder(parent) as tmp:
+        mirror = tmp / "folder"
+        os.mkdir(mirror)
+        if existed:
+            os.chmod(mirror, stat.S_IMODE(os.stat(output).st_mode))
+            if not _mirror(output, mirror):
+                return None
+        token = MIRRORED.set((mirror, output))
+        try:
+            with rewriting():
+                _publish_files(staged, mirror, modes)
+        finally:
+            MIRRORED.reset(token)
+        try:
+            with signals_deferred():
+                if existed and not _exchange(mirror, output):
+                    return None
+                if not existed:
+                    os.rename(mirror, output)
+        except OSError as e:
+            raise SaveError(f"Moving the folder into {_shown(output)} failed: {e}") from e
+    record_written([output / name for name in names])
+    return names
+
+
+def _publish_files(staged: pathlib.Path, output: pathlib.Path, modes) -> list[str]:
+    """:func:`publish_folder`'s commit of the files of ``staged`` into the folder ``output``, in place."""
+    names = _published_names(staged)
     for name in names:
         if not stat.S_ISREG(os.lstat(staged / name).st_mode):
             raise SaveError(f"The export wrote {_shown(name)}, which is not a file; onnx_modular writes files only.")

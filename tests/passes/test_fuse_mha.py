@@ -114,3 +114,27 @@ def test_bodies_that_are_not_that_attention_are_refused_with_their_reason(case):
     body = _body(model)
     assert not any(node.domain == "com.microsoft" for node in body)
     assert reason in fuse.reasons[body.identifier()]
+
+
+ROUTER = """
+<ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>
+main (float[4, 16] x, float[16, 8] w, int64[1] k) => (float[4, 2] weights, int64[4, 2] experts) {
+  weights, experts = pkg.test.TopKRouter(x, w, k)
+}
+<domain: "pkg.test", opset_import: ["" : 18, "pkg.test" : 1]>
+TopKRouter (x, w, k) => (weights, experts) {
+  logits = MatMul(x, w)
+  top, experts = TopK <axis = -1> (logits, k)
+  weights = Softmax <axis = -1> (top)
+}
+"""
+
+
+def test_a_router_softmax_is_not_attention_and_not_a_refusal():
+    """GraniteMoe's router (top-k of a projection, then a Softmax): no values weighted, so not attention;
+    it is skipped, not listed as an attention left unfused (which made optimize say "not fused")."""
+    model = ir.from_onnx_text(ROUTER)
+    fuse = FuseMultiHeadAttentionPass()
+    assert not fuse(model).modified
+    body = next(f for f in model.functions.values() if f.name == "TopKRouter")
+    assert fuse.reasons == {} and "weights no values" in fuse.skipped[body.identifier()]

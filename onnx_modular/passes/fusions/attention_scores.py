@@ -151,6 +151,64 @@ def window_of(model: ir.Model, mask: ir.Value) -> int | str | None:
     return windows.pop() if windows else None
 
 
+def _position_axis(model: ir.Model, value: ir.Value | None, depth: int = 0) -> tuple[int, int] | None:
+    """``(rank, axis)`` of a tensor of positions (a ``Range``, offset by a scalar, cast, unsqueezed): the
+    axis its positions run along, or ``None`` when ``value`` is not read as such."""
+    node = value.producer() if value is not None else None
+    if node is None or depth > 16:
+        return None
+    if node.op_type == "Range":
+        return 1, 0
+    if node.op_type in ("Cast", "Identity"):
+        return _position_axis(model, node.inputs[0], depth + 1)
+    if node.op_type == "Add" and len(node.inputs) == 2:  # a position plus a scalar (the past length)
+        out = node.outputs[0].shape
+        for index, other in enumerate(node.inputs):
+            inner = _position_axis(model, node.inputs[1 - index], depth + 1) if other is not None else None
+            if inner is None:
+                continue
+            scalar = other.shape is not None and len(other.shape) <= inner[0] and all(d == 1 for d in other.shape)
+            if scalar or (other.shape is None and out is not None and len(out) == inner[0]):
+                return inner
+        return None
+    if node.op_type != "Unsqueeze" or len(node.inputs) < 2:
+        return None
+    inner, axes = _position_axis(model, node.inputs[0], depth + 1), _fusion.constant_of(model, node.inputs[1])
+    if inner is None or axes is None:
+        return None
+    rank = inner[0] + axes.numpy().size
+    inserted = {int(a) % rank for a in axes.numpy().reshape(-1)}
+    kept = [i for i in range(rank) if i not in inserted]
+    return rank, kept[inner[1]]
+
+
+#: Comparisons of key positions (the mask's last axis) with query positions (the one before) that
+#: keep every key at or before its query: (the op, whether the key positions are its first operand).
+CAUSAL_COMPARISONS = {("LessOrEqual", True), ("GreaterOrEqual", False)}
+
+
+def causal_refusal(model: ir.Model, mask: ir.Value) -> str | None:
+    """Why the mask computed behind ``mask`` is not the op's causal mask (a key at or before its query),
+    read by structure: a comparison of key positions with query positions (no offset: the window is
+    :func:`window_of`'s) the other way round, or strict (the diagonal masked); ``None`` when every such
+    comparison is causal, or when none can be read (then the fused calls are checked by running them)."""
+    for node in producers_bfs(mask, lambda n: False):
+        if node.op_type not in ("Less", "LessOrEqual", "Greater", "GreaterOrEqual") or len(node.inputs) != 2:
+            continue
+        if any(v is None or (v.producer() is not None and v.producer().op_type == "Sub") for v in node.inputs):
+            continue
+        axes = [_position_axis(model, v) for v in node.inputs]
+        if any(a is None for a in axes):
+            continue
+        sides = [axis - rank for rank, axis in axes]  # from the end: -1 the keys, -2 the queries
+        if sorted(sides) != [-2, -1]:
+            continue
+        if (node.op_type, sides[0] == -1) not in CAUSAL_COMPARISONS:
+            return (f"the mask compares key and query positions with {node.op_type} ({node.name}): not a key at or "
+                    "before its query, the op's causal mask")
+    return None
+
+
 def head_sink(function: ir.Function, softmax: ir.Node) -> ir.Value | None:
     """The per-head sink logit of ``softmax(s) @ v * sigmoid(logsumexp(s) - sink)`` (attention sinks:
     the softmax over the scores and one learned logit per head, the sink's column dropped), which is

@@ -37,6 +37,7 @@ import onnx_ir as ir
 from onnx_modular.passes.fusions import base as _fusion
 from onnx_modular.passes.fusions.attention_scores import UNREADABLE as _UNREADABLE
 from onnx_modular.passes.fusions.attention_scores import ancestors as _ancestors
+from onnx_modular.passes.fusions.attention_scores import causal_refusal as _causal_refusal
 from onnx_modular.passes.fusions.attention_scores import check_scores as _check_scores
 from onnx_modular.passes.fusions.attention_scores import head_sink as _head_sink
 from onnx_modular.passes.fusions.attention_scores import mask_formals as _mask_formals
@@ -49,6 +50,7 @@ from onnx_modular.passes.fusions.rotary import caches as _caches
 from onnx_modular.passes.fusions.rotary import checked_rotary as _checked_rotary
 from onnx_modular.passes.fusions.rotary import needs_rotary_op as _needs_rotary_op
 from onnx_modular.passes.fusions.rotary import position_ids as _position_ids
+from onnx_modular.passes.fusions.rotary import query_rotary as _query_rotary
 from onnx_modular.passes.fusions.rotary import rotary_nodes as _rotary_nodes
 from onnx_modular.passes.fusions.rotary import rotary_source as _rotary_source
 
@@ -101,6 +103,26 @@ def _heads(model: ir.Model, start: ir.Value) -> tuple[ir.Value, bool]:
         if perm is not None and list(perm) == [0, 2, 1, 3]:
             return node.inputs[0], False
     raise _fusion.Refused("no transpose from [batch, seq, heads, head] to [batch, heads, seq, head] behind the query/key/value")
+
+
+def _plain_path(value: ir.Value, heads: ir.Value) -> bool:
+    """``value`` is ``heads`` moved only (transposed, cast): nothing the op would drop is computed on it."""
+    while value is not heads:
+        node = value.producer()
+        if node is None or node.op_type not in ("Transpose", "Identity", "Cast") or node.inputs[0] is None:
+            return False
+        value = node.inputs[0]
+    return True
+
+
+def _check_query_and_value(model: ir.Model, formals: list[ir.Value], query: ir.Value, key_rotary: tuple,
+                           new_value: ir.Value, value_heads: ir.Value) -> None:
+    """What the op does to the query and the value, proven on the body: the query turned by the key's
+    rotary (the op turns both alike), the value cached as its heads are (the op turns it not)."""
+    if _query_rotary(model, query, formals) != key_rotary:
+        raise _fusion.Refused("the query is not turned by the key's rotary (the op turns both alike)")
+    if not _plain_path(new_value, value_heads):
+        raise _fusion.Refused("the value is changed between its heads and the cache (the op caches the projection's heads)")
 
 
 def _gqa_input(heads: ir.Value, projection: ir.Node) -> ir.Value | None:
@@ -193,6 +215,7 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     ):
         raise _fusion.Refused("the projection widths do not match the cache's heads")
     cos, sin, width, interleaved = _checked_rotary(model, key.inputs[1], formals, head_size)
+    _check_query_and_value(model, formals, q_side[0], (cos, sin, width, interleaved), value.inputs[1], heads[2])
     scale, softcap = _scale(model, scores)
     if softcap == 0.0 and any(n.op_type == "Tanh" for n in nodes):
         raise _fusion.Refused("a Tanh in the body that is not a soft-cap of the scores")
@@ -342,6 +365,10 @@ class FuseGroupQueryAttentionPass(_fusion.FusionPass):
             if _UNREADABLE in windows or len(windows) > 1:
                 raise _fusion.Refused("the attention mask limits the keys in a way GroupQueryAttention cannot take "
                                "(not a causal sliding window: chunked, or several windows)")
+            refusals = {_causal_refusal(model, source) for index in analysis.masks
+                        for source in _fusion.sources_of(model, part.inputs[index])} - {None}
+            if refusals:
+                raise _fusion.Refused(sorted(refusals)[0])
             result.append((part, analysis, windows.pop() if windows else None))
         return result
 

@@ -260,8 +260,10 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     if len(softmaxes) != 1:
         raise _fusion.Refused(f"{len(softmaxes)} Softmax nodes (one expected)")
     softmax = softmaxes[0]
-    scores, after, bias = _scores(model, softmax)
     uses = list(_past_nan_guard(model, softmax.outputs[0]).uses())
+    if not any(_is_op(use.node, "MatMul") for use in uses):  # first: a router's softmax is no attention left unfused
+        raise _fusion.NotApplicable("the Softmax weights no values (a router or a classifier, not attention)")
+    scores, after, bias = _scores(model, softmax)
     if len(uses) != 1 or not _is_op(uses[0].node, "MatMul") or uses[0].idx != 0:
         raise _fusion.Refused("the Softmax does not feed softmax @ value alone (attention weights returned?)")
     weighted = uses[0].node
@@ -313,6 +315,9 @@ class FuseMultiHeadAttentionPass(_fusion.FusionPass):
             try:
                 attention = _analyse(model, function)
                 self._rewrite(model, function, attention)
+            except _fusion.NotApplicable as skipped:
+                self.skipped[key] = str(skipped)
+                continue
             except _fusion.Refused as refused:
                 self.reasons[key] = str(refused)
                 continue

@@ -19,7 +19,7 @@ import onnx_ir as ir
 from onnx_modular.passes.fusions import base as _fusion
 from onnx_modular.passes.fusions.attention_scores import producers_bfs as _producers_bfs
 
-__all__ = ["rotary", "checked_rotary", "caches", "rotary_source", "needs_rotary_op", "position_ids", "rotary_nodes"]
+__all__ = ["rotary", "query_rotary", "checked_rotary", "caches", "rotary_source", "needs_rotary_op", "position_ids", "rotary_nodes"]
 
 
 def _formal_behind(value: ir.Value, formals: list[ir.Value]) -> ir.Value | None:
@@ -31,7 +31,7 @@ def _formal_behind(value: ir.Value, formals: list[ir.Value]) -> ir.Value | None:
     return value
 
 
-def rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value]) -> tuple:
+def rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value], what: str = "key") -> tuple:
     """cos, sin and the rotary width of ``x * cos + rotate_half(x) * sin`` on the key (``None``s: no
     rotary); the width is ``None`` for the whole head, else the channels of a partial rotary
     (``concat(rotary(x[..., :d]), x[..., d:])``: Phi, StableLM, GPT-NeoX), and whether the pairs
@@ -50,24 +50,64 @@ def rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value]) -> tuple
         return None, None, None, False
     cos = sin = None
     interleaved = False
+    turned = {}  # "cos": the x of x * cos, "sin": the x of rotate_half(x) * sin
     for mul in muls:
         for index, operand in enumerate(mul.inputs):
             formal = _formal_behind(operand, formals)
             if formal is None:
                 continue
-            other = mul.inputs[1 - index].producer()
-            rotated = other is not None and other.op_type == "Concat" and any(
-                v is not None and v.producer() is not None and v.producer().op_type == "Neg" for v in other.inputs
-            )
-            if not rotated and _rotated_pairs(other):
+            other = mul.inputs[1 - index]
+            halves = _halves(model, other.producer() if other is not None else None)
+            rotated = halves is not None
+            if not rotated and _rotated_pairs(other.producer() if other is not None else None):
                 rotated = interleaved = True
+                halves = _pairs_source(other.producer())
             if rotated:
-                sin = formal
+                sin, turned["sin"] = formal, halves
             else:
-                cos = formal
+                cos, turned["cos"] = formal, other
     if cos is None or sin is None:
-        raise _fusion.Refused("the key goes through a product with cos/sin that is not rotate-half rotary")
+        raise _fusion.Refused(f"the {what} goes through a product with cos/sin that is not rotate-half rotary")
+    if _plain(turned["cos"]) is not _plain(turned["sin"]):
+        raise _fusion.Refused(f"the {what}'s rotary: x * cos and rotate_half(x) * sin do not turn the same x")
     return cos, sin, width, interleaved
+
+
+def _plain(value: ir.Value | None) -> ir.Value | None:
+    while value is not None and value.producer() is not None and value.producer().op_type == "Identity":
+        value = value.producer().inputs[0]
+    return value
+
+
+def _halves(model: ir.Model, node: ir.Node | None) -> ir.Value | None:
+    """``x`` of ``rotate_half(x) = concat(-x[..., h:], x[..., :h])`` (two ``Slice``s or one ``Split`` of
+    ``x``), or ``None``: any other concatenation (the sign on the other half, the halves swapped) is not
+    the rotary the op computes."""
+    if node is None or node.op_type != "Concat" or len(node.inputs) != 2 or any(v is None for v in node.inputs):
+        return None
+    neg, first = node.inputs[0].producer(), node.inputs[1].producer()
+    if neg is None or neg.op_type != "Neg" or neg.inputs[0] is None or first is None:
+        return None
+    second = neg.inputs[0].producer()
+    if second is None:
+        return None
+    if first.op_type == "Split" and second is first and len(first.outputs) == 2:
+        return first.inputs[0] if (neg.inputs[0] is first.outputs[1] and node.inputs[1] is first.outputs[0]) else None
+    if first.op_type != "Slice" or second.op_type != "Slice" or first.inputs[0] is not second.inputs[0]:
+        return None
+    start, end, half = (_fusion.scalar_of(model, v) for v in (first.inputs[1], first.inputs[2], second.inputs[1]))
+    axes = [_fusion.scalar_of(model, s.inputs[3]) if len(s.inputs) > 3 else None for s in (first, second)]
+    if start != 0 or half is None or half <= 0 or end != half or axes[0] != axes[1]:
+        return None
+    return first.inputs[0]
+
+
+def _pairs_source(node: ir.Node) -> ir.Value | None:
+    """``x`` of the interleaved rotate-half :func:`_rotated_pairs` recognised (the tensor its strided slices read)."""
+    stack = node.inputs[0].producer()
+    negated = stack.inputs[0].producer().inputs[0].producer().inputs[0]
+    taken = negated.producer() if negated is not None else None
+    return taken.inputs[0] if taken is not None and taken.op_type == "Slice" else None
 
 
 def _rotated_pairs(node: ir.Node | None) -> bool:
@@ -92,6 +132,28 @@ def checked_rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value], 
     if width is not None and (width <= 0 or width % 2 or width > head_size):
         raise _fusion.Refused(f"a partial rotary over {width} of the head's {head_size} channels")
     return cos, sin, width, interleaved
+
+
+def query_rotary(model: ir.Model, query: ir.Value, formals: list[ir.Value]) -> tuple:
+    """:func:`rotary` of the query the scores read (behind a scale by a constant, a transpose, a cast):
+    ``GroupQueryAttention`` turns the query as it turns the key."""
+    value = query
+    while value is not None and value.producer() is not None:
+        node = value.producer()
+        scaled = node.op_type in ("Mul", "Div") and _fusion.scalar_of(model, node.inputs[1]) is not None
+        if node.op_type in ("Mul", "Div") and not scaled and rotary(model, node.inputs[0], formals, "query")[0] is not None:
+            raise _fusion.Refused(f"the query is scaled by a computed value after its rotary ({node.op_type} by "
+                                  f"{node.inputs[1].name}: Llama 4's attention scale by position); the op takes no such scale")
+        if not scaled and node.op_type not in ("Transpose", "Cast", "Identity"):
+            break
+        value = node.inputs[0]
+    try:
+        found = rotary(model, value, formals, "query")
+    except _fusion.Refused as refused:
+        raise _fusion.Refused(f"the query is not turned by the key's rotary ({refused})") from None
+    if found[0] is None and any(n.op_type == "Neg" for n in _producers_bfs(value, lambda n: False)):
+        return None  # a Neg behind the query that is no rotary this module reads
+    return found
 
 
 def needs_rotary_op(attention: Any) -> bool:
