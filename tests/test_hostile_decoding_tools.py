@@ -519,7 +519,7 @@ def _not_attention(model: onnx.ModelProto, how: str) -> None:
     elif how in ("key_sign", "query_sign"):  # concat(x1, -x2): the rotation the other way
         concat = halves[1 if how == "key_sign" else 0]
         concat.input[0], concat.input[1] = concat.input[1], concat.input[0]
-    elif how == "query_scaled":  # the rotated query times a value computed from positions (Llama 4's scale)
+    elif how == "query_scaled":  # the rotated query times cos: a value per channel, not one number a position
         turned = next(n for n in body.node if n.op_type == "Mul" and halves[0].output[0] in n.input)
         rotated = next(n for n in body.node if n.op_type == "Add" and turned.output[0] in n.input)
         factor = next(n for n in body.node if n.op_type == "Unsqueeze" and n.input[0].startswith("position_embeddings_0")).output[0]
@@ -537,7 +537,7 @@ def _not_attention(model: onnx.ModelProto, how: str) -> None:
     ("softmax_axis", "not over the keys"), ("squared", "with themselves"), ("no_mask", "no mask"),
     ("strictly_causal", "with Less"), ("key_sign", "not rotate-half rotary"),
     ("query_sign", "the query is not turned by the key's rotary"), ("value_rotated", "the value is changed"),
-    ("query_scaled", "the query is scaled by a computed value"),
+    ("query_scaled", "not one number a position"),
 ])
 def test_unverified_recognition_refuses_what_is_not_attention(tmp_path, tiny_llama, how, reason):
     """With --no-verify, bodies that are not attention (softmax over another axis, squared scores, no

@@ -85,6 +85,7 @@ class _Attention:
     masks: tuple[int, ...] = ()  # formal inputs (indices) that only mask the scores (a window may hide in them)
     sink: ir.Value | None = None  # one learned logit per head beside the scores (attention sinks): head_sink
     interleaved: bool = False  # rotary pairs channels 2i and 2i + 1 (the module's cos/sin repeat each frequency twice)
+    query_factor: ir.Value | None = None  # [batch, 1, seq, 1]: the query times one number a position (Llama 4's scale)
 
 
 def _heads(model: ir.Model, start: ir.Value) -> tuple[ir.Value, bool]:
@@ -116,13 +117,16 @@ def _plain_path(value: ir.Value, heads: ir.Value) -> bool:
 
 
 def _check_query_and_value(model: ir.Model, formals: list[ir.Value], query: ir.Value, key_rotary: tuple,
-                           new_value: ir.Value, value_heads: ir.Value) -> None:
+                           new_value: ir.Value, value_heads: ir.Value) -> ir.Value | None:
     """What the op does to the query and the value, proven on the body: the query turned by the key's
-    rotary (the op turns both alike), the value cached as its heads are (the op turns it not)."""
-    if _query_rotary(model, query, formals) != key_rotary:
+    rotary (the op turns both alike), the value cached as its heads are (the op turns it not). Returns
+    the per-position factor the query is multiplied by after its rotary, if any."""
+    rotation, factor = _query_rotary(model, query, formals)
+    if rotation != key_rotary:
         raise _fusion.Refused("the query is not turned by the key's rotary (the op turns both alike)")
     if not _plain_path(new_value, value_heads):
         raise _fusion.Refused("the value is changed between its heads and the cache (the op caches the projection's heads)")
+    return factor
 
 
 def _gqa_input(heads: ir.Value, projection: ir.Node) -> ir.Value | None:
@@ -215,7 +219,9 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     ):
         raise _fusion.Refused("the projection widths do not match the cache's heads")
     cos, sin, width, interleaved = _checked_rotary(model, key.inputs[1], formals, head_size)
-    _check_query_and_value(model, formals, q_side[0], (cos, sin, width, interleaved), value.inputs[1], heads[2])
+    factor = _check_query_and_value(model, formals, q_side[0], (cos, sin, width, interleaved), value.inputs[1], heads[2])
+    if factor is not None and _ancestors(factor) & {id(q_proj), id(k_proj), id(v_proj)}:
+        raise _fusion.Refused("the query is scaled by a value computed from the projections, not from positions")
     scale, softcap = _scale(model, scores)
     if softcap == 0.0 and any(n.op_type == "Tanh" for n in nodes):
         raise _fusion.Refused("a Tanh in the body that is not a soft-cap of the scores")
@@ -225,7 +231,7 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
         outputs.index(key.outputs[0]), outputs.index(value.outputs[0]),
         q_columns // head_size, kv_heads, head_size, scale, cos, sin,
         head_size if width is None else width, softcap, _mask_formals(model, function, softmax, scores), sink,
-        interleaved,
+        interleaved, factor,
     )
 
 
@@ -383,6 +389,38 @@ class FuseGroupQueryAttentionPass(_fusion.FusionPass):
         function.insert_before(function[0], [shape, flat])
         return flat.outputs[0]
 
+    @staticmethod
+    def _scaled_query(function: ir.Function, attention: _Attention, query: ir.Value, packed: bool) -> ir.Value:
+        """The query (``[batch, seq, heads * head]``, or the first columns of a packed ``[q | k | v]``)
+        times the body's per-position factor (``[batch, 1, seq, 1]``), before the op turns it: the same
+        number on every channel of a position commutes with the rotation."""
+        def constant(name, array):
+            node = ir.node("Constant", [], attributes={"value": ir.tensor(np.asarray(array, np.int64))}, name=name)
+            node.outputs[0].name = name
+            return node
+
+        shape = constant("gqa.query_factor_shape", [0, 0, 1])
+        turned = ir.node("Transpose", [attention.query_factor], attributes={"perm": [0, 2, 1, 3]}, name="gqa.query_factor_bshd")
+        flat = ir.node("Reshape", [turned.outputs[0], shape.outputs[0]], name="gqa.query_factor")
+        nodes = [shape, turned, flat]
+        if packed:
+            q_columns = attention.num_heads * attention.head_size
+            sizes = constant("gqa.query_columns", [q_columns, 2 * attention.kv_num_heads * attention.head_size])
+            split = ir.node("Split", [query, sizes.outputs[0]], attributes={"axis": -1}, num_outputs=2, name="gqa.query_apart")
+            scaled = ir.node("Mul", [split.outputs[0], flat.outputs[0]], name="gqa.query_scaled")
+            joined = ir.node("Concat", [scaled.outputs[0], split.outputs[1]], attributes={"axis": -1}, name="gqa.qkv_scaled")
+            for output, name in zip(split.outputs, ("gqa.query_part", "gqa.key_value_part")):
+                output.name = name
+            nodes += [sizes, split, scaled, joined]
+        else:
+            joined = ir.node("Mul", [query, flat.outputs[0]], name="gqa.query_scaled")
+            nodes.append(joined)
+        for node in nodes:
+            if node.op_type != "Split":
+                node.outputs[0].name = node.name
+        function.insert_before(attention.o_proj, nodes)
+        return joined.outputs[0]
+
     def _rotated(self, model, function, attention: _Attention, qkv, cos_cache, sin_cache) -> tuple:
         """Query, key and value apart (a packed projection split into ``[q | k | v]``), the query and the
         key turned by ``RotaryEmbedding`` nodes (:func:`~onnx_modular.passes.fusions.rotary.rotary_nodes`)."""
@@ -440,6 +478,8 @@ class FuseGroupQueryAttentionPass(_fusion.FusionPass):
                 node.outputs[0].name = node.name
             function.insert_before(attention.o_proj, [shape, *turned, *merged])
             query, key, value = (node.outputs[0] for node in merged)
+        if attention.query_factor is not None:
+            query = self._scaled_query(function, attention, query, key is None)
         if separate:
             query, key, value = self._rotated(model, function, attention, (query, key, value), cos_cache, sin_cache)
             cos_cache = sin_cache = None

@@ -134,17 +134,23 @@ def checked_rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value], 
     return cos, sin, width, interleaved
 
 
-def query_rotary(model: ir.Model, query: ir.Value, formals: list[ir.Value]) -> tuple:
+def query_rotary(model: ir.Model, query: ir.Value, formals: list[ir.Value]) -> tuple[tuple, ir.Value | None]:
     """:func:`rotary` of the query the scores read (behind a scale by a constant, a transpose, a cast):
-    ``GroupQueryAttention`` turns the query as it turns the key."""
-    value = query
+    ``GroupQueryAttention`` turns the query as it turns the key. And the factor of a query multiplied
+    after its rotary by one number a position (``[batch, 1, seq, 1]``: Llama 4's attention scale,
+    ``1 + beta * log(1 + floor(pos / original_max))``), else ``None``: the same number on every
+    channel of a position commutes with the rotation, so the query can be scaled before the op."""
+    value, factor = query, None
     while value is not None and value.producer() is not None:
         node = value.producer()
         scaled = node.op_type in ("Mul", "Div") and _fusion.scalar_of(model, node.inputs[1]) is not None
         if node.op_type in ("Mul", "Div") and not scaled and rotary(model, node.inputs[0], formals, "query")[0] is not None:
-            raise _fusion.Refused(f"the query is scaled by a computed value after its rotary ({node.op_type} by "
-                                  f"{node.inputs[1].name}: Llama 4's attention scale by position); the op takes no such scale")
-        if not scaled and node.op_type not in ("Transpose", "Cast", "Identity"):
+            shape = node.inputs[1].shape
+            if node.op_type == "Div" or factor is not None or shape is None or len(shape) != 4 or shape[1] != 1 or shape[3] != 1:
+                raise _fusion.Refused(f"the query is scaled after its rotary by a computed value ({node.op_type} by "
+                                      f"{node.inputs[1].name}) that is not one number a position; the op takes no such scale")
+            factor = node.inputs[1]
+        elif not scaled and node.op_type not in ("Transpose", "Cast", "Identity"):
             break
         value = node.inputs[0]
     try:
@@ -152,8 +158,8 @@ def query_rotary(model: ir.Model, query: ir.Value, formals: list[ir.Value]) -> t
     except _fusion.Refused as refused:
         raise _fusion.Refused(f"the query is not turned by the key's rotary ({refused})") from None
     if found[0] is None and any(n.op_type == "Neg" for n in _producers_bfs(value, lambda n: False)):
-        return None  # a Neg behind the query that is no rotary this module reads
-    return found
+        return None, factor  # a Neg behind the query that is no rotary this module reads
+    return found, factor
 
 
 def needs_rotary_op(attention: Any) -> bool:
