@@ -63,19 +63,22 @@ class Choice:
     symmetric: bool = False
     algorithm: str = "rtn"
     accuracy_level: int = 0
+    #: k-quant's error weighted per input channel by the calibration activations' mean square (llama.cpp's importance matrix).
+    weighted: bool = False
 
     def settings(self) -> QuantizeSettings:
-        return QuantizeSettings(self.bits or 0, self.block_size, self.symmetric, self.accuracy_level or None, self.algorithm)
+        return QuantizeSettings(self.bits or 0, self.block_size, self.symmetric, self.accuracy_level or None, self.algorithm,
+                                embeddings=True)
 
 
 FLOAT = Choice("float")
 #: The builder's int4 (the uniform ``--quantize int4`` file): blocks of 32, symmetric, round to nearest, int8 compute.
 UNIFORM = Choice("int4 b32 sym", 4, 32, True, "rtn", 4)
 CHOICES = (
-    Choice("int4 b64 k-quant", 4, 64, False, "k_quant", 4),
-    Choice("int4 b32 k-quant", 4, 32, False, "k_quant", 4),
+    Choice("int4 b64 k-quant", 4, 64, False, "k_quant", 4, True),
+    Choice("int4 b32 k-quant", 4, 32, False, "k_quant", 4, True),
     UNIFORM,
-    Choice("int4 b16 k-quant", 4, 16, False, "k_quant", 4),
+    Choice("int4 b16 k-quant", 4, 16, False, "k_quant", 4, True),
     Choice("int8 b32 sym", 8, 32, True, "rtn", 4),
 )
 
@@ -165,18 +168,23 @@ def _bad_size(text) -> tuple[str, float]:
                             hint="--max-size 1.0x keeps the uniform int4 file's size.")
 
 
-def _weight_calls(model: onnx.ModelProto) -> list[str]:
-    """Calls whose own body has a MatMul or Gemm reading a formal input (a weight passed down)."""
-    found = []
+def _weight_calls(model: onnx.ModelProto) -> tuple[list[str], set[str]]:
+    """Calls whose own body has a MatMul or Gemm reading a formal input (a weight passed down), or a
+    ``Gather`` of a formal input (an embedding table: ``GatherBlockQuantized`` when quantized); and the
+    calls of the second kind only (which the uniform int4 file leaves float, as the builder does)."""
+    found, tables = [], set()
     for name, call in _calls.module_calls(model).items():
         body = call.function
         if body is None:
             continue
         formal = set(body.input)
-        if any(n.op_type in ("MatMul", "Gemm") and n.domain in ("", "ai.onnx") and len(n.input) > 1 and n.input[1] in formal
-               for n in body.node):
+        ops = {n.op_type for n in body.node if n.domain in ("", "ai.onnx") and len(n.input) > 1 and
+               (n.input[1] in formal if n.op_type in ("MatMul", "Gemm") else n.input[0] in formal)}
+        if ops & {"MatMul", "Gemm", "Gather"}:
             found.append(name)
-    return found
+            if not ops & {"MatMul", "Gemm"}:
+                tables.add(name)
+    return found, tables
 
 
 class _Bench:
@@ -189,12 +197,46 @@ class _Bench:
         self.original = model
         self.work = onnx.ModelProto()
         self.work.CopyFrom(model)
-        self.candidates = _weight_calls(self.work)
+        self.candidates, self.tables = _weight_calls(self.work)
         for name in self.candidates:
             _calls.specialize(self.work, name, including_call=True)
         self.ids = ids
         self.trials = 0
         self.reference = self.logits(self.work)
+        self.importance: dict[str, np.ndarray] = {}
+
+    def uniform(self) -> dict[str, Choice]:
+        """The uniform int4 file's choices: the builder's int4 for every MatMul, embedding tables float."""
+        return {n: FLOAT if n in self.tables else UNIFORM for n in self.candidates}
+
+    def measure_importance(self) -> None:
+        """Per MatMul weight of the candidates (by initializer), the mean squared activation entering each of its
+        input channels on the calibration ids (llama.cpp's importance matrix), from one capture of every call's inputs."""
+        from onnx_modular.calls.capture import call_values_runs
+        from onnx_modular.runtime.generation import prompt_feeds
+
+        calls = _calls.module_calls(self.work)
+        wanted, weights = {}, {}
+        for name in self.candidates:
+            body = calls[name].function
+            matmuls = [n for n in body.node if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and len(n.input) == 2
+                       and n.input[0] in body.input and n.input[1] in body.input]
+            sources = _sources(self.work, name)
+            if len(matmuls) == 1 and len(sources) == 1:  # one weight, read by one MatMul of a formal input
+                wanted[name] = [list(body.input).index(matmuls[0].input[0])]
+                weights[name] = next(iter(sources))
+        if not wanted:
+            return
+        sums: dict[str, np.ndarray] = {}
+        counts: collections.Counter = collections.Counter()
+        runs = call_values_runs(self.work, wanted, lambda session: (prompt_feeds(session, row[None, :]) for row in self.ids))
+        for captured in runs:
+            for name, (inputs, _) in captured.items():
+                x = np.asarray(next(iter(inputs.values())), np.float64)
+                x = x.reshape(-1, x.shape[-1])
+                sums[name] = sums.get(name, 0) + np.sum(x * x, axis=0)
+                counts[name] += x.shape[0]
+        self.importance = {weights[n]: (sums[n] / counts[n]).astype(np.float32) for n in sums}
 
     def build(self, choices: Mapping[str, Choice], model: onnx.ModelProto | None = None) -> onnx.ModelProto:
         """A copy of the work file (or ``model``) with the calls of ``choices`` quantized so, weights inline."""
@@ -207,7 +249,8 @@ class _Bench:
                 groups.setdefault(choice, []).append(name)
         with root_logging_kept():
             for choice, names in groups.items():
-                done = quantize_weights(result, [(calls[n].function, n) for n in names], choice.settings())
+                done = quantize_weights(result, [(calls[n].function, n) for n in names], choice.settings(),
+                                        importance=self.importance if choice.weighted else None)
                 made = {t.name: t for t in result.graph.initializer if t.name in done.sources}
                 for name, source in done.sources.items():
                     tensor = made[name]
@@ -319,7 +362,9 @@ def quantize_auto(model: onnx.ModelProto, ids: np.ndarray, *, max_size: tuple[st
     if not bench.candidates:
         raise InvalidInputError("quantize auto: no module call of the file has a MatMul weight to quantize.",
                                 hint="Give a decoder exported by onnx_modular (export --task causal-lm-with-past).")
-    uniform_file = bench.build_shared(dict.fromkeys(bench.candidates, UNIFORM))
+    bench.measure_importance()
+    uniform_choices = bench.uniform()
+    uniform_file = bench.build_shared(uniform_choices)
     uniform_bytes = bench.size_of(uniform_file)
     uniform = bench.measure(uniform_file)
     options: dict[str, list[tuple[Choice, int, float]]] = {}
@@ -340,7 +385,7 @@ def quantize_auto(model: onnx.ModelProto, ids: np.ndarray, *, max_size: tuple[st
     else:
         budget, budget_from = int(max_size[1]), "--max-size"
     # all but the choosable weights, as the uniform file has it (names and bodies included)
-    rest = uniform_bytes - sum(next(b for c, b, _ in o if c == UNIFORM) for o in options.values())
+    rest = uniform_bytes - sum(next(b for c, b, _ in o if c == uniform_choices[n]) for n, o in options.items())
     chosen, result = _solve(bench, options, budget, budget_from, rest)
     size = bench.size_of(result)
     rows = [CallChoice(n, chosen[n].name, next(kl for c, _, kl in options[n] if c == chosen[n]),
@@ -394,11 +439,16 @@ def _solve(bench: _Bench, options: dict[str, list[tuple[Choice, int, float]]], b
     return min(fits, key=lambda fit: predicted(fit[0]))
 
 
-def _own_bytes(model: onnx.ModelProto, name: str) -> int:
-    """The float bytes of the weights the call ``name`` reads in its own body (traced to the main graph)."""
+def _sources(model: onnx.ModelProto, name: str) -> set[str]:
+    """The main-graph initializers of the weights (and embedding tables) the call ``name`` reads in its own body."""
     trial = onnx.ModelProto()
     trial.CopyFrom(model)
     calls = _calls.module_calls(trial)
-    done = quantize_weights(trial, [(calls[name].function, name)], QuantizeSettings(8, 32, True, None))
-    sources = {n.rsplit("_Q8", 1)[0] for n in done.sources if "_Q8" in n}
+    done = quantize_weights(trial, [(calls[name].function, name)], QuantizeSettings(8, 32, True, None, embeddings=True))
+    return {n.rsplit("_Q8", 1)[0] for n in done.sources if "_Q8" in n}
+
+
+def _own_bytes(model: onnx.ModelProto, name: str) -> int:
+    """The float bytes of the weights the call ``name`` reads in its own body (traced to the main graph)."""
+    sources = _sources(model, name)
     return sum(len(t.raw_data) for t in model.graph.initializer if t.name in sources)
