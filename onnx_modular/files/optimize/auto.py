@@ -3,19 +3,25 @@
 On the fused file (weights in memory):
 
 1. Every call with a MatMul weight in its own body (the packed Q/K/V of an attention body, each
-   projection's ``Linear``, ``lm_head``) gets a body of its own
+   projection's ``Linear``, ``lm_head``), or an embedding table (a ``Gather`` of a weight, read as
+   ``GatherBlockQuantized`` from its own packed table when quantized; the builder and the uniform
+   int4 file leave an untied one float32), gets a body of its own
    (:func:`~onnx_modular.calls.targets.specialize`).
-2. **Sensitivity**: for each such call and each :data:`CHOICES` entry (int4 at blocks of 16 to 128 with
+2. **Importance**: one run per calibration row of a copy that returns each MatMul's input
+   (:func:`~onnx_modular.calls.capture.call_values_runs`) gives, per weight, the mean squared
+   activation entering each input channel (llama.cpp's importance matrix); the k-quant rounding
+   weights each channel's error by it.
+3. **Sensitivity**: for each such call and each :data:`CHOICES` entry (int4 at blocks of 16 to 64 with
    k-quant rounding, the builder's int4 (blocks of 32, symmetric, round-to-nearest), int8), the file
    with that call alone quantized so is run on the calibration ids; its mean next-token KL against
    the float file (:mod:`onnx_modular.check.quality`) and the bytes it saves are recorded. The weights
    are packed by the weight-quantization pass (:mod:`onnx_modular.passes.precision.quantize_weights`,
    onnxruntime's packing; k-quant: :mod:`onnx_modular.passes.precision.kquant`).
-3. **Choice**: the KL of a file is predicted as the sum of its calls' KLs; the choice per call
+4. **Choice**: the KL of a file is predicted as the sum of its calls' KLs; the choice per call
    (float included) that minimises it within the size budget is found by dynamic programming over
    the bytes (:func:`choose`). The budget: ``max_size`` (bytes, or a ratio of the uniform file), by
    default the size of ``--quantize int4``'s uniform file (the builder's recipe) of the same input.
-4. The file is built with those choices, measured on the calibration ids (KL, top-1, perplexity),
+5. The file is built with those choices, measured on the calibration ids (KL, top-1, perplexity),
    and, when it is over the budget (the bodies no longer shared add bytes), chosen again within
    the budget less the excess.
 
@@ -108,6 +114,8 @@ class AutoReport:
         uniform: The uniform int4 file (the builder's recipe) on the same ids.
         sensitivity: Per call, per choice, its KL alone (all that was measured).
         trials / seconds: Files run, and the time taken.
+        weighted: The weights whose k-quant rounding was weighted by their input channels' importance
+            (the calibration activations' mean square).
     """
 
     calls: list[CallChoice]
@@ -121,11 +129,13 @@ class AutoReport:
     sensitivity: dict[str, dict[str, float]]
     trials: int
     seconds: float
+    weighted: int = 0
 
     def text(self) -> str:
         m, u = self.measured, self.uniform
         lines = [f"Quantized (auto): each call's precision chosen on {m.positions} calibration positions, "
-                 f"{self.trials} trial files, {self.seconds:.1f} s",
+                 f"{self.trials} trial files, {self.seconds:.1f} s; k-quant weighted by the calibration activations "
+                 f"(importance) for {self.weighted} weights",
                  f"  budget {self.budget:,} bytes ({self.budget_from}); file {self.bytes:,} bytes "
                  f"({self.bytes / self.uniform_bytes:.3f}x the uniform int4 file's {self.uniform_bytes:,})",
                  f"  mean next-token KL: predicted {self.predicted_kl:.3g}, measured {m.kl_mean:.3g} nats; top-1 {m.top1:.2%}; "
@@ -393,7 +403,7 @@ def quantize_auto(model: onnx.ModelProto, ids: np.ndarray, *, max_size: tuple[st
     measured = bench.measure(result)
     measured.shares = {r.call: r.kl for r in rows}
     report = AutoReport(rows, budget, budget_from, size, uniform_bytes, sum(r.kl for r in rows), measured, uniform,
-                        sensitivity, bench.trials, time.perf_counter() - start)
+                        sensitivity, bench.trials, time.perf_counter() - start, len(bench.importance))
     return result, report
 
 
