@@ -374,3 +374,26 @@ def test_weighted_k_quant_lowers_the_weighted_error():
         ours = block_error(weight, ones, *weighted_k_quant(weight, ones, 4, block), block)
         theirs = block_error(weight, ones, *quant_tensor_k_quant_cpu(weight.copy(), 4, block), block)
         assert ours < 0.97 * theirs, (block, ours, theirs)
+
+
+def test_call_values_over_several_runs_are_each_runs_values(trained):
+    """``call_values_runs`` (what ``--quantize auto`` captures each MatMul's input with, for the importance of its
+    channels): one copy, one result per run, each equal to ``call_values`` on that run's feeds alone."""
+    from onnx_modular.calls.capture import call_values, call_values_runs
+    from onnx_modular.runtime.generation import prompt_feeds
+    from onnx_modular.runtime.sessions import session
+
+    _, _, fused, calibration, _ = trained
+    ids = np.load(calibration)["input_ids"]
+    model = onnx.load(str(fused))
+    wanted = {"model.layers.1.mlp.down_proj": [0]}
+    feeds = [prompt_feeds(session(str(fused)), row[None, :]) for row in ids]
+    runs = list(call_values_runs(model, wanted, lambda sess: (prompt_feeds(sess, row[None, :]) for row in ids),
+                                 external_data_folder=str(fused.parent)))
+    assert len(runs) == len(ids)
+    for run, feed in zip(runs, feeds):
+        inputs, outputs = run["model.layers.1.mlp.down_proj"]
+        alone_inputs, alone_outputs = call_values(model, fused, wanted, feed)["model.layers.1.mlp.down_proj"]
+        assert inputs[0].shape[:2] == (1, ids.shape[1]) and inputs[0].shape[2] > 64  # the MLP's inner width
+        np.testing.assert_array_equal(inputs[0], alone_inputs[0])
+        np.testing.assert_array_equal(outputs[0], alone_outputs[0])

@@ -207,9 +207,12 @@ class _Bench:
         self.original = model
         self.work = onnx.ModelProto()
         self.work.CopyFrom(model)
-        self.candidates, self.tables = _weight_calls(self.work)
-        for name in self.candidates:
+        candidates, self.tables = _weight_calls(self.work)
+        for name in candidates:
             _calls.specialize(self.work, name, including_call=True)
+        # the main-graph weights each call reads in its own body; a call with none (a Gather of an activation) is no candidate
+        self.sources = {name: _sources(self.work, name) for name in candidates}
+        self.candidates = [name for name in candidates if self.sources[name]]
         self.ids = ids
         self.trials = 0
         self.reference = self.logits(self.work)
@@ -231,7 +234,7 @@ class _Bench:
             body = calls[name].function
             matmuls = [n for n in body.node if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and len(n.input) == 2
                        and n.input[0] in body.input and n.input[1] in body.input]
-            sources = _sources(self.work, name)
+            sources = self.sources[name]
             if len(matmuls) == 1 and len(sources) == 1:  # one weight, read by one MatMul of a formal input
                 wanted[name] = [list(body.input).index(matmuls[0].input[0])]
                 weights[name] = next(iter(sources))
@@ -385,7 +388,7 @@ def quantize_auto(model: onnx.ModelProto, ids: np.ndarray, *, max_size: tuple[st
             trial = bench.build({name: choice})
             saved = _weight_bytes(trial, bench.work)
             rows.append((choice, saved, bench.measure(trial).kl_mean))
-        own = _own_bytes(bench.work, name)
+        own = sum(len(t.raw_data) for t in bench.work.graph.initializer if t.name in bench.sources[name])
         options[name] = [(FLOAT, own, 0.0)] + [(c, own + saved, kl) for c, saved, kl in rows]
         sensitivity[name] = {c.name: kl for c, _, kl in rows}
     if max_size is None:
@@ -457,8 +460,3 @@ def _sources(model: onnx.ModelProto, name: str) -> set[str]:
     done = quantize_weights(trial, [(calls[name].function, name)], QuantizeSettings(8, 32, True, None, embeddings=True))
     return {n.rsplit("_Q8", 1)[0] for n in done.sources if "_Q8" in n}
 
-
-def _own_bytes(model: onnx.ModelProto, name: str) -> int:
-    """The float bytes of the weights the call ``name`` reads in its own body (traced to the main graph)."""
-    sources = _sources(model, name)
-    return sum(len(t.raw_data) for t in model.graph.initializer if t.name in sources)
