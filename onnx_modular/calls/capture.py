@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,7 @@ from onnx_modular.runtime import sessions as runtime
 
 __all__ = [
     "PROBE_BUDGET", "CallEntry", "CallValues", "Instrumented", "batches", "call_batches", "call_outputs", "call_values",
+    "call_values_runs",
     "flatten_probes", "instrument", "low_memory", "paired_calls",
 ]
 
@@ -166,6 +167,19 @@ def call_values(
     Runs a copy in which each call's chain of callers has bodies of its own that also return
     the call's values (the model's other calls keep their shared bodies).
     """
+    return next(call_values_runs(model, wanted, lambda _session: [feeds], external_data_folder=runtime.external_data_folder(path, model)))
+
+
+def call_values_runs(
+    model: onnx.ModelProto,
+    wanted: Mapping[str, list[int]],
+    feeds: Callable[[Any], Iterable[Mapping[str, np.ndarray]]],
+    *,
+    external_data_folder: str | os.PathLike | None = None,
+) -> Iterator[dict[str, tuple[dict[int, np.ndarray], list[np.ndarray]]]]:
+    """:func:`call_values` over several runs of one copy: ``feeds(session)`` gives the feeds of each run
+    (from the copy's open session, e.g. :func:`onnx_modular.runtime.generation.prompt_feeds`); one
+    result per run, as :func:`call_values` returns it."""
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     # One walk of the calls, again only after a call got bodies of its own: the calls of a class sit
@@ -188,14 +202,15 @@ def call_values(
         call = calls.get(name) or targets.find_call(probe, name)
         values = [call.node.input[i] if i < len(call.node.input) else "" for i in indices] + list(call.node.output)
         plan[name] = (indices, targets.expose(probe, call, values, taken))
-    folder = runtime.external_data_folder(path, model)
-    names, arrays = runtime.run(probe.SerializeToString(), feeds, what="model", external_data_folder=folder)
-    by_name = dict(zip(names, arrays))
-    captured = {}
-    for name, (indices, outputs) in plan.items():
-        values = [by_name.get(output) if output else None for output in outputs]
-        captured[name] = (dict(zip(indices, values[: len(indices)])), values[len(indices) :])
-    return captured
+    session = runtime.session(probe.SerializeToString(), external_data_folder=external_data_folder, arena=False, what="model")
+    for run_feeds in feeds(session):
+        names, arrays = runtime.run(session, run_feeds, what="model")
+        by_name = dict(zip(names, arrays))
+        captured = {}
+        for name, (indices, outputs) in plan.items():
+            values = [by_name.get(output) if output else None for output in outputs]
+            captured[name] = (dict(zip(indices, values[: len(indices)])), values[len(indices) :])
+        yield captured
 
 
 @dataclasses.dataclass

@@ -122,3 +122,71 @@ def test_a_table_read_otherwise_stays_float_with_the_reason():
     assert [n.op_type for n in _bodies(model)["Embedding"].node] == ["Gather"]
     assert done.tied == [] and done.quantized == []
     assert {t.name for t in model.graph.initializer} == {"W"}
+
+
+def _untied(hidden: int, shared: bool = False) -> tuple[onnx.ModelProto, np.ndarray]:
+    """An embedding body reading its own table ``W`` (``shared``: a second body reads ``W`` too, as a MatMul weight)."""
+    other = "\n  p = pkg.test.Proj(h, W)" if shared else ""
+    outputs = f", float[2, 3, {V}] p" if shared else ""
+    text = f"""
+<ir_version: 10, opset_import: ["" : 18, "pkg.test" : 1]>
+main (int64[2, 3] ids) => (float[2, 3, {hidden}] h{outputs}) {{
+  h = pkg.test.Embedding(ids, W){other}
+}}
+<domain: "pkg.test", opset_import: ["" : 18]>
+Embedding (input, weight) => (output) {{
+  output = Gather(weight, input)
+}}
+<domain: "pkg.test", opset_import: ["" : 18]>
+Proj (input, weight) => (out) {{
+  t = Transpose <perm = [1, 0]> (weight)
+  out = MatMul(input, t)
+}}"""
+    model = onnx.parser.parse_model(text)
+    if not shared:
+        del model.functions[1:]
+    table = np.random.default_rng(1).standard_normal((V, hidden)).astype(np.float32)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(table, "W"))
+    return model, table
+
+
+@pytest.mark.parametrize(("bits", "symmetric", "hidden"), [(4, True, 64), (8, True, 64), (4, False, 40), (8, False, 40)])
+def test_untied_embedding_as_gather_block_quantized(bits, symmetric, hidden):
+    """``QuantizeSettings(embeddings=True)`` (``optimize --quantize auto``'s embedding choice): an untied
+    table read by ``Gather`` becomes ``GatherBlockQuantized`` on its own packed table (a hidden size of no
+    whole blocks padded, then sliced back); the float table goes; each gathered row is within one
+    quantization step of the float row (half a step of rounding, half of the zero point's rounding or
+    of symmetric int4's unused +8). Without the setting (the builder's default) it stays float."""
+    model, table = _untied(hidden)
+    left = quantize_weights(model, [(f, f.name) for f in model.functions], QuantizeSettings(bits, 32, symmetric))
+    assert not left.tied and any(n.op_type == "Gather" for n in model.functions[0].node)
+    done = quantize_weights(model, [(f, f.name) for f in model.functions],
+                            QuantizeSettings(bits, 32, symmetric, embeddings=True))
+    assert [label for label, _ in done.tied] == ["Embedding"] and not done.quantized
+    for tensor in model.graph.initializer:
+        if tensor.name in done.sources:
+            tensor.CopyFrom(onnx.numpy_helper.from_array(np.asarray(done.sources[tensor.name]()), tensor.name))
+    kept = [t for t in model.graph.initializer if t.name != "W"]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    ops = [n.op_type for n in model.functions[0].node]
+    assert "GatherBlockQuantized" in ops and "Gather" not in ops and ("Slice" in ops) == (hidden % 32 != 0)
+    ids = np.array([[0, 5, 47], [3, 3, 12]], np.int64)
+    rows = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+    expected = table[ids]
+    blocks = np.pad(expected, ((0, 0), (0, 0), (0, -hidden % 32))).reshape(2, 3, -1, 32)
+    step = (blocks.max(-1) - blocks.min(-1)) / (2 ** bits - 1)  # each block's quantization step
+    if symmetric:
+        step = np.abs(blocks).max(-1) / 2 ** (bits - 1)
+    bound = np.repeat(step, 32, axis=-1)[..., :hidden] * 1.001 + 1e-6
+    error = np.abs(rows - expected)
+    assert np.all(error <= bound), (error / bound).max()
+    assert error.mean() < 0.5 * bound.mean()
+
+
+def test_a_table_other_bodies_read_stays_float():
+    """A table the embedding shares with another reader (a head of its own, not quantized with it) is not split."""
+    model, _ = _untied(64, shared=True)
+    done = quantize_weights(model, [(model.functions[0], "Embedding")], QuantizeSettings(4, 32, True, embeddings=True))
+    assert not done.tied and "W" in {t.name for t in model.graph.initializer}
+    assert any(n.op_type == "Gather" for n in model.functions[0].node)

@@ -3,19 +3,25 @@
 On the fused file (weights in memory):
 
 1. Every call with a MatMul weight in its own body (the packed Q/K/V of an attention body, each
-   projection's ``Linear``, ``lm_head``) gets a body of its own
+   projection's ``Linear``, ``lm_head``), or an embedding table (a ``Gather`` of a weight, read as
+   ``GatherBlockQuantized`` from its own packed table when quantized; the builder and the uniform
+   int4 file leave an untied one float32), gets a body of its own
    (:func:`~onnx_modular.calls.targets.specialize`).
-2. **Sensitivity**: for each such call and each :data:`CHOICES` entry (int4 at blocks of 16 to 128 with
+2. **Importance**: one run per calibration row of a copy that returns each MatMul's input
+   (:func:`~onnx_modular.calls.capture.call_values_runs`) gives, per weight, the mean squared
+   activation entering each input channel (llama.cpp's importance matrix); the k-quant rounding
+   weights each channel's error by it.
+3. **Sensitivity**: for each such call and each :data:`CHOICES` entry (int4 at blocks of 16 to 64 with
    k-quant rounding, the builder's int4 (blocks of 32, symmetric, round-to-nearest), int8), the file
    with that call alone quantized so is run on the calibration ids; its mean next-token KL against
    the float file (:mod:`onnx_modular.check.quality`) and the bytes it saves are recorded. The weights
    are packed by the weight-quantization pass (:mod:`onnx_modular.passes.precision.quantize_weights`,
    onnxruntime's packing; k-quant: :mod:`onnx_modular.passes.precision.kquant`).
-3. **Choice**: the KL of a file is predicted as the sum of its calls' KLs; the choice per call
+4. **Choice**: the KL of a file is predicted as the sum of its calls' KLs; the choice per call
    (float included) that minimises it within the size budget is found by dynamic programming over
    the bytes (:func:`choose`). The budget: ``max_size`` (bytes, or a ratio of the uniform file), by
    default the size of ``--quantize int4``'s uniform file (the builder's recipe) of the same input.
-4. The file is built with those choices, measured on the calibration ids (KL, top-1, perplexity),
+5. The file is built with those choices, measured on the calibration ids (KL, top-1, perplexity),
    and, when it is over the budget (the bodies no longer shared add bytes), chosen again within
    the budget less the excess.
 
@@ -63,19 +69,22 @@ class Choice:
     symmetric: bool = False
     algorithm: str = "rtn"
     accuracy_level: int = 0
+    #: k-quant's error weighted per input channel by the calibration activations' mean square (llama.cpp's importance matrix).
+    weighted: bool = False
 
     def settings(self) -> QuantizeSettings:
-        return QuantizeSettings(self.bits or 0, self.block_size, self.symmetric, self.accuracy_level or None, self.algorithm)
+        return QuantizeSettings(self.bits or 0, self.block_size, self.symmetric, self.accuracy_level or None, self.algorithm,
+                                embeddings=True)
 
 
 FLOAT = Choice("float")
 #: The builder's int4 (the uniform ``--quantize int4`` file): blocks of 32, symmetric, round to nearest, int8 compute.
 UNIFORM = Choice("int4 b32 sym", 4, 32, True, "rtn", 4)
 CHOICES = (
-    Choice("int4 b64 k-quant", 4, 64, False, "k_quant", 4),
-    Choice("int4 b32 k-quant", 4, 32, False, "k_quant", 4),
+    Choice("int4 b64 k-quant", 4, 64, False, "k_quant", 4, True),
+    Choice("int4 b32 k-quant", 4, 32, False, "k_quant", 4, True),
     UNIFORM,
-    Choice("int4 b16 k-quant", 4, 16, False, "k_quant", 4),
+    Choice("int4 b16 k-quant", 4, 16, False, "k_quant", 4, True),
     Choice("int8 b32 sym", 8, 32, True, "rtn", 4),
 )
 
@@ -105,6 +114,8 @@ class AutoReport:
         uniform: The uniform int4 file (the builder's recipe) on the same ids.
         sensitivity: Per call, per choice, its KL alone (all that was measured).
         trials / seconds: Files run, and the time taken.
+        weighted: The weights whose k-quant rounding was weighted by their input channels' importance
+            (the calibration activations' mean square).
     """
 
     calls: list[CallChoice]
@@ -118,11 +129,13 @@ class AutoReport:
     sensitivity: dict[str, dict[str, float]]
     trials: int
     seconds: float
+    weighted: int = 0
 
     def text(self) -> str:
         m, u = self.measured, self.uniform
         lines = [f"Quantized (auto): each call's precision chosen on {m.positions} calibration positions, "
-                 f"{self.trials} trial files, {self.seconds:.1f} s",
+                 f"{self.trials} trial files, {self.seconds:.1f} s; k-quant weighted by the calibration activations "
+                 f"(importance) for {self.weighted} weights",
                  f"  budget {self.budget:,} bytes ({self.budget_from}); file {self.bytes:,} bytes "
                  f"({self.bytes / self.uniform_bytes:.3f}x the uniform int4 file's {self.uniform_bytes:,})",
                  f"  mean next-token KL: predicted {self.predicted_kl:.3g}, measured {m.kl_mean:.3g} nats; top-1 {m.top1:.2%}; "
@@ -165,18 +178,23 @@ def _bad_size(text) -> tuple[str, float]:
                             hint="--max-size 1.0x keeps the uniform int4 file's size.")
 
 
-def _weight_calls(model: onnx.ModelProto) -> list[str]:
-    """Calls whose own body has a MatMul or Gemm reading a formal input (a weight passed down)."""
-    found = []
+def _weight_calls(model: onnx.ModelProto) -> tuple[list[str], set[str]]:
+    """Calls whose own body has a MatMul or Gemm reading a formal input (a weight passed down), or a
+    ``Gather`` of a formal input (an embedding table: ``GatherBlockQuantized`` when quantized); and the
+    calls of the second kind only (which the uniform int4 file leaves float, as the builder does)."""
+    found, tables = [], set()
     for name, call in _calls.module_calls(model).items():
         body = call.function
         if body is None:
             continue
         formal = set(body.input)
-        if any(n.op_type in ("MatMul", "Gemm") and n.domain in ("", "ai.onnx") and len(n.input) > 1 and n.input[1] in formal
-               for n in body.node):
+        ops = {n.op_type for n in body.node if n.domain in ("", "ai.onnx") and len(n.input) > 1 and
+               (n.input[1] in formal if n.op_type in ("MatMul", "Gemm") else n.input[0] in formal)}
+        if ops & {"MatMul", "Gemm", "Gather"}:
             found.append(name)
-    return found
+            if not ops & {"MatMul", "Gemm"}:
+                tables.add(name)
+    return found, tables
 
 
 class _Bench:
@@ -189,12 +207,49 @@ class _Bench:
         self.original = model
         self.work = onnx.ModelProto()
         self.work.CopyFrom(model)
-        self.candidates = _weight_calls(self.work)
-        for name in self.candidates:
+        candidates, self.tables = _weight_calls(self.work)
+        for name in candidates:
             _calls.specialize(self.work, name, including_call=True)
+        # the main-graph weights each call reads in its own body; a call with none (a Gather of an activation) is no candidate
+        self.sources = {name: _sources(self.work, name) for name in candidates}
+        self.candidates = [name for name in candidates if self.sources[name]]
         self.ids = ids
         self.trials = 0
         self.reference = self.logits(self.work)
+        self.importance: dict[str, np.ndarray] = {}
+
+    def uniform(self) -> dict[str, Choice]:
+        """The uniform int4 file's choices: the builder's int4 for every MatMul, embedding tables float."""
+        return {n: FLOAT if n in self.tables else UNIFORM for n in self.candidates}
+
+    def measure_importance(self) -> None:
+        """Per MatMul weight of the candidates (by initializer), the mean squared activation entering each of its
+        input channels on the calibration ids (llama.cpp's importance matrix), from one capture of every call's inputs."""
+        from onnx_modular.calls.capture import call_values_runs
+        from onnx_modular.runtime.generation import prompt_feeds
+
+        calls = _calls.module_calls(self.work)
+        wanted, weights = {}, {}
+        for name in self.candidates:
+            body = calls[name].function
+            matmuls = [n for n in body.node if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and len(n.input) == 2
+                       and n.input[0] in body.input and n.input[1] in body.input]
+            sources = self.sources[name]
+            if len(matmuls) == 1 and len(sources) == 1:  # one weight, read by one MatMul of a formal input
+                wanted[name] = [list(body.input).index(matmuls[0].input[0])]
+                weights[name] = next(iter(sources))
+        if not wanted:
+            return
+        sums: dict[str, np.ndarray] = {}
+        counts: collections.Counter = collections.Counter()
+        runs = call_values_runs(self.work, wanted, lambda session: (prompt_feeds(session, row[None, :]) for row in self.ids))
+        for captured in runs:
+            for name, (inputs, _) in captured.items():
+                x = np.asarray(next(iter(inputs.values())), np.float64)
+                x = x.reshape(-1, x.shape[-1])
+                sums[name] = sums.get(name, 0) + np.sum(x * x, axis=0)
+                counts[name] += x.shape[0]
+        self.importance = {weights[n]: (sums[n] / counts[n]).astype(np.float32) for n in sums}
 
     def build(self, choices: Mapping[str, Choice], model: onnx.ModelProto | None = None) -> onnx.ModelProto:
         """A copy of the work file (or ``model``) with the calls of ``choices`` quantized so, weights inline."""
@@ -207,7 +262,8 @@ class _Bench:
                 groups.setdefault(choice, []).append(name)
         with root_logging_kept():
             for choice, names in groups.items():
-                done = quantize_weights(result, [(calls[n].function, n) for n in names], choice.settings())
+                done = quantize_weights(result, [(calls[n].function, n) for n in names], choice.settings(),
+                                        importance=self.importance if choice.weighted else None)
                 made = {t.name: t for t in result.graph.initializer if t.name in done.sources}
                 for name, source in done.sources.items():
                     tensor = made[name]
@@ -319,7 +375,9 @@ def quantize_auto(model: onnx.ModelProto, ids: np.ndarray, *, max_size: tuple[st
     if not bench.candidates:
         raise InvalidInputError("quantize auto: no module call of the file has a MatMul weight to quantize.",
                                 hint="Give a decoder exported by onnx_modular (export --task causal-lm-with-past).")
-    uniform_file = bench.build_shared(dict.fromkeys(bench.candidates, UNIFORM))
+    bench.measure_importance()
+    uniform_choices = bench.uniform()
+    uniform_file = bench.build_shared(uniform_choices)
     uniform_bytes = bench.size_of(uniform_file)
     uniform = bench.measure(uniform_file)
     options: dict[str, list[tuple[Choice, int, float]]] = {}
@@ -330,7 +388,7 @@ def quantize_auto(model: onnx.ModelProto, ids: np.ndarray, *, max_size: tuple[st
             trial = bench.build({name: choice})
             saved = _weight_bytes(trial, bench.work)
             rows.append((choice, saved, bench.measure(trial).kl_mean))
-        own = _own_bytes(bench.work, name)
+        own = sum(len(t.raw_data) for t in bench.work.graph.initializer if t.name in bench.sources[name])
         options[name] = [(FLOAT, own, 0.0)] + [(c, own + saved, kl) for c, saved, kl in rows]
         sensitivity[name] = {c.name: kl for c, _, kl in rows}
     if max_size is None:
@@ -340,7 +398,7 @@ def quantize_auto(model: onnx.ModelProto, ids: np.ndarray, *, max_size: tuple[st
     else:
         budget, budget_from = int(max_size[1]), "--max-size"
     # all but the choosable weights, as the uniform file has it (names and bodies included)
-    rest = uniform_bytes - sum(next(b for c, b, _ in o if c == UNIFORM) for o in options.values())
+    rest = uniform_bytes - sum(next(b for c, b, _ in o if c == uniform_choices[n]) for n, o in options.items())
     chosen, result = _solve(bench, options, budget, budget_from, rest)
     size = bench.size_of(result)
     rows = [CallChoice(n, chosen[n].name, next(kl for c, _, kl in options[n] if c == chosen[n]),
@@ -348,7 +406,7 @@ def quantize_auto(model: onnx.ModelProto, ids: np.ndarray, *, max_size: tuple[st
     measured = bench.measure(result)
     measured.shares = {r.call: r.kl for r in rows}
     report = AutoReport(rows, budget, budget_from, size, uniform_bytes, sum(r.kl for r in rows), measured, uniform,
-                        sensitivity, bench.trials, time.perf_counter() - start)
+                        sensitivity, bench.trials, time.perf_counter() - start, len(bench.importance))
     return result, report
 
 
@@ -394,11 +452,11 @@ def _solve(bench: _Bench, options: dict[str, list[tuple[Choice, int, float]]], b
     return min(fits, key=lambda fit: predicted(fit[0]))
 
 
-def _own_bytes(model: onnx.ModelProto, name: str) -> int:
-    """The float bytes of the weights the call ``name`` reads in its own body (traced to the main graph)."""
+def _sources(model: onnx.ModelProto, name: str) -> set[str]:
+    """The main-graph initializers of the weights (and embedding tables) the call ``name`` reads in its own body."""
     trial = onnx.ModelProto()
     trial.CopyFrom(model)
     calls = _calls.module_calls(trial)
-    done = quantize_weights(trial, [(calls[name].function, name)], QuantizeSettings(8, 32, True, None))
-    sources = {n.rsplit("_Q8", 1)[0] for n in done.sources if "_Q8" in n}
-    return sum(len(t.raw_data) for t in model.graph.initializer if t.name in sources)
+    done = quantize_weights(trial, [(calls[name].function, name)], QuantizeSettings(8, 32, True, None, embeddings=True))
+    return {n.rsplit("_Q8", 1)[0] for n in done.sources if "_Q8" in n}
+

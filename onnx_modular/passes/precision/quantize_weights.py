@@ -19,13 +19,14 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
 import onnx.helper
 import onnx.numpy_helper
 
+from onnx_modular.passes.precision import kquant as _kquant
 from onnx_modular.passes.precision.tied_weights import TRANSPOSED_REASON, gather_block_quantized, tied_uses
 from onnx_modular.passes.proto_bodies import Body, body_names, call_sites, ensure_opset, function_id, uses
 
@@ -53,8 +54,14 @@ class QuantizeSettings:
     symmetric: bool = False
     accuracy_level: int | None = None
     #: The rounding: ``"rtn"`` (onnxruntime's ``DefaultWeightOnlyQuantizer``) or ``"k_quant"``
-    #: (:mod:`onnx_modular.passes.precision.kquant`; asymmetric only).
+    #: (:mod:`onnx_modular.passes.precision.kquant`; asymmetric only; importance-weighted when
+    #: :func:`quantize_weights` is given an ``importance``).
     algorithm: str = "rtn"
+    #: Also the embedding tables: every axis-0 ``Gather`` of a 2-D float32 weight in the bodies (read
+    #: nowhere else) becomes ``GatherBlockQuantized`` on the table packed as ``MatMulNBits`` packs
+    #: its transpose (:func:`.tied_weights.gather_block_quantized`). onnxruntime-genai's builder
+    #: leaves an untied embedding float32; ``optimize --quantize auto`` offers it.
+    embeddings: bool = False
 
 
 @dataclasses.dataclass
@@ -65,8 +72,8 @@ class QuantizedWeights:
         quantized: The ``MatMulNBits`` made, as ``(body label, node)``.
         skipped: The weight-reading nodes left as they were, as ``(body label, node, reason)``.
         sources: New main-graph initializer -> a function computing its values (packed when called).
-        tied: The embedding ``Gather`` nodes now reading a tied head's packed weight
-            (``GatherBlockQuantized``), as ``(body label, node)``.
+        tied: The embedding ``Gather`` nodes now reading a packed table (``GatherBlockQuantized``): a
+            tied head's, or their own (:attr:`QuantizeSettings.embeddings`), as ``(body label, node)``.
     """
 
     quantized: list[tuple[str, str]] = dataclasses.field(default_factory=list)
@@ -76,22 +83,26 @@ class QuantizedWeights:
 
 
 def quantize_weights(model: onnx.ModelProto, bodies: Sequence[tuple[Body, str]], settings: QuantizeSettings,
-                     *, folder: str | None = None) -> QuantizedWeights:
+                     *, folder: str | None = None, importance: Mapping[str, np.ndarray] | None = None) -> QuantizedWeights:
     """Quantize the MatMul/Gemm weights of ``bodies`` (``(body, label)``: the main graph and/or
     functions of ``model``, changed in place). ``folder``: where the external data of ``model``'s
-    initializers is (read when a packed initializer's source is called).
+    initializers is (read when a packed initializer's source is called). ``importance``: per main-graph
+    weight (by initializer name), the weight of each input channel's error (the mean squared
+    activation entering it, llama.cpp's importance matrix), used by the k-quant rounding.
 
     Example::
 
         done = quantize_weights(model, [(model.graph, "<main graph>")], QuantizeSettings(bits=4))
     """
-    quantizer = Quantizer(model, folder, settings)
+    quantizer = Quantizer(model, folder, settings, importance)
     result = QuantizedWeights(sources=quantizer.sources)
     result.quantized, result.tied = quantizer.tie(bodies)
     for body, label in bodies:
         done, left = quantizer.quantize_body(body, label)
         result.quantized += done
         result.skipped += left
+        if settings.embeddings:
+            result.tied += quantizer.quantize_gathers(body, label)
     return result
 
 
@@ -112,7 +123,8 @@ def root_logging_kept():
 class Quantizer:
     """Weight-only quantization of MatMul weights inside bodies, packed by onnxruntime."""
 
-    def __init__(self, model: onnx.ModelProto, folder: str | None, settings: QuantizeSettings):
+    def __init__(self, model: onnx.ModelProto, folder: str | None, settings: QuantizeSettings,
+                 importance: Mapping[str, np.ndarray] | None = None):
         bits, block_size, symmetric, accuracy_level = settings.bits, settings.block_size, settings.symmetric, settings.accuracy_level
         with root_logging_kept():
             from onnxruntime.quantization.matmul_nbits_quantizer import (
@@ -130,11 +142,10 @@ class Quantizer:
             DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric, bits=bits, accuracy_level=accuracy_level)
         )
         if settings.algorithm == "k_quant":
-            from onnx_modular.passes.precision.kquant import KQuantPacker
-
             if symmetric:
                 raise ValueError("k-quant rounding is asymmetric (a zero point per block): use symmetric=False")
-            self.packer = KQuantPacker(bits, block_size)
+            self.packer = _kquant.KQuantPacker(bits, block_size)
+        self.importance = dict(importance or {})
         self.parts = [f"_Q{bits}", "_scales"] + ([] if symmetric else ["_zero_points"])
         self.initializers = {t.name: t for t in model.graph.initializer}
         self.sources: dict[str, Callable[[], np.ndarray]] = {}  # new initializer -> its array
@@ -155,7 +166,11 @@ class Quantizer:
         array = onnx.numpy_helper.to_array(tensor, base_dir=self.folder or "").astype(np.float32)
         if name in self.transposed:
             array = np.ascontiguousarray(array.T)
-        packed, scales, zero_points = self.packer.qbits_block_quant(array)
+        weights = self.importance.get(name)
+        if isinstance(self.packer, _kquant.KQuantPacker) and weights is not None and np.size(weights) == array.shape[0]:
+            packed, scales, zero_points = self.packer.qbits_block_quant(array, weights)
+        else:
+            packed, scales, zero_points = self.packer.qbits_block_quant(array)
         return (packed, scales) if self.symmetric else (packed, scales, zero_points)
 
     def _pure(self, body, name: str, depth: int = 0) -> str | None:
@@ -265,6 +280,26 @@ class Quantizer:
                     ensure_opset(self.model, gather_body, MS_DOMAIN)
                     tied.append((labels[self._body_key(gather_body)], gather.name or gather.output[0]))
         return quantized, tied
+
+    def quantize_gathers(self, body, label: str) -> list[tuple[str, str]]:
+        """Every ``Gather`` (axis 0) of ``body`` on a 2-D float32 weight read nowhere else ->
+        ``GatherBlockQuantized`` on the table packed as its transpose would be for ``MatMulNBits``
+        (``[vocab, blocks, blob]``, the same packing and zero points as a tied head's)."""
+        done = []
+        for gather in [n for n in body.node if n.op_type == "Gather" and n.domain in ("", "ai.onnx")]:
+            if any(a.name == "axis" and a.i != 0 for a in gather.attribute) or self._pure(body, gather.input[0]):
+                continue
+            shapes = self._source_shapes(body, gather.input[0])
+            if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+                continue
+            (vocab, hidden), = shapes
+            parts = self._split(body, gather.input[0], transposed=True)
+            nodes = gather_block_quantized(gather, parts, vocab=vocab, hidden=hidden, bits=self.bits,
+                                           block_size=self.block_size, taken=body_names(body))
+            self._replace(body, gather, nodes)
+            ensure_opset(self.model, body, MS_DOMAIN)
+            done.append((label, gather.name or gather.output[0]))
+        return done
 
     def _body_key(self, body) -> tuple[str, str, str] | None:
         """A body's identity (not ``id()``: protobuf's Python wrappers come and go)."""
