@@ -241,6 +241,10 @@ def _packed_initializer(model: ir.Model, arguments: list[ir.Value], name: str, c
     packed = np.concatenate(arrays, axis=-1) if combine is None else np.ascontiguousarray(combine(arrays))
     base = arguments[0].name or name
     candidate = base.replace("q_proj", "qkv_proj") if "q_proj" in base else f"{base}.{name}"
+    if combine is not None:  # the arguments' common module path (``mlp.experts.gate_up_proj``), then the name
+        parts = [(a.name or "").split(".") for a in arguments]
+        common = [p[0] for p in zip(*parts) if len(set(p)) == 1]
+        candidate = ".".join([*common[:min(len(p) for p in parts) - 1], name])
     while candidate in model.graph.initializers:
         candidate += "_"
     value = ir.Value(name=candidate, shape=ir.Shape(packed.shape), type=ir.TensorType(arguments[0].dtype),

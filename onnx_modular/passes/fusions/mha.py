@@ -158,6 +158,8 @@ def _scores(model: ir.Model, softmax: ir.Node) -> tuple[ir.Node, float, ir.Value
             bias = next(v for v in node.inputs if v is not value)
         elif _is_op(node, "Cast", "Identity"):
             value = node.inputs[0]
+        elif _is_op(node, "Gemm"):  # x @ W^T: a projection's softmax (a mixture-of-experts router), no attention
+            raise _fusion.NotApplicable("a Softmax of a Gemm (a router's logits), not of q @ k")
         else:
             what = node.op_type if node is not None else "a formal input"
             raise _fusion.Refused(f"{what} between q @ k and the Softmax (a scale and one additive mask expected)")
@@ -313,6 +315,9 @@ class FuseMultiHeadAttentionPass(_fusion.FusionPass):
             try:
                 attention = _analyse(model, function)
                 self._rewrite(model, function, attention)
+            except _fusion.NotApplicable as refused:
+                self.skipped[key] = str(refused)
+                continue
             except _fusion.Refused as refused:
                 self.reasons[key] = str(refused)
                 continue
