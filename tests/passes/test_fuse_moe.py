@@ -190,3 +190,44 @@ def test_int4_quantizes_the_experts_inside_qmoe(mixtral, tmp_path):
     prompt = np.array([[5, 17, 33, 2, 61, 8]])
     tokens = generate(target, prompt, 6)
     assert tokens.shape == (1, 12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "block", "normalize"), [
+    ("qwen2_moe", "Qwen2MoeSparseMoeBlock", 0),  # its shared expert stays a call beside the op
+    ("qwen3_moe", "Qwen3MoeSparseMoeBlock", 0),
+    ("olmoe", "OlmoeSparseMoeBlock", 0),
+    ("granitemoe", "GraniteMoeMoE", 1),  # top-k of the logits, then a softmax: normalized probabilities
+    ("phimoe", "PhimoeSparseMoeBlock", None),  # a sparse mixer (ArgMax): refused
+])
+def test_other_mixtures_of_experts_as_transformers_writes_them(kind, block, normalize, tmp_path):
+    import torch
+    import transformers
+
+    from onnx_modular.cli import main
+    from onnx_modular.files.optimize.tool import optimize
+
+    torch.manual_seed(0)
+    small = {"vocab_size": 96, "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": LAYERS,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "num_experts_per_tok": TOP_K}
+    experts = {"num_local_experts": EXPERTS} if kind in ("granitemoe", "phimoe") else {"num_experts": EXPERTS}
+    extra = {"moe_intermediate_size": 32} if kind.startswith("qwen") else {}
+    config = transformers.AutoConfig.for_model(kind, **small, **experts, **extra)
+    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(tmp_path / "ckpt")
+    exported, optimized = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
+    assert main(["export", str(tmp_path / "ckpt"), "--task", "causal-lm-with-past", "-o", str(exported),
+                 "--io-names", "optimum", "--no-verify"]) == 0
+    report = optimize(exported, optimized, max_positions=128)
+    moe = [f for f in report.fusions if f.step == "moe"]
+    assert len(moe) == LAYERS and {f.module_class for f in moe} == {block}
+    written = onnx.load(str(optimized), load_external_data=False)
+    ops = [n for f in written.functions for n in f.node if n.op_type == "MoE"]
+    if normalize is None:
+        assert not ops and all("ArgMax" in f.reason for f in moe)
+    else:
+        assert all(f.fused and f.max_abs_diff < ATOL for f in moe) and len(ops) == LAYERS
+        assert {onnx.helper.get_attribute_value(a) for n in ops for a in n.attribute
+                if a.name == "normalize_routing_weights"} == {normalize}
+    assert report.attention == "GroupQueryAttention"  # a router's softmax is no attention refused
+    prompt = np.array([[5, 17, 33, 2, 61, 8]])
+    np.testing.assert_array_equal(generate(optimized, prompt, 10), generate(exported, prompt, 10))

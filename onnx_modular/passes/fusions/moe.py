@@ -142,7 +142,9 @@ def _router(model: ir.Model, indices: ir.Value, weights: ir.Value) -> tuple[_Rou
         raise _fusion.Refused("the expert indices and the routing weights do not come from one router")
     topk = inner_i.producer()
     if topk is None or topk.op_type != "TopK" or topk.outputs[1] is not inner_i:
-        raise _fusion.Refused("the expert indices are not the indices of a TopK")
+        kind = " (they are picked by ArgMax: a sparse mixer, PhiMoE's)" if callee is not None and any(
+            n.op_type == "ArgMax" for n in callee) else ""
+        raise _fusion.Refused(f"the expert indices are not the indices of a TopK{kind}; MoE takes a softmax top-k router")
     if not topk.attributes.get_int("largest", 1) or not _last_axis(topk):
         raise _fusion.Refused("the router's TopK does not take the largest over the experts")
     k = _int(model, topk.inputs[1])
