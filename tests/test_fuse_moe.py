@@ -205,6 +205,7 @@ def test_quantize_packs_the_experts_inside_qmoe(mixtral, tmp_path, quantize, bit
     ("olmoe", "OlmoeSparseMoeBlock", 0),
     ("granitemoe", "GraniteMoeMoE", 1),  # top-k of the logits, then a softmax: normalized probabilities
     ("phimoe", "PhimoeSparseMoeBlock", None),  # a sparse mixer (ArgMax): refused
+    ("gpt_oss", "GptOssMLP", 1),  # biases, gate/up alternating, a clamped swiglu (alpha 1.702, up + 1, limit 7)
 ])
 def test_other_mixtures_of_experts_as_transformers_writes_them(kind, block, normalize, tmp_path):
     import torch
@@ -216,8 +217,10 @@ def test_other_mixtures_of_experts_as_transformers_writes_them(kind, block, norm
     torch.manual_seed(0)
     small = {"vocab_size": 96, "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": LAYERS,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "num_experts_per_tok": TOP_K}
-    experts = {"num_local_experts": EXPERTS} if kind in ("granitemoe", "phimoe") else {"num_experts": EXPERTS}
+    experts = {"num_local_experts": EXPERTS} if kind in ("granitemoe", "phimoe", "gpt_oss") else {"num_experts": EXPERTS}
     extra = {"moe_intermediate_size": 32} if kind.startswith("qwen") else {}
+    if kind == "gpt_oss":  # full attention in every layer (a sliding cache is another export's)
+        extra = {"head_dim": 16, "layer_types": ["full_attention"] * LAYERS}
     config = transformers.AutoConfig.for_model(kind, **small, **experts, **extra)
     transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(tmp_path / "ckpt")
     exported, optimized = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
@@ -234,6 +237,11 @@ def test_other_mixtures_of_experts_as_transformers_writes_them(kind, block, norm
         assert all(f.fused and f.max_abs_diff < ATOL for f in moe) and len(ops) == LAYERS
         assert {onnx.helper.get_attribute_value(a) for n in ops for a in n.attribute
                 if a.name == "normalize_routing_weights"} == {normalize}
-    assert report.attention == "GroupQueryAttention"  # a router's softmax is no attention refused
+    if kind == "gpt_oss":
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in ops[0].attribute}
+        assert attributes["swiglu_limit"] == 7.0 and attributes["activation_beta"] == 1.0
+        assert abs(attributes["activation_alpha"] - 1.702) < 1e-6 and ops[0].input[3] and ops[0].input[5]  # biases
+    else:  # (GPT-OSS's attention sinks drift in GroupQueryAttention: not this step's)
+        assert report.attention == "GroupQueryAttention"  # a router's softmax is no attention refused
     prompt = np.array([[5, 17, 33, 2, 61, 8]])
     np.testing.assert_array_equal(generate(optimized, prompt, 10), generate(exported, prompt, 10))

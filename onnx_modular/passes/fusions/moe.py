@@ -61,6 +61,18 @@ class _Router:
 
 
 @dataclasses.dataclass
+class _Swiglu:
+    """``act(gate) * up`` as MoE's swiglu: ``G * sigmoid(alpha * G) * (L + beta)``, ``G = min(gate, limit)``,
+    ``L = clip(up, -limit, limit)``."""
+
+    gate_first: bool = True  # [gate | up] halves: the gate is the first
+    interleaved: bool = False  # gate and up columns alternate (GPT-OSS's [..., ::2] and [..., 1::2])
+    alpha: float = 1.0
+    beta: float = 0.0
+    limit: float | None = None
+
+
+@dataclasses.dataclass
 class _Experts:
     call: ir.Node
     hidden: ir.Value  # in the block: the tokens [tokens, hidden]
@@ -68,8 +80,9 @@ class _Experts:
     weights: ir.Value  # in the block: top-k routing weights
     up: list[ir.Value]  # in the block: per expert [hidden, 2 * inter] (x @ W), in expert order
     down: list[ir.Value]  # in the block: per expert [inter, hidden]
-    gate_first: bool  # the gate is the first half of the gate/up product's columns
+    swiglu: _Swiglu
     output: int  # the experts call's output holding the result
+    biases: tuple[ir.Value | None, ir.Value | None] = (None, None)  # in the block: [experts, 2 * inter], [experts, hidden]
 
 
 def _callee(model: ir.Model, node: ir.Node | None) -> ir.Function | None:
@@ -249,20 +262,120 @@ def _expert_matmuls(function: ir.Function) -> tuple[ir.Node, ir.Node]:
     return concats[0], concats[1]
 
 
-def _gated(model: ir.Model, up: ir.Node, down_rows: ir.Value) -> bool:
-    """``down_rows`` is ``SiLU(gate) * up`` of the two halves of ``up``'s output; returns whether the gate is the first half."""
-    split = next((u for u, _ in up.outputs[0].uses() if u.op_type == "Split"), None)
-    if split is None or len(split.outputs) != 2 or not _last_axis(split, 0) or (len(split.inputs) > 1 and split.inputs[1] is not None):
-        raise _fusion.Refused("the gate/up product is not split into two equal halves (gate and up)")
+def _halves(model: ir.Model, value: ir.Value) -> tuple[ir.Value, ir.Value, bool]:
+    """The two halves of the gate/up product: a ``Split`` in two (``[first | second]``), or two ``Slice``s of
+    step 2 from 0 and 1 on the last axis (columns alternating). Returns (first, second, interleaved)."""
+    users = [u for u, _ in value.uses()]
+    split = next((u for u in users if u.op_type == "Split"), None)
+    if split is not None and len(split.outputs) == 2 and _last_axis(split, 0) and (len(split.inputs) < 2 or split.inputs[1] is None):
+        return split.outputs[0], split.outputs[1], False
+    slices = {}
+    for node in (u for u in users if u.op_type == "Slice" and len(u.inputs) == 5):
+        start, end, axis, step = (_int(model, v) for v in node.inputs[1:])
+        if step == 2 and axis in (-1, 1) and end is not None and end >= 2 ** 62:
+            slices[start] = node.outputs[0]
+    if set(slices) == {0, 1}:
+        return slices[0], slices[1], True
+    raise _fusion.Refused("the gate/up product is not cut into gate and up (a Split in two halves, or Slices of step 2)")
+
+
+def _clipped(model: ir.Model, value: ir.Value, source: ir.Value) -> tuple[float | None, float | None] | None:
+    """``value`` is ``source`` (``(None, None)``) or ``Clip(source, low, high)`` with constant bounds; else ``None``."""
+    if value is source:
+        return None, None
+    node = value.producer()
+    if node is None or node.op_type != "Clip" or node.inputs[0] is not source:
+        return None
+    given = [node.inputs[i] if len(node.inputs) > i else None for i in (1, 2)]
+    bounds = [None if v is None else _fusion.scalar_of(model, v) for v in given]
+    if any(v is not None and b is None for v, b in zip(given, bounds)):
+        return None  # a bound computed in the body
+    return bounds[0], bounds[1]
+
+
+def _gate_side(model: ir.Model, value: ir.Value, gate: ir.Value) -> tuple[float, float | None] | None:
+    """``value`` is ``G * sigmoid(alpha * G)`` with ``G`` the gate or ``min(gate, limit)``: (alpha, limit), else ``None``."""
+    if _is_silu(model, value, gate):
+        return 1.0, None
+    node = value.producer()
+    if node is not None and node.op_type == "QuickGelu" and node.domain == "com.microsoft":  # the activation step's
+        bounds = _clipped(model, node.inputs[0], gate)
+        if bounds is None or bounds[0] is not None:
+            return None
+        return node.attributes.get_float("alpha", 1.702), bounds[1]
+    if node is None or node.op_type != "Mul":
+        return None
+    for clipped, sigmoid in (node.inputs, reversed(node.inputs)):
+        sig = sigmoid.producer()
+        bounds = _clipped(model, clipped, gate)
+        if sig is None or sig.op_type != "Sigmoid" or bounds is None or bounds[0] is not None:
+            continue
+        inner = sig.inputs[0]
+        if inner is clipped:
+            return 1.0, bounds[1]
+        scaled = inner.producer()
+        if scaled is not None and scaled.op_type == "Mul" and clipped in scaled.inputs:
+            alpha = _fusion.scalar_of(model, next((v for v in scaled.inputs if v is not clipped), None))
+            if alpha is not None:
+                return alpha, bounds[1]
+    return None
+
+
+def _up_side(model: ir.Model, value: ir.Value, up: ir.Value) -> tuple[float, tuple[float | None, float | None]] | None:
+    """``value`` is ``L`` or ``L + beta`` with ``L`` the up half, clipped or not: (beta, (low, high)), else ``None``."""
+    node = value.producer()
+    beta = 0.0
+    if node is not None and node.op_type == "Add" and _clipped(model, value, up) is None:
+        other = [v for v in node.inputs if _clipped(model, v, up) is not None]
+        if not other:
+            return None
+        beta = _fusion.scalar_of(model, next((v for v in node.inputs if v is not other[0]), None))
+        if beta is None:
+            return None
+        value = other[0]
+    bounds = _clipped(model, value, up)
+    return None if bounds is None else (beta, bounds)
+
+
+def _swiglu(model: ir.Model, gate_up: ir.Value, down_rows: ir.Value) -> _Swiglu:
+    """What the down projections read, as MoE's swiglu of the gate/up product's halves, or refused."""
+    first, second, interleaved = _halves(model, gate_up)
     product = down_rows.producer()
     if product is None or product.op_type != "Mul" or len(product.inputs) != 2:
         raise _fusion.Refused("the down projection does not read a product of the gate and the up halves")
     for gate_index in (0, 1):
-        gate, other = split.outputs[gate_index], split.outputs[1 - gate_index]
-        for a, b in (product.inputs, reversed(product.inputs)):
-            if b is other and _is_silu(model, a, gate):
-                return gate_index == 0
-    raise _fusion.Refused("the experts' activation is not SiLU(gate) * up (MoE's swiglu takes only that)")
+        gate, up = (first, second) if gate_index == 0 else (second, first)
+        for a, b in (product.inputs, list(reversed(product.inputs))):
+            gated, lifted = _gate_side(model, a, gate), _up_side(model, b, up)
+            if gated is None or lifted is None:
+                continue
+            (alpha, limit), (beta, (low, high)) = gated, lifted
+            if (limit, low, high) != (None, None, None) and (limit is None or high != limit or low != -limit):
+                raise _fusion.Refused("the gate and the up halves are clamped differently (MoE's swiglu_limit clamps the "
+                                      "gate below limit and the up within [-limit, limit])")
+            return _Swiglu(gate_index == 0, interleaved, alpha, beta, limit)
+    raise _fusion.Refused("the experts' activation is not SiLU(gate) * up (MoE's swiglu takes only that, "
+                          "with alpha, beta and a clamp)")
+
+
+def _bias(model: ir.Model, value: ir.Value, sort: ir.Node, formals: list[ir.Value]) -> tuple[ir.Value, ir.Value | None]:
+    """``value`` behind an ``Add`` of each row's expert bias (``GatherND`` of a formal by the sorted expert ids):
+    (the sum, the bias formal); or (``value``, ``None``) when no bias is added."""
+    add = next((u for u, _ in value.uses() if u.op_type == "Add"), None)
+    if add is None or len(value.uses()) != 1:
+        return value, None
+    rows = next((v for v in add.inputs if v is not value), None)
+    gather = rows.producer() if rows is not None else None
+    if gather is None or gather.op_type != "GatherND" or gather.inputs[0] not in formals:
+        raise _fusion.Refused("something other than each expert's bias is added to its projection")
+    index = gather.inputs[1]
+    for _ in range(4):  # Unsqueeze, Expand of the sorted expert ids
+        if index is sort.outputs[0] or index.producer() is None:
+            break
+        index = index.producer().inputs[0]
+    if index is not sort.outputs[0]:
+        raise _fusion.Refused("the experts' biases are not taken by the sorted expert ids")
+    return add.outputs[0], gather.inputs[0]
 
 
 def _experts(model: ir.Model, call: ir.Node) -> _Experts:
@@ -274,7 +387,6 @@ def _experts(model: ir.Model, call: ir.Node) -> _Experts:
     up_matmuls = [v.producer() for v in up.inputs]
     down_matmuls = [v.producer() for v in down.inputs]
     tokens = _expert_rows(model, up_matmuls, "gate/up")
-    gate_first = _gated(model, up, _expert_rows(model, down_matmuls, "down"))
     formals = list(function.inputs)
     if any(m.inputs[1] not in formals for m in up_matmuls + down_matmuls):
         raise _fusion.Refused("an expert's weight is computed inside the experts")
@@ -282,11 +394,16 @@ def _experts(model: ir.Model, call: ir.Node) -> _Experts:
     gathered = tokens.producer()
     if sort is None or gathered is None or gathered.op_type != "GatherND" or gathered.inputs[0] not in formals:
         raise _fusion.Refused("the experts do not take the tokens sorted by expert (TopK smallest, GatherND)")
+    gate_up, up_bias = _bias(model, up.outputs[0], sort, formals)
+    swiglu = _swiglu(model, gate_up, _expert_rows(model, down_matmuls, "down"))
+    if up_bias is not None and not swiglu.interleaved:
+        raise _fusion.Refused("gate/up biases of [gate | up] halves (not written: interleaved biases only)")
+    result, down_bias = _bias(model, down.outputs[0], sort, formals)
     indices = _through(sort.inputs[0], _PASS_THROUGH + ("Reshape",))
-    weighted = next((u for u, _ in down.outputs[0].uses() if u.op_type == "Mul"), None)
+    weighted = next((u for u, _ in result.uses() if u.op_type == "Mul"), None)
     weights = None
     if weighted is not None:
-        other = next(v for v in weighted.inputs if v is not down.outputs[0])
+        other = next(v for v in weighted.inputs if v is not result)
         for _ in range(8):  # Unsqueeze, GatherND (by the sort), Reshape of the weights formal
             if other in formals or other.producer() is None:
                 break
@@ -299,7 +416,8 @@ def _experts(model: ir.Model, call: ir.Node) -> _Experts:
         raise _fusion.Refused("the experts return no tensor")
     return _Experts(call, _outer(call, function, gathered.inputs[0]), _outer(call, function, indices),
                     _outer(call, function, weights), [_outer(call, function, m.inputs[1]) for m in up_matmuls],
-                    [_outer(call, function, m.inputs[1]) for m in down_matmuls], gate_first, output)
+                    [_outer(call, function, m.inputs[1]) for m in down_matmuls], swiglu, output,
+                    (_outer(call, function, up_bias), _outer(call, function, down_bias)))
 
 
 # -- the rewrite -------------------------------------------------------------------------------
@@ -327,10 +445,13 @@ def _copies(call: ir.Node, callee: ir.Function, value: ir.Value) -> tuple[list[i
     return nodes, copy(value)
 
 
-def _interleaved(arrays: list[np.ndarray], gate_first: bool) -> np.ndarray:
-    """Per-expert ``[hidden, 2 * inter]`` (``x @ W``, [gate | up] columns) -> ``[experts, 2 * inter, hidden]``, rows
-    gate 0, up 0, gate 1, up 1, ... (``swiglu_fusion=1``)."""
+def _interleaved(arrays: list[np.ndarray], swiglu: _Swiglu) -> np.ndarray:
+    """Per-expert ``[hidden, 2 * inter]`` (``x @ W``, [gate | up] columns, or alternating) -> ``[experts, 2 * inter,
+    hidden]``, rows gate 0, up 0, gate 1, up 1, ... (``swiglu_fusion=1``)."""
     stacked = np.stack([a.T for a in arrays])
+    if swiglu.interleaved:
+        return stacked
+    gate_first = swiglu.gate_first
     inter = stacked.shape[1] // 2
     gate, up = (stacked[:, :inter], stacked[:, inter:]) if gate_first else (stacked[:, inter:], stacked[:, :inter])
     result = np.empty_like(stacked)
@@ -417,7 +538,7 @@ class FuseMoEPass(_fusion.FusionPass):
     def _rewrite(self, model, function, experts: _Experts, router: _Router, weight, bias) -> set:
         kept = self._kept_outputs(experts, router)
         fc1 = _fusion.pack_formals(model, function, experts.up, "fc1_experts_weights",
-                                   combine=lambda arrays: _interleaved(arrays, experts.gate_first))
+                                   combine=lambda arrays: _interleaved(arrays, experts.swiglu))
         fc2 = _fusion.pack_formals(model, function, experts.down, "fc2_experts_weights",
                                    combine=lambda arrays: np.stack([a.T for a in arrays]))
         if fc1 is None or fc2 is None:
@@ -432,9 +553,13 @@ class FuseMoEPass(_fusion.FusionPass):
             node.outputs[0].name = "moe.router_logits"
             made.append(node)
             logits = node.outputs[0]
-        moe = ir.node("MoE", [experts.hidden, logits, fc1, None, fc2], domain="com.microsoft", name="MoE", attributes={
-            "k": router.k, "normalize_routing_weights": int(router.normalize), "activation_type": "swiglu",
-            "swiglu_fusion": 1, "activation_alpha": 1.0, "activation_beta": 0.0, "use_sparse_mixer": 0})
+        swiglu = experts.swiglu
+        attributes = {"k": router.k, "normalize_routing_weights": int(router.normalize), "activation_type": "swiglu",
+                      "swiglu_fusion": 1, "activation_alpha": swiglu.alpha, "activation_beta": swiglu.beta, "use_sparse_mixer": 0}
+        if swiglu.limit is not None:
+            attributes["swiglu_limit"] = swiglu.limit
+        moe = ir.node("MoE", [experts.hidden, logits, fc1, experts.biases[0], fc2, experts.biases[1]],
+                      domain="com.microsoft", name="MoE", attributes=attributes)
         made.append(moe)
         result = experts.call.outputs[experts.output]
         moe.outputs[0].dtype, moe.outputs[0].shape = result.dtype, result.shape
