@@ -10,13 +10,15 @@ function on the tokens ``[tokens, hidden]``, the top-k expert indices and their 
 - the experts body is transformers 5's grouped dispatch: the token copies sorted by expert
   (``TopK`` smallest), counted per expert (``CumSum``), one ``Gather`` + ``MatMul`` per expert on
   its rows (the ``Range`` of its count's bounds, in expert order) for the gate/up projection and
-  again for the down projection, between them ``SiLU(gate) * up`` (a ``Split`` of the gate/up
-  product in two halves; SiLU inline or a call of ``x * sigmoid(x)``), the products weighted and
+  again for the down projection, between them onnxruntime's swiglu of the gate and up halves (a
+  ``Split`` in two, or ``Slice``s of step 2): ``G * sigmoid(alpha * G) * (L + beta)`` with
+  ``G = min(gate, limit)``, ``L = clip(up, -limit, limit)`` (``SiLU(gate) * up``: alpha 1, beta 0, no
+  limit; GPT-OSS: 1.702, 1, 7), each expert's bias added to its rows or not, the products weighted and
   summed over the top k.
 
 The block becomes: the router's logits (one ``Gemm``), one ``com.microsoft.MoE`` (``k``,
-``activation_type="swiglu"`` with ``swiglu_fusion=1``, ``activation_alpha=1``,
-``activation_beta=0``: SiLU(gate) * up) on the experts' weights stacked once per layer in the main
+``activation_type="swiglu"`` with ``swiglu_fusion=1`` and the alpha, beta and limit read) on the
+experts' weights (and biases) stacked once per layer in the main
 graph (gate and up rows interleaved, ``[experts, 2 * inter, hidden]``, the only layout onnxruntime's
 CPU kernel takes; down ``[experts, hidden, inter]``). What else the router and experts calls return
 (transformers' token counts, integers of the input's shape) is computed by copies of their nodes.
@@ -396,8 +398,8 @@ def _experts(model: ir.Model, call: ir.Node) -> _Experts:
         raise _fusion.Refused("the experts do not take the tokens sorted by expert (TopK smallest, GatherND)")
     gate_up, up_bias = _bias(model, up.outputs[0], sort, formals)
     swiglu = _swiglu(model, gate_up, _expert_rows(model, down_matmuls, "down"))
-    if up_bias is not None and not swiglu.interleaved:
-        raise _fusion.Refused("gate/up biases of [gate | up] halves (not written: interleaved biases only)")
+    if up_bias is not None and not (swiglu.interleaved and swiglu.gate_first):
+        raise _fusion.Refused("gate/up biases not laid out gate 0, up 0, gate 1, ... (only those are written)")
     result, down_bias = _bias(model, down.outputs[0], sort, formals)
     indices = _through(sort.inputs[0], _PASS_THROUGH + ("Reshape",))
     weighted = next((u for u, _ in result.uses() if u.op_type == "Mul"), None)
@@ -449,11 +451,13 @@ def _interleaved(arrays: list[np.ndarray], swiglu: _Swiglu) -> np.ndarray:
     """Per-expert ``[hidden, 2 * inter]`` (``x @ W``, [gate | up] columns, or alternating) -> ``[experts, 2 * inter,
     hidden]``, rows gate 0, up 0, gate 1, up 1, ... (``swiglu_fusion=1``)."""
     stacked = np.stack([a.T for a in arrays])
-    if swiglu.interleaved:
+    if swiglu.interleaved and swiglu.gate_first:
         return stacked
-    gate_first = swiglu.gate_first
     inter = stacked.shape[1] // 2
-    gate, up = (stacked[:, :inter], stacked[:, inter:]) if gate_first else (stacked[:, inter:], stacked[:, :inter])
+    if swiglu.interleaved:  # up 0, gate 0, up 1, ...
+        gate, up = stacked[:, 1::2], stacked[:, 0::2]
+    else:
+        gate, up = (stacked[:, :inter], stacked[:, inter:]) if swiglu.gate_first else (stacked[:, inter:], stacked[:, :inter])
     result = np.empty_like(stacked)
     result[:, 0::2], result[:, 1::2] = gate, up
     return result
