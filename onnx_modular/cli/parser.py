@@ -394,12 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
         "optimize",
         parents=[common],
         help="rewrite module bodies into onnxruntime's fused kernels (RMS norm, skip norm, GroupQueryAttention, "
-        "MultiHeadAttention, GELU)",
+        "MultiHeadAttention, GELU, MoE)",
         description="Rewrite the function bodies of a modular decoder or encoder file into onnxruntime's fused kernels, "
         "keeping the hierarchy: RMS norms into SimplifiedLayerNormalization, residual add + norm into "
         "SkipSimplifiedLayerNormalization (SkipLayerNormalization for a LayerNorm), self-attention with a KV cache "
         "into GroupQueryAttention, attention without one (encoders, cross-attention) into MultiHeadAttention, GELU "
-        "into Gelu/QuickGelu. Each step runs in onnxruntime on a prompt and a decode step (an encoder: random "
+        "into Gelu/QuickGelu, a mixture-of-experts block (router and experts) into MoE (QMoE with --quantize). Each step runs in onnxruntime on a prompt and a decode step (an encoder: random "
         "inputs, then padded) and is kept only for the classes whose calls agree.",
     )
     opt.add_argument("model", help="the modular .onnx file (export --task causal-lm-with-past, or an encoder's)")
@@ -410,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--no-verify", action="store_true", help="write the rewrite without running it in onnxruntime")
     opt.add_argument("--quantize", choices=["int4", "int8", "auto"], default=None,
                      help="then quantize with onnxruntime-genai's builder recipe: MatMulNBits, block 32, symmetric, "
-                     "accuracy level 4, lm_head included (convert's passes); auto: each call's precision (int4 "
+                     "accuracy level 4, lm_head included (convert's passes; fused experts: QMoE); auto: each call's precision (int4 "
                      "block size and rounding, int8, float) chosen from its measured KL on --calibration, within --max-size")
     opt.add_argument("--calibration", default=None, metavar="FILE",
                      help="token ids: an .npz with input_ids [n, seq] int64, or a .txt tokenized with the tokenizer.json "

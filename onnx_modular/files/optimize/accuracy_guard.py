@@ -140,10 +140,11 @@ class GuardReport:
 
 
 def _nbits(body, level: int | None = None) -> list[onnx.NodeProto]:
-    """The MatMulNBits nodes of ``body`` (at ``level`` when given; no attribute means level 0)."""
+    """The MatMulNBits (and QMoE: the same accuracy levels) nodes of ``body`` (at ``level`` when given; no
+    attribute means level 0)."""
     found = []
     for node in body.node:
-        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
+        if node.op_type not in ("MatMulNBits", "QMoE") or node.domain != "com.microsoft":
             continue
         if level is None or node_level(node) == level:
             found.append(node)

@@ -67,6 +67,7 @@ class Quantization:
     Attributes:
         recipe: The settings.
         matmul_nbits: The ``MatMulNBits`` made, in the (shared) bodies (``lm_head``'s included).
+        qmoe: The fused experts (``MoE``) made ``QMoE`` (their weights packed inside the op).
         lm_head: ``int4``/``int8`` when the ``lm_head`` call was quantized, else ``None``.
         skipped: Weights left float, as ``(call, node, reason)``.
         guard: The accuracy guard's report (``None`` when off or not needed: level other than 4).
@@ -83,6 +84,7 @@ class Quantization:
     guard: GuardReport | None
     tied_embedding: bool = False
     auto: AutoReport | None = None
+    qmoe: int = 0
     quality: QualityReport | None = None
 
     def text(self) -> str:
@@ -91,7 +93,8 @@ class Quantization:
         return self._uniform_text() + (("\n" + self.quality.text("Measured on the calibration ids")) if self.quality else "")
 
     def _uniform_text(self) -> str:
-        head = (f"Quantized ({self.recipe.command()}): {self.matmul_nbits} MatMulNBits in the bodies"
+        head = (f"Quantized ({self.recipe.command()}): {self.matmul_nbits} MatMulNBits"
+                + (f" and {self.qmoe} QMoE (the experts' weights inside the op)" if self.qmoe else "") + " in the bodies"
                 + (f", lm_head {self.lm_head}" if self.lm_head else ", lm_head not quantized")
                 + (" (tied: the embedding reads its table, GatherBlockQuantized)" if self.tied_embedding else "")
                 + (f"; {len(self.skipped)} weights left float" if self.skipped else ""))
@@ -188,6 +191,7 @@ def quantize_fused(model: ir.Model, recipe: Recipe, write: Callable[[ir.Model], 
         lm_head = None if not bits else ("int8" if set(bits.values()) == {8} else "int4")
         proto = onnx.load(str(quantized), load_external_data=False)
         tied = any(n.op_type == "GatherBlockQuantized" for body in [proto.graph, *proto.functions] for n in body.node)
+        qmoe = sum(n.op_type == "QMoE" for body in [proto.graph, *proto.functions] for n in body.node)
         guard = None
         if recipe.guard and recipe.accuracy_level == INT8_COMPUTE:
             guard = guard_accuracy(proto, folder, feeds, level=INT8_COMPUTE, seed=seed, calibration=calibration_ids)
@@ -197,7 +201,7 @@ def quantize_fused(model: ir.Model, recipe: Recipe, write: Callable[[ir.Model], 
         ir.external_data.load_to_model(result)  # optimize holds the weights in memory anyway; the scratch folder goes
         measured = _measure(fused, proto, folder, calibration_ids) if calibration_ids is not None else None
         write(result)
-    return Quantization(recipe, len(quantized_list), lm_head, skipped, guard, tied, quality=measured)
+    return Quantization(recipe, len(quantized_list) - qmoe, lm_head, skipped, guard, tied, quality=measured, qmoe=qmoe)
 
 
 def _measure(fused: pathlib.Path, quantized: onnx.ModelProto, folder: pathlib.Path, ids: np.ndarray) -> QualityReport:

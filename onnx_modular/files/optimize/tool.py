@@ -15,7 +15,9 @@ order (passes in ``onnx_modular/passes/``):
    key and value projections of one input, packed, with biases) or ``MultiHeadAttention``
    (:class:`~onnx_modular.passes.fusions.mha.FuseMultiHeadAttentionPass`);
 6. erf GELU and quick GELU bodies -> ``com.microsoft.Gelu`` / ``QuickGelu``
-   (:class:`~onnx_modular.passes.fusions.activation.FuseActivationPass`).
+   (:class:`~onnx_modular.passes.fusions.activation.FuseActivationPass`);
+7. mixture-of-experts blocks (router and experts) -> ``com.microsoft.MoE``
+   (:class:`~onnx_modular.passes.fusions.moe.FuseMoEPass`; ``QMoE`` once quantized).
 
 Each step is verified before it is kept: the file before and after the step runs in onnxruntime
 on reference feeds (a prompt with an empty cache, then one decode step on the cache that prompt
@@ -55,6 +57,7 @@ from onnx_modular.passes.fusions.activation import FuseActivationPass
 from onnx_modular.passes.fusions.base import FusionPass
 from onnx_modular.passes.fusions.gqa import SEQLENS_K, TOTAL_SEQUENCE_LENGTH, FuseGroupQueryAttentionPass
 from onnx_modular.passes.fusions.mha import FuseMultiHeadAttentionPass
+from onnx_modular.passes.fusions.moe import FuseMoEPass
 from onnx_modular.passes.fusions.rms_norm import FuseRMSNormPass
 from onnx_modular.passes.fusions.skip_norm import FuseSkipNormPass
 from onnx_modular.runtime.inputs import feeds_for
@@ -72,6 +75,7 @@ FUSED_OPS = {
     "skip_layer_norm": "com.microsoft.SkipLayerNormalization",
     "mha": "com.microsoft.MultiHeadAttention",
     "activation": "com.microsoft.Gelu",  # or QuickGelu: the pass says which (its ``ops``)
+    "moe": "com.microsoft.MoE",
 }
 
 #: The attention steps (their ops make :attr:`OptimizeReport.attention`).
@@ -83,7 +87,7 @@ class Fusion:
     """One class's body (one local function) and what a step did with it.
 
     Attributes:
-        step: ``rms_norm``, ``skip_norm``, ``attention``, ``skip_layer_norm``, ``mha`` or ``activation``.
+        step: ``rms_norm``, ``skip_norm``, ``attention``, ``skip_layer_norm``, ``mha``, ``activation`` or ``moe``.
         function: The function's name (``LlamaAttention``).
         module_class: Its module class when the file records it, else the function name.
         fused: Whether the rewrite was kept.
@@ -365,6 +369,7 @@ _STEPS: list[tuple[str, Callable[..., FusionPass]]] = [
     ("skip_layer_norm", lambda allowed, max_positions: FuseSkipNormPass(functions=allowed, layer_norm=True)),
     ("mha", lambda allowed, max_positions: FuseMultiHeadAttentionPass(functions=allowed)),
     ("activation", lambda allowed, max_positions: FuseActivationPass(functions=allowed)),
+    ("moe", lambda allowed, max_positions: FuseMoEPass(functions=allowed)),
 ]
 
 
@@ -427,7 +432,7 @@ def optimize(
     verify: bool = True,
     max_positions: int | None = None,
     tolerance: Tolerance | None = None,
-    steps: tuple[str, ...] = ("rms_norm", "skip_norm", "attention", "skip_layer_norm", "mha", "activation"),
+    steps: tuple[str, ...] = ("rms_norm", "skip_norm", "attention", "skip_layer_norm", "mha", "activation", "moe"),
     quantize: str | None = None,
     accuracy_level: int | None = None,
     int8_lm_head: bool = False,
@@ -450,7 +455,7 @@ def optimize(
             longest sequence (prompt plus generated tokens) the file will run. Default: the file's
             ``max_position_embeddings`` metadata when present, else 4096.
         steps: Which steps to run (``rms_norm``, ``skip_norm``, ``attention``, ``skip_layer_norm``, ``mha``,
-            ``activation``).
+            ``activation``, ``moe``).
         quantize: ``"int4"``: then quantize the fused file with onnxruntime-genai's builder recipe
             (``convert``'s passes: blocks of 32, symmetric, ``accuracy_level``, lm_head included;
             :mod:`onnx_modular.files.optimize.quantize`). ``"int8"`` likewise with 8 bits.

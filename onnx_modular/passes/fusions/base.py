@@ -236,11 +236,15 @@ def drop_unused_formals(model: ir.Model) -> int:
     return dropped
 
 
-def _packed_initializer(model: ir.Model, arguments: list[ir.Value], name: str) -> ir.Value:
+def _packed_initializer(model: ir.Model, arguments: list[ir.Value], name: str, combine=None) -> ir.Value:
     arrays = [np.asarray(a.const_value.numpy()) for a in arguments]
-    packed = np.concatenate(arrays, axis=-1)
+    packed = np.concatenate(arrays, axis=-1) if combine is None else np.ascontiguousarray(combine(arrays))
     base = arguments[0].name or name
     candidate = base.replace("q_proj", "qkv_proj") if "q_proj" in base else f"{base}.{name}"
+    if combine is not None:  # the arguments' common module path (``mlp.experts.gate_up_proj``), then the name
+        parts = [(a.name or "").split(".") for a in arguments]
+        common = [p[0] for p in zip(*parts) if len(set(p)) == 1]
+        candidate = ".".join([*common[:min(len(p) for p in parts) - 1], name])
     while candidate in model.graph.initializers:
         candidate += "_"
     value = ir.Value(name=candidate, shape=ir.Shape(packed.shape), type=ir.TensorType(arguments[0].dtype),
@@ -250,9 +254,10 @@ def _packed_initializer(model: ir.Model, arguments: list[ir.Value], name: str) -
 
 
 def pack_formals(model: ir.Model, function: ir.Function, formals: list[ir.Value], name: str,
-                 _memo: dict | None = None) -> ir.Value | None:
+                 _memo: dict | None = None, combine: Callable[[list[np.ndarray]], np.ndarray] | None = None) -> ir.Value | None:
     """A new formal input of ``function`` holding the concatenation (last axis) of what ``formals``
-    receive, built at every call: main-graph initializers are concatenated into one new initializer,
+    receive (or ``combine(arrays)``: the experts' weights stacked), built at every call: main-graph
+    initializers are concatenated into one new initializer,
     formal inputs of a caller are packed in the caller the same way, recursively. ``None`` when some
     call passes anything else (what was added then goes unused: :func:`drop_unused_formals` drops it)."""
     memo = {} if _memo is None else _memo
@@ -268,10 +273,10 @@ def pack_formals(model: ir.Model, function: ir.Function, formals: list[ir.Value]
         key = tuple(id(a) for a in arguments)
         if key not in memo:
             if site.graph is model.graph and all(a.is_initializer() and a.const_value is not None for a in arguments):
-                memo[key] = _packed_initializer(model, arguments, name)
+                memo[key] = _packed_initializer(model, arguments, name, combine)
             else:
                 caller = body_of(model, site.graph)
-                memo[key] = pack_formals(model, caller, arguments, name, memo) if caller is not None else None
+                memo[key] = pack_formals(model, caller, arguments, name, memo, combine) if caller is not None else None
         if memo[key] is None:
             return None
         placed.append((site, memo[key]))

@@ -158,6 +158,8 @@ def _scores(model: ir.Model, softmax: ir.Node) -> tuple[ir.Node, float, ir.Value
             bias = next(v for v in node.inputs if v is not value)
         elif _is_op(node, "Cast", "Identity"):
             value = node.inputs[0]
+        elif _is_op(node, "Gemm", "TopK"):  # x @ W^T or its top k: a mixture-of-experts router's softmax, no attention
+            raise _fusion.NotApplicable(f"a Softmax of a {node.op_type} (a router's logits), not of q @ k")
         else:
             what = node.op_type if node is not None else "a formal input"
             raise _fusion.Refused(f"{what} between q @ k and the Softmax (a scale and one additive mask expected)")
@@ -254,6 +256,8 @@ def _width(model: ir.Model, projection: ir.Node) -> int:
 
 def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     nodes = list(function)
+    if not any(_is_op(n, "MatMul") for n in nodes) and any(_is_op(n, "TopK", "ArgMax") for n in nodes):
+        raise _fusion.NotApplicable("a Softmax picking experts (TopK or ArgMax, no MatMul): a router, not attention")
     if any(_is_op(n, "Tanh") for n in nodes):
         raise _fusion.Refused("soft-capped scores (Tanh) are not fused")
     softmaxes = [n for n in nodes if _is_op(n, "Softmax")]

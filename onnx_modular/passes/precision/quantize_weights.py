@@ -8,6 +8,10 @@ bias. The weight is packed by onnxruntime's own ``DefaultWeightOnlyQuantizer`` (
 input becomes the packed weight, its scales and zero points, threaded through the callers' bodies,
 and the new initializers carry no values yet (:attr:`QuantizedWeights.sources` computes them).
 Weights that stay float32 (Conv weights, shared or computed ones) are reported with the reason.
+A ``com.microsoft.MoE`` (``optimize``'s fused experts) becomes ``QMoE``: its ``[experts, N, K]``
+weights packed expert by expert as ``MatMulNBits`` packs a ``[K, N]`` weight (``weights_prepacked=0``:
+the raw ``[experts, N, K * bits / 8]`` bytes, scales ``[experts, N, K / block_size]``), the same
+``accuracy_level``.
 
 Entry: :func:`quantize_weights`. The tool around it (which calls quantize) is
 :mod:`onnx_modular.files.convert.tool`.
@@ -39,6 +43,8 @@ MS_DOMAIN = "com.microsoft"
 COMPUTED = "its second input is computed in the body"
 #: The ops whose constant weight becomes MatMulNBits (a Gemm's bias an Add after it).
 QUANTIZED_OPS = ("MatMul", "Gemm")
+#: A mixture-of-experts router's logits stay float: they choose the experts (and the weight is tiny).
+ROUTER_REASON = "a mixture-of-experts router's logits (they choose the experts; a [hidden, experts] weight): kept float"
 #: The ops whose weights stay float32 under quantize, reported as skipped.
 LEFT_OPS = ("Conv", "ConvTranspose")
 LEFT_OPS_REASON = ("a Conv weight: onnxruntime's weight-only quantization (MatMulNBits) covers MatMul and Gemm "
@@ -173,15 +179,24 @@ class Quantizer:
             packed, scales, zero_points = self.packer.qbits_block_quant(array)
         return (packed, scales) if self.symmetric else (packed, scales, zero_points)
 
-    def _pure(self, body, name: str, depth: int = 0) -> str | None:
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (as _pack)
+    def _pack_experts(self, name: str) -> tuple[np.ndarray, ...]:
+        """An ``[experts, N, K]`` weight packed expert by expert (each as the ``[K, N]`` weight of a MatMul)."""
+        array = onnx.numpy_helper.to_array(self.initializers[name], base_dir=self.folder or "").astype(np.float32)
+        experts, n = array.shape[:2]
+        parts = [self.packer.qbits_block_quant(np.ascontiguousarray(weight.T)) for weight in array]
+        count = 2 if self.symmetric else 3
+        return tuple(np.stack([np.asarray(p[i]).reshape(n, -1) for p in parts]).reshape(experts, n, -1) for i in range(count))
+
+    def _pure(self, body, name: str, depth: int = 0, rank: int = 2) -> str | None:
         """Why ``name`` (the MatMul weight read in ``body``) cannot be split; None when it can:
         on the way up to its initializer, each body passes it on once and reads it nowhere else."""
         if body is self.model.graph:
             tensor = self.initializers.get(name)
             if tensor is None or name in {v.name for v in body.input}:
                 return "its weight is not an initializer (computed or a graph input)"
-            if tensor.data_type != FLOAT or len(tensor.dims) != 2:
-                return "its weight is not a 2-D float32 tensor"
+            if tensor.data_type != FLOAT or len(tensor.dims) != rank:
+                return f"its weight is not a {rank}-D float32 tensor"
             return None if len(uses(body, name)) == 1 else "its weight is read by other nodes too (shared)"
         if name not in body.input:
             producer = next((n for n in body.node if name in n.output), None)
@@ -198,7 +213,7 @@ class Quantizer:
             arg = node.input[index]
             if len(uses(caller, arg)) != 1:
                 return "its weight is read by other nodes too (shared)"
-            why = self._pure(caller, arg, depth + 1)
+            why = self._pure(caller, arg, depth + 1, rank)
             if why:
                 return why
         return None
@@ -213,8 +228,9 @@ class Quantizer:
             shapes |= self._source_shapes(caller, node.input[index], transposed)
         return shapes
 
-    def _split(self, body, name: str, transposed: bool = False) -> list[str]:
-        """Replace ``name`` in ``body`` by its packed parts, up to the main graph. Returns the new names."""
+    def _split(self, body, name: str, transposed: bool = False, experts: bool = False) -> list[str]:
+        """Replace ``name`` in ``body`` by its packed parts, up to the main graph. Returns the new names.
+        ``experts``: an ``[experts, N, K]`` weight, packed expert by expert (``QMoE``)."""
         new = [name + part for part in self.parts]
         key = (self._body_key(body), name)
         if key in self.done:
@@ -222,12 +238,18 @@ class Quantizer:
         self.done.add(key)
         if body is self.model.graph:
             tensor = self.initializers[name]
-            k, n = tensor.dims[::-1] if transposed else tensor.dims
+            if experts:
+                count, n, k = tensor.dims
+                shapes = [([count, dims[0], int(np.prod(dims[1:]))], data_type) for dims, data_type in self._shapes(k, n)]
+                pack = self._pack_experts
+            else:
+                k, n = tensor.dims[::-1] if transposed else tensor.dims
+                shapes, pack = self._shapes(k, n), self._pack
             if transposed:
                 self.transposed.add(name)
-            for index, (part, (dims, data_type)) in enumerate(zip(new, self._shapes(k, n))):
+            for index, (part, (dims, data_type)) in enumerate(zip(new, shapes)):
                 self.model.graph.initializer.append(onnx.TensorProto(name=part, data_type=data_type, dims=dims))  # values when written
-                self.sources[part] = functools.partial(lambda i, source: self._pack(source)[i], index, name)
+                self.sources[part] = functools.partial(lambda i, source, pack: pack(source)[i], index, name, pack)
             return new
         index = list(body.input).index(name)
         body.input[index : index + 1] = new
@@ -236,7 +258,7 @@ class Quantizer:
         body.value_info.extend(kept)
         for caller, node in list(call_sites(self.model, function_id(body))):
             arg = node.input[index]
-            node.input[index : index + 1] = self._split(caller, arg, transposed)
+            node.input[index : index + 1] = self._split(caller, arg, transposed, experts)
         return new
 
     def _weight_reason(self, body, node: onnx.NodeProto) -> tuple[str | None, bool]:
@@ -329,7 +351,19 @@ class Quantizer:
         MatMulNBits + Add of its bias. The weights of Conv nodes are reported left (skipped)."""
         done, skipped = [], []
         nodes = list(body.node)
+        routers = {n.input[1] for n in nodes if n.op_type == "MoE" and n.domain == MS_DOMAIN and len(n.input) > 1}
         for position, node in enumerate(nodes):
+            if node.output and node.output[0] in routers and node.op_type in QUANTIZED_OPS:
+                skipped.append((label, node.name or node.output[0], ROUTER_REASON))
+                continue
+            if node.op_type == "MoE" and node.domain == MS_DOMAIN:
+                made = self._qmoe(body, node)
+                if isinstance(made, str):
+                    skipped.append((label, node.name or node.output[0], made))
+                else:
+                    nodes[position] = made
+                    done.append((label, made.name or node.output[0]))
+                continue
             if node.domain not in ("", "ai.onnx") or node.op_type not in QUANTIZED_OPS + LEFT_OPS or len(node.input) < 2:
                 continue
             weight = node.input[1]
@@ -367,6 +401,35 @@ class Quantizer:
         del body.node[:]
         body.node.extend(n for item in nodes for n in (item if isinstance(item, list) else [item]))
         return done, skipped
+
+
+    def _qmoe(self, body, node: onnx.NodeProto) -> onnx.NodeProto | str:
+        """``QMoE`` for a ``MoE`` whose expert weights (inputs 2 and 4: ``[experts, N, K]``) are the file's
+        own, or why it stays float."""
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if len(node.input) > 6 and any(node.input[6:]):
+            return "a MoE with separate FC3 weights (QMoE is written for fused gate/up weights)"
+        weights = [node.input[2], node.input[4]]
+        for weight in weights:
+            why = self._pure(body, weight, rank=3)
+            if why:
+                return why
+        shapes = [self._source_shapes(body, w) for w in weights]
+        if any(len(found) != 1 for found in shapes):
+            return "its calls pass expert weights of different shapes"
+        if any(shape[2] % self.block_size for (shape,) in shapes):
+            return f"the hidden or intermediate size is not a multiple of the block size {self.block_size} (QMoE's blocks)"
+        fc1, fc2 = (self._split(body, w, experts=True) for w in weights)
+        zero_points = [] if self.symmetric else [fc1[2], fc2[2]]
+        inputs = [node.input[0], node.input[1], fc1[0], fc1[1], node.input[3] if len(node.input) > 3 else "",
+                  fc2[0], fc2[1], node.input[5] if len(node.input) > 5 else "", "", "", "", *zero_points]
+        attrs.update(expert_weight_bits=self.bits, block_size=self.block_size, weights_prepacked=0, quant_type="int")
+        if self.accuracy_level:
+            attrs["accuracy_level"] = self.accuracy_level
+        qmoe = onnx.helper.make_node("QMoE", inputs, list(node.output), name=(node.name + f"_Q{self.bits}") if node.name else "",
+                                     domain=MS_DOMAIN, **attrs)
+        qmoe.metadata_props.extend(node.metadata_props)
+        return qmoe
 
 
 def unused_name(body, base: str) -> str:
