@@ -12,7 +12,11 @@ folds it into a constant when it builds the session), so any rotary variant the 
 The body becomes: one ``MatMul`` (and ``Add``) on the query, key and value weights (and biases)
 concatenated once per layer in the main graph (``model.layers.N.self_attn.qkv_proj.weight.T``,
 as the builder packs them; or the three projection calls when they cannot be packed), one
-``com.microsoft.GroupQueryAttention`` taking the packed projection, the output projection call. The op takes the mask as
+``com.microsoft.GroupQueryAttention`` taking the packed projection, the output projection call. With a
+norm call between projection and heads (Qwen3's ``q_norm``/``k_norm`` on ``[batch, seq, heads, head]``,
+Olmo2's on the projection) the packed projection is ``Split`` into q, k, v and each norm call moves onto
+its part (``Reshape`` to heads and back, no transposes, as the builder writes it): onnxruntime's CPU op
+takes no q/k norm weights, so the norms stay outside it. The op takes the mask as
 ``seqlens_k`` (``sum(attention_mask) - 1``, int32) and ``total_sequence_length`` (the mask's width,
 int32), computed once in the main graph from its 2-D ``attention_mask`` and passed down the call
 chain as new formal inputs (:data:`SEQLENS_K`, :data:`TOTAL_SEQUENCE_LENGTH`); formal inputs no
@@ -162,6 +166,13 @@ def _norm_chain(model: ir.Model, heads: ir.Value, projection: ir.Node) -> list[i
     return list(reversed(chain)) if kinds in (["view"], ["view", "call"], ["call", "view"]) else None
 
 
+def _norm_chains(model: ir.Model, heads: list[ir.Value], projections: tuple) -> list[list[ir.Node]] | None:
+    """:func:`_norm_chain` of the query, the key and the value, when each has one and the value's is its
+    view alone (the op caches the value's heads as they are), else ``None``."""
+    chains = [_norm_chain(model, h, p) for h, p in zip(heads, projections)]
+    return None if any(c is None for c in chains) or len(chains[2]) != 1 else chains
+
+
 def _first_projection(model: ir.Model, start: ir.Value) -> ir.Node:
     for node in _producers_bfs(start, lambda n: _is_projection(n, model)):
         if _is_projection(node, model):
@@ -250,10 +261,7 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     scale, softcap = _scale(model, scores)
     if softcap == 0.0 and any(n.op_type == "Tanh" for n in nodes):
         raise _fusion.Refused("a Tanh in the body that is not a soft-cap of the scores")
-    chains = None if any(transposed) or one_projection else [
-        _norm_chain(model, h, p) for h, p in zip(heads, (q_proj, k_proj, v_proj))]
-    if chains is not None and (any(c is None for c in chains) or len(chains[2]) != 1):
-        chains = None  # the value's heads must be the projection's view (the op caches them as they are)
+    chains = None if any(transposed) or one_projection else _norm_chains(model, heads, (q_proj, k_proj, v_proj))
     return _Attention(
         q_proj, k_proj, v_proj, o_proj, heads, transposed, all(v is not None for v in plain) or one_projection,
         key.inputs[0], value.inputs[0],
