@@ -127,15 +127,19 @@ def test_decoder_fused_inside_the_bodies_and_generates_as_transformers(kind, tmp
     assert len(gqa) == 1 and gqa[0].domain == "com.microsoft"
     assert gqa[0].attributes.get_int("num_heads") == 4 and gqa[0].attributes.get_int("kv_num_heads") == 2
     assert gqa[0].attributes.get_int("do_rotary") == 1
-    if kind == "qwen3":  # q_norm/k_norm between projections and heads: the projections and norms stay calls
-        assert report["packed_qkv"] == []
-        assert sum(1 for n in attention if n.op_identifier() in result.functions) == 6
+    assert report["packed_qkv"] == [f"{prefix}Attention"]  # q, k, v: one MatMul on weights packed once per layer
+    assert [n.op_type for n in attention if n.op_identifier() not in result.functions][:1] == ["MatMul"]
+    packed = [name for name in result.graph.initializers if "qkv_proj" in name]
+    assert len(packed) == (4 if kind == "qwen2" else 2)  # one weight (and bias) per layer
+    calls = [n.op_type for n in attention if n.op_identifier() in result.functions]
+    if kind == "qwen3":  # q_norm/k_norm between projections and heads: Split, each norm call on its part's heads
+        ops = [n.op_type for n in attention]
+        assert calls == ["Qwen3RMSNorm_2", "Qwen3RMSNorm_3", "Linear"]  # the norms and o_proj stay calls
+        assert ops.index("Split") < ops.index("Qwen3RMSNorm_2") < ops.index("GroupQueryAttention")
+        assert "Transpose" not in ops and ops.count("Reshape") == 4  # to [batch, seq, heads, head] and back, q and k
+        assert [n.op_type for n in bodies["Qwen3RMSNorm_2"]] == ["SimplifiedLayerNormalization"]
     else:
-        assert report["packed_qkv"] == [f"{prefix}Attention"]  # q, k, v: one MatMul on weights packed once per layer
-        assert [n.op_type for n in attention if n.op_identifier() not in result.functions][:1] == ["MatMul"]
-        assert sum(1 for n in attention if n.op_identifier() in result.functions) == 1  # o_proj stays a call
-        packed = [name for name in result.graph.initializers if "qkv_proj" in name]
-        assert len(packed) == (4 if kind == "qwen2" else 2)  # one weight (and bias) per layer
+        assert len(calls) == 1  # o_proj stays a call
     assert [n.op_type for n in bodies[f"{prefix}RMSNorm"]] == ["SimplifiedLayerNormalization"]  # the layers' norm
     assert "SkipSimplifiedLayerNormalization" in [n.op_type for n in bodies[f"{prefix}DecoderLayer"]]
     assert [v.name for v in result.graph.inputs] == [v.name for v in ir.load(exported).graph.inputs]
@@ -145,6 +149,10 @@ def test_decoder_fused_inside_the_bodies_and_generates_as_transformers(kind, tmp
         expected = model.generate(torch.tensor(prompt), do_sample=False, max_new_tokens=6, min_new_tokens=6,
                                   eos_token_id=None, pad_token_id=0)
     np.testing.assert_array_equal(_greedy(optimized, prompt, 6, 2, 2, 16), expected.numpy())
+    if kind == "qwen3":  # and the unfused file's tokens, through the project's own loop
+        import onnx_modular
+
+        np.testing.assert_array_equal(onnx_modular.generate(exported, prompt, max_new_tokens=6), expected.numpy())
     if kind == "llama":  # weights in external data are read beside the file, whatever the working folder
         import onnx
 
@@ -275,3 +283,37 @@ def test_sliding_window_softcap_and_partial_rotary_fused(kind, tmp_path):
         expected = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6, min_new_tokens=6,
                                   eos_token_id=None, pad_token_id=0)
     np.testing.assert_array_equal(onnx_modular.generate(tmp_path / "opt.onnx", [prompt], 6), expected.numpy())
+
+
+@pytest.mark.slow
+def test_olmo2_norms_before_the_view_run_on_the_packed_projections_parts(tmp_path):
+    """Olmo2 normalizes the whole q and k projections before viewing them as heads: packed Q/K/V,
+    ``Split``, each norm call on its part, no view back; tokens equal transformers' ``generate``."""
+    import torch
+    import transformers
+
+    import onnx_modular
+    from onnx_modular.cli import main
+
+    torch.manual_seed(0)
+    config = transformers.Olmo2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      eos_token_id=None, pad_token_id=0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path / "ckpt")
+    exported, optimized = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
+    assert main(["export", str(tmp_path / "ckpt"), "--task", "causal-lm-with-past", "-o", str(exported),
+                 "--io-names", "optimum", "--no-verify"]) == 0
+    report = onnx_modular.optimize(exported, optimized, max_positions=128)
+    assert report.packed_qkv == ["Olmo2Attention"]
+    result = ir.load(optimized)
+    attention = next(f for key, f in result.functions.items() if key[1] == "Olmo2Attention")
+    ops = [n.op_type for n in attention]
+    norms = [i for i, n in enumerate(attention) if n.op_identifier() in result.functions and "RMSNorm" in n.op_type]
+    assert len(norms) == 2 and ops.index("Split") < min(norms) and max(norms) < ops.index("GroupQueryAttention")
+    assert "Transpose" not in ops and "Reshape" not in ops  # the norms read the split parts as they are
+    prompt = np.array([[5, 17, 33, 2], [9, 41, 7, 63]])
+    with torch.no_grad():
+        expected = model.generate(torch.tensor(prompt), do_sample=False, max_new_tokens=6, min_new_tokens=6,
+                                  eos_token_id=None, pad_token_id=0)
+    np.testing.assert_array_equal(_greedy(optimized, prompt, 6, 2, 2, 16), expected.numpy())

@@ -12,7 +12,11 @@ folds it into a constant when it builds the session), so any rotary variant the 
 The body becomes: one ``MatMul`` (and ``Add``) on the query, key and value weights (and biases)
 concatenated once per layer in the main graph (``model.layers.N.self_attn.qkv_proj.weight.T``,
 as the builder packs them; or the three projection calls when they cannot be packed), one
-``com.microsoft.GroupQueryAttention`` taking the packed projection, the output projection call. The op takes the mask as
+``com.microsoft.GroupQueryAttention`` taking the packed projection, the output projection call. With a
+norm call between projection and heads (Qwen3's ``q_norm``/``k_norm`` on ``[batch, seq, heads, head]``,
+Olmo2's on the projection) the packed projection is ``Split`` into q, k, v and each norm call moves onto
+its part (``Reshape`` to heads and back, no transposes, as the builder writes it): onnxruntime's CPU op
+takes no q/k norm weights, so the norms stay outside it. The op takes the mask as
 ``seqlens_k`` (``sum(attention_mask) - 1``, int32) and ``total_sequence_length`` (the mask's width,
 int32), computed once in the main graph from its 2-D ``attention_mask`` and passed down the call
 chain as new formal inputs (:data:`SEQLENS_K`, :data:`TOTAL_SEQUENCE_LENGTH`); formal inputs no
@@ -86,6 +90,7 @@ class _Attention:
     sink: ir.Value | None = None  # one learned logit per head beside the scores (attention sinks): head_sink
     interleaved: bool = False  # rotary pairs channels 2i and 2i + 1 (the module's cos/sin repeat each frequency twice)
     query_factor: ir.Value | None = None  # [batch, 1, seq, 1]: the query times one number a position (Llama 4's scale)
+    chains: list | None = None  # per q, k, v: the view and norm call from projection to heads (_norm_chain), when packable
 
 
 def _heads(model: ir.Model, start: ir.Value) -> tuple[ir.Value, bool]:
@@ -135,6 +140,37 @@ def _gqa_input(heads: ir.Value, projection: ir.Node) -> ir.Value | None:
     if producer is not None and producer.op_type == "Reshape" and producer.inputs[0] is projection.outputs[0]:
         return projection.outputs[0]
     return None
+
+
+def _norm_chain(model: ir.Model, heads: ir.Value, projection: ir.Node) -> list[ir.Node] | None:
+    """The nodes from the projection's output to ``heads`` (first to last) when they are its view into
+    heads (``Reshape``) and at most one one-output call (a norm: Qwen3's ``q_norm`` on the heads, Olmo2's on
+    the projection before the view) reading nothing else of the projections, else ``None``. Such q, k
+    and v can come from one packed projection split apart, the calls kept on their own parts."""
+    chain, value = [], heads
+    while value is not projection.outputs[0] and len(chain) < 3:
+        node = value.producer()
+        if node is None or len(node.outputs) != 1 or not node.inputs or node.inputs[0] is None:
+            return None
+        call = node.op_identifier() in model.functions
+        if not (call or (node.op_type == "Reshape" and node.domain in ("", "ai.onnx"))) or (call and _is_projection(node, model)):
+            return None
+        if call and any(v is not None and v.producer() is not None and v.producer().op_type != "Constant"
+                        for v in node.inputs[1:]):
+            return None  # a call reading a computed value besides its input (not only weights and constants)
+        chain.append(node)
+        value = node.inputs[0]
+    if value is not projection.outputs[0]:
+        return None
+    kinds = ["call" if n.op_identifier() in model.functions else "view" for n in reversed(chain)]
+    return list(reversed(chain)) if kinds in (["view"], ["view", "call"], ["call", "view"]) else None
+
+
+def _norm_chains(model: ir.Model, heads: list[ir.Value], projections: tuple) -> list[list[ir.Node]] | None:
+    """:func:`_norm_chain` of the query, the key and the value, when each has one and the value's is its
+    view alone (the op caches the value's heads as they are), else ``None``."""
+    chains = [_norm_chain(model, h, p) for h, p in zip(heads, projections)]
+    return None if any(c is None for c in chains) or len(chains[2]) != 1 else chains
 
 
 def _first_projection(model: ir.Model, start: ir.Value) -> ir.Node:
@@ -225,13 +261,14 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     scale, softcap = _scale(model, scores)
     if softcap == 0.0 and any(n.op_type == "Tanh" for n in nodes):
         raise _fusion.Refused("a Tanh in the body that is not a soft-cap of the scores")
+    chains = None if any(transposed) or one_projection else _norm_chains(model, heads, (q_proj, k_proj, v_proj))
     return _Attention(
         q_proj, k_proj, v_proj, o_proj, heads, transposed, all(v is not None for v in plain) or one_projection,
         key.inputs[0], value.inputs[0],
         outputs.index(key.outputs[0]), outputs.index(value.outputs[0]),
         q_columns // head_size, kv_heads, head_size, scale, cos, sin,
         head_size if width is None else width, softcap, _mask_formals(model, function, softmax, scores), sink,
-        interleaved, factor,
+        interleaved, factor, chains,
     )
 
 
@@ -421,6 +458,45 @@ class FuseGroupQueryAttentionPass(_fusion.FusionPass):
         function.insert_before(attention.o_proj, nodes)
         return joined.outputs[0]
 
+    @staticmethod
+    def _normed_parts(function: ir.Function, attention: _Attention, qkv: ir.Value) -> tuple:
+        """Query, key and value ``[batch, seq, heads * head]`` from one packed projection: ``Split``, and on
+        the query and the key their norm call where the body has it (moved here, its other inputs kept):
+        on the ``[batch, seq, heads, head]`` view (``Reshape`` there and back, no transposes: Qwen3, as the
+        builder writes it) or on the part itself (a norm before the view: Olmo2)."""
+        def constant(name, values):
+            node = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(values, np.int64))}, name=name)
+            node.outputs[0].name = name
+            return node
+
+        head = attention.head_size
+        sizes = constant("gqa.qkv_sizes", [attention.num_heads * head] + [attention.kv_num_heads * head] * 2)
+        split = ir.node("Split", [qkv, sizes.outputs[0]], attributes={"axis": -1}, num_outputs=3, name="gqa.qkv_split")
+        to_heads, merge = constant("gqa.to_heads", [0, 0, -1, head]), constant("gqa.merge_heads", [0, 0, -1])
+        nodes, parts = [sizes, split, to_heads, merge], []
+        for role, part, chain in zip("qkv", split.outputs, attention.chains):
+            part.name = f"gqa.{role}_split"
+            kinds = ["call" if n.op_type != "Reshape" or n.domain not in ("", "ai.onnx") else "view" for n in chain]
+            if "call" not in kinds:
+                parts.append(part)
+                continue
+            call = chain[kinds.index("call")]
+            function.remove(call, safe=False)
+            if kinds[0] == "view":  # the norm on the heads: view, norm, merge
+                view = ir.node("Reshape", [part, to_heads.outputs[0]], name=f"gqa.{role}_heads")
+                view.outputs[0].name = view.name
+                call.replace_input_with(0, view.outputs[0])
+                merged = ir.node("Reshape", [call.outputs[0], merge.outputs[0]], name=f"gqa.{role}_normed")
+                merged.outputs[0].name = merged.name
+                nodes += [view, call, merged]
+                parts.append(merged.outputs[0])
+            else:  # the norm on the projection's output, before the view
+                call.replace_input_with(0, part)
+                nodes.append(call)
+                parts.append(call.outputs[0])
+        function.insert_before(attention.o_proj, nodes)
+        return tuple(parts)
+
     def _rotated(self, model, function, attention: _Attention, qkv, cos_cache, sin_cache) -> tuple:
         """Query, key and value apart (a packed projection split into ``[q | k | v]``), the query and the
         key turned by ``RotaryEmbedding`` nodes (:func:`~onnx_modular.passes.fusions.rotary.rotary_nodes`)."""
@@ -457,9 +533,14 @@ class FuseGroupQueryAttentionPass(_fusion.FusionPass):
             "local_window_size": -1 if window is None else window, "softcap": attention.softcap,
         }
         one_projection = attention.q_proj is attention.k_proj
-        packed = _packed_projection(model, function, attention) if self.pack_qkv and attention.plain and not one_projection else None
+        packable = self.pack_qkv and not one_projection and (attention.plain or attention.chains is not None)
+        packed = _packed_projection(model, function, attention) if packable else None
         if one_projection:
             query, key, value = attention.q_proj.outputs[0], None, None
+        elif packed and not attention.plain:  # norms between projection and heads: split, each norm on its part
+            self.packed.append(function.identifier())
+            function.insert_before(attention.o_proj, packed)
+            query, key, value = self._normed_parts(function, attention, packed[-1].outputs[0])
         elif packed:
             self.packed.append(function.identifier())
             function.insert_before(attention.o_proj, packed)

@@ -95,8 +95,8 @@ class FuseSkipNormPass(_fusion.FusionPass):
             num_outputs=4,
             name=f"{call.name or 'norm'}.skip",
         )
-        for output, suffix in zip(fused.outputs, ("", "_mean", "_inv_std_var", "_sum")):
-            output.name = f"{call.outputs[0].name}{suffix}"
+        for output, suffix in zip(fused.outputs, ("", None, None, "_sum")):  # mean, inv_std_var: not computed
+            output.name = "" if suffix is None else f"{call.outputs[0].name}{suffix}"
         fused.metadata_props[_fusion.FUSED_FROM_KEY] = call.metadata_props.get(metadata.MODULE_PATH) or call.name or call.op_type
         call.graph.insert_before(add, fused)
         sum_value, normed = add.outputs[0], call.outputs[0]
