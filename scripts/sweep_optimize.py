@@ -184,11 +184,14 @@ def main() -> None:
     catalogue = json.loads((ROOT / "docs" / "coverage.json").read_text())["rows"]
     rows = [(r["model_type"], r["class_name"]) for r in catalogue if r["task"] == "causal-lm" and r["modular_ok"]]
     planned = len(rows)  # the catalogue's rows, whatever --types sweeps this time
-    if args.types:
-        rows = [r for r in rows if r[0] in args.types.split(",")]
+    types = set(args.types.split(",")) if args.types else None
+    if types:
+        rows = [r for r in rows if r[0] in types]
     done = json.loads(out.read_text())["rows"] if args.resume and out.exists() else []
     redo, outcomes = set((args.redo_classes or "").split(",")), set((args.redo_outcomes or "").split(","))
-    done = [r for r in done if r["class_name"] not in redo and r["outcome"] not in outcomes]
+    # a row is swept again when --redo-* names it and --types (if given) takes it; the others are kept
+    done = [r for r in done if (r["class_name"] not in redo and r["outcome"] not in outcomes)
+            or (types is not None and r["model_type"] not in types)]
     seen = {(r["model_type"], r["class_name"]) for r in done}
     if args.genai_first and GENAI.exists():  # the rows genai's sweep drove first: decoders with a KV cache
         drivable = {r["class_name"] for r in json.loads(GENAI.read_text())["rows"] if r["outcome"] == "ok"}
