@@ -98,3 +98,33 @@ def test_gpt_neo_exports_with_past_over_its_bounded_positions(tmp_path):
     assert dims["past_key_values.0.key"][2] == "past_sequence_length"
     # 6 prompt tokens and 8 more: past the local layer's window of 4
     np.testing.assert_array_equal(generate(exported, PROMPT, 8), _expected(model, 8))
+
+
+@pytest.mark.slow  # about 45 s: export, optimize (each fusion checked), generate
+def test_a_convolution_layers_state_is_a_cache_input_and_output_fed_back(tmp_path, capsys):
+    """LFM2-MoE's short convolution keeps its last inputs in transformers' cache (a ``LinearAttentionLayer``'s
+    ``conv_states``, ``[batch, hidden, kernel]``): with past it is one more cache input and output
+    (``past_key_values.0.conv_states.0``, ``present.0.conv_states.0``, only its batch dynamic), zeros at the
+    prompt, fed back each step by ``generate``; ``optimize`` checks its fusions on those steps."""
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.Lfm2MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, conv_L_cache=3,
+                                        num_dense_layers=2, layer_types=["conv", "full_attention"], max_position_embeddings=64)
+    model = transformers.Lfm2MoeForCausalLM(config).eval()
+    exported, inputs, outputs = _export(model, tmp_path)
+    assert inputs[2:] == ["past_key_values.0.conv_states.0", "past_key_values.1.key", "past_key_values.1.value"]
+    assert outputs == ["logits", "present.0.conv_states.0", "present.1.key", "present.1.value"]
+    graph = onnx.load(str(exported), load_external_data=False).graph
+    state = next(i for i in graph.input if i.name == "past_key_values.0.conv_states.0")
+    assert [d.dim_param or d.dim_value for d in state.type.tensor_type.shape.dim] == ["batch_size", 32, 3]
+    expected = _expected(model, 8)
+    np.testing.assert_array_equal(generate(exported, PROMPT, 8), expected)
+    capsys.readouterr()
+
+    optimized = tmp_path / "m.opt.onnx"
+    assert main(["optimize", str(exported), "-o", str(optimized), "--max-positions", "64", "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["attention"] == "GroupQueryAttention"
+    np.testing.assert_array_equal(generate(optimized, PROMPT, 8), expected)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import transformers
-from transformers.exporters.exporter_dynamo import get_auto_dynamic_shapes
+from transformers.exporters.exporter_dynamo import _pytree_flatten, get_auto_dynamic_shapes
 
 from onnx_modular.capture.diagnostics import module_path_from_traceback
 from onnx_modular.errors import CaptureError, InvalidInputError, OnnxModularError
@@ -414,14 +414,17 @@ def generation_axis_names(model: Any) -> dict[str, str]:
 IO_NAMINGS = ("transformers", "optimum")
 
 _CACHE_LEAF = re.compile(
-    r"^(?P<side>input|output)\.(?:" + "|".join(CACHE_ARGUMENTS) + r")\.layers\.(?P<layer>\d+)\.(?P<kind>keys|values)$"
+    r"^(?P<side>input|output)\.(?:" + "|".join(CACHE_ARGUMENTS)
+    + r")\.layers\.(?P<layer>\d+)\.(?P<kind>keys|values|(?:conv|recurrent)_states\.\d+)$"
 )
 
 
 def optimum_io_names(names: Iterable[str]) -> dict[str, str]:
     """``{name: Optimum's name}`` for the cache inputs and outputs among ``names`` (the graph's
     input and output names of a decoder exported with its cache): ``input.<cache>.layers.N.keys``
-    becomes ``past_key_values.N.key``, ``output.<cache>.layers.N.values`` ``present.N.value``.
+    becomes ``past_key_values.N.key``, ``output.<cache>.layers.N.values`` ``present.N.value``; a
+    recurrent or convolution layer's state (Optimum names none) keeps its name after the layer's
+    (``past_key_values.N.conv_states.0``, ``present.N.conv_states.0``).
     Other names (``input_ids``, ``attention_mask``, ``logits``) are Optimum's already.
 
     Raises:
@@ -434,7 +437,8 @@ def optimum_io_names(names: Iterable[str]) -> dict[str, str]:
         match = _CACHE_LEAF.match(name)
         if match:
             prefix = "past_key_values" if match["side"] == "input" else "present"
-            renamed[name] = f"{prefix}.{match['layer']}.{match['kind'][:-1]}"
+            kind = match["kind"] if "_states." in match["kind"] else match["kind"][:-1]  # a state keeps its name
+            renamed[name] = f"{prefix}.{match['layer']}.{kind}"
     cache_leaves = tuple(f"{side}.{a}." for side in ("input", "output") for a in CACHE_ARGUMENTS)
     others = [n for n in names if n not in renamed and n.startswith(cache_leaves)]
     if not renamed or others:
@@ -476,15 +480,29 @@ def dynamic_shapes(inputs: dict[str, Any]) -> dict[str, Any]:
             else:
                 shapes[name] = None
         elif name in CACHE_ARGUMENTS:
-            # transformers' own structure for the cache, with only batch and past dynamic.
-            shapes[name] = torch.utils._pytree.tree_map(
-                lambda spec: {0: batch, 2: dims[PAST_AXIS]} if len(spec) == 4 else ({0: batch} if spec else None),
-                get_auto_dynamic_shapes(value),
-                is_leaf=lambda spec: isinstance(spec, dict),
-            )
+            shapes[name] = _cache_shapes(value, batch, dims[PAST_AXIS])
         elif not (value is None or isinstance(value, (bool, int, float, str))):
             shapes[name] = get_auto_dynamic_shapes(value)
     return shapes
+
+
+def _cache_shapes(cache: Any, batch: Any, past: Any) -> Any:
+    """transformers' own structure for the cache, with only batch and past dynamic: the past on the
+    keys and values (``[batch, heads, past, head]``), the batch alone on a recurrent or convolution
+    layer's state (a ``LinearAttentionLayer``'s ``conv_states``, ``recurrent_states``: fixed sizes,
+    even in 4 dimensions)."""
+    specs = get_auto_dynamic_shapes(cache)
+    states = {id(state) for layer in getattr(cache, "layers", ()) for kind in ("conv_states", "recurrent_states")
+              for state in (getattr(layer, kind, None) or {}).values() if state is not None}
+    tensors = iter(_pytree_flatten(cache)[0] if states else [])
+
+    def axes(spec):
+        if not spec:
+            return None
+        state = id(next(tensors, None)) in states
+        return {0: batch, 2: past} if len(spec) == 4 and not state else {0: batch}
+
+    return torch.utils._pytree.tree_map(axes, specs, is_leaf=lambda spec: isinstance(spec, dict))
 
 
 def model_and_inputs(
