@@ -128,3 +128,32 @@ def test_a_convolution_layers_state_is_a_cache_input_and_output_fed_back(tmp_pat
     report = json.loads(capsys.readouterr().out)
     assert report["attention"] == "GroupQueryAttention"
     np.testing.assert_array_equal(generate(optimized, PROMPT, 8), expected)
+
+
+@pytest.mark.slow  # about 40 s: export, optimize (each fusion checked), generate
+def test_a_sliding_window_keeps_its_whole_past_and_fuses_with_its_window(tmp_path, capsys):
+    """transformers' sliding-window cache is a rolling buffer (the last window's keys, a 0-d window size
+    beside them); ``export --task causal-lm-with-past`` keeps every position's keys and values instead, as
+    ``export --genai`` does, and the graph masks the window: no ``_sliding_window_tensor`` input, tokens equal
+    to ``generate`` well past the window of 4, and ``optimize`` fuses it with ``local_window_size`` 4."""
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                        max_position_embeddings=64, sliding_window=4)
+    model = transformers.MistralForCausalLM(config).eval()
+    exported, inputs, outputs = _export(model, tmp_path)
+    past, present = _cache_names(2)
+    assert inputs == ["input_ids", "attention_mask", *past] and outputs == ["logits", *present]
+    expected = _expected(model, 10)
+    np.testing.assert_array_equal(generate(exported, PROMPT, 10), expected)
+    capsys.readouterr()
+
+    optimized = tmp_path / "m.opt.onnx"
+    assert main(["optimize", str(exported), "-o", str(optimized), "--max-positions", "64", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["attention"] == "GroupQueryAttention"
+    body = next(f for f in onnx.load(str(optimized), load_external_data=False).functions if f.name == "MistralAttention")
+    gqa = next(n for n in body.node if n.op_type == "GroupQueryAttention")
+    assert {a.name: a.i for a in gqa.attribute}["local_window_size"] == 4
+    np.testing.assert_array_equal(generate(optimized, PROMPT, 10), expected)

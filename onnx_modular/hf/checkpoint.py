@@ -337,6 +337,7 @@ def sample_inputs(model: torch.nn.Module, task: str, *, generation: bool = False
             with torch.no_grad():
                 try:
                     cache = returned_cache(model(input_ids=prefix, use_cache=True))
+                    cache = _whole_cache(model, prefix, cache)
                 except Exception as exc:  # the checkpoint's own forward: a config that does not fit the class
                     raise _forward_failed(model, exc) from exc
             if cache is None:
@@ -344,6 +345,24 @@ def sample_inputs(model: torch.nn.Module, task: str, *, generation: bool = False
         inputs["attention_mask"] = torch.ones(BATCH, PAST + SEQUENCE, dtype=torch.long)
         inputs[cache_argument(model)] = cache
     return inputs
+
+
+def _whole_cache(model: torch.nn.Module, prefix: torch.Tensor, cache: Any) -> Any:
+    """``cache`` with every sliding-window layer keeping its whole past, as ``export --genai`` keeps it:
+    transformers' sliding layer (``DynamicSlidingWindowLayer``) is a rolling buffer of the last window's
+    keys (its length stops growing, and a 0-d window size rides along), which a file of keys and values
+    that grow by the new tokens each step cannot be; with the whole past the graph masks the window, as
+    transformers' mask does. The other layers (full, convolution, recurrent) stay as the model made them."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    layers = getattr(cache, "layers", None)
+    if type(cache) is not DynamicCache or not layers or not any(type(layer) is DynamicSlidingWindowLayer for layer in layers):
+        return cache
+    whole = DynamicCache(config=model.config)
+    if len(whole.layers) != len(layers):
+        return cache
+    whole.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in whole.layers]
+    return returned_cache(model(input_ids=prefix, use_cache=True, **{cache_argument(model): whole}))
 
 
 def _forward_failed(model: torch.nn.Module, exc: Exception) -> CaptureError:
