@@ -157,3 +157,32 @@ def test_a_sliding_window_keeps_its_whole_past_and_fuses_with_its_window(tmp_pat
     gqa = next(n for n in body.node if n.op_type == "GroupQueryAttention")
     assert {a.name: a.i for a in gqa.attribute}["local_window_size"] == 4
     np.testing.assert_array_equal(generate(optimized, PROMPT, 10), expected)
+
+
+def test_a_text_models_checkpoint_is_built_by_the_class_its_architectures_name():
+    """AutoModelForCausalLM maps Emu3ForCausalLM and MllamaForCausalLM under the composite ``emu3`` and
+    ``mllama`` types, though each is built from its text config (what a checkpoint of the text model
+    alone holds): the class ``architectures`` names is taken when it is the task's and built from that
+    config; a class of another task, or another config's, is not."""
+    from onnx_modular.hf.checkpoint import supported_tasks
+
+    emu3 = transformers.Emu3TextConfig(architectures=["Emu3ForCausalLM"])
+    assert supported_tasks(emu3).get("causal-lm-with-past") == "Emu3ForCausalLM"
+    assert "causal-lm-with-past" not in supported_tasks(transformers.Emu3TextConfig())  # no name: no guess
+    other = transformers.Emu3TextConfig(architectures=["MllamaForCausalLM"])  # built from another config
+    assert "causal-lm-with-past" not in supported_tasks(other)
+
+
+@pytest.mark.slow  # about 30 s
+def test_mllamas_text_model_exports_with_past_and_decodes_as_generate(tmp_path):
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.MllamaTextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, cross_attention_layers=[], pad_token_id=0,
+                                           max_position_embeddings=64, architectures=["MllamaForCausalLM"])
+    model = transformers.MllamaForCausalLM(config).eval()
+    exported, inputs, outputs = _export(model, tmp_path)
+    past, present = _cache_names(2)
+    assert set(past) <= set(inputs) and outputs == ["logits", *present]
+    np.testing.assert_array_equal(generate(exported, PROMPT, 6), _expected(model, 6))

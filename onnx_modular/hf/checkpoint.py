@@ -98,11 +98,36 @@ _SEQUENCE_INPUTS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder
 
 
 def _model_class(config: Any, task: str) -> type | None:
-    """The class :data:`TASKS`' auto class builds for ``config`` (``None``: that auto class has none)."""
+    """The class :data:`TASKS`' auto class builds for ``config`` (``None``: that auto class has none),
+    or the one :func:`_named_class` finds."""
     try:
         return getattr(transformers, TASKS[task])._model_mapping[type(config)]
     except (KeyError, ValueError, AttributeError):
+        return _named_class(config, task)
+
+
+def _loader(config: Any, task: str) -> Any:
+    """What builds ``config``'s model for ``task``: the task's auto class, or :func:`_named_class`'s class
+    where the auto class has none for ``config``'s type."""
+    auto_class = getattr(transformers, TASKS[task])
+    try:
+        auto_class._model_mapping[type(config)]
+    except (KeyError, ValueError, AttributeError):
+        return _named_class(config, task) or auto_class
+    return auto_class
+
+
+def _named_class(config: Any, task: str) -> type | None:
+    """The class ``config.architectures`` names when the task's auto class maps it under another model
+    type and the class is built from ``config``'s type: ``Emu3ForCausalLM`` and ``MllamaForCausalLM``,
+    mapped under the composite ``emu3`` and ``mllama`` and built from their text configs (what a
+    checkpoint of the text model alone holds)."""
+    names = getattr(getattr(getattr(transformers, TASKS[task]), "_model_mapping", None), "_model_mapping", {})
+    name = next(iter(getattr(config, "architectures", None) or []), None)
+    if not isinstance(name, str) or name not in set(names.values()):
         return None
+    model_class = getattr(transformers, name, None)
+    return model_class if getattr(model_class, "config_class", None) is type(config) else None
 
 
 def _input_of(task: str, config: Any) -> str:
@@ -283,7 +308,7 @@ def load_checkpoint(source: str | os.PathLike, task: str, *, dtype: str | torch.
     check_supported(config, task, source)
     try:
         with _transformers_log() as log:
-            model = auto_class.from_pretrained(
+            model = _loader(config, task).from_pretrained(
                 source, config=config, local_files_only=True, use_safetensors=True,
                 **({"dtype": dtype} if dtype is not None else {}),
             )
@@ -593,7 +618,7 @@ def meta_checkpoint(
         config = None  # an unreadable config is model_on_meta's to report
     if config is not None:
         check_supported(config, task, source)
-    auto_class = getattr(transformers, TASKS[task])
+    auto_class = getattr(transformers, TASKS[task]) if config is None else _loader(config, task)
     try:
         return model_on_meta(source, model_class=auto_class, dtype=_dtype(dtype))
     except OnnxModularError:
