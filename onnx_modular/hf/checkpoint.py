@@ -291,7 +291,6 @@ def load_checkpoint(source: str | os.PathLike, task: str, *, dtype: str | torch.
             f"{str(source)!r} is not a checkpoint folder.",
             hint="Give the folder save_pretrained wrote (config.json and *.safetensors).",
         )
-    auto_class = getattr(transformers, TASKS[task])
     try:
         config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
     except OSError as e:
