@@ -186,3 +186,19 @@ def test_mllamas_text_model_exports_with_past_and_decodes_as_generate(tmp_path):
     past, present = _cache_names(2)
     assert set(past) <= set(inputs) and outputs == ["logits", *present]
     np.testing.assert_array_equal(generate(exported, PROMPT, 6), _expected(model, 6))
+
+
+@pytest.mark.slow  # about a minute
+def test_a_sparse_attentions_indexer_keys_grow_with_the_past(tmp_path):
+    """DeepSeek V3.2's indexer keeps keys of its own (transformers' ``DynamicIndexedLayer.indexer_keys``,
+    ``[batch, past, head]``): their past is the past axis too (declared static, torch.export made the past
+    a constant), named ``past_key_values.N.indexer_keys``; ``generate`` starts them empty on that axis."""
+    from catalogue import building
+
+    model = building.build("deepseek_v32", "DeepseekV32ForCausalLM")[0].eval()
+    exported, inputs, outputs = _export(model, tmp_path)
+    assert "past_key_values.0.indexer_keys" in inputs and "present.0.indexer_keys" in outputs
+    graph = onnx.load(str(exported), load_external_data=False).graph
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
+    assert dims["past_key_values.0.indexer_keys"][:2] == ["batch_size", "past_sequence_length"]
+    np.testing.assert_array_equal(generate(exported, PROMPT, 6), _expected(model, 6))

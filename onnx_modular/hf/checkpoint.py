@@ -458,7 +458,7 @@ IO_NAMINGS = ("transformers", "optimum")
 
 _CACHE_LEAF = re.compile(
     r"^(?P<side>input|output)\.(?:" + "|".join(CACHE_ARGUMENTS)
-    + r")\.layers\.(?P<layer>\d+)\.(?P<kind>keys|values|(?:conv|recurrent)_states\.\d+)$"
+    + r")\.layers\.(?P<layer>\d+)\.(?P<kind>keys|values|indexer_keys|(?:conv|recurrent)_states\.\d+)$"
 )
 
 
@@ -466,8 +466,9 @@ def optimum_io_names(names: Iterable[str]) -> dict[str, str]:
     """``{name: Optimum's name}`` for the cache inputs and outputs among ``names`` (the graph's
     input and output names of a decoder exported with its cache): ``input.<cache>.layers.N.keys``
     becomes ``past_key_values.N.key``, ``output.<cache>.layers.N.values`` ``present.N.value``; a
-    recurrent or convolution layer's state (Optimum names none) keeps its name after the layer's
-    (``past_key_values.N.conv_states.0``, ``present.N.conv_states.0``).
+    recurrent or convolution layer's state and a sparse attention's indexer keys (Optimum names
+    neither) keep their names after the layer's (``past_key_values.N.conv_states.0``,
+    ``present.N.indexer_keys``).
     Other names (``input_ids``, ``attention_mask``, ``logits``) are Optimum's already.
 
     Raises:
@@ -480,7 +481,7 @@ def optimum_io_names(names: Iterable[str]) -> dict[str, str]:
         match = _CACHE_LEAF.match(name)
         if match:
             prefix = "past_key_values" if match["side"] == "input" else "present"
-            kind = match["kind"] if "_states." in match["kind"] else match["kind"][:-1]  # a state keeps its name
+            kind = match["kind"] if "_" in match["kind"] else match["kind"][:-1]  # a state, indexer keys: their names
             renamed[name] = f"{prefix}.{match['layer']}.{kind}"
     cache_leaves = tuple(f"{side}.{a}." for side in ("input", "output") for a in CACHE_ARGUMENTS)
     others = [n for n in names if n not in renamed and n.startswith(cache_leaves)]
@@ -535,15 +536,20 @@ def _cache_shapes(cache: Any, batch: Any, past: Any) -> Any:
     layer's state (a ``LinearAttentionLayer``'s ``conv_states``, ``recurrent_states``: fixed sizes,
     even in 4 dimensions)."""
     specs = get_auto_dynamic_shapes(cache)
-    states = {id(state) for layer in getattr(cache, "layers", ()) for kind in ("conv_states", "recurrent_states")
+    layers = getattr(cache, "layers", ())
+    states = {id(state) for layer in layers for kind in ("conv_states", "recurrent_states")
               for state in (getattr(layer, kind, None) or {}).values() if state is not None}
-    tensors = iter(_pytree_flatten(cache)[0] if states else [])
+    # a sparse attention's indexer keys ([batch, past, head]) grow with the past on their second axis
+    indexed = {id(keys) for layer in layers if isinstance(keys := getattr(layer, "indexer_keys", None), torch.Tensor)}
+    tensors = iter(_pytree_flatten(cache)[0] if states or indexed else [])
 
     def axes(spec):
         if not spec:
             return None
-        state = id(next(tensors, None)) in states
-        return {0: batch, 2: past} if len(spec) == 4 and not state else {0: batch}
+        tensor = id(next(tensors, None))
+        if tensor in indexed and len(spec) == 3:
+            return {0: batch, 1: past}
+        return {0: batch, 2: past} if len(spec) == 4 and tensor not in states else {0: batch}
 
     return torch.utils._pytree.tree_map(axes, specs, is_leaf=lambda spec: isinstance(spec, dict))
 

@@ -41,7 +41,7 @@ from onnx_modular.runtime.decoder_checks import (
 from onnx_modular.runtime.sessions import run, session
 
 __all__ = ["generate", "generate_with_sessions", "cache_key", "decoder_files", "greedy_steps", "step_inputs", "MADE_INPUTS",
-           "is_state", "prompt_logits", "prompt_feeds"]
+           "is_state", "past_axis", "prompt_logits", "prompt_feeds"]
 
 #: onnxruntime's type names -> numpy dtypes of the inputs the loop makes.
 _DTYPES = {
@@ -116,7 +116,8 @@ def _signature(sess: Any, what: str) -> _Signature:
     # (``conv_states.0``, ``recurrent_states.0``: fixed sizes, fed back as they come)
     cache_outputs = {cache_key(name): name for name in outputs
                      if len(_shape(sess, name, outputs=True)) == 4 or cache_key(name) in cache_inputs}
-    unknown = [name for key, name in cache_inputs.items() if len(inputs[name].shape) != 4 and not is_state(name)]
+    unknown = [name for key, name in cache_inputs.items()
+               if len(inputs[name].shape) != 4 and not is_state(name) and past_axis(inputs[name].shape) is None]
     if unknown:
         raise InvalidInputError(
             f"The {what} takes {unknown}, which the generation loop cannot build (it makes "
@@ -145,11 +146,24 @@ def is_state(name: str) -> bool:
     return parts[-1] not in _KEYS_AND_VALUES and any(part.endswith("_states") for part in parts)
 
 
+def past_axis(shape: Sequence[Any]) -> int | None:
+    """The axis of ``shape`` (an input's, as onnxruntime or onnx_ir gives it) named
+    ``past_sequence_length`` (``None``: none is): where a cache tensor of another layout than
+    ``[batch, heads, past, head]`` grows (a sparse attention's indexer keys, ``[batch, past, head]``)."""
+    return next((i for i, d in enumerate(shape) if str(getattr(d, "value", d)) == "past_sequence_length"), None)
+
+
 def _empty_past(arg: Any, batch: int, what: str) -> np.ndarray:
     """``[batch, kv_heads, 0, head_dim]`` in the dtype the file declares for this cache input; zeros of
-    its fixed sizes for a state (:func:`is_state`), as transformers starts one."""
+    its fixed sizes for a state (:func:`is_state`), as transformers starts one; 0 on the
+    :func:`past_axis` of a cache of another layout."""
     dims = list(arg.shape)
-    sizes = [batch, *dims[1:]] if is_state(arg.name) else [batch, dims[1], 0, dims[3]]
+    if is_state(arg.name):
+        sizes = [batch, *dims[1:]]
+    elif len(dims) != 4 and past_axis(dims) is not None:
+        sizes = [batch, *[0 if i == past_axis(dims) else d for i, d in enumerate(dims)][1:]]
+    else:
+        sizes = [batch, dims[1], 0, dims[3]]
     if not all(isinstance(size, int) for size in sizes):
         raise InvalidInputError(
             f"The {what}'s cache input {arg.name!r} has shape {dims}: the heads and head size (a state's every "

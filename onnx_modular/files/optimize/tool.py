@@ -57,7 +57,7 @@ from onnx_modular.passes.fusions.gqa import SEQLENS_K, TOTAL_SEQUENCE_LENGTH, Fu
 from onnx_modular.passes.fusions.mha import FuseMultiHeadAttentionPass
 from onnx_modular.passes.fusions.rms_norm import FuseRMSNormPass
 from onnx_modular.passes.fusions.skip_norm import FuseSkipNormPass
-from onnx_modular.runtime.generation import cache_key, is_state
+from onnx_modular.runtime.generation import cache_key, is_state, past_axis
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import save
 from onnx_modular.storage.checks import check_expanded_size
@@ -212,7 +212,14 @@ def _cache_inputs(model: ir.Model) -> list[ir.Value]:
     """Keys and values (``[batch, heads, past, head]``), and the fixed-size states of recurrent or
     convolution layers (:func:`~onnx_modular.runtime.generation.is_state`)."""
     return [v for v in model.graph.inputs if v.dtype is not None and v.dtype.is_floating_point() and v.shape is not None
-            and (is_state(v.name) or (len(v.shape) == 4 and ("past" in v.name or "cache" in v.name)))]
+            and (is_state(v.name) or past_axis(v.shape) is not None
+                 or (len(v.shape) == 4 and ("past" in v.name or "cache" in v.name)))]
+
+
+def _grown_axis(value: ir.Value) -> int:
+    """The axis a cache input grows on: its :func:`~onnx_modular.runtime.generation.past_axis`, else 2."""
+    axis = past_axis(value.shape)
+    return 2 if axis is None else axis
 
 
 def _presents(model: ir.Model, outputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
@@ -256,7 +263,7 @@ def _prompt_feeds(model: ir.Model, length: int, past: list[np.ndarray] | None, s
     rng = np.random.default_rng(seed)
     caches = _cache_inputs(model)
     grown = [index for index, value in enumerate(caches) if not is_state(value.name)]  # keys and values
-    past_length = 0 if past is None or not grown else past[grown[0]].shape[2]
+    past_length = 0 if past is None or not grown else past[grown[0]].shape[_grown_axis(caches[grown[0]])]
     feeds: dict[str, np.ndarray] = {}
     for index, value in enumerate(caches):
         if past is not None:
@@ -264,7 +271,7 @@ def _prompt_feeds(model: ir.Model, length: int, past: list[np.ndarray] | None, s
             continue
         dims = [d if isinstance(d, int) else 1 for d in value.shape]
         if not is_state(value.name):  # a state starts as zeros of its fixed sizes
-            dims[2] = 0
+            dims[_grown_axis(value)] = 0
         feeds[value.name] = np.zeros(dims, dtype=value.dtype.numpy())
     for value in model.graph.inputs:
         if value.name in feeds:
