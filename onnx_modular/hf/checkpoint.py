@@ -377,15 +377,21 @@ def _whole_cache(model: torch.nn.Module, prefix: torch.Tensor, cache: Any) -> An
     keys (its length stops growing, and a 0-d window size rides along), which a file of keys and values
     that grow by the new tokens each step cannot be; with the whole past the graph masks the window, as
     transformers' mask does. The other layers (full, convolution, recurrent) stay as the model made them."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+    from transformers import cache_utils
 
+    # the sliding layers and their whole-past counterparts (a hybrid layer keeps its convolution states)
+    whole_of = {cache_utils.DynamicSlidingWindowLayer: lambda layer: cache_utils.DynamicLayer()}
+    hybrid = getattr(cache_utils, "LinearAttentionAndSlidingWindowAttentionLayer", None)
+    if hybrid is not None and hasattr(cache_utils, "LinearAttentionAndFullAttentionLayer"):
+        whole_of[hybrid] = lambda layer: cache_utils.LinearAttentionAndFullAttentionLayer(
+            number_of_states=layer.number_of_states)
     layers = getattr(cache, "layers", None)
-    if type(cache) is not DynamicCache or not layers or not any(type(layer) is DynamicSlidingWindowLayer for layer in layers):
+    if type(cache) is not cache_utils.DynamicCache or not layers or not any(type(layer) in whole_of for layer in layers):
         return cache
-    whole = DynamicCache(config=model.config)
+    whole = cache_utils.DynamicCache(config=model.config)
     if len(whole.layers) != len(layers):
         return cache
-    whole.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in whole.layers]
+    whole.layers = [whole_of[type(layer)](layer) if type(layer) in whole_of else layer for layer in whole.layers]
     return returned_cache(model(input_ids=prefix, use_cache=True, **{cache_argument(model): whole}))
 
 
