@@ -22,6 +22,8 @@ onnxruntime's transformers optimizer (``MODEL_TYPES``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import multiprocessing
 import pathlib
@@ -64,10 +66,17 @@ def _export(ckpt: pathlib.Path, out: pathlib.Path) -> tuple[pathlib.Path, str, s
         return out / "genai" / "model.onnx", "genai", None
     except GenaiError as refused:
         path = out / "m.onnx"
-        code = cli(["export", str(ckpt), "--task", "causal-lm-with-past", "-o", str(path), "--io-names", "optimum",
-                    "--no-verify"])
+        errors = io.StringIO()
+        with contextlib.redirect_stderr(errors):
+            code = cli(["export", str(ckpt), "--task", "causal-lm-with-past", "-o", str(path), "--io-names", "optimum",
+                        "--no-verify"])
         if code != 0 or not path.exists():
-            raise RuntimeError(f"export --task causal-lm-with-past exited with {code} (genai: {refused})") from None
+            # the fallback's own reason first (the row keeps the first line), then genai's
+            lines = errors.getvalue().splitlines()
+            said = next((line[len("error: "):] for line in lines if line.startswith("error:")), f"exited with {code}")
+            tried = next((line.rsplit("; ", 1)[-1] for line in lines if line.startswith("Capture strategies tried:")), "")
+            raise RuntimeError(f"export --task causal-lm-with-past: {said}{f' [last: {tried}]' if tried else ''} "
+                               f"(genai: {str(refused).splitlines()[0][:150]})") from None
         return path, "optimum", str(refused).splitlines()[0][:200]
 
 
@@ -132,7 +141,7 @@ def _row(model_type: str, class_name: str, queue) -> None:
     except Exception as e:  # the row records it
         outcome = {"build": "export-error", "export": "export-error", "optimize": "crash"}.get(stage, "error")
         result.update(outcome=outcome, stage=stage,
-                      error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
+                      error=f"{type(e).__name__}: {str(e).splitlines()[0][:600] if str(e) else ''}",
                       where=[line[:200] for line in traceback.format_exc().splitlines()[-5:-1]])
     result["seconds"] = round(time.perf_counter() - started, 1)
     queue.put(result)
@@ -184,11 +193,14 @@ def main() -> None:
     catalogue = json.loads((ROOT / "docs" / "coverage.json").read_text())["rows"]
     rows = [(r["model_type"], r["class_name"]) for r in catalogue if r["task"] == "causal-lm" and r["modular_ok"]]
     planned = len(rows)  # the catalogue's rows, whatever --types sweeps this time
-    if args.types:
-        rows = [r for r in rows if r[0] in args.types.split(",")]
+    types = set(args.types.split(",")) if args.types else None
+    if types:
+        rows = [r for r in rows if r[0] in types]
     done = json.loads(out.read_text())["rows"] if args.resume and out.exists() else []
     redo, outcomes = set((args.redo_classes or "").split(",")), set((args.redo_outcomes or "").split(","))
-    done = [r for r in done if r["class_name"] not in redo and r["outcome"] not in outcomes]
+    # a row is swept again when --redo-* names it and --types (if given) takes it; the others are kept
+    done = [r for r in done if (r["class_name"] not in redo and r["outcome"] not in outcomes)
+            or (types is not None and r["model_type"] not in types)]
     seen = {(r["model_type"], r["class_name"]) for r in done}
     if args.genai_first and GENAI.exists():  # the rows genai's sweep drove first: decoders with a KV cache
         drivable = {r["class_name"] for r in json.loads(GENAI.read_text())["rows"] if r["outcome"] == "ok"}

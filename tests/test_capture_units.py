@@ -404,6 +404,48 @@ def test_suggested_fixes_bound_an_axis_as_torch_onnx_export_does():
     torch.testing.assert_close(captured.program.module()(other), model(other))
 
 
+class _PositionsWithPast(torch.nn.Module):
+    """A decoder's inputs in miniature: new tokens ``x`` over a table of 8 positions after a past, and
+    a mask over both, whose width no ``Dim`` names (``Dim.DYNAMIC``, as a with-past mask's axis)."""
+
+    def __init__(self, fixed: bool = False):
+        super().__init__()
+        self.register_buffer("positions", torch.randn(1, 8, 4))
+        self.fixed = fixed
+
+    def forward(self, x, past, mask):
+        if self.fixed:  # a forward that specializes the new tokens' count (CPM-Ant's with a cache)
+            x = x.reshape(x.shape[0], 3, 4)
+        return x + self.positions[:, : x.shape[1]] + past.sum(1, keepdim=True) + mask.sum()
+
+
+def _with_past_shapes():
+    return {"x": {0: Dim("batch_size"), 1: Dim("sequence_length")}, "past": {0: Dim("batch_size"), 1: Dim("past_sequence_length")},
+            "mask": {0: Dim("batch_size"), 1: Dim.DYNAMIC}}
+
+
+def test_suggested_fixes_apply_beside_an_axis_named_by_no_dim():
+    """torch's own refinement reads every leaf's name, which ``Dim.DYNAMIC`` has not (a with-past
+    mask's ``past_sequence_length + sequence_length``): the fixes are applied around it, the hint kept
+    (GPT-Neo's and XGLM's sequence and past bounded by their position tables)."""
+    x, past, mask = torch.randn(2, 3, 4), torch.randn(2, 5, 4), torch.ones(2, 8)
+    model = _PositionsWithPast().eval()
+    captured = strategies.capture(model, (x, past, mask), None, _with_past_shapes())
+    assert captured.strategy == "suggested-fixes"
+    assert captured.dynamic_shapes["x"][1].max == 8
+    assert captured.dynamic_shapes["mask"][1] is Dim.DYNAMIC
+    other = (torch.randn(3, 1, 4), torch.randn(3, 7, 4), torch.ones(3, 8))
+    torch.testing.assert_close(captured.program.module()(*other), model(*other))
+
+
+def test_suggested_fixes_never_make_a_decoders_sequence_a_constant():
+    """A fix ``sequence_length = 3`` would give a with-past file that cannot decode one token a step: refused, saying so."""
+    x, past, mask = torch.randn(2, 3, 4), torch.randn(2, 5, 4), torch.ones(2, 8)
+    with pytest.raises(CaptureError) as refused:
+        strategies.capture(_PositionsWithPast(fixed=True).eval(), (x, past, mask), None, _with_past_shapes())
+    assert "make sequence_length = 3 a constant" in str(refused.value)
+
+
 def test_on_meta_runs_its_strategy_on_meta_inputs():
     inner = _Records()
     model = _TwoLinear()

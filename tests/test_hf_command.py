@@ -119,8 +119,9 @@ def test_kv_cache_folder_export_as_optimum_names_it(tmp_path, capsys):
 
 
 def test_sliding_window_cache_checkpoint(tmp_path, capsys):
-    """Mistral's cache layers hold a 0-d tensor beside keys and values (no axis to make dynamic):
-    exported, one decoder function, verified with no flags."""
+    """Mistral's sliding-window cache (transformers' rolling buffer, a 0-d window size beside keys and
+    values) is exported with every position's keys and values, the window masked in the graph: one
+    decoder function, no input but the ids, the mask and the cache, verified with no flags."""
     torch.manual_seed(0)
     config = transformers.MistralConfig(
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -133,6 +134,7 @@ def test_sliding_window_cache_checkpoint(tmp_path, capsys):
     saved = onnx.load(str(out))
     assert [f.name for f in saved.functions if "DecoderLayer" in f.name] == ["MistralDecoderLayer"]
     assert all(dims == ["batch_size", 2, "past_sequence_length", 8] for name, dims in _dims(saved).items() if name in CACHE)
+    assert not [i.name for i in saved.graph.input if "sliding_window" in i.name]
     assert main(["verify", str(out)]) == 0
 
 

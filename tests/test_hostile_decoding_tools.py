@@ -409,11 +409,15 @@ def test_checkpoint_configs_and_tokenizer_links_are_refused_before_any_work(tmp_
     folder = tmp_path / "ckpt"
     folder.mkdir()
     for bad, fragment in (({"eos_token_id": "2"}, "token id"), ({"bos_token_id": 10**30}, "token id"),
-                          ({"num_attention_heads": 0}, "at least one"), ({"hidden_size": [64]}, "non-negative integer")):
+                          ({"num_attention_heads": 0}, "at least one"), ({"hidden_size": [64]}, "non-negative integer"),
+                          ({"intermediate_size": [64, -1]}, "non-negative integer"), ({"intermediate_size": []}, "non-negative integer")):
         (folder / "config.json").write_text(json.dumps({"model_type": "llama", **bad}))
         with pytest.raises(InvalidInputError, match=fragment):
             _check_checkpoint(folder)
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": [1, 2]}))
+    _check_checkpoint(folder)
+    # a width per layer (Gemma 3n's intermediate_size) is a list of sizes
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3n_text", "intermediate_size": [64, 128]}))
     _check_checkpoint(folder)
     (folder / "tokenizer.real.json").write_text("{}")
     os.symlink("tokenizer.real.json", folder / "tokenizer.json")

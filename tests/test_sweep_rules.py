@@ -194,6 +194,16 @@ def test_a_timm_backbone_gets_a_released_timm_model_and_its_four_stages():
 # ---- multimodal towers, text heads and per-layer configs ----
 
 
+def test_causal_lm_heads_of_the_bert_family_are_built_as_decoders():
+    # BertLMHeadModel, RobertaForCausalLM ...: decoders only with is_decoder (as a user exporting one sets
+    # it), which keep a cache; a masked LM (no cache) is left alone
+    bert = building.build("bert", "BertLMHeadModel")[0]
+    assert bert.config.is_decoder is True and not bert.config.add_cross_attention
+    assert building.build("roberta", "RobertaForMaskedLM")[0].config.is_decoder is False
+    # heads whose default width would make heads narrower than GroupQueryAttention's 8
+    assert building.tiny_config("gpt_neo").num_heads == 2 and building.tiny_config("xglm").attention_heads == 2
+
+
 def test_iss36g_grid_patches_read_frames_per_patch_under_either_name():
     # Muse Spark's tower calls its temporal patch `patch_temporal`: (patches, 3 x frames x patch x patch)
     model, inputs, expected = building.build("muse_spark_vision", "MuseSparkVisionModel")

@@ -188,7 +188,11 @@ class SuggestedFixes(CaptureStrategy):
     def _capture(self, call, failures):
         errors = []
         for failure in failures:
-            refined = torch_export.refined_dynamic_shapes(failure.error, call.dynamic_shapes)
+            try:
+                refined = torch_export.refined_dynamic_shapes(failure.error, call.dynamic_shapes)
+            except ValueError as error:  # fixes that are not taken, and why
+                errors.append(error)
+                continue
             if refined is None:
                 continue
             try:

@@ -17,6 +17,7 @@ import functools
 import logging
 import sys
 import warnings
+from typing import Any
 
 import torch
 
@@ -166,14 +167,62 @@ def _factory_value(func, args, kwargs, out):
 
 def refined_dynamic_shapes(error: BaseException | None, dynamic_shapes):
     """``dynamic_shapes`` with torch's suggested fixes applied when ``error`` is torch.export's
-    constraint violation (``Dim('seq', max=64)`` for BERT's position table); ``None``
-    when it is another error or the fixes cannot be applied."""
+    constraint violation (``Dim('seq', max=64)`` for BERT's position table, ``max=2046`` for the
+    sequence and past of GPT-Neo's); ``None`` when it is another error or the fixes cannot be applied.
+
+    Raises:
+        ValueError: The fixes would make a decoder's sequence or past length a constant.
+    """
     if not constraint_violation(error) or "Suggested fixes" not in str(error):
         return None
+    # torch's refinement reads every leaf's name, which a hint has not (Dim.DYNAMIC for a with-past
+    # mask's ``past_sequence_length + sequence_length``): each hint stands in as a Dim of its own,
+    # which no fix names, and is put back after
+    hints: dict[int, Any] = {}
+
+    def stand_in(leaf):
+        if isinstance(leaf, torch.export.dynamic_shapes._DimHint):
+            dim = torch.export.Dim(f"_hint{len(hints)}")
+            hints[id(dim)] = leaf
+            return dim
+        return leaf
+
+    def put_back(leaf):
+        return hints.get(id(leaf), leaf)
+
+    is_leaf = _is_dim_leaf
     try:
-        return torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(error.msg, dynamic_shapes)
+        standing = torch.utils._pytree.tree_map(stand_in, dynamic_shapes, is_leaf=is_leaf)
+        refined = torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(error.msg, standing)
+        refined = torch.utils._pytree.tree_map(put_back, refined, is_leaf=is_leaf)
     except Exception:
         return None
+    fixed = _decoding_axis_fixed(dynamic_shapes, refined)
+    if fixed:
+        raise ValueError(f"torch's suggested fixes make {fixed} a constant: the model's forward specializes it, "
+                         "and a decoder with its cache runs at every length (a prompt, then one token a step)")
+    return refined
+
+
+#: The axes a decoder with its cache runs at every length (a prefill of the prompt, then one token a
+#: step): a fix that makes one of them a constant gives a file that cannot decode, so it is not taken.
+_DECODING_AXES = ("sequence_length", "past_sequence_length")
+
+
+def _decoding_axis_fixed(before, after) -> str | None:
+    """The decoding axis (:data:`_DECODING_AXES`) declared in ``before`` that ``after`` makes a constant,
+    in shapes with a past axis (CPM-Ant's forward specializes its new tokens' count), or None."""
+    leaves = torch.utils._pytree.tree_leaves(before, is_leaf=_is_dim_leaf)
+    fixed = torch.utils._pytree.tree_leaves(after, is_leaf=_is_dim_leaf)
+    if len(leaves) != len(fixed) or not any(getattr(leaf, "__name__", None) == _DECODING_AXES[1] for leaf in leaves):
+        return None
+    return next((f"{old.__name__} = {new}" for old, new in zip(leaves, fixed)
+                 if getattr(old, "__name__", None) in _DECODING_AXES and isinstance(new, int)), None)
+
+
+def _is_dim_leaf(value) -> bool:
+    """A leaf of a ``dynamic_shapes`` tree: a ``Dim``, a hint, an int or None (not a dict of axes)."""
+    return value is None or isinstance(value, (int, torch.export.dynamic_shapes._DimHint, torch.export.dynamic_shapes._Dim))
 
 
 def data_dependent(error: BaseException | None) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import transformers
-from transformers.exporters.exporter_dynamo import get_auto_dynamic_shapes
+from transformers.exporters.exporter_dynamo import _pytree_flatten, get_auto_dynamic_shapes
 
 from onnx_modular.capture.diagnostics import module_path_from_traceback
 from onnx_modular.errors import CaptureError, InvalidInputError, OnnxModularError
@@ -98,11 +98,36 @@ _SEQUENCE_INPUTS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder
 
 
 def _model_class(config: Any, task: str) -> type | None:
-    """The class :data:`TASKS`' auto class builds for ``config`` (``None``: that auto class has none)."""
+    """The class :data:`TASKS`' auto class builds for ``config`` (``None``: that auto class has none),
+    or the one :func:`_named_class` finds."""
     try:
         return getattr(transformers, TASKS[task])._model_mapping[type(config)]
     except (KeyError, ValueError, AttributeError):
+        return _named_class(config, task)
+
+
+def _loader(config: Any, task: str) -> Any:
+    """What builds ``config``'s model for ``task``: the task's auto class, or :func:`_named_class`'s class
+    where the auto class has none for ``config``'s type."""
+    auto_class = getattr(transformers, TASKS[task])
+    try:
+        auto_class._model_mapping[type(config)]
+    except (KeyError, ValueError, AttributeError):
+        return _named_class(config, task) or auto_class
+    return auto_class
+
+
+def _named_class(config: Any, task: str) -> type | None:
+    """The class ``config.architectures`` names when the task's auto class maps it under another model
+    type and the class is built from ``config``'s type: ``Emu3ForCausalLM`` and ``MllamaForCausalLM``,
+    mapped under the composite ``emu3`` and ``mllama`` and built from their text configs (what a
+    checkpoint of the text model alone holds)."""
+    names = getattr(getattr(getattr(transformers, TASKS[task]), "_model_mapping", None), "_model_mapping", {})
+    name = next(iter(getattr(config, "architectures", None) or []), None)
+    if not isinstance(name, str) or name not in set(names.values()):
         return None
+    model_class = getattr(transformers, name, None)
+    return model_class if getattr(model_class, "config_class", None) is type(config) else None
 
 
 def _input_of(task: str, config: Any) -> str:
@@ -266,7 +291,6 @@ def load_checkpoint(source: str | os.PathLike, task: str, *, dtype: str | torch.
             f"{str(source)!r} is not a checkpoint folder.",
             hint="Give the folder save_pretrained wrote (config.json and *.safetensors).",
         )
-    auto_class = getattr(transformers, TASKS[task])
     try:
         config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
     except OSError as e:
@@ -283,7 +307,7 @@ def load_checkpoint(source: str | os.PathLike, task: str, *, dtype: str | torch.
     check_supported(config, task, source)
     try:
         with _transformers_log() as log:
-            model = auto_class.from_pretrained(
+            model = _loader(config, task).from_pretrained(
                 source, config=config, local_files_only=True, use_safetensors=True,
                 **({"dtype": dtype} if dtype is not None else {}),
             )
@@ -337,6 +361,7 @@ def sample_inputs(model: torch.nn.Module, task: str, *, generation: bool = False
             with torch.no_grad():
                 try:
                     cache = returned_cache(model(input_ids=prefix, use_cache=True))
+                    cache = _whole_cache(model, prefix, cache)
                 except Exception as exc:  # the checkpoint's own forward: a config that does not fit the class
                     raise _forward_failed(model, exc) from exc
             if cache is None:
@@ -344,6 +369,30 @@ def sample_inputs(model: torch.nn.Module, task: str, *, generation: bool = False
         inputs["attention_mask"] = torch.ones(BATCH, PAST + SEQUENCE, dtype=torch.long)
         inputs[cache_argument(model)] = cache
     return inputs
+
+
+def _whole_cache(model: torch.nn.Module, prefix: torch.Tensor, cache: Any) -> Any:
+    """``cache`` with every sliding-window layer keeping its whole past, as ``export --genai`` keeps it:
+    transformers' sliding layer (``DynamicSlidingWindowLayer``) is a rolling buffer of the last window's
+    keys (its length stops growing, and a 0-d window size rides along), which a file of keys and values
+    that grow by the new tokens each step cannot be; with the whole past the graph masks the window, as
+    transformers' mask does. The other layers (full, convolution, recurrent) stay as the model made them."""
+    from transformers import cache_utils
+
+    # the sliding layers and their whole-past counterparts (a hybrid layer keeps its convolution states)
+    whole_of = {cache_utils.DynamicSlidingWindowLayer: lambda layer: cache_utils.DynamicLayer()}
+    hybrid = getattr(cache_utils, "LinearAttentionAndSlidingWindowAttentionLayer", None)
+    if hybrid is not None and hasattr(cache_utils, "LinearAttentionAndFullAttentionLayer"):
+        whole_of[hybrid] = lambda layer: cache_utils.LinearAttentionAndFullAttentionLayer(
+            number_of_states=layer.number_of_states)
+    layers = getattr(cache, "layers", None)
+    if type(cache) is not cache_utils.DynamicCache or not layers or not any(type(layer) in whole_of for layer in layers):
+        return cache
+    whole = cache_utils.DynamicCache(config=model.config)
+    if len(whole.layers) != len(layers):
+        return cache
+    whole.layers = [whole_of[type(layer)](layer) if type(layer) in whole_of else layer for layer in whole.layers]
+    return returned_cache(model(input_ids=prefix, use_cache=True, **{cache_argument(model): whole}))
 
 
 def _forward_failed(model: torch.nn.Module, exc: Exception) -> CaptureError:
@@ -414,14 +463,18 @@ def generation_axis_names(model: Any) -> dict[str, str]:
 IO_NAMINGS = ("transformers", "optimum")
 
 _CACHE_LEAF = re.compile(
-    r"^(?P<side>input|output)\.(?:" + "|".join(CACHE_ARGUMENTS) + r")\.layers\.(?P<layer>\d+)\.(?P<kind>keys|values)$"
+    r"^(?P<side>input|output)\.(?:" + "|".join(CACHE_ARGUMENTS)
+    + r")\.layers\.(?P<layer>\d+)\.(?P<kind>keys|values|indexer_keys|(?:conv|recurrent)_states\.\d+)$"
 )
 
 
 def optimum_io_names(names: Iterable[str]) -> dict[str, str]:
     """``{name: Optimum's name}`` for the cache inputs and outputs among ``names`` (the graph's
     input and output names of a decoder exported with its cache): ``input.<cache>.layers.N.keys``
-    becomes ``past_key_values.N.key``, ``output.<cache>.layers.N.values`` ``present.N.value``.
+    becomes ``past_key_values.N.key``, ``output.<cache>.layers.N.values`` ``present.N.value``; a
+    recurrent or convolution layer's state and a sparse attention's indexer keys (Optimum names
+    neither) keep their names after the layer's (``past_key_values.N.conv_states.0``,
+    ``present.N.indexer_keys``).
     Other names (``input_ids``, ``attention_mask``, ``logits``) are Optimum's already.
 
     Raises:
@@ -434,7 +487,8 @@ def optimum_io_names(names: Iterable[str]) -> dict[str, str]:
         match = _CACHE_LEAF.match(name)
         if match:
             prefix = "past_key_values" if match["side"] == "input" else "present"
-            renamed[name] = f"{prefix}.{match['layer']}.{match['kind'][:-1]}"
+            kind = match["kind"] if "_" in match["kind"] else match["kind"][:-1]  # a state, indexer keys: their names
+            renamed[name] = f"{prefix}.{match['layer']}.{kind}"
     cache_leaves = tuple(f"{side}.{a}." for side in ("input", "output") for a in CACHE_ARGUMENTS)
     others = [n for n in names if n not in renamed and n.startswith(cache_leaves)]
     if not renamed or others:
@@ -476,15 +530,34 @@ def dynamic_shapes(inputs: dict[str, Any]) -> dict[str, Any]:
             else:
                 shapes[name] = None
         elif name in CACHE_ARGUMENTS:
-            # transformers' own structure for the cache, with only batch and past dynamic.
-            shapes[name] = torch.utils._pytree.tree_map(
-                lambda spec: {0: batch, 2: dims[PAST_AXIS]} if len(spec) == 4 else ({0: batch} if spec else None),
-                get_auto_dynamic_shapes(value),
-                is_leaf=lambda spec: isinstance(spec, dict),
-            )
+            shapes[name] = _cache_shapes(value, batch, dims[PAST_AXIS])
         elif not (value is None or isinstance(value, (bool, int, float, str))):
             shapes[name] = get_auto_dynamic_shapes(value)
     return shapes
+
+
+def _cache_shapes(cache: Any, batch: Any, past: Any) -> Any:
+    """transformers' own structure for the cache, with only batch and past dynamic: the past on the
+    keys and values (``[batch, heads, past, head]``), the batch alone on a recurrent or convolution
+    layer's state (a ``LinearAttentionLayer``'s ``conv_states``, ``recurrent_states``: fixed sizes,
+    even in 4 dimensions)."""
+    specs = get_auto_dynamic_shapes(cache)
+    layers = getattr(cache, "layers", ())
+    states = {id(state) for layer in layers for kind in ("conv_states", "recurrent_states")
+              for state in (getattr(layer, kind, None) or {}).values() if state is not None}
+    # a sparse attention's indexer keys ([batch, past, head]) grow with the past on their second axis
+    indexed = {id(keys) for layer in layers if isinstance(keys := getattr(layer, "indexer_keys", None), torch.Tensor)}
+    tensors = iter(_pytree_flatten(cache)[0] if states or indexed else [])
+
+    def axes(spec):
+        if not spec:
+            return None
+        tensor = id(next(tensors, None))
+        if tensor in indexed and len(spec) == 3:
+            return {0: batch, 1: past}
+        return {0: batch, 2: past} if len(spec) == 4 and tensor not in states else {0: batch}
+
+    return torch.utils._pytree.tree_map(axes, specs, is_leaf=lambda spec: isinstance(spec, dict))
 
 
 def model_and_inputs(
@@ -556,7 +629,7 @@ def meta_checkpoint(
         config = None  # an unreadable config is model_on_meta's to report
     if config is not None:
         check_supported(config, task, source)
-    auto_class = getattr(transformers, TASKS[task])
+    auto_class = getattr(transformers, TASKS[task]) if config is None else _loader(config, task)
     try:
         return model_on_meta(source, model_class=auto_class, dtype=_dtype(dtype))
     except OnnxModularError:

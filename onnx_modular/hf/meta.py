@@ -38,6 +38,12 @@ _COUNTS = (*_WIDTHS, *_DEPTHS, "vocab_size", "intermediate_size", "num_attention
            "n_positions", "image_size", "patch_size", "num_channels", "num_labels")  # fmt: skip
 #: Sizes a model has at least one of (0 divides by zero in transformers' own checks).
 _POSITIVE = (*_WIDTHS, "num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "head_dim", "vocab_size")
+
+
+def _count(value) -> bool:
+    return type(value) is int and value >= 0
+
+
 _TOKEN_IDS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id")
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "auto")
 _PICKLED = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
@@ -109,7 +115,9 @@ def check_checkpoint_config(folder: pathlib.Path) -> dict:
             )
         for key in _COUNTS:
             value = part.get(key)
-            if value is not None and not (type(value) is int and value >= 0) and not (key == "image_size" and isinstance(value, list)):
+            if value is not None and not _count(value) and not (key == "image_size" and isinstance(value, list)) and not (
+                key == "intermediate_size" and isinstance(value, list) and value and all(map(_count, value))  # per layer (Gemma 3n)
+            ):
                 raise InvalidInputError(f"{shown_file} sets {key} to {value!r}; it must be a non-negative integer.")
         for key in _POSITIVE:
             if part.get(key) == 0:

@@ -14,7 +14,8 @@ It runs every with-cache file onnx_modular writes, converted (float16, int4) or 
 The cache is found by name: an input and an output are the same cache tensor when their names
 agree once the ``input.`` / ``output.`` prefixes are dropped and ``present.`` is read as
 ``past_key_values.``. The first step feeds an empty past (``[batch, kv_heads, 0, head_dim]``, the
-sizes and dtype the file declares), the attention mask grows by one each step, ``position_ids``
+sizes and dtype the file declares; zeros for a recurrent or convolution layer's state, whose sizes
+are fixed), the attention mask grows by one each step, ``position_ids``
 and ``cache_position`` are fed when the file has them, and each returned cache tensor is fed back.
 """
 
@@ -40,7 +41,7 @@ from onnx_modular.runtime.decoder_checks import (
 from onnx_modular.runtime.sessions import run, session
 
 __all__ = ["generate", "generate_with_sessions", "cache_key", "decoder_files", "greedy_steps", "step_inputs", "MADE_INPUTS",
-           "prompt_logits", "prompt_feeds"]
+           "is_state", "past_axis", "prompt_logits", "prompt_feeds"]
 
 #: onnxruntime's type names -> numpy dtypes of the inputs the loop makes.
 _DTYPES = {
@@ -110,9 +111,13 @@ class _Signature:
 def _signature(sess: Any, what: str) -> _Signature:
     inputs = {arg.name: arg for arg in sess.get_inputs()}
     outputs = [arg.name for arg in sess.get_outputs()]
-    cache_outputs = {cache_key(name): name for name in outputs if len(_shape(sess, name, outputs=True)) == 4}
     cache_inputs = {cache_key(name): name for name in inputs if name not in _MADE}
-    unknown = [name for key, name in cache_inputs.items() if len(inputs[name].shape) != 4]
+    # keys and values ([batch, heads, past, head]), and the states of a recurrent or convolution layer by name
+    # (``conv_states.0``, ``recurrent_states.0``: fixed sizes, fed back as they come)
+    cache_outputs = {cache_key(name): name for name in outputs
+                     if len(_shape(sess, name, outputs=True)) == 4 or cache_key(name) in cache_inputs}
+    unknown = [name for key, name in cache_inputs.items()
+               if len(inputs[name].shape) != 4 and not is_state(name) and past_axis(inputs[name].shape) is None]
     if unknown:
         raise InvalidInputError(
             f"The {what} takes {unknown}, which the generation loop cannot build (it makes "
@@ -129,14 +134,40 @@ def _shape(sess: Any, name: str, outputs: bool = False) -> list:
     return next(arg.shape for arg in args if arg.name == name)
 
 
+#: The last name of a cache tensor that holds keys or values (``keys``, Optimum's ``key``); any other is a
+#: recurrent or convolution layer's state (``conv_states.0``, ``recurrent_states.0``).
+_KEYS_AND_VALUES = ("key", "keys", "value", "values")
+
+
+def is_state(name: str) -> bool:
+    """Whether the cache input or output ``name`` is a layer's state of fixed size (a convolution's last
+    inputs, a recurrence's state: transformers' ``LinearAttentionLayer``), not keys or values that grow."""
+    parts = cache_key(name).split(".")
+    return parts[-1] not in _KEYS_AND_VALUES and any(part.endswith("_states") for part in parts)
+
+
+def past_axis(shape: Sequence[Any]) -> int | None:
+    """The axis of ``shape`` (an input's, as onnxruntime or onnx_ir gives it) named
+    ``past_sequence_length`` (``None``: none is): where a cache tensor of another layout than
+    ``[batch, heads, past, head]`` grows (a sparse attention's indexer keys, ``[batch, past, head]``)."""
+    return next((i for i, d in enumerate(shape) if str(getattr(d, "value", d)) == "past_sequence_length"), None)
+
+
 def _empty_past(arg: Any, batch: int, what: str) -> np.ndarray:
-    """``[batch, kv_heads, 0, head_dim]`` in the dtype the file declares for this cache input."""
+    """``[batch, kv_heads, 0, head_dim]`` in the dtype the file declares for this cache input; zeros of
+    its fixed sizes for a state (:func:`is_state`), as transformers starts one; 0 on the
+    :func:`past_axis` of a cache of another layout."""
     dims = list(arg.shape)
-    sizes = [batch, dims[1], 0, dims[3]]
+    if is_state(arg.name):
+        sizes = [batch, *dims[1:]]
+    elif len(dims) != 4 and past_axis(dims) is not None:
+        sizes = [batch, *[0 if i == past_axis(dims) else d for i, d in enumerate(dims)][1:]]
+    else:
+        sizes = [batch, dims[1], 0, dims[3]]
     if not all(isinstance(size, int) for size in sizes):
         raise InvalidInputError(
-            f"The {what}'s cache input {arg.name!r} has shape {dims}: the heads and head size must be fixed "
-            "numbers to build an empty past.",
+            f"The {what}'s cache input {arg.name!r} has shape {dims}: the heads and head size (a state's every "
+            "size but the batch) must be fixed numbers to build an empty past.",
             hint="Export with the heads and head size static (transformers' exporter and "
             "`export --task causal-lm-with-past` specialize them).",
         )
@@ -253,7 +284,7 @@ def prompt_feeds(sess: Any, input_ids: np.ndarray, head_size: int | None = None)
     empty = {}
     for key, name in signature.cache_inputs.items():
         arg = signature.inputs[name]
-        if head_size is not None and not isinstance(arg.shape[3], int) and isinstance(arg.shape[1], int):
+        if head_size is not None and not is_state(name) and not isinstance(arg.shape[3], int) and isinstance(arg.shape[1], int):
             empty[key] = np.zeros((input_ids.shape[0], arg.shape[1], 0, head_size), _dtype(arg))
     return _feeds(signature, np.asarray(input_ids, dtype=np.int64), 0, empty, "file")
 

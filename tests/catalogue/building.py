@@ -180,11 +180,26 @@ def _configure_head(config, class_name: str) -> None:
             config.decoder_start_token_id = config.pad_token_id
     if class_name.endswith("WithLMHead") and getattr(config, "is_decoder", True) is False:
         config.is_decoder = True  # a language-model head predicts the next token: causal (Reformer asserts it)
+    if class_name in _causal_lm_classes() and getattr(config, "is_decoder", True) is False:
+        # a BERT-family causal LM (BertLMHeadModel, RobertaForCausalLM) is a decoder only when its config says
+        # so, as a user exporting one sets it (transformers warns otherwise): causal, with a cache, no
+        # cross-attention
+        config.is_decoder = True
+        if getattr(config, "add_cross_attention", False):
+            config.add_cross_attention = False
     if class_name.endswith("EncoderModel") and getattr(config, "is_encoder_decoder", False) and getattr(config, "encoder", None) is not None:
         config.is_encoder_decoder = False  # the encoder of an encoder-decoder config, alone (T5Gemma refuses otherwise)
     qformer = getattr(config, "qformer_config", None)
     if class_name.endswith("ForImageTextRetrieval") and getattr(qformer, "use_qformer_text_input", None) is False:
         qformer.use_qformer_text_input = True  # the head reads its text through the Q-Former's text layers (BLIP-2's ITM checkpoint)
+
+
+def _causal_lm_classes() -> frozenset[str]:
+    """The class names of transformers' ``AutoModelForCausalLM`` mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return frozenset(name for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+                     for name in ((names,) if isinstance(names, str) else names))
 
 
 def _other_layouts(model, config, inputs: dict[str, Any], text: dict[str, Any]):

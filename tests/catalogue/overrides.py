@@ -122,7 +122,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "whisper": {"max_source_positions": 32, "max_target_positions": 32},
     "swin": {"image_size": 224},  # windows of 7 over a 56 x 56 grid: smaller grids break its masks
     "esmc": {"num_key_value_heads": 2},  # no grouped-query attention
-    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one (global, local) pair: 2 layers
+    # one (global, local) pair: 2 layers; 2 heads 16 wide (the default's 16 heads would be 2 wide, under
+    # onnxruntime's GroupQueryAttention minimum of 8: the rules do not shrink its `num_heads`)
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_heads": 2},
+    "xglm": {"attention_heads": 2},  # the same: 16 heads 2 wide by default (its key is not one the rules shrink)
     "diffllama": {"num_key_value_heads": 2},
     "esm": {"pad_token_id": 1},  # left to the checkpoint (None); positions count from the padding id  # differential attention splits the key heads in two
     # the default config leaves the layer kinds to the checkpoint (None), the model indexes them

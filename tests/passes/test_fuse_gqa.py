@@ -63,16 +63,17 @@ Attention (hidden, key_input, past_key, past_value, mask, qw, kw, vw, ow, q_head
   context = MatMul(probs, v_all)
   ct = Transpose <perm = [0, 2, 1, 3]> (context)
   flat = Reshape(ct, merged)
-  out = MatMul(flat, ow)
+  {output}
 }}
 """
+PROJECTED = "out = MatMul(flat, ow)"
 SCALED = """scaled = Mul(raw, scale)
   masked = Add(scaled, mask)"""
 MASK_2D = "int64[1, total]"
 
 
-def _model(scores: str = SCALED, key_input: str = "hidden", main_mask: str = MASK_2D) -> ir.Model:
-    model = ir.from_onnx_text(MODEL.format(scores=scores, key_input=key_input, main_mask=main_mask))
+def _model(scores: str = SCALED, key_input: str = "hidden", main_mask: str = MASK_2D, output: str = PROJECTED) -> ir.Model:
+    model = ir.from_onnx_text(MODEL.format(scores=scores, key_input=key_input, main_mask=main_mask, output=output))
     constants = {
         "q_heads": np.array([0, 0, HEADS, HEAD], np.int64), "kv_heads": np.array([0, 0, KV_HEADS, HEAD], np.int64),
         "merged": np.array([0, 0, HIDDEN], np.int64), "scale": np.array(HEAD ** -0.5, np.float32),
@@ -121,6 +122,21 @@ def test_a_decoder_attention_body_becomes_one_group_query_attention_that_decodes
     assert {SEQLENS_K, TOTAL_SEQUENCE_LENGTH} <= main_outputs  # computed once, from the 2-D mask
     assert {SEQLENS_K, TOTAL_SEQUENCE_LENGTH} <= {v.name for v in body.inputs}  # threaded down as formal inputs
     for got, want in zip(_run(model), expected):  # the token's output and the grown caches
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_body_returning_the_merged_heads_unprojected_becomes_the_op_alone():
+    """BERT's self-attention: the heads merged are the body's output, its caller (BertSelfOutput)
+    projects them; the op's first output takes the output's place (an Identity after it included)."""
+    model = _model(output="out = Identity(flat)")
+    expected = _run(model)
+    fuse = FuseGroupQueryAttentionPass(max_positions=16)
+    assert fuse(model).modified, fuse.reasons
+    body = _body(model)
+    (gqa,) = [node for node in body if node.domain == "com.microsoft"]
+    assert body.outputs[0] is gqa.outputs[0] and body.outputs[0].name == "out"
+    assert [node.op_type for node in body if node.op_type in ("Softmax", "Transpose", "Identity")] == []
+    for got, want in zip(_run(model), expected):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
 
 

@@ -60,6 +60,7 @@ from onnx_modular.passes.fusions.mha import FuseMultiHeadAttentionPass
 from onnx_modular.passes.fusions.moe import FuseMoEPass
 from onnx_modular.passes.fusions.rms_norm import FuseRMSNormPass
 from onnx_modular.passes.fusions.skip_norm import FuseSkipNormPass
+from onnx_modular.runtime.generation import cache_key, is_state, past_axis
 from onnx_modular.runtime.inputs import feeds_for
 from onnx_modular.storage import save
 from onnx_modular.storage.checks import check_expanded_size
@@ -212,8 +213,27 @@ def _copy(model: ir.Model) -> ir.Model:
 # -- reference feeds -------------------------------------------------------------------------
 
 def _cache_inputs(model: ir.Model) -> list[ir.Value]:
-    return [v for v in model.graph.inputs if v.dtype is not None and v.dtype.is_floating_point()
-            and v.shape is not None and len(v.shape) == 4 and ("past" in v.name or "cache" in v.name)]
+    """Keys and values (``[batch, heads, past, head]``), and the fixed-size states of recurrent or
+    convolution layers (:func:`~onnx_modular.runtime.generation.is_state`)."""
+    return [v for v in model.graph.inputs if v.dtype is not None and v.dtype.is_floating_point() and v.shape is not None
+            and (is_state(v.name) or past_axis(v.shape) is not None
+                 or (len(v.shape) == 4 and ("past" in v.name or "cache" in v.name)))]
+
+
+def _grown_axis(value: ir.Value) -> int:
+    """The axis a cache input grows on: its :func:`~onnx_modular.runtime.generation.past_axis`, else 2."""
+    axis = past_axis(value.shape)
+    return 2 if axis is None else axis
+
+
+def _presents(model: ir.Model, outputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """The returned cache, in the order of :func:`_cache_inputs`: each input's output of the same
+    :func:`~onnx_modular.runtime.generation.cache_key`, else the outputs after the logits in order."""
+    caches = _cache_inputs(model)
+    returned = {cache_key(v.name): v.name for v in model.graph.outputs}
+    if all(cache_key(v.name) in returned for v in caches):
+        return [outputs[returned[cache_key(v.name)]] for v in caches]
+    return [outputs[v.name] for v in model.graph.outputs[1: 1 + len(caches)]]
 
 
 def _encoder_runs(model: ir.Model) -> list[dict[str, np.ndarray]]:
@@ -245,15 +265,17 @@ def _vocab(model: ir.Model) -> int:
 
 def _prompt_feeds(model: ir.Model, length: int, past: list[np.ndarray] | None, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    past_length = 0 if past is None else past[0].shape[2]
-    feeds: dict[str, np.ndarray] = {}
     caches = _cache_inputs(model)
+    grown = [index for index, value in enumerate(caches) if not is_state(value.name)]  # keys and values
+    past_length = 0 if past is None or not grown else past[grown[0]].shape[_grown_axis(caches[grown[0]])]
+    feeds: dict[str, np.ndarray] = {}
     for index, value in enumerate(caches):
         if past is not None:
             feeds[value.name] = past[index]
             continue
         dims = [d if isinstance(d, int) else 1 for d in value.shape]
-        dims[2] = 0
+        if not is_state(value.name):  # a state starts as zeros of its fixed sizes
+            dims[_grown_axis(value)] = 0
         feeds[value.name] = np.zeros(dims, dtype=value.dtype.numpy())
     for value in model.graph.inputs:
         if value.name in feeds:
@@ -294,8 +316,7 @@ class _Reference:
         self.runs = [(prompt, outputs, calls)]
         caches = _cache_inputs(model)
         if caches:
-            presents = [outputs[v.name] for v in model.graph.outputs[1: 1 + len(caches)]]
-            step = _prompt_feeds(model, 1, presents, 1)
+            step = _prompt_feeds(model, 1, _presents(model, outputs), 1)
             outputs, calls = _run_calls(model, step, folder)
             self.runs.append((step, outputs, calls))
         ids = next((v.name for v in model.graph.inputs if "input_ids" in v.name), None)

@@ -70,7 +70,7 @@ class _Attention:
     q_proj: ir.Node
     k_proj: ir.Node
     v_proj: ir.Node
-    o_proj: ir.Node
+    o_proj: ir.Node | None  # None: the body returns the merged heads, projected by its caller (BERT's self-output)
     heads: list[ir.Value]  # query, key, value as [batch, seq, heads, head_size] (after any q/k norm)
     transposed: list[bool]  # those heads [batch, heads, seq, head_size] instead (a norm after the transpose)
     plain: bool  # each is a reshape of its projection's output (no norm between): GQA takes the projections
@@ -91,6 +91,12 @@ class _Attention:
     interleaved: bool = False  # rotary pairs channels 2i and 2i + 1 (the module's cos/sin repeat each frequency twice)
     query_factor: ir.Value | None = None  # [batch, 1, seq, 1]: the query times one number a position (Llama 4's scale)
     chains: list | None = None  # per q, k, v: the view and norm call from projection to heads (_norm_chain), when packable
+    merged: ir.Node | None = None  # without o_proj: the Reshape that merges the heads into the first output
+
+    @property
+    def anchor(self) -> ir.Node:
+        """The node the rewrite inserts its nodes before and takes the attention's place at."""
+        return self.o_proj if self.o_proj is not None else self.merged
 
 
 def _heads(model: ir.Model, start: ir.Value) -> tuple[ir.Value, bool]:
@@ -237,8 +243,13 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     o_proj = outputs[0].producer()
     while o_proj is not None and o_proj.op_type in ("Identity", "Dropout") and o_proj.inputs[0] is not None:
         o_proj = o_proj.inputs[0].producer()  # Starcoder2's residual dropout, an Identity in eval mode
-    if o_proj is None or not _is_projection(o_proj, model) or id(softmax) not in _ancestors(o_proj.inputs[0]):
-        raise _fusion.Refused("the first output is not a projection of the attention")
+    merged = None
+    if o_proj is not None and o_proj.op_type == "Reshape" and id(softmax) in _ancestors(o_proj.inputs[0]):
+        # the heads merged and returned unprojected: the caller projects them (BERT's BertSelfOutput); the
+        # numbers check says whether the merge is GroupQueryAttention's [batch, seq, heads * head_size]
+        o_proj, merged = None, o_proj
+    elif o_proj is None or not _is_projection(o_proj, model) or id(softmax) not in _ancestors(o_proj.inputs[0]):
+        raise _fusion.Refused("the first output is neither a projection of the attention nor its heads merged")
     past_shape = _static_shape(model, key.inputs[0])
     if len(past_shape) != 4 or past_shape[1] is None or past_shape[3] is None:
         raise _fusion.Refused("the past key is not [batch, kv_heads, past, head_size] with static heads")
@@ -268,7 +279,7 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
         outputs.index(key.outputs[0]), outputs.index(value.outputs[0]),
         q_columns // head_size, kv_heads, head_size, scale, cos, sin,
         head_size if width is None else width, softcap, _mask_formals(model, function, softmax, scores), sink,
-        interleaved, factor, chains,
+        interleaved, factor, chains, merged,
     )
 
 
@@ -455,7 +466,7 @@ class FuseGroupQueryAttentionPass(_fusion.FusionPass):
         for node in nodes:
             if node.op_type != "Split":
                 node.outputs[0].name = node.name
-        function.insert_before(attention.o_proj, nodes)
+        function.insert_before(attention.anchor, nodes)
         return joined.outputs[0]
 
     @staticmethod
@@ -494,7 +505,7 @@ class FuseGroupQueryAttentionPass(_fusion.FusionPass):
                 call.replace_input_with(0, part)
                 nodes.append(call)
                 parts.append(call.outputs[0])
-        function.insert_before(attention.o_proj, nodes)
+        function.insert_before(attention.anchor, nodes)
         return tuple(parts)
 
     def _rotated(self, model, function, attention: _Attention, qkv, cos_cache, sin_cache) -> tuple:
@@ -513,7 +524,7 @@ class FuseGroupQueryAttentionPass(_fusion.FusionPass):
             query, key, value = split.outputs
         positions = _thread(model, function, "rotary_position_ids", _position_ids(model, attention), self._threaded)
         turned, query, key = _rotary_nodes(attention, query, key, positions, cos_cache, sin_cache)
-        function.insert_before(attention.o_proj, nodes + turned)
+        function.insert_before(attention.anchor, nodes + turned)
         return query, key, value
 
     def _rewrite(self, model, function, attention: _Attention, seqlens, total, window: int | None = None) -> None:
@@ -539,11 +550,11 @@ class FuseGroupQueryAttentionPass(_fusion.FusionPass):
             query, key, value = attention.q_proj.outputs[0], None, None
         elif packed and not attention.plain:  # norms between projection and heads: split, each norm on its part
             self.packed.append(function.identifier())
-            function.insert_before(attention.o_proj, packed)
+            function.insert_before(attention.anchor, packed)
             query, key, value = self._normed_parts(function, attention, packed[-1].outputs[0])
         elif packed:
             self.packed.append(function.identifier())
-            function.insert_before(attention.o_proj, packed)
+            function.insert_before(attention.anchor, packed)
             query, key, value = packed[-1].outputs[0], None, None
         elif attention.plain:
             query, key, value = (p.outputs[0] for p in (attention.q_proj, attention.k_proj, attention.v_proj))
@@ -557,7 +568,7 @@ class FuseGroupQueryAttentionPass(_fusion.FusionPass):
                       for h, t, role in zip(attention.heads, attention.transposed, "qkv")]
             for node in turned + merged:
                 node.outputs[0].name = node.name
-            function.insert_before(attention.o_proj, [shape, *turned, *merged])
+            function.insert_before(attention.anchor, [shape, *turned, *merged])
             query, key, value = (node.outputs[0] for node in merged)
         if attention.query_factor is not None:
             query = self._scaled_query(function, attention, query, key is None)
@@ -570,10 +581,14 @@ class FuseGroupQueryAttentionPass(_fusion.FusionPass):
              None, None, self._flat(function, attention.sink)],
             attributes=attributes, domain="com.microsoft", num_outputs=3, name="GroupQueryAttention",
         )
-        names = [f"{attention.o_proj.inputs[0].name}_gqa", function.outputs[attention.present_key_index].name,
+        first = f"{attention.o_proj.inputs[0].name}_gqa" if attention.o_proj is not None else function.outputs[0].name
+        names = [first, function.outputs[attention.present_key_index].name,
                  function.outputs[attention.present_value_index].name]
-        function.insert_before(attention.o_proj, gqa)
-        attention.o_proj.replace_input_with(0, gqa.outputs[0])
+        function.insert_before(attention.anchor, gqa)
+        if attention.o_proj is not None:
+            attention.o_proj.replace_input_with(0, gqa.outputs[0])
+        else:
+            function.outputs[0] = gqa.outputs[0]
         function.outputs[attention.present_key_index] = gqa.outputs[1]
         function.outputs[attention.present_value_index] = gqa.outputs[2]
         function.opset_imports.setdefault("com.microsoft", 1)
