@@ -203,6 +203,20 @@ def _weight_columns(model: ir.Model, projection: ir.Node) -> int:
     return shape[1]
 
 
+def _output_projection(model: ir.Model, output: ir.Value, softmax: ir.Node) -> tuple[ir.Node | None, ir.Node | None]:
+    """``(o_proj, None)``: the first output is a projection of the attention; ``(None, merge)``: it is the
+    heads merged and returned unprojected, the caller projects them (BERT's ``BertSelfOutput``; the
+    numbers check says whether the merge is GroupQueryAttention's ``[batch, seq, heads * head_size]``)."""
+    o_proj = output.producer()
+    while o_proj is not None and o_proj.op_type in ("Identity", "Dropout") and o_proj.inputs[0] is not None:
+        o_proj = o_proj.inputs[0].producer()  # Starcoder2's residual dropout, an Identity in eval mode
+    if o_proj is not None and o_proj.op_type == "Reshape" and id(softmax) in _ancestors(o_proj.inputs[0]):
+        return None, o_proj
+    if o_proj is None or not _is_projection(o_proj, model) or id(softmax) not in _ancestors(o_proj.inputs[0]):
+        raise _fusion.Refused("the first output is neither a projection of the attention nor its heads merged")
+    return o_proj, None
+
+
 def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     nodes = list(function)
     formals = list(function.inputs)
@@ -240,16 +254,7 @@ def _analyse(model: ir.Model, function: ir.Function) -> _Attention:
     found = [_heads(model, v) for v in (q_side[0], key.inputs[1], value.inputs[1])]
     heads, transposed = [h for h, _ in found], [t for _, t in found]
     plain = [None if t else _gqa_input(h, p) for h, t, p in zip(heads, transposed, (q_proj, k_proj, v_proj))]
-    o_proj = outputs[0].producer()
-    while o_proj is not None and o_proj.op_type in ("Identity", "Dropout") and o_proj.inputs[0] is not None:
-        o_proj = o_proj.inputs[0].producer()  # Starcoder2's residual dropout, an Identity in eval mode
-    merged = None
-    if o_proj is not None and o_proj.op_type == "Reshape" and id(softmax) in _ancestors(o_proj.inputs[0]):
-        # the heads merged and returned unprojected: the caller projects them (BERT's BertSelfOutput); the
-        # numbers check says whether the merge is GroupQueryAttention's [batch, seq, heads * head_size]
-        o_proj, merged = None, o_proj
-    elif o_proj is None or not _is_projection(o_proj, model) or id(softmax) not in _ancestors(o_proj.inputs[0]):
-        raise _fusion.Refused("the first output is neither a projection of the attention nor its heads merged")
+    o_proj, merged = _output_projection(model, outputs[0], softmax)
     past_shape = _static_shape(model, key.inputs[0])
     if len(past_shape) != 4 or past_shape[1] is None or past_shape[3] is None:
         raise _fusion.Refused("the past key is not [batch, kv_heads, past, head_size] with static heads")
