@@ -157,13 +157,15 @@ def _lm_head_bits(path: pathlib.Path) -> dict[str, int]:
 
 
 def quantize_fused(model: ir.Model, recipe: Recipe, write: Callable[[ir.Model], None], feeds: FeedMaker, *,
-                   seed: int = 0, calibration_ids: np.ndarray | None = None) -> Quantization:
+                   seed: int = 0, calibration_ids: np.ndarray | None = None,
+                   destination: pathlib.Path | None = None) -> Quantization:
     """Quantize ``model`` (the fused file, weights in memory) with ``recipe``, guard it, and ``write`` the result.
 
     ``feeds``: the guard's reference inputs (``optimize``'s, for the graph inputs of ``model``).
     ``write`` receives the final model, its weights in memory.
     ``calibration_ids``: ``quantize="auto"``'s calibration ids; for the uniform recipes, the file is
-    measured on them against the float file (:attr:`Quantization.quality`).
+    measured on them against the float file (:attr:`Quantization.quality`). ``destination``: where
+    ``write`` puts the file (its data file's name is in every external tensor: ``auto``'s budget counts it).
 
     Raises:
         InvalidInputError: ``int8_lm_head`` and the file has no ``lm_head`` call (the closest names listed).
@@ -174,7 +176,7 @@ def quantize_fused(model: ir.Model, recipe: Recipe, write: Callable[[ir.Model], 
         fused = folder / "fused.onnx"
         ir.save(model, fused, external_data="fused.onnx.data")
         if recipe.quantize == "auto":
-            return _auto(fused, recipe, write, calibration_ids)
+            return _auto(fused, recipe, write, calibration_ids, destination)
         quantized = folder / "quantized.onnx"
         common = {"block_size": recipe.block_size, "symmetric": recipe.symmetric,
                   "accuracy_level": recipe.accuracy_level, "verify": False}
@@ -214,27 +216,36 @@ def _measure(fused: pathlib.Path, quantized: onnx.ModelProto, folder: pathlib.Pa
     return report
 
 
-def written_bytes(proto: onnx.ModelProto) -> int:
-    """The bytes ``proto`` takes on disk as ``optimize`` writes it (external data when large: aligned tensors)."""
+def written_bytes(proto: onnx.ModelProto, file_name: str = "m.onnx") -> int:
+    """The bytes ``proto`` takes on disk as ``optimize`` writes it as ``file_name`` (external data when
+    large: aligned tensors, each naming the data file; counted with the longest name the writer may
+    choose, ``<file>.<8 hex>.data``, when the conventional one is taken)."""
     from onnx_modular.check.quality import file_bytes
     from onnx_modular.storage import save
 
     model = ir.serde.deserialize_model(proto)
     with scratch_folder("optimize-size") as folder:
-        path = folder / "m.onnx"
-        ir.save(model, path, external_data="m.onnx.data" if save.wants_external_data(model, None) else None)
+        path = folder / file_name
+        data = f"{file_name}.00000000.data" if save.wants_external_data(model, None) else None
+        ir.save(model, path, external_data=data)
         return file_bytes(path)
 
 
-def _auto(fused: pathlib.Path, recipe: Recipe, write: Callable[[ir.Model], None], ids: np.ndarray | None) -> Quantization:
+def _auto(fused: pathlib.Path, recipe: Recipe, write: Callable[[ir.Model], None], ids: np.ndarray | None,
+          destination: pathlib.Path | None) -> Quantization:
     """``quantize="auto"``: :func:`onnx_modular.files.optimize.auto.quantize_auto` on the fused file."""
     from onnx_modular.files.optimize.auto import parse_max_size, quantize_auto
 
     if ids is None:
         raise InvalidInputError("optimize: quantize='auto' needs calibration ids.", hint="--calibration calib.npz")
-    proto, report = quantize_auto(onnx.load(str(fused)), ids, max_size=parse_max_size(recipe.max_size), size_of=written_bytes,
+    proto, report = quantize_auto(onnx.load(str(fused)), ids, max_size=parse_max_size(recipe.max_size),
+                                  size_of=lambda proto: written_bytes(proto, destination.name if destination else "m.onnx"),
                                   metadata_props={RECIPE_KEY: json.dumps(dataclasses.asdict(recipe))})
     write(ir.serde.deserialize_model(proto))
+    if destination is not None:  # counted with the longest data-file name; the file as written
+        from onnx_modular.check.quality import file_bytes
+
+        report.bytes = file_bytes(destination)
     nbits = sum(1 for body in [proto.graph, *proto.functions] for n in body.node if n.op_type == "MatMulNBits")
     head = next((r.choice for r in report.calls if r.call == LM_HEAD), None)
     return Quantization(recipe, nbits, head, [], None, auto=report, quality=report.measured)

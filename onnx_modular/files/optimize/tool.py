@@ -571,7 +571,7 @@ def optimize(
         # the guard's reference inputs: the ones the steps were verified on (the graph's inputs do not change)
         report.quantization = quantize_fused(model, recipe, lambda result: _write(result, destination),
                                              lambda length, past, seed: _prompt_feeds(model, length, past, seed),
-                                             calibration_ids=calibration_ids)
+                                             calibration_ids=calibration_ids, destination=destination)
     return report
 
 
