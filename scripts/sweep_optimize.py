@@ -10,6 +10,7 @@ against ``model.generate``. Each row runs in a child process with a time limit a
 
     python scripts/sweep_optimize.py [--budget-minutes 60] [--timeout 240] [--resume] [--types llama,olmo3]
     python scripts/sweep_optimize.py --resume --redo-outcomes error,crash --redo-classes Gemma2ForCausalLM
+    python scripts/sweep_optimize.py --resume --redo-outcomes export-error --types bert,roberta
 
 Outcomes: ``fused`` (attention became GroupQueryAttention, tokens equal), ``unfused`` (optimize ran;
 attention left, its reason recorded), ``differ`` (the optimized file's tokens are not generate's),
@@ -182,7 +183,9 @@ def main() -> None:
     parser.add_argument("--budget-minutes", type=float, default=60)
     parser.add_argument("--timeout", type=float, default=240)
     parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--types", default=None)
+    parser.add_argument("--types", default=None,
+                        help="sweep only these model types (comma-separated); with --resume and --redo-*, "
+                             "the other types' rows are kept as they are")
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--genai-first", action=argparse.BooleanOptionalAction, default=True,
                         help="sweep first the rows scripts/sweep_genai.py ran through genai (docs/coverage-genai.json)")

@@ -202,3 +202,53 @@ def test_a_sparse_attentions_indexer_keys_grow_with_the_past(tmp_path):
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
     assert dims["past_key_values.0.indexer_keys"][:2] == ["batch_size", "past_sequence_length"]
     np.testing.assert_array_equal(generate(exported, PROMPT, 6), _expected(model, 6))
+
+
+@pytest.mark.slow  # about 40 s
+def test_gpt2s_conv1d_projection_is_fused_whole(tmp_path, capsys):
+    """GPT-2's ``Conv1D`` (``addmm(b, x.view(-1, d), W).view(..., 3 * d)``: a ``Gemm`` between two
+    reshapes) is a projection: its one ``[q | k | v]`` output goes to ``GroupQueryAttention`` whole."""
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=96, n_embd=32, n_head=2, n_layer=2, n_positions=64,
+                                     bos_token_id=1, eos_token_id=2)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    exported, _, _ = _export(model, tmp_path)
+    capsys.readouterr()
+    optimized = tmp_path / "m.opt.onnx"
+    assert main(["optimize", str(exported), "-o", str(optimized), "--max-positions", "64", "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    fused = [f for f in report["fusions"] if f["module_class"] == "GPT2Attention"]
+    assert len(fused) == 1 and fused[0]["fused"] and fused[0]["max_abs_diff"] < 1e-4
+    body = next(f for f in onnx.load(str(optimized), load_external_data=False).functions if f.name == "GPT2Attention")
+    gqa = next(n for n in body.node if n.op_type == "GroupQueryAttention")
+    assert next(n for n in body.node if gqa.input[0] in n.output).op_type == "Conv1D"  # the packed projection, whole
+    np.testing.assert_array_equal(generate(optimized, PROMPT, 8), _expected(model, 8))
+
+
+@pytest.mark.slow  # about 40 s
+def test_glms_rotary_made_interleaved_in_the_body_is_fused(tmp_path, capsys):
+    """GLM turns the first half of its rotary module's rotate-half cos/sin into interleaved pairs in the
+    attention body (``cos[..., :d // 2].repeat_interleave(2, -1)``, over half the head): the caches are
+    that first half, the rotary interleaved; greedy tokens equal ``generate``'s."""
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.GlmConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                    max_position_embeddings=64, pad_token_id=0)
+    model = transformers.GlmForCausalLM(config).eval()
+    exported, _, _ = _export(model, tmp_path)
+    capsys.readouterr()
+    optimized = tmp_path / "m.opt.onnx"
+    assert main(["optimize", str(exported), "-o", str(optimized), "--max-positions", "64", "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    fused = [f for f in report["fusions"] if f["module_class"] == "GlmAttention"]
+    assert len(fused) == 1 and fused[0]["fused"] and fused[0]["max_abs_diff"] < 1e-4
+    body = next(f for f in onnx.load(str(optimized), load_external_data=False).functions if f.name == "GlmAttention")
+    gqa = next(n for n in body.node if n.op_type == "GroupQueryAttention")
+    attributes = {a.name: a.i for a in gqa.attribute}
+    rotaries = [n for n in body.node if n.op_type == "RotaryEmbedding"]
+    assert attributes["rotary_interleaved"] == 1 or [{a.name: a.i for a in n.attribute}["interleaved"] for n in rotaries] == [1, 1]
+    np.testing.assert_array_equal(generate(optimized, PROMPT, 8), _expected(model, 8))

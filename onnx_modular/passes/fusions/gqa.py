@@ -88,7 +88,9 @@ class _Attention:
     softcap: float = 0.0  # softcap * tanh(scores / softcap) on the scaled scores (Gemma 2)
     masks: tuple[int, ...] = ()  # formal inputs (indices) that only mask the scores (a window may hide in them)
     sink: ir.Value | None = None  # one learned logit per head beside the scores (attention sinks): head_sink
-    interleaved: bool = False  # rotary pairs channels 2i and 2i + 1 (the module's cos/sin repeat each frequency twice)
+    # rotary pairs channels 2i and 2i + 1: True (the module's cos/sin repeat each frequency twice) or "repeated"
+    # (the module's rotate-half cos/sin, their first half repeat-interleaved in the body: GLM)
+    interleaved: bool | str = False
     query_factor: ir.Value | None = None  # [batch, 1, seq, 1]: the query times one number a position (Llama 4's scale)
     chains: list | None = None  # per q, k, v: the view and norm call from projection to heads (_norm_chain), when packable
     merged: ir.Node | None = None  # without o_proj: the Reshape that merges the heads into the first output
@@ -543,7 +545,7 @@ class FuseGroupQueryAttentionPass(_fusion.FusionPass):
         separate = _needs_rotary_op(attention)  # a partial rotary GroupQueryAttention refuses: RotaryEmbedding nodes
         attributes = {
             "num_heads": attention.num_heads, "kv_num_heads": attention.kv_num_heads, "scale": attention.scale,
-            "do_rotary": int(cos_cache is not None and not separate), "rotary_interleaved": int(attention.interleaved),
+            "do_rotary": int(cos_cache is not None and not separate), "rotary_interleaved": int(bool(attention.interleaved)),
             # transformers' window W (keys kv > q - W: W positions, the query's own included) is
             # onnxruntime's local_window_size W, as the builder sets it (checked: W - 1 drifts)
             "local_window_size": -1 if window is None else window, "softcap": attention.softcap,

@@ -26,6 +26,9 @@ def linear_parts(model: ir.Model, projection: ir.Node) -> tuple[ir.Value, ir.Val
     if callee is None:
         return None
     nodes, formals = list(callee), list(callee.inputs)
+    conv1d = _conv1d_parts(callee)
+    if conv1d is not None:
+        return tuple(projection.inputs[formals.index(v)] for v in conv1d)  # type: ignore[return-value]
     matmul = nodes[0] if nodes and nodes[0].op_type == "MatMul" else None
     if matmul is None or len(nodes) > 2 or matmul.inputs[0] is not formals[0] or matmul.inputs[1] not in formals:
         return None
@@ -39,6 +42,29 @@ def linear_parts(model: ir.Model, projection: ir.Node) -> tuple[ir.Value, ir.Val
     if bias not in formals:
         return None
     return weight, projection.inputs[formals.index(bias)]
+
+
+def _conv1d_parts(callee: ir.Function) -> tuple[ir.Value, ir.Value] | None:
+    """(weight, bias) formals of GPT-2's ``Conv1D`` (``addmm(b, x.view(-1, d), W).view(..., n)``: a
+    ``Gemm`` of the input flattened to 2-D, reshaped back), else ``None``; the other nodes compute
+    the shape only."""
+    nodes, formals = list(callee), list(callee.inputs)
+    gemms = [n for n in nodes if n.op_type == "Gemm" and n.domain in ("", "ai.onnx")]
+    if len(gemms) != 1 or len(callee.outputs) != 1:
+        return None
+    gemm = gemms[0]
+    attributes = {name: gemm.attributes.get_int(name, 0) for name in ("transA", "transB")}
+    scales = [gemm.attributes.get_float(name, 1.0) for name in ("alpha", "beta")]
+    flat, out = gemm.inputs[0].producer() if gemm.inputs[0] is not None else None, callee.outputs[0].producer()
+    if any(attributes.values()) or scales != [1.0, 1.0] or len(gemm.inputs) != 3 or flat is None or out is None:
+        return None
+    if flat.op_type != "Reshape" or flat.inputs[0] is not formals[0] or out.op_type != "Reshape" or out.inputs[0] is not gemm.outputs[0]:
+        return None
+    if gemm.inputs[1] not in formals or gemm.inputs[2] not in formals:
+        return None
+    if any(n.op_type not in ("Reshape", "Concat", "Gemm") for n in nodes):
+        return None
+    return gemm.inputs[1], gemm.inputs[2]
 
 
 def packed_projection(model: ir.Model, function: ir.Function, attention) -> list[ir.Node] | None:

@@ -31,6 +31,23 @@ def _formal_behind(value: ir.Value, formals: list[ir.Value]) -> ir.Value | None:
     return value
 
 
+def _repeated_half_behind(model: ir.Model, value: ir.Value, formals: list[ir.Value]) -> ir.Value | None:
+    """The cos/sin formal behind ``cos[..., :d // 2].repeat_interleave(2, -1)`` (GLM's: ``Reshape`` of a
+    ``Tile`` of an ``Unsqueeze`` of a ``Slice`` from 0 on the last axis), else ``None``: the module's
+    rotate-half cos/sin made interleaved in the body."""
+    reshape = value.producer() if value is not None else None
+    tile = reshape.inputs[0].producer() if reshape is not None and reshape.op_type == "Reshape" else None
+    unsqueeze = tile.inputs[0].producer() if tile is not None and tile.op_type == "Tile" else None
+    sliced = unsqueeze.inputs[0].producer() if unsqueeze is not None and unsqueeze.op_type == "Unsqueeze" else None
+    if sliced is None or sliced.op_type != "Slice" or len(sliced.inputs) < 4:
+        return None
+    start, axis = (_fusion.scalar_of(model, sliced.inputs[i]) for i in (1, 3))
+    step = _fusion.scalar_of(model, sliced.inputs[4]) if len(sliced.inputs) > 4 and sliced.inputs[4] is not None else 1
+    if start != 0 or axis not in (-1, 3) or step != 1:
+        return None
+    return _formal_behind(sliced.inputs[0], formals)
+
+
 def rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value], what: str = "key") -> tuple:
     """cos, sin and the rotary width of ``x * cos + rotate_half(x) * sin`` on the key (``None``s: no
     rotary); the width is ``None`` for the whole head, else the channels of a partial rotary
@@ -49,11 +66,13 @@ def rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value], what: st
     if any(m is None or m.op_type != "Mul" for m in muls):
         return None, None, None, False
     cos = sin = None
-    interleaved = False
+    interleaved = repeated = False
     turned = {}  # "cos": the x of x * cos, "sin": the x of rotate_half(x) * sin
     for mul in muls:
         for index, operand in enumerate(mul.inputs):
             formal = _formal_behind(operand, formals)
+            if formal is None and (formal := _repeated_half_behind(model, operand, formals)) is not None:
+                repeated = True
             if formal is None:
                 continue
             other = mul.inputs[1 - index]
@@ -66,11 +85,11 @@ def rotary(model: ir.Model, new_key: ir.Value, formals: list[ir.Value], what: st
                 sin, turned["sin"] = formal, halves
             else:
                 cos, turned["cos"] = formal, other
-    if cos is None or sin is None:
+    if cos is None or sin is None or (repeated and not interleaved):
         raise _fusion.Refused(f"the {what} goes through a product with cos/sin that is not rotate-half rotary")
     if _plain(turned["cos"]) is not _plain(turned["sin"]):
         raise _fusion.Refused(f"the {what}'s rotary: x * cos and rotate_half(x) * sin do not turn the same x")
-    return cos, sin, width, interleaved
+    return cos, sin, width, "repeated" if repeated else interleaved
 
 
 def _plain(value: ir.Value | None) -> ir.Value | None:
@@ -210,6 +229,9 @@ def caches(model: ir.Model, attention: Any, max_positions: int, made: dict) -> t
     rotary, ends, computed = _rotary_call(model, attention)
     half = attention.rotary_dim // 2
     memo = (id(rotary), tuple(list(rotary.outputs).index(e) for e in ends), half, attention.interleaved)
+    # interleaved pairs: the module's cos/sin repeat each frequency twice (every other channel), or are
+    # rotate-half's made interleaved in the body ("repeated": their first half)
+    pairs = attention.interleaved is True
     if memo in made:
         return made[memo]
     tag = "gqa" if not made else f"gqa{len(made) + 1}"
@@ -227,8 +249,8 @@ def caches(model: ir.Model, attention: Any, max_positions: int, made: dict) -> t
     )
     shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([-1, half], np.int64))}, name=f"{tag}.cache_shape")
     bounds = [ir.node("Constant", [], attributes={"value": ir.tensor(np.array([v], np.int64))}, name=f"{tag}.cache_{role}")
-              for v, role in ((0, "start"), (2 * half if attention.interleaved else half, "end"), (2, "axis"),
-                              (2 if attention.interleaved else 1, "step"))]
+              for v, role in ((0, "start"), (2 * half if pairs else half, "end"), (2, "axis"),
+                              (2 if pairs else 1, "step"))]
     new = [positions, cache_call, shape, *bounds]
     caches = []
     for end, name in zip(ends, ("cos_cache", "sin_cache")):
@@ -268,7 +290,7 @@ def rotary_nodes(attention: Any, query: ir.Value, key: ir.Value, positions: ir.V
     for value, heads, role in ((query, attention.num_heads, "query"), (key, attention.kv_num_heads, "key")):
         node = ir.node("RotaryEmbedding", [value, expanded.outputs[0], cos_cache, sin_cache], domain="com.microsoft",
                        attributes={"num_heads": heads, "rotary_embedding_dim": attention.rotary_dim,
-                                   "interleaved": int(attention.interleaved)}, name=f"gqa.rotary_{role}")
+                                   "interleaved": int(bool(attention.interleaved))}, name=f"gqa.rotary_{role}")
         nodes.append(node)
         rotated.append(node.outputs[0])
     for node in nodes:
