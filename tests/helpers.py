@@ -114,3 +114,21 @@ def returned_cache(outputs):
     from onnx_modular.hf.versions import returned_cache as returned
 
     return returned(outputs)
+
+
+def export_and_optimize(model, folder, capsys, max_positions: int = 128) -> tuple:
+    """``model`` (a transformers decoder) saved into ``folder/ckpt``, exported with its cache under
+    Optimum's names (``export --task causal-lm-with-past --io-names optimum``) and ``optimize``d:
+    ``(exported, optimized, the optimize report as JSON)``."""
+    import json
+
+    from onnx_modular.cli import main
+
+    model.save_pretrained(folder / "ckpt")
+    exported, optimized = folder / "m.onnx", folder / "m.opt.onnx"
+    assert main(["export", str(folder / "ckpt"), "--task", "causal-lm-with-past", "-o", str(exported),
+                 "--io-names", "optimum", "--no-verify"]) == 0
+    capsys.readouterr()
+    assert main(["optimize", str(exported), "-o", str(optimized), "--max-positions", str(max_positions), "--json", "-"]) == 0
+    return exported, optimized, json.loads(capsys.readouterr().out)
+

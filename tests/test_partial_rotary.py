@@ -6,11 +6,10 @@ A partial rotary GroupQueryAttention takes (Phi's 0.4 of a head of 80: 16-wide c
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import onnx
 import pytest
+from helpers import export_and_optimize
 
 from onnx_modular import generate
 from onnx_modular.passes.fusions.rotary import needs_rotary_op
@@ -38,8 +37,6 @@ def test_a_narrow_partial_rotary_is_fused_with_rotary_embedding_nodes(kind, tmp_
     import torch
     import transformers
 
-    from onnx_modular.cli import main
-
     torch.manual_seed(0)
     common = {"vocab_size": 96, "intermediate_size": 96, "num_hidden_layers": 2, "max_position_embeddings": 128}
     if kind == "phi":  # heads of 32, rotary over 8 channels: 4-wide caches
@@ -51,13 +48,7 @@ def test_a_narrow_partial_rotary_is_fused_with_rotary_embedding_nodes(kind, tmp_
                                              partial_rotary_factor=0.5, **common)
         heads, kv_heads, rotary = 2, 1, 40
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(tmp_path / "ckpt")
-    exported, optimized = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
-    assert main(["export", str(tmp_path / "ckpt"), "--task", "causal-lm-with-past", "-o", str(exported),
-                 "--io-names", "optimum", "--no-verify"]) == 0
-    capsys.readouterr()
-    assert main(["optimize", str(exported), "-o", str(optimized), "--max-positions", "128", "--json", "-"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    exported, optimized, report = export_and_optimize(model, tmp_path, capsys)
     assert report["attention"] == "GroupQueryAttention"
     attention_class = f"{'Phi' if kind == 'phi' else 'Nemotron'}Attention"
     fused = [f for f in report["fusions"] if f["module_class"] == attention_class]

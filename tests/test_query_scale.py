@@ -6,11 +6,10 @@ the check and the greedy tokens see it (with the real 16,384 a short check could
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import onnx
 import pytest
+from helpers import export_and_optimize
 
 from onnx_modular import generate
 
@@ -18,8 +17,6 @@ from onnx_modular import generate
 def test_a_position_scaled_query_is_scaled_before_the_fused_attention(tmp_path, capsys):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from onnx_modular.cli import main
-
     torch.manual_seed(0)
     config = transformers.Ministral3Config(
         vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -27,13 +24,7 @@ def test_a_position_scaled_query_is_scaled_before_the_fused_attention(tmp_path, 
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.5,
                          "original_max_position_embeddings": 4})
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(tmp_path / "ckpt")
-    exported, optimized = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
-    assert main(["export", str(tmp_path / "ckpt"), "--task", "causal-lm-with-past", "-o", str(exported),
-                 "--io-names", "optimum", "--no-verify"]) == 0
-    capsys.readouterr()
-    assert main(["optimize", str(exported), "-o", str(optimized), "--max-positions", "128", "--json", "-"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    exported, optimized, report = export_and_optimize(model, tmp_path, capsys)
     assert report["attention"] == "GroupQueryAttention", report
     fused = [f for f in report["fusions"] if f["module_class"] == "Ministral3Attention"]
     assert len(fused) == 1 and fused[0]["fused"] and fused[0]["max_abs_diff"] < 1e-4

@@ -50,6 +50,8 @@ from onnx_modular.passes.fusions.attention_scores import scale_and_softcap as _s
 from onnx_modular.passes.fusions.attention_scores import window_of as _window_of
 from onnx_modular.passes.fusions.projections import is_projection as _is_projection
 from onnx_modular.passes.fusions.projections import packed_projection as _packed_projection
+from onnx_modular.passes.fusions.qkv import normed_parts as _normed_parts
+from onnx_modular.passes.fusions.qkv import scaled_query as _scaled_query
 from onnx_modular.passes.fusions.rotary import caches as _caches
 from onnx_modular.passes.fusions.rotary import checked_rotary as _checked_rotary
 from onnx_modular.passes.fusions.rotary import needs_rotary_op as _needs_rotary_op
@@ -444,77 +446,6 @@ class FuseGroupQueryAttentionPass(_fusion.FusionPass):
         function.insert_before(function[0], [shape, flat])
         return flat.outputs[0]
 
-    @staticmethod
-    def _scaled_query(function: ir.Function, attention: _Attention, query: ir.Value, packed: bool) -> ir.Value:
-        """The query (``[batch, seq, heads * head]``, or the first columns of a packed ``[q | k | v]``)
-        times the body's per-position factor (``[batch, 1, seq, 1]``), before the op turns it: the same
-        number on every channel of a position commutes with the rotation."""
-        def constant(name, array):
-            node = ir.node("Constant", [], attributes={"value": ir.tensor(np.asarray(array, np.int64))}, name=name)
-            node.outputs[0].name = name
-            return node
-
-        shape = constant("gqa.query_factor_shape", [0, 0, 1])
-        turned = ir.node("Transpose", [attention.query_factor], attributes={"perm": [0, 2, 1, 3]}, name="gqa.query_factor_bshd")
-        flat = ir.node("Reshape", [turned.outputs[0], shape.outputs[0]], name="gqa.query_factor")
-        nodes = [shape, turned, flat]
-        if packed:
-            q_columns = attention.num_heads * attention.head_size
-            sizes = constant("gqa.query_columns", [q_columns, 2 * attention.kv_num_heads * attention.head_size])
-            split = ir.node("Split", [query, sizes.outputs[0]], attributes={"axis": -1}, num_outputs=2, name="gqa.query_apart")
-            scaled = ir.node("Mul", [split.outputs[0], flat.outputs[0]], name="gqa.query_scaled")
-            joined = ir.node("Concat", [scaled.outputs[0], split.outputs[1]], attributes={"axis": -1}, name="gqa.qkv_scaled")
-            for output, name in zip(split.outputs, ("gqa.query_part", "gqa.key_value_part")):
-                output.name = name
-            nodes += [sizes, split, scaled, joined]
-        else:
-            joined = ir.node("Mul", [query, flat.outputs[0]], name="gqa.query_scaled")
-            nodes.append(joined)
-        for node in nodes:
-            if node.op_type != "Split":
-                node.outputs[0].name = node.name
-        function.insert_before(attention.anchor, nodes)
-        return joined.outputs[0]
-
-    @staticmethod
-    def _normed_parts(function: ir.Function, attention: _Attention, qkv: ir.Value) -> tuple:
-        """Query, key and value ``[batch, seq, heads * head]`` from one packed projection: ``Split``, and on
-        the query and the key their norm call where the body has it (moved here, its other inputs kept):
-        on the ``[batch, seq, heads, head]`` view (``Reshape`` there and back, no transposes: Qwen3, as the
-        builder writes it) or on the part itself (a norm before the view: Olmo2)."""
-        def constant(name, values):
-            node = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(values, np.int64))}, name=name)
-            node.outputs[0].name = name
-            return node
-
-        head = attention.head_size
-        sizes = constant("gqa.qkv_sizes", [attention.num_heads * head] + [attention.kv_num_heads * head] * 2)
-        split = ir.node("Split", [qkv, sizes.outputs[0]], attributes={"axis": -1}, num_outputs=3, name="gqa.qkv_split")
-        to_heads, merge = constant("gqa.to_heads", [0, 0, -1, head]), constant("gqa.merge_heads", [0, 0, -1])
-        nodes, parts = [sizes, split, to_heads, merge], []
-        for role, part, chain in zip("qkv", split.outputs, attention.chains):
-            part.name = f"gqa.{role}_split"
-            kinds = ["call" if n.op_type != "Reshape" or n.domain not in ("", "ai.onnx") else "view" for n in chain]
-            if "call" not in kinds:
-                parts.append(part)
-                continue
-            call = chain[kinds.index("call")]
-            function.remove(call, safe=False)
-            if kinds[0] == "view":  # the norm on the heads: view, norm, merge
-                view = ir.node("Reshape", [part, to_heads.outputs[0]], name=f"gqa.{role}_heads")
-                view.outputs[0].name = view.name
-                call.replace_input_with(0, view.outputs[0])
-                merged = ir.node("Reshape", [call.outputs[0], merge.outputs[0]], name=f"gqa.{role}_normed")
-                merged.outputs[0].name = merged.name
-                nodes += [view, call, merged]
-                parts.append(merged.outputs[0])
-            else:  # the norm on the projection's output, before the view
-                call.replace_input_with(0, part)
-                nodes.append(call)
-                parts.append(call.outputs[0])
-        function.insert_before(attention.anchor, nodes)
-        return tuple(parts)
-
     def _rotated(self, model, function, attention: _Attention, qkv, cos_cache, sin_cache) -> tuple:
         """Query, key and value apart (a packed projection split into ``[q | k | v]``), the query and the
         key turned by ``RotaryEmbedding`` nodes (:func:`~onnx_modular.passes.fusions.rotary.rotary_nodes`)."""
@@ -558,7 +489,7 @@ class FuseGroupQueryAttentionPass(_fusion.FusionPass):
         elif packed and not attention.plain:  # norms between projection and heads: split, each norm on its part
             self.packed.append(function.identifier())
             function.insert_before(attention.anchor, packed)
-            query, key, value = self._normed_parts(function, attention, packed[-1].outputs[0])
+            query, key, value = _normed_parts(function, attention, packed[-1].outputs[0])
         elif packed:
             self.packed.append(function.identifier())
             function.insert_before(attention.anchor, packed)
@@ -578,7 +509,7 @@ class FuseGroupQueryAttentionPass(_fusion.FusionPass):
             function.insert_before(attention.anchor, [shape, *turned, *merged])
             query, key, value = (node.outputs[0] for node in merged)
         if attention.query_factor is not None:
-            query = self._scaled_query(function, attention, query, key is None)
+            query = _scaled_query(function, attention, query, key is None)
         if separate:
             query, key, value = self._rotated(model, function, attention, (query, key, value), cos_cache, sin_cache)
             cos_cache = sin_cache = None
