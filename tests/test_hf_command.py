@@ -20,6 +20,7 @@ import onnx_modular  # noqa: E402
 from onnx_modular.cli import main  # noqa: E402
 from onnx_modular.errors import InvalidInputError  # noqa: E402
 from onnx_modular.format import metadata  # noqa: E402
+from onnx_modular.hf import cache_axes as hf_cache_axes  # noqa: E402
 from onnx_modular.hf import checkpoint as hf_checkpoint  # noqa: E402
 from onnx_modular.hf.command import export_checkpoint  # noqa: E402
 
@@ -239,7 +240,7 @@ def test_optimum_io_names_decode_as_optimum_feeds_them(tmp_path, capsys):
                  "--io-names", "optimum", "--stream-weights"]) == 2
     assert "--stream-weights" in capsys.readouterr().err
     with pytest.raises(InvalidInputError, match="decoder"):
-        hf_checkpoint.optimum_io_names(["input.past_key_values.self_attention_cache.layers.0.keys", "logits"])
+        hf_cache_axes.optimum_io_names(["input.past_key_values.self_attention_cache.layers.0.keys", "logits"])
 
 
 def test_with_past_of_an_encoder_configured_bert_says_to_set_is_decoder(tmp_path):

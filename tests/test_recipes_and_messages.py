@@ -239,7 +239,7 @@ def test_exported_file_holds_no_absolute_path_of_this_machine(tmp_path):
 def test_generation_components_get_optimum_axis_names():
     """`--generation` goes through transformers' exporter with every axis Dim.AUTO (torch's `s44`):
     each component's axes are renamed as the single-file path names them."""
-    from onnx_modular.hf.checkpoint import generation_axis_names
+    from onnx_modular.hf.cache_axes import generation_axis_names
     from onnx_modular.passes.export.dynamic_axes import RenameDynamicAxesPass
 
     def value(name, dtype, dims):

@@ -29,14 +29,8 @@ from onnx_modular.check import verification
 from onnx_modular.check.dispatch import verify_export
 from onnx_modular.check.parity import user_tolerance
 from onnx_modular.errors import CHECKPOINT_STAGES, InvalidInputError, ParityError
-from onnx_modular.hf.checkpoint import (
-    IO_NAMINGS,
-    generation_axis_names,
-    infer_task,
-    model_and_inputs,
-    optimum_io_names,
-    resolve_task,
-)
+from onnx_modular.hf.cache_axes import IO_NAMINGS, generation_axis_names, optimum_io_names
+from onnx_modular.hf.checkpoint import infer_task, model_and_inputs, resolve_task
 from onnx_modular.hf.exporter import (
     ModularOnnxConfig,
     ModularOnnxExporter,

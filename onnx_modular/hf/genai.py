@@ -48,7 +48,8 @@ from onnx_modular.errors import InvalidInputError, MissingDependencyError, Parit
 from onnx_modular.files.genai_config import GenaiError, decoder_io, genai_config
 from onnx_modular.files.genai_pipeline import STAGE_FILE, pipeline_config
 from onnx_modular.hf import command
-from onnx_modular.hf.checkpoint import dynamic_shapes, load_checkpoint, model_and_inputs, optimum_io_names
+from onnx_modular.hf.cache_axes import dynamic_shapes, optimum_io_names
+from onnx_modular.hf.checkpoint import load_checkpoint, model_and_inputs
 from onnx_modular.hf.exporter import ModularOnnxConfig, ModularOnnxExporter, modular_result
 from onnx_modular.hf.versions import cache_argument, returned_cache
 from onnx_modular.runtime.pipeline import MANIFEST, is_split_folder, read_stages
