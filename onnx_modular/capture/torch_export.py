@@ -181,7 +181,7 @@ def refined_dynamic_shapes(error: BaseException | None, dynamic_shapes):
     hints: dict[int, Any] = {}
 
     def stand_in(leaf):
-        if isinstance(leaf, torch.export.dynamic_shapes._DimHint):
+        if type(leaf).__name__ == "_DimHint":
             dim = torch.export.Dim(f"_hint{len(hints)}")
             hints[id(dim)] = leaf
             return dim
@@ -220,9 +220,13 @@ def _decoding_axis_fixed(before, after) -> str | None:
                  if getattr(old, "__name__", None) in _DECODING_AXES and isinstance(new, int)), None)
 
 
+#: torch.export's private ``Dim`` and hint classes (read once; a release without one of them leaves it out).
+_DIM_CLASSES = tuple(c for c in (getattr(torch.export.dynamic_shapes, n, None) for n in ("_DimHint", "_Dim")) if isinstance(c, type))
+
+
 def _is_dim_leaf(value) -> bool:
     """A leaf of a ``dynamic_shapes`` tree: a ``Dim``, a hint, an int or None (not a dict of axes)."""
-    return value is None or isinstance(value, (int, torch.export.dynamic_shapes._DimHint, torch.export.dynamic_shapes._Dim))
+    return value is None or isinstance(value, (int, *_DIM_CLASSES))
 
 
 def data_dependent(error: BaseException | None) -> bool:
